@@ -1,0 +1,20 @@
+"""replicator: in-graph replication for JAX.
+
+Write ``input_fn`` and a one-replica ``step_fn``; ``Replicator`` runs the step on every device as
+one compiled program. See ``README.md``.
+"""
+
+from replicator._src.binding import replica_axis_name as replica_axis_name
+from replicator._src.collectives import all_gather as all_gather
+from replicator._src.collectives import all_reduce as all_reduce
+from replicator._src.collectives import broadcast as broadcast
+from replicator._src.collectives import num_replicas as num_replicas
+from replicator._src.collectives import reduce_scatter as reduce_scatter
+from replicator._src.collectives import replica_id as replica_id
+from replicator._src.context import Replicator as Replicator
+from replicator._src.context import current as current
+from replicator._src.errors import ReplicasDivergedError as ReplicasDivergedError
+from replicator._src.input import DistributedIterator as DistributedIterator
+from replicator._src.input import InputContext as InputContext
+
+__version__ = "0.1.0"

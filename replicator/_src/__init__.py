@@ -1,0 +1,1 @@
+"""Private implementation of replicator. Import names from `replicator`, not from here."""

@@ -1,0 +1,152 @@
+"""Placeholder collectives: written once in ``step_fn``, bound by the active lowering.
+
+Every function here takes a pytree and means "over all replicas of this program". What that
+becomes is decided when ``step_fn`` is traced, by the innermost `Binding`:
+
+* outside any replicator, or under ``lowering="local"``: one replica. ``all_reduce`` and
+  ``broadcast`` return their input, ``all_gather`` adds an axis of size 1, ``replica_id()`` is 0
+  and ``num_replicas()`` is 1. Code runs eagerly, so ``print`` and ``pdb`` work.
+* ``lowering="pmap"`` and ``lowering="shard_map"``: the ``jax.lax`` collective over the replica
+  (data) axes. Pipeline (``stage``) and ``model`` axes are never reduced over.
+
+>>> import jax.numpy as jnp, replicator as rp
+>>> rp.all_reduce({"loss": jnp.float32(2.0)}, "mean")      # one replica: unchanged
+{'loss': Array(2., dtype=float32)}
+>>> rp.all_gather(jnp.ones(3)).shape                       # stacked over 1 replica
+(1, 3)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from replicator._src.binding import current_binding
+from replicator._src.typing import PyTree
+
+_REDUCTIONS = {"sum": lax.psum, "mean": lax.pmean, "max": lax.pmax, "min": lax.pmin}
+
+
+def all_reduce(x: PyTree, op: str) -> PyTree:
+    """Reduces every leaf of ``x`` over all replicas; every replica gets the result.
+
+    Args:
+      x: a pytree of arrays.
+      op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``.
+
+    Returns:
+      A pytree like ``x``. Equivalent to ``op([x on replica r for r in range(num_replicas())])``.
+
+    Raises:
+      ValueError: if ``op`` is not one of the four names.
+    """
+    if op not in _REDUCTIONS:
+        raise ValueError(
+            f"rp.all_reduce: op={op!r} is not a reduction; use one of "
+            f"{', '.join(map(repr, _REDUCTIONS))} (e.g. rp.all_reduce(loss, 'mean'))."
+        )
+    binding = current_binding()
+    if binding.is_local:
+        return x
+    reduce = _REDUCTIONS[op]
+    return jax.tree.map(lambda v: reduce(v, binding.axes), x)
+
+
+def all_gather(x: PyTree, *, axis: int = 0, tiled: bool = False) -> PyTree:
+    """Gathers every leaf of ``x`` from all replicas, in replica order.
+
+    Args:
+      x: a pytree of arrays.
+      axis: where the replica axis goes (``tiled=False``), or which axis is concatenated
+        (``tiled=True``).
+      tiled: if False, stack along a new axis of size ``num_replicas()``; if True, concatenate
+        along ``axis``.
+
+    Returns:
+      Equivalent to ``jnp.stack([x on replica r ...], axis)`` (or ``jnp.concatenate`` if tiled).
+    """
+    binding = current_binding()
+    if binding.is_local:
+        return jax.tree.map(lambda v: v if tiled else jnp.expand_dims(v, axis), x)
+    return jax.tree.map(
+        lambda v: lax.all_gather(v, binding.axes, axis=axis, tiled=tiled), x
+    )
+
+
+def reduce_scatter(x: PyTree, *, axis: int = 0, op: str = "sum") -> PyTree:
+    """Reduces over replicas, then keeps this replica's slice of ``axis`` (tiled).
+
+    Replica ``r`` gets block ``r`` of the reduced leaf, cut into ``num_replicas()`` equal blocks
+    along ``axis``. Together with ``all_gather(tiled=True)`` it makes an all-reduce.
+
+    Args:
+      x: a pytree of arrays whose ``axis`` divides by ``num_replicas()``.
+      axis: the axis to split.
+      op: ``"sum"`` or ``"mean"``.
+
+    Returns:
+      Equivalent to ``jnp.split(all_reduce(x, op), num_replicas(), axis)[replica_id()]``.
+
+    Raises:
+      ValueError: if ``op`` is not "sum" or "mean", or a leaf's ``axis`` does not divide.
+    """
+    if op not in ("sum", "mean"):
+        raise ValueError(f"rp.reduce_scatter: op={op!r}; use 'sum' or 'mean'.")
+    binding = current_binding()
+    n = binding.num_replicas
+
+    def scatter(path, v):
+        if v.ndim == 0 or v.shape[axis] % n:
+            raise ValueError(
+                f"rp.reduce_scatter: leaf {jax.tree_util.keystr(path) or 'x'} of shape "
+                f"{v.shape} cannot be split over {n} replicas along axis {axis}; pad that axis "
+                f"to a multiple of {n}."
+            )
+        if binding.is_local:
+            return v
+        out = lax.psum_scatter(v, binding.axes, scatter_dimension=axis, tiled=True)
+        return out / n if op == "mean" else out
+
+    return jax.tree_util.tree_map_with_path(scatter, x)
+
+
+def broadcast(x: PyTree, *, source: int = 0) -> PyTree:
+    """Every replica gets replica ``source``'s value of ``x``.
+
+    Equivalent to ``[x on replica source] * num_replicas()``.
+
+    Raises:
+      ValueError: if ``source`` is not a replica index.
+    """
+    binding = current_binding()
+    n = binding.num_replicas
+    if not isinstance(source, int) or not 0 <= source < n:
+        raise ValueError(
+            f"rp.broadcast: source={source!r} is not a replica index; use an int in [0, {n})."
+        )
+    if binding.is_local:
+        return x
+    me = lax.axis_index(binding.axes)
+
+    def pick(v):
+        v = jnp.asarray(v)
+        as_int = v.dtype == jnp.bool_
+        w = v.astype(jnp.int32) if as_int else v
+        out = lax.psum(jnp.where(me == source, w, jnp.zeros_like(w)), binding.axes)
+        return out.astype(v.dtype) if as_int else out
+
+    return jax.tree.map(pick, x)
+
+
+def replica_id() -> jax.Array:
+    """This replica's index in ``[0, num_replicas())``, as an int32 scalar (0 when local)."""
+    binding = current_binding()
+    if binding.is_local:
+        return jnp.zeros((), jnp.int32)
+    return lax.axis_index(binding.axes)
+
+
+def num_replicas() -> int:
+    """The number of replicas running this program, as a Python int (1 when local)."""
+    return current_binding().num_replicas

@@ -1,0 +1,313 @@
+"""``Replicator``: the mesh, the lowering, and the entry points a user calls."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+
+import jax
+import numpy as np
+import optax
+from jax.experimental.multihost_utils import broadcast_one_to_all
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from replicator._src import errors
+from replicator._src import lowering as lowering_lib
+from replicator._src import input as input_lib
+from replicator._src import mesh as mesh_lib
+from replicator._src import optim
+from replicator._src.typing import PyTree, StepFn
+
+
+class Replicator:
+    """Runs a one-replica ``step_fn`` on every device of a mesh, as one compiled program.
+
+    Args:
+      mesh_shape: mesh axis sizes, such as ``{"data": -1}`` (every device a replica) or
+        ``{"data": 2, "stage": 4}``. Known axes: ``dcn_data``, ``data``, ``stage``, ``model``;
+        one size may be -1 to fill the remaining devices. Replicas are laid out over the data
+        axes (``data`` and ``dcn_data``).
+      lowering: ``"shard_map"`` (default): ``jax.jit(jax.shard_map(...))`` over the whole mesh;
+        ``"pmap"``: ``jax.pmap`` over the replicas (data axes only); ``"local"``: one replica on
+        one device, ``step_fn`` run eagerly on the whole batch, for debugging.
+      devices: the devices to use; default ``jax.devices()`` (the first one for ``"local"``).
+      check_replicas: after each step, compare every replicated state leaf across replicas and
+        raise `ReplicasDivergedError` naming the first that differs. It costs a host sync per
+        step: a debugging aid.
+      donate: donate the state's buffers to the step (default), so that the new state reuses
+        their memory. The state passed to ``run`` is then deleted: use the returned one.
+
+    Example:
+
+    >>> import jax, jax.numpy as jnp, replicator as rp
+    >>> repl = rp.Replicator(mesh_shape={"data": -1}, devices=jax.devices()[:2])
+    >>> repl.num_replicas
+    2
+    >>> def step_fn(state, x):
+    ...     return state + rp.all_reduce(x.sum(), "sum"), {"local": x.sum()}
+    >>> state, out = repl.run(step_fn, repl.replicate(jnp.float32(0)), jnp.arange(4.0))
+    >>> state, out["local"]
+    (Array(6., dtype=float32), Array([1., 5.], dtype=float32))
+    """
+
+    def __init__(
+        self,
+        mesh_shape: Mapping[str, int] | None = None,
+        *,
+        lowering: str = "shard_map",
+        devices: Sequence[jax.Device] | None = None,
+        check_replicas: bool = False,
+        donate: bool = True,
+    ) -> None:
+        if lowering not in lowering_lib.LOWERINGS:
+            raise ValueError(
+                f"Replicator: lowering={lowering!r} is not one of "
+                f"{', '.join(map(repr, lowering_lib.LOWERINGS))}."
+            )
+        mesh_shape = {"data": -1} if mesh_shape is None else mesh_shape
+        if lowering == "local":
+            devices = list(jax.devices()[:1] if devices is None else devices)
+        self._mesh = mesh_lib.build_mesh(mesh_shape, devices=devices)
+        if not mesh_lib.replica_axes(self._mesh):
+            raise ValueError(
+                f"Replicator: mesh_shape={dict(mesh_shape)} has no data axis; add "
+                f'"data": 1 (no data parallelism) or "data": -1.'
+            )
+        if lowering == "local" and self._mesh.devices.size != 1:
+            raise ValueError(
+                f"Replicator(lowering='local') runs one replica on one device, but "
+                f"mesh_shape={dict(mesh_shape)} uses {self._mesh.devices.size}; pass "
+                f"devices=jax.devices()[:1] or use lowering='shard_map'."
+            )
+        if lowering == "pmap":
+            lowering_lib.check_pmap_mesh(self._mesh)
+        self._lowering = lowering
+        self._check_replicas = check_replicas
+        self._donate = donate
+        self._cache: dict = {}
+
+    # -- facts --------------------------------------------------------------------------------
+
+    @property
+    def mesh(self) -> Mesh:
+        """The device mesh, with named axes."""
+        return self._mesh
+
+    @property
+    def lowering(self) -> str:
+        return self._lowering
+
+    @property
+    def num_replicas(self) -> int:
+        """The number of replicas: the product of the data axes' sizes."""
+        return mesh_lib.num_replicas(self._mesh)
+
+    @property
+    def replica_axes(self) -> tuple[str, ...]:
+        """The mesh axes replicas are laid out over; collectives reduce over these."""
+        return mesh_lib.replica_axes(self._mesh)
+
+    def __repr__(self) -> str:
+        return (
+            f"Replicator(mesh_shape={dict(self._mesh.shape)}, lowering={self._lowering!r}, "
+            f"num_replicas={self.num_replicas})"
+        )
+
+    @contextlib.contextmanager
+    def context(self) -> Iterator[Replicator]:
+        """Makes this the replicator that ``rp.current()`` returns, within the block.
+
+        Entering the context does not change what the collectives mean: they are bound only
+        while ``run`` traces ``step_fn``.
+        """
+        _CURRENT.items.append(self)
+        try:
+            yield self
+        finally:
+            _CURRENT.items.pop()
+
+    # -- state and optimizer ------------------------------------------------------------------
+
+    def replicate(self, tree: PyTree) -> PyTree:
+        """Places a copy of every leaf of ``tree`` on every device of the mesh.
+
+        Leaves become global ``jax.Array``s with ``NamedSharding(mesh, P())``. With several
+        processes, process 0's values are broadcast first, so every process starts from the
+        same state even if each initialised it with a different seed.
+        """
+        sharding = NamedSharding(self._mesh, PartitionSpec())
+        if jax.process_count() > 1:
+            tree = broadcast_one_to_all(tree)
+            return jax.tree.map(
+                lambda x: jax.make_array_from_callback(
+                    np.shape(x), sharding, lambda index, x=np.asarray(x): x[index]
+                ),
+                tree,
+            )
+        return jax.device_put(tree, sharding)
+
+    def wrap_optimizer(self, tx: optax.GradientTransformation, /):
+        """An optax transformation that takes the cross-replica mean of the gradients, then ``tx``.
+
+        Use it inside ``step_fn`` like any optax optimizer (for example through Flax's
+        ``TrainState.apply_gradients``). See `replicator._src.optim.wrap_optimizer`.
+        """
+        return optim.wrap_optimizer(tx)
+
+    # -- input ------------------------------------------------------------------------------
+
+    def input_context(self) -> input_lib.InputContext:
+        """The `InputContext` that ``distribute`` passes to ``input_fn`` in this process."""
+        return input_lib.make_input_context(self.num_replicas)
+
+    def distribute(
+        self,
+        input_fn: Callable[[input_lib.InputContext], Iterable[PyTree]],
+        /,
+        *,
+        prefetch: int = 2,
+    ) -> input_lib.DistributedIterator:
+        """Iterates ``input_fn(ctx)``'s batches as global arrays split over the replicas.
+
+        ``input_fn`` runs once per process and yields that process's part of each global batch:
+        a pytree of arrays whose first axis is the batch. Each batch is checked (its first axis
+        must divide by this process's replica count; structure, shapes and dtypes must not change
+        between batches) and becomes a ``jax.Array`` whose first axis is split over the data
+        axes, ready for ``run``.
+
+        Args:
+          input_fn: ``input_fn(ctx: InputContext) -> iterable of batches``.
+          prefetch: how many batches to prepare ahead in a background thread (0: none).
+
+        Raises:
+          TypeError, ValueError: from ``next()``, naming the batch and the leaf path.
+        """
+        if not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"Replicator.distribute: prefetch must be an int >= 0; got {prefetch!r}.")
+        source = input_lib.call_input_fn(input_fn, self.input_context())
+        return input_lib.DistributedIterator(
+            source,
+            sharding=mesh_lib.batch_sharding(self._mesh),
+            num_local_replicas=mesh_lib.num_local_replicas(self._mesh),
+            prefetch=prefetch,
+        )
+
+    # -- running ----------------------------------------------------------------------------
+
+    def run(self, step_fn: StepFn, state: PyTree, *args: PyTree) -> tuple[PyTree, PyTree]:
+        """Runs ``step_fn(state, *args)`` on every replica; returns ``(state, outputs)``.
+
+        ``step_fn`` is written for one replica: it sees each state leaf as laid out on its
+        device (the whole leaf when replicated) and its own slice of each batch. Its gradients
+        are local, as on one device; reduce them with ``wrap_optimizer`` or ``rp.all_reduce``.
+
+        Placement of the inputs:
+
+        * state: leaves keep their sharding on this mesh (``replicate`` gives ``P()``); other
+          arrays are replicated. The new state has the same sharding.
+        * args: ``jax.Array``s already on this mesh keep their layout (a batch from
+          ``distribute`` is split over replicas, a ``replicate``-d value is seen whole); any
+          other array is a global batch, split along its first axis; scalars are seen whole.
+
+        The program is compiled once per placement and shapes of the inputs, and cached.
+
+        Returns:
+          ``(state, outputs)``: every leaf of ``outputs`` stacked along a new leading axis of
+          size ``num_replicas``, one row per replica. Rows of a reduced output are equal.
+
+        Raises:
+          TypeError, ValueError: if ``step_fn`` does not return ``(state, outputs)`` with the
+            state's structure, shapes and dtypes, or an argument does not split over replicas.
+          ReplicasDivergedError: with ``check_replicas=True``, if a replicated leaf diverged.
+        """
+        state_leaves, state_def = jax.tree.flatten(state)
+        arg_leaves, args_def = jax.tree.flatten(args)
+        state_specs = tuple(self._spec(x) or PartitionSpec() for x in state_leaves)
+        arg_specs = tuple(self._arg_spec(x, i, args) for i, x in enumerate(arg_leaves))
+        key = (step_fn, state_def, args_def, state_specs, arg_specs)
+        program = self._cache.get(key)
+        if program is None:
+            program = lowering_lib.build(
+                self._lowering,
+                step_fn,
+                mesh=self._mesh,
+                state_def=state_def,
+                args_def=args_def,
+                state_specs=state_specs,
+                arg_specs=arg_specs,
+                donate=self._donate,
+                check_replicas=self._check_replicas and self.num_replicas > 1,
+            )
+            self._cache[key] = program
+        new_leaves, outputs, divergence = program(state_leaves, arg_leaves)
+        new_state = jax.tree.unflatten(state_def, new_leaves)
+        if divergence is not None:
+            self._raise_if_diverged(step_fn, new_state, outputs, state_specs, divergence)
+        return new_state, outputs
+
+    def _spec(self, x) -> PartitionSpec | None:
+        sharding = getattr(x, "sharding", None)
+        if isinstance(sharding, NamedSharding) and sharding.mesh == self._mesh:
+            return sharding.spec
+        return None
+
+    def _arg_spec(self, x, index: int, args) -> PartitionSpec:
+        spec = self._spec(x)
+        if spec is not None:
+            return spec
+        if np.ndim(x) == 0:
+            return PartitionSpec()
+        n = self.num_replicas
+        if np.shape(x)[0] % n:
+            path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(args)[0][index][0])
+            raise ValueError(
+                f"Replicator.run: argument leaf args{path} of shape {np.shape(x)} is taken as a "
+                f"global batch, but its first axis ({np.shape(x)[0]}) does not split over "
+                f"{n} replicas. Use a multiple of {n}, or pass values every replica should see "
+                f"whole through repl.replicate(...)."
+            )
+        return mesh_lib.batch_spec(self._mesh)
+
+    def _raise_if_diverged(self, step_fn, state, outputs, state_specs, divergence) -> None:
+        flags, spreads = (np.asarray(a) for a in divergence)
+        if not flags.any():
+            return
+        checked = [
+            path
+            for (path, _), spec in zip(
+                jax.tree_util.tree_flatten_with_path(state)[0], state_specs, strict=True
+            )
+            if not mesh_lib.spec_uses_replica_axes(spec, self._mesh)
+        ]
+        first = int(np.argmax(flags))
+        path = jax.tree_util.keystr(checked[first]) or "(the state)"
+        raise errors.ReplicasDivergedError(
+            errors.DIVERGED.format(
+                step=lowering_lib.step_name(step_fn),
+                path=path,
+                spread=f"{spreads[first]:.3g}",
+                count=int(flags.sum()),
+            ),
+            path=path,
+            state=state,
+            outputs=outputs,
+        )
+
+
+class _Current(threading.local):
+    def __init__(self) -> None:
+        self.items: list[Replicator] = []
+
+
+_CURRENT = _Current()
+
+
+def current() -> Replicator | None:
+    """The innermost ``Replicator`` whose ``context()`` is entered in this thread, or None.
+
+    >>> import replicator as rp
+    >>> rp.current() is None
+    True
+    """
+    return _CURRENT.items[-1] if _CURRENT.items else None

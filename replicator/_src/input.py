@@ -1,0 +1,207 @@
+"""The input pipeline: ``InputContext``, per-process batches to global arrays, prefetching."""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from replicator._src.typing import PyTree
+
+
+@dataclasses.dataclass(frozen=True)
+class InputContext:
+    """What ``input_fn`` needs to know to produce this process's part of each global batch.
+
+    Attributes:
+      num_input_pipelines: how many processes run ``input_fn`` (one per process).
+      input_pipeline_id: this process's index in ``[0, num_input_pipelines)``; use it to pick
+        this process's shard of the data.
+      num_replicas_in_sync: the number of replicas over all processes.
+
+    >>> ctx = InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=8)
+    >>> ctx.per_replica_batch_size(256)
+    32
+    """
+
+    num_input_pipelines: int = 1
+    input_pipeline_id: int = 0
+    num_replicas_in_sync: int = 1
+
+    def per_replica_batch_size(self, global_batch_size: int) -> int:
+        """The batch each replica sees, given the global batch size.
+
+        Raises:
+          ValueError: if ``global_batch_size`` does not divide by ``num_replicas_in_sync``.
+        """
+        n = self.num_replicas_in_sync
+        if global_batch_size % n:
+            raise ValueError(
+                f"InputContext.per_replica_batch_size: global batch of {global_batch_size} "
+                f"examples does not split over {n} replicas; use a multiple of {n} (e.g. "
+                f"{n * max(1, -(-global_batch_size // n))})."
+            )
+        return global_batch_size // n
+
+    def per_pipeline_batch_size(self, global_batch_size: int) -> int:
+        """The part of the global batch this process's ``input_fn`` yields."""
+        return self.per_replica_batch_size(global_batch_size) * (
+            self.num_replicas_in_sync // self.num_input_pipelines
+        )
+
+
+class _End:
+    """Queued after the last batch."""
+
+
+@dataclasses.dataclass
+class _Failure:
+    error: BaseException
+
+
+class DistributedIterator(Iterator[PyTree]):
+    """Iterates ``input_fn``'s batches as global ``jax.Array``s split over the replicas.
+
+    Made by ``Replicator.distribute``. With ``prefetch > 0`` a background thread pulls from
+    ``input_fn``, checks each batch and starts its host-to-device copy, keeping up to
+    ``prefetch`` batches ready, so input work overlaps the running step. Errors raised by
+    ``input_fn`` or by the checks are re-raised from ``next()`` in the caller's thread.
+    """
+
+    def __init__(
+        self,
+        source: Iterable[PyTree],
+        *,
+        sharding: NamedSharding,
+        num_local_replicas: int,
+        prefetch: int,
+    ) -> None:
+        self._source = iter(source)
+        self._sharding = sharding
+        self._num_local = num_local_replicas
+        self._first: list[tuple[Any, tuple]] | None = None
+        self._first_def = None
+        self._count = 0
+        self._closed = threading.Event()
+        self._queue: queue.Queue | None = None
+        if prefetch:
+            self._queue = queue.Queue(maxsize=prefetch)
+            self._thread = threading.Thread(target=self._fill, daemon=True, name="rp-prefetch")
+            self._thread.start()
+
+    def __iter__(self) -> DistributedIterator:
+        return self
+
+    def __next__(self) -> PyTree:
+        if self._queue is None:
+            return self._place(next(self._source))
+        item = self._queue.get()
+        if isinstance(item, _End):
+            self._queue.put(item)  # later next() calls end too
+            raise StopIteration
+        if isinstance(item, _Failure):
+            self._queue.put(_End())
+            raise item.error
+        return item
+
+    def close(self) -> None:
+        """Stops the prefetch thread; batches it had prefetched are dropped."""
+        self._closed.set()
+
+    def __del__(self) -> None:
+        self._closed.set()
+
+    def _fill(self) -> None:
+        try:
+            for batch in self._source:
+                if not self._put(self._place(batch)):
+                    return
+            self._put(_End())
+        except BaseException as e:  # handed to the consumer, raised from next()
+            self._put(_Failure(e))
+
+    def _put(self, item) -> bool:
+        while not self._closed.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _place(self, batch: PyTree) -> PyTree:
+        """Checks one process-local batch and makes it a global array split over replicas."""
+        index = self._count
+        self._count += 1
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(batch)
+        arrays = []
+        for path, leaf in leaves:
+            name = jax.tree_util.keystr(path) or "(the batch)"
+            if not isinstance(leaf, np.ndarray | jax.Array | np.generic):
+                raise TypeError(
+                    f"Replicator.distribute: batch {index}, leaf {name} is a "
+                    f"{type(leaf).__name__}, not an array. input_fn must yield a pytree of NumPy "
+                    f"or JAX arrays whose first axis is the batch; convert lists with np.asarray "
+                    f"and keep strings and other metadata out of the batch."
+                )
+            if np.ndim(leaf) == 0 or np.shape(leaf)[0] % self._num_local:
+                b = np.shape(leaf)[0] if np.ndim(leaf) else "no"
+                n = self._num_local
+                raise ValueError(
+                    f"Replicator.distribute: batch {index}, leaf {name} of shape "
+                    f"{np.shape(leaf)} has {b} examples on its first axis, which does not split "
+                    f"over the {n} replicas of this process. Yield a multiple of {n} examples "
+                    f"(compute it with ctx.per_replica_batch_size(global_batch)), and drop or "
+                    f"pad a last partial batch."
+                )
+            arrays.append(np.asarray(leaf))
+        signature = [(path, (a.shape, a.dtype)) for (path, _), a in zip(leaves, arrays)]
+        if self._first is None:
+            self._first, self._first_def = signature, treedef
+        else:
+            self._check_same(index, signature, treedef)
+        return jax.tree.unflatten(
+            treedef,
+            [jax.make_array_from_process_local_data(self._sharding, a) for a in arrays],
+        )
+
+    def _check_same(self, index, signature, treedef) -> None:
+        if treedef != self._first_def:
+            raise ValueError(
+                f"Replicator.distribute: batch {index} has structure {treedef}, but batch 0 had "
+                f"{self._first_def}. Every batch must have the same structure (the same keys), "
+                f"since each new structure compiles step_fn again."
+            )
+        for (path, (shape, dtype)), (_, (shape0, dtype0)) in zip(signature, self._first):
+            if shape != shape0 or dtype != dtype0:
+                raise ValueError(
+                    f"Replicator.distribute: batch {index}, leaf {jax.tree_util.keystr(path)} is "
+                    f"{dtype}{list(shape)}, but batch 0 had {dtype0}{list(shape0)}. Every batch "
+                    f"must keep its shapes and dtypes (each new shape compiles step_fn again): "
+                    f"drop or pad a last partial batch."
+                )
+
+
+def make_input_context(num_replicas: int) -> InputContext:
+    """The context of this process: one input pipeline per process."""
+    return InputContext(
+        num_input_pipelines=jax.process_count(),
+        input_pipeline_id=jax.process_index(),
+        num_replicas_in_sync=num_replicas,
+    )
+
+
+def call_input_fn(input_fn: Callable[[InputContext], Iterable[PyTree]], ctx: InputContext):
+    source = input_fn(ctx)
+    if not isinstance(source, Iterable):
+        raise TypeError(
+            f"Replicator.distribute: input_fn must return an iterable of batches (e.g. be a "
+            f"generator that yields them); it returned a {type(source).__name__}."
+        )
+    return source

@@ -1,0 +1,221 @@
+"""Lowerings: turn a one-replica ``step_fn`` into a program over the mesh.
+
+Three lowerings share one per-replica body (`_per_replica`): it binds the placeholder
+collectives, calls ``step_fn``, checks what it returned and stacks the outputs. They differ only
+in how that body is mapped over the devices:
+
+* ``local``: called eagerly, once, on the whole batch; collectives are identities.
+* ``shard_map``: ``jax.jit(jax.shard_map(body, check_vma=False))`` over the whole mesh.
+* ``pmap``: ``jax.jit`` around ``jax.pmap(body)`` over the replica devices.
+
+``check_vma=False`` gives per-replica gradient semantics: ``jax.grad`` inside ``step_fn`` with
+respect to a replicated parameter is the *local* gradient, exactly as on one device (with
+``check_vma=True`` it would silently be summed over replicas, and a later ``pmean`` would be a
+no-op). Reductions happen only where ``step_fn`` (or ``wrap_optimizer``) asks for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from replicator._src import errors
+from replicator._src import mesh as mesh_lib
+from replicator._src.binding import LOCAL, Binding, bind
+from replicator._src.typing import PyTree
+
+LOWERINGS = ("shard_map", "pmap", "local")
+
+# A compiled step takes (state_leaves, arg_leaves) and returns
+# (new_state_leaves, stacked_outputs, divergence) where divergence is None or (flags, spreads).
+Program = Callable[[list, list], tuple[list, PyTree, Any]]
+
+
+def build(
+    lowering: str,
+    step_fn: Callable,
+    *,
+    mesh: Mesh,
+    state_def: Any,
+    args_def: Any,
+    state_specs: Sequence[PartitionSpec],
+    arg_specs: Sequence[PartitionSpec],
+    donate: bool,
+    check_replicas: bool,
+) -> Program:
+    """Builds the program for one placement of the inputs (a cache entry of ``Replicator.run``)."""
+    axes = mesh_lib.replica_axes(mesh)
+    check = [check_replicas and not mesh_lib.spec_uses_replica_axes(s, mesh) for s in state_specs]
+    if lowering == "local":
+        body = _per_replica(step_fn, LOCAL, state_def, args_def, [False] * len(state_specs))
+        return body
+    if lowering == "shard_map":
+        binding = Binding("shard_map", axes, mesh_lib.num_replicas(mesh), tuple(mesh.shape.items()))
+        body = _per_replica(step_fn, binding, state_def, args_def, check)
+        mapped = jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(list(state_specs), list(arg_specs)),
+            out_specs=(list(state_specs), mesh_lib.batch_spec(mesh), PartitionSpec()),
+            check_vma=False,
+        )
+        return jax.jit(mapped, donate_argnums=(0,) if donate else ())
+    if lowering == "pmap":
+        return _build_pmap(step_fn, mesh, state_def, args_def, state_specs, arg_specs, donate, check)
+    raise ValueError(f"unknown lowering {lowering!r}")  # validated by Replicator
+
+
+def _per_replica(step_fn, binding: Binding, state_def, args_def, check: Sequence[bool]):
+    """The body every lowering maps: one replica's step on flat leaves.
+
+    Outputs get a leading axis of size 1 that the mapping concatenates into the replica axis
+    (pmap, which stacks by itself, drops it again).
+    """
+
+    def body(state_leaves, arg_leaves):
+        state = jax.tree.unflatten(state_def, state_leaves)
+        args = jax.tree.unflatten(args_def, arg_leaves)
+        with bind(binding):
+            result = step_fn(state, *args)
+        new_state, outputs = _check_result(step_fn, result, state)
+        outputs = jax.tree.map(lambda v: jnp.asarray(v)[None], outputs)
+        new_leaves = jax.tree.leaves(new_state)
+        divergence = _divergence(new_leaves, check, binding.axes) if any(check) else None
+        return new_leaves, outputs, divergence
+
+    return body
+
+
+def _check_result(step_fn, result, state):
+    if not (isinstance(result, tuple | list) and len(result) == 2):
+        got = f"a {type(result).__name__}"
+        if isinstance(result, tuple | list):
+            got += f" of length {len(result)}"
+        raise TypeError(errors.STEP_RESULT.format(got=got))
+    new_state, outputs = result
+    old = jax.tree_util.tree_flatten_with_path(state)[0]
+    new, new_def = jax.tree_util.tree_flatten_with_path(new_state)
+    if new_def != jax.tree.structure(state):
+        raise ValueError(
+            f"Replicator.run: {step_name(step_fn)} returned a state whose structure differs from "
+            f"the state it was given.\n  given:    {jax.tree.structure(state)}\n  returned: "
+            f"{new_def}\nReturn the same kind of state (e.g. state.replace(...) or "
+            f"state.apply_gradients(...)), with the same leaves."
+        )
+    for (path, a), (_, b) in zip(old, new, strict=True):
+        if jnp.shape(a) != jnp.shape(b) or jnp.result_type(a) != jnp.result_type(b):
+            raise ValueError(
+                f"Replicator.run: {step_name(step_fn)} changed state leaf "
+                f"{jax.tree_util.keystr(path)} from {jnp.result_type(a)}{list(jnp.shape(a))} to "
+                f"{jnp.result_type(b)}{list(jnp.shape(b))}. The state must keep its shapes and "
+                f"dtypes from step to step; cast back (e.g. .astype({jnp.result_type(a)}))."
+            )
+    for path, leaf in jax.tree_util.tree_flatten_with_path(outputs)[0]:
+        if not isinstance(leaf, jax.Array | np.ndarray | np.generic | int | float | complex):
+            raise TypeError(
+                f"Replicator.run: output {jax.tree_util.keystr(path) or '(the outputs)'} of "
+                f"{step_name(step_fn)} is a {type(leaf).__name__}, not an array or number. "
+                f"Outputs come back stacked over replicas, so they must be arrays; return "
+                f"strings and other Python objects outside step_fn.\n\n"
+                + errors.STEP_RESULT.format(got=f"outputs containing a {type(leaf).__name__}")
+            )
+    return new_state, outputs
+
+
+def step_name(fn) -> str:
+    return f"step_fn {getattr(fn, '__qualname__', fn)!s}"
+
+
+def _divergence(leaves, check, axes):
+    """Per checked leaf: whether its bits differ across replicas, and the spread of its values."""
+    flags, spreads = [], []
+    for leaf, checked in zip(leaves, check, strict=True):
+        if not checked:
+            continue
+        leaf = jnp.asarray(leaf)
+        bits = _as_bits(leaf)
+        flags.append(jnp.any(lax.pmax(bits, axes) != lax.pmin(bits, axes)))
+        if jnp.issubdtype(leaf.dtype, jnp.inexact):
+            spread = jnp.max(jnp.abs(lax.pmax(leaf, axes) - lax.pmin(leaf, axes)), initial=0)
+            spreads.append(spread.astype(jnp.float32))
+        else:
+            spreads.append(jnp.zeros((), jnp.float32))
+    return jnp.stack(flags), jnp.stack(spreads)
+
+
+def _as_bits(x: jax.Array) -> jax.Array:
+    """The array reinterpreted as integers, so that NaNs compare equal to themselves."""
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.int32)
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        x = jnp.stack([x.real, x.imag])
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return lax.bitcast_convert_type(x, jnp.dtype(f"int{x.dtype.itemsize * 8}"))
+    return x
+
+
+def _build_pmap(step_fn, mesh, state_def, args_def, state_specs, arg_specs, donate, check):
+    """``jax.jit(jax.pmap(body))``: leaves split over replicas get a leading replica axis."""
+    n = mesh_lib.num_replicas(mesh)
+    state_axes = [_pmap_axis(s, mesh, "state") for s in state_specs]
+    arg_axes = [_pmap_axis(s, mesh, "argument") for s in arg_specs]
+    binding = Binding("pmap", ("data",), n, (("data", n),))
+    body = _per_replica(step_fn, binding, state_def, args_def, check)
+    mapped = jax.pmap(
+        lambda s, a: _unstack_outputs(*body(s, a)),
+        axis_name="data",
+        in_axes=(state_axes, arg_axes),
+        out_axes=(state_axes, 0, None),
+        devices=list(mesh.devices.flat),
+    )
+
+    def split(leaves, leaf_axes):
+        return [x if a is None else x.reshape((n, -1, *x.shape[1:])) for x, a in zip(leaves, leaf_axes)]
+
+    def program(state_leaves, arg_leaves):
+        new, outputs, divergence = mapped(split(state_leaves, state_axes), split(arg_leaves, arg_axes))
+        return [x if a is None else x.reshape((-1, *x.shape[2:])) for x, a in zip(new, state_axes)], outputs, divergence
+
+    out_shardings = (
+        [NamedSharding(mesh, s) for s in state_specs],
+        mesh_lib.batch_sharding(mesh),
+        NamedSharding(mesh, PartitionSpec()),
+    )
+    return jax.jit(program, donate_argnums=(0,) if donate else (), out_shardings=out_shardings)
+
+
+def _unstack_outputs(state_leaves, outputs, divergence):
+    return state_leaves, jax.tree.map(lambda v: v[0], outputs), divergence
+
+
+def _pmap_axis(spec: PartitionSpec, mesh: Mesh, what: str) -> int | None:
+    entries = [e for e in spec]
+    while entries and entries[-1] is None:
+        entries.pop()
+    if not entries:
+        return None
+    first = entries[0] if isinstance(entries[0], tuple) else (entries[0],)
+    if len(entries) == 1 and set(first) == set(mesh_lib.replica_axes(mesh)):
+        return 0
+    raise ValueError(
+        f"Replicator(lowering='pmap'): a {what} leaf has sharding {spec}; pmap maps only leaves "
+        f"that are replicated or split along their first axis over the replicas. Use "
+        f"lowering='shard_map' (the default), which takes any sharding."
+    )
+
+
+def check_pmap_mesh(mesh: Mesh) -> None:
+    """pmap has one axis: every non-replica axis of the mesh must have size 1."""
+    others = {k: v for k, v in mesh.shape.items() if k not in mesh_lib.DATA_AXES and v > 1}
+    if others:
+        raise ValueError(
+            f"Replicator(lowering='pmap'): pmap maps over replicas only, but mesh_shape has "
+            f"{others}. Use lowering='shard_map' (the default) for meshes with stage or model "
+            f"axes."
+        )

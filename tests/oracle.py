@@ -1,0 +1,110 @@
+"""Helpers shared by the oracle tests: random data, models, and relative comparison."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from flax.training import train_state
+
+import replicator as rp
+from replicator.models import MLP
+
+GLOBAL_BATCH = 64
+STEPS = 10
+OPTIMIZERS = {"sgd": lambda: optax.sgd(0.1), "adam": lambda: optax.adam(1e-2)}
+
+
+def batches(n=STEPS, batch=GLOBAL_BATCH, seed=0, din=16, dout=4):
+    """Random non-zero regression batches: y = tanh(x @ w) + noise."""
+    rng = np.random.default_rng(seed)
+    w = rng.normal(size=(din, dout)).astype(np.float32)
+    out = []
+    for _ in range(n):
+        x = rng.normal(size=(batch, din)).astype(np.float32)
+        y = np.tanh(x @ w) + 0.1 * rng.normal(size=(batch, dout)).astype(np.float32)
+        out.append({"x": x, "y": y.astype(np.float32)})
+    return out
+
+
+def rel_err(a, b) -> float:
+    """The largest per-leaf ``max|a - b| / max|b|`` over two pytrees of the same structure."""
+    errs = jax.tree.map(
+        lambda x, y: float(np.max(np.abs(np.asarray(x) - np.asarray(y))) / (np.max(np.abs(np.asarray(y))) + 1e-30)),
+        a,
+        b,
+    )
+    return max(jax.tree.leaves(errs))
+
+
+# -- a plain-JAX MLP in a Flax TrainState ------------------------------------------------------
+
+
+def mlp_params(seed=1, sizes=(16, 32, 4)):
+    keys = jax.random.split(jax.random.key(seed), len(sizes) - 1)
+    return [
+        {"w": jax.random.normal(k, (a, b)) / np.sqrt(a), "b": jnp.full((b,), 0.1)}
+        for k, a, b in zip(keys, sizes[:-1], sizes[1:])
+    ]
+
+
+def mlp_apply(params, x):
+    for layer in params[:-1]:
+        x = jnp.tanh(x @ layer["w"] + layer["b"])
+    return x @ params[-1]["w"] + params[-1]["b"]
+
+
+def mlp_state(tx):
+    return train_state.TrainState.create(apply_fn=mlp_apply, params=mlp_params(), tx=tx)
+
+
+def mlp_step(state, batch):
+    def loss_fn(params):
+        return jnp.mean((state.apply_fn(params, batch["x"]) - batch["y"]) ** 2)
+
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), {"loss": rp.all_reduce(loss, "mean")}
+
+
+# -- a Flax nnx model, split into a pytree state ------------------------------------------------
+
+
+def nnx_parts(tx):
+    model = MLP([16, 32, 32, 4], rngs=nnx.Rngs(3))
+    graphdef, params = nnx.split(model, nnx.Param)
+    state = {"params": params, "opt": tx.init(params)}
+
+    def step(state, batch):
+        def loss_fn(params):
+            return jnp.mean((nnx.merge(graphdef, params)(batch["x"]) - batch["y"]) ** 2)
+
+        loss, grads = jax.value_and_grad(loss_fn)(state["params"])
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        new = {"params": optax.apply_updates(state["params"], updates), "opt": opt}
+        return new, {"loss": rp.all_reduce(loss, "mean")}
+
+    return state, step
+
+
+def make(model: str, tx):
+    """``(initial_state, step_fn)`` for ``model`` in {"mlp", "nnx"}."""
+    if model == "mlp":
+        return mlp_state(tx), mlp_step
+    return nnx_parts(tx)
+
+
+def params_of(state):
+    return state.params if hasattr(state, "params") else state["params"]
+
+
+def single_device(model: str, tx, data):
+    """The oracle: ``step_fn`` on one device with the full global batch, no replicator."""
+    state, step = make(model, tx)
+    step = jax.jit(step)
+    losses = []
+    for batch in data:
+        state, out = step(state, batch)
+        losses.append(float(out["loss"]))
+    return state, losses
