@@ -32,7 +32,9 @@ def batches(n=STEPS, batch=GLOBAL_BATCH, seed=0, din=16, dout=4):
 def rel_err(a, b) -> float:
     """The largest per-leaf ``max|a - b| / max|b|`` over two pytrees of the same structure."""
     errs = jax.tree.map(
-        lambda x, y: float(np.max(np.abs(np.asarray(x) - np.asarray(y))) / (np.max(np.abs(np.asarray(y))) + 1e-30)),
+        lambda x, y: float(
+            np.max(np.abs(np.asarray(x) - np.asarray(y))) / (np.max(np.abs(np.asarray(y))) + 1e-30)
+        ),
         a,
         b,
     )

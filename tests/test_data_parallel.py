@@ -1,6 +1,5 @@
 """Oracle tests: data-parallel training equals one device with the full global batch."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -97,7 +96,9 @@ def test_no_reduction_diverges_and_check_replicas_names_the_leaf():
     repl = rp.Replicator(check_replicas=True)
     state, step = make("mlp", optax.sgd(0.1))  # plain optax: local gradients applied as they are
     state = repl.replicate(state)
-    with pytest.raises(rp.ReplicasDivergedError, match=r"state leaf \.params\[0\]\['b'\] differs") as info:
+    with pytest.raises(
+        rp.ReplicasDivergedError, match=r"state leaf \.params\[0\]\['b'\] differs"
+    ) as info:
         repl.run(step, state, data[0])
     assert "repl.wrap_optimizer" in str(info.value)
     assert info.value.state.step == 1  # nothing is lost: the new state rides on the error

@@ -69,9 +69,7 @@ def all_gather(x: PyTree, *, axis: int = 0, tiled: bool = False) -> PyTree:
     binding = current_binding()
     if binding.is_local:
         return jax.tree.map(lambda v: v if tiled else jnp.expand_dims(v, axis), x)
-    return jax.tree.map(
-        lambda v: lax.all_gather(v, binding.axes, axis=axis, tiled=tiled), x
-    )
+    return jax.tree.map(lambda v: lax.all_gather(v, binding.axes, axis=axis, tiled=tiled), x)
 
 
 def reduce_scatter(x: PyTree, *, axis: int = 0, op: str = "sum") -> PyTree:

@@ -12,11 +12,10 @@ import optax
 from jax.experimental.multihost_utils import broadcast_one_to_all
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from replicator._src import errors
-from replicator._src import lowering as lowering_lib
+from replicator._src import errors, optim
 from replicator._src import input as input_lib
+from replicator._src import lowering as lowering_lib
 from replicator._src import mesh as mesh_lib
-from replicator._src import optim
 from replicator._src.typing import PyTree, StepFn
 
 
@@ -139,12 +138,7 @@ class Replicator:
         sharding = NamedSharding(self._mesh, PartitionSpec())
         if jax.process_count() > 1:
             tree = broadcast_one_to_all(tree)
-            return jax.tree.map(
-                lambda x: jax.make_array_from_callback(
-                    np.shape(x), sharding, lambda index, x=np.asarray(x): x[index]
-                ),
-                tree,
-            )
+            return jax.tree.map(lambda x: _global_copy(np.asarray(x), sharding), tree)
         return jax.device_put(tree, sharding)
 
     def wrap_optimizer(self, tx: optax.GradientTransformation, /):
@@ -184,7 +178,9 @@ class Replicator:
           TypeError, ValueError: from ``next()``, naming the batch and the leaf path.
         """
         if not isinstance(prefetch, int) or prefetch < 0:
-            raise ValueError(f"Replicator.distribute: prefetch must be an int >= 0; got {prefetch!r}.")
+            raise ValueError(
+                f"Replicator.distribute: prefetch must be an int >= 0; got {prefetch!r}."
+            )
         source = input_lib.call_input_fn(input_fn, self.input_context())
         return input_lib.DistributedIterator(
             source,
@@ -293,6 +289,11 @@ class Replicator:
             state=state,
             outputs=outputs,
         )
+
+
+def _global_copy(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A global array of ``sharding`` from a host value that every process holds."""
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
 class _Current(threading.local):

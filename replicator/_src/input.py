@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -56,6 +58,15 @@ class InputContext:
         )
 
 
+_OPEN: weakref.WeakSet[DistributedIterator] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_iterators() -> None:
+    for iterator in list(_OPEN):
+        iterator.close(timeout=2.0)
+
+
 class _End:
     """Queued after the last batch."""
 
@@ -94,6 +105,7 @@ class DistributedIterator(Iterator[PyTree]):
             self._queue = queue.Queue(maxsize=prefetch)
             self._thread = threading.Thread(target=self._fill, daemon=True, name="rp-prefetch")
             self._thread.start()
+            _OPEN.add(self)
 
     def __iter__(self) -> DistributedIterator:
         return self
@@ -110,12 +122,22 @@ class DistributedIterator(Iterator[PyTree]):
             raise item.error
         return item
 
-    def close(self) -> None:
-        """Stops the prefetch thread; batches it had prefetched are dropped."""
-        self._closed.set()
+    def close(self, timeout: float = 10.0) -> None:
+        """Stops the prefetch thread and waits for it; batches it had prefetched are dropped.
 
-    def __del__(self) -> None:
+        Called for every open iterator when the interpreter exits, so that the thread is not
+        frozen in the middle of a device copy.
+        """
         self._closed.set()
+        thread = getattr(self, "_thread", None)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def __enter__(self) -> DistributedIterator:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _fill(self) -> None:
         try:

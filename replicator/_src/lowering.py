@@ -67,7 +67,9 @@ def build(
         )
         return jax.jit(mapped, donate_argnums=(0,) if donate else ())
     if lowering == "pmap":
-        return _build_pmap(step_fn, mesh, state_def, args_def, state_specs, arg_specs, donate, check)
+        return _build_pmap(
+            step_fn, mesh, state_def, args_def, state_specs, arg_specs, donate, check
+        )
     raise ValueError(f"unknown lowering {lowering!r}")  # validated by Replicator
 
 
@@ -94,7 +96,7 @@ def _per_replica(step_fn, binding: Binding, state_def, args_def, check: Sequence
 
 def _check_result(step_fn, result, state):
     if not (isinstance(result, tuple | list) and len(result) == 2):
-        got = f"a {type(result).__name__}"
+        got = "a single array" if isinstance(result, jax.Array) else f"a {type(result).__name__}"
         if isinstance(result, tuple | list):
             got += f" of length {len(result)}"
         raise TypeError(errors.STEP_RESULT.format(got=got))
@@ -176,11 +178,19 @@ def _build_pmap(step_fn, mesh, state_def, args_def, state_specs, arg_specs, dona
     )
 
     def split(leaves, leaf_axes):
-        return [x if a is None else x.reshape((n, -1, *x.shape[1:])) for x, a in zip(leaves, leaf_axes)]
+        return [
+            x if a is None else x.reshape((n, -1, *x.shape[1:])) for x, a in zip(leaves, leaf_axes)
+        ]
 
     def program(state_leaves, arg_leaves):
-        new, outputs, divergence = mapped(split(state_leaves, state_axes), split(arg_leaves, arg_axes))
-        return [x if a is None else x.reshape((-1, *x.shape[2:])) for x, a in zip(new, state_axes)], outputs, divergence
+        new, outputs, divergence = mapped(
+            split(state_leaves, state_axes), split(arg_leaves, arg_axes)
+        )
+        return (
+            [x if a is None else x.reshape((-1, *x.shape[2:])) for x, a in zip(new, state_axes)],
+            outputs,
+            divergence,
+        )
 
     out_shardings = (
         [NamedSharding(mesh, s) for s in state_specs],

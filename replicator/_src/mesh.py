@@ -28,8 +28,8 @@ def build_mesh(
     ``{"data": 4, "stage": 1}`` sees a ``stage`` axis.
 
     >>> import jax
-    >>> build_mesh({"data": -1}, devices=jax.devices()[:2]).shape
-    OrderedDict({'data': 2})
+    >>> dict(build_mesh({"stage": 1, "data": -1}, devices=jax.devices()[:2]).shape)
+    {'data': 2, 'stage': 1}
 
     Raises:
       ValueError: for an unknown axis, a non-positive size, more than one -1, or sizes whose

@@ -1,0 +1,35 @@
+"""The public surface: a snapshot, so that every change to it is deliberate."""
+
+import types
+
+import replicator as rp
+
+PUBLIC = [
+    "DistributedIterator",
+    "InputContext",
+    "ReplicasDivergedError",
+    "Replicator",
+    "all_gather",
+    "all_reduce",
+    "broadcast",
+    "current",
+    "num_replicas",
+    "reduce_scatter",
+    "replica_axis_name",
+    "replica_id",
+]
+
+
+def test_public_names():
+    names = sorted(
+        n
+        for n in dir(rp)
+        if not n.startswith("_") and not isinstance(getattr(rp, n), types.ModuleType)
+    )
+    assert names == PUBLIC
+    assert rp.__version__
+
+
+def test_public_functions_have_docstrings():
+    for name in PUBLIC:
+        assert getattr(rp, name).__doc__, name
