@@ -61,10 +61,18 @@ class InputContext:
 _OPEN: weakref.WeakSet[DistributedIterator] = weakref.WeakSet()
 
 
-@atexit.register
 def _close_open_iterators() -> None:
     for iterator in list(_OPEN):
         iterator.close(timeout=2.0)
+
+
+def _track(iterator: DistributedIterator) -> None:
+    """Closes ``iterator`` at exit, before JAX's own exit handlers (which run last-in first-out
+    and were registered when its backend started, before this)."""
+    if not _OPEN:
+        atexit.unregister(_close_open_iterators)
+        atexit.register(_close_open_iterators)
+    _OPEN.add(iterator)
 
 
 class _End:
@@ -105,7 +113,7 @@ class DistributedIterator(Iterator[PyTree]):
             self._queue = queue.Queue(maxsize=prefetch)
             self._thread = threading.Thread(target=self._fill, daemon=True, name="rp-prefetch")
             self._thread.start()
-            _OPEN.add(self)
+            _track(self)
 
     def __iter__(self) -> DistributedIterator:
         return self

@@ -1,0 +1,22 @@
+"""The README's main command, as a short smoke run: it trains and the loss falls."""
+
+import pathlib
+import re
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_train_dp_example_learns():
+    result = subprocess.run(
+        [sys.executable, "examples/train_dp.py", "--steps", "60", "--log-every", "20"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "num_replicas=8" in result.stdout
+    losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", result.stdout)]
+    assert len(losses) == 4 and losses[-1] < 0.8 * losses[0], result.stdout
