@@ -152,3 +152,31 @@ def test_replica_axis_name_is_bound_during_tracing():
         )
         repl.run(step, repl.replicate(jnp.zeros(())), np.ones(8))
     assert names == ["data", "data", ("dcn_data", "data"), None]
+
+
+def test_replicate_copies_so_donation_keeps_the_callers_arrays():
+    repl = rp.Replicator()
+    on_device0 = jnp.arange(3.0)  # jax.device_put would reuse this buffer for replica 0
+    already = repl.replicate(jnp.ones(3))  # and return an array already in place as is
+    state = repl.replicate({"a": on_device0, "b": already})
+    new, _ = repl.run(lambda s, x: (jax.tree.map(lambda v: v + 1, s), None), state, np.ones(8))
+    assert state["a"].is_deleted() and not on_device0.is_deleted() and not already.is_deleted()
+    np.testing.assert_array_equal(on_device0, [0, 1, 2])
+    np.testing.assert_array_equal(new["b"], 2 * np.ones(3))
+
+
+def test_many_steps_without_blocking_complete():
+    # XLA's CPU collectives deadlock when many 8-device programs are queued; run() bounds them.
+    repl = rp.Replicator()
+    state = repl.replicate(jnp.zeros(()))
+    x = jax.device_put(np.ones(64, np.float32), NamedSharding(repl.mesh, P("data")))
+    step = lambda s, x: (s + rp.all_reduce(jnp.sum(x), "sum"), {"m": rp.all_reduce(x, "mean")})
+    for _ in range(300):
+        state, _ = repl.run(step, state, x)
+    assert float(state) == 300 * 64
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "2"])
+def test_max_in_flight_is_checked(bad):
+    with pytest.raises(ValueError, match=r"max_in_flight must be an int >= 1.*got"):
+        rp.Replicator(max_in_flight=bad)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.experimental.multihost_utils import broadcast_one_to_all
@@ -36,6 +39,11 @@ class Replicator:
         step: a debugging aid.
       donate: donate the state's buffers to the step (default), so that the new state reuses
         their memory. The state passed to ``run`` is then deleted: use the returned one.
+      max_in_flight: how many steps ``run`` may have dispatched but not finished; ``run``
+        waits for the oldest before dispatching another. Default: 2 on CPU devices, where XLA's
+        collectives across emulated devices deadlock when many programs are queued (measured with
+        jax 0.10.2: 64 queued steps of an 8-device ``psum`` program hung), and unbounded
+        elsewhere.
 
     Example:
 
@@ -58,6 +66,7 @@ class Replicator:
         devices: Sequence[jax.Device] | None = None,
         check_replicas: bool = False,
         donate: bool = True,
+        max_in_flight: int | None = None,
     ) -> None:
         if lowering not in lowering_lib.LOWERINGS:
             raise ValueError(
@@ -85,6 +94,16 @@ class Replicator:
         self._check_replicas = check_replicas
         self._donate = donate
         self._cache: dict = {}
+        if max_in_flight is None:
+            on_cpu = self._mesh.devices.flat[0].platform == "cpu" and self._mesh.devices.size > 1
+            max_in_flight = 2 if on_cpu else sys.maxsize
+        if not isinstance(max_in_flight, int) or max_in_flight < 1:
+            raise ValueError(
+                f"Replicator: max_in_flight must be an int >= 1 (or None for the default); "
+                f"got {max_in_flight!r}."
+            )
+        self._max_in_flight = max_in_flight
+        self._in_flight: collections.deque[jax.Array] = collections.deque()
 
     # -- facts --------------------------------------------------------------------------------
 
@@ -131,7 +150,8 @@ class Replicator:
     def replicate(self, tree: PyTree) -> PyTree:
         """Places a copy of every leaf of ``tree`` on every device of the mesh.
 
-        Leaves become global ``jax.Array``s with ``NamedSharding(mesh, P())``. With several
+        Leaves become global ``jax.Array``s with ``NamedSharding(mesh, P())`` that own their
+        buffers: ``run`` donates the state, and the arrays passed in here stay valid. With several
         processes, process 0's values are broadcast first, so every process starts from the
         same state even if each initialised it with a different seed.
         """
@@ -139,6 +159,12 @@ class Replicator:
         if jax.process_count() > 1:
             tree = broadcast_one_to_all(tree)
             return jax.tree.map(lambda x: _global_copy(np.asarray(x), sharding), tree)
+        # ``device_put`` reuses a device buffer that already holds the value (even with
+        # ``may_alias=False`` in jax 0.10.2); ``run`` donates the state, which would delete the
+        # caller's array. Copy first, so the replicated state owns all of its buffers.
+        tree = jax.tree.map(
+            lambda x: jnp.array(x, copy=True) if isinstance(x, jax.Array) else x, tree
+        )
         return jax.device_put(tree, sharding)
 
     def wrap_optimizer(self, tx: optax.GradientTransformation, /):
@@ -219,28 +245,45 @@ class Replicator:
         """
         state_leaves, state_def = jax.tree.flatten(state)
         arg_leaves, args_def = jax.tree.flatten(args)
+        # The cache key holds each leaf's sharding object and shape, which are cheap to read
+        # and compare; equal placements give equal specs, computed only on a miss.
+        key = (
+            step_fn,
+            state_def,
+            args_def,
+            tuple(map(_placement, state_leaves)),
+            tuple(map(_placement, arg_leaves)),
+        )
+        cached = self._cache.get(key)
+        if cached is None:
+            cached = self._cache[key] = self._compile(
+                step_fn, state_def, args_def, state_leaves, arg_leaves, args
+            )
+        program, state_specs = cached
+        while len(self._in_flight) >= self._max_in_flight:
+            self._in_flight.popleft().block_until_ready()
+        new_leaves, outputs, extras = program(state_leaves, arg_leaves)
+        self._in_flight.append(extras["done"] if "done" in extras else jax.tree.leaves(outputs)[0])
+        new_state = jax.tree.unflatten(state_def, new_leaves)
+        if "diverged" in extras:
+            self._raise_if_diverged(step_fn, new_state, outputs, state_specs, extras)
+        return new_state, outputs
+
+    def _compile(self, step_fn, state_def, args_def, state_leaves, arg_leaves, args):
         state_specs = tuple(self._spec(x) or PartitionSpec() for x in state_leaves)
         arg_specs = tuple(self._arg_spec(x, i, args) for i, x in enumerate(arg_leaves))
-        key = (step_fn, state_def, args_def, state_specs, arg_specs)
-        program = self._cache.get(key)
-        if program is None:
-            program = lowering_lib.build(
-                self._lowering,
-                step_fn,
-                mesh=self._mesh,
-                state_def=state_def,
-                args_def=args_def,
-                state_specs=state_specs,
-                arg_specs=arg_specs,
-                donate=self._donate,
-                check_replicas=self._check_replicas and self.num_replicas > 1,
-            )
-            self._cache[key] = program
-        new_leaves, outputs, divergence = program(state_leaves, arg_leaves)
-        new_state = jax.tree.unflatten(state_def, new_leaves)
-        if divergence is not None:
-            self._raise_if_diverged(step_fn, new_state, outputs, state_specs, divergence)
-        return new_state, outputs
+        program = lowering_lib.build(
+            self._lowering,
+            step_fn,
+            mesh=self._mesh,
+            state_def=state_def,
+            args_def=args_def,
+            state_specs=state_specs,
+            arg_specs=arg_specs,
+            donate=self._donate,
+            check_replicas=self._check_replicas and self.num_replicas > 1,
+        )
+        return program, state_specs
 
     def _spec(self, x) -> PartitionSpec | None:
         sharding = getattr(x, "sharding", None)
@@ -265,8 +308,8 @@ class Replicator:
             )
         return mesh_lib.batch_spec(self._mesh)
 
-    def _raise_if_diverged(self, step_fn, state, outputs, state_specs, divergence) -> None:
-        flags, spreads = (np.asarray(a) for a in divergence)
+    def _raise_if_diverged(self, step_fn, state, outputs, state_specs, extras) -> None:
+        flags, spreads = np.asarray(extras["diverged"]), np.asarray(extras["spread"])
         if not flags.any():
             return
         checked = [
@@ -289,6 +332,11 @@ class Replicator:
             state=state,
             outputs=outputs,
         )
+
+
+def _placement(x) -> tuple:
+    """What, besides structure, decides how ``run`` places a leaf: its sharding and shape."""
+    return getattr(x, "sharding", None), getattr(x, "shape", None) or np.shape(x)
 
 
 def _global_copy(x: np.ndarray, sharding: NamedSharding) -> jax.Array:

@@ -32,8 +32,10 @@ from replicator._src.typing import PyTree
 
 LOWERINGS = ("shard_map", "pmap", "local")
 
-# A compiled step takes (state_leaves, arg_leaves) and returns
-# (new_state_leaves, stacked_outputs, divergence) where divergence is None or (flags, spreads).
+# A compiled step takes (state_leaves, arg_leaves) and returns (new_state_leaves,
+# stacked_outputs, extras). extras holds replicated scalars: when there are no outputs, "done",
+# which is ready when the step has run; with check_replicas, "diverged" and "spread", one entry
+# per checked state leaf.
 Program = Callable[[list, list], tuple[list, PyTree, Any]]
 
 
@@ -88,8 +90,12 @@ def _per_replica(step_fn, binding: Binding, state_def, args_def, check: Sequence
         new_state, outputs = _check_result(step_fn, result, state)
         outputs = jax.tree.map(lambda v: jnp.asarray(v)[None], outputs)
         new_leaves = jax.tree.leaves(new_state)
-        divergence = _divergence(new_leaves, check, binding.axes) if any(check) else None
-        return new_leaves, outputs, divergence
+        # "done" marks the step finished when there is no output to wait on (the new state
+        # cannot serve: the next step deletes it by donation).
+        extras = {} if jax.tree.leaves(outputs) else {"done": jnp.zeros((), jnp.int32)}
+        if any(check):
+            extras["diverged"], extras["spread"] = _divergence(new_leaves, check, binding.axes)
+        return new_leaves, outputs, extras
 
     return body
 
@@ -183,13 +189,11 @@ def _build_pmap(step_fn, mesh, state_def, args_def, state_specs, arg_specs, dona
         ]
 
     def program(state_leaves, arg_leaves):
-        new, outputs, divergence = mapped(
-            split(state_leaves, state_axes), split(arg_leaves, arg_axes)
-        )
+        new, outputs, extras = mapped(split(state_leaves, state_axes), split(arg_leaves, arg_axes))
         return (
             [x if a is None else x.reshape((-1, *x.shape[2:])) for x, a in zip(new, state_axes)],
             outputs,
-            divergence,
+            extras,
         )
 
     out_shardings = (
@@ -200,8 +204,8 @@ def _build_pmap(step_fn, mesh, state_def, args_def, state_specs, arg_specs, dona
     return jax.jit(program, donate_argnums=(0,) if donate else (), out_shardings=out_shardings)
 
 
-def _unstack_outputs(state_leaves, outputs, divergence):
-    return state_leaves, jax.tree.map(lambda v: v[0], outputs), divergence
+def _unstack_outputs(state_leaves, outputs, extras):
+    return state_leaves, jax.tree.map(lambda v: v[0], outputs), extras
 
 
 def _pmap_axis(spec: PartitionSpec, mesh: Mesh, what: str) -> int | None:
