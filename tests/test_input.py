@@ -1,5 +1,7 @@
 """InputContext and Replicator.distribute: global arrays, prefetching, and checked batches."""
 
+import time
+
 import jax
 import numpy as np
 import pytest
@@ -129,3 +131,26 @@ def test_close_stops_the_prefetch_thread():
     it.close()
     it._thread.join(timeout=5)
     assert not it._thread.is_alive()
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 3])
+def test_prefetch_reads_ahead_onto_the_devices(prefetch):
+    pulled = []
+
+    def input_fn(ctx):
+        for i in range(10):
+            pulled.append(i)
+            yield {"x": np.full((8, 2), i, np.float32)}
+
+    it = rp.Replicator().distribute(input_fn, prefetch=prefetch)
+    first = next(it)
+    deadline = time.monotonic() + 10
+    # The background thread fills the queue with placed batches that nobody has asked for.
+    while prefetch and it._queue.qsize() < prefetch and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(pulled) >= 1 + prefetch and (prefetch or len(pulled) == 1)
+    if prefetch:
+        ready = it._queue.queue[0]
+        assert isinstance(ready["x"], jax.Array) and ready["x"].sharding.spec == P("data")
+    assert float(first["x"][0, 0]) == 0 and float(next(it)["x"][0, 0]) == 1
+    it.close()
