@@ -33,3 +33,30 @@ def test_public_names():
 def test_public_functions_have_docstrings():
     for name in PUBLIC:
         assert getattr(rp, name).__doc__, name
+
+
+PIPELINE = [
+    "Circular",
+    "GPipe",
+    "OneFOneB",
+    "Partition",
+    "Plan",
+    "apply",
+    "balance",
+    "layer_costs",
+    "render",
+    "scan_layers",
+    "stack_stages",
+    "stage_spec",
+    "unstack_stages",
+    "value_and_grad",
+]
+
+
+def test_pipeline_public_names():
+    from replicator import pipeline
+
+    names = sorted(n for n in dir(pipeline) if not n.startswith("_"))
+    assert names == PIPELINE
+    for name in PIPELINE:
+        assert getattr(pipeline, name).__doc__, name

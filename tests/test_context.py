@@ -180,3 +180,22 @@ def test_many_steps_without_blocking_complete():
 def test_max_in_flight_is_checked(bad):
     with pytest.raises(ValueError, match=r"max_in_flight must be an int >= 1.*got"):
         rp.Replicator(max_in_flight=bad)
+
+
+def test_lower_gives_the_program_without_running_it():
+    repl = rp.Replicator()
+    traces = []
+
+    def step(state, x):
+        traces.append(1)
+        return state + rp.all_reduce(jnp.sum(x), "mean"), {"s": jnp.sum(x)}
+
+    state = repl.replicate(jnp.ones(256))
+    compiled = repl.lower(step, state, np.ones((16, 4), np.float32)).compile()
+    assert not state.is_deleted()
+    assert compiled.memory_analysis().argument_size_in_bytes >= 256 * 4
+    assert "all-reduce" in compiled.as_text()
+    new, _ = repl.run(step, state, np.ones((16, 4), np.float32))
+    np.testing.assert_allclose(new, np.full(256, 1 + 8.0))
+    with pytest.raises(ValueError, match=r"lowering='local' runs step_fn eagerly"):
+        rp.Replicator(lowering="local").lower(step, jnp.zeros(()), np.ones(4))

@@ -23,3 +23,27 @@ def test_ci_runs_the_readme_test_command():
     lines = [line.split("#")[0].strip() for line in quickstart.strip().splitlines()]
     assert len(lines) == 2, "the quickstart is exactly two commands"
     assert lines[1] in (ROOT / ".ci" / "run").read_text()
+
+
+def pipeline_spec():
+    from replicator import pipeline
+
+    return pipeline.stage_spec()
+
+
+def test_pipeline_example_runs_and_learns():
+    block = README.split("## Pipeline parallelism", 1)[1]
+    code = re.search(r"```python\n(.*?)```", block, re.S).group(1)
+    namespace = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    assert namespace["state"]["params"]["stages"]["w"].sharding.spec == pipeline_spec()
+    losses = namespace["losses"]
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_pipeline_picture_in_the_readme_is_current():
+    from replicator import pipeline
+
+    block = README.split('`pipeline.render("1f1b", 4, 6)` draws it', 1)[1]
+    picture = re.search(r"```\n(.*?)```", block, re.S).group(1)
+    assert picture.strip() in pipeline.render("1f1b", 4, 6)

@@ -245,6 +245,43 @@ class Replicator:
         """
         state_leaves, state_def = jax.tree.flatten(state)
         arg_leaves, args_def = jax.tree.flatten(args)
+        program, state_specs = self._program(
+            step_fn, state_leaves, state_def, arg_leaves, args_def, args
+        )
+        while len(self._in_flight) >= self._max_in_flight:
+            self._in_flight.popleft().block_until_ready()
+        new_leaves, outputs, extras = program(state_leaves, arg_leaves)
+        self._in_flight.append(extras["done"] if "done" in extras else jax.tree.leaves(outputs)[0])
+        new_state = jax.tree.unflatten(state_def, new_leaves)
+        if "diverged" in extras:
+            self._raise_if_diverged(step_fn, new_state, outputs, state_specs, extras)
+        return new_state, outputs
+
+    def lower(self, step_fn: StepFn, state: PyTree, *args: PyTree) -> jax.stages.Lowered:
+        """The program ``run(step_fn, state, *args)`` would run, lowered but not run.
+
+        Nothing is executed and no buffer is donated. Call ``.compile()`` on the result for the
+        compiled program: its ``memory_analysis()``, ``cost_analysis()`` and ``as_text()`` (the
+        optimized HLO, with its collectives) describe one step on this mesh.
+
+        >>> import jax, jax.numpy as jnp, replicator as rp
+        >>> repl = rp.Replicator(devices=jax.devices()[:2])
+        >>> step = lambda s, x: (s + rp.all_reduce(x.sum(), "sum"), {})
+        >>> compiled = repl.lower(step, repl.replicate(jnp.float32(0)), jnp.ones(4)).compile()
+        >>> "all-reduce" in compiled.as_text()
+        True
+        """
+        if self._lowering == "local":
+            raise ValueError(
+                "Replicator.lower: lowering='local' runs step_fn eagerly, so there is no "
+                "program to lower; use lowering='shard_map' (or 'pmap')."
+            )
+        state_leaves, state_def = jax.tree.flatten(state)
+        arg_leaves, args_def = jax.tree.flatten(args)
+        program, _ = self._program(step_fn, state_leaves, state_def, arg_leaves, args_def, args)
+        return program.lower(state_leaves, arg_leaves)
+
+    def _program(self, step_fn, state_leaves, state_def, arg_leaves, args_def, args):
         # The cache key holds each leaf's sharding object and shape, which are cheap to read
         # and compare; equal placements give equal specs, computed only on a miss.
         key = (
@@ -259,15 +296,7 @@ class Replicator:
             cached = self._cache[key] = self._compile(
                 step_fn, state_def, args_def, state_leaves, arg_leaves, args
             )
-        program, state_specs = cached
-        while len(self._in_flight) >= self._max_in_flight:
-            self._in_flight.popleft().block_until_ready()
-        new_leaves, outputs, extras = program(state_leaves, arg_leaves)
-        self._in_flight.append(extras["done"] if "done" in extras else jax.tree.leaves(outputs)[0])
-        new_state = jax.tree.unflatten(state_def, new_leaves)
-        if "diverged" in extras:
-            self._raise_if_diverged(step_fn, new_state, outputs, state_specs, extras)
-        return new_state, outputs
+        return cached
 
     def _compile(self, step_fn, state_def, args_def, state_leaves, arg_leaves, args):
         state_specs = tuple(self._spec(x) or PartitionSpec() for x in state_leaves)

@@ -94,7 +94,14 @@ def _per_replica(step_fn, binding: Binding, state_def, args_def, check: Sequence
         # cannot serve: the next step deletes it by donation).
         extras = {} if jax.tree.leaves(outputs) else {"done": jnp.zeros((), jnp.int32)}
         if any(check):
-            extras["diverged"], extras["spread"] = _divergence(new_leaves, check, binding.axes)
+            flags, spreads = _divergence(new_leaves, check, binding.axes)
+            # A leaf sharded over another axis (a pipeline's "stage") is checked block by
+            # block; the step's verdict covers every block.
+            others = tuple(a for a, _ in binding.axis_sizes if a not in binding.axes)
+            if others:
+                flags = lax.pmax(flags.astype(jnp.int32), others).astype(bool)
+                spreads = lax.pmax(spreads, others)
+            extras["diverged"], extras["spread"] = flags, spreads
         return new_leaves, outputs, extras
 
     return body

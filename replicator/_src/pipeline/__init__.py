@@ -1,0 +1,1 @@
+"""Pipeline parallelism: schedules, stage partitioning, the scanned engine, pictures."""

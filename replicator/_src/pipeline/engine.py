@@ -1,0 +1,519 @@
+"""The pipeline engine: one ``lax.scan`` over the ticks of a schedule, inside ``step_fn``.
+
+Called inside a ``step_fn`` that ``Replicator.run`` traces over a mesh with a ``stage`` axis of
+size K, each device runs one stage: it reads its row of the schedule's tables (`schedules.Plan`)
+at every tick, runs ``stage_fn`` on a micro-batch, and passes the activation to the next stage
+with ``lax.ppermute``. Gradients are per replica, like everything in ``step_fn``: they are not
+reduced over the data axes (``wrap_optimizer`` does that), but they are complete over the
+stages: the loss, the gradients of the head and of the inputs are summed over ``stage`` so that
+every stage holds them, and each stage holds the gradient of its own stage parameters.
+
+Without a ``stage`` axis (the local lowering, a mesh of data axes only, or outside any
+``Replicator``) the same call runs every stage in order on each micro-batch: a scan over the
+micro-batches of a scan over the stages. This is the single-device meaning of a pipeline call.
+
+Two engines share the tick tables:
+
+* GPipe and Circular run the forward ticks in a scan and get the backward from ``jax.vjp`` of
+  that scan (the forward ticks replayed in reverse). Stages compute through the bubbles; with
+  ``remat`` only each stage's input is kept per tick.
+* 1F1B runs forward and backward in the same scan: at each tick a stage may run the forward of
+  one micro-batch and the backward of another, each under ``lax.cond`` so that idle halves cost
+  nothing. The backward recomputes the stage from its stashed input, and the stash is a ring
+  buffer of ``2K-1`` inputs, whatever the number of micro-batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from replicator._src.binding import current_binding
+from replicator._src.pipeline import schedules as schedules_lib
+from replicator._src.typing import PyTree
+
+STAGE_AXIS = "stage"
+
+StageFn = Callable[[PyTree, PyTree], PyTree]
+LossFn = Callable[[PyTree, PyTree, PyTree], jax.Array]
+
+
+# -- public entry points ------------------------------------------------------------------------
+
+
+def value_and_grad(
+    stage_fn: StageFn,
+    loss_fn: LossFn,
+    /,
+    *,
+    num_microbatches: int,
+    schedule: Any = "gpipe",
+    remat: bool = True,
+) -> Callable[..., tuple[jax.Array, tuple[PyTree, PyTree, PyTree]]]:
+    """The loss of a pipelined model and its gradients, micro-batched over a schedule.
+
+    The model is ``loss_fn(head_params, stage_S-1(... stage_0(inputs)), targets)``, where stage
+    ``j`` is ``stage_fn(stage_params[j], x)`` and ``stage_fn`` keeps the shape of ``x``. The
+    batch is split into ``num_microbatches`` equal micro-batches along its first axis, and the
+    loss is the mean of ``loss_fn`` over them (the full-batch mean when ``loss_fn`` is a mean).
+
+    Equivalent to (the sequential meaning, which is what runs without a ``stage`` axis)::
+
+        losses = []
+        for x, t in zip(split(inputs, M), split(targets, M)):
+            for j in range(S):                      # S = num_stages * repeats, logical order
+                x = stage_fn(stage_params[j], x)
+            losses.append(loss_fn(head_params, x, t))
+        loss = mean(losses)                         # and its gradients
+
+    Args:
+      stage_fn: ``stage_fn(one_stage_params, x) -> x``, one stage; ``x`` is a pytree of arrays
+        with a leading micro-batch axis, and the output has the same structure and shapes.
+      loss_fn: ``loss_fn(head_params, y, targets) -> scalar``, the mean loss of one micro-batch
+        (``head_params`` is ``None`` when the call passes none).
+      num_microbatches: M, the number of micro-batches per replica's batch.
+      schedule: ``rp.pipeline.GPipe()``, ``Circular(repeats=V)``, ``OneFOneB()``, or their
+        names ``"gpipe"``, ``"circular"``, ``"1f1b"``.
+      remat: recompute each stage in the backward pass instead of keeping its activations (for
+        GPipe and Circular; 1F1B always recomputes from the stashed stage input).
+
+    Returns:
+      ``f(stage_params, inputs, targets, head_params=None) -> (loss, (g_stages, g_inputs,
+      g_head))``. ``stage_params`` are stacked as `stack_stages` builds them and, on a mesh with
+      a ``stage`` axis, sharded over it with `stage_spec`; ``g_stages`` has their layout (each
+      stage its own rows), while ``loss``, ``g_inputs`` and ``g_head`` are the same on every
+      stage. All are per replica: reduce them over replicas as any gradient in ``step_fn``.
+
+    Raises:
+      ValueError: when the batch does not split into M micro-batches, the schedule needs more
+        micro-batches, the stage parameters are not laid out for the mesh, or ``stage_fn``
+        changes the activation's shape.
+
+    Example (no ``stage`` axis: the sequential meaning):
+
+    >>> import jax.numpy as jnp, replicator as rp
+    >>> stage = lambda w, x: jnp.tanh(x @ w)
+    >>> loss = lambda _, y, t: jnp.mean((y - t) ** 2)
+    >>> f = rp.pipeline.value_and_grad(stage, loss, num_microbatches=2)
+    >>> w = jnp.stack([jnp.eye(3)] * 4)          # 4 stages
+    >>> l, (gw, gx, _) = f(w, jnp.ones((4, 3)), jnp.zeros((4, 3)))
+    >>> gw.shape, gx.shape
+    ((4, 3, 3), (4, 3))
+    """
+    sched = schedules_lib.get(schedule)
+    _check_common(num_microbatches, remat, "value_and_grad")
+    if sched.name == "1f1b" and not remat:
+        raise ValueError(
+            "rp.pipeline.value_and_grad: OneFOneB() always recomputes each stage from its "
+            "stashed input in the backward pass; remat=False is not available for it. Use "
+            "remat=True, or GPipe()/Circular() with remat=False to keep activations instead."
+        )
+
+    def f(stage_params, inputs, targets, head_params=None):
+        call = _Call.make(
+            "value_and_grad", sched, num_microbatches, stage_fn, stage_params, inputs, targets
+        )
+        if call.num_stages == 1:
+            return _sequential_value_and_grad(call, stage_fn, loss_fn, head_params, remat)
+        if sched.name == "1f1b":
+            loss, g_rows, g_xs, g_head = _one_f_one_b(call, stage_fn, loss_fn, head_params)
+        else:
+            loss, g_rows, g_xs, g_head = _scanned_vjp(call, stage_fn, loss_fn, head_params, remat)
+        loss, g_xs, g_head = lax.psum((loss, g_xs, g_head), STAGE_AXIS)
+        return loss, (call.from_rows(g_rows), call.merge_batch(g_xs), g_head)
+
+    return f
+
+
+def apply(
+    stage_fn: StageFn,
+    /,
+    *,
+    num_microbatches: int,
+    schedule: Any = "gpipe",
+) -> Callable[[PyTree, PyTree], PyTree]:
+    """The forward pass of a pipelined model, for evaluation: ``f(stage_params, inputs) -> y``.
+
+    ``y`` is the output of the last stage for the whole batch, on every stage. Equivalent to
+    running every stage in order on each micro-batch (see `value_and_grad`); a ``OneFOneB()``
+    schedule runs its forward ticks, which are GPipe's.
+
+    >>> import jax.numpy as jnp, replicator as rp
+    >>> f = rp.pipeline.apply(lambda w, x: x @ w, num_microbatches=2)
+    >>> f(jnp.stack([2 * jnp.eye(2)] * 3), jnp.ones((4, 2)))[0]
+    Array([8., 8.], dtype=float32)
+    """
+    sched = schedules_lib.get(schedule)
+    _check_common(num_microbatches, True, "apply")
+    forward_sched = schedules_lib.GPipe() if sched.name == "1f1b" else sched
+
+    def f(stage_params, inputs):
+        call = _Call.make("apply", sched, num_microbatches, stage_fn, stage_params, inputs, None)
+        if call.num_stages == 1:
+            ys = _sequential_outputs(call, stage_fn, call.rows, call.xs)
+        else:
+            plan = forward_sched.plan(call.num_stages, num_microbatches)
+            _, ys = _forward_ticks(
+                call, plan, stage_fn, None, None, call.rows, None, call.xs, remat=False
+            )
+            ys = lax.psum(ys, STAGE_AXIS)
+        return call.merge_batch(ys)
+
+    return f
+
+
+def scan_layers(layer_fn: Callable[[PyTree, PyTree], PyTree], /) -> StageFn:
+    """A ``stage_fn`` that applies ``layer_fn`` once per layer of its stage, as a ``lax.scan``.
+
+    With stage parameters stacked as ``[layers_per_stage, ...]`` (what `stack_stages` gives each
+    stage), compile time does not grow with the number of layers per stage.
+
+    >>> import jax.numpy as jnp, replicator as rp
+    >>> stage = rp.pipeline.scan_layers(lambda w, x: x @ w)
+    >>> stage(jnp.stack([2 * jnp.eye(2)] * 3), jnp.ones((1, 2)))
+    Array([[8., 8.]], dtype=float32)
+    """
+
+    def stage_fn(stage_params, x):
+        return lax.scan(lambda h, p: (layer_fn(p, h), None), x, stage_params)[0]
+
+    return stage_fn
+
+
+# -- the call: validated shapes, micro-batches and stage rows -----------------------------------
+
+
+@dataclasses.dataclass
+class _Call:
+    """One traced call: the mesh facts, the micro-batched inputs and the stage rows."""
+
+    api: str
+    schedule: Any
+    num_stages: int  # K: the size of the stage axis in this program (1 without one)
+    num_microbatches: int  # M
+    rows: PyTree  # stage params as [rows, ...]: [V, ...] per device, or [S, ...] in order
+    xs: PyTree  # inputs as [M, b, ...]
+    ts: PyTree  # targets as [M, b, ...], or None
+    param_shapes: PyTree  # the stage params' shapes as passed, to undo `rows`
+    batch: int  # the per-replica batch B
+
+    @classmethod
+    def make(cls, api, schedule, m, stage_fn, stage_params, inputs, targets) -> _Call:
+        binding = current_binding()
+        k = binding.axis_size(STAGE_AXIS) if binding.kind == "shard_map" else 1
+        name = f"rp.pipeline.{api}"
+        batch = _batch_size(name, inputs, targets)
+        if batch % m:
+            d = binding.num_replicas
+            raise ValueError(
+                f"{name}: the batch of {batch} examples per replica does not split into "
+                f"num_microbatches={m} equal micro-batches. Use a global batch that is a "
+                f"multiple of num_replicas x num_microbatches = {d} x {m} = {d * m} (e.g. "
+                f"{d * m * max(1, round(batch * d / (d * m)))}), or another num_microbatches."
+            )
+        if k > 1:
+            schedule.plan(k, m)  # validates M against K, with the schedule's own message
+        rows = _stage_rows(name, stage_params, schedule.repeats, k)
+        xs = _microbatch(inputs, m)
+        call = cls(
+            api, schedule, k, m, rows, xs, _microbatch(targets, m),
+            jax.tree.map(jnp.shape, stage_params), batch,
+        )  # fmt: skip
+        _check_stage_fn(name, stage_fn, call)
+        return call
+
+    def from_rows(self, g_rows: PyTree) -> PyTree:
+        return jax.tree.map(lambda g, shape: g.reshape(shape), g_rows, self.param_shapes)
+
+    def merge_batch(self, tree: PyTree) -> PyTree:
+        return jax.tree.map(lambda a: a.reshape((self.batch, *a.shape[2:])), tree)
+
+
+def _check_common(m, remat, api: str) -> None:
+    if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+        raise ValueError(f"rp.pipeline.{api}: num_microbatches must be an int >= 1; got {m!r}.")
+    if not isinstance(remat, bool):
+        raise TypeError(f"rp.pipeline.{api}: remat must be True or False; got {remat!r}.")
+
+
+def _batch_size(name: str, inputs, targets) -> int:
+    sizes = {}
+    for what, tree in (("inputs", inputs), ("targets", targets)):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            if not hasattr(leaf, "shape") or not np.ndim(leaf):
+                raise ValueError(
+                    f"{name}: {what}{jax.tree_util.keystr(path)} must be an array with a leading "
+                    f"batch axis; got {type(leaf).__name__} of shape {np.shape(leaf)}."
+                )
+            sizes[f"{what}{jax.tree_util.keystr(path)}"] = leaf.shape[0]
+    if not sizes:
+        raise ValueError(f"{name}: inputs has no arrays; pass the batch to pipeline.")
+    if len(set(sizes.values())) > 1:
+        raise ValueError(
+            f"{name}: every leaf of inputs and targets needs the same leading batch size; got "
+            + ", ".join(f"{k}: {v}" for k, v in sizes.items())
+            + "."
+        )
+    return next(iter(sizes.values()))
+
+
+def _microbatch(tree: PyTree, m: int) -> PyTree:
+    return jax.tree.map(lambda a: jnp.reshape(a, (m, a.shape[0] // m, *a.shape[1:])), tree)
+
+
+def _stage_rows(name: str, stage_params: PyTree, repeats: int, k: int) -> PyTree:
+    """The stage params as rows: ``[V, ...]`` on a stage device, ``[S, ...]`` in logical order
+    without a stage axis."""
+    want = "[K, ...]" if repeats == 1 else f"[{repeats}, K, ...]"
+    spec = "P('stage')" if repeats == 1 else "P(None, 'stage')"
+    leaves = jax.tree_util.tree_flatten_with_path(stage_params)[0]
+    if not leaves:
+        raise ValueError(f"{name}: stage_params has no arrays.")
+    lead = 1 if repeats == 1 else 2
+    for path, leaf in leaves:
+        shape = np.shape(leaf)
+        bad = len(shape) < lead or (repeats > 1 and shape[0] != repeats)
+        if not bad and k > 1:
+            bad = shape[lead - 1] != 1
+        if bad:
+            where = f"on each of the {k} stage devices" if k > 1 else "without a stage axis"
+            raise ValueError(
+                f"{name}: stage_params{jax.tree_util.keystr(path)} has shape {shape} {where}, "
+                f"but the schedule (repeats={repeats}) needs stacked stage params {want}, "
+                f"sharded over 'stage' so that each device holds one stage"
+                f"{'' if repeats == 1 else ' per repeat'}. Build them with "
+                f"rp.pipeline.stack_stages(layers, num_stages=K, repeats={repeats}) and place "
+                f"them with NamedSharding(mesh, {spec}) (rp.pipeline.stage_spec({repeats}))."
+            )
+    if repeats == 1:
+        return stage_params
+    return jax.tree.map(lambda a: a.reshape((-1, *a.shape[2:])), stage_params)
+
+
+def _check_stage_fn(name: str, stage_fn: StageFn, call: _Call) -> None:
+    x = _take(call.xs, 0)
+    row = _take(call.rows, 0)
+    out = jax.eval_shape(stage_fn, row, x)
+    want = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), x)
+    got_def, want_def = jax.tree.structure(out), jax.tree.structure(want)
+    same = got_def == want_def and all(
+        (a.shape, a.dtype) == (b.shape, b.dtype)
+        for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(want), strict=True)
+    )
+    if not same:
+        raise ValueError(
+            f"{name}: stage_fn must return an activation with the structure, shapes and dtypes "
+            f"of its input, so that every stage can pass it on; for a micro-batch "
+            f"{_describe(want)} it returned {_describe(out)}. Move shape changes (embedding, "
+            f"head) outside the stages: into the inputs and into loss_fn."
+        )
+
+
+def _describe(tree) -> str:
+    return str(jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", tree))
+
+
+# -- small tree helpers -------------------------------------------------------------------------
+
+
+def _take(tree: PyTree, i) -> PyTree:
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
+
+
+def _put(tree: PyTree, i, value: PyTree) -> PyTree:
+    return jax.tree.map(lambda a, v: lax.dynamic_update_index_in_dim(a, v, i, 0), tree, value)
+
+
+def _where(pred, a: PyTree, b: PyTree) -> PyTree:
+    return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
+
+
+def _zeros(tree: PyTree) -> PyTree:
+    return jax.tree.map(jnp.zeros_like, tree)
+
+
+def _add(a: PyTree, b: PyTree) -> PyTree:
+    return jax.tree.map(jnp.add, a, b)
+
+
+def _shift(tree: PyTree, k: int, step: int, *, ring: bool) -> PyTree:
+    """Sends each stage's value to stage ``s + step`` (cyclically if ``ring``)."""
+    perm = [(s, (s + step) % k) for s in range(k) if ring or 0 <= s + step < k]
+    return lax.ppermute(tree, STAGE_AXIS, perm)
+
+
+def _mean_loss(loss_fn: LossFn, head_params, y, t, m: int) -> jax.Array:
+    return jnp.asarray(loss_fn(head_params, y, t), jnp.float32) / m
+
+
+# -- without a stage axis: every stage in order -------------------------------------------------
+
+
+def _run_rows(stage_fn: StageFn, rows: PyTree, x: PyTree) -> PyTree:
+    return lax.scan(lambda h, p: (stage_fn(p, h), None), x, rows)[0]
+
+
+def _sequential_outputs(call: _Call, stage_fn: StageFn, rows: PyTree, xs: PyTree) -> PyTree:
+    return lax.map(lambda x: _run_rows(stage_fn, rows, x), xs)
+
+
+def _sequential_value_and_grad(call: _Call, stage_fn, loss_fn, head_params, remat: bool):
+    fn = jax.checkpoint(stage_fn, prevent_cse=False) if remat else stage_fn
+    m = call.num_microbatches
+
+    def total(rows, xs, head):
+        def one(acc, xt):
+            x, t = xt
+            return acc + _mean_loss(loss_fn, head, _run_rows(fn, rows, x), t, m), None
+
+        return lax.scan(one, jnp.zeros((), jnp.float32), (xs, call.ts))[0]
+
+    loss, (g_rows, g_xs, g_head) = jax.value_and_grad(total, argnums=(0, 1, 2))(
+        call.rows, call.xs, head_params
+    )
+    return loss, (call.from_rows(g_rows), call.merge_batch(g_xs), g_head)
+
+
+# -- GPipe and Circular: the forward ticks, differentiated by jax.vjp ---------------------------
+
+
+def _forward_ticks(call, plan, stage_fn, loss_fn, head_params, rows, ts, xs, *, remat: bool):
+    """Runs the forward ticks of ``plan`` on this stage.
+
+    Returns ``(loss, ys)``: this stage's share of the mean loss (nonzero on the last stage) when
+    ``loss_fn`` is given, else the last stage's outputs ``[M, b, ...]`` (zeros elsewhere).
+    """
+    k, v, m = call.num_stages, plan.repeats, call.num_microbatches
+    s = lax.axis_index(STAGE_AXIS)
+    fwd, rep = jnp.asarray(plan.fwd), jnp.asarray(plan.fwd_repeat)
+    run_stage = _stage_on_row(stage_fn, rows, v, remat)
+    x0 = _zeros(_take(xs, 0))
+    if loss_fn is None:
+        ys0 = _zeros(xs)
+
+    def tick(carry, t):
+        recv, acc = carry
+        i, r = fwd[t, s], rep[t, s]
+        ic = jnp.maximum(i, 0)
+        x = _where((s == 0) & (r == 0), _take(xs, ic), recv)
+        y = run_stage(r, x)
+        done = (i >= 0) & (s == k - 1) & (r == v - 1)  # a micro-batch leaves the pipeline
+        if loss_fn is None:
+            acc = _where(done, _put(acc, ic, y), acc)
+        else:
+            acc = acc + lax.cond(
+                done,
+                lambda: _mean_loss(loss_fn, head_params, y, _take(ts, ic), m),
+                lambda: jnp.zeros((), jnp.float32),
+            )
+        return (_shift(y, k, 1, ring=v > 1), acc), None
+
+    init = (x0, jnp.zeros((), jnp.float32) if loss_fn is not None else ys0)
+    (_, acc), _ = lax.scan(tick, init, jnp.arange(plan.num_ticks))
+    return (acc, None) if loss_fn is not None else (None, acc)
+
+
+def _stage_on_row(stage_fn: StageFn, rows: PyTree, v: int, remat: bool) -> Callable:
+    """``g(r, x)``: ``stage_fn`` on row ``r`` of this stage's rows, for a differentiated scan.
+
+    What the scan keeps per tick for the backward pass must not include a copy of the stage's
+    parameters. With one row (V = 1) the row is sliced once, outside the scan, so everything
+    computed from it alone is loop-invariant and kept once. With V rows the slice depends on the
+    tick; it is then taken inside the checkpoint, so with ``remat`` the residuals are only the
+    stage input and ``r`` (without ``remat`` a copy of the row is kept per tick: prefer remat
+    with Circular).
+    """
+    if v == 1:
+        row = _take(rows, 0)
+        fn = jax.checkpoint(stage_fn, prevent_cse=False) if remat else stage_fn
+        return lambda r, x: fn(row, x)
+
+    def run(rows, r, x):
+        return stage_fn(_take(rows, r), x)
+
+    fn = jax.checkpoint(run, prevent_cse=False) if remat else run
+    return lambda r, x: fn(rows, r, x)
+
+
+def _scanned_vjp(call, stage_fn, loss_fn, head_params, remat: bool):
+    plan = call.schedule.plan(call.num_stages, call.num_microbatches)
+
+    def local_loss(rows, xs, head):
+        return _forward_ticks(call, plan, stage_fn, loss_fn, head, rows, call.ts, xs, remat=remat)[
+            0
+        ]
+
+    loss, vjp = jax.vjp(local_loss, call.rows, call.xs, head_params)
+    g_rows, g_xs, g_head = vjp(jnp.ones((), jnp.float32))
+    return loss, g_rows, g_xs, g_head
+
+
+# -- 1F1B: forward and backward interleaved in one scan -----------------------------------------
+
+
+def _one_f_one_b(call: _Call, stage_fn, loss_fn, head_params):
+    k, m = call.num_stages, call.num_microbatches
+    plan = call.schedule.plan(k, m)
+    slots = plan.stash_slots
+    s = lax.axis_index(STAGE_AXIS)
+    fwd, bwd = jnp.asarray(plan.fwd), jnp.asarray(plan.bwd)
+    params = _take(call.rows, 0)  # this stage's one row
+    x0 = _zeros(_take(call.xs, 0))
+    is_first, is_last = s == 0, s == k - 1
+    grad_loss = jax.value_and_grad(lambda h, y, t: _mean_loss(loss_fn, h, y, t, m), argnums=(0, 1))
+
+    def tick(c, t):
+        # Forward of micro-batch i (if any), stashing its input for the backward.
+        i = fwd[t, s]
+        ic = jnp.maximum(i, 0)
+        x = _where(is_first, _take(call.xs, ic), c["act"])
+        y = lax.cond(i >= 0, lambda: stage_fn(params, x), lambda: x0)
+        stash = _put(c["stash"], jnp.where(i >= 0, ic % slots, slots), x)  # idle: spare slot
+        # The last stage turns its output into the loss and the cotangent at once.
+        loss, (g_head, dy) = lax.cond(
+            (i >= 0) & is_last,
+            lambda: grad_loss(head_params, y, _take(call.ts, ic)),
+            lambda: (jnp.zeros((), jnp.float32), (_zeros(head_params), x0)),
+        )
+        # Backward of micro-batch j (if any), recomputing the stage from its stashed input.
+        j = bwd[t, s]
+        jc = jnp.maximum(j, 0)
+        cot = _where(is_last, dy, c["cot"])
+        saved = _take(stash, jc % slots)
+        g_params, dx = lax.cond(
+            j >= 0,
+            lambda: jax.vjp(stage_fn, params, saved)[1](cot),
+            lambda: (_zeros(params), x0),
+        )
+        g_xs = _put(c["g_xs"], jnp.where((j >= 0) & is_first, jc, m), dx)  # else: spare row
+        new = {
+            "act": _shift(y, k, 1, ring=False),
+            "cot": _shift(dx, k, -1, ring=False),
+            "stash": stash,
+            "g_params": _add(c["g_params"], g_params),
+            "g_head": _add(c["g_head"], g_head),
+            "g_xs": g_xs,
+            "loss": c["loss"] + loss,
+        }
+        return new, None
+
+    spare = jax.tree.map(lambda a: jnp.zeros((a.shape[0] + 1, *a.shape[1:]), a.dtype), call.xs)
+    init = {
+        "act": x0,
+        "cot": x0,
+        "stash": jax.tree.map(lambda a: jnp.zeros((slots + 1, *a.shape), a.dtype), x0),
+        "g_params": _zeros(params),
+        "g_head": _zeros(head_params),
+        "g_xs": spare,
+        "loss": jnp.zeros((), jnp.float32),
+    }
+    c, _ = lax.scan(tick, init, jnp.arange(plan.num_ticks))
+    g_rows = jax.tree.map(lambda g: g[None], c["g_params"])
+    g_xs = jax.tree.map(lambda g: g[:m], c["g_xs"])
+    return c["loss"], g_rows, g_xs, c["g_head"]
