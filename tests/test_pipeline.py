@@ -276,3 +276,27 @@ def test_check_replicas_sees_a_divergence_in_any_stage_block():
     w = jax.device_put(np.ones((4, 3), np.float32), NamedSharding(repl.mesh, pipeline.stage_spec()))
     state, _ = repl.run(fine, {"w": w}, np.ones(8))
     np.testing.assert_array_equal(state["w"], np.full((4, 3), 9.0))
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_the_unrolled_debug_loop_runs_the_same_ticks(name):
+    schedule, v = SCHEDULES[name]
+    repl = make_repl({"data": 1, "stage": 4})
+    params = init_params()
+    x, t = make_batch(16)
+    results = []
+    for unroll in (False, True):
+        grads = pipelined_grads(pipeline.value_and_grad(
+            pipeline.scan_layers(layer_fn), loss_fn, num_microbatches=4, schedule=schedule,
+            unroll=unroll,
+        ))  # fmt: skip
+
+        def step(state, x, t, grads=grads):
+            loss, g = grads(state["params"], x, t)
+            return {**state, "grads": g}, {"loss": loss}
+
+        placed = to_pipeline(params, repl, 4, v)
+        state = {"params": placed, "grads": jax.tree.map(jnp.zeros_like, placed)}
+        state, out = repl.run(step, state, x, t)
+        results.append((from_pipeline(state["grads"], v), np.asarray(out["loss"])))
+    assert rel_err(results[1], results[0]) <= 1e-6

@@ -55,6 +55,7 @@ def value_and_grad(
     num_microbatches: int,
     schedule: Any = "gpipe",
     remat: bool = True,
+    unroll: bool = False,
 ) -> Callable[..., tuple[jax.Array, tuple[PyTree, PyTree, PyTree]]]:
     """The loss of a pipelined model and its gradients, micro-batched over a schedule.
 
@@ -82,6 +83,9 @@ def value_and_grad(
         names ``"gpipe"``, ``"circular"``, ``"1f1b"``.
       remat: recompute each stage in the backward pass instead of keeping its activations (for
         GPipe and Circular; 1F1B always recomputes from the stashed stage input).
+      unroll: run the ticks as a Python loop instead of a ``lax.scan``, for debugging: the same
+        tick body, one traced copy per tick (``jax.debug.print`` in ``stage_fn`` then shows every
+        tick in order). Compile time grows with the number of ticks.
 
     Returns:
       ``f(stage_params, inputs, targets, head_params=None) -> (loss, (g_stages, g_inputs,
@@ -107,7 +111,7 @@ def value_and_grad(
     ((4, 3, 3), (4, 3))
     """
     sched = schedules_lib.get(schedule)
-    _check_common(num_microbatches, remat, "value_and_grad")
+    _check_common(num_microbatches, remat, "value_and_grad", unroll)
     if sched.name == "1f1b" and not remat:
         raise ValueError(
             "rp.pipeline.value_and_grad: OneFOneB() always recomputes each stage from its "
@@ -119,6 +123,7 @@ def value_and_grad(
         call = _Call.make(
             "value_and_grad", sched, num_microbatches, stage_fn, stage_params, inputs, targets
         )
+        call.unroll = unroll
         if call.num_stages == 1:
             return _sequential_value_and_grad(call, stage_fn, loss_fn, head_params, remat)
         if sched.name == "1f1b":
@@ -137,6 +142,7 @@ def apply(
     *,
     num_microbatches: int,
     schedule: Any = "gpipe",
+    unroll: bool = False,
 ) -> Callable[[PyTree, PyTree], PyTree]:
     """The forward pass of a pipelined model, for evaluation: ``f(stage_params, inputs) -> y``.
 
@@ -150,11 +156,12 @@ def apply(
     Array([8., 8.], dtype=float32)
     """
     sched = schedules_lib.get(schedule)
-    _check_common(num_microbatches, True, "apply")
+    _check_common(num_microbatches, True, "apply", unroll)
     forward_sched = schedules_lib.GPipe() if sched.name == "1f1b" else sched
 
     def f(stage_params, inputs):
         call = _Call.make("apply", sched, num_microbatches, stage_fn, stage_params, inputs, None)
+        call.unroll = unroll
         if call.num_stages == 1:
             ys = _sequential_outputs(call, stage_fn, call.rows, call.xs)
         else:
@@ -202,6 +209,7 @@ class _Call:
     ts: PyTree  # targets as [M, b, ...], or None
     param_shapes: PyTree  # the stage params' shapes as passed, to undo `rows`
     batch: int  # the per-replica batch B
+    unroll: bool = False  # ticks as a Python loop instead of lax.scan
 
     @classmethod
     def make(cls, api, schedule, m, stage_fn, stage_params, inputs, targets) -> _Call:
@@ -235,11 +243,12 @@ class _Call:
         return jax.tree.map(lambda a: a.reshape((self.batch, *a.shape[2:])), tree)
 
 
-def _check_common(m, remat, api: str) -> None:
+def _check_common(m, remat, api: str, unroll: bool = False) -> None:
     if not isinstance(m, int) or isinstance(m, bool) or m < 1:
         raise ValueError(f"rp.pipeline.{api}: num_microbatches must be an int >= 1; got {m!r}.")
-    if not isinstance(remat, bool):
-        raise TypeError(f"rp.pipeline.{api}: remat must be True or False; got {remat!r}.")
+    for name, value in (("remat", remat), ("unroll", unroll)):
+        if not isinstance(value, bool):
+            raise TypeError(f"rp.pipeline.{api}: {name} must be True or False; got {value!r}.")
 
 
 def _batch_size(name: str, inputs, targets) -> int:
@@ -352,6 +361,15 @@ def _mean_loss(loss_fn: LossFn, head_params, y, t, m: int) -> jax.Array:
     return jnp.asarray(loss_fn(head_params, y, t), jnp.float32) / m
 
 
+def _run_ticks(tick: Callable, carry: PyTree, num_ticks: int, unroll: bool) -> PyTree:
+    """Runs ``tick(carry, t)`` for every tick: one ``lax.scan``, or a Python loop to debug."""
+    if unroll:
+        for t in range(num_ticks):
+            carry, _ = tick(carry, jnp.int32(t))
+        return carry
+    return lax.scan(tick, carry, jnp.arange(num_ticks, dtype=jnp.int32))[0]
+
+
 # -- without a stage axis: every stage in order -------------------------------------------------
 
 
@@ -415,7 +433,7 @@ def _forward_ticks(call, plan, stage_fn, loss_fn, head_params, rows, ts, xs, *, 
         return (_shift(y, k, 1, ring=v > 1), acc), None
 
     init = (x0, jnp.zeros((), jnp.float32) if loss_fn is not None else ys0)
-    (_, acc), _ = lax.scan(tick, init, jnp.arange(plan.num_ticks))
+    _, acc = _run_ticks(tick, init, plan.num_ticks, call.unroll)
     return (acc, None) if loss_fn is not None else (None, acc)
 
 
@@ -513,7 +531,7 @@ def _one_f_one_b(call: _Call, stage_fn, loss_fn, head_params):
         "g_xs": spare,
         "loss": jnp.zeros((), jnp.float32),
     }
-    c, _ = lax.scan(tick, init, jnp.arange(plan.num_ticks))
+    c = _run_ticks(tick, init, plan.num_ticks, call.unroll)
     g_rows = jax.tree.map(lambda g: g[None], c["g_params"])
     g_xs = jax.tree.map(lambda g: g[:m], c["g_xs"])
     return c["loss"], g_rows, g_xs, c["g_head"]
