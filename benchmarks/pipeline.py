@@ -130,9 +130,9 @@ def sequential_repl() -> rp.Replicator:
 def placed(repl: rp.Replicator, n_layers: int, schedule) -> dict:
     stacked = pipeline.stack_stages(layers(n_layers), num_stages=K, repeats=schedule.repeats)
     if "stage" not in repl.mesh.shape:
-        return repl.replicate(stacked)
+        return jax.block_until_ready(repl.replicate(stacked))
     sharding = NamedSharding(repl.mesh, pipeline.stage_spec(schedule.repeats))
-    return jax.device_put(stacked, sharding)
+    return jax.block_until_ready(jax.device_put(stacked, sharding))  # not during timing
 
 
 # -- (a) compile time ---------------------------------------------------------------------------

@@ -150,8 +150,11 @@ def blocks(stacked_params: dict, x: jax.Array, *, config: GPTConfig) -> jax.Arra
 
 
 def stage_fn(config: GPTConfig) -> Callable[[dict, jax.Array], jax.Array]:
-    """``f(stage_params, x) -> x`` for the pipeline: the blocks of one stage (``[Lv, ...]``)."""
-    return lambda stage_params, x: blocks(stage_params, x, config=config).astype(x.dtype)
+    """``f(stage_params, x) -> x`` for the pipeline: the blocks of one stage (``[Lv, ...]``),
+    built with `replicator.pipeline.scan_layers` so the pipeline steps through them one by one."""
+    from replicator.pipeline import scan_layers
+
+    return scan_layers(lambda p, x: block(p, x, config=config).astype(x.dtype))
 
 
 def head_logits(head_params: dict, x: jax.Array) -> jax.Array:

@@ -10,17 +10,20 @@ every stage holds them, and each stage holds the gradient of its own stage param
 
 Without a ``stage`` axis (the local lowering, a mesh of data axes only, or outside any
 ``Replicator``) the same call runs every stage in order on each micro-batch: a scan over the
-micro-batches of a scan over the stages. This is the single-device meaning of a pipeline call.
+micro-batches of a scan over the layers. This is the single-device meaning of a pipeline call.
 
-Two engines share the tick tables:
+The scans step one *layer* per iteration: a stage built with `scan_layers` exposes its layers
+(any other ``stage_fn`` counts as one layer), and a tick is Lv iterations. The compiled program is
+then the same whatever the number of layers per stage, with no loop nested in another. Two
+engines share the tick tables:
 
-* GPipe and Circular run the forward ticks in a scan and get the backward from ``jax.vjp`` of
-  that scan (the forward ticks replayed in reverse). Stages compute through the bubbles; with
-  ``remat`` only each stage's input is kept per tick.
-* 1F1B runs forward and backward in the same scan: at each tick a stage may run the forward of
-  one micro-batch and the backward of another, each under ``lax.cond`` so that idle halves cost
-  nothing. The backward recomputes the stage from its stashed input, and the stash is a ring
-  buffer of ``2K-1`` inputs, whatever the number of micro-batches.
+* GPipe and Circular run the forward in a scan and get the backward from ``jax.vjp`` of that
+  scan (the forward replayed in reverse). Stages compute through the bubbles; with ``remat``
+  only each layer's input is kept per iteration, never a copy of the parameters.
+* 1F1B runs forward and backward in the same scan: a tick is Lv forward iterations, then Lv
+  backward iterations in reverse layer order, each under ``lax.cond`` so that idle halves cost
+  nothing. The backward recomputes each layer from its stashed input, and the stash is a ring of
+  ``2K-1`` micro-batches' layer inputs, whatever the number of micro-batches.
 """
 
 from __future__ import annotations
@@ -33,12 +36,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from replicator._src.binding import current_binding
 from replicator._src.pipeline import schedules as schedules_lib
 from replicator._src.typing import PyTree
 
 STAGE_AXIS = "stage"
+_PARAMS = "rp_pipeline_layer_params"
 
 StageFn = Callable[[PyTree, PyTree], PyTree]
 LossFn = Callable[[PyTree, PyTree, PyTree], jax.Array]
@@ -81,8 +86,8 @@ def value_and_grad(
       num_microbatches: M, the number of micro-batches per replica's batch.
       schedule: ``rp.pipeline.GPipe()``, ``Circular(repeats=V)``, ``OneFOneB()``, or their
         names ``"gpipe"``, ``"circular"``, ``"1f1b"``.
-      remat: recompute each stage in the backward pass instead of keeping its activations (for
-        GPipe and Circular; 1F1B always recomputes from the stashed stage input).
+      remat: recompute each layer in the backward pass from its input instead of keeping its
+        activations (for GPipe and Circular; 1F1B always recomputes from the stashed input).
       unroll: run the ticks as a Python loop instead of a ``lax.scan``, for debugging: the same
         tick body, one traced copy per tick (``jax.debug.print`` in ``stage_fn`` then shows every
         tick in order). Compile time grows with the number of ticks.
@@ -114,7 +119,7 @@ def value_and_grad(
     _check_common(num_microbatches, remat, "value_and_grad", unroll)
     if sched.name == "1f1b" and not remat:
         raise ValueError(
-            "rp.pipeline.value_and_grad: OneFOneB() always recomputes each stage from its "
+            "rp.pipeline.value_and_grad: OneFOneB() always recomputes each layer from its "
             "stashed input in the backward pass; remat=False is not available for it. Use "
             "remat=True, or GPipe()/Circular() with remat=False to keep activations instead."
         )
@@ -179,18 +184,44 @@ def scan_layers(layer_fn: Callable[[PyTree, PyTree], PyTree], /) -> StageFn:
     """A ``stage_fn`` that applies ``layer_fn`` once per layer of its stage, as a ``lax.scan``.
 
     With stage parameters stacked as ``[layers_per_stage, ...]`` (what `stack_stages` gives each
-    stage), compile time does not grow with the number of layers per stage.
+    stage), compile time does not grow with the number of layers per stage. The pipeline engine
+    also sees the layers: it steps through them one per iteration of its own scan, so that the
+    compiled program is the same whatever the number of layers per stage, and 1F1B recomputes
+    one layer at a time in the backward pass.
 
     >>> import jax.numpy as jnp, replicator as rp
     >>> stage = rp.pipeline.scan_layers(lambda w, x: x @ w)
     >>> stage(jnp.stack([2 * jnp.eye(2)] * 3), jnp.ones((1, 2)))
     Array([[8., 8.]], dtype=float32)
     """
+    return _ScanLayers(layer_fn)
 
-    def stage_fn(stage_params, x):
-        return lax.scan(lambda h, p: (layer_fn(p, h), None), x, stage_params)[0]
 
-    return stage_fn
+class _ScanLayers:
+    """A stage made of layers of one structure; see `scan_layers`."""
+
+    def __init__(self, layer_fn: Callable[[PyTree, PyTree], PyTree]) -> None:
+        self.layer_fn = layer_fn
+
+    def __call__(self, stage_params: PyTree, x: PyTree) -> PyTree:
+        return lax.scan(lambda h, p: (self.layer_fn(p, h), None), x, stage_params)[0]
+
+    def __repr__(self) -> str:
+        return f"scan_layers({getattr(self.layer_fn, '__name__', self.layer_fn)!r})"
+
+
+def _as_layers(stage_fn: StageFn, rows: PyTree) -> tuple[Callable, PyTree, int]:
+    """The stage rows as layers ``[V, Lv, ...]``, the function of one layer, and Lv.
+
+    A `scan_layers` stage exposes its layers; any other ``stage_fn`` is one layer of its own.
+    """
+    if isinstance(stage_fn, _ScanLayers):
+        return stage_fn.layer_fn, rows, jax.tree.leaves(rows)[0].shape[1]
+    return stage_fn, jax.tree.map(lambda a: a[:, None], rows), 1
+
+
+def _take2(tree: PyTree, r, li) -> PyTree:
+    return jax.tree.map(lambda a: _take(_take(a, r), li), tree)
 
 
 # -- the call: validated shapes, micro-batches and stage rows -----------------------------------
@@ -373,22 +404,30 @@ def _run_ticks(tick: Callable, carry: PyTree, num_ticks: int, unroll: bool) -> P
 # -- without a stage axis: every stage in order -------------------------------------------------
 
 
-def _run_rows(stage_fn: StageFn, rows: PyTree, x: PyTree) -> PyTree:
-    return lax.scan(lambda h, p: (stage_fn(p, h), None), x, rows)[0]
+def _run_layers(layer_fn: Callable, layers: PyTree, x: PyTree) -> PyTree:
+    """Every layer in order; ``layers`` has leaves ``[S, Lv, ...]``, flattened to one scan."""
+    flat = jax.tree.map(lambda a: a.reshape((-1, *a.shape[2:])), layers)
+    return lax.scan(lambda h, p: (layer_fn(p, h), None), x, flat)[0]
 
 
 def _sequential_outputs(call: _Call, stage_fn: StageFn, rows: PyTree, xs: PyTree) -> PyTree:
-    return lax.map(lambda x: _run_rows(stage_fn, rows, x), xs)
+    layer_fn, layers, _ = _as_layers(stage_fn, rows)
+    return lax.map(lambda x: _run_layers(layer_fn, layers, x), xs)
 
 
 def _sequential_value_and_grad(call: _Call, stage_fn, loss_fn, head_params, remat: bool):
-    fn = jax.checkpoint(stage_fn, prevent_cse=False) if remat else stage_fn
+    """A scan over the micro-batches of a scan over every layer, remat per layer as in the
+    pipeline."""
+    layer_fn, _, _ = _as_layers(stage_fn, call.rows)
+    fn = jax.checkpoint(layer_fn, prevent_cse=False) if remat else layer_fn
     m = call.num_microbatches
 
     def total(rows, xs, head):
+        layers = _as_layers(stage_fn, rows)[1]
+
         def one(acc, xt):
             x, t = xt
-            return acc + _mean_loss(loss_fn, head, _run_rows(fn, rows, x), t, m), None
+            return acc + _mean_loss(loss_fn, head, _run_layers(fn, layers, x), t, m), None
 
         return lax.scan(one, jnp.zeros((), jnp.float32), (xs, call.ts))[0]
 
@@ -402,61 +441,60 @@ def _sequential_value_and_grad(call: _Call, stage_fn, loss_fn, head_params, rema
 
 
 def _forward_ticks(call, plan, stage_fn, loss_fn, head_params, rows, ts, xs, *, remat: bool):
-    """Runs the forward ticks of ``plan`` on this stage.
+    """Runs the forward ticks of ``plan`` on this stage, one layer per scan iteration.
 
-    Returns ``(loss, ys)``: this stage's share of the mean loss (nonzero on the last stage) when
-    ``loss_fn`` is given, else the last stage's outputs ``[M, b, ...]`` (zeros elsewhere).
+    Iteration ``u`` runs layer ``u % Lv`` of tick ``u // Lv``; the activation moves to the
+    next stage after a tick's last layer. Returns ``(loss, ys)``: this stage's share of the mean
+    loss (nonzero on the last stage) when ``loss_fn`` is given, else the last stage's outputs
+    ``[M, b, ...]`` (zeros elsewhere).
     """
     k, v, m = call.num_stages, plan.repeats, call.num_microbatches
     s = lax.axis_index(STAGE_AXIS)
     fwd, rep = jnp.asarray(plan.fwd), jnp.asarray(plan.fwd_repeat)
-    run_stage = _stage_on_row(stage_fn, rows, v, remat)
+    layer_fn, layers, lv = _as_layers(stage_fn, rows)
+    run_layer = _layer_on(layer_fn, remat)
     x0 = _zeros(_take(xs, 0))
-    if loss_fn is None:
-        ys0 = _zeros(xs)
 
-    def tick(carry, t):
-        recv, acc = carry
+    def step(carry, u):
+        recv, h, acc = carry
+        t, li = u // lv, u % lv
         i, r = fwd[t, s], rep[t, s]
         ic = jnp.maximum(i, 0)
-        x = _where((s == 0) & (r == 0), _take(xs, ic), recv)
-        y = run_stage(r, x)
-        done = (i >= 0) & (s == k - 1) & (r == v - 1)  # a micro-batch leaves the pipeline
+        x = _where(li == 0, _where((s == 0) & (r == 0), _take(xs, ic), recv), h)
+        h = run_layer(layers, r, li, x)
+        last_layer = li == lv - 1
+        done = last_layer & (i >= 0) & (s == k - 1) & (r == v - 1)  # leaves the pipeline
         if loss_fn is None:
-            acc = _where(done, _put(acc, ic, y), acc)
+            acc = _where(done, _put(acc, ic, h), acc)
         else:
             acc = acc + lax.cond(
                 done,
-                lambda: _mean_loss(loss_fn, head_params, y, _take(ts, ic), m),
+                lambda: _mean_loss(loss_fn, head_params, h, _take(ts, ic), m),
                 lambda: jnp.zeros((), jnp.float32),
             )
-        return (_shift(y, k, 1, ring=v > 1), acc), None
+        recv = lax.cond(last_layer, lambda: _shift(h, k, 1, ring=v > 1), lambda: recv)
+        return (recv, h, acc), None
 
-    init = (x0, jnp.zeros((), jnp.float32) if loss_fn is not None else ys0)
-    _, acc = _run_ticks(tick, init, plan.num_ticks, call.unroll)
+    init = (x0, x0, jnp.zeros((), jnp.float32) if loss_fn is not None else _zeros(xs))
+    _, _, acc = _run_ticks(step, init, plan.num_ticks * lv, call.unroll)
     return (acc, None) if loss_fn is not None else (None, acc)
 
 
-def _stage_on_row(stage_fn: StageFn, rows: PyTree, v: int, remat: bool) -> Callable:
-    """``g(r, x)``: ``stage_fn`` on row ``r`` of this stage's rows, for a differentiated scan.
+def _layer_on(layer_fn: Callable, remat: bool) -> Callable:
+    """``g(layers, r, li, x)``: ``layer_fn`` on layer ``li`` of row ``r``, for a differentiated scan.
 
-    What the scan keeps per tick for the backward pass must not include a copy of the stage's
-    parameters. With one row (V = 1) the row is sliced once, outside the scan, so everything
-    computed from it alone is loop-invariant and kept once. With V rows the slice depends on the
-    tick; it is then taken inside the checkpoint, so with ``remat`` the residuals are only the
-    stage input and ``r`` (without ``remat`` a copy of the row is kept per tick: prefer remat
-    with Circular).
+    What the scan keeps per iteration for the backward pass must never be a copy of the layer's
+    parameters: they are sliced inside a checkpoint, so with ``remat`` the residuals are the
+    layer's input and indices, and without it every intermediate activation but the parameters.
     """
-    if v == 1:
-        row = _take(rows, 0)
-        fn = jax.checkpoint(stage_fn, prevent_cse=False) if remat else stage_fn
-        return lambda r, x: fn(row, x)
 
-    def run(rows, r, x):
-        return stage_fn(_take(rows, r), x)
+    def run(layers, r, li, x):
+        return layer_fn(checkpoint_name(_take2(layers, r, li), _PARAMS), x)
 
-    fn = jax.checkpoint(run, prevent_cse=False) if remat else run
-    return lambda r, x: fn(rows, r, x)
+    if remat:
+        return jax.checkpoint(run, prevent_cse=False)
+    policy = jax.checkpoint_policies.save_anything_except_these_names(_PARAMS)
+    return jax.checkpoint(run, prevent_cse=False, policy=policy)
 
 
 def _scanned_vjp(call, stage_fn, loss_fn, head_params, remat: bool):
@@ -476,45 +514,64 @@ def _scanned_vjp(call, stage_fn, loss_fn, head_params, remat: bool):
 
 
 def _one_f_one_b(call: _Call, stage_fn, loss_fn, head_params):
+    """1F1B with one layer per scan iteration: a tick is Lv forward iterations (under
+    ``lax.cond``, idle when the tick has no forward), then Lv backward iterations in reverse
+    layer order, each recomputing its layer from the stashed layer input."""
     k, m = call.num_stages, call.num_microbatches
     plan = call.schedule.plan(k, m)
     slots = plan.stash_slots
     s = lax.axis_index(STAGE_AXIS)
     fwd, bwd = jnp.asarray(plan.fwd), jnp.asarray(plan.bwd)
-    params = _take(call.rows, 0)  # this stage's one row
+    layer_fn, layers, lv = _as_layers(stage_fn, call.rows)
+    params = _take(layers, 0)  # this stage's layers, [Lv, ...]
     x0 = _zeros(_take(call.xs, 0))
     is_first, is_last = s == 0, s == k - 1
     grad_loss = jax.value_and_grad(lambda h, y, t: _mean_loss(loss_fn, h, y, t, m), argnums=(0, 1))
 
-    def tick(c, t):
-        # Forward of micro-batch i (if any), stashing its input for the backward.
+    def step(c, u):
+        t, q = u // (2 * lv), u % (2 * lv)
+        # Forward phase (q < Lv): layer q of micro-batch i, stashing the layer's input.
         i = fwd[t, s]
-        ic = jnp.maximum(i, 0)
-        x = _where(is_first, _take(call.xs, ic), c["act"])
-        y = lax.cond(i >= 0, lambda: stage_fn(params, x), lambda: x0)
-        stash = _put(c["stash"], jnp.where(i >= 0, ic % slots, slots), x)  # idle: spare slot
+        ic, lf = jnp.maximum(i, 0), jnp.minimum(q, lv - 1)
+        f_on = (i >= 0) & (q < lv)
+        x = _where(q == 0, _where(is_first, _take(call.xs, ic), c["act"]), c["h"])
+        h = lax.cond(f_on, lambda: layer_fn(_take(params, lf), x), lambda: c["h"])
+        slot = jnp.where(f_on, ic % slots, slots)  # idle: the spare slot
+        stash = jax.tree.map(lambda a, v: a.at[slot, lf].set(v), c["stash"], x)
         # The last stage turns its output into the loss and the cotangent at once.
         loss, (g_head, dy) = lax.cond(
-            (i >= 0) & is_last,
-            lambda: grad_loss(head_params, y, _take(call.ts, ic)),
-            lambda: (jnp.zeros((), jnp.float32), (_zeros(head_params), x0)),
+            f_on & (q == lv - 1) & is_last,
+            lambda: grad_loss(head_params, h, _take(call.ts, ic)),
+            lambda: (jnp.zeros((), jnp.float32), (_zeros(head_params), c["dy"])),
         )
-        # Backward of micro-batch j (if any), recomputing the stage from its stashed input.
+        # Backward phase (q >= Lv): layer 2Lv-1-q of micro-batch j, from its stashed input.
         j = bwd[t, s]
-        jc = jnp.maximum(j, 0)
-        cot = _where(is_last, dy, c["cot"])
-        saved = _take(stash, jc % slots)
-        g_params, dx = lax.cond(
-            j >= 0,
-            lambda: jax.vjp(stage_fn, params, saved)[1](cot),
-            lambda: (_zeros(params), x0),
+        jc, lb = jnp.maximum(j, 0), jnp.maximum(2 * lv - 1 - q, 0)
+        b_on = (j >= 0) & (q >= lv)
+        cot = _where(q == lv, _where(is_last, dy, c["cot"]), c["g"])
+        saved = jax.tree.map(lambda a: a[jc % slots, lb], stash)
+        g_layer, g = lax.cond(
+            b_on,
+            lambda: jax.vjp(layer_fn, _take(params, lb), saved)[1](cot),
+            lambda: (_zeros(_take(params, 0)), c["g"]),
         )
-        g_xs = _put(c["g_xs"], jnp.where((j >= 0) & is_first, jc, m), dx)  # else: spare row
+        end = q == 2 * lv - 1
+        g_xs = _put(c["g_xs"], jnp.where(end & b_on & is_first, jc, m), g)  # else: spare row
+        act, cot_next = lax.cond(
+            end,
+            lambda: (_shift(h, k, 1, ring=False), _shift(g, k, -1, ring=False)),
+            lambda: (c["act"], c["cot"]),
+        )
         new = {
-            "act": _shift(y, k, 1, ring=False),
-            "cot": _shift(dx, k, -1, ring=False),
+            "act": act,
+            "cot": cot_next,
+            "h": h,
+            "g": g,
+            "dy": dy,
             "stash": stash,
-            "g_params": _add(c["g_params"], g_params),
+            "g_params": jax.tree.map(
+                lambda a, d: a.at[lb].add(jnp.where(b_on, d, 0)), c["g_params"], g_layer
+            ),
             "g_head": _add(c["g_head"], g_head),
             "g_xs": g_xs,
             "loss": c["loss"] + loss,
@@ -525,13 +582,18 @@ def _one_f_one_b(call: _Call, stage_fn, loss_fn, head_params):
     init = {
         "act": x0,
         "cot": x0,
-        "stash": jax.tree.map(lambda a: jnp.zeros((slots + 1, *a.shape), a.dtype), x0),
+        "h": x0,
+        "g": x0,
+        "dy": x0,
+        "stash": jax.tree.map(lambda a: jnp.zeros((slots + 1, lv, *a.shape), a.dtype), x0),
         "g_params": _zeros(params),
         "g_head": _zeros(head_params),
         "g_xs": spare,
         "loss": jnp.zeros((), jnp.float32),
     }
-    c = _run_ticks(tick, init, plan.num_ticks, call.unroll)
-    g_rows = jax.tree.map(lambda g: g[None], c["g_params"])
+    c = _run_ticks(step, init, plan.num_ticks * 2 * lv, call.unroll)
+    g_layers = jax.tree.map(lambda g: g[None], c["g_params"])  # [1, Lv, ...]
+    if not isinstance(stage_fn, _ScanLayers):
+        g_layers = jax.tree.map(lambda g: g[:, 0], g_layers)  # back to [1, ...]
     g_xs = jax.tree.map(lambda g: g[:m], c["g_xs"])
-    return c["loss"], g_rows, g_xs, c["g_head"]
+    return c["loss"], g_layers, g_xs, c["g_head"]
