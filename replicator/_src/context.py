@@ -7,6 +7,7 @@ import contextlib
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -167,13 +168,39 @@ class Replicator:
         )
         return jax.device_put(tree, sharding)
 
-    def wrap_optimizer(self, tx: optax.GradientTransformation, /):
+    def wrap_optimizer(
+        self,
+        tx: optax.GradientTransformation,
+        /,
+        *,
+        zero_stage: int = 0,
+        clip_global_norm: float | None = None,
+        grad_dtype: Any = None,
+    ) -> optax.GradientTransformationExtraArgs:
         """An optax transformation that takes the cross-replica mean of the gradients, then ``tx``.
 
         Use it inside ``step_fn`` like any optax optimizer (for example through Flax's
-        ``TrainState.apply_gradients``). See `replicator._src.optim.wrap_optimizer`.
+        ``TrainState.apply_gradients``).
+
+        Args:
+          tx: the inner optax transformation.
+          zero_stage: 0: replicated optimizer state; 1 or 2 (ZeRO): the state is sharded over
+            the replicas (1/N per device), gradients are reduce-scattered and updates
+            all-gathered. Call ``init`` outside ``step_fn`` (it places the sharded state) and
+            pass ``params`` to ``update``. ``tx`` must then act element by element.
+          clip_global_norm: clip the mean gradient to this global norm, computed over the
+            whole gradient even when it is sharded.
+          grad_dtype: communicate the gradients in this dtype, e.g. ``jnp.bfloat16``.
+
+        See `replicator._src.optim.wrap_optimizer`.
         """
-        return optim.wrap_optimizer(tx)
+        return optim.wrap_optimizer(
+            tx,
+            mesh=self._mesh,
+            zero_stage=zero_stage,
+            clip_global_norm=clip_global_norm,
+            grad_dtype=grad_dtype,
+        )
 
     # -- input ------------------------------------------------------------------------------
 

@@ -1,0 +1,133 @@
+"""The wrapped optimizer's options: ZeRO-sharded state, global-norm clipping, compressed
+all-reduce; each against optax on one device with the full batch."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from oracle import batches, rel_err
+
+import replicator as rp
+
+STEPS = 5
+SIZES = (16, 13, 5, 4)  # leaves of 208, 13, 65, 5, 20, 4 elements: most do not divide by 8
+
+
+def init_params(seed=1):
+    keys = jax.random.split(jax.random.key(seed), len(SIZES) - 1)
+    return [
+        {"w": jax.random.normal(k, (a, b)) / np.sqrt(a), "b": jnp.full((b,), 0.1)}
+        for k, a, b in zip(keys, SIZES[:-1], SIZES[1:])
+    ]
+
+
+def loss_fn(params, batch):
+    x = batch["x"]
+    for i, layer in enumerate(params):
+        x = x @ layer["w"] + layer["b"]
+        x = jnp.tanh(x) if i < len(params) - 1 else x
+    return jnp.mean((x - batch["y"]) ** 2)
+
+
+def oracle(tx, data):
+    params, opt = init_params(), tx.init(init_params())
+    step = jax.jit(lambda p, o, b: tx.update(jax.grad(loss_fn)(p, b), o, p))
+    for batch in data:
+        updates, opt = step(params, opt, batch)
+        params = optax.apply_updates(params, updates)
+    return params
+
+
+def replicated_run(repl, tx, data, **options):
+    wrapped = repl.wrap_optimizer(tx, **options)
+    params = repl.replicate(init_params())
+    state = {"params": params, "opt": wrapped.init(params)}
+
+    def step(state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch)
+        updates, opt = wrapped.update(grads, state["opt"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        return {"params": params, "opt": opt}, {"loss": rp.all_reduce(loss, "mean")}
+
+    for batch in data:
+        state, _ = repl.run(step, state, batch)
+    return state
+
+
+OPTIMIZERS = {"sgd": lambda: optax.sgd(0.1), "adam": lambda: optax.adam(1e-2)}
+
+
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+@pytest.mark.parametrize("zero_stage", [0, 1, 2])
+def test_zero_stages_equal_single_device_training(zero_stage, opt):
+    data = batches(STEPS, din=SIZES[0], dout=SIZES[-1])
+    repl = rp.Replicator()
+    state = replicated_run(repl, OPTIMIZERS[opt](), data, zero_stage=zero_stage)
+    want = oracle(OPTIMIZERS[opt](), data)
+    assert rel_err(state["params"], want) <= 1e-5
+    assert rel_err(state["params"], init_params()) > 1e-3  # it trained
+    if zero_stage:
+        mu = state["opt"].inner[0].mu if opt == "adam" else None
+        tree = state["opt"].inner if mu is None else mu
+        for leaf in jax.tree.leaves(tree):  # each replica holds 1/8 of every state leaf
+            if leaf.ndim:
+                assert leaf.sharding.spec == P("data")
+                assert {s.data.shape[0] for s in leaf.addressable_shards} == {leaf.shape[0] // 8}
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_clipping_is_by_the_global_norm_of_the_whole_gradient(zero_stage):
+    data = batches(STEPS, din=SIZES[0], dout=SIZES[-1])
+    max_norm = 0.05
+    first = jax.grad(loss_fn)(init_params(), data[0])
+    assert float(optax.tree.norm(first)) > 4 * max_norm  # the clip is active
+    repl = rp.Replicator()
+    state = replicated_run(
+        repl, optax.sgd(0.5), data, zero_stage=zero_stage, clip_global_norm=max_norm
+    )
+    want = oracle(optax.chain(optax.clip_by_global_norm(max_norm), optax.sgd(0.5)), data)
+    assert rel_err(state["params"], want) <= 1e-5
+    unclipped = oracle(optax.sgd(0.5), data)
+    assert rel_err(state["params"], unclipped) > 1e-2
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_bf16_compressed_all_reduce(zero_stage):
+    data = batches(STEPS, din=SIZES[0], dout=SIZES[-1])
+    repl = rp.Replicator()
+    state = replicated_run(
+        repl, optax.sgd(0.1), data, zero_stage=zero_stage, grad_dtype=jnp.bfloat16
+    )
+    want = oracle(optax.sgd(0.1), data)
+    assert rel_err(state["params"], want) <= 1e-2  # bf16 keeps 8 bits of mantissa
+    # The program sends the gradients in bf16: every all-reduce (ZeRO: reduce-scatter) of the
+    # lowered HLO is bf16. (XLA:CPU then upcasts bf16 reductions to f32 when it compiles, as the
+    # CPU has no bf16 arithmetic for them; TPU and GPU keep them in bf16.)
+    wrapped = repl.wrap_optimizer(optax.sgd(0.1), zero_stage=zero_stage, grad_dtype=jnp.bfloat16)
+    params = repl.replicate(init_params())
+
+    def step(state, batch):
+        grads = jax.grad(loss_fn)(state["params"], batch)
+        updates, opt = wrapped.update(grads, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {}
+
+    lowered = repl.lower(step, {"params": params, "opt": wrapped.init(params)}, data[0])
+    op = "reduce-scatter" if zero_stage else "all-reduce"
+    found = re.findall(rf"= (\w+)\[[^=]*? {op}\(", lowered.as_text(dialect="hlo"))
+    assert len(found) == 6 and set(found) == {"bf16"}, found  # one per gradient leaf
+
+
+def test_errors():
+    repl = rp.Replicator()
+    with pytest.raises(ValueError, match=r"zero_stage=4 is not supported; use one of \(0, 1, 2\)"):
+        repl.wrap_optimizer(optax.sgd(0.1), zero_stage=4)
+    with pytest.raises(ValueError, match=r"clip_global_norm must be > 0"):
+        repl.wrap_optimizer(optax.sgd(0.1), clip_global_norm=0.0)
+    sharded = jax.device_put(jnp.ones((8, 2)), NamedSharding(repl.mesh, P("data")))
+    with pytest.raises(ValueError, match=r"parameter \['w'\] is sharded as .*repl.replicate"):
+        repl.wrap_optimizer(optax.adam(1e-3), zero_stage=1).init({"w": sharded})
