@@ -199,3 +199,18 @@ def test_lower_gives_the_program_without_running_it():
     np.testing.assert_allclose(new, np.full(256, 1 + 8.0))
     with pytest.raises(ValueError, match=r"lowering='local' runs step_fn eagerly"):
         rp.Replicator(lowering="local").lower(step, jnp.zeros(()), np.ones(4))
+
+
+def test_replicate_drops_weak_types_so_the_second_step_reuses_the_program():
+    repl = rp.Replicator()
+    traces = []
+
+    def step(state, x):
+        traces.append(1)
+        return {"b": state["b"] + jnp.sum(x)}, {}
+
+    state = repl.replicate({"b": jnp.full((3,), 0.1)})  # jnp.full with a float: weakly typed
+    assert not state["b"].weak_type
+    for _ in range(3):
+        state, _ = repl.run(step, state, np.ones(8, np.float32))
+    assert len(traces) == 1

@@ -131,3 +131,89 @@ def test_errors():
     sharded = jax.device_put(jnp.ones((8, 2)), NamedSharding(repl.mesh, P("data")))
     with pytest.raises(ValueError, match=r"parameter \['w'\] is sharded as .*repl.replicate"):
         repl.wrap_optimizer(optax.adam(1e-3), zero_stage=1).init({"w": sharded})
+
+
+def stepped_run(repl, tx, data, **options):
+    opt = repl.wrap_optimizer(tx, **options)
+    params = repl.replicate(init_params())
+    state = {"params": params, "opt": opt.init(params)}
+    traces = []
+
+    def step(state, batch):
+        traces.append(1)
+        params, opt_state, metrics = opt.step(loss_fn, state["params"], state["opt"], batch)
+        return {"params": params, "opt": opt_state}, metrics
+
+    history = []
+    for batch in data:
+        state, metrics = repl.run(step, state, batch)
+        history.append(jax.tree.map(lambda m: np.asarray(m)[0], metrics))
+    assert len(traces) == 1
+    return state, history
+
+
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+@pytest.mark.parametrize("accumulate_steps", [1, 4])
+@pytest.mark.parametrize("zero_stage", [0, 1, 2])
+def test_accumulation_equals_one_big_batch(zero_stage, accumulate_steps, opt):
+    data = batches(STEPS, din=SIZES[0], dout=SIZES[-1])  # 64 examples: 8 per replica
+    repl = rp.Replicator()
+    state, history = stepped_run(
+        repl, OPTIMIZERS[opt](), data, zero_stage=zero_stage, accumulate_steps=accumulate_steps
+    )
+    assert rel_err(state["params"], oracle(OPTIMIZERS[opt](), data)) <= 1e-5
+    want_loss = float(loss_fn(init_params(), data[0]))
+    assert abs(history[0]["loss"] - want_loss) <= 1e-5 * want_loss
+
+
+def test_dynamic_loss_scaling_skips_non_finite_steps_and_recovers():
+    data = batches(6, din=SIZES[0], dout=SIZES[-1])
+    for i, batch in enumerate(data):
+        batch["poison"] = np.full((64,), np.inf if i == 2 else 1.0, np.float32)
+    poisoned_loss = lambda p, b: loss_fn(p, b) * jnp.mean(b["poison"])
+    repl = rp.Replicator()
+    opt = repl.wrap_optimizer(optax.sgd(0.1), loss_scale="dynamic", loss_scale_period=2)
+    params = repl.replicate(init_params())
+    state = {"params": params, "opt": opt.init(params)}
+
+    def step(state, batch):
+        params, opt_state, metrics = opt.step(poisoned_loss, state["params"], state["opt"], batch)
+        return {"params": params, "opt": opt_state}, metrics
+
+    history, before = [], None
+    for i, batch in enumerate(data):
+        if i == 2:
+            before = jax.tree.map(np.asarray, state["params"])
+        state, metrics = repl.run(step, state, batch)
+        history.append({k: float(np.asarray(v)[0]) for k, v in metrics.items()})
+        if i == 2:  # the step was skipped: parameters unchanged, the scale halved
+            assert rel_err(state["params"], before) == 0
+    scales = [h["loss_scale"] for h in history]
+    assert scales == [2.0**15, 2.0**16, 2.0**15, 2.0**15, 2.0**16, 2.0**16], scales
+    assert [h["skipped"] for h in history] == [0, 0, 1, 1, 1, 1]
+    # Training went on: the result equals SGD on the five clean batches.
+    clean = [b for i, b in enumerate(data) if i != 2]
+    assert rel_err(state["params"], oracle(optax.sgd(0.1), clean)) <= 1e-5
+
+
+def test_step_errors():
+    repl = rp.Replicator()
+    with pytest.raises(ValueError, match=r"accumulate_steps must be an int >= 1; got 0"):
+        repl.wrap_optimizer(optax.sgd(0.1), accumulate_steps=0)
+    with pytest.raises(
+        ValueError, match=r"loss_scale must be None, a positive number or 'dynamic'"
+    ):
+        repl.wrap_optimizer(optax.sgd(0.1), loss_scale="auto")
+    opt = repl.wrap_optimizer(optax.sgd(0.1), accumulate_steps=3)
+    params = repl.replicate(init_params())
+    data = batches(1, din=SIZES[0], dout=SIZES[-1])
+
+    def step(state, batch):
+        params, opt_state, metrics = opt.step(loss_fn, state["params"], state["opt"], batch)
+        return {"params": params, "opt": opt_state}, metrics
+
+    with pytest.raises(
+        ValueError,
+        match=r"batch leaf \['x'\] of shape \(8, 16\) does not split into accumulate_steps=3",
+    ):
+        repl.run(step, {"params": params, "opt": opt.init(params)}, data[0])

@@ -152,7 +152,8 @@ class Replicator:
         """Places a copy of every leaf of ``tree`` on every device of the mesh.
 
         Leaves become global ``jax.Array``s with ``NamedSharding(mesh, P())`` that own their
-        buffers: ``run`` donates the state, and the arrays passed in here stay valid. With several
+        buffers (``run`` donates the state, and the arrays passed in here stay valid) and are not
+        weakly typed (so a step's new state has the same types and reuses the program). With several
         processes, process 0's values are broadcast first, so every process starts from the
         same state even if each initialised it with a different seed.
         """
@@ -163,8 +164,11 @@ class Replicator:
         # ``device_put`` reuses a device buffer that already holds the value (even with
         # ``may_alias=False`` in jax 0.10.2); ``run`` donates the state, which would delete the
         # caller's array. Copy first, so the replicated state owns all of its buffers.
+        # An explicit dtype also drops JAX's weak type (jnp.full(3, 0.1) is weakly typed), which
+        # the step's new state would not have: the second step would compile again.
         tree = jax.tree.map(
-            lambda x: jnp.array(x, copy=True) if isinstance(x, jax.Array) else x, tree
+            lambda x: jnp.array(x, dtype=x.dtype, copy=True) if isinstance(x, jax.Array) else x,
+            tree,
         )
         return jax.device_put(tree, sharding)
 
@@ -176,7 +180,10 @@ class Replicator:
         zero_stage: int = 0,
         clip_global_norm: float | None = None,
         grad_dtype: Any = None,
-    ) -> optax.GradientTransformationExtraArgs:
+        accumulate_steps: int = 1,
+        loss_scale: float | str | None = None,
+        loss_scale_period: int = 2000,
+    ) -> optim.DistributedOptimizer:
         """An optax transformation that takes the cross-replica mean of the gradients, then ``tx``.
 
         Use it inside ``step_fn`` like any optax optimizer (for example through Flax's
@@ -191,6 +198,11 @@ class Replicator:
           clip_global_norm: clip the mean gradient to this global norm, computed over the
             whole gradient even when it is sharded.
           grad_dtype: communicate the gradients in this dtype, e.g. ``jnp.bfloat16``.
+          accumulate_steps: micro-batches per ``opt.step(loss_fn, params, state, batch)``,
+            accumulated in a scan inside the compiled step.
+          loss_scale: ``None``, a static scale, or ``"dynamic"`` (skip non-finite steps, halve
+            the scale; double it after ``loss_scale_period`` finite steps). Use ``opt.step``,
+            which scales the loss, or multiply the loss by ``state.loss_scale.scale`` yourself.
 
         See `replicator._src.optim.wrap_optimizer`.
         """
@@ -200,6 +212,9 @@ class Replicator:
             zero_stage=zero_stage,
             clip_global_norm=clip_global_norm,
             grad_dtype=grad_dtype,
+            accumulate_steps=accumulate_steps,
+            loss_scale=loss_scale,
+            loss_scale_period=loss_scale_period,
         )
 
     # -- input ------------------------------------------------------------------------------

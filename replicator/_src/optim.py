@@ -13,6 +13,14 @@ Options follow Horovod and DeepSpeed:
   ``optax.clip_by_global_norm`` on one device.
 * ``grad_dtype``: communicate the gradients in this dtype (e.g. ``jnp.bfloat16``, Horovod's
   ``Compression.fp16``), then go on in the gradients' own dtype.
+* ``accumulate_steps=k`` (used by `DistributedOptimizer.step`): the batch is split into k
+  micro-batches whose gradients are summed in a ``lax.scan`` inside the one compiled step, equal
+  to one step on the whole batch (Horovod's ``backward_passes_per_step``, DeepSpeed's
+  ``gradient_accumulation_steps``). With ZeRO-2 each micro-batch's gradients are reduce-scattered
+  at once and only this replica's slice is accumulated.
+* ``loss_scale``: a static scale, or ``"dynamic"``: the loss is multiplied by the scale before
+  differentiation; a step whose gradients are not finite is skipped (parameters and optimizer
+  state unchanged), the scale halves, and after ``loss_scale_period`` finite steps it doubles.
 
 The inner transformation must act element by element (SGD, momentum, Adam, AdamW, Lion, ...)
 when the state is sharded: it sees one slice of each leaf.
@@ -38,15 +46,55 @@ from replicator._src.typing import PyTree
 ZERO_STAGES = (0, 1, 2)
 
 
-class ZeroState(NamedTuple):
-    """The state of a ZeRO-sharded optimizer.
+class LossScaleState(NamedTuple):
+    """Dynamic loss scaling. All fields are replicated scalars."""
 
-    ``inner`` is the inner transformation's state over the flattened, padded parameters: every
-    leaf of shape ``[N * c]`` is sharded over the data axes (``c`` elements per replica), and
-    the others (such as Adam's step count) are replicated.
+    scale: jax.Array  # float32: the loss is multiplied by this before differentiation
+    good_steps: jax.Array  # int32: finite steps since the scale last changed
+    skipped: jax.Array  # int32: steps skipped so far because a gradient was not finite
+
+
+class WrappedState(NamedTuple):
+    """The state of a `DistributedOptimizer` with ZeRO or loss scaling.
+
+    ``inner`` is the inner transformation's state; with ``zero_stage >= 1`` it is over the
+    flattened, padded parameters: every leaf of shape ``[N * c]`` is sharded over the data axes
+    (``c`` elements per replica), the others (such as Adam's step count) are replicated.
     """
 
     inner: optax.OptState
+    loss_scale: LossScaleState | None
+
+
+class DistributedOptimizer(optax.GradientTransformationExtraArgs):
+    """An optax transformation (``init``, ``update``) that also runs a whole training step.
+
+    ``update(grads, state, params)`` reduces local gradients over the replicas, clips them and
+    applies the inner transformation. `step` also computes the gradients: with gradient
+    accumulation and loss scaling, which need to see the loss.
+    """
+
+    def step(self, loss_fn, params: PyTree, state, batch: PyTree):
+        """One optimizer step on ``batch``: ``(params, state, metrics)``.
+
+        Equivalent to (one replica's view; ``k = accumulate_steps``)::
+
+            grads = mean over the k micro-batches mb of jax.grad(loss_fn)(params, mb)
+            updates, state = self.update(grads, state, params)   # mean over replicas, ...
+            params = optax.apply_updates(params, updates)
+
+        Args:
+          loss_fn: ``loss_fn(params, batch) -> scalar``, the mean loss of a batch.
+          params: the parameters, as ``step_fn`` sees them.
+          state: this optimizer's state.
+          batch: this replica's batch; its leading axis must divide by ``accumulate_steps``.
+
+        Returns:
+          ``metrics`` holds ``loss`` (the mean over replicas), ``grad_norm`` (of the mean
+          gradient, before clipping), and with loss scaling ``loss_scale`` and ``skipped`` (the
+          number of steps skipped so far).
+        """
+        return self._step(loss_fn, params, state, batch)
 
 
 def wrap_optimizer(
@@ -57,7 +105,10 @@ def wrap_optimizer(
     zero_stage: int = 0,
     clip_global_norm: float | None = None,
     grad_dtype: Any = None,
-) -> optax.GradientTransformationExtraArgs:
+    accumulate_steps: int = 1,
+    loss_scale: float | str | None = None,
+    loss_scale_period: int = 2000,
+) -> DistributedOptimizer:
     """Wraps ``tx`` so that it first takes the mean of the gradients over all replicas.
 
     This is Horovod's ``DistributedOptimizer``: ``step_fn`` computes local gradients, exactly as
@@ -78,15 +129,20 @@ def wrap_optimizer(
       zero_stage: 0 (replicated state), or 1 and 2 (state sharded over the replicas).
       clip_global_norm: clip the mean gradient to this global norm, if given.
       grad_dtype: the dtype the gradients are communicated in (default: their own).
+      accumulate_steps: micro-batches per `DistributedOptimizer.step`.
+      loss_scale: ``None``, a static scale, or ``"dynamic"``.
+      loss_scale_period: finite steps after which a dynamic scale doubles.
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs``. With ``zero_stage >= 1`` its ``init`` must
-      run outside ``step_fn`` (it returns global arrays sharded over the data axes) and its
-      ``update`` inside, with the parameters.
+      A `DistributedOptimizer`. Its state is ``tx``'s own when ``zero_stage == 0`` and there is
+      no loss scaling, else a `WrappedState`. With ``zero_stage >= 1`` its ``init`` must run
+      outside ``step_fn`` (it returns global arrays sharded over the data axes) and ``update``
+      inside, with the parameters.
 
     Raises:
       TypeError: if ``tx`` is not an optax transformation.
-      ValueError: for an unknown ``zero_stage`` or a non-positive ``clip_global_norm``.
+      ValueError: for an unknown ``zero_stage``, a non-positive ``clip_global_norm``, or bad
+        ``accumulate_steps`` or ``loss_scale``.
 
     >>> import jax.numpy as jnp, optax
     >>> tx = wrap_optimizer(optax.sgd(0.1))          # public as Replicator.wrap_optimizer
@@ -108,21 +164,158 @@ def wrap_optimizer(
         )
     if clip_global_norm is not None and not clip_global_norm > 0:
         raise ValueError(f"{api}: clip_global_norm must be > 0 or None; got {clip_global_norm!r}.")
-    if grad_dtype is not None:
-        grad_dtype = jnp.dtype(grad_dtype)
-    inner = optax.with_extra_args_support(tx)
-    if zero_stage == 0:
-
-        def update(grads, state, params=None, **extra_args):
-            grads = _mean_over_replicas(grads, grad_dtype)
-            if clip_global_norm is not None:
-                grads = _clip(grads, _global_norm(grads), clip_global_norm)
-            return inner.update(grads, state, params, **extra_args)
-
-        return optax.GradientTransformationExtraArgs(inner.init, update)
-    if mesh is None:
+    if not isinstance(accumulate_steps, int) or accumulate_steps < 1:
+        raise ValueError(f"{api}: accumulate_steps must be an int >= 1; got {accumulate_steps!r}.")
+    dynamic = loss_scale == "dynamic"
+    if not (
+        loss_scale is None or dynamic or (isinstance(loss_scale, int | float) and loss_scale > 0)
+    ):
+        raise ValueError(
+            f"{api}: loss_scale must be None, a positive number or 'dynamic'; got {loss_scale!r}."
+        )
+    if not isinstance(loss_scale_period, int) or loss_scale_period < 1:
+        raise ValueError(
+            f"{api}: loss_scale_period must be an int >= 1; got {loss_scale_period!r}."
+        )
+    if zero_stage and mesh is None:
         raise ValueError(f"{api}: zero_stage={zero_stage} needs the mesh; use repl.wrap_optimizer.")
-    return _zero(inner, mesh, clip_global_norm, grad_dtype)
+    grad_dtype = None if grad_dtype is None else jnp.dtype(grad_dtype)
+    inner = optax.with_extra_args_support(tx)
+    sharded = _Sharded(mesh) if zero_stage else None
+    wrapped = zero_stage > 0 or loss_scale is not None
+
+    def init(params):
+        inner_state = sharded.init(inner, params) if sharded else inner.init(params)
+        if mesh is not None and not sharded:
+            inner_state = _on_mesh(inner_state, mesh)
+        if not wrapped:
+            return inner_state
+        scale = None
+        if loss_scale is not None:
+            start = 2.0**15 if dynamic else float(loss_scale)
+            scale = LossScaleState(jnp.float32(start), jnp.int32(0), jnp.int32(0))
+            if mesh is not None:
+                scale = jax.device_put(scale, NamedSharding(mesh, PartitionSpec()))
+        return WrappedState(inner_state, scale)
+
+    def reduce(grads):
+        """Local gradients -> the mean over replicas: whole (stage 0) or this replica's slice."""
+        if sharded:
+            return sharded.reduce_scatter(grads, grad_dtype)
+        return _mean_over_replicas(grads, grad_dtype)
+
+    def finish(reduced, state, params, extra_args, like):
+        """Reduced gradients -> (updates, state, metrics): unscale, check, clip, apply."""
+        inner_state = state.inner if wrapped else state
+        scale = state.loss_scale if wrapped else None
+        if scale is not None:
+            reduced = jax.tree.map(lambda g: (g / scale.scale).astype(g.dtype), reduced)
+        axes = sharded.axes() if sharded else ()
+        norm = _global_norm(reduced, axes)
+        if clip_global_norm is not None:
+            reduced = _clip(reduced, norm, clip_global_norm)
+        if sharded:
+            updates, new_inner = sharded.apply(
+                inner, reduced, inner_state, params, extra_args, like
+            )
+        else:
+            updates, new_inner = inner.update(reduced, inner_state, params, **extra_args)
+        metrics = {"grad_norm": norm}
+        if scale is not None and dynamic:
+            finite = jnp.isfinite(norm)  # the same on every replica: a reduced value
+            updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), updates)
+            new_inner = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_inner, inner_state)
+            good = jnp.where(finite, scale.good_steps + 1, 0)
+            grow = good >= loss_scale_period
+            new_scale = jnp.where(
+                finite,
+                jnp.where(grow, scale.scale * 2, scale.scale),
+                jnp.maximum(scale.scale / 2, 1.0),
+            )
+            scale = LossScaleState(
+                new_scale.astype(jnp.float32),
+                jnp.where(grow, 0, good).astype(jnp.int32),
+                (scale.skipped + jnp.where(finite, 0, 1)).astype(jnp.int32),
+            )
+        if scale is not None:
+            metrics |= {"loss_scale": scale.scale, "skipped": scale.skipped}
+        new_state = WrappedState(new_inner, scale) if wrapped else new_inner
+        return updates, new_state, metrics
+
+    def update(grads, state, params=None, **extra_args):
+        if sharded:
+            sharded.check_binding()
+        updates, new_state, _ = finish(reduce(grads), state, params, extra_args, grads)
+        return updates, new_state
+
+    def step(loss_fn, params, state, batch):
+        if sharded:
+            sharded.check_binding()
+        k = accumulate_steps
+        factor = state.loss_scale.scale if wrapped and state.loss_scale is not None else 1.0
+
+        def grad_of(mb):
+            loss, g = jax.value_and_grad(lambda p: loss_fn(p, mb) * factor)(params)
+            return loss / factor, g
+
+        if k == 1:
+            loss, grads = grad_of(batch)
+            reduced = reduce(grads)
+        else:
+            micro = _split(batch, k)
+            per_mb_reduce = zero_stage == 2  # ZeRO-2: accumulate only this replica's slice
+            if per_mb_reduce:  # this replica's slice of each flattened, padded leaf
+                acc0 = jax.tree.map(
+                    lambda p: jnp.zeros(_chunk(np.size(p), sharded.n), jnp.result_type(p)), params
+                )
+            else:
+                acc0 = jax.tree.map(jnp.zeros_like, params)
+
+            def body(carry, mb):
+                loss_sum, acc = carry
+                loss, g = grad_of(mb)
+                g = reduce(g) if per_mb_reduce else g
+                return (loss_sum + loss, jax.tree.map(jnp.add, acc, g)), None
+
+            (loss_sum, acc), _ = lax.scan(body, (jnp.zeros((), jnp.float32), acc0), micro)
+            loss = loss_sum / k
+            acc = jax.tree.map(lambda a: a / k, acc)
+            reduced = acc if per_mb_reduce else reduce(acc)
+        updates, new_state, metrics = finish(reduced, state, params, {}, params)
+        params = optax.apply_updates(params, updates)
+        metrics = {"loss": collectives.all_reduce(jnp.asarray(loss, jnp.float32), "mean")} | metrics
+        return params, new_state, metrics
+
+    opt = DistributedOptimizer(init, update)
+    opt._step = step
+    return opt
+
+
+def _on_mesh(state: PyTree, mesh: Mesh) -> PyTree:
+    """Leaves not yet on ``mesh`` (such as Adam's step count) replicated on it, so that the
+    state ``run`` gets has the placement of the state it returns, and the step compiles once."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def place(x):
+        sharding = getattr(x, "sharding", None)
+        if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
+            return x
+        return jax.device_put(x, replicated)
+
+    return jax.tree.map(place, state)
+
+
+def _split(batch: PyTree, k: int) -> PyTree:
+    def split(path, a):
+        if np.ndim(a) == 0 or a.shape[0] % k:
+            raise ValueError(
+                f"DistributedOptimizer.step: batch leaf {jax.tree_util.keystr(path)} of shape "
+                f"{np.shape(a)} does not split into accumulate_steps={k} micro-batches; use a "
+                f"per-replica batch that is a multiple of {k}."
+            )
+        return a.reshape((k, a.shape[0] // k, *a.shape[1:]))
+
+    return jax.tree_util.tree_map_with_path(split, batch)
 
 
 def _mean_over_replicas(grads: PyTree, dtype) -> PyTree:
@@ -156,12 +349,15 @@ def _flat_padded(x, n: int) -> jax.Array:
     return jnp.pad(flat, (0, n * _chunk(flat.size, n) - flat.size))
 
 
-def _zero(inner, mesh: Mesh, clip_global_norm, grad_dtype) -> optax.GradientTransformationExtraArgs:
-    n = mesh_lib.num_replicas(mesh)
-    shard = NamedSharding(mesh, mesh_lib.batch_spec(mesh))
-    replicated = NamedSharding(mesh, PartitionSpec())
+class _Sharded:
+    """ZeRO's layout: every leaf flattened, padded to ``N * c``, replica r owning slice r."""
 
-    def init(params):
+    def __init__(self, mesh: Mesh) -> None:
+        self.n = mesh_lib.num_replicas(mesh)
+        self.shard = NamedSharding(mesh, mesh_lib.batch_spec(mesh))
+        self.replicated = NamedSharding(mesh, PartitionSpec())
+
+    def init(self, inner, params):
         for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
             spec = getattr(getattr(p, "sharding", None), "spec", None)
             if spec is not None and any(a is not None for a in spec):
@@ -170,49 +366,52 @@ def _zero(inner, mesh: Mesh, clip_global_norm, grad_dtype) -> optax.GradientTran
                     f"sharded as {spec}; ZeRO here shards the optimizer state of replicated "
                     f"parameters. Pass replicated parameters (repl.replicate)."
                 )
-        flat = jax.tree.map(lambda p: _flat_padded(p, n), params)
+        flat = jax.tree.map(lambda p: _flat_padded(p, self.n), params)
         sizes = {int(f.shape[0]) for f in jax.tree.leaves(flat)}
         state = inner.init(flat)
         place = lambda s: jax.device_put(
-            s, shard if np.ndim(s) == 1 and int(np.shape(s)[0]) in sizes else replicated
+            s, self.shard if np.ndim(s) == 1 and int(np.shape(s)[0]) in sizes else self.replicated
         )
-        return ZeroState(jax.tree.map(place, state))
+        return jax.tree.map(place, state)
 
-    def update(grads, state, params=None, **extra_args):
+    def check_binding(self) -> None:
         binding = current_binding()
-        if binding.num_replicas != n:
+        if binding.num_replicas != self.n:
             raise ValueError(
-                f"wrap_optimizer(zero_stage>=1): the state is sharded over {n} replicas, but this "
-                f"step runs on {binding.num_replicas}; call update inside repl.run of the "
+                f"wrap_optimizer(zero_stage>=1): the state is sharded over {self.n} replicas, but "
+                f"this step runs on {binding.num_replicas}; call update inside repl.run of the "
                 f"replicator that made the optimizer."
             )
-        me = collectives.replica_id()
+
+    def axes(self):
+        binding = current_binding()
+        return () if binding.is_local else binding.axes
+
+    def reduce_scatter(self, grads, dtype):
+        axes, n = self.axes(), self.n
 
         def scatter(g):
             flat = _flat_padded(g, n)
-            sent = flat if grad_dtype is None else flat.astype(grad_dtype)
-            if binding.is_local:
-                out = sent
-            else:
-                out = lax.psum_scatter(sent, binding.axes, scatter_dimension=0, tiled=True)
+            sent = flat if dtype is None else flat.astype(dtype)
+            out = lax.psum_scatter(sent, axes, scatter_dimension=0, tiled=True) if axes else sent
             return (out / n).astype(g.dtype)
+
+        return jax.tree.map(scatter, grads)
+
+    def apply(self, inner, g_shards, inner_state, params, extra_args, like):
+        axes, n = self.axes(), self.n
+        me = collectives.replica_id()
 
         def my_slice(p):
             flat = _flat_padded(p, n)
             c = flat.shape[0] // n
             return lax.dynamic_slice_in_dim(flat, me * c, c)
 
-        g_shards = jax.tree.map(scatter, grads)
-        if clip_global_norm is not None:
-            norm = _global_norm(g_shards, () if binding.is_local else binding.axes)
-            g_shards = _clip(g_shards, norm, clip_global_norm)
         p_shards = None if params is None else jax.tree.map(my_slice, params)
-        u_shards, inner_state = inner.update(g_shards, state.inner, p_shards, **extra_args)
+        u_shards, new_inner = inner.update(g_shards, inner_state, p_shards, **extra_args)
 
-        def gather(u, g):
-            full = u if binding.is_local else lax.all_gather(u, binding.axes, tiled=True)
-            return full[: g.size].reshape(g.shape).astype(g.dtype)
+        def gather(u, p):
+            full = lax.all_gather(u, axes, tiled=True) if axes else u
+            return full[: np.size(p)].reshape(np.shape(p)).astype(u.dtype)
 
-        return jax.tree.map(gather, u_shards, grads), ZeroState(inner_state)
-
-    return optax.GradientTransformationExtraArgs(init, update)
+        return jax.tree.map(gather, u_shards, like), new_inner
