@@ -17,5 +17,7 @@ from replicator._src.context import current as current
 from replicator._src.errors import ReplicasDivergedError as ReplicasDivergedError
 from replicator._src.input import DistributedIterator as DistributedIterator
 from replicator._src.input import InputContext as InputContext
+from replicator._src.optim import DistributedOptimizer as DistributedOptimizer
+from replicator._src.precision import Policy as Policy
 
 __version__ = "0.1.0"

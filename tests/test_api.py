@@ -6,7 +6,9 @@ import replicator as rp
 
 PUBLIC = [
     "DistributedIterator",
+    "DistributedOptimizer",
     "InputContext",
+    "Policy",
     "ReplicasDivergedError",
     "Replicator",
     "all_gather",

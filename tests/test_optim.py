@@ -217,3 +217,31 @@ def test_step_errors():
         match=r"batch leaf \['x'\] of shape \(8, 16\) does not split into accumulate_steps=3",
     ):
         repl.run(step, {"params": params, "opt": opt.init(params)}, data[0])
+
+
+def test_bf16_compute_with_fp32_master_params():
+    policy = rp.Policy(compute_dtype=jnp.bfloat16)
+    data = batches(STEPS, din=SIZES[0], dout=SIZES[-1])
+    repl = rp.Replicator()
+    opt = repl.wrap_optimizer(optax.sgd(0.1))
+    params = repl.replicate(init_params())
+    seen = []
+
+    def step(state, batch):
+        def loss(p, b):
+            seen.append(policy.cast_to_compute(p)[0]["w"].dtype)
+            return policy.apply(loss_fn)(p, b)
+
+        params, opt_state, metrics = opt.step(loss, state["params"], state["opt"], batch)
+        return {"params": params, "opt": opt_state}, metrics
+
+    state = {"params": params, "opt": opt.init(params)}
+    for batch in data:
+        state, metrics = repl.run(step, state, batch)
+    assert seen[0] == jnp.bfloat16 and metrics["loss"].dtype == jnp.float32
+    assert {leaf.dtype for leaf in jax.tree.leaves(state["params"])} == {jnp.dtype("float32")}
+    want = oracle(optax.sgd(0.1), data)
+    err = rel_err(state["params"], want)
+    assert 1e-6 < err <= 3e-2  # bf16 arithmetic: close to fp32 training, but not equal
+    with pytest.raises(ValueError, match=r"compute_dtype must be a floating dtype; got int32"):
+        rp.Policy(compute_dtype=jnp.int32)

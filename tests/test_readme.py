@@ -47,3 +47,15 @@ def test_pipeline_picture_in_the_readme_is_current():
     block = README.split('`pipeline.render("1f1b", 4, 6)` draws it', 1)[1]
     picture = re.search(r"```\n(.*?)```", block, re.S).group(1)
     assert picture.strip() in pipeline.render("1f1b", 4, 6)
+
+
+def test_optimizer_example_runs_and_learns():
+    block = README.split("## Optimizer options", 1)[1]
+    code = re.search(r"```python\n(.*?)```", block, re.S).group(1)
+    namespace = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    metrics = namespace["metrics"]
+    assert float(metrics["loss"][0]) < 0.05 * 16  # from ~16 at w = 0
+    assert int(metrics["skipped"][0]) == 0
+    mu = namespace["state"]["opt"].inner[0].mu["w"]
+    assert {s.data.shape for s in mu.addressable_shards} == {(2,)}  # 16 elements over 8
