@@ -18,6 +18,8 @@ from replicator._src.errors import ReplicasDivergedError as ReplicasDivergedErro
 from replicator._src.input import DistributedIterator as DistributedIterator
 from replicator._src.input import InputContext as InputContext
 from replicator._src.optim import DistributedOptimizer as DistributedOptimizer
+from replicator._src.optim import ShardedParam as ShardedParam
+from replicator._src.optim import gather_params as gather_params
 from replicator._src.precision import Policy as Policy
 
 __version__ = "0.1.0"

@@ -245,3 +245,76 @@ def test_bf16_compute_with_fp32_master_params():
     assert 1e-6 < err <= 3e-2  # bf16 arithmetic: close to fp32 training, but not equal
     with pytest.raises(ValueError, match=r"compute_dtype must be a floating dtype; got int32"):
         rp.Policy(compute_dtype=jnp.int32)
+
+
+# -- ZeRO-3: parameters stored sharded, gathered one layer at a time ---------------------------
+
+D3 = 7  # per-layer leaves of 49 and 7 elements: padded to 56 and 8 over 8 replicas
+
+
+def init_params3(seed=2):
+    rng = np.random.default_rng(seed)
+    return {
+        "embed": {"w": (rng.normal(size=(SIZES[0], D3)) / 4).astype(np.float32)},
+        "layers": {
+            "w": (rng.normal(size=(3, D3, D3)) / np.sqrt(D3)).astype(np.float32),
+            "b": (0.1 * rng.normal(size=(3, D3))).astype(np.float32),
+        },
+        "head": {"w": (rng.normal(size=(D3, SIZES[-1])) / np.sqrt(D3)).astype(np.float32)},
+    }
+
+
+def loss3(params, batch):
+    """The model, written once for plain and for ZeRO-3 parameters: gather_params passes plain
+    arrays through, and all-gathers sharded ones, here one layer per scan iteration."""
+    x = batch["x"] @ rp.gather_params(params["embed"])["w"]
+
+    def layer(h, p):
+        p = rp.gather_params(p)
+        return jnp.tanh(h @ p["w"] + p["b"]), None
+
+    h, _ = jax.lax.scan(layer, x, params["layers"])
+    return jnp.mean((h @ rp.gather_params(params["head"])["w"] - batch["y"]) ** 2)
+
+
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+@pytest.mark.parametrize("accumulate_steps", [1, 4])
+def test_zero3_equals_single_device_training(accumulate_steps, opt):
+    data = batches(STEPS, din=SIZES[0], dout=SIZES[-1])
+    repl = rp.Replicator()
+    wrapped = repl.wrap_optimizer(
+        OPTIMIZERS[opt](), zero_stage=3, accumulate_steps=accumulate_steps
+    )
+    params = wrapped.shard_params(init_params3(), stacked=["layers"])
+    w = params["layers"]["w"]
+    assert w.flat.shape == (3, 56) and {s.data.shape for s in w.flat.addressable_shards} == {(3, 7)}
+    state = {"params": params, "opt": wrapped.init(params)}
+    traces = []
+
+    def step(state, batch):
+        traces.append(1)
+        params, opt_state, metrics = wrapped.step(loss3, state["params"], state["opt"], batch)
+        return {"params": params, "opt": opt_state}, metrics
+
+    for batch in data:
+        state, _ = repl.run(step, state, batch)
+    assert len(traces) == 1
+
+    tx = OPTIMIZERS[opt]()
+    want, opt_state = init_params3(), tx.init(init_params3())
+    for batch in data:
+        updates, opt_state = tx.update(jax.grad(loss3)(want, batch), opt_state, want)
+        want = optax.apply_updates(want, updates)
+    got = jax.device_get(rp.gather_params(state["params"]))  # outside any replicator: local
+    assert rel_err(got, want) <= 1e-5
+    assert rel_err(got, init_params3()) > 1e-3
+
+
+def test_zero3_errors():
+    repl = rp.Replicator()
+    with pytest.raises(ValueError, match=r"init got plain parameters.*opt.shard_params"):
+        repl.wrap_optimizer(optax.sgd(0.1), zero_stage=3).init(init_params3())
+    with pytest.raises(ValueError, match=r"only with zero_stage=3"):
+        repl.wrap_optimizer(optax.sgd(0.1), zero_stage=1).shard_params(init_params3())
+    with pytest.raises(ValueError, match=r"grad_dtype is not supported with zero_stage=3"):
+        repl.wrap_optimizer(optax.sgd(0.1), zero_stage=3, grad_dtype=jnp.bfloat16)

@@ -43,7 +43,56 @@ from replicator._src import mesh as mesh_lib
 from replicator._src.binding import current_binding
 from replicator._src.typing import PyTree
 
-ZERO_STAGES = (0, 1, 2)
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+@jax.tree_util.register_pytree_node_class
+class ShardedParam:
+    """A parameter stored ZeRO-3 style: flattened, padded to ``N * c`` and sharded over the
+    replicas along its last axis (leading axes, such as a stacked layer axis, are kept).
+
+    ``shape`` is the shape of one un-stacked parameter; `gather_params` rebuilds it. As a pytree
+    node its only child is ``flat``, so ``jax.grad``, optax and ``lax.scan`` see a plain array.
+    """
+
+    def __init__(self, flat: Any, shape: tuple[int, ...]) -> None:
+        self.flat = flat
+        self.shape = tuple(shape)
+
+    def tree_flatten(self):
+        return (self.flat,), self.shape
+
+    @classmethod
+    def tree_unflatten(cls, shape, children):
+        return cls(children[0], shape)
+
+    def __repr__(self) -> str:
+        return f"ShardedParam(shape={self.shape}, flat={getattr(self.flat, 'shape', self.flat)})"
+
+
+def gather_params(tree: PyTree) -> PyTree:
+    """The full parameters of the `ShardedParam` leaves of ``tree``, all-gathered over replicas.
+
+    Call it inside ``step_fn``'s forward pass, as late as possible: per layer, inside the layer
+    scan, so that only one layer's full parameters exist at a time (ZeRO-3 / FSDP). Autodiff turns
+    the all-gather into a reduce-scatter of the gradients. Other leaves pass through.
+
+    >>> import jax.numpy as jnp, replicator as rp
+    >>> rp.gather_params({"w": rp.ShardedParam(jnp.arange(4.0), (3,))})["w"]   # one replica
+    Array([0., 1., 2.], dtype=float32)
+    """
+    binding = current_binding()
+
+    def gather(node):
+        if not isinstance(node, ShardedParam):
+            return node
+        flat = node.flat
+        if not binding.is_local:
+            flat = lax.all_gather(flat, binding.axes, axis=flat.ndim - 1, tiled=True)
+        size = math.prod(node.shape)
+        return flat[..., :size].reshape((*flat.shape[:-1], *node.shape))
+
+    return jax.tree.map(gather, tree, is_leaf=lambda x: isinstance(x, ShardedParam))
 
 
 class LossScaleState(NamedTuple):
@@ -95,6 +144,19 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
           number of steps skipped so far).
         """
         return self._step(loss_fn, params, state, batch)
+
+    def shard_params(self, params: PyTree, *, stacked: Any = ()) -> PyTree:
+        """ZeRO-3: ``params`` stored as `ShardedParam` leaves, 1/N of each on every replica.
+
+        Args:
+          params: replicated or host parameters.
+          stacked: top-level keys of ``params`` whose leaves are stacked layers (a leading
+            layer axis): each layer is sharded on its own, so that a layer scan can
+            `gather_params` one layer at a time.
+
+        Inside ``step_fn``, ``loss_fn`` receives these and calls ``rp.gather_params``.
+        """
+        return self._shard_params(params, stacked)
 
 
 def wrap_optimizer(
@@ -160,7 +222,8 @@ def wrap_optimizer(
     if zero_stage not in ZERO_STAGES:
         raise ValueError(
             f"{api}: zero_stage={zero_stage!r} is not supported; use one of {ZERO_STAGES} "
-            f"(0: replicated optimizer state, 1 and 2: state sharded over the replicas)."
+            f"(0: replicated optimizer state, 1 and 2: state sharded over the replicas, 3: "
+            f"parameters sharded too)."
         )
     if clip_global_norm is not None and not clip_global_norm > 0:
         raise ValueError(f"{api}: clip_global_norm must be > 0 or None; got {clip_global_norm!r}.")
@@ -177,14 +240,22 @@ def wrap_optimizer(
         raise ValueError(
             f"{api}: loss_scale_period must be an int >= 1; got {loss_scale_period!r}."
         )
+    if zero_stage == 3 and grad_dtype is not None:
+        raise ValueError(
+            f"{api}: grad_dtype is not supported with zero_stage=3 (its gradients are reduced "
+            f"by autodiff's reduce-scatter); cast the parameters before gather_params instead."
+        )
     if zero_stage and mesh is None:
         raise ValueError(f"{api}: zero_stage={zero_stage} needs the mesh; use repl.wrap_optimizer.")
     grad_dtype = None if grad_dtype is None else jnp.dtype(grad_dtype)
     inner = optax.with_extra_args_support(tx)
-    sharded = _Sharded(mesh) if zero_stage else None
+    sharded = _Sharded(mesh) if zero_stage in (1, 2) else None
+    stage3 = _Sharded(mesh) if zero_stage == 3 else None
     wrapped = zero_stage > 0 or loss_scale is not None
 
     def init(params):
+        if stage3:
+            _check_stage3_params(params)
         inner_state = sharded.init(inner, params) if sharded else inner.init(params)
         if mesh is not None and not sharded:
             inner_state = _on_mesh(inner_state, mesh)
@@ -202,6 +273,8 @@ def wrap_optimizer(
         """Local gradients -> the mean over replicas: whole (stage 0) or this replica's slice."""
         if sharded:
             return sharded.reduce_scatter(grads, grad_dtype)
+        if stage3:  # autodiff of gather_params already summed each slice over the replicas
+            return jax.tree.map(lambda g: g / stage3.n, grads)
         return _mean_over_replicas(grads, grad_dtype)
 
     def finish(reduced, state, params, extra_args, like):
@@ -210,7 +283,7 @@ def wrap_optimizer(
         scale = state.loss_scale if wrapped else None
         if scale is not None:
             reduced = jax.tree.map(lambda g: (g / scale.scale).astype(g.dtype), reduced)
-        axes = sharded.axes() if sharded else ()
+        axes = (sharded or stage3).axes() if (sharded or stage3) else ()
         norm = _global_norm(reduced, axes)
         if clip_global_norm is not None:
             reduced = _clip(reduced, norm, clip_global_norm)
@@ -243,14 +316,14 @@ def wrap_optimizer(
         return updates, new_state, metrics
 
     def update(grads, state, params=None, **extra_args):
-        if sharded:
-            sharded.check_binding()
+        if sharded or stage3:
+            (sharded or stage3).check_binding()
         updates, new_state, _ = finish(reduce(grads), state, params, extra_args, grads)
         return updates, new_state
 
     def step(loss_fn, params, state, batch):
-        if sharded:
-            sharded.check_binding()
+        if sharded or stage3:
+            (sharded or stage3).check_binding()
         k = accumulate_steps
         factor = state.loss_scale.scale if wrapped and state.loss_scale is not None else 1.0
 
@@ -263,8 +336,11 @@ def wrap_optimizer(
             reduced = reduce(grads)
         else:
             micro = _split(batch, k)
-            per_mb_reduce = zero_stage == 2  # ZeRO-2: accumulate only this replica's slice
-            if per_mb_reduce:  # this replica's slice of each flattened, padded leaf
+            # ZeRO-2 and 3: accumulate only this replica's slice.
+            per_mb_reduce = zero_stage >= 2
+            if zero_stage == 3:
+                acc0 = jax.tree.map(jnp.zeros_like, params)
+            elif per_mb_reduce:  # this replica's slice of each flattened, padded leaf
                 acc0 = jax.tree.map(
                     lambda p: jnp.zeros(_chunk(np.size(p), sharded.n), jnp.result_type(p)), params
                 )
@@ -286,9 +362,30 @@ def wrap_optimizer(
         metrics = {"loss": collectives.all_reduce(jnp.asarray(loss, jnp.float32), "mean")} | metrics
         return params, new_state, metrics
 
+    def shard_params(params, stacked):
+        if not stage3:
+            raise ValueError(
+                f"shard_params: parameters are stored sharded only with zero_stage=3; this "
+                f"optimizer has zero_stage={zero_stage}."
+            )
+        return stage3.shard_params(params, stacked)
+
     opt = DistributedOptimizer(init, update)
     opt._step = step
+    opt._shard_params = shard_params
     return opt
+
+
+def _check_stage3_params(params: PyTree) -> None:
+    if not any(isinstance(x, ShardedParam) for x in jax.tree.leaves(params, is_leaf=_is_sharded)):
+        raise ValueError(
+            "wrap_optimizer(zero_stage=3): init got plain parameters; store them sharded first: "
+            "params = opt.shard_params(params), and call rp.gather_params in the forward pass."
+        )
+
+
+def _is_sharded(x) -> bool:
+    return isinstance(x, ShardedParam)
 
 
 def _on_mesh(state: PyTree, mesh: Mesh) -> PyTree:
@@ -382,6 +479,31 @@ class _Sharded:
                 f"this step runs on {binding.num_replicas}; call update inside repl.run of the "
                 f"replicator that made the optimizer."
             )
+
+    def shard_params(self, params: PyTree, stacked) -> PyTree:
+        entry = mesh_lib.batch_spec(self.shard.mesh)[0]
+        stacked = set(stacked)
+        if stacked and not isinstance(params, dict):
+            raise ValueError("shard_params: stacked names top-level keys; params must be a dict.")
+        missing = stacked - set(params) if stacked else set()
+        if missing:
+            raise ValueError(f"shard_params: stacked keys {sorted(missing)} are not in params.")
+
+        def shard(x, lead: int):
+            x = jnp.asarray(x)
+            shape = x.shape[lead:]
+            flat = x.reshape((*x.shape[:lead], -1))
+            c = _chunk(flat.shape[-1], self.n)
+            flat = jnp.pad(flat, [(0, 0)] * lead + [(0, self.n * c - flat.shape[-1])])
+            spec = PartitionSpec(*([None] * lead), entry)
+            return ShardedParam(jax.device_put(flat, NamedSharding(self.shard.mesh, spec)), shape)
+
+        if not stacked:
+            return jax.tree.map(lambda x: shard(x, 0), params)
+        return {
+            k: jax.tree.map(lambda x, lead=int(k in stacked): shard(x, lead), v)
+            for k, v in params.items()
+        }
 
     def axes(self):
         binding = current_binding()
