@@ -124,7 +124,9 @@ def test_bf16_compressed_all_reduce(zero_stage):
 
 def test_errors():
     repl = rp.Replicator()
-    with pytest.raises(ValueError, match=r"zero_stage=4 is not supported; use one of \(0, 1, 2\)"):
+    with pytest.raises(
+        ValueError, match=r"zero_stage=4 is not supported; use one of \(0, 1, 2, 3\)"
+    ):
         repl.wrap_optimizer(optax.sgd(0.1), zero_stage=4)
     with pytest.raises(ValueError, match=r"clip_global_norm must be > 0"):
         repl.wrap_optimizer(optax.sgd(0.1), clip_global_norm=0.0)
