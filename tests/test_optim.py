@@ -320,3 +320,31 @@ def test_zero3_errors():
         repl.wrap_optimizer(optax.sgd(0.1), zero_stage=1).shard_params(init_params3())
     with pytest.raises(ValueError, match=r"grad_dtype is not supported with zero_stage=3"):
         repl.wrap_optimizer(optax.sgd(0.1), zero_stage=3, grad_dtype=jnp.bfloat16)
+
+
+def test_zero3_with_clipping_loss_scaling_and_accumulation_equals_optax_on_one_device():
+    data = batches(STEPS, din=SIZES[0], dout=SIZES[-1])
+    repl = rp.Replicator()
+    opt = repl.wrap_optimizer(
+        optax.sgd(0.5),
+        zero_stage=3,
+        clip_global_norm=0.05,
+        loss_scale="dynamic",
+        accumulate_steps=2,
+    )
+    params = opt.shard_params(init_params3(), stacked=["layers"])
+    state = {"params": params, "opt": opt.init(params)}
+
+    def step(state, batch):
+        params, opt_state, metrics = opt.step(loss3, state["params"], state["opt"], batch)
+        return {"params": params, "opt": opt_state}, metrics
+
+    for batch in data:
+        state, metrics = repl.run(step, state, batch)
+    assert float(metrics["grad_norm"][0]) > 4 * 0.05 and int(metrics["skipped"][0]) == 0
+    tx = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.5))
+    want, opt_state = init_params3(), tx.init(init_params3())
+    for batch in data:
+        updates, opt_state = tx.update(jax.grad(loss3)(want, batch), opt_state, want)
+        want = optax.apply_updates(want, updates)
+    assert rel_err(jax.device_get(rp.gather_params(state["params"])), want) <= 1e-5
