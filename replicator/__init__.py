@@ -4,6 +4,7 @@ Write ``input_fn`` and a one-replica ``step_fn``; ``Replicator`` runs the step o
 one compiled program. See ``README.md``.
 """
 
+from replicator import distributed as distributed
 from replicator import pipeline as pipeline
 from replicator._src.binding import replica_axis_name as replica_axis_name
 from replicator._src.collectives import all_gather as all_gather

@@ -18,3 +18,10 @@ def make_mesh(shape: Sequence[int], names: Sequence[str], devices: Sequence[jax.
     return jax.make_mesh(
         tuple(shape), tuple(names), axis_types=(AxisType.Auto,) * len(shape), devices=devices
     )
+
+
+def backends_initialized() -> bool:
+    """Whether JAX has started its backends (after which ``jax.distributed`` cannot join)."""
+    from jax._src import xla_bridge  # no public API says this (jax 0.10.2)
+
+    return bool(xla_bridge.backends_are_initialized())

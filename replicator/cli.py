@@ -1,0 +1,50 @@
+"""The ``replicator`` command: ``replicator launch -n N [--devices-per-process D] -- CMD ...``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="replicator", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    launch = commands.add_parser(
+        "launch",
+        help="run a command as N local processes of one JAX distributed job",
+        description="Runs CMD as N local processes with a coordinator on 127.0.0.1. Each line "
+        "of output is prefixed with its rank; if a process fails, the others are stopped and "
+        "the exit code says which failed. In the script, call rp.distributed.initialize() first.",
+    )
+    launch.add_argument("-n", "--num-processes", type=int, required=True, help="processes")
+    launch.add_argument(
+        "--devices-per-process",
+        type=int,
+        default=None,
+        help="emulated CPU devices per process (sets jax_num_cpu_devices through initialize)",
+    )
+    launch.add_argument("--port", type=int, default=None, help="coordinator port (default: free)")
+    launch.add_argument(
+        "--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL"
+    )
+    launch.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command to run")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(sys.argv[1:] if argv is None else list(argv))
+    if args.command == "launch":
+        from replicator._src.distributed import launch
+
+        cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+        if not cmd:
+            _parser().error("launch: give the command after --, e.g. -- python train.py")
+        return launch(
+            cmd,
+            num_processes=args.num_processes,
+            devices_per_process=args.devices_per_process,
+            port=args.port,
+            grace=args.grace,
+        )
+    return 2

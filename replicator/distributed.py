@@ -1,0 +1,6 @@
+"""Multi-process jobs on JAX's distributed runtime: `initialize`, and the local `launch`er."""
+
+from replicator._src.distributed import ProcessInfo as ProcessInfo
+from replicator._src.distributed import free_port as free_port
+from replicator._src.distributed import initialize as initialize
+from replicator._src.distributed import launch as launch

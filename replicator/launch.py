@@ -1,0 +1,11 @@
+"""``python -m replicator.launch -n 2 [--devices-per-process 4] -- python train.py ...``
+
+Starts N local processes of one job on JAX's distributed runtime (coordinator on 127.0.0.1),
+prefixes their output with their rank, and ends them all if one fails. The same as
+``replicator launch``.
+"""
+
+from replicator.cli import main
+
+if __name__ == "__main__":
+    raise SystemExit(main(["launch", *__import__("sys").argv[1:]]))

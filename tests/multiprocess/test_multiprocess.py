@@ -1,0 +1,82 @@
+"""Real multi-process runs: 2 processes x 4 emulated CPU devices through `replicator launch`."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from oracle import OPTIMIZERS, batches, mlp_state, mlp_step, rel_err, single_device
+
+import replicator as rp
+
+HERE = Path(__file__).resolve().parent
+LAUNCH = [sys.executable, "-m", "replicator.launch", "-n", "2", "--devices-per-process", "4"]
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_two_processes_train_like_one_device_and_like_one_process(opt, tmp_path):
+    out = tmp_path / "params.npz"
+    run = subprocess.run(
+        [*LAUNCH, "--", sys.executable, str(HERE / "worker_dp.py"), opt, str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "[0] process 0: last loss" in run.stdout and "[1] process 1: last loss" in run.stdout
+    got = list(np.load(out).values())
+    tx = OPTIMIZERS[opt]()
+    oracle, _ = single_device("mlp", tx, batches())  # one device, the whole batch
+    assert rel_err(got, jax.tree.leaves(oracle.params)) <= 1e-5
+    repl = rp.Replicator()  # this process: 8 devices
+    state = repl.replicate(mlp_state(repl.wrap_optimizer(OPTIMIZERS[opt]())))
+    for batch in batches():
+        state, _ = repl.run(mlp_step, state, batch)
+    assert rel_err(got, jax.tree.leaves(state.params)) <= 1e-5
+
+
+def test_a_killed_process_ends_the_job_with_its_rank(tmp_path):
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        [
+            *LAUNCH,
+            "--grace",
+            "5",
+            "--",
+            sys.executable,
+            str(HERE / "worker_forever.py"),
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    pids = {}
+    try:
+        while len(pids) < 2 and time.monotonic() - start < 120:
+            for rank in (0, 1):
+                path = tmp_path / f"rank{rank}.pid"
+                if path.exists() and path.read_text():
+                    pids[rank] = int(path.read_text())
+            time.sleep(0.1)
+        assert len(pids) == 2, "the workers did not start training"
+        killed_at = time.monotonic()
+        os.kill(pids[1], signal.SIGKILL)
+        output, _ = proc.communicate(timeout=60)
+        assert time.monotonic() - killed_at < 60
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert "rank 1 was killed by SIGKILL" in output, output[-2000:]
+    time.sleep(0.5)
+    for pid in pids.values():  # no process is left running
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
