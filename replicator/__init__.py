@@ -15,6 +15,7 @@ from replicator._src.collectives import reduce_scatter as reduce_scatter
 from replicator._src.collectives import replica_id as replica_id
 from replicator._src.context import Replicator as Replicator
 from replicator._src.context import current as current
+from replicator._src.context import local_row as local_row
 from replicator._src.errors import ReplicasDivergedError as ReplicasDivergedError
 from replicator._src.input import DistributedIterator as DistributedIterator
 from replicator._src.input import InputContext as InputContext

@@ -17,6 +17,7 @@ PUBLIC = [
     "broadcast",
     "current",
     "gather_params",
+    "local_row",
     "num_replicas",
     "reduce_scatter",
     "replica_axis_name",

@@ -63,7 +63,7 @@ def to_pipeline(params, repl, k, v):
     stacked = pipeline.stack_stages(params["layers"], num_stages=k, repeats=v)
     return {
         "embed": repl.replicate(params["embed"]),
-        "stages": jax.device_put(stacked, NamedSharding(repl.mesh, pipeline.stage_spec(v))),
+        "stages": repl.place(stacked, pipeline.stage_spec(v)),
         "head": repl.replicate(params["head"]),
     }
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -80,3 +81,25 @@ def test_a_killed_process_ends_the_job_with_its_rank(tmp_path):
     for pid in pids.values():  # no process is left running
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_dp_x_pp_spanning_two_processes_equals_single_device_training(tmp_path):
+    import test_pipeline as tp
+
+    out = tmp_path / "params.npz"
+    run = subprocess.run(
+        [*LAUNCH, "--", sys.executable, str(HERE / "worker_pp.py"), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    got = list(np.load(out).values())
+    tx = optax.sgd(0.1)
+    want, opt = tp.init_params(), tx.init(tp.init_params())
+    for i in range(3):
+        x, t = tp.make_batch(16, seed=10 + i)
+        updates, opt = tx.update(jax.grad(tp.oracle_loss)(want, x, t), opt, want)
+        want = optax.apply_updates(want, updates)
+    assert rel_err(got, jax.tree.leaves(jax.tree.map(np.asarray, want))) <= 1e-5
+    assert rel_err(got, jax.tree.leaves(tp.init_params())) > 1e-2

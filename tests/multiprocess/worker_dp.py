@@ -36,7 +36,7 @@ if info.process_index == 1:
 state = repl.replicate(state)
 for batch in repl.distribute(input_fn):
     state, out = repl.run(mlp_step, state, batch)
-loss = float(np.asarray(out["loss"].addressable_shards[0].data)[0])
+loss = float(rp.local_row(out)["loss"])
 print(f"process {info.process_index}: last loss {loss:.6f}", flush=True)
 if info.process_index == 0:
     params = jax.tree.map(lambda p: np.asarray(p.addressable_shards[0].data), state.params)
