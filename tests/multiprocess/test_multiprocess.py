@@ -103,3 +103,39 @@ def test_dp_x_pp_spanning_two_processes_equals_single_device_training(tmp_path):
         want = optax.apply_updates(want, updates)
     assert rel_err(got, jax.tree.leaves(jax.tree.map(np.asarray, want))) <= 1e-5
     assert rel_err(got, jax.tree.leaves(tp.init_params())) > 1e-2
+
+
+def test_without_the_launcher_a_dead_peer_ends_the_job_by_heartbeat(tmp_path):
+    """JAX's coordination service notices the dead process (heartbeat timeout 30 s, set by
+    rp.distributed.initialize) and ends the survivor: an error in bounded time, not a hang."""
+    port = rp.distributed.free_port()
+    procs = []
+    for rank in (0, 1):
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env |= {
+            "REPLICATOR_COORDINATOR": f"127.0.0.1:{port}",
+            "REPLICATOR_NUM_PROCESSES": "2",
+            "REPLICATOR_PROCESS_ID": str(rank),
+            "REPLICATOR_CPU_DEVICES": "4",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(HERE / "worker_forever.py"), str(tmp_path)],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "rank1.pid").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        procs[1].kill()
+        killed_at = time.monotonic()
+        procs[0].wait(timeout=60)
+        assert procs[0].returncode != 0 and time.monotonic() - killed_at < 60
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
