@@ -7,6 +7,7 @@ one compiled program. See ``README.md``.
 from replicator import distributed as distributed
 from replicator import pipeline as pipeline
 from replicator._src.binding import replica_axis_name as replica_axis_name
+from replicator._src.checkpoint import Checkpoints as Checkpoints
 from replicator._src.collectives import all_gather as all_gather
 from replicator._src.collectives import all_reduce as all_reduce
 from replicator._src.collectives import broadcast as broadcast

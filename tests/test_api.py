@@ -5,6 +5,7 @@ import types
 import replicator as rp
 
 PUBLIC = [
+    "Checkpoints",
     "DistributedIterator",
     "DistributedOptimizer",
     "InputContext",
