@@ -20,6 +20,8 @@ from replicator._src.context import local_row as local_row
 from replicator._src.errors import ReplicasDivergedError as ReplicasDivergedError
 from replicator._src.input import DistributedIterator as DistributedIterator
 from replicator._src.input import InputContext as InputContext
+from replicator._src.loop import FitResult as FitResult
+from replicator._src.loop import fit as fit
 from replicator._src.optim import DistributedOptimizer as DistributedOptimizer
 from replicator._src.optim import ShardedParam as ShardedParam
 from replicator._src.optim import gather_params as gather_params

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -238,6 +239,7 @@ class Replicator:
         /,
         *,
         prefetch: int = 2,
+        skip: int = 0,
     ) -> input_lib.DistributedIterator:
         """Iterates ``input_fn(ctx)``'s batches as global arrays split over the replicas.
 
@@ -250,6 +252,8 @@ class Replicator:
         Args:
           input_fn: ``input_fn(ctx: InputContext) -> iterable of batches``.
           prefetch: how many batches to prepare ahead in a background thread (0: none).
+          skip: batches of ``input_fn`` to pass over first, unplaced: resuming a run at its
+            checkpointed input position with a deterministic ``input_fn``.
 
         Raises:
           TypeError, ValueError: from ``next()``, naming the batch and the leaf path.
@@ -258,7 +262,11 @@ class Replicator:
             raise ValueError(
                 f"Replicator.distribute: prefetch must be an int >= 0; got {prefetch!r}."
             )
+        if not isinstance(skip, int) or skip < 0:
+            raise ValueError(f"Replicator.distribute: skip must be an int >= 0; got {skip!r}.")
         source = input_lib.call_input_fn(input_fn, self.input_context())
+        if skip:
+            source = itertools.islice(source, skip, None)
         return input_lib.DistributedIterator(
             source,
             sharding=mesh_lib.batch_sharding(self._mesh),
