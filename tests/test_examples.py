@@ -20,3 +20,17 @@ def test_train_dp_example_learns():
     assert "num_replicas=8" in result.stdout
     losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", result.stdout)]
     assert len(losses) == 4 and losses[-1] < 0.8 * losses[0], result.stdout
+
+
+def test_lm_pipeline_example_learns_on_stdlib_text(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "examples/train_lm_pipeline.py", "--steps", "30", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    first, last = map(float, re.search(r"loss (\d+\.\d+) -> (\d+\.\d+)", result.stdout).groups())
+    assert last < 0.9 * first and "tokens_per_s" in result.stderr
+    assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 3

@@ -53,6 +53,7 @@ def fit(
     eval_fn: Callable[[PyTree], dict] | None = None,
     eval_every: int | None = None,
     examples_per_step: int | None = None,
+    tokens_per_step: int | None = None,
     progress: bool = True,
 ) -> FitResult:
     """Trains for ``steps`` steps, resuming from ``checkpoint_dir`` if it holds a checkpoint.
@@ -77,6 +78,7 @@ def fit(
         resumed run continues it).
       eval_fn: ``eval_fn(state) -> dict`` of numbers, called every ``eval_every`` steps.
       examples_per_step: the global batch size, for the examples/s figure.
+      tokens_per_step: tokens per global batch, for the tokens/s figure of language models.
       progress: print a progress line per log to stderr.
     """
     if not isinstance(steps, int) or steps < 1:
@@ -109,6 +111,8 @@ def fit(
                     metrics["step"], metrics["steps_per_s"] = step, rate
                     if examples_per_step:
                         metrics["examples_per_s"] = rate * examples_per_step
+                    if tokens_per_step:
+                        metrics["tokens_per_s"] = rate * tokens_per_step
                     t0, last_log_step = now, step
                     history.append(metrics)
                     _write(log, metrics)
