@@ -1,4 +1,8 @@
-"""The ``replicator`` command: ``replicator launch -n N [--devices-per-process D] -- CMD ...``."""
+"""The ``replicator`` command.
+
+replicator train CONFIG [key=value ...]       train as a YAML config says (configs/)
+replicator launch -n N [--devices-per-process D] -- CMD ...
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,15 @@ from collections.abc import Sequence
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="replicator", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
+    train = commands.add_parser(
+        "train",
+        help="train as a YAML config says, e.g. configs/lm_pipeline.yaml",
+        description="Trains as CONFIG says, with key=value overrides (dotted for sections: "
+        "model.layers=8). Metrics, checkpoints and the loss plot go to out_dir/name; running "
+        "the same command again resumes. cpu_devices=0 turns off the emulated CPU devices.",
+    )
+    train.add_argument("config", help="a YAML file")
+    train.add_argument("overrides", nargs="*", help="key=value")
     launch = commands.add_parser(
         "launch",
         help="run a command as N local processes of one JAX distributed job",
@@ -34,6 +47,16 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else list(argv))
+    if args.command == "train":
+        from replicator._src import config, jobs
+
+        try:
+            cfg = config.load(args.config, args.overrides)
+        except (ValueError, OSError) as e:
+            print(f"replicator train: {e}", file=sys.stderr)
+            return 2
+        jobs.run(cfg)
+        return 0
     if args.command == "launch":
         from replicator._src.distributed import launch
 
@@ -48,3 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             grace=args.grace,
         )
     return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,232 @@
+"""The jobs behind ``replicator train CONFIG``: a config becomes a model, an input_fn, a step_fn
+and a `fit` run, with metrics, checkpoints and pictures in ``out_dir/name``."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from replicator._src.config import TrainConfig
+
+
+def run(config: TrainConfig) -> dict:
+    """Trains as ``config`` says; returns a summary (first and last loss, steps, seconds)."""
+    import time
+
+    import jax
+
+    from replicator._src import compat
+
+    # Emulated CPU devices only change the CPU platform: on a TPU or GPU host jax.devices() is
+    # still the accelerators. cpu_devices=0 turns this off.
+    if config.cpu_devices and not compat.backends_initialized():
+        jax.config.update("jax_num_cpu_devices", config.cpu_devices)
+    import optax
+
+    import replicator as rp
+
+    out = os.path.join(config.out_dir, config.name)
+    os.makedirs(out, exist_ok=True)
+    repl = rp.Replicator(mesh_shape=dict(config.mesh))
+    make_tx = {"adam": optax.adam, "sgd": optax.sgd}.get(config.optimizer)
+    if make_tx is None:
+        raise ValueError(f"config: optimizer={config.optimizer!r}; use 'adam' or 'sgd'.")
+    if config.model.kind == "gpt":
+        job = _gpt(config, repl, make_tx(config.learning_rate))
+    elif config.model.kind == "mlp":
+        job = _mlp(config, repl, make_tx(config.learning_rate))
+    else:
+        raise ValueError(f"config: model.kind={config.model.kind!r}; use 'gpt' or 'mlp'.")
+    step_fn, state, input_fn, tokens = job
+    print(f"replicator train {config.name}: {repl} on {jax.devices()[0].platform}", flush=True)
+    t0 = time.perf_counter()
+    result = rp.fit(
+        repl,
+        step_fn,
+        state,
+        input_fn,
+        steps=config.steps,
+        checkpoint_dir=os.path.abspath(os.path.join(out, "checkpoints")),
+        checkpoint_every=config.checkpoint_every,
+        log_every=config.log_every,
+        metrics_path=os.path.join(out, "metrics.jsonl"),
+        examples_per_step=config.global_batch,
+        tokens_per_step=tokens,
+    )
+    seconds = time.perf_counter() - t0
+    losses = [(h["step"], h["loss"]) for h in result.history if "loss" in h]
+    summary = {
+        "steps": result.step,
+        "seconds": seconds,
+        "first_loss": losses[0][1] if losses else None,
+        "last_loss": losses[-1][1] if losses else None,
+        "preempted": result.preempted,
+    }
+    if config.plot and losses:
+        _plot(losses, os.path.join(out, "loss.png"), config)
+    if config.pipeline is not None:
+        picture = rp.pipeline.render(
+            _schedule(config), repl.mesh.shape["stage"], config.pipeline.microbatches
+        )
+        with open(os.path.join(out, "schedule.txt"), "w") as f:
+            f.write(picture + "\n")
+    print(
+        f"replicator train {config.name}: loss {summary['first_loss']:.4f} -> "
+        f"{summary['last_loss']:.4f}, {result.step} steps in {seconds:.1f} s; outputs in {out}",
+        flush=True,
+    )
+    return summary
+
+
+def _schedule(config: TrainConfig):
+    from replicator import pipeline
+
+    p = config.pipeline
+    return {
+        "gpipe": pipeline.GPipe(),
+        "circular": pipeline.Circular(repeats=p.repeats),
+        "1f1b": pipeline.OneFOneB(),
+    }[p.schedule]
+
+
+def _gpt(config: TrainConfig, repl, inner_tx):
+    import jax
+    import optax
+
+    import replicator as rp
+    from replicator import pipeline
+    from replicator.models import gpt
+
+    m = config.model
+    model = gpt.GPTConfig(
+        vocab_size=256, seq_len=m.seq_len, d_model=m.d_model, num_heads=m.heads, num_layers=m.layers
+    )
+    params = gpt.init(model, jax.random.key(0))
+    text = gpt.stdlib_text(2_000_000)
+
+    def input_fn(ctx):
+        per = ctx.per_pipeline_batch_size(config.global_batch)
+        yield from gpt.token_batches(
+            text, batch_size=per, seq_len=m.seq_len, seed=ctx.input_pipeline_id
+        )
+
+    tokens = config.global_batch * m.seq_len
+    if "stage" not in repl.mesh.shape:
+        opt = repl.wrap_optimizer(
+            inner_tx,
+            zero_stage=config.zero_stage,
+            accumulate_steps=config.accumulate_steps,
+            clip_global_norm=config.clip_global_norm,
+        )
+        loss_fn = lambda p, b: gpt.loss(p, b["tokens"], b["targets"], config=model)
+
+        def step_fn(state, batch):
+            p, o, metrics = opt.step(loss_fn, state["params"], state["opt"], batch)
+            return {"params": p, "opt": o}, metrics
+
+        placed = repl.replicate(params)
+        return step_fn, {"params": placed, "opt": opt.init(placed)}, input_fn, tokens
+
+    if config.pipeline is None:
+        raise ValueError("config: a mesh with a 'stage' axis needs a pipeline: section.")
+    schedule = _schedule(config)
+    k = repl.mesh.shape["stage"]
+    grad_fn = pipeline.value_and_grad(
+        gpt.stage_fn(model),
+        gpt.head_loss,
+        num_microbatches=config.pipeline.microbatches,
+        schedule=schedule,
+    )
+    tx = repl.wrap_optimizer(inner_tx, clip_global_norm=config.clip_global_norm)
+
+    def step_fn(state, batch):
+        p = state["params"]
+        x, embed_vjp = jax.vjp(lambda e: gpt.embed(e, batch["tokens"]), p["embed"])
+        loss, (g_stages, g_x, g_head) = grad_fn(p["stages"], x, batch["targets"], p["head"])
+        grads = {"embed": embed_vjp(g_x)[0], "stages": g_stages, "head": g_head}
+        updates, opt = tx.update(grads, state["opt"], p)
+        return {"params": optax.apply_updates(p, updates), "opt": opt}, {
+            "loss": rp.all_reduce(loss, "mean")
+        }
+
+    placed = {
+        "embed": repl.replicate(params["embed"]),
+        "stages": repl.place(
+            pipeline.stack_stages(params["blocks"], num_stages=k, repeats=schedule.repeats),
+            pipeline.stage_spec(schedule.repeats),
+        ),
+        "head": repl.replicate(params["head"]),
+    }
+    return step_fn, {"params": placed, "opt": tx.init(placed)}, input_fn, tokens
+
+
+def _mlp(config: TrainConfig, repl, inner_tx):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import replicator as rp
+
+    m = config.model
+    rng = np.random.default_rng(0)
+    params = {
+        "embed": {"w": (rng.normal(size=(16, m.d_model)) / 4).astype(np.float32)},
+        "layers": {
+            "w": (rng.normal(size=(m.layers, m.d_model, m.d_model)) / np.sqrt(m.d_model)).astype(
+                np.float32
+            ),
+            "b": np.zeros((m.layers, m.d_model), np.float32),
+        },
+        "head": {"w": (rng.normal(size=(m.d_model, 1)) / np.sqrt(m.d_model)).astype(np.float32)},
+    }
+
+    @jax.checkpoint
+    def layer(h, p):
+        p = rp.gather_params(p)  # ZeRO-3: one layer's parameters at a time
+        return h + jnp.tanh(h @ p["w"] + p["b"]), None
+
+    def loss_fn(p, batch):
+        h = batch["x"] @ rp.gather_params(p["embed"])["w"]
+        h, _ = jax.lax.scan(layer, h, p["layers"])
+        return jnp.mean((h @ rp.gather_params(p["head"])["w"] - batch["y"]) ** 2)
+
+    opt = repl.wrap_optimizer(
+        inner_tx,
+        zero_stage=config.zero_stage,
+        accumulate_steps=config.accumulate_steps,
+        clip_global_norm=config.clip_global_norm,
+    )
+    if config.zero_stage == 3:
+        placed = opt.shard_params(params, stacked=["layers"])
+    else:
+        placed = repl.replicate(params)
+
+    def input_fn(ctx):
+        data = np.random.default_rng(1 + ctx.input_pipeline_id)
+        per = ctx.per_pipeline_batch_size(config.global_batch)
+        while True:
+            x = data.normal(size=(per, 16)).astype(np.float32)
+            yield {"x": x, "y": np.sin(x[:, :1]) * np.cos(x[:, 1:2])}
+
+    def step_fn(state, batch):
+        p, o, metrics = opt.step(loss_fn, state["params"], state["opt"], batch)
+        return {"params": p, "opt": o}, metrics
+
+    return step_fn, {"params": placed, "opt": opt.init(placed)}, input_fn, None
+
+
+def _plot(losses, path: str, config: TrainConfig) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print('replicator train: no loss plot (pip install "replicator[plot]")', file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(*zip(*losses))
+    ax.set(xlabel="step", ylabel="loss", title=f"{config.name}: {config.model.kind}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
