@@ -8,6 +8,7 @@ from replicator import distributed as distributed
 from replicator import pipeline as pipeline
 from replicator._src.binding import replica_axis_name as replica_axis_name
 from replicator._src.checkpoint import Checkpoints as Checkpoints
+from replicator._src.checkpoint import StateMismatchError as StateMismatchError
 from replicator._src.collectives import all_gather as all_gather
 from replicator._src.collectives import all_reduce as all_reduce
 from replicator._src.collectives import broadcast as broadcast
@@ -18,6 +19,7 @@ from replicator._src.context import Replicator as Replicator
 from replicator._src.context import current as current
 from replicator._src.context import local_row as local_row
 from replicator._src.errors import ReplicasDivergedError as ReplicasDivergedError
+from replicator._src.input import Batches as Batches
 from replicator._src.input import DistributedIterator as DistributedIterator
 from replicator._src.input import InputContext as InputContext
 from replicator._src.loop import FitResult as FitResult

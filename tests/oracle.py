@@ -110,3 +110,33 @@ def single_device(model: str, tx, data):
         state, out = step(state, batch)
         losses.append(float(out["loss"]))
     return state, losses
+
+
+# -- a model for ZeRO-3: embedding, scanned layers, head -------------------------------------
+
+D3 = 7  # per-layer leaves of 49 and 7 elements: padded to 56 and 8 over 8 replicas
+
+
+def zero3_params(seed=2):
+    rng = np.random.default_rng(seed)
+    return {
+        "embed": {"w": (rng.normal(size=(16, D3)) / 4).astype(np.float32)},
+        "layers": {
+            "w": (rng.normal(size=(3, D3, D3)) / np.sqrt(D3)).astype(np.float32),
+            "b": (0.1 * rng.normal(size=(3, D3))).astype(np.float32),
+        },
+        "head": {"w": (rng.normal(size=(D3, 4)) / np.sqrt(D3)).astype(np.float32)},
+    }
+
+
+def zero3_loss(params, batch):
+    """The model, written once for plain and for ZeRO-3 parameters: gather_params passes plain
+    arrays through, and all-gathers sharded ones, here one layer per scan iteration."""
+    x = batch["x"] @ rp.gather_params(params["embed"])["w"]
+
+    def layer(h, p):
+        p = rp.gather_params(p)
+        return jnp.tanh(h @ p["w"] + p["b"]), None
+
+    h, _ = jax.lax.scan(layer, x, params["layers"])
+    return jnp.mean((h @ rp.gather_params(params["head"])["w"] - batch["y"]) ** 2)

@@ -5,6 +5,7 @@ import types
 import replicator as rp
 
 PUBLIC = [
+    "Batches",
     "Checkpoints",
     "DistributedIterator",
     "DistributedOptimizer",
@@ -14,6 +15,7 @@ PUBLIC = [
     "ReplicasDivergedError",
     "Replicator",
     "ShardedParam",
+    "StateMismatchError",
     "all_gather",
     "all_reduce",
     "broadcast",

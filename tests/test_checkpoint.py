@@ -2,12 +2,24 @@
 restoring onto another mesh."""
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
 import numpy as np
+import optax
 import pytest
-from oracle import OPTIMIZERS, batches, mlp_state, mlp_step, rel_err, single_device
+from oracle import (
+    OPTIMIZERS,
+    batches,
+    mlp_state,
+    mlp_step,
+    rel_err,
+    single_device,
+    zero3_loss,
+    zero3_params,
+)
 
 import replicator as rp
 
@@ -70,3 +82,58 @@ def test_saved_on_8_devices_restores_on_4_and_training_goes_on(tmp_path):
     resumed = train(repl4, restored, data[record["data_position"] :])
     oracle, _ = single_device("mlp", OPTIMIZERS["sgd"](), data)
     assert rel_err(resumed.params, oracle.params) <= 1e-5
+
+
+def run_worker(devices, root, steps):
+    worker = Path(__file__).parent / "workers" / "reshard_run.py"
+    result = subprocess.run(
+        [sys.executable, str(worker), str(devices), str(root), str(steps)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return {
+        line.split()[0]: dict(kv.split("=") for kv in line.split()[1:])
+        for line in result.stdout.splitlines()
+    }
+
+
+RUNS = {"dp_sgd": (0, "sgd"), "zero1_adam": (1, "adam"), "zero3_sgd": (3, "sgd")}
+RUNS["zero3_adam"] = (3, "adam")
+
+
+def test_states_saved_on_8_devices_train_on_from_4_equal_to_the_oracle(tmp_path):
+    first = run_worker(8, tmp_path, 3)
+    second = run_worker(4, tmp_path, 6)
+    data = batches(8, din=16, dout=4)
+    for name, (_, opt) in RUNS.items():
+        assert first[name]["resumed_from"] == "None" and second[name]["resumed_from"] == "3"
+        tx = OPTIMIZERS[opt]()
+        want, opt_state = zero3_params(), tx.init(zero3_params())
+        for batch in data[:6]:
+            updates, opt_state = tx.update(jax.grad(zero3_loss)(want, batch), opt_state, want)
+            want = optax.apply_updates(want, updates)
+        saved = np.load(tmp_path / f"{name}.npz")
+        got = [saved[f"arr_{i}"] for i in range(len(saved.files))]
+        assert rel_err(got, jax.tree.leaves(want)) <= 1e-5, name
+        assert rel_err(got, jax.tree.leaves(zero3_params())) > 1e-3, name
+    # ZeRO's flat leaves are padded to a multiple of the replicas, so their lengths differ
+    # between the meshes: ZeRO-3 pads each layer (49 -> 56 on 8, 52 on 4), ZeRO-1's optimizer
+    # state the whole stacked leaf (147 -> 152 on 8, 148 on 4).
+    for name, on8, on4 in [("zero1_adam", "152", "148"), ("zero3_sgd", "56", "52")]:
+        assert on8 in first[name]["flat"].split(",") and on4 not in first[name]["flat"]
+        assert on4 in second[name]["flat"].split(",") and on8 not in second[name]["flat"]
+
+
+def test_a_state_of_another_shape_is_an_error_not_a_fallback(tmp_path):
+    repl = rp.Replicator()
+    ckpt = rp.Checkpoints(tmp_path)
+    ckpt.save(1, {"w": repl.replicate(np.ones(16, np.float32))})
+    ckpt.save(2, {"w": repl.replicate(np.ones(16, np.float32))})
+    with pytest.raises(rp.StateMismatchError, match=r"leaf \['w'\] of checkpoint step 2 has shape"):
+        ckpt.restore({"w": repl.replicate(np.ones(12, np.float32))})
+    # Split 8 ways, a length of 24 holds 17..24 true elements; the saved 16 (unsplit) cannot.
+    sharded = repl.place(np.ones(24, np.float32), jax.sharding.PartitionSpec("data"))
+    with pytest.raises(rp.StateMismatchError):
+        ckpt.restore({"w": sharded})

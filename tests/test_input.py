@@ -150,7 +150,7 @@ def test_prefetch_reads_ahead_onto_the_devices(prefetch):
         time.sleep(0.01)
     assert len(pulled) >= 1 + prefetch and (prefetch or len(pulled) == 1)
     if prefetch:
-        ready = it._queue.queue[0]
+        ready, _position = it._queue.queue[0]
         assert isinstance(ready["x"], jax.Array) and ready["x"].sharding.spec == P("data")
     assert float(first["x"][0, 0]) == 0 and float(next(it)["x"][0, 0]) == 1
     it.close()

@@ -2,11 +2,14 @@
 
 import json
 import signal
+import struct
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -79,3 +82,143 @@ def test_fit_checks_its_arguments():
         rp.fit(repl, lambda s, b: (s, {}), {}, lambda ctx: [], steps=0)
     with pytest.raises(ValueError, match=r"checkpoint_every must be an int >= 1 or None"):
         rp.fit(repl, lambda s, b: (s, {}), {}, lambda ctx: [], steps=1, checkpoint_every=0)
+
+
+def linear_step(state, batch):
+    def loss_fn(w):
+        return jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
+
+    loss, grad = jax.value_and_grad(loss_fn)(state["w"])
+    grad = rp.all_reduce(grad, "mean")
+    return {"w": state["w"] - 0.1 * grad}, {"loss": rp.all_reduce(loss, "mean")}
+
+
+def linear_data(n=40):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 3)).astype(np.float32)
+    return {"x": x, "y": x @ np.array([[1.0], [-2.0], [0.5]], np.float32)}
+
+
+def fit_linear(input_fn, steps, directory, **kwargs):
+    repl = rp.Replicator()
+    state = repl.replicate({"w": np.zeros((3, 1), np.float32)})
+    return rp.fit(
+        repl,
+        linear_step,
+        state,
+        input_fn,
+        steps=steps,
+        checkpoint_dir=directory,
+        checkpoint_every=2,
+        log_every=1,
+        progress=False,
+        **kwargs,
+    )
+
+
+def test_a_stateful_input_resumes_from_its_saved_position_without_replaying(tmp_path):
+    pulled = []
+
+    class Counted(rp.Batches):
+        def __next__(self):
+            pulled.append(1)
+            return super().__next__()
+
+    def input_fn(ctx):  # 5 batches per epoch: the run crosses into a second epoch
+        return Counted(linear_data(), global_batch_size=8, ctx=ctx, seed=1)
+
+    straight = fit_linear(input_fn, 7, tmp_path / "straight")
+    fit_linear(input_fn, 4, tmp_path / "ckpt")
+    _, record = rp.Checkpoints(tmp_path / "ckpt").restore({"w": np.zeros((3, 1), np.float32)})
+    assert record["input_state"] == [{"epoch": 0, "batch": 4}]
+    del pulled[:]
+    resumed = fit_linear(input_fn, 7, tmp_path / "ckpt")
+    assert resumed.resumed_from == 4 and resumed.step == 7
+    assert len(pulled) < 4 + 3  # set_state, not a replay of the first 4 batches
+    np.testing.assert_array_equal(np.asarray(resumed.state["w"]), np.asarray(straight.state["w"]))
+    assert [h["loss"] for h in resumed.history] == [h["loss"] for h in straight.history[4:]]
+
+
+def test_a_grain_iterator_is_checkpointed_and_resumed(tmp_path):
+    grain = pytest.importorskip("grain")
+    data = linear_data()
+
+    def input_fn(ctx):
+        per = ctx.per_pipeline_batch_size(8)
+        rows = grain.MapDataset.range(40).shuffle(seed=2).repeat()
+        batches = rows.map(lambda i: {"x": data["x"][i], "y": data["y"][i]}).batch(per)
+        return batches.to_iter_dataset()
+
+    straight = fit_linear(input_fn, 7, tmp_path / "straight")
+    fit_linear(input_fn, 4, tmp_path / "ckpt")
+    _, record = rp.Checkpoints(tmp_path / "ckpt").restore({"w": np.zeros((3, 1), np.float32)})
+    assert record["input_state"] == [{"next_index": 4}]
+    resumed = fit_linear(input_fn, 7, tmp_path / "ckpt")
+    assert resumed.resumed_from == 4
+    np.testing.assert_array_equal(np.asarray(resumed.state["w"]), np.asarray(straight.state["w"]))
+
+
+def read_tensorboard_scalars(directory):
+    """{tag: [(step, value)]} from the TFRecord event files in ``directory``."""
+    from tensorboardX.proto import event_pb2
+
+    scalars = {}
+    for path in sorted(Path(directory).glob("events.out.tfevents.*")):
+        raw = path.read_bytes()
+        at = 0
+        while at < len(raw):
+            (length,) = struct.unpack("<Q", raw[at : at + 8])
+            event = event_pb2.Event.FromString(raw[at + 12 : at + 12 + length])
+            at += 12 + length + 4
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars
+
+
+def test_metrics_go_to_jsonl_and_tensorboard(tmp_path):
+    pytest.importorskip("tensorboardX")
+
+    def input_fn(ctx):
+        return rp.Batches(linear_data(), global_batch_size=8, ctx=ctx)
+
+    result = fit_linear(
+        input_fn,
+        4,
+        tmp_path / "ckpt",
+        metrics_path=tmp_path / "metrics.jsonl",
+        tensorboard_dir=tmp_path / "tb",
+        examples_per_step=8,
+    )
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4]
+    assert lines[-1]["loss"] < lines[0]["loss"] and lines[0]["examples_per_s"] > 0
+    scalars = read_tensorboard_scalars(tmp_path / "tb")
+    assert [step for step, _ in scalars["loss"]] == [1, 2, 3, 4]
+    np.testing.assert_allclose([v for _, v in scalars["loss"]], [r["loss"] for r in lines])
+    assert result.history == lines
+
+
+def test_progress_bar_in_a_terminal_and_lines_elsewhere(tmp_path, capsys, monkeypatch):
+    def input_fn(ctx):
+        return rp.Batches(linear_data(), global_batch_size=8, ctx=ctx)
+
+    repl = rp.Replicator()
+    state = repl.replicate({"w": np.zeros((3, 1), np.float32)})
+    state = rp.fit(repl, linear_step, state, input_fn, steps=3, log_every=3).state
+    plain = capsys.readouterr().err
+    assert "step      3/3  loss" in plain and "rp.fit: 3 steps (to step 3)" in plain
+    assert "━" not in plain  # not a terminal: no bar
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    monkeypatch.setenv("COLUMNS", "160")
+    rp.fit(repl, linear_step, state, input_fn, steps=3, log_every=3)
+    bar = capsys.readouterr().err
+    assert "3/3" in bar and "━" in bar and "rp.fit: 3 steps" in bar
+
+
+def test_a_donated_state_is_a_clear_error_not_a_crash():
+    repl = rp.Replicator()
+    state = repl.replicate({"w": np.zeros((3, 1), np.float32)})
+    batch = {k: v[:8] for k, v in linear_data().items()}
+    repl.run(linear_step, state, batch)  # donates state
+    with pytest.raises(ValueError, match=r"state leaf \['w'\] was donated to an earlier run"):
+        repl.run(linear_step, state, batch)

@@ -10,7 +10,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from oracle import batches, rel_err
+from oracle import batches, rel_err, zero3_loss, zero3_params
 
 import replicator as rp
 
@@ -251,33 +251,6 @@ def test_bf16_compute_with_fp32_master_params():
 
 # -- ZeRO-3: parameters stored sharded, gathered one layer at a time ---------------------------
 
-D3 = 7  # per-layer leaves of 49 and 7 elements: padded to 56 and 8 over 8 replicas
-
-
-def init_params3(seed=2):
-    rng = np.random.default_rng(seed)
-    return {
-        "embed": {"w": (rng.normal(size=(SIZES[0], D3)) / 4).astype(np.float32)},
-        "layers": {
-            "w": (rng.normal(size=(3, D3, D3)) / np.sqrt(D3)).astype(np.float32),
-            "b": (0.1 * rng.normal(size=(3, D3))).astype(np.float32),
-        },
-        "head": {"w": (rng.normal(size=(D3, SIZES[-1])) / np.sqrt(D3)).astype(np.float32)},
-    }
-
-
-def loss3(params, batch):
-    """The model, written once for plain and for ZeRO-3 parameters: gather_params passes plain
-    arrays through, and all-gathers sharded ones, here one layer per scan iteration."""
-    x = batch["x"] @ rp.gather_params(params["embed"])["w"]
-
-    def layer(h, p):
-        p = rp.gather_params(p)
-        return jnp.tanh(h @ p["w"] + p["b"]), None
-
-    h, _ = jax.lax.scan(layer, x, params["layers"])
-    return jnp.mean((h @ rp.gather_params(params["head"])["w"] - batch["y"]) ** 2)
-
 
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
 @pytest.mark.parametrize("accumulate_steps", [1, 4])
@@ -287,7 +260,7 @@ def test_zero3_equals_single_device_training(accumulate_steps, opt):
     wrapped = repl.wrap_optimizer(
         OPTIMIZERS[opt](), zero_stage=3, accumulate_steps=accumulate_steps
     )
-    params = wrapped.shard_params(init_params3(), stacked=["layers"])
+    params = wrapped.shard_params(zero3_params(), stacked=["layers"])
     w = params["layers"]["w"]
     assert w.flat.shape == (3, 56) and {s.data.shape for s in w.flat.addressable_shards} == {(3, 7)}
     state = {"params": params, "opt": wrapped.init(params)}
@@ -295,7 +268,7 @@ def test_zero3_equals_single_device_training(accumulate_steps, opt):
 
     def step(state, batch):
         traces.append(1)
-        params, opt_state, metrics = wrapped.step(loss3, state["params"], state["opt"], batch)
+        params, opt_state, metrics = wrapped.step(zero3_loss, state["params"], state["opt"], batch)
         return {"params": params, "opt": opt_state}, metrics
 
     for batch in data:
@@ -303,21 +276,21 @@ def test_zero3_equals_single_device_training(accumulate_steps, opt):
     assert len(traces) == 1
 
     tx = OPTIMIZERS[opt]()
-    want, opt_state = init_params3(), tx.init(init_params3())
+    want, opt_state = zero3_params(), tx.init(zero3_params())
     for batch in data:
-        updates, opt_state = tx.update(jax.grad(loss3)(want, batch), opt_state, want)
+        updates, opt_state = tx.update(jax.grad(zero3_loss)(want, batch), opt_state, want)
         want = optax.apply_updates(want, updates)
     got = jax.device_get(rp.gather_params(state["params"]))  # outside any replicator: local
     assert rel_err(got, want) <= 1e-5
-    assert rel_err(got, init_params3()) > 1e-3
+    assert rel_err(got, zero3_params()) > 1e-3
 
 
 def test_zero3_errors():
     repl = rp.Replicator()
     with pytest.raises(ValueError, match=r"init got plain parameters.*opt.shard_params"):
-        repl.wrap_optimizer(optax.sgd(0.1), zero_stage=3).init(init_params3())
+        repl.wrap_optimizer(optax.sgd(0.1), zero_stage=3).init(zero3_params())
     with pytest.raises(ValueError, match=r"only with zero_stage=3"):
-        repl.wrap_optimizer(optax.sgd(0.1), zero_stage=1).shard_params(init_params3())
+        repl.wrap_optimizer(optax.sgd(0.1), zero_stage=1).shard_params(zero3_params())
     with pytest.raises(ValueError, match=r"grad_dtype is not supported with zero_stage=3"):
         repl.wrap_optimizer(optax.sgd(0.1), zero_stage=3, grad_dtype=jnp.bfloat16)
 
@@ -332,19 +305,19 @@ def test_zero3_with_clipping_loss_scaling_and_accumulation_equals_optax_on_one_d
         loss_scale="dynamic",
         accumulate_steps=2,
     )
-    params = opt.shard_params(init_params3(), stacked=["layers"])
+    params = opt.shard_params(zero3_params(), stacked=["layers"])
     state = {"params": params, "opt": opt.init(params)}
 
     def step(state, batch):
-        params, opt_state, metrics = opt.step(loss3, state["params"], state["opt"], batch)
+        params, opt_state, metrics = opt.step(zero3_loss, state["params"], state["opt"], batch)
         return {"params": params, "opt": opt_state}, metrics
 
     for batch in data:
         state, metrics = repl.run(step, state, batch)
     assert float(metrics["grad_norm"][0]) > 4 * 0.05 and int(metrics["skipped"][0]) == 0
     tx = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.5))
-    want, opt_state = init_params3(), tx.init(init_params3())
+    want, opt_state = zero3_params(), tx.init(zero3_params())
     for batch in data:
-        updates, opt_state = tx.update(jax.grad(loss3)(want, batch), opt_state, want)
+        updates, opt_state = tx.update(jax.grad(zero3_loss)(want, batch), opt_state, want)
         want = optax.apply_updates(want, updates)
     assert rel_err(jax.device_get(rp.gather_params(state["params"])), want) <= 1e-5

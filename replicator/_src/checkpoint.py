@@ -6,7 +6,8 @@ anything else the caller adds). orbax writes each step into a temporary director
 when complete, so a save interrupted midway is never taken for a checkpoint. `restore` reads the
 newest step it can; if that one is unreadable it says so and falls back to the one before.
 Restoring takes a ``like`` tree whose shardings say where each array goes: a checkpoint saved on
-8 devices restores onto a mesh of 4.
+8 devices restores onto a mesh of 4, ZeRO-sharded states included (their flattened leaves are
+padded to a multiple of the replica count, so their lengths can differ by the padding).
 """
 
 from __future__ import annotations
@@ -16,8 +17,14 @@ import warnings
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from replicator._src.typing import PyTree
+
+
+class StateMismatchError(ValueError):
+    """The state to restore into does not have the checkpoint's shapes."""
 
 
 class Checkpoints:
@@ -46,7 +53,12 @@ class Checkpoints:
             max_to_keep=keep, enable_async_checkpointing=False, cleanup_tmp_directories=True
         )
         self._manager = ocp.CheckpointManager(
-            self.directory, options=options, item_names=("state", "record")
+            self.directory,
+            options=options,
+            item_handlers={
+                "state": ocp.StandardCheckpointHandler(),
+                "record": ocp.JsonCheckpointHandler(),
+            },
         )
 
     def steps(self) -> list[int]:
@@ -82,8 +94,9 @@ class Checkpoints:
 
         Raises:
           FileNotFoundError: if there is no readable checkpoint.
+          StateMismatchError: (a ValueError) if a leaf of ``like`` has another shape than the
+            checkpoint's, beyond the padding of ZeRO's layout.
         """
-        ocp = self._ocp
         abstract = jax.tree.map(_abstract, like)
         candidates = [step] if step is not None else self.steps()[::-1]
         if not candidates:
@@ -91,12 +104,9 @@ class Checkpoints:
         errors = []
         for s in candidates:
             try:
-                restored = self._manager.restore(
-                    s,
-                    args=ocp.args.Composite(
-                        state=ocp.args.StandardRestore(abstract), record=ocp.args.JsonRestore()
-                    ),
-                )
+                restored = self._restore(s, abstract)
+            except StateMismatchError:
+                raise  # the caller's state does not match: an older step would not either
             except Exception as e:  # a corrupt or partial step: try the one before
                 if step is not None:
                     raise
@@ -107,13 +117,117 @@ class Checkpoints:
                     stacklevel=2,
                 )
                 continue
-            return restored["state"], dict(restored["record"])
+            return restored
         raise FileNotFoundError(
             f"rp.Checkpoints: no readable checkpoint in {self.directory}: " + "; ".join(errors)
         )
 
+    def _restore(self, step: int, abstract: PyTree) -> tuple[PyTree, dict]:
+        """Reads one step. Leaves in ZeRO's flattened, padded layout (``[..., N * c]``, split
+        over N replicas along the last axis) saved with another N are read as saved and then
+        cut or padded to this mesh's length: only padding differs."""
+        ocp = self._ocp
+        saved = self._saved_leaves(step)
+        flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+        read_as, resize = [], {}
+        for i, (path, want) in enumerate(flat):
+            meta = saved.get(_name(path))
+            if meta is None or tuple(meta.shape) == tuple(want.shape):
+                read_as.append(want)
+                continue
+            if not _only_padding_differs(meta, want):
+                raise StateMismatchError(
+                    f"rp.Checkpoints: leaf {jax.tree_util.keystr(path)} of checkpoint step {step} "
+                    f"has shape {tuple(meta.shape)}, but the state to restore into has "
+                    f"{tuple(want.shape)}. Build the state as the run that saved it did (the same "
+                    f"model and optimizer); only ZeRO's padding may differ between meshes."
+                )
+            sharding = want.sharding
+            if meta.shape[-1] % _splits(want.sharding, want.ndim):
+                sharding = NamedSharding(want.sharding.mesh, PartitionSpec())
+            read_as.append(jax.ShapeDtypeStruct(tuple(meta.shape), want.dtype, sharding=sharding))
+            resize[i] = want
+        restored = self._manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(jax.tree.unflatten(treedef, read_as)),
+                record=ocp.args.JsonRestore(),
+            ),
+        )
+        leaves = treedef.flatten_up_to(restored["state"])
+        for i, want in resize.items():
+            leaves[i] = _to_length(leaves[i], want)
+        return jax.tree.unflatten(treedef, leaves), dict(restored["record"])
+
+    def _saved_leaves(self, step: int) -> dict:
+        """Saved array metadata (shape, sharding) by leaf name; empty if unreadable (then the
+        restore itself reports the problem)."""
+        try:
+            tree = self._manager.item_metadata(step)["state"]
+            tree = getattr(tree, "tree", tree)
+            leaves = jax.tree.leaves(tree, is_leaf=lambda x: hasattr(x, "shape"))
+        except Exception:
+            return {}
+        return {m.name: m for m in leaves if hasattr(m, "shape") and hasattr(m, "name")}
+
     def close(self) -> None:
         self._manager.close()
+
+
+def _name(path) -> str:
+    """orbax's name of a leaf: its path's keys joined by dots."""
+    parts = []
+    for key in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+    return ".".join(parts)
+
+
+def _splits(sharding, ndim: int) -> int:
+    """How many ways ``sharding`` (a NamedSharding, or its orbax metadata) splits the last axis
+    of an array of rank ``ndim``."""
+    spec = tuple(getattr(sharding, "spec", None) or getattr(sharding, "partition_spec", ()) or ())
+    if len(spec) < ndim or spec[ndim - 1] is None:
+        return 1
+    axes = spec[ndim - 1]
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    mesh = getattr(sharding, "mesh", None)
+    sizes = (
+        dict(mesh.shape)
+        if mesh is not None
+        else dict(zip(getattr(sharding, "axis_names", ()), getattr(sharding, "shape", ())))
+    )
+    n = 1
+    for axis in axes:
+        n *= int(sizes.get(axis, 1))
+    return n
+
+
+def _only_padding_differs(meta, want) -> bool:
+    """Whether a saved leaf and the target differ only in ZeRO's padding: the same leading
+    axes, and some true size s with ``L - n < s <= L`` for both (length L split n ways)."""
+    saved, target = tuple(meta.shape), tuple(want.shape)
+    if len(saved) != len(target) or not saved or saved[:-1] != target[:-1]:
+        return False
+    if not isinstance(want.sharding, NamedSharding):
+        return False
+    n_saved = _splits(getattr(meta, "sharding", None), len(saved))
+    n_target = _splits(want.sharding, len(target))
+    if n_saved < 2 and n_target < 2:
+        return False
+    return max(saved[-1] - n_saved, target[-1] - n_target) < min(saved[-1], target[-1])
+
+
+def _to_length(x: jax.Array, want: jax.ShapeDtypeStruct) -> jax.Array:
+    length = want.shape[-1]
+
+    def fit(a):
+        a = a[..., :length]
+        return jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, length - a.shape[-1])])
+
+    return jax.jit(fit, out_shardings=want.sharding)(x)
 
 
 def _abstract(x):

@@ -240,6 +240,7 @@ class Replicator:
         *,
         prefetch: int = 2,
         skip: int = 0,
+        state: Any = None,
     ) -> input_lib.DistributedIterator:
         """Iterates ``input_fn(ctx)``'s batches as global arrays split over the replicas.
 
@@ -254,6 +255,9 @@ class Replicator:
           prefetch: how many batches to prepare ahead in a background thread (0: none).
           skip: batches of ``input_fn`` to pass over first, unplaced: resuming a run at its
             checkpointed input position with a deterministic ``input_fn``.
+          state: a position from ``DistributedIterator.get_state()`` to resume at, for an
+            ``input_fn`` whose iterator has ``get_state``/``set_state`` (`rp.Batches`, grain's
+            iterators); unlike ``skip`` it does not replay the batches before it.
 
         Raises:
           TypeError, ValueError: from ``next()``, naming the batch and the leaf path.
@@ -265,6 +269,8 @@ class Replicator:
         if not isinstance(skip, int) or skip < 0:
             raise ValueError(f"Replicator.distribute: skip must be an int >= 0; got {skip!r}.")
         source = input_lib.call_input_fn(input_fn, self.input_context())
+        if state is not None:
+            source = input_lib.resume(source, state)
         if skip:
             source = itertools.islice(source, skip, None)
         return input_lib.DistributedIterator(
@@ -304,6 +310,8 @@ class Replicator:
         """
         state_leaves, state_def = jax.tree.flatten(state)
         arg_leaves, args_def = jax.tree.flatten(args)
+        if any(isinstance(x, jax.Array) and x.is_deleted() for x in state_leaves):
+            _raise_donated(state)
         program, state_specs = self._program(
             step_fn, state_leaves, state_def, arg_leaves, args_def, args
         )
@@ -456,6 +464,17 @@ def _placement(x) -> tuple:
 def _global_copy(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
     """A global array of ``sharding`` from a host value that every process holds."""
     return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def _raise_donated(state: PyTree) -> None:
+    for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+        if isinstance(x, jax.Array) and x.is_deleted():
+            raise ValueError(
+                f"Replicator.run: state leaf {jax.tree_util.keystr(path) or '(the state)'} was "
+                f"donated to an earlier run (or deleted), so its buffer is gone. Pass the state "
+                f"that run returned (state, out = repl.run(step_fn, state, batch); rp.fit "
+                f"returns it as result.state), or Replicator(donate=False) to keep inputs alive."
+            )
 
 
 class _Current(threading.local):

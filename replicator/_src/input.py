@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import base64
 import dataclasses
 import queue
 import threading
@@ -102,6 +103,8 @@ class DistributedIterator(Iterator[PyTree]):
         prefetch: int,
     ) -> None:
         self._source = iter(source)
+        self._stateful = callable(getattr(self._source, "get_state", None))
+        self._position = encode_state(self._source.get_state()) if self._stateful else None
         self._sharding = sharding
         self._num_local = num_local_replicas
         self._first: list[tuple[Any, tuple]] | None = None
@@ -120,7 +123,8 @@ class DistributedIterator(Iterator[PyTree]):
 
     def __next__(self) -> PyTree:
         if self._queue is None:
-            return self._place(next(self._source))
+            batch, self._position = self._pull()
+            return batch
         item = self._queue.get()
         if isinstance(item, _End):
             self._queue.put(item)  # later next() calls end too
@@ -128,7 +132,20 @@ class DistributedIterator(Iterator[PyTree]):
         if isinstance(item, _Failure):
             self._queue.put(_End())
             raise item.error
-        return item
+        batch, self._position = item
+        return batch
+
+    def get_state(self) -> Any:
+        """The input position after the last batch ``next()`` returned (batches prefetched but
+        not yet taken are not counted), as JSON-able data for ``distribute(..., state=)``; None
+        if ``input_fn``'s iterator has no ``get_state`` (then resume with ``skip``)."""
+        return self._position
+
+    def _pull(self) -> tuple[PyTree, Any]:
+        """The next batch of the source, placed, and the source's position after it."""
+        batch = next(self._source)
+        position = encode_state(self._source.get_state()) if self._stateful else None
+        return self._place(batch), position
 
     def close(self, timeout: float = 10.0) -> None:
         """Stops the prefetch thread and waits for it; batches it had prefetched are dropped.
@@ -149,8 +166,12 @@ class DistributedIterator(Iterator[PyTree]):
 
     def _fill(self) -> None:
         try:
-            for batch in self._source:
-                if not self._put(self._place(batch)):
+            while True:
+                try:
+                    item = self._pull()
+                except StopIteration:
+                    break
+                if not self._put(item):
                     return
             self._put(_End())
         except BaseException as e:  # handed to the consumer, raised from next()
@@ -235,3 +256,131 @@ def call_input_fn(input_fn: Callable[[InputContext], Iterable[PyTree]], ctx: Inp
             f"generator that yields them); it returned a {type(source).__name__}."
         )
     return source
+
+
+def encode_state(state: Any) -> Any:
+    """An iterator's ``get_state()`` as JSON-able data (grain's DataLoader gives bytes)."""
+    if isinstance(state, bytes):
+        return {"__bytes__": base64.b64encode(state).decode("ascii")}
+    return state
+
+
+def decode_state(state: Any) -> Any:
+    if isinstance(state, dict) and set(state) == {"__bytes__"}:
+        return base64.b64decode(state["__bytes__"])
+    return state
+
+
+def resume(source: Iterable[PyTree], state: Any) -> Iterator[PyTree]:
+    """``source``'s iterator, moved to ``state`` (from ``DistributedIterator.get_state``)."""
+    iterator = iter(source)
+    if not callable(getattr(iterator, "set_state", None)):
+        raise TypeError(
+            f"Replicator.distribute: state= needs an input_fn whose iterator has "
+            f"get_state/set_state (rp.Batches, a grain iterator); input_fn gave a "
+            f"{type(iterator).__name__}. For a deterministic generator, resume with skip= "
+            f"(the number of batches to pass over) instead."
+        )
+    iterator.set_state(decode_state(state))
+    return iterator
+
+
+class Batches(Iterator[dict]):
+    """Deterministic, resumable batches from in-memory arrays, with a checkpointable position.
+
+    Each epoch visits the examples in a new order (a permutation seeded by ``seed`` and the
+    epoch) and cuts it into global batches of ``global_batch_size``; this process yields its
+    contiguous part of each global batch (``ctx.per_pipeline_batch_size``). The global batches
+    are therefore the same for any number of processes, and the position (``get_state()``:
+    epoch and batch) is the same on every process. ``rp.fit`` checkpoints it, and a resumed run
+    continues with the next batch without replaying the ones before. The last partial batch of
+    an epoch is dropped, so that every batch has the same shape.
+
+    Args:
+      data: a pytree of arrays with the same first axis (the examples), e.g.
+        ``{"x": images, "y": labels}``.
+      global_batch_size: examples per step, over all replicas.
+      ctx: the ``InputContext`` given to ``input_fn`` (None: one process).
+      shuffle: a new order each epoch (False: the stored order).
+      seed: the shuffling seed.
+      num_epochs: stop after this many epochs (None: never stop).
+
+    >>> import numpy as np
+    >>> data = {"x": np.arange(10.0), "y": np.arange(10) % 2}
+    >>> it = Batches(data, global_batch_size=4, shuffle=False)
+    >>> next(it)["x"].tolist(), it.get_state()
+    ([0.0, 1.0, 2.0, 3.0], {'epoch': 0, 'batch': 1})
+    >>> later = Batches(data, global_batch_size=4, shuffle=False)
+    >>> later.set_state(it.get_state())
+    >>> next(later)["x"].tolist()
+    [4.0, 5.0, 6.0, 7.0]
+    """
+
+    def __init__(
+        self,
+        data: PyTree,
+        global_batch_size: int,
+        *,
+        ctx: InputContext | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_epochs: int | None = None,
+    ) -> None:
+        leaves = jax.tree.leaves(data)
+        if not leaves:
+            raise ValueError("rp.Batches: data has no arrays; pass e.g. {'x': x, 'y': y}.")
+        sizes = {len(leaf) for leaf in leaves}
+        if len(sizes) != 1:
+            raise ValueError(
+                f"rp.Batches: the arrays of data have different first axes {sorted(sizes)}; "
+                f"every leaf needs one row per example."
+            )
+        (self._size,) = sizes
+        ctx = ctx or InputContext()
+        self._per = ctx.per_pipeline_batch_size(global_batch_size)
+        if global_batch_size > self._size:
+            raise ValueError(
+                f"rp.Batches: global_batch_size={global_batch_size} is more than the "
+                f"{self._size} examples of data; use at most {self._size}."
+            )
+        self._data = jax.tree.map(np.asarray, data)
+        self._global = global_batch_size
+        self._offset = ctx.input_pipeline_id * self._per
+        self._shuffle, self._seed, self._num_epochs = shuffle, seed, num_epochs
+        self._epoch, self._batch = 0, 0
+        self._order_epoch, self._order = -1, None
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self._size // self._global
+
+    def __iter__(self) -> Batches:
+        return self
+
+    def __next__(self) -> dict:
+        if self._batch >= self.batches_per_epoch:
+            self._epoch, self._batch = self._epoch + 1, 0
+        if self._num_epochs is not None and self._epoch >= self._num_epochs:
+            raise StopIteration
+        if self._order_epoch != self._epoch:
+            self._order_epoch = self._epoch
+            self._order = (
+                np.random.default_rng([self._seed, self._epoch]).permutation(self._size)
+                if self._shuffle
+                else np.arange(self._size)
+            )
+        start = self._batch * self._global + self._offset
+        rows = self._order[start : start + self._per]
+        self._batch += 1
+        return jax.tree.map(lambda a: a[rows], self._data)
+
+    def get_state(self) -> dict:
+        return {"epoch": self._epoch, "batch": self._batch}
+
+    def set_state(self, state: dict) -> None:
+        if not isinstance(state, dict) or set(state) != {"epoch", "batch"}:
+            raise ValueError(
+                f"rp.Batches.set_state: expected {{'epoch': int, 'batch': int}} from get_state(); "
+                f"got {state!r}."
+            )
+        self._epoch, self._batch = int(state["epoch"]), int(state["batch"])

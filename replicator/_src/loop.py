@@ -1,6 +1,6 @@
 """The training loop: `fit` drives ``repl.run`` over ``repl.distribute(input_fn)``.
 
-It logs metrics (a progress line, and JSONL), evaluates now and then, checkpoints every
+It shows a progress bar, logs metrics (JSONL, TensorBoard), evaluates now and then, checkpoints every
 ``checkpoint_every`` steps and when the process is asked to stop (SIGTERM, SIGINT: preemption),
 and resumes from the newest checkpoint, input position included, so that a killed run loses at
 most one checkpoint interval and continues exactly where it stopped.
@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -50,6 +51,7 @@ def fit(
     keep: int = 3,
     log_every: int = 10,
     metrics_path: str | os.PathLike | None = None,
+    tensorboard_dir: str | os.PathLike | None = None,
     eval_fn: Callable[[PyTree], dict] | None = None,
     eval_every: int | None = None,
     examples_per_step: int | None = None,
@@ -63,12 +65,19 @@ def fit(
         for batch in repl.distribute(input_fn):            # from the checkpointed position
             state, outputs = repl.run(step_fn, state, batch)
 
-    plus logging, evaluation and checkpoints. ``input_fn`` must be deterministic: on resume the
-    batches before the checkpointed position are skipped.
+    plus a progress bar, logging, evaluation, checkpoints and a summary at the end. The scalar
+    ``outputs`` of ``step_fn`` are the logged metrics (``loss`` first among them).
+
+    The input position is part of each checkpoint. If ``input_fn``'s iterator has
+    ``get_state``/``set_state`` (`rp.Batches`, grain's iterators) its state is saved and a
+    resumed run continues from it; otherwise ``input_fn`` must be deterministic, and on resume
+    the batches before the checkpointed step are passed over.
 
     Args:
       repl, step_fn, state, input_fn: as for ``repl.run`` and ``repl.distribute``; ``state``
-        is the initial state (placed), also the template that checkpoints restore into.
+        is the initial state (placed), also the template that checkpoints restore into (on this
+        mesh, whatever the mesh that saved them). Its buffers are donated to the first step:
+        use ``result.state`` afterwards.
       steps: the total number of steps of the run (resumed runs count from where they were).
       checkpoint_dir: where checkpoints go; None: no checkpoints, no resume.
       checkpoint_every: save every this many steps (and at the end, and on SIGTERM/SIGINT).
@@ -76,70 +85,260 @@ def fit(
       log_every: steps between metric logs (each log reads the outputs: a host sync).
       metrics_path: a JSONL file that gets one line per log and per evaluation (appended, so a
         resumed run continues it).
+      tensorboard_dir: also write the metrics as TensorBoard scalars there (needs
+        ``tensorboardX``: ``pip install "replicator[tensorboard]"``).
       eval_fn: ``eval_fn(state) -> dict`` of numbers, called every ``eval_every`` steps.
       examples_per_step: the global batch size, for the examples/s figure.
       tokens_per_step: tokens per global batch, for the tokens/s figure of language models.
-      progress: print a progress line per log to stderr.
+      progress: show a progress bar (in a terminal, or in Jupyter with ipywidgets) or else a
+        line per log, and a summary at the end; on stderr, on process 0 only.
+
+    Returns:
+      A `FitResult`; ``history`` holds this run's logged metrics.
+
+    Example (one epoch of a regression, on whatever devices there are)::
+
+        def input_fn(ctx):
+            return rp.Batches({"x": x, "y": y}, global_batch_size=256, ctx=ctx, num_epochs=1)
+
+        result = rp.fit(repl, step_fn, state, input_fn, steps=1000,
+                        checkpoint_dir="/tmp/run", checkpoint_every=100)
     """
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"rp.fit: steps must be an int >= 1; got {steps!r}.")
-    for name, value in (("checkpoint_every", checkpoint_every), ("eval_every", eval_every)):
+    for name, value in (
+        ("checkpoint_every", checkpoint_every),
+        ("eval_every", eval_every),
+        ("log_every", log_every),
+    ):
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ValueError(f"rp.fit: {name} must be an int >= 1 or None; got {value!r}.")
+    if checkpoint_every and checkpoint_dir is None:
+        raise ValueError(
+            "rp.fit: checkpoint_every is set but checkpoint_dir is None; give checkpoint_dir "
+            "(a directory) to save checkpoints."
+        )
+    log_every = log_every or steps
     ckpt = Checkpoints(checkpoint_dir, keep=keep) if checkpoint_dir is not None else None
-    start, resumed_from = 0, None
+    start, resumed_from, input_state = 0, None, None
     if ckpt is not None and ckpt.latest_step() is not None:
         state, record = ckpt.restore(state)
         start = resumed_from = int(record["step"])
-        _say(progress, f"rp.fit: resumed from the checkpoint of step {start} in {ckpt.directory}")
-    history: list[dict] = []
-    log = open(metrics_path, "a") if metrics_path is not None else None
+        input_state = _my_input_state(record.get("input_state"))
+    report = _Report(
+        steps, start, progress, metrics_path, tensorboard_dir, examples_per_step, tokens_per_step
+    )
+    if resumed_from is not None:
+        report.say(f"rp.fit: resumed from the checkpoint of step {start} in {ckpt.directory}")
     step, preempted = start, False
     stop = _StopFlag()
-    t0, last_log_step = time.perf_counter(), start
+
+    def save(batches) -> None:
+        extra = {"data_position": step}
+        position = batches.get_state()
+        if position is not None:
+            extra["input_state"] = _gather(position)
+        ckpt.save(step, state, **extra)
+
     try:
-        with stop.installed(), repl.distribute(input_fn, skip=start) as batches:
+        with (
+            stop.installed(),
+            report,
+            repl.distribute(
+                input_fn, skip=0 if input_state is not None else start, state=input_state
+            ) as batches,
+        ):
             for batch in batches:
                 if step >= steps:
                     break
                 state, outputs = repl.run(step_fn, state, batch)
                 step += 1
+                report.advance(step)
                 if step % log_every == 0 or step == steps:
-                    metrics = _numbers(local_row(outputs))
-                    now = time.perf_counter()
-                    rate = (step - last_log_step) / max(now - t0, 1e-9)
-                    metrics["step"], metrics["steps_per_s"] = step, rate
-                    if examples_per_step:
-                        metrics["examples_per_s"] = rate * examples_per_step
-                    if tokens_per_step:
-                        metrics["tokens_per_s"] = rate * tokens_per_step
-                    t0, last_log_step = now, step
-                    history.append(metrics)
-                    _write(log, metrics)
-                    _say(progress, _line(metrics, steps))
+                    report.log(step, _numbers(local_row(outputs)))
                 if eval_fn is not None and eval_every and step % eval_every == 0:
-                    result = {
-                        "step": step,
-                        **{f"eval_{k}": v for k, v in _numbers(eval_fn(state)).items()},
-                    }
-                    history.append(result)
-                    _write(log, result)
-                    _say(progress, _line(result, steps))
+                    report.log(step, _numbers(eval_fn(state)), prefix="eval_")
                 if ckpt is not None and checkpoint_every and step % checkpoint_every == 0:
-                    ckpt.save(step, state, data_position=step)
+                    save(batches)
                 if stop.requested:
                     preempted = True
                     break
-        if ckpt is not None and (preempted or step >= steps) and ckpt.latest_step() != step:
-            ckpt.save(step, state, data_position=step)
+                if step >= steps:
+                    break  # before next() takes one more batch off the input
+            if ckpt is not None and (preempted or step >= steps) and ckpt.latest_step() != step:
+                save(batches)
         if preempted:
-            _say(
-                progress, f"rp.fit: stopped by {stop.signal_name} at step {step}; checkpoint saved"
-            )
+            report.say(f"rp.fit: stopped by {stop.signal_name} at step {step}; checkpoint saved")
+        elif step < steps:
+            report.say(f"rp.fit: input_fn ran out of batches at step {step} of {steps}.")
+        report.summary(step, ckpt)
     finally:
-        if log is not None:
-            log.close()
-    return FitResult(state, step, history, preempted, resumed_from)
+        report.close()
+    return FitResult(state, step, report.history, preempted, resumed_from)
+
+
+def _gather(position: Any) -> list:
+    """Every process's input position, in process order (each process has its own input)."""
+    if jax.process_count() == 1:
+        return [position]
+    from jax.experimental import multihost_utils
+
+    raw = np.frombuffer(json.dumps(position).encode(), np.uint8)
+    sizes = multihost_utils.process_allgather(np.array([raw.size], np.int32))
+    padded = np.zeros(int(np.max(sizes)), np.uint8)
+    padded[: raw.size] = raw
+    rows = multihost_utils.process_allgather(padded)
+    return [json.loads(bytes(row[: int(n)])) for row, n in zip(rows, np.ravel(sizes))]
+
+
+def _my_input_state(states: list | None) -> Any:
+    if states is None:
+        return None
+    if len(states) == jax.process_count():
+        return states[jax.process_index()]
+    if all(s == states[0] for s in states):  # e.g. rp.Batches: one position for all processes
+        return states[0]
+    raise ValueError(
+        f"rp.fit: the checkpoint holds the input positions of {len(states)} processes, which "
+        f"differ, and this run has {jax.process_count()}; resume with the same number of "
+        f"processes, or use an input whose position is the same on every process (rp.Batches)."
+    )
+
+
+class _Report:
+    """The run's outputs besides the state: progress bar or lines, JSONL, TensorBoard, summary."""
+
+    def __init__(
+        self, steps, start, progress, metrics_path, tensorboard_dir, examples, tokens
+    ) -> None:
+        self.steps, self.start = steps, start
+        self.history: list[dict] = []
+        self._show = progress and jax.process_index() == 0
+        self._examples, self._tokens = examples, tokens
+        self._t_start = self._t_log = time.perf_counter()
+        self._last_log_step = start
+        self._jsonl = open(metrics_path, "a") if metrics_path is not None else None
+        self._tb = _tensorboard(tensorboard_dir) if jax.process_index() == 0 else None
+        self._bar = _bar(steps, start) if self._show else None
+        self._status = ""
+
+    def __enter__(self):
+        if self._bar is not None:
+            self._bar[0].start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar[0].stop()
+            self._bar = None
+
+    def advance(self, step: int) -> None:
+        if self._bar is not None:
+            progress, task = self._bar
+            progress.update(task, completed=step, status=self._status)
+
+    def log(self, step: int, metrics: dict, prefix: str = "") -> None:
+        record = {"step": step, **{prefix + k: v for k, v in metrics.items()}}
+        if not prefix:
+            now = time.perf_counter()
+            rate = (step - self._last_log_step) / max(now - self._t_log, 1e-9)
+            self._t_log, self._last_log_step = now, step
+            record["steps_per_s"] = rate
+            if self._examples:
+                record["examples_per_s"] = rate * self._examples
+            if self._tokens:
+                record["tokens_per_s"] = rate * self._tokens
+        self.history.append(record)
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(record) + "\n")
+            self._jsonl.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, int | float):
+                    self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+        line = _line(record, self.steps)
+        if self._bar is not None:
+            if not prefix:
+                self._status = "  ".join(line.split("  ")[1:4])
+            self._bar[0].console.print(line, highlight=False)
+        else:
+            self.say(line)
+
+    def say(self, text: str) -> None:
+        if not self._show:
+            return
+        if self._bar is not None:
+            self._bar[0].console.print(text, highlight=False)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def summary(self, step: int, ckpt: Checkpoints | None) -> None:
+        seconds = time.perf_counter() - self._t_start
+        done = step - self.start
+        parts = [f"rp.fit: {done} steps (to step {step}) in {seconds:.1f} s"]
+        losses = [r["loss"] for r in self.history if "loss" in r]
+        if losses:
+            parts.append(f"loss {losses[0]:.4g} -> {losses[-1]:.4g}")
+        rate = done / max(seconds, 1e-9)
+        if self._tokens:
+            parts.append(f"{rate * self._tokens:,.0f} tokens/s")
+        elif self._examples:
+            parts.append(f"{rate * self._examples:,.0f} examples/s")
+        if ckpt is not None and ckpt.latest_step() is not None:
+            parts.append(f"checkpoint {ckpt.latest_step()} in {ckpt.directory}")
+        self.__exit__()
+        self.say("; ".join(parts))
+
+    def close(self) -> None:
+        self.__exit__()
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _bar(steps: int, start: int):
+    """A rich progress bar on stderr if stderr shows one (a terminal, or Jupyter with
+    ipywidgets); None in logs and files, where a line per log reads better."""
+    from rich import progress as rp_progress
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    if console.is_jupyter:
+        try:
+            import ipywidgets  # noqa: F401
+        except ImportError:
+            return None
+    elif not console.is_terminal or console.is_dumb_terminal:
+        return None
+    bar = rp_progress.Progress(
+        rp_progress.TextColumn("step"),
+        rp_progress.MofNCompleteColumn(),
+        rp_progress.BarColumn(),
+        rp_progress.TimeElapsedColumn(),
+        rp_progress.TextColumn("<"),
+        rp_progress.TimeRemainingColumn(),
+        rp_progress.TextColumn("{task.fields[status]}"),
+        console=console,
+    )
+    task = bar.add_task("fit", total=steps, completed=start, status="")
+    return bar, task
+
+
+def _tensorboard(directory):
+    if directory is None:
+        return None
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        warnings.warn(
+            "rp.fit: tensorboard_dir is set but tensorboardX is not installed; metrics go to "
+            'JSONL only. pip install "replicator[tensorboard]" to write TensorBoard scalars.',
+            stacklevel=3,
+        )
+        return None
+    return SummaryWriter(os.fspath(directory))
 
 
 class _StopFlag:
@@ -180,20 +379,9 @@ def _numbers(tree: Any) -> dict:
     return out
 
 
-def _write(log, record: dict) -> None:
-    if log is not None:
-        log.write(json.dumps(record) + "\n")
-        log.flush()
-
-
 def _line(metrics: dict, steps: int) -> str:
     parts = [f"step {metrics['step']:>6}/{steps}"]
     for key, value in metrics.items():
         if key != "step":
             parts.append(f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}")
     return "  ".join(parts)
-
-
-def _say(enabled: bool, text: str) -> None:
-    if enabled and jax.process_index() == 0:
-        print(text, file=sys.stderr, flush=True)
