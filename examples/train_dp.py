@@ -1,8 +1,9 @@
 """Data-parallel training of a CNN with cross-replica BatchNorm, on emulated or real devices.
 
 The data is generated procedurally (no downloads): 16x16 images of six kinds of shapes (bars,
-diagonals, squares, disks, crosses) at random positions and sizes, with noise. The script is the
-whole replicator recipe: an ``input_fn``, a one-replica ``step_fn``, and a ``Replicator``.
+diagonals, squares, disks, crosses) at random positions and sizes, with noise, from
+``replicator.models.shape_images``. The script is the whole replicator recipe: an ``input_fn``,
+a one-replica ``step_fn``, and a ``Replicator``.
 
     python examples/train_dp.py                      # 8 emulated CPU devices, 300 steps
     python examples/train_dp.py --steps 50 --lowering pmap
@@ -14,8 +15,6 @@ import argparse
 import time
 
 import jax
-
-SHAPES = ("horizontal bar", "vertical bar", "diagonal", "square", "disk", "cross")
 
 
 def parse_args() -> argparse.Namespace:
@@ -34,37 +33,6 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def make_images(rng, n: int, size: int = 16):
-    """``n`` noisy images of random shapes, and their labels in ``range(len(SHAPES))``."""
-    import numpy as np
-
-    labels = rng.integers(0, len(SHAPES), size=n)
-    images = np.zeros((n, size, size, 1), np.float32)
-    yy, xx = np.mgrid[:size, :size]
-    for i, label in enumerate(labels):
-        cy, cx = rng.integers(4, size - 4, size=2)
-        r = rng.integers(2, 4)
-        kind = SHAPES[label]
-        if kind == "horizontal bar":
-            mask = (abs(yy - cy) <= 1) & (abs(xx - cx) <= r + 2)
-        elif kind == "vertical bar":
-            mask = (abs(xx - cx) <= 1) & (abs(yy - cy) <= r + 2)
-        elif kind == "diagonal":
-            mask = (abs((yy - cy) - (xx - cx)) <= 1) & (abs(yy - cy) <= r + 1)
-        elif kind == "square":
-            inside = (abs(yy - cy) <= r) & (abs(xx - cx) <= r)
-            mask = inside & ~((abs(yy - cy) < r) & (abs(xx - cx) < r))
-        elif kind == "disk":
-            mask = (yy - cy) ** 2 + (xx - cx) ** 2 <= r**2
-        else:
-            mask = ((abs(yy - cy) <= 0) & (abs(xx - cx) <= r)) | (
-                (abs(xx - cx) <= 0) & (abs(yy - cy) <= r)
-            )
-        images[i, ..., 0] = mask
-    images += 0.3 * rng.normal(size=images.shape).astype(np.float32)
-    return images, labels.astype(np.int32)
-
-
 def main() -> None:
     args = parse_args()
     if args.cpu_devices and args.lowering != "local":
@@ -76,7 +44,7 @@ def main() -> None:
     from flax import nnx
 
     import replicator as rp
-    from replicator.models import CNN
+    from replicator.models import CNN, SHAPES, shape_images
 
     repl = rp.Replicator(mesh_shape={"data": -1}, lowering=args.lowering)
     print(f"{repl} on {jax.devices()[0].platform}: global batch {args.global_batch}")
@@ -85,7 +53,7 @@ def main() -> None:
         rng = np.random.default_rng(1000 + ctx.input_pipeline_id)
         per_process = ctx.per_pipeline_batch_size(args.global_batch)
         while True:
-            x, y = make_images(rng, per_process)
+            x, y = shape_images(rng, per_process)
             yield {"x": x, "y": y}
 
     model = CNN(in_channels=1, num_classes=len(SHAPES), width=16, rngs=nnx.Rngs(0))

@@ -1,4 +1,4 @@
-"""The README's main command, as a short smoke run: it trains and the loss falls."""
+"""The examples, as short smoke runs: each trains and the loss falls."""
 
 import pathlib
 import re
@@ -34,3 +34,20 @@ def test_lm_pipeline_example_learns_on_stdlib_text(tmp_path):
     first, last = map(float, re.search(r"loss (\d+\.\d+) -> (\d+\.\d+)", result.stdout).groups())
     assert last < 0.9 * first and "tokens_per_s" in result.stderr
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 3
+
+
+def test_train_zero_example_shards_memory_and_learns():
+    result = subprocess.run(
+        [sys.executable, "examples/train_zero.py", "--steps", "60", "--log-every", "20"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "num_replicas=8" in result.stdout and "ZeRO stage 3" in result.stdout
+    # Every device holds 1/8 of the parameters and Adam state (plus padding to a multiple of 8).
+    ratio = float(re.search(r"MiB unsharded: (\d+\.\d+)x", result.stdout).group(1))
+    assert 7.5 < ratio <= 8.0, result.stdout
+    losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", result.stdout)]
+    assert len(losses) == 4 and losses[-1] < 0.2 * losses[0], result.stdout

@@ -24,7 +24,7 @@ def test_ci_runs_the_readme_test_command():
     assert len(lines) == 2, "the quickstart is exactly two commands"
     assert lines[1] in (ROOT / ".ci" / "run").read_text()
     # The main job is tests/test_cli.py's smoke run of the same config.
-    assert lines[0] == "pip install -e . && replicator train configs/lm_pipeline.yaml"
+    assert lines[0] == 'pip install -e ".[plot]" && replicator train configs/lm_pipeline.yaml'
     assert (ROOT / "configs" / "lm_pipeline.yaml").exists()
 
 

@@ -17,11 +17,15 @@ from typing import Any
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    kind: str = "gpt"  # "gpt" (byte-level decoder on stdlib text) or "mlp" (regression)
+    # "gpt": a byte-level decoder on Python's stdlib sources (d_model, layers, heads, seq_len);
+    # "mlp": a residual MLP regression (d_model, layers);
+    # "cnn": a classifier with cross-replica BatchNorm on generated shape images (width).
+    kind: str = "gpt"
     d_model: int = 64
     layers: int = 4
     heads: int = 4
     seq_len: int = 64
+    width: int = 16  # cnn: channels of the first conv block (the second has twice as many)
 
 
 @dataclasses.dataclass(frozen=True)

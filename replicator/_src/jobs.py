@@ -35,8 +35,10 @@ def run(config: TrainConfig) -> dict:
         job = _gpt(config, repl, make_tx(config.learning_rate))
     elif config.model.kind == "mlp":
         job = _mlp(config, repl, make_tx(config.learning_rate))
+    elif config.model.kind == "cnn":
+        job = _cnn(config, repl, make_tx(config.learning_rate))
     else:
-        raise ValueError(f"config: model.kind={config.model.kind!r}; use 'gpt' or 'mlp'.")
+        raise ValueError(f"config: model.kind={config.model.kind!r}; use 'gpt', 'mlp' or 'cnn'.")
     step_fn, state, input_fn, tokens = job
     print(f"replicator train {config.name}: {repl} on {jax.devices()[0].platform}", flush=True)
     t0 = time.perf_counter()
@@ -65,11 +67,7 @@ def run(config: TrainConfig) -> dict:
     if config.plot and losses:
         _plot(losses, os.path.join(out, "loss.png"), config)
     if config.pipeline is not None:
-        picture = rp.pipeline.render(
-            _schedule(config), repl.mesh.shape["stage"], config.pipeline.microbatches
-        )
-        with open(os.path.join(out, "schedule.txt"), "w") as f:
-            f.write(picture + "\n")
+        _draw_schedule(config, repl.mesh.shape["stage"], out)
     print(
         f"replicator train {config.name}: loss {summary['first_loss']:.4f} -> "
         f"{summary['last_loss']:.4f}, {result.step} steps in {seconds:.1f} s; outputs in {out}",
@@ -213,6 +211,74 @@ def _mlp(config: TrainConfig, repl, inner_tx):
         return {"params": p, "opt": o}, metrics
 
     return step_fn, {"params": placed, "opt": opt.init(placed)}, input_fn, None
+
+
+def _cnn(config: TrainConfig, repl, inner_tx):
+    """The CNN with cross-replica BatchNorm on `shape_images`, data parallel: the BatchNorm
+    statistics travel in the state next to the parameters, and are the same on every replica."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    import replicator as rp
+    from replicator.models import CNN, SHAPES, shape_images
+
+    if "stage" in repl.mesh.shape:
+        raise ValueError("config: model.kind='cnn' is data parallel; use a mesh without 'stage'.")
+    if config.zero_stage == 3 or config.accumulate_steps != 1:
+        raise ValueError(
+            f"config: model.kind='cnn' supports zero_stage 0, 1 or 2 and accumulate_steps=1 (its "
+            f"BatchNorm takes statistics over the whole batch); got zero_stage="
+            f"{config.zero_stage}, accumulate_steps={config.accumulate_steps}."
+        )
+    model = CNN(in_channels=1, num_classes=len(SHAPES), width=config.model.width, rngs=nnx.Rngs(0))
+    graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
+    tx = repl.wrap_optimizer(
+        inner_tx, zero_stage=config.zero_stage, clip_global_norm=config.clip_global_norm
+    )
+
+    def input_fn(ctx):
+        rng = np.random.default_rng(1000 + ctx.input_pipeline_id)
+        per = ctx.per_pipeline_batch_size(config.global_batch)
+        while True:
+            x, y = shape_images(rng, per)
+            yield {"x": x, "y": y}
+
+    def loss_fn(params, stats, batch):
+        m = nnx.merge(graphdef, params, stats, copy=True)
+        logits = m(batch["x"])  # BatchNorm: statistics over every replica's examples
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+        accuracy = jnp.mean(jnp.argmax(logits, -1) == batch["y"])
+        return loss, (nnx.state(m, nnx.BatchStat), accuracy)
+
+    def step_fn(state, batch):
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        (loss, (stats, accuracy)), grads = grad_fn(state["params"], state["stats"], batch)
+        updates, opt = tx.update(grads, state["opt"], state["params"])  # mean over replicas
+        params = optax.apply_updates(state["params"], updates)
+        metrics = rp.all_reduce({"loss": loss, "accuracy": accuracy}, "mean")
+        return {"params": params, "stats": stats, "opt": opt}, metrics
+
+    params, stats = repl.replicate(params), repl.replicate(stats)
+    state = {"params": params, "stats": stats, "opt": tx.init(params)}
+    return step_fn, state, input_fn, None
+
+
+def _draw_schedule(config: TrainConfig, num_stages: int, out: str) -> None:
+    """The pipeline schedule as ``schedule.txt`` (ASCII) and, with ``plot``, ``schedule.png``."""
+    from replicator import pipeline
+
+    args = (_schedule(config), num_stages, config.pipeline.microbatches)
+    png = os.path.join(out, "schedule.png") if config.plot else None
+    try:
+        picture = pipeline.render(*args, path=png)
+    except ImportError:
+        print('replicator train: no schedule.png (pip install "replicator[plot]")', file=sys.stderr)
+        picture = pipeline.render(*args)
+    with open(os.path.join(out, "schedule.txt"), "w") as f:
+        f.write(picture + "\n")
 
 
 def _plot(losses, path: str, config: TrainConfig) -> None:
