@@ -1,6 +1,7 @@
 """The ``replicator`` command.
 
 replicator train CONFIG [key=value ...]       train as a YAML config says (configs/)
+replicator explain CONFIG [key=value ...]     what its step costs per device, without running it
 replicator launch -n N [--devices-per-process D] -- CMD ...
 """
 
@@ -23,6 +24,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     train.add_argument("config", help="a YAML file")
     train.add_argument("overrides", nargs="*", help="key=value")
+    explain = commands.add_parser(
+        "explain",
+        help="what a config's step costs per device (memory, FLOPs, collectives), not run",
+        description="Compiles the training step of CONFIG (with key=value overrides) for its "
+        "mesh on as many emulated CPU devices as the mesh has, and prints per device: memory "
+        "(arguments, outputs, temporaries), FLOPs per step, every collective with its mesh "
+        "axes, dtype and bytes per step, and for pipelines the bubble and the schedule. "
+        "Nothing is trained. Example: replicator explain configs/lm_pipeline.yaml "
+        "mesh.data=8 mesh.stage=8 model.layers=16 global_batch=256",
+    )
+    explain.add_argument("config", help="a YAML file")
+    explain.add_argument("overrides", nargs="*", help="key=value")
+    explain.add_argument("--json", metavar="PATH", help="also write the whole report as JSON")
     launch = commands.add_parser(
         "launch",
         help="run a command as N local processes of one JAX distributed job",
@@ -56,6 +70,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"replicator train: {e}", file=sys.stderr)
             return 2
         jobs.run(cfg)
+        return 0
+    if args.command == "explain":
+        from replicator._src import config, jobs
+
+        try:
+            cfg = config.load(args.config, args.overrides)
+        except (ValueError, OSError) as e:
+            print(f"replicator explain: {e}", file=sys.stderr)
+            return 2
+        try:
+            report = jobs.explain(cfg, json_path=args.json)
+        except ValueError as e:  # the config asks for something the library refuses
+            print(f"replicator explain: {e}", file=sys.stderr)
+            return 2
+        print(report)
+        if args.json:
+            print(f"wrote {args.json}")
         return 0
     if args.command == "launch":
         from replicator._src.distributed import launch

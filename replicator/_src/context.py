@@ -7,6 +7,7 @@ import contextlib
 import itertools
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from replicator._src import errors, optim
 from replicator._src import input as input_lib
+from replicator._src import inspect as inspect_lib
 from replicator._src import lowering as lowering_lib
 from replicator._src import mesh as mesh_lib
 from replicator._src.typing import PyTree, StepFn
@@ -347,6 +349,58 @@ class Replicator:
         arg_leaves, args_def = jax.tree.flatten(args)
         program, _ = self._program(step_fn, state_leaves, state_def, arg_leaves, args_def, args)
         return program.lower(state_leaves, arg_leaves)
+
+    def explain(self, step_fn: StepFn, state: PyTree, *args: PyTree) -> inspect_lib.StepReport:
+        """What ``run(step_fn, state, *args)`` would cost per device, without running it.
+
+        Compiles the step for this mesh and reads the compiled program: per-device memory
+        (arguments, outputs, temporaries), FLOPs per step, every collective with its mesh axes,
+        dtype and bytes per step (loops counted per trip), and for each pipeline in the step its
+        schedule, bubble fraction and picture. Nothing is executed and nothing is donated.
+
+        To plan for a mesh bigger than this machine, emulate its devices on the CPU
+        (``jax.config.update("jax_num_cpu_devices", 64)`` before JAX starts), or run
+        ``replicator explain CONFIG``. To avoid allocating a big state, pass
+        ``jax.ShapeDtypeStruct`` leaves (``sharding=NamedSharding(repl.mesh, spec)`` for
+        leaves that are not replicated), e.g. from ``jax.eval_shape``.
+
+        Args:
+          step_fn: one replica's step, as for `run`.
+          state: the state, or its shapes; as for `run`.
+          *args: the arguments, e.g. a global batch, or their shapes.
+
+        Returns:
+          A `StepReport`: print it for tables, ``to_json()`` for everything.
+
+        >>> import jax, jax.numpy as jnp, replicator as rp
+        >>> repl = rp.Replicator(devices=jax.devices()[:2])
+        >>> step = lambda s, x: (s + rp.all_reduce(x.T @ x, "mean"), {})
+        >>> report = repl.explain(step, repl.replicate(jnp.ones((8, 8))), jnp.ones((4, 8)))
+        >>> [(c.kind, c.axes, c.bytes) for c in report.collectives]  # the 8x8 f32 all-reduce
+        [('all-reduce', ('data',), 256)]
+        >>> report.matmul_flops  # [8, 2] @ [2, 8] on each device: 2 x 8 x 8 x 2
+        256.0
+        """
+        if self._lowering == "local":
+            raise ValueError(
+                "Replicator.explain: lowering='local' runs step_fn eagerly, so there is no "
+                "program to explain; use lowering='shard_map' (or 'pmap')."
+            )
+        start = time.perf_counter()
+        state_leaves, state_def = jax.tree.flatten(state)
+        arg_leaves, args_def = jax.tree.flatten(args)
+        with inspect_lib.recording() as pipelines:  # a new program: step_fn is traced again
+            program, _ = self._compile(step_fn, state_def, args_def, state_leaves, arg_leaves, args)
+            compiled = program.lower(state_leaves, arg_leaves).compile()
+        return inspect_lib.report(
+            compiled,
+            step=lowering_lib.step_name(step_fn),
+            mesh_shape=dict(self._mesh.shape),
+            lowering=self._lowering,
+            platform=self._mesh.devices.flat[0].platform,
+            compile_seconds=time.perf_counter() - start,
+            pipelines=pipelines,
+        )
 
     def _program(self, step_fn, state_leaves, state_def, arg_leaves, args_def, args):
         # The cache key holds each leaf's sharding object and shape, which are cheap to read

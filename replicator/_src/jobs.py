@@ -3,10 +3,66 @@ and a `fit` run, with metrics, checkpoints and pictures in ``out_dir/name``."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import sys
 
 from replicator._src.config import TrainConfig
+
+
+def _devices(config: TrainConfig, *, cpu_only: bool) -> None:
+    """Emulates ``config``'s CPU devices if JAX has not started yet.
+
+    Emulated CPU devices only change the CPU platform: on a TPU or GPU host ``jax.devices()`` is
+    still the accelerators, unless ``cpu_only`` (explain: plan any mesh on this machine's CPU,
+    with as many emulated devices as the mesh has, or ``cpu_devices`` if a size is -1).
+    """
+    import jax
+
+    from replicator._src import compat
+
+    if compat.backends_initialized():
+        return
+    sizes = list(config.mesh.values())
+    n = math.prod(sizes) if cpu_only and sizes and min(sizes) > 0 else config.cpu_devices
+    if cpu_only:
+        jax.config.update("jax_platforms", "cpu")
+    if n:
+        jax.config.update("jax_num_cpu_devices", n)
+
+
+def build(config: TrainConfig):
+    """The job a config describes: ``(repl, step_fn, state, input_fn, tokens_per_step)``."""
+    import optax
+
+    import replicator as rp
+
+    repl = rp.Replicator(mesh_shape=dict(config.mesh))
+    make_tx = {"adam": optax.adam, "sgd": optax.sgd}.get(config.optimizer)
+    if make_tx is None:
+        raise ValueError(f"config: optimizer={config.optimizer!r}; use 'adam' or 'sgd'.")
+    jobs = {"gpt": _gpt, "mlp": _mlp, "cnn": _cnn}
+    if config.model.kind not in jobs:
+        raise ValueError(f"config: model.kind={config.model.kind!r}; use 'gpt', 'mlp' or 'cnn'.")
+    return (repl, *jobs[config.model.kind](config, repl, make_tx(config.learning_rate)))
+
+
+def explain(config: TrainConfig, *, json_path: str | None = None):
+    """Compiles the config's training step for its mesh on emulated CPU devices and returns its
+    `StepReport` (also written to ``json_path``), without training."""
+    _devices(config, cpu_only=True)
+    repl, step_fn, state, input_fn, _ = build(config)
+    batches = input_fn(repl.input_context())
+    batch = next(iter(batches))  # the first global batch (this process's part of it)
+    if hasattr(batches, "close"):
+        batches.close()
+    report = repl.explain(step_fn, state, batch)
+    report = dataclasses.replace(report, step=f"{config.name} ({config.model.kind})")
+    if json_path:
+        with open(json_path, "w") as f:
+            f.write(report.to_json() + "\n")
+    return report
 
 
 def run(config: TrainConfig) -> dict:
@@ -15,31 +71,12 @@ def run(config: TrainConfig) -> dict:
 
     import jax
 
-    from replicator._src import compat
-
-    # Emulated CPU devices only change the CPU platform: on a TPU or GPU host jax.devices() is
-    # still the accelerators. cpu_devices=0 turns this off.
-    if config.cpu_devices and not compat.backends_initialized():
-        jax.config.update("jax_num_cpu_devices", config.cpu_devices)
-    import optax
-
     import replicator as rp
 
+    _devices(config, cpu_only=False)
     out = os.path.join(config.out_dir, config.name)
     os.makedirs(out, exist_ok=True)
-    repl = rp.Replicator(mesh_shape=dict(config.mesh))
-    make_tx = {"adam": optax.adam, "sgd": optax.sgd}.get(config.optimizer)
-    if make_tx is None:
-        raise ValueError(f"config: optimizer={config.optimizer!r}; use 'adam' or 'sgd'.")
-    if config.model.kind == "gpt":
-        job = _gpt(config, repl, make_tx(config.learning_rate))
-    elif config.model.kind == "mlp":
-        job = _mlp(config, repl, make_tx(config.learning_rate))
-    elif config.model.kind == "cnn":
-        job = _cnn(config, repl, make_tx(config.learning_rate))
-    else:
-        raise ValueError(f"config: model.kind={config.model.kind!r}; use 'gpt', 'mlp' or 'cnn'.")
-    step_fn, state, input_fn, tokens = job
+    repl, step_fn, state, input_fn, tokens = build(config)
     print(f"replicator train {config.name}: {repl} on {jax.devices()[0].platform}", flush=True)
     t0 = time.perf_counter()
     result = rp.fit(

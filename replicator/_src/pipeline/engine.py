@@ -38,6 +38,8 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from replicator._src import hlo
+from replicator._src import inspect as inspect_lib
 from replicator._src.binding import current_binding
 from replicator._src.pipeline import schedules as schedules_lib
 from replicator._src.typing import PyTree
@@ -257,9 +259,12 @@ class _Call:
                 f"{d * m * max(1, round(batch * d / (d * m)))}), or another num_microbatches."
             )
         if k > 1:
-            schedule.plan(k, m)  # validates M against K, with the schedule's own message
+            plan = schedule.plan(k, m)  # validates M against K, with the schedule's own message
         rows = _stage_rows(name, stage_params, schedule.repeats, k)
         xs = _microbatch(inputs, m)
+        if k > 1:  # for Replicator.explain: one micro-batch's activation moves each tick
+            sent = sum(a[0].size * a.dtype.itemsize for a in jax.tree.leaves(xs))
+            inspect_lib.note_pipeline(plan, sent, backward=api == "value_and_grad")
         call = cls(
             api, schedule, k, m, rows, xs, _microbatch(targets, m),
             jax.tree.map(jnp.shape, stage_params), batch,
@@ -467,12 +472,14 @@ def _forward_ticks(call, plan, stage_fn, loss_fn, head_params, rows, ts, xs, *, 
         if loss_fn is None:
             acc = _where(done, _put(acc, ic, h), acc)
         else:
-            acc = acc + lax.cond(
-                done,
-                lambda: _mean_loss(loss_fn, head_params, h, _take(ts, ic), m),
-                lambda: jnp.zeros((), jnp.float32),
-            )
-        recv = lax.cond(last_layer, lambda: _shift(h, k, 1, ring=v > 1), lambda: recv)
+            with hlo.runs(m, plan.num_ticks * lv):  # on the last stage, once per micro-batch
+                acc = acc + lax.cond(
+                    done,
+                    lambda: _mean_loss(loss_fn, head_params, h, _take(ts, ic), m),
+                    lambda: jnp.zeros((), jnp.float32),
+                )
+        with hlo.runs(1, lv):  # after the tick's last layer
+            recv = lax.cond(last_layer, lambda: _shift(h, k, 1, ring=v > 1), lambda: recv)
         return (recv, h, acc), None
 
     init = (x0, x0, jnp.zeros((), jnp.float32) if loss_fn is not None else _zeros(xs))
@@ -535,33 +542,38 @@ def _one_f_one_b(call: _Call, stage_fn, loss_fn, head_params):
         ic, lf = jnp.maximum(i, 0), jnp.minimum(q, lv - 1)
         f_on = (i >= 0) & (q < lv)
         x = _where(q == 0, _where(is_first, _take(call.xs, ic), c["act"]), c["h"])
-        h = lax.cond(f_on, lambda: layer_fn(_take(params, lf), x), lambda: c["h"])
+        # Each stage is busy in M of the T ticks' forward halves, and in M backward halves.
+        with hlo.runs(m, 2 * plan.num_ticks):
+            h = lax.cond(f_on, lambda: layer_fn(_take(params, lf), x), lambda: c["h"])
         slot = jnp.where(f_on, ic % slots, slots)  # idle: the spare slot
         stash = jax.tree.map(lambda a, v: a.at[slot, lf].set(v), c["stash"], x)
         # The last stage turns its output into the loss and the cotangent at once.
-        loss, (g_head, dy) = lax.cond(
-            f_on & (q == lv - 1) & is_last,
-            lambda: grad_loss(head_params, h, _take(call.ts, ic)),
-            lambda: (jnp.zeros((), jnp.float32), (_zeros(head_params), c["dy"])),
-        )
+        with hlo.runs(m, 2 * lv * plan.num_ticks):  # on the last stage, once per micro-batch
+            loss, (g_head, dy) = lax.cond(
+                f_on & (q == lv - 1) & is_last,
+                lambda: grad_loss(head_params, h, _take(call.ts, ic)),
+                lambda: (jnp.zeros((), jnp.float32), (_zeros(head_params), c["dy"])),
+            )
         # Backward phase (q >= Lv): layer 2Lv-1-q of micro-batch j, from its stashed input.
         j = bwd[t, s]
         jc, lb = jnp.maximum(j, 0), jnp.maximum(2 * lv - 1 - q, 0)
         b_on = (j >= 0) & (q >= lv)
         cot = _where(q == lv, _where(is_last, dy, c["cot"]), c["g"])
         saved = jax.tree.map(lambda a: a[jc % slots, lb], stash)
-        g_layer, g = lax.cond(
-            b_on,
-            lambda: jax.vjp(layer_fn, _take(params, lb), saved)[1](cot),
-            lambda: (_zeros(_take(params, 0)), c["g"]),
-        )
+        with hlo.runs(m, 2 * plan.num_ticks):
+            g_layer, g = lax.cond(
+                b_on,
+                lambda: jax.vjp(layer_fn, _take(params, lb), saved)[1](cot),
+                lambda: (_zeros(_take(params, 0)), c["g"]),
+            )
         end = q == 2 * lv - 1
         g_xs = _put(c["g_xs"], jnp.where(end & b_on & is_first, jc, m), g)  # else: spare row
-        act, cot_next = lax.cond(
-            end,
-            lambda: (_shift(h, k, 1, ring=False), _shift(g, k, -1, ring=False)),
-            lambda: (c["act"], c["cot"]),
-        )
+        with hlo.runs(1, 2 * lv):  # after the tick's last backward layer
+            act, cot_next = lax.cond(
+                end,
+                lambda: (_shift(h, k, 1, ring=False), _shift(g, k, -1, ring=False)),
+                lambda: (c["act"], c["cot"]),
+            )
         new = {
             "act": act,
             "cot": cot_next,

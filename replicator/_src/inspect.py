@@ -1,0 +1,333 @@
+"""What a step costs, read from its compiled program: memory, FLOPs, collectives and bubble.
+
+``Replicator.explain(step_fn, state, *args)`` compiles the step for its mesh without running it
+and returns a :class:`StepReport`:
+
+* per-device memory, from ``compiled.memory_analysis()``: arguments, outputs, temporaries;
+* FLOPs and every collective per step, from the optimized HLO (see ``hlo.py``: loops count as
+  many times as they run, which ``cost_analysis()`` does not do);
+* for each pipeline in the step, its schedule, bubble fraction and picture, noted by the
+  pipeline engine while the step is traced.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import io
+import threading
+from collections.abc import Iterator
+
+from replicator._src import hlo
+
+Collective = hlo.Collective
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """Bytes per device of a compiled step (``memory_analysis``).
+
+    Attributes:
+      arguments: the inputs: this device's shards of the state and of the batch.
+      outputs: the results: the new state's shards and this device's row of the outputs.
+      temporaries: the scratch the program needs while it runs (activations, gradients).
+      aliased: output bytes that reuse donated argument buffers (``Replicator.run`` donates the
+        state, so a step's new state takes the old one's place).
+      generated_code: the compiled code.
+    """
+
+    arguments: int
+    outputs: int
+    temporaries: int
+    aliased: int
+    generated_code: int
+
+    @property
+    def peak(self) -> int:
+        """An upper bound of the bytes live at once: arguments + outputs - aliased + temps."""
+        return self.arguments + self.outputs - self.aliased + self.temporaries
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineNote:
+    """A pipeline call traced in the step: its schedule and what moves between stages.
+
+    Attributes:
+      schedule: ``"gpipe"``, ``"circular"`` or ``"1f1b"``.
+      num_stages: K.
+      num_microbatches: M.
+      repeats: V, virtual stages per device.
+      ticks: T, ticks of the schedule's scan.
+      bubble_fraction: the idle share of a lock-step step (backward = 2 x forward).
+      activation_bytes: one micro-batch's activation on one device: what a stage sends to the
+        next each tick (and, as cotangent, back).
+      sends_per_step: stage shifts per step on each device: 2T with the backward pass (the
+        activation forward, its cotangent back), T for a forward-only ``apply``.
+      picture: the schedule as an ASCII grid (``rp.pipeline.render``).
+    """
+
+    schedule: str
+    num_stages: int
+    num_microbatches: int
+    repeats: int
+    ticks: int
+    bubble_fraction: float
+    activation_bytes: int
+    sends_per_step: int
+    picture: str
+
+
+@dataclasses.dataclass(frozen=True)
+class StepReport:
+    """What one step costs on its mesh, read from the compiled program; nothing was run.
+
+    Every figure is per device and per step unless its name says otherwise. Print it for a
+    table, or use ``to_json()``.
+
+    Attributes:
+      step: the step function's name.
+      mesh: the mesh's axes and sizes, e.g. ``{"data": 2, "stage": 4}``.
+      lowering: ``"shard_map"`` or ``"pmap"``.
+      platform: the devices compiled for (``"cpu"`` when emulating a mesh).
+      num_devices: the devices of the mesh.
+      compile_seconds: time to trace, lower and compile.
+      memory: per-device bytes (`Memory`).
+      flops: floating-point operations per device per step (loops counted per trip), as XLA
+        counts them: matmuls, and one per element of each element-wise operation.
+      matmul_flops: the dot and convolution part of ``flops``: the model's arithmetic.
+      transcendentals: exp, log, tanh, ... per device per step.
+      xla_flops: ``cost_analysis()["flops"]`` for reference (counts each loop body once).
+      collectives: every collective instruction (`hlo.Collective`).
+      pipelines: the pipelines traced in the step (`PipelineNote`).
+      unknown_trip_counts: loops without a known trip count, counted once (figures are then
+        lower bounds).
+    """
+
+    step: str
+    mesh: dict[str, int]
+    lowering: str
+    platform: str
+    num_devices: int
+    compile_seconds: float
+    memory: Memory
+    flops: float
+    matmul_flops: float
+    transcendentals: float
+    xla_flops: float | None
+    collectives: tuple[Collective, ...]
+    pipelines: tuple[PipelineNote, ...]
+    unknown_trip_counts: int = 0
+
+    @property
+    def collective_bytes(self) -> float:
+        """The payload of every collective per device per step (`Collective.total_bytes`)."""
+        return sum(c.total_bytes for c in self.collectives)
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes one device sends per step with ring algorithms (`Collective.wire_bytes`)."""
+        return sum(c.wire_bytes for c in self.collectives)
+
+    def bytes_by(self, *, kind: str | None = None, axes: tuple[str, ...] | None = None) -> float:
+        """Payload per device per step of the collectives of this ``kind`` and/or ``axes``."""
+        return sum(
+            c.total_bytes
+            for c in self.collectives
+            if (kind is None or c.kind == kind) and (axes is None or c.axes == tuple(axes))
+        )
+
+    def collective_summary(self) -> list[dict]:
+        """The collectives grouped by kind, axes and dtype: count, payload and wire bytes."""
+        groups: dict[tuple, dict] = collections.OrderedDict()
+        for c in self.collectives:
+            g = groups.setdefault(
+                (c.kind, c.axes, c.dtype),
+                {"kind": c.kind, "axes": c.axes, "dtype": c.dtype, "ops": 0, "count": 0.0,
+                 "bytes": 0.0, "wire_bytes": 0.0},
+            )  # fmt: skip
+            g["ops"] += 1
+            g["count"] += c.count
+            g["bytes"] += c.total_bytes
+            g["wire_bytes"] += c.wire_bytes
+        return list(groups.values())
+
+    def to_json(self) -> str:
+        """The whole report as JSON (every collective listed)."""
+        data = hlo.to_jsonable(self)
+        data["memory"]["peak"] = self.memory.peak
+        data["collective_bytes"] = self.collective_bytes
+        data["wire_bytes"] = self.wire_bytes
+        data["collective_summary"] = hlo.to_jsonable(self.collective_summary())
+        import json
+
+        return json.dumps(data, indent=2)
+
+    def __rich__(self):
+        return _renderable(self)
+
+    def __str__(self) -> str:
+        from rich.console import Console
+
+        buffer = io.StringIO()
+        Console(file=buffer, width=110, color_system=None, soft_wrap=False).print(self)
+        return buffer.getvalue().rstrip()
+
+    def _repr_pretty_(self, printer, cycle) -> None:  # IPython / Jupyter
+        printer.text(str(self))
+
+
+def format_bytes(n: float) -> str:
+    """``1536`` -> ``"1.50 KiB"``."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _count(x: float) -> str:
+    return f"{x:.0f}" if float(x).is_integer() else f"{x:.2f}"
+
+
+def _renderable(r: StepReport):
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    mesh = " x ".join(f"{k}={v}" for k, v in r.mesh.items())
+    head = Text(
+        f"{r.step} on mesh {mesh} ({r.num_devices} {r.platform} devices, {r.lowering}); "
+        f"compiled in {r.compile_seconds:.1f} s, nothing run. Per device, per step:"
+    )
+    mem = Table(title="memory per device", title_justify="left", show_header=False)
+    mem.add_column("what")
+    mem.add_column("bytes", justify="right")
+    m = r.memory
+    rows = [("arguments (state + batch)", m.arguments), ("outputs", m.outputs),
+            ("aliased (donated state reused)", m.aliased), ("temporaries", m.temporaries),
+            ("peak (arguments + outputs - aliased + temporaries)", m.peak)]  # fmt: skip
+    for what, n in rows:
+        mem.add_row(what, format_bytes(n))
+    compute = Table(title="compute per device", title_justify="left", show_header=False)
+    compute.add_column("what")
+    compute.add_column("value", justify="right")
+    compute.add_row("FLOPs per step", f"{r.flops:.4g}")
+    compute.add_row("of which matmuls (dot, convolution)", f"{r.matmul_flops:.4g}")
+    compute.add_row("transcendentals", f"{r.transcendentals:.4g}")
+    if r.xla_flops is not None:
+        compute.add_row("XLA cost_analysis FLOPs (loop bodies once)", f"{r.xla_flops:.4g}")
+    coll = Table(title="collectives per device per step", title_justify="left")
+    for name, justify in (("kind", "left"), ("axes", "left"), ("dtype", "left"),
+                          ("ops", "right"), ("executions", "right"), ("payload", "right"),
+                          ("on the wire (ring)", "right")):  # fmt: skip
+        coll.add_column(name, justify=justify)
+    for g in r.collective_summary():
+        coll.add_row(g["kind"], ",".join(g["axes"]) or "-", g["dtype"], str(g["ops"]),
+                     _count(g["count"]), format_bytes(g["bytes"]),
+                     format_bytes(g["wire_bytes"]))  # fmt: skip
+    coll.add_row("total", "", "", str(len(r.collectives)), "", format_bytes(r.collective_bytes),
+                 format_bytes(r.wire_bytes), style="bold")  # fmt: skip
+    parts = [head, mem, compute, coll]
+    for p in r.pipelines:
+        parts.append(
+            Text(
+                f"pipeline: {p.schedule}, K={p.num_stages} stages, M={p.num_microbatches} "
+                f"micro-batches, V={p.repeats}, T={p.ticks} ticks, bubble "
+                f"{p.bubble_fraction:.1%}; each tick a stage sends "
+                f"{format_bytes(p.activation_bytes)} of activations "
+                f"({p.sends_per_step} sends per step)"
+            )
+        )
+        parts.append(Text(p.picture))
+    if r.unknown_trip_counts:
+        parts.append(
+            Text(
+                f"note: {r.unknown_trip_counts} loop(s) without a known trip count were counted "
+                "once; FLOPs and collective bytes are lower bounds.",
+                style="yellow",
+            )
+        )
+    return Group(*parts)
+
+
+# -- notes taken while a step is traced --------------------------------------------------------
+
+
+class _Notes(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[list[PipelineNote]] = []
+
+
+_NOTES = _Notes()
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[PipelineNote]]:
+    """Collects the `PipelineNote`s of the pipelines traced inside the block."""
+    notes: list[PipelineNote] = []
+    _NOTES.stack.append(notes)
+    try:
+        yield notes
+    finally:
+        _NOTES.stack.pop()
+
+
+def note_pipeline(plan, activation_bytes: int, *, backward: bool) -> None:
+    """Called by the pipeline engine at trace time; a no-op unless a report is being made."""
+    if not _NOTES.stack:
+        return
+    from replicator._src.pipeline import schedules
+
+    _NOTES.stack[-1].append(
+        PipelineNote(
+            schedule=plan.schedule,
+            num_stages=plan.num_stages,
+            num_microbatches=plan.num_microbatches,
+            repeats=plan.repeats,
+            ticks=plan.num_ticks,
+            bubble_fraction=float(plan.bubble_fraction()),
+            activation_bytes=int(activation_bytes),
+            sends_per_step=(2 if backward else 1) * plan.num_ticks,
+            picture=schedules.render(plan, width=100),
+        )
+    )
+
+
+def report(
+    compiled, *, step: str, mesh_shape: dict[str, int], lowering: str, platform: str,
+    compile_seconds: float, pipelines: list[PipelineNote],
+) -> StepReport:  # fmt: skip
+    """A `StepReport` from a compiled program (``jax.stages.Compiled``)."""
+    stats = compiled.memory_analysis()
+    memory = Memory(
+        arguments=int(stats.argument_size_in_bytes),
+        outputs=int(stats.output_size_in_bytes),
+        temporaries=int(stats.temp_size_in_bytes),
+        aliased=int(stats.alias_size_in_bytes),
+        generated_code=int(stats.generated_code_size_in_bytes),
+    )
+    costs = hlo.analyze(compiled.as_text(), mesh_shape)
+    try:
+        analysis = compiled.cost_analysis()
+        xla_flops = float(analysis.get("flops")) if analysis and "flops" in analysis else None
+    except Exception:  # not every backend implements it
+        xla_flops = None
+    num_devices = 1
+    for size in mesh_shape.values():
+        num_devices *= size
+    return StepReport(
+        step=step,
+        mesh=dict(mesh_shape),
+        lowering=lowering,
+        platform=platform,
+        num_devices=num_devices,
+        compile_seconds=compile_seconds,
+        memory=memory,
+        flops=costs.flops,
+        matmul_flops=costs.matmul_flops,
+        transcendentals=costs.transcendentals,
+        xla_flops=xla_flops,
+        collectives=costs.collectives,
+        pipelines=tuple(pipelines),
+        unknown_trip_counts=costs.unknown_trip_counts,
+    )
