@@ -22,6 +22,7 @@ from replicator._src.errors import ReplicasDivergedError as ReplicasDivergedErro
 from replicator._src.input import Batches as Batches
 from replicator._src.input import DistributedIterator as DistributedIterator
 from replicator._src.input import InputContext as InputContext
+from replicator._src.inspect import StepReport as StepReport
 from replicator._src.loop import FitResult as FitResult
 from replicator._src.loop import fit as fit
 from replicator._src.optim import DistributedOptimizer as DistributedOptimizer

@@ -16,6 +16,7 @@ PUBLIC = [
     "Replicator",
     "ShardedParam",
     "StateMismatchError",
+    "StepReport",
     "all_gather",
     "all_reduce",
     "broadcast",

@@ -96,3 +96,51 @@ def test_bad_config_exits_2_with_the_message(tmp_path):
         [sys.executable, "-m", "replicator.cli", "train", str(path)], capture_output=True, text=True
     )
     assert run.returncode == 2 and "unknown key 'nmae'" in run.stderr
+
+
+def _explain(config, *overrides, timeout=300):
+    return subprocess.run(
+        [sys.executable, "-m", "replicator.cli", "explain", str(ROOT / "configs" / config),
+         *overrides],
+        capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def test_explain_reports_the_main_job_without_training(tmp_path):
+    run = _explain("lm_pipeline.yaml", f"out_dir={tmp_path}", "--json", str(tmp_path / "r.json"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    for words in ("memory per device", "collective-permute", "pipeline: 1f1b, K=4 stages"):
+        assert words in run.stdout, run.stdout
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["mesh"] == {"data": 2, "stage": 4} and report["num_devices"] == 8
+    (p,) = report["pipelines"]
+    sent = sum(c["bytes"] * c["count"] for c in report["collectives"]
+               if c["kind"] == "collective-permute")  # fmt: skip
+    # global_batch 32 over 2 replicas, 4 micro-batches: 4 sequences of 64 tokens x d_model 64.
+    assert p["activation_bytes"] == 4 * 64 * 64 * 4
+    assert sent == p["activation_bytes"] * p["sends_per_step"] == p["activation_bytes"] * 2 * 10
+    assert not (tmp_path / "lm_pipeline").exists()  # nothing trained, nothing written
+
+
+def test_explain_plans_a_64_device_mesh_on_this_machine(tmp_path):
+    run = _explain(
+        "lm_pipeline.yaml", "mesh.data=8", "mesh.stage=8", "model.layers=16",
+        "global_batch=256", "pipeline.microbatches=8", "--json", str(tmp_path / "r.json"),
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["num_devices"] == 64 and report["platform"] == "cpu"
+    assert report["pipelines"][0]["num_stages"] == 8
+
+
+def test_explain_zero3_config_shows_its_gathers_and_scatters():
+    run = _explain("mlp_zero.yaml")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "all-gather" in run.stdout and "reduce-scatter" in run.stdout
+
+
+def test_explain_of_an_impossible_config_says_why_and_exits_2():
+    run = _explain("lm_pipeline.yaml", "mesh.stage=8", "mesh.data=1", "model.layers=8")
+    assert run.returncode == 2
+    assert "replicator explain: OneFOneB.plan: num_microbatches must be >= num_stages" in run.stderr
+    assert "Traceback" not in run.stderr

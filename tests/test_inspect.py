@@ -1,0 +1,342 @@
+"""repl.explain: the report's numbers against what the step must cost, worked out by hand.
+
+Collective bytes: data parallelism moves the gradient, ZeRO stage 0-2 moves 2 Psi and stage 3
+moves 3 Psi words, a pipeline moves one micro-batch's activation per tick each way. Memory: the
+arguments are this device's shards of the state and the batch. FLOPs: the matmuls of the model,
+counted per loop trip (which XLA's cost_analysis does not do).
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+
+import replicator as rp
+from replicator import pipeline
+from replicator._src import hlo
+
+D_IN, HIDDEN, D_OUT, BATCH = 16, 64, 4, 64
+
+
+def mlp():
+    rng = np.random.default_rng(0)
+    return {
+        "w1": rng.normal(size=(D_IN, HIDDEN)).astype(np.float32),
+        "w2": rng.normal(size=(HIDDEN, D_OUT)).astype(np.float32),
+    }
+
+
+def mlp_loss(p, b):
+    return jnp.mean((jnp.tanh(b["x"] @ p["w1"]) @ p["w2"] - b["y"]) ** 2)
+
+
+def batch(n=BATCH):
+    rng = np.random.default_rng(1)
+    return {
+        "x": rng.normal(size=(n, D_IN)).astype(np.float32),
+        "y": rng.normal(size=(n, D_OUT)).astype(np.float32),
+    }
+
+
+def dp_step(opt):
+    def step(state, batch):
+        params, opt_state, metrics = opt.step(mlp_loss, state["params"], state["opt"], batch)
+        return {"params": params, "opt": opt_state}, metrics
+
+    return step
+
+
+def shard_bytes(tree) -> int:
+    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+
+
+def mlp_matmul_flops(rows: int) -> int:
+    """Forward x@w1, h@w2; backward dw2, dh, dw1 (no dx): 2 FLOPs per multiply-add."""
+    return 2 * rows * (2 * D_IN * HIDDEN + 3 * HIDDEN * D_OUT)
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, lowering",
+    [({"data": 8}, "shard_map"), ({"dcn_data": 2, "data": 4}, "shard_map"), ({"data": 8}, "pmap")],
+)
+def test_data_parallel_moves_the_gradient_and_holds_its_shards(mesh_shape, lowering):
+    repl = rp.Replicator(mesh_shape=mesh_shape, lowering=lowering)
+    opt = repl.wrap_optimizer(optax.sgd(0.1), clip_global_norm=None)
+    params = repl.replicate(mlp())
+    state = {"params": params, "opt": opt.init(params)}
+    report = repl.explain(dp_step(opt), state, batch())
+
+    grad_bytes = 4 * (D_IN * HIDDEN + HIDDEN * D_OUT)
+    axes = tuple(mesh_shape)
+    reduce = [c for c in report.collectives if c.kind == "all-reduce"]
+    assert {c.axes for c in reduce} == {axes}
+    # The gradient, plus the 4-byte loss (XLA may combine both into one all-reduce).
+    assert grad_bytes <= report.bytes_by(kind="all-reduce") <= grad_bytes + 16
+    assert report.collective_bytes == report.bytes_by(kind="all-reduce")
+    n = repl.num_replicas
+    assert report.wire_bytes == pytest.approx(2 * (n - 1) / n * report.collective_bytes)
+
+    rows = BATCH // n
+    batch_bytes = 4 * rows * (D_IN + D_OUT)
+    assert report.memory.arguments == shard_bytes(state) + batch_bytes
+    assert report.memory.aliased == shard_bytes(state)  # the donated state is reused
+    assert report.memory.outputs >= shard_bytes(state) + 4  # + this device's loss
+    assert report.matmul_flops == mlp_matmul_flops(rows)
+    # Without loops, the element-wise FLOPs are counted as XLA counts them.
+    assert report.flops == pytest.approx(report.xla_flops, rel=0.05)
+    assert report.mesh == mesh_shape and report.num_devices == 8 and report.unknown_trip_counts == 0
+
+
+def test_loops_count_once_per_trip():
+    """Gradient accumulation runs the model in a 4-trip scan: the same matmuls in all, which
+    cost_analysis counts once."""
+    repl = rp.Replicator()
+    reports = {}
+    for k in (1, 4):
+        opt = repl.wrap_optimizer(optax.sgd(0.1), accumulate_steps=k, clip_global_norm=None)
+        params = repl.replicate(mlp())
+        reports[k] = repl.explain(
+            dp_step(opt), {"params": params, "opt": opt.init(params)}, batch()
+        )
+    assert reports[4].matmul_flops == reports[1].matmul_flops == mlp_matmul_flops(BATCH // 8)
+    assert reports[4].xla_flops < 0.5 * reports[1].xla_flops  # the loop body counted once
+    assert reports[4].bytes_by(kind="all-reduce") == reports[1].bytes_by(kind="all-reduce")
+
+
+WIDTH, LAYERS = 64, 4  # every leaf splits evenly over 8: no padding in the ZeRO layouts
+
+
+def zero_params():
+    rng = np.random.default_rng(2)
+    return {
+        "layers": {
+            "w": (rng.normal(size=(LAYERS, WIDTH, WIDTH)) / 8).astype(np.float32),
+            "b": np.zeros((LAYERS, WIDTH), np.float32),
+        },
+        "head": {"w": (rng.normal(size=(WIDTH, 8)) / 8).astype(np.float32)},
+    }
+
+
+@jax.checkpoint  # ZeRO-3 gathers each layer again in the backward pass
+def zero_layer(h, p):
+    p = rp.gather_params(p)
+    return h + jnp.tanh(h @ p["w"] + p["b"]), None
+
+
+def zero_loss(params, batch):
+    h, _ = jax.lax.scan(zero_layer, batch["x"], params["layers"])
+    return jnp.mean((h @ rp.gather_params(params["head"])["w"] - batch["y"]) ** 2)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zero_stages_move_what_the_paper_says(stage):
+    """ZeRO (Rajbhandari et al.): stages 0-2 move 2 Psi per step (all-reduce = reduce-scatter +
+    all-gather), stage 3 moves 3 Psi (parameters gathered forward and backward, gradients
+    reduce-scattered) for the scanned layers. The head's forward and backward gathers are the
+    same instruction outside any loop, which XLA computes once: 2 Psi_head. Per-device state: 16 Psi, 8 Psi + 8 Psi/N, 4 Psi + 12 Psi/N, 16 Psi/N
+    bytes (Adam, fp32; the gradient is a temporary here, so arguments hold params + state)."""
+    repl = rp.Replicator()
+    n = repl.num_replicas
+    opt = repl.wrap_optimizer(optax.adam(1e-3), zero_stage=stage, clip_global_norm=None)
+    params = zero_params()
+    psi = sum(x.size for x in jax.tree.leaves(params))
+    psi_head = params["head"]["w"].size
+    placed = opt.shard_params(params, stacked=["layers"]) if stage == 3 else repl.replicate(params)
+    state = {"params": placed, "opt": opt.init(placed)}
+    rng = np.random.default_rng(3)
+    data = {"x": rng.normal(size=(8 * n, WIDTH)).astype(np.float32)}
+    data["y"] = rng.normal(size=(8 * n, 8)).astype(np.float32)
+
+    def step(state, batch):
+        params, opt_state, metrics = opt.step(zero_loss, state["params"], state["opt"], batch)
+        return {"params": params, "opt": opt_state}, metrics
+
+    report = repl.explain(step, state, data)
+    big = [c for c in report.collectives if c.bytes > 64]  # leave out the loss and norms
+    assert {c.axes for c in big} == {("data",)}
+    volume = sum((2 if c.kind == "all-reduce" else 1) * c.total_bytes for c in big)
+    formula = 3 * 4 * (psi - psi_head) + 2 * 4 * psi_head if stage == 3 else 2 * 4 * psi
+    # Exactly the formula, up to the loss and norm scalars XLA may combine into the same op.
+    assert 0 <= volume - formula <= 64
+    kinds = {c.kind for c in big}
+    assert kinds == ({"all-reduce"} if stage == 0 else {"reduce-scatter", "all-gather"})
+    if stage == 3:  # layers gathered twice (forward, and in the rematerialised backward)
+        assert report.bytes_by(kind="all-gather") == 2 * 4 * (psi - psi_head) + 4 * psi_head
+        assert report.bytes_by(kind="reduce-scatter") == 4 * psi
+    params_and_state = {0: 12 * psi, 1: 4 * psi + 8 * psi // n, 2: 4 * psi + 8 * psi // n}
+    expected = params_and_state.get(stage, 12 * psi // n)
+    adam_count = 4  # Adam's step counter, an int32 on every device
+    batch_bytes = 4 * 8 * (WIDTH + 8)
+    assert report.memory.arguments == expected + adam_count + batch_bytes
+    assert report.memory.arguments == shard_bytes(state) + batch_bytes
+
+
+SCHEDULES = {
+    "gpipe": pipeline.GPipe(),
+    "circular": pipeline.Circular(repeats=2),
+    "1f1b": pipeline.OneFOneB(),
+}
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_pipeline_moves_one_activation_per_tick_each_way(name):
+    k, d, m, w, layers, global_batch = 4, 2, 4, 16, 8, 32
+    schedule = SCHEDULES[name]
+    repl = rp.Replicator(mesh_shape={"data": d, "stage": k})
+    rng = np.random.default_rng(4)
+    stack = {
+        "w": (rng.normal(size=(layers, w, w)) / 4).astype(np.float32),
+        "b": rng.normal(size=(layers, w)).astype(np.float32),
+    }
+    head = rng.normal(size=(w, 2)).astype(np.float32)  # 2 outputs: a 1-wide dot is a multiply
+    x = rng.normal(size=(global_batch, w)).astype(np.float32)
+    grad_fn = pipeline.value_and_grad(
+        pipeline.scan_layers(lambda p, h: jnp.tanh(h @ p["w"] + p["b"])),
+        lambda head, y, t: jnp.mean((y @ head - t) ** 2),
+        num_microbatches=m,
+        schedule=schedule,
+    )
+
+    def step(state, x, t):
+        loss, (g_stages, _, g_head) = grad_fn(state["stages"], x, t, state["head"])
+        new = {
+            "stages": jax.tree.map(lambda a, g: a - 0.1 * g, state["stages"], g_stages),
+            "head": state["head"] - 0.1 * rp.all_reduce(g_head, "mean"),
+        }
+        return new, {"loss": rp.all_reduce(loss, "mean")}
+
+    v = schedule.repeats
+    state = {
+        "stages": repl.place(
+            pipeline.stack_stages(stack, num_stages=k, repeats=v), pipeline.stage_spec(v)
+        ),
+        "head": repl.replicate(head),
+    }
+    report = repl.explain(step, state, x, x[:, :2])
+
+    plan = schedule.plan(k, m)
+    (note,) = report.pipelines
+    mb = global_batch // d // m  # rows of one micro-batch on one device
+    assert note.activation_bytes == 4 * mb * w
+    assert (note.schedule, note.num_stages, note.num_microbatches, note.ticks) == (
+        name, k, m, plan.num_ticks,
+    )  # fmt: skip
+    assert note.bubble_fraction == pytest.approx(plan.bubble_fraction())
+    assert note.picture == pipeline.render(plan, width=100)
+    shifts = [c for c in report.collectives if c.kind == "collective-permute"]
+    assert {c.axes for c in shifts} == {("stage",)}
+    # Activations forward and cotangents backward: one micro-batch each way per tick.
+    assert report.bytes_by(kind="collective-permute") == 2 * plan.num_ticks * 4 * mb * w
+    assert sum(c.count for c in shifts) == note.sends_per_step == 2 * plan.num_ticks
+
+    # Matmuls on one device: a layer is 2*mb*w*w FLOPs forward; its backward recomputes it
+    # and takes two more (weights, input). GPipe and Circular compute through their bubbles
+    # (T ticks of Lv layers), 1F1B runs only its M busy ticks each way; the last stage's head
+    # runs M times forward (2*mb*w*2) and backward (two more).
+    lv = layers // (k * v)
+    per_layer = 2 * mb * w * w
+    busy = m * v if name == "1f1b" else plan.num_ticks
+    head_flops = m * 3 * 2 * mb * w * 2
+    assert report.matmul_flops == busy * lv * 4 * per_layer + head_flops
+    assert report.xla_flops < report.matmul_flops  # cost_analysis: loop bodies once
+
+
+def test_shapes_alone_give_the_same_report_and_nothing_runs():
+    repl = rp.Replicator()
+    opt = repl.wrap_optimizer(optax.adam(1e-3), zero_stage=1)
+    params = repl.replicate(mlp())
+    state = {"params": params, "opt": opt.init(params)}
+    before = jax.tree.map(np.asarray, state)
+    concrete = repl.explain(dp_step(opt), state, batch())
+    # Nothing was donated or changed.
+    assert not any(x.is_deleted() for x in jax.tree.leaves(state))
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state), before)
+
+    def shape_of(x):
+        sharding = x.sharding if isinstance(x.sharding, NamedSharding) else None
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    abstract = repl.explain(
+        dp_step(opt), jax.tree.map(shape_of, state), jax.eval_shape(lambda: batch())
+    )
+    assert abstract.memory == concrete.memory
+    assert abstract.collectives == concrete.collectives
+    assert abstract.flops == concrete.flops
+
+
+def test_report_prints_a_table_and_serialises_to_json():
+    repl = rp.Replicator()
+    opt = repl.wrap_optimizer(optax.sgd(0.1))
+    params = repl.replicate(mlp())
+    report = repl.explain(dp_step(opt), {"params": params, "opt": opt.init(params)}, batch())
+    text = str(report)
+    for words in ("memory per device", "arguments (state + batch)", "FLOPs per step",
+                  "all-reduce", "data", "nothing run"):  # fmt: skip
+        assert words in text, text
+    data = json.loads(report.to_json())
+    assert data["mesh"] == {"data": 8} and data["memory"]["peak"] == report.memory.peak
+    assert len(data["collectives"]) == len(report.collectives)
+    assert data["collective_summary"][0]["kind"] == "all-reduce"
+
+
+def test_local_lowering_has_no_program_to_explain():
+    repl = rp.Replicator(lowering="local")
+    with pytest.raises(ValueError, match=r"Replicator.explain: lowering='local' runs step_fn"):
+        repl.explain(lambda s, x: (s, {}), jnp.zeros(()), jnp.ones(8))
+
+
+def test_replica_groups_in_every_hlo_form():
+    assert hlo.replica_groups("replica_groups={{0,4},{1,5},{2,6},{3,7}}", 8) == [
+        [0, 4], [1, 5], [2, 6], [3, 7],
+    ]  # fmt: skip
+    assert hlo.replica_groups("replica_groups=[2,4]<=[8]", 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert hlo.replica_groups("replica_groups=[4,2]<=[2,4]T(1,0)", 8) == [
+        [0, 4], [1, 5], [2, 6], [3, 7],
+    ]  # fmt: skip
+    assert hlo.replica_groups("replica_groups={}", 4) == [[0, 1, 2, 3]]
+    mesh = {"data": 2, "stage": 4}
+    assert hlo.axes_spanned([[0, 4], [1, 5]], mesh) == ("data",)
+    assert hlo.axes_spanned([[0, 1, 2, 3]], mesh) == ("stage",)
+    assert hlo.axes_spanned([list(range(8))], mesh) == ("data", "stage")
+    assert hlo.shape_bytes("(f32[8,32]{1,0}, bf16[4]{0}, /*index=2*/s32[])") == 1024 + 8 + 4
+
+
+def test_a_while_loop_and_a_marked_conditional_are_counted_per_trip():
+    text = """
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %x = f32[8]{0} get-tuple-element(%p), index=1
+  %y = f32[8]{0} add(%x, %x)
+  %c = f32[8]{0} conditional(%pred, %x), branch_computations={%send, %keep}, metadata={op_name="jit(f)/while/body/replicator_runs_1_of_4/cond"}
+  ROOT %t = (s32[], f32[8]{0}) tuple(%i, %c)
+}
+%send (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  ROOT %s = f32[8]{0} collective-permute(%a), source_target_pairs={{0,1},{1,0}}, metadata={op_name="jit(f)/while/body/replicator_runs_1_of_4/cond/branch_1_fun/ppermute"}
+}
+%keep (a: f32[8]) -> f32[8] {
+  ROOT %a = f32[8]{0} parameter(0)
+}
+%cond (p: (s32[], f32[8])) -> pred[] {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+ENTRY %main (x: f32[8]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  ROOT %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"12"}}
+}
+"""
+    costs = hlo.analyze(text, {"stage": 2})
+    (send,) = costs.collectives
+    assert (send.kind, send.axes, send.bytes, send.count) == (
+        "collective-permute",
+        ("stage",),
+        32,
+        3,
+    )
+    assert send.conditional
+    assert costs.flops == 12 * 8 + 13 * 1  # the add per trip, the compare per test
