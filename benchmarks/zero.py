@@ -4,15 +4,16 @@ The model is an MLP of stacked residual layers (``x + tanh(x W + b)``, width 256
 fp32; Psi is its number of parameters. For each ``zero_stage`` the script builds the training
 step (``DistributedOptimizer.step``, ``--accumulate-steps`` 1 by default; ZeRO-3 gathers each layer's
 parameters inside the layer scan, under ``jax.checkpoint``), compiles it with
-``Replicator.lower(...).compile()`` and reports, per device:
+``Replicator.explain`` and reports, per device:
 
 * parameters and optimizer state: the bytes of each array's shard on one device;
 * gradients: the bytes of the gradient the optimizer keeps and accumulates across micro-batches
   (the full local gradient for stages 0-1, this replica's slice for stages 2-3);
 * the compiled program's temporary bytes (``memory_analysis``), for reference;
-* collective bytes per step, read from the optimized HLO: an all-reduce of B bytes counts 2B (a
-  reduce-scatter and an all-gather of B), a reduce-scatter counts its input, an all-gather its
-  output. This is the per-device volume a ring moves, up to the factor (N-1)/N.
+* collective bytes per step, from ``Replicator.explain`` (the optimized HLO, loops counted per
+  trip): an all-reduce of B bytes counts 2B (a reduce-scatter and an all-gather of B), a
+  reduce-scatter counts its input, an all-gather its output. This is the per-device volume a
+  ring moves, up to the factor (N-1)/N.
 
 The formulas for Adam in fp32 (4 bytes of parameters, 4 of gradients, 8 of moments per
 parameter): 16 Psi, 8 Psi + 8 Psi/N, 4 Psi + 12 Psi/N, 16 Psi/N; and collectives of 2 Psi words
@@ -31,7 +32,6 @@ jax.config.update("jax_platforms", "cpu")
 import argparse
 import datetime
 import json
-import re
 import shlex
 import sys
 
@@ -42,8 +42,6 @@ import optax
 import replicator as rp
 
 WIDTH, LAYERS = 256, 8
-COLLECTIVE = re.compile(r"= (.+?) (all-reduce|reduce-scatter|all-gather)(?:-start)?\(")
-DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f64": 8, "s8": 1, "pred": 1}
 
 
 def parse_args() -> argparse.Namespace:
@@ -84,50 +82,6 @@ def shard_bytes(tree) -> int:
     return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(tree))
 
 
-def _bytes(shapes: str) -> int:
-    size = 0
-    for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", shapes):
-        size += DTYPE_BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d]))
-    return size
-
-
-def collective_bytes(hlo: str, n: int) -> dict[str, int]:
-    """Bytes per device per step of each kind of collective in an optimized HLO module.
-
-    A collective inside a while loop counts once per trip (XLA's ``known_trip_count``), nested
-    loops multiply. A reduce-scatter counts its input (N times its output).
-    """
-    comps: dict[str, list[str]] = {}
-    entry, current = None, None
-    for line in hlo.splitlines():
-        head = re.match(r"^(ENTRY )?%?([\w.\-]+) \(", line)
-        if head and line.rstrip().endswith("{"):
-            current = head.group(2)
-            comps[current] = []
-            entry = current if head.group(1) else entry
-        elif line.startswith("}"):
-            current = None
-        elif current is not None:
-            comps[current].append(line)
-    out = {"all-reduce": 0, "reduce-scatter": 0, "all-gather": 0}
-
-    def visit(name: str, times: int) -> None:
-        for line in comps[name]:
-            found = COLLECTIVE.search(line)
-            if found:
-                shapes, op = found.groups()
-                out[op] += _bytes(shapes) * times * (n if op == "reduce-scatter" else 1)
-            loop = re.search(r" while\(.*body=%?([\w.\-]+)", line)
-            if loop:
-                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-                if trips is None:
-                    raise ValueError(f"a while loop without a known trip count: {line[:120]}")
-                visit(loop.group(1), times * int(trips.group(1)))
-
-    visit(entry, 1)
-    return out
-
-
 def measure(repl: rp.Replicator, stage: int, accumulate: int) -> dict:
     opt = repl.wrap_optimizer(optax.adam(1e-3), zero_stage=stage, accumulate_steps=accumulate)
     params = init_params()
@@ -142,7 +96,7 @@ def measure(repl: rp.Replicator, stage: int, accumulate: int) -> dict:
         params, opt_state, metrics = opt.step(loss_fn, state["params"], state["opt"], batch)
         return {"params": params, "opt": opt_state}, metrics
 
-    compiled = repl.lower(step, state, batch).compile()
+    report = repl.explain(step, state, batch)  # compiled, not run
     # The gradient buffer accumulated across micro-batches: the full local gradient (stages
     # 0-1), or this replica's slice of each flattened, padded leaf (stages 2-3).
     acc = jax.eval_shape(lambda: jax.tree.map(jnp.zeros_like, params))
@@ -152,12 +106,13 @@ def measure(repl: rp.Replicator, stage: int, accumulate: int) -> dict:
     elif stage == 3:  # the flat leaves are [.., N*c]: their slices
         sizes = [size // n for size in sizes]
     grad_bytes = 4 * sum(sizes)
-    coll = collective_bytes(compiled.as_text(), n)
+    kinds = ("all-reduce", "reduce-scatter", "all-gather")
+    coll = {kind: int(report.bytes_by(kind=kind)) for kind in kinds}
     return {
         "params": shard_bytes(params),
         "grads": grad_bytes,
         "opt_state": shard_bytes(state["opt"]),
-        "temp": compiled.memory_analysis().temp_size_in_bytes,
+        "temp": report.memory.temporaries,
         "collectives": coll,
         "collective_total": 2 * coll["all-reduce"] + coll["reduce-scatter"] + coll["all-gather"],
     }

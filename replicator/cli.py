@@ -61,28 +61,17 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else list(argv))
-    if args.command == "train":
+    if args.command in ("train", "explain"):
         from replicator._src import config, jobs
 
         try:
             cfg = config.load(args.config, args.overrides)
-        except (ValueError, OSError) as e:
-            print(f"replicator train: {e}", file=sys.stderr)
-            return 2
-        jobs.run(cfg)
-        return 0
-    if args.command == "explain":
-        from replicator._src import config, jobs
-
-        try:
-            cfg = config.load(args.config, args.overrides)
-        except (ValueError, OSError) as e:
-            print(f"replicator explain: {e}", file=sys.stderr)
-            return 2
-        try:
+            if args.command == "train":
+                jobs.run(cfg)
+                return 0
             report = jobs.explain(cfg, json_path=args.json)
-        except ValueError as e:  # the config asks for something the library refuses
-            print(f"replicator explain: {e}", file=sys.stderr)
+        except (ValueError, OSError) as e:  # a bad config, or one the library refuses
+            print(f"replicator {args.command}: {e}", file=sys.stderr)
             return 2
         print(report)
         if args.json:

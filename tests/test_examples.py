@@ -8,43 +8,30 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_train_dp_example_learns():
+def run_example(*args: str) -> subprocess.CompletedProcess:
     result = subprocess.run(
-        [sys.executable, "examples/train_dp.py", "--steps", "60", "--log-every", "20"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_train_dp_example_learns():
+    result = run_example("examples/train_dp.py", "--steps", "60", "--log-every", "20")
     assert "num_replicas=8" in result.stdout
     losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", result.stdout)]
     assert len(losses) == 4 and losses[-1] < 0.8 * losses[0], result.stdout
 
 
 def test_lm_pipeline_example_learns_on_stdlib_text(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "examples/train_lm_pipeline.py", "--steps", "30", "--out", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_example("examples/train_lm_pipeline.py", "--steps", "30", "--out", str(tmp_path))
     first, last = map(float, re.search(r"loss (\d+\.\d+) -> (\d+\.\d+)", result.stdout).groups())
     assert last < 0.9 * first and "tokens_per_s" in result.stderr
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 3
 
 
 def test_train_zero_example_shards_memory_and_learns():
-    result = subprocess.run(
-        [sys.executable, "examples/train_zero.py", "--steps", "60", "--log-every", "20"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_example("examples/train_zero.py", "--steps", "60", "--log-every", "20")
     assert "num_replicas=8" in result.stdout and "ZeRO stage 3" in result.stdout
     # Every device holds 1/8 of the parameters and Adam state (plus padding to a multiple of 8).
     ratio = float(re.search(r"MiB unsharded: (\d+\.\d+)x", result.stdout).group(1))

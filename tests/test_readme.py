@@ -62,3 +62,17 @@ def test_optimizer_example_runs_and_learns():
     assert int(metrics["skipped"][0]) == 0
     mu = namespace["state"]["opt"].inner[0].mu["w"]
     assert {s.data.shape for s in mu.addressable_shards} == {(2,)}  # 16 elements over 8
+
+
+def test_explain_example_runs_and_its_printed_tables_are_current(capsys):
+    block = README.split("## Explain a step before paying for it", 1)[1]
+    code = re.search(r"```python\n(.*?)```", block, re.S).group(1)
+    namespace = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    report = namespace["report"]
+    assert report.bytes_by(kind="reduce-scatter") == 4 * 2 * 512 * 1024  # the fp32 gradient
+    printed = re.search(r"```python\n.*?```\n\n```\n(.*?)```", block, re.S).group(1)
+    shown = [line.rstrip() for line in str(report).splitlines()]
+    for line in printed.splitlines():
+        if "│" in line:  # the table rows (memory, FLOPs, collectives) as the code prints them
+            assert line.rstrip() in shown, line

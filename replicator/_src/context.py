@@ -394,7 +394,7 @@ class Replicator:
             compiled = program.lower(state_leaves, arg_leaves).compile()
         return inspect_lib.report(
             compiled,
-            step=lowering_lib.step_name(step_fn),
+            step=getattr(step_fn, "__qualname__", None) or repr(step_fn),
             mesh_shape=dict(self._mesh.shape),
             lowering=self._lowering,
             platform=self._mesh.devices.flat[0].platform,
@@ -473,7 +473,7 @@ class Replicator:
         path = jax.tree_util.keystr(checked[first]) or "(the state)"
         raise errors.ReplicasDivergedError(
             errors.DIVERGED.format(
-                step=lowering_lib.step_name(step_fn),
+                step=getattr(step_fn, "__qualname__", None) or repr(step_fn),
                 path=path,
                 spread=f"{spreads[first]:.3g}",
                 count=int(flags.sum()),

@@ -196,8 +196,8 @@ def _renderable(r: StepReport):
 
     mesh = " x ".join(f"{k}={v}" for k, v in r.mesh.items())
     head = Text(
-        f"{r.step} on mesh {mesh} ({r.num_devices} {r.platform} devices, {r.lowering}); "
-        f"compiled in {r.compile_seconds:.1f} s, nothing run. Per device, per step:"
+        f"{r.step} on mesh {mesh} ({r.num_devices} {r.platform} devices, {r.lowering})\n"
+        f"compiled in {r.compile_seconds:.1f} s, nothing run; figures per device and per step"
     )
     mem = Table(title="memory per device", title_justify="left", show_header=False)
     mem.add_column("what")
