@@ -66,13 +66,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         try:
             cfg = config.load(args.config, args.overrides)
-            if args.command == "train":
-                jobs.run(cfg)
-                return 0
-            report = jobs.explain(cfg, json_path=args.json)
-        except (ValueError, OSError) as e:  # a bad config, or one the library refuses
+            # explain: a config the library refuses (e.g. M < K for 1F1B) is a message too
+            report = jobs.explain(cfg, json_path=args.json) if args.command == "explain" else None
+        except (ValueError, OSError) as e:
             print(f"replicator {args.command}: {e}", file=sys.stderr)
             return 2
+        if report is None:
+            jobs.run(cfg)
+            return 0
         print(report)
         if args.json:
             print(f"wrote {args.json}")

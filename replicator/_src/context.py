@@ -473,7 +473,7 @@ class Replicator:
         path = jax.tree_util.keystr(checked[first]) or "(the state)"
         raise errors.ReplicasDivergedError(
             errors.DIVERGED.format(
-                step=getattr(step_fn, "__qualname__", None) or repr(step_fn),
+                step=lowering_lib.step_name(step_fn),
                 path=path,
                 spread=f"{spreads[first]:.3g}",
                 count=int(flags.sum()),

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import re
 from collections.abc import Iterator
 from fractions import Fraction
@@ -370,20 +369,3 @@ def analyze(text: str, mesh_shape: dict[str, int]) -> Costs:
     out: list[Collective] = []
     flops, matmul, trans = walker.visit(entry, Fraction(1), False, frozenset(), out)
     return Costs(float(flops), float(matmul), float(trans), tuple(out), walker.unknown_trips)
-
-
-def to_jsonable(obj):
-    """Dataclasses, tuples and NumPy scalars as plain JSON values."""
-    if dataclasses.is_dataclass(obj):
-        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, dict):
-        return {str(k): to_jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [to_jsonable(v) for v in obj]
-    if isinstance(obj, np.generic):
-        return obj.item()
-    return obj
-
-
-def dumps(obj) -> str:
-    return json.dumps(to_jsonable(obj), indent=2)

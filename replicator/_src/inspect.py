@@ -12,10 +12,11 @@ and returns a :class:`StepReport`:
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import io
+import json
+import math
 import threading
 from collections.abc import Iterator
 
@@ -139,7 +140,7 @@ class StepReport:
 
     def collective_summary(self) -> list[dict]:
         """The collectives grouped by kind, axes and dtype: count, payload and wire bytes."""
-        groups: dict[tuple, dict] = collections.OrderedDict()
+        groups: dict[tuple, dict] = {}
         for c in self.collectives:
             g = groups.setdefault(
                 (c.kind, c.axes, c.dtype),
@@ -154,13 +155,11 @@ class StepReport:
 
     def to_json(self) -> str:
         """The whole report as JSON (every collective listed)."""
-        data = hlo.to_jsonable(self)
+        data = dataclasses.asdict(self)
         data["memory"]["peak"] = self.memory.peak
         data["collective_bytes"] = self.collective_bytes
         data["wire_bytes"] = self.wire_bytes
-        data["collective_summary"] = hlo.to_jsonable(self.collective_summary())
-        import json
-
+        data["collective_summary"] = self.collective_summary()
         return json.dumps(data, indent=2)
 
     def __rich__(self):
@@ -312,15 +311,12 @@ def report(
         xla_flops = float(analysis.get("flops")) if analysis and "flops" in analysis else None
     except Exception:  # not every backend implements it
         xla_flops = None
-    num_devices = 1
-    for size in mesh_shape.values():
-        num_devices *= size
     return StepReport(
         step=step,
         mesh=dict(mesh_shape),
         lowering=lowering,
         platform=platform,
-        num_devices=num_devices,
+        num_devices=math.prod(mesh_shape.values()),
         compile_seconds=compile_seconds,
         memory=memory,
         flops=costs.flops,

@@ -258,11 +258,11 @@ class _Call:
                 f"multiple of num_replicas x num_microbatches = {d} x {m} = {d * m} (e.g. "
                 f"{d * m * max(1, round(batch * d / (d * m)))}), or another num_microbatches."
             )
-        if k > 1:
-            plan = schedule.plan(k, m)  # validates M against K, with the schedule's own message
+        # Validates M against K, with the schedule's own message, before the other checks.
+        plan = schedule.plan(k, m) if k > 1 else None
         rows = _stage_rows(name, stage_params, schedule.repeats, k)
         xs = _microbatch(inputs, m)
-        if k > 1:  # for Replicator.explain: one micro-batch's activation moves each tick
+        if plan is not None:  # for Replicator.explain: one micro-batch's activation per tick
             sent = sum(a[0].size * a.dtype.itemsize for a in jax.tree.leaves(xs))
             inspect_lib.note_pipeline(plan, sent, backward=api == "value_and_grad")
         call = cls(
