@@ -26,8 +26,8 @@ from replicator._src.inspect import StepReport as StepReport
 from replicator._src.loop import FitResult as FitResult
 from replicator._src.loop import fit as fit
 from replicator._src.optim import DistributedOptimizer as DistributedOptimizer
-from replicator._src.optim import ShardedParam as ShardedParam
-from replicator._src.optim import gather_params as gather_params
 from replicator._src.precision import Policy as Policy
+from replicator._src.zero import ShardedParam as ShardedParam
+from replicator._src.zero import gather_params as gather_params
 
 __version__ = "0.1.0"

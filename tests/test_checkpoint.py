@@ -4,6 +4,7 @@ restoring onto another mesh."""
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import jax
@@ -137,3 +138,60 @@ def test_a_state_of_another_shape_is_an_error_not_a_fallback(tmp_path):
     sharded = repl.place(np.ones(24, np.float32), jax.sharding.PartitionSpec("data"))
     with pytest.raises(rp.StateMismatchError):
         ckpt.restore({"w": sharded})
+
+
+def test_a_state_of_another_structure_names_the_leaves_and_warns_of_nothing(tmp_path):
+    repl = rp.Replicator()
+    rng = np.random.default_rng(0)
+    saved = {"params": {"w": rng.normal(size=(4, 3)), "b": rng.normal(size=3)}}
+    saved = repl.replicate(jax.tree.map(lambda x: x.astype(np.float32), saved))
+    ckpt = rp.Checkpoints(tmp_path)
+    ckpt.save(1, saved)
+    ckpt.save(2, saved)
+    # An EMA added and the bias removed: the checkpoints are fine, the state changed.
+    like = {"params": {"w": saved["params"]["w"]}, "ema": {"w": saved["params"]["w"]}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "unreadable", no fallback to step 1
+        with pytest.raises(rp.StateMismatchError) as caught:
+            ckpt.restore(like)
+    message = str(caught.value)
+    assert "Checkpoints.restore" in message and "checkpoint step 2" in message
+    assert "Added (in the state, not in the checkpoint): ['ema']['w']\n" in message
+    assert "Missing (in the checkpoint, not in the state): ['params']['b']\n" in message
+    assert "['params']['w']" not in message  # a leaf both have is not named
+    assert (
+        "Restore into the structure that was saved" in message and "new checkpoint_dir" in message
+    )
+    # The checkpoints were left alone: they restore into the structure that saved them.
+    restored, record = ckpt.restore(repl.replicate(jax.tree.map(np.zeros_like, saved)))
+    assert record["step"] == 2 and ckpt.steps() == [1, 2]
+    assert rel_err(restored, saved) == 0.0
+
+
+def test_a_state_of_another_dtype_is_an_error_not_a_cast(tmp_path):
+    ckpt = rp.Checkpoints(tmp_path)
+    ckpt.save(1, {"w": np.full(4, 1.1, np.float32), "b": np.ones(2, np.float32)})
+    like = {"w": jax.numpy.zeros(4, jax.numpy.bfloat16), "b": np.zeros(2, np.float32)}
+    with pytest.raises(
+        rp.StateMismatchError,
+        match=r"leaf \['w'\] of checkpoint step 1 is float32, but .* bfloat16",
+    ):
+        ckpt.restore(like)
+
+
+def test_saving_a_donated_state_is_a_clear_error_and_writes_nothing(tmp_path):
+    repl = rp.Replicator()
+    state = repl.replicate({"params": {"w": np.ones((16, 2), np.float32)}})
+    ckpt = rp.Checkpoints(tmp_path)
+    ckpt.save(1, state)
+    new_state, _ = repl.run(lambda s, x: (s, {}), state, np.ones(8, np.float32))  # donates state
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(
+        ValueError,
+        match=r"Checkpoints\.save: state leaf \['params'\]\['w'\] was donated .* the state that "
+        r"repl\.run returned .*Replicator\(donate=False\)",
+    ):
+        ckpt.save(2, state)
+    assert ckpt.steps() == [1] and sorted(os.listdir(tmp_path)) == before
+    ckpt.save(2, new_state)
+    assert ckpt.steps() == [1, 2]

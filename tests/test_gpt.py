@@ -5,7 +5,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding
 from oracle import rel_err
 
 import replicator as rp
@@ -93,10 +92,15 @@ def test_config_errors():
         gpt.GPTConfig(num_layers=0)
 
 
+@pytest.mark.parametrize("lowering", ["shard_map", "local"])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_gpt_pipeline_equals_the_single_device_model(schedule):
-    """DP x PP on {"data": 2, "stage": 2}: the embedding before the stages, the head in loss_fn."""
-    repl = rp.Replicator(mesh_shape={"data": 2, "stage": 2}, devices=jax.devices()[:4])
+def test_gpt_pipeline_equals_the_single_device_model(schedule, lowering):
+    """DP x PP on {"data": 2, "stage": 2}: the embedding before the stages, the head in loss_fn.
+    The same step and placement run unchanged under the local lowering (the sequential model)."""
+    if lowering == "local":
+        repl = rp.Replicator(lowering="local")
+    else:
+        repl = rp.Replicator(mesh_shape={"data": 2, "stage": 2}, devices=jax.devices()[:4])
     params = gpt.init(CONFIG, jax.random.key(3))
     t, y = tokens(batch=8, seed=4)
     want_loss, want = jax.value_and_grad(gpt.loss)(params, t, y, config=CONFIG)
@@ -116,7 +120,7 @@ def test_gpt_pipeline_equals_the_single_device_model(schedule):
     stages = pipeline.stack_stages(params["blocks"], num_stages=2)
     placed = {
         "embed": repl.replicate(params["embed"]),
-        "stages": jax.device_put(stages, NamedSharding(repl.mesh, pipeline.stage_spec())),
+        "stages": repl.place(stages, pipeline.stage_spec()),
         "head": repl.replicate(params["head"]),
     }
     state = {"params": placed, "grads": jax.tree.map(jnp.zeros_like, placed)}

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from oracle import rel_err
 
 import replicator as rp
 
@@ -222,3 +223,69 @@ def test_a_donated_state_is_a_clear_error_not_a_crash():
     repl.run(linear_step, state, batch)  # donates state
     with pytest.raises(ValueError, match=r"state leaf \['w'\] was donated to an earlier run"):
         repl.run(linear_step, state, batch)
+
+
+def linear_eval(state, batch):
+    loss = jnp.mean((batch["x"] @ state["w"] - batch["y"]) ** 2)
+    return state, {"loss": rp.all_reduce(loss, "mean")}
+
+
+def test_an_eval_fn_that_runs_the_replicator_leaves_training_exact():
+    repl = rp.Replicator()
+    assert repl.num_replicas == 8
+    rng = np.random.default_rng(3)
+    w0 = rng.normal(size=(3, 1)).astype(np.float32)
+    held_out = {k: v[:16] for k, v in linear_data(16).items()}
+
+    def input_fn(ctx):
+        return rp.Batches(linear_data(), global_batch_size=8, ctx=ctx, seed=4)
+
+    def eval_fn(state):  # uses the replicator: run would donate fit's state
+        _, out = repl.run(linear_eval, state, held_out)
+        return rp.local_row(out)
+
+    def train(**kwargs):
+        state = repl.replicate({"w": w0})
+        return rp.fit(
+            repl, linear_step, state, input_fn, steps=6, log_every=1, progress=False, **kwargs
+        )
+
+    plain = train()
+    evaluated = train(eval_fn=eval_fn, eval_every=2)
+    assert rel_err(evaluated.state, plain.state) <= 1e-6
+    assert rel_err(plain.state, {"w": w0}) > 1e-2  # it trained
+    evals = [r for r in evaluated.history if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [2, 4, 6]
+    w = np.asarray(plain.state["w"])  # the last evaluation saw the final parameters
+    want = float(np.mean((held_out["x"] @ w - held_out["y"]) ** 2))
+    np.testing.assert_allclose(evals[-1]["eval_loss"], want, rtol=1e-5)
+    assert [r["loss"] for r in evaluated.history if "loss" in r] == [
+        r["loss"] for r in plain.history
+    ]
+    fresh = repl.replicate({"w": w0})  # after eval_fn, run donates again
+    repl.run(linear_step, fresh, {k: v[:8] for k, v in linear_data().items()})
+    assert fresh["w"].is_deleted()
+
+
+def test_an_eval_fn_that_deletes_the_state_is_named():
+    repl = rp.Replicator()
+    donating = jax.jit(lambda s: jax.tree.map(lambda x: 2 * x, s), donate_argnums=0)
+
+    def input_fn(ctx):
+        return rp.Batches(linear_data(), global_batch_size=8, ctx=ctx)
+
+    def eval_fn(state):
+        return {"sum": jnp.sum(donating(state)["w"])}  # deletes fit's state
+
+    state = repl.replicate({"w": np.zeros((3, 1), np.float32)})
+    with pytest.raises(ValueError, match=r"rp\.fit: eval_fn .*state leaf \['w'\]"):
+        rp.fit(
+            repl,
+            linear_step,
+            state,
+            input_fn,
+            steps=4,
+            eval_fn=eval_fn,
+            eval_every=2,
+            progress=False,
+        )

@@ -2,8 +2,10 @@
 
 import jax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import replicator as rp
+from replicator._src import mesh as mesh_lib
 
 
 def test_fill_and_axis_order():
@@ -52,3 +54,47 @@ def test_lowering_checks():
         rp.Replicator(mesh_shape={"stage": 8})
     with pytest.raises(ValueError, match=r"lowering='local'\) runs one replica on one device"):
         rp.Replicator(lowering="local", devices=jax.devices()[:2])
+
+
+def test_more_devices_than_there_are_says_how_to_get_them():
+    with pytest.raises(ValueError) as info:
+        rp.Replicator(mesh_shape={"data": 16})
+    message = str(info.value)
+    assert "mesh_shape={'data': 16} needs 16 devices but 8 are available" in message
+    assert 'jax.config.update("jax_num_cpu_devices", 16)' in message
+    assert "XLA_FLAGS=--xla_force_host_platform_device_count=16" in message
+    assert "before JAX initialises its backend" in message
+    assert "the first jax.devices() or array creation" in message
+    assert "replicator train CONFIG cpu_devices=16" in message
+    with pytest.raises(
+        ValueError,
+        match=r"the other axes use 16 devices, more than the 8 available.*"
+        r'jax_num_cpu_devices", 16\)',
+    ):
+        rp.Replicator(mesh_shape={"data": -1, "stage": 16})
+    # With fewer devices passed than the mesh needs, but enough in the process: pass them.
+    with pytest.raises(
+        ValueError, match=r"needs 8 devices but 4 are available.*devices=jax.devices\(\)\[:8\]"
+    ):
+        rp.Replicator(mesh_shape={"data": 8}, devices=jax.devices()[:4])
+
+
+def test_fit_spec_drops_known_axes_the_mesh_lacks_and_refuses_typos():
+    mesh = mesh_lib.build_mesh({"data": 8})
+    assert mesh_lib.fit_spec(P("stage"), mesh, api="Replicator.place") == P()
+    assert mesh_lib.fit_spec(P(None, "stage"), mesh, api="Replicator.place") == P()
+    assert mesh_lib.fit_spec(P("data", "stage"), mesh, api="x") == P("data")
+    assert mesh_lib.fit_spec(P(("dcn_data", "data")), mesh, api="x") == P("data")
+    spec = P("data", None)
+    assert mesh_lib.fit_spec(spec, mesh, api="x") is spec  # nothing to drop: the same spec
+    staged = mesh_lib.build_mesh({"data": 2, "stage": 4})
+    assert mesh_lib.fit_spec(P("stage"), staged, api="x") == P("stage")
+    with pytest.raises(
+        ValueError,
+        match=r"Replicator.place: spec P\('stag',\) names axis 'stag', which is not an axis of "
+        r"this mesh \(\{'data': 8\}; axes 'data'\) nor one replicator knows \('dcn_data', "
+        r"'data', 'stage', 'model'\)",
+    ):
+        mesh_lib.fit_spec(P("stag"), mesh, api="Replicator.place")
+    with pytest.raises(TypeError, match=r"Replicator.place: spec must be a PartitionSpec"):
+        mesh_lib.fit_spec("stage", mesh, api="Replicator.place")

@@ -122,10 +122,16 @@ def test_loss_and_every_gradient_equal_the_sequential_model(name, m, mesh_shape)
     assert np.abs(got["layers"]["w"]).min() > 0  # every layer got a gradient
 
 
+@pytest.mark.parametrize("lowering", ["shard_map", "local"])
 @pytest.mark.parametrize("name", list(SCHEDULES))
-def test_three_sgd_steps_of_dp_x_pp_equal_single_device_training(name):
+def test_three_sgd_steps_of_dp_x_pp_equal_single_device_training(name, lowering):
+    """The same step_fn and placement on {"data": 2, "stage": 4}, and unchanged under the local
+    lowering (one device, the sequential model)."""
     schedule, v = SCHEDULES[name]
-    repl = make_repl({"data": 2, "stage": 4})
+    if lowering == "local":
+        repl = rp.Replicator(lowering="local")
+    else:
+        repl = make_repl({"data": 2, "stage": 4})
     tx = optax.sgd(0.1)
     wrapped = repl.wrap_optimizer(tx)
     grads = pipelined_grads(pipeline.value_and_grad(
@@ -149,9 +155,49 @@ def test_three_sgd_steps_of_dp_x_pp_equal_single_device_training(name):
         state, _ = repl.run(step, state, x, t)
         updates, opt = tx.update(jax.grad(oracle_loss)(want, x, t), opt, want)
         want = optax.apply_updates(want, updates)
-    assert len(traces) == 1
+    assert len(traces) == (1 if lowering == "shard_map" else 3)  # local runs eagerly
     assert rel_err(from_pipeline(state["params"], v), want) <= TOL
     assert rel_err(from_pipeline(state["params"], v), params) > 1e-2  # training moved them
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_global_norm_clipping_adds_the_stages_and_counts_the_rest_once(name):
+    """clip_global_norm under a pipeline: the norm of the whole gradient (stage blocks summed
+    over the stages, embedding and head once), so the clip equals optax's on one device."""
+    schedule, v = SCHEDULES[name]
+    repl = make_repl({"data": 2, "stage": 4})
+    max_norm = 0.01
+    wrapped = repl.wrap_optimizer(optax.sgd(0.5), clip_global_norm=max_norm)
+    grads = pipelined_grads(pipeline.value_and_grad(
+        pipeline.scan_layers(layer_fn), loss_fn, num_microbatches=4, schedule=schedule
+    ))  # fmt: skip
+
+    def step(state, x, t):
+        loss, g = grads(state["params"], x, t)
+        updates, opt = wrapped.update(g, state["opt"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        return {"params": params, "opt": opt}, {"loss": rp.all_reduce(loss, "mean")}
+
+    params = init_params()
+    placed = to_pipeline(params, repl, 4, v)
+    state = {"params": placed, "opt": wrapped.init(placed)}
+    tx = optax.chain(optax.clip_by_global_norm(max_norm), optax.sgd(0.5))
+    want, opt = params, tx.init(params)
+    for i in range(3):
+        x, t = make_batch(16, seed=10 + i)
+        assert float(optax.tree.norm(jax.grad(oracle_loss)(want, x, t))) > 4 * max_norm
+        state, _ = repl.run(step, state, x, t)
+        updates, opt = tx.update(jax.grad(oracle_loss)(want, x, t), opt, want)
+        want = optax.apply_updates(want, updates)
+    assert rel_err(from_pipeline(state["params"], v), want) <= TOL
+
+    def no_params(state, x, t):  # the norm cannot tell stage blocks from whole leaves
+        _, g = grads(state["params"], x, t)
+        updates, opt = wrapped.update(g, state["opt"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {}
+
+    with pytest.raises(ValueError, match=r"(?s)clip_global_norm.*stage.*state\[.params.\]"):
+        repl.run(no_params, state, *make_batch(16))
 
 
 @pytest.mark.parametrize(
@@ -173,9 +219,11 @@ def test_without_a_stage_axis_the_call_is_the_sequential_model(lowering, mesh_sh
             loss, g = rp.all_reduce(grads(state, x, t), "mean")
             return state, {"loss": loss, "g": g}
 
+        # Placed as on a mesh with a stage axis: without one, stage_spec means replicated.
         stacked = pipeline.stack_stages(params["layers"], num_stages=4, repeats=v)
-        state = repl.replicate({**params, "stages": stacked})
-        del state["layers"]
+        state = repl.replicate({"embed": params["embed"], "head": params["head"]})
+        state["stages"] = repl.place(stacked, pipeline.stage_spec(v))
+        assert state["stages"]["w"].sharding.is_fully_replicated
         _, out = repl.run(step, state, x, t)
         got = jax.tree.map(lambda a: np.asarray(a)[0], out["g"])  # row 0: reduced
         got["layers"] = pipeline.unstack_stages(got.pop("stages"), repeats=v)
@@ -260,6 +308,37 @@ def test_stage_fn_must_keep_the_activation_shape_and_options_are_checked():
         pipeline.value_and_grad(layer_fn, loss_fn, num_microbatches=4, schedule="1f1b", remat=False)
     with pytest.raises(ValueError, match=r"num_microbatches must be an int >= 1; got 0"):
         pipeline.value_and_grad(layer_fn, loss_fn, num_microbatches=0)
+
+
+@pytest.mark.parametrize("where", ["stage", "pipeline", "local"])
+def test_a_scanned_layer_that_changes_the_activation_is_refused(where):
+    widen = pipeline.scan_layers(lambda p, h: h @ p["w"])  # [b, 8] -> [b, 5]
+    params = {"w": np.ones((4, 2, D, D_IN), np.float32)}  # 4 stages of 2 layers
+    message = (
+        r"rp.pipeline.scan_layers\(<lambda>\): layer_fn maps an activation float32\[2, 8\] "
+        r"to float32\[2, 5\].*every layer in a stack must map activations to the same shape "
+        r"and dtype.*outside the stages"
+    )
+    if where == "stage":  # a stage called directly, on one stage's [layers, ...] params
+        with pytest.raises(ValueError, match=message):
+            widen(jax.tree.map(lambda a: a[0], params), jnp.ones((2, D)))
+        return
+    f = pipeline.value_and_grad(widen, loss_fn, num_microbatches=4)
+    if where == "pipeline":
+        repl = make_repl({"data": 2, "stage": 4})
+    else:
+        repl = rp.Replicator(lowering="local")
+    state = {
+        "stages": repl.place(params, pipeline.stage_spec()),
+        "head": repl.replicate({"w": np.ones((D, D_OUT), np.float32)}),
+    }
+    step = lambda s, h, t: (s, {"loss": f(s["stages"], h, t, s["head"])[0]})
+    h, t = np.ones((8 * repl.num_replicas, D), np.float32), np.ones((8 * repl.num_replicas, 3))
+    with pytest.raises(ValueError, match=message):
+        repl.run(step, state, h, t)
+    layer_dtype = pipeline.scan_layers(lambda p, h: (h @ p["w"]).astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"float32\[2, 8\] to bfloat16\[2, 8\]"):
+        layer_dtype({"w": jnp.ones((2, D, D))}, jnp.ones((2, D)))
 
 
 def test_check_replicas_sees_a_divergence_in_any_stage_block():

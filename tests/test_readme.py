@@ -76,3 +76,22 @@ def test_explain_example_runs_and_its_printed_tables_are_current(capsys):
     for line in printed.splitlines():
         if "│" in line:  # the table rows (memory, FLOPs, collectives) as the code prints them
             assert line.rstrip() in shown, line
+
+
+def test_nnx_batchnorm_example_runs_with_cross_replica_statistics():
+    block = README.split("### Cross-replica BatchNorm", 1)[1]
+    code = re.search(r"```python\n(.*?)```", block, re.S).group(1)
+    namespace = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    assert namespace["model"].bn.axis_name == "data"  # built inside repl.context()
+    assert namespace["out"]["loss"].shape == (8,)
+
+
+def test_every_case_of_exact_or_refused_is_listed():
+    section = README.split("## What is exact, and what is refused", 1)[1].split("\n## ", 1)[0]
+    for case in [
+        "zero_stage", "clip_global_norm", "stage", "repl.abstract", "Checkpoints.restore",
+        "lowering=\"local\"", "BatchNorm", "eval_fn", "ReplicasDivergedError", "gather_params",
+        "scan_layers", "jax_num_cpu_devices", "Checkpoints.save",
+    ]:  # fmt: skip
+        assert case in section, case

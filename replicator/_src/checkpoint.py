@@ -8,6 +8,8 @@ newest step it can; if that one is unreadable it says so and falls back to the o
 Restoring takes a ``like`` tree whose shardings say where each array goes: a checkpoint saved on
 8 devices restores onto a mesh of 4, ZeRO-sharded states included (their flattened leaves are
 padded to a multiple of the replica count, so their lengths can differ by the padding).
+Anything else that differs (a leaf added or removed, another shape or dtype) is the caller's
+state having changed, not a broken checkpoint: `StateMismatchError`, with no fallback.
 """
 
 from __future__ import annotations
@@ -18,13 +20,28 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from replicator._src import errors
 from replicator._src.typing import PyTree
 
 
 class StateMismatchError(ValueError):
-    """The state to restore into does not have the checkpoint's shapes."""
+    """The state to restore into does not have the checkpoint's structure, shapes or dtypes."""
+
+
+STRUCTURE = """\
+rp.Checkpoints.restore: checkpoint step {step} in {directory} was saved from another state \
+structure than the state to restore into (`like`): {counts}. The checkpoint is fine; the state \
+changed, and the older checkpoints of this run have the same structure, so none is tried.
+{lists}
+Restore into the structure that was saved, then add (or drop) the leaves:
+
+    state, record = ckpt.restore(old_like)         # like, built as the run that saved it did
+    state = {{**state, "ema": state["params"]}}      # e.g. add an EMA of the parameters
+
+or start the new structure in a new checkpoint_dir (a new run directory)."""
 
 
 class Checkpoints:
@@ -71,8 +88,14 @@ class Checkpoints:
 
     def save(self, step: int, state: PyTree, **record: Any) -> None:
         """Writes ``state`` and a JSON ``record`` (``step`` plus the keyword arguments, such as
-        ``data_position``) as checkpoint ``step``, then drops the oldest beyond ``keep``."""
+        ``data_position``) as checkpoint ``step``, then drops the oldest beyond ``keep``.
+
+        Raises:
+          ValueError: before anything is written, if a leaf of ``state`` was donated to
+            ``repl.run`` (its buffer is deleted): save the state that ``run`` returned.
+        """
         ocp = self._ocp
+        _check_alive(state)
         record = {"step": int(step), **record}
         self._manager.save(
             int(step),
@@ -94,8 +117,10 @@ class Checkpoints:
 
         Raises:
           FileNotFoundError: if there is no readable checkpoint.
-          StateMismatchError: (a ValueError) if a leaf of ``like`` has another shape than the
-            checkpoint's, beyond the padding of ZeRO's layout.
+          StateMismatchError: (a ValueError) if ``like`` has leaves the checkpoint does not
+            (or lacks some it has), or a leaf of another dtype, or of another shape beyond the
+            padding of ZeRO's layout. Raised for the newest readable step: older steps of the
+            run have the same structure, so none is tried.
         """
         abstract = jax.tree.map(_abstract, like)
         candidates = [step] if step is not None else self.steps()[::-1]
@@ -127,12 +152,17 @@ class Checkpoints:
         over N replicas along the last axis) saved with another N are read as saved and then
         cut or padded to this mesh's length: only padding differs."""
         ocp = self._ocp
-        saved = self._saved_leaves(step)
         flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+        saved = self._saved_leaves(step)
+        if saved is not None:
+            self._check_structure(step, saved, flat)
+        saved = saved or {}
         read_as, resize = [], {}
         for i, (path, want) in enumerate(flat):
-            meta = saved.get(_name(path))
-            if meta is None or tuple(meta.shape) == tuple(want.shape):
+            meta = saved.get(_name(path), (None, None))[1]
+            if getattr(meta, "dtype", None) is not None:
+                _check_dtype(step, path, meta.dtype, want.dtype)
+            if getattr(meta, "shape", None) is None or tuple(meta.shape) == tuple(want.shape):
                 read_as.append(want)
                 continue
             if not _only_padding_differs(meta, want):
@@ -159,19 +189,80 @@ class Checkpoints:
             leaves[i] = _to_length(leaves[i], want)
         return jax.tree.unflatten(treedef, leaves), dict(restored["record"])
 
-    def _saved_leaves(self, step: int) -> dict:
-        """Saved array metadata (shape, sharding) by leaf name; empty if unreadable (then the
-        restore itself reports the problem)."""
+    def _saved_leaves(self, step: int) -> dict | None:
+        """``{orbax name: (path as saved, array metadata)}`` of every leaf saved in ``step``;
+        None if its metadata is unreadable (then the restore itself reports the problem)."""
         try:
             tree = self._manager.item_metadata(step)["state"]
             tree = getattr(tree, "tree", tree)
-            leaves = jax.tree.leaves(tree, is_leaf=lambda x: hasattr(x, "shape"))
+            leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
         except Exception:
-            return {}
-        return {m.name: m for m in leaves if hasattr(m, "shape") and hasattr(m, "name")}
+            return None
+        return {_name(path): (jax.tree_util.keystr(path), meta) for path, meta in leaves}
+
+    def _check_structure(self, step: int, saved: dict, flat: list) -> None:
+        """Raises `StateMismatchError` listing the leaves only ``like`` has and only the
+        checkpoint has, if any."""
+        wanted = {_name(path): jax.tree_util.keystr(path) for path, _ in flat}
+        added = [shown for name, shown in wanted.items() if name not in saved]
+        missing = [shown for name, (shown, _) in saved.items() if name not in wanted]
+        if not added and not missing:
+            return
+        counts = [f"{len(added)} added", f"{len(missing)} missing"]
+        lists = [
+            "Added (in the state, not in the checkpoint): " + _listed(added),
+            "Missing (in the checkpoint, not in the state): " + _listed(missing),
+        ]
+        raise StateMismatchError(
+            STRUCTURE.format(
+                step=step,
+                directory=self.directory,
+                counts=", ".join(counts) + " leaves",
+                lists="\n".join(lists),
+            )
+        )
 
     def close(self) -> None:
         self._manager.close()
+
+
+def _check_alive(state: PyTree) -> None:
+    """Raises ValueError, naming the first, if a leaf of ``state`` has a deleted buffer."""
+    path = errors.deleted_leaf(state)
+    if path is not None:
+        raise ValueError(
+            f"rp.Checkpoints.save: state leaf {path} "
+            f"was donated to repl.run (or deleted), so its buffer is gone and nothing was "
+            f"saved. Save the state that repl.run returned (state, out = repl.run(step_fn, "
+            f"state, batch); rp.fit returns it as result.state), or use "
+            f"Replicator(donate=False) to keep the inputs of run alive."
+        )
+
+
+def _check_dtype(step: int, path, saved, want) -> None:
+    """Raises `StateMismatchError` if a leaf saved as ``saved`` would be cast to ``want``
+    (dtypes JAX itself treats as one, such as float64 and float32 without x64, are equal)."""
+    try:
+        saved, want = np.dtype(saved), np.dtype(want)
+    except TypeError:  # not a NumPy dtype (orbax reads such leaves as saved, or refuses)
+        return
+    if jax.dtypes.canonicalize_dtype(saved) == jax.dtypes.canonicalize_dtype(want):
+        return
+    raise StateMismatchError(
+        f"rp.Checkpoints.restore: leaf {jax.tree_util.keystr(path)} of checkpoint step {step} "
+        f"is {saved}, but the state to restore into has {want}; restoring would cast it. "
+        f"Restore into the saved dtype (e.g. jax.ShapeDtypeStruct(shape, jnp.{saved}, "
+        f"sharding=...)), then cast on purpose: "
+        f"jax.tree.map(lambda x: x.astype(jnp.{want}), state)."
+    )
+
+
+def _listed(paths: list[str], limit: int = 20) -> str:
+    """``paths`` joined by commas, the first ``limit`` of them."""
+    if not paths:
+        return "none"
+    shown = ", ".join(paths[:limit])
+    return shown + (f", and {len(paths) - limit} more" if len(paths) > limit else "")
 
 
 def _name(path) -> str:

@@ -148,3 +148,9 @@ def replica_id() -> jax.Array:
 def num_replicas() -> int:
     """The number of replicas running this program, as a Python int (1 when local)."""
     return current_binding().num_replicas
+
+
+def sum_over_axes(x: jax.Array, axes: tuple) -> jax.Array:
+    """The sum of ``x`` over the named non-replica mesh axes ``axes`` (such as ``"stage"``), for
+    the library's own reductions over values split across them; ``x`` when ``axes`` is empty."""
+    return lax.psum(x, tuple(axes)) if axes else x

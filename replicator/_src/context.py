@@ -18,7 +18,8 @@ import optax
 from jax.experimental.multihost_utils import broadcast_one_to_all
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from replicator._src import errors, optim
+from replicator._src import binding as binding_lib
+from replicator._src import errors, optim, placement
 from replicator._src import input as input_lib
 from replicator._src import inspect as inspect_lib
 from replicator._src import lowering as lowering_lib
@@ -38,9 +39,24 @@ class Replicator:
         ``"pmap"``: ``jax.pmap`` over the replicas (data axes only); ``"local"``: one replica on
         one device, ``step_fn`` run eagerly on the whole batch, for debugging.
       devices: the devices to use; default ``jax.devices()`` (the first one for ``"local"``).
-      check_replicas: after each step, compare every replicated state leaf across replicas and
-        raise `ReplicasDivergedError` naming the first that differs. It costs a host sync per
-        step: a debugging aid.
+      check_replicas: when to compare every replicated state leaf (one not split over the
+        replicas) across replicas after a step, and raise `ReplicasDivergedError` naming the
+        first that differs: the sign of gradients applied without an all-reduce (a plain
+        ``optax.adam`` instead of ``repl.wrap_optimizer(optax.adam(...))``), or of BatchNorm
+        statistics taken over one replica's examples.
+
+        * ``None`` (default): after each of the first 2 runs of each compiled step, then never
+          again; the same as ``2``.
+        * an int ``n >= 0``: after each of the first ``n`` runs of each compiled step. The check
+          is a separate small program, compiled once per placement of the state; the step is
+          not recompiled, and costs nothing once the ``n`` runs are done. A leaf that starts to
+          differ later is not caught.
+        * ``True``: after every run, inside the step. It costs a host sync per step: a
+          debugging aid.
+        * ``False`` (or ``0``): never, for state whose "replicated" leaves are meant to differ
+          per replica (``np.asarray(leaf)`` then shows replica 0's value).
+
+        Nothing is checked with one replica or under the local lowering.
       donate: donate the state's buffers to the step (default), so that the new state reuses
         their memory. The state passed to ``run`` is then deleted: use the returned one.
       max_in_flight: how many steps ``run`` may have dispatched but not finished; ``run``
@@ -68,7 +84,7 @@ class Replicator:
         *,
         lowering: str = "shard_map",
         devices: Sequence[jax.Device] | None = None,
-        check_replicas: bool = False,
+        check_replicas: bool | int | None = None,
         donate: bool = True,
         max_in_flight: int | None = None,
     ) -> None:
@@ -95,7 +111,25 @@ class Replicator:
         if lowering == "pmap":
             lowering_lib.check_pmap_mesh(self._mesh)
         self._lowering = lowering
-        self._check_replicas = check_replicas
+        if check_replicas is None:
+            check_replicas = 2  # the default: the first two runs of each compiled step
+        if not isinstance(check_replicas, bool) and (
+            not isinstance(check_replicas, int | np.integer) or check_replicas < 0
+        ):
+            raise (ValueError if isinstance(check_replicas, int | np.integer) else TypeError)(
+                f"Replicator: check_replicas must be True, False, None or an int >= 0; got "
+                f"{check_replicas!r}. None (the default) checks that replicated state agrees "
+                f"across replicas after the first 2 runs of each compiled step, n after the "
+                f"first n, True after every run (inside the step), False never."
+            )
+        # True: a check inside the step, every run. An int n: a separate check program after
+        # each of the first n runs of each compiled step (``_checked_runs`` counts them per
+        # program), cached per placement of the state in ``_replica_checks``.
+        self._check_replicas = check_replicas is True
+        multi = self.num_replicas > 1 and lowering != "local"
+        self._check_first_runs = int(check_replicas) if multi and check_replicas is not True else 0
+        self._checked_runs: dict[Any, int] = {}
+        self._replica_checks: dict[tuple, Any] = {}
         self._donate = donate
         self._cache: dict = {}
         if max_in_flight is None:
@@ -141,13 +175,26 @@ class Replicator:
         """Makes this the replicator that ``rp.current()`` returns, within the block.
 
         Entering the context does not change what the collectives mean: they are bound only
-        while ``run`` traces ``step_fn``.
+        while ``run`` traces ``step_fn``. Within it, ``rp.replica_axis_name()`` outside a trace
+        answers what ``run`` binds, for layers built here (a BatchNorm's ``axis_name``).
         """
         _CURRENT.items.append(self)
         try:
-            yield self
+            with binding_lib.context_axes(lowering_lib.binding_axes(self._lowering, self._mesh)):
+                yield self
         finally:
             _CURRENT.items.pop()
+
+    @contextlib.contextmanager
+    def _donation_suspended(self) -> Iterator[None]:
+        """Within the block, ``run`` donates no buffers: it runs (and caches apart) programs that
+        keep their inputs alive. `fit` calls ``eval_fn`` so, as ``eval_fn`` may pass the training
+        state, which training goes on with, to ``run``."""
+        donate, self._donate = self._donate, False
+        try:
+            yield
+        finally:
+            self._donate = donate
 
     # -- state and optimizer ------------------------------------------------------------------
 
@@ -168,7 +215,16 @@ class Replicator:
         For state sharded over a mesh axis, such as pipeline stages:
         ``repl.place(stacked, rp.pipeline.stage_spec())``. With several processes, process 0's
         values are broadcast first and each process builds its own shards from them.
+
+        A mesh axis replicator knows but this mesh lacks counts as an axis of size 1, so it is
+        dropped from ``spec``: ``stage_spec()`` places a whole copy under the local lowering or
+        on a ``{"data": N}`` mesh, where the pipeline runs every stage in order.
+
+        Raises:
+          TypeError: if ``spec`` is not a ``PartitionSpec``.
+          ValueError: if ``spec`` names an axis that is not a mesh axis at all (e.g. ``"stag"``).
         """
+        spec = mesh_lib.fit_spec(spec, self._mesh, api="Replicator.place")
         sharding = NamedSharding(self._mesh, spec)
         if jax.process_count() > 1:
             tree = broadcast_one_to_all(tree)
@@ -182,7 +238,7 @@ class Replicator:
             lambda x: jnp.array(x, dtype=x.dtype, copy=True) if isinstance(x, jax.Array) else x,
             tree,
         )
-        return jax.device_put(tree, sharding)
+        return placement.put(tree, sharding)
 
     def wrap_optimizer(
         self,
@@ -228,6 +284,59 @@ class Replicator:
             loss_scale=loss_scale,
             loss_scale_period=loss_scale_period,
         )
+
+    def abstract(self, init_fn: Callable[[], PyTree], /) -> PyTree:
+        """The state ``init_fn()`` builds, as shapes with their shardings, allocating nothing.
+
+        ``init_fn`` is the code that builds the state, with the same calls as for training
+        (``repl.replicate``, ``repl.place``, ``opt.init``, ``opt.shard_params``). It runs under
+        ``jax.eval_shape``: no parameter is allocated and nothing is computed, so a model too big
+        for this machine can be planned with `explain`. Every leaf comes back as a
+        ``jax.ShapeDtypeStruct`` with the ``NamedSharding`` on this mesh that the real call
+        would give it.
+
+        Args:
+          init_fn: a function of no arguments that returns the state.
+
+        Returns:
+          The state's pytree with ``jax.ShapeDtypeStruct`` leaves, for `explain`.
+
+        Raises:
+          ValueError: if a leaf was not placed on the mesh (by ``replicate``, ``place``,
+            ``opt.init``, ``opt.shard_params`` or ``jax.device_put``), since its sharding would
+            be a guess.
+
+        >>> import jax, jax.numpy as jnp, optax, replicator as rp
+        >>> repl = rp.Replicator(devices=jax.devices()[:2])
+        >>> opt = repl.wrap_optimizer(optax.adam(1e-3), zero_stage=1)
+        >>> def init():
+        ...     params = repl.replicate({"w": jnp.zeros((1024, 1024))})
+        ...     return {"params": params, "opt": opt.init(params)}
+        >>> state = repl.abstract(init)
+        >>> state["opt"].inner[0].mu["w"].sharding.spec   # Adam's moment: ZeRO-1 over the replicas
+        P('data',)
+        """
+        recorded = []
+
+        def traced():
+            state = init_fn()
+            recorded.extend(placement.recorded_sharding(table, x) for x in jax.tree.leaves(state))
+            return state
+
+        with placement.recording() as table:
+            shapes = jax.eval_shape(traced)
+        flat, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+        leaves = []
+        for (path, x), sharding in zip(flat, recorded, strict=True):
+            spec = self._spec(x) if sharding is None else self._spec_of(sharding)
+            if spec is None:
+                raise ValueError(
+                    errors.UNPLACED_SHAPE.format(path=jax.tree_util.keystr(path), got=x)
+                )
+            leaves.append(
+                jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(self._mesh, spec))
+            )
+        return jax.tree.unflatten(treedef, leaves)
 
     # -- input ------------------------------------------------------------------------------
 
@@ -304,11 +413,24 @@ class Replicator:
         Returns:
           ``(state, outputs)``: every leaf of ``outputs`` stacked along a new leading axis of
           size ``num_replicas``, one row per replica. Rows of a reduced output are equal.
+          Outputs come back whole: on a mesh with ``stage`` or ``model`` axes, a leaf that
+          differs across them (a pipeline's gradient of its stage parameters, or the stage
+          parameters themselves) is also concatenated along its own first axis over those
+          axes, in mesh order: a ``[1, 4, 8, 8]`` block per stage on ``{"data": 2, "stage":
+          4}`` comes back ``[2, 4, 4, 8, 8]``, the global ``P("stage")`` array once per
+          replica. A leaf equal on every stage (a loss reduced by ``rp.pipeline``) keeps
+          ``[num_replicas, ...]``. Which leaves differ is found when the step is traced.
 
         Raises:
           TypeError, ValueError: if ``step_fn`` does not return ``(state, outputs)`` with the
             state's structure, shapes and dtypes, or an argument does not split over replicas.
-          ReplicasDivergedError: with ``check_replicas=True``, if a replicated leaf diverged.
+          ValueError: before the step runs, if an output that differs across a ``stage`` or
+            ``model`` axis is a scalar (return ``x[None]`` for one row per stage, or reduce it
+            over the stages), or if a state leaf whose sharding does not name such an axis
+            differs across it (reduce it there, or place it with a spec over that axis).
+          ReplicasDivergedError: if a replicated state leaf differs across replicas after a
+            checked run: by default the first 2 runs of each compiled step (see
+            ``check_replicas``).
         """
         state_leaves, state_def = jax.tree.flatten(state)
         arg_leaves, args_def = jax.tree.flatten(args)
@@ -324,6 +446,17 @@ class Replicator:
         new_state = jax.tree.unflatten(state_def, new_leaves)
         if "diverged" in extras:
             self._raise_if_diverged(step_fn, new_state, outputs, state_specs, extras)
+        elif self._checked_runs.get(program, 0) < self._check_first_runs:
+            self._checked_runs[program] = self._checked_runs.get(program, 0) + 1
+            if state_specs not in self._replica_checks:
+                self._replica_checks[state_specs] = lowering_lib.build_replica_check(
+                    self._mesh, state_specs
+                )
+            check = self._replica_checks[state_specs]
+            if check is not None:
+                diverged, spread = check(new_leaves)
+                extras = {"diverged": diverged, "spread": spread}
+                self._raise_if_diverged(step_fn, new_state, outputs, state_specs, extras)
         return new_state, outputs
 
     def lower(self, step_fn: StepFn, state: PyTree, *args: PyTree) -> jax.stages.Lowered:
@@ -407,6 +540,7 @@ class Replicator:
         # and compare; equal placements give equal specs, computed only on a miss.
         key = (
             step_fn,
+            self._donate,
             state_def,
             args_def,
             tuple(map(_placement, state_leaves)),
@@ -420,7 +554,7 @@ class Replicator:
         return cached
 
     def _compile(self, step_fn, state_def, args_def, state_leaves, arg_leaves, args):
-        state_specs = tuple(self._spec(x) or PartitionSpec() for x in state_leaves)
+        state_specs = self._state_specs(state_leaves, state_def)
         arg_specs = tuple(self._arg_spec(x, i, args) for i, x in enumerate(arg_leaves))
         program = lowering_lib.build(
             self._lowering,
@@ -436,10 +570,28 @@ class Replicator:
         return program, state_specs
 
     def _spec(self, x) -> PartitionSpec | None:
-        sharding = getattr(x, "sharding", None)
-        if isinstance(sharding, NamedSharding) and sharding.mesh == self._mesh:
+        return self._spec_of(getattr(x, "sharding", None))
+
+    def _spec_of(self, sharding) -> PartitionSpec | None:
+        if isinstance(sharding, NamedSharding) and sharding.mesh in (
+            self._mesh,
+            self._mesh.abstract_mesh,  # a shape traced under jax.eval_shape
+        ):
             return sharding.spec
         return None
+
+    def _state_specs(self, state_leaves, state_def) -> tuple[PartitionSpec, ...]:
+        """Each state leaf's spec: its own on this mesh, else replicated. A shape without a
+        sharding on this mesh is refused: its placement would be a guess."""
+        specs = []
+        for i, x in enumerate(state_leaves):
+            spec = self._spec(x)
+            if spec is None and isinstance(x, jax.ShapeDtypeStruct):
+                state = jax.tree.unflatten(state_def, state_leaves)
+                path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(state)[0][i][0])
+                raise ValueError(errors.UNPLACED_SHAPE.format(path=path or "(the state)", got=x))
+            specs.append(spec or PartitionSpec())
+        return tuple(specs)
 
     def _arg_spec(self, x, index: int, args) -> PartitionSpec:
         spec = self._spec(x)
@@ -521,14 +673,14 @@ def _global_copy(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
 
 
 def _raise_donated(state: PyTree) -> None:
-    for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
-        if isinstance(x, jax.Array) and x.is_deleted():
-            raise ValueError(
-                f"Replicator.run: state leaf {jax.tree_util.keystr(path) or '(the state)'} was "
-                f"donated to an earlier run (or deleted), so its buffer is gone. Pass the state "
-                f"that run returned (state, out = repl.run(step_fn, state, batch); rp.fit "
-                f"returns it as result.state), or Replicator(donate=False) to keep inputs alive."
-            )
+    path = errors.deleted_leaf(state)
+    if path is not None:
+        raise ValueError(
+            f"Replicator.run: state leaf {path} was "
+            f"donated to an earlier run (or deleted), so its buffer is gone. Pass the state "
+            f"that run returned (state, out = repl.run(step_fn, state, batch); rp.fit "
+            f"returns it as result.state), or Replicator(donate=False) to keep inputs alive."
+        )
 
 
 class _Current(threading.local):

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+
 
 class ReplicasDivergedError(RuntimeError):
     """A replicated state leaf differs across replicas after a step.
 
-    Raised by ``repl.run`` when ``Replicator(check_replicas=True)``. The step's results are kept
-    on the error, so nothing is lost: ``err.state`` is the new state as replica 0 holds it and
-    ``err.outputs`` the step's outputs.
+    Raised by ``repl.run`` after a checked run: by default each of the first 2 runs of each
+    compiled step, every run with ``Replicator(check_replicas=True)``, never with
+    ``check_replicas=False`` (see `Replicator`). The step's results are kept on the error, so
+    nothing is lost: ``err.state`` is the new state as replica 0 holds it, ``err.outputs`` the
+    step's outputs and ``err.path`` the path of the first leaf that differs.
     """
 
     def __init__(self, message: str, *, path: str, state: Any, outputs: Any) -> None:
@@ -21,8 +25,8 @@ class ReplicasDivergedError(RuntimeError):
 
 
 DIVERGED = """\
-Replicator(check_replicas=True): after {step}, the replicated state leaf {path} differs across \
-replicas (largest spread between replicas: {spread}); {count} replicated leaves differ in all.
+Replicator.run: after {step}, the replicated state leaf {path} differs across replicas (largest \
+spread between replicas: {spread}); {count} replicated leaves differ in all.
 
 Each replica computes its own update. A replicated leaf stays equal on every replica only if its \
 update is the same everywhere, i.e. if everything per-replica feeding it went through an \
@@ -32,8 +36,14 @@ all-reduce. The usual cause is gradients applied without one:
     tx = repl.wrap_optimizer(optax.adam(1e-3))   # right: the cross-replica mean, then adam
 
 or a value such as a BatchNorm statistic computed from the local batch only (reduce it with \
-rp.all_reduce(x, "mean"), or pass axis_name=rp.replica_axis_name() to the layer). The new state \
-and outputs are kept on this error as .state and .outputs."""
+rp.all_reduce(x, "mean"), or pass axis_name=rp.replica_axis_name() to the layer, and build the \
+model inside `with repl.context():` if the layer reads it in __init__). The new state and \
+outputs are kept on this error as .state and .outputs.
+
+Replicator checks this after each of the first 2 runs of each compiled step by default \
+(check_replicas=n: the first n runs; check_replicas=True: every run). Only if a replicated leaf \
+is meant to differ per replica, turn the check off with Replicator(check_replicas=False); \
+np.asarray(leaf) then shows replica 0's value only."""
 
 
 STEP_RESULT = """\
@@ -44,3 +54,24 @@ Replicator.run: step_fn must return a pair (state, outputs) of pytrees, but it r
         return state, {{"loss": rp.all_reduce(loss, "mean")}}
 
 outputs may be any pytree of arrays or numbers (a dict is usual), or None."""
+
+
+UNPLACED_SHAPE = """\
+Replicator: state leaf {path} is a shape without a sharding on this mesh ({got}), so its \
+placement would be a guess. Build the state's shapes with repl.abstract, which runs the same \
+code that places the real state (repl.replicate, repl.place, opt.init, opt.shard_params) and \
+keeps the shardings:
+
+    state = repl.abstract(lambda: make_state())     # no allocation
+    report = repl.explain(step_fn, state, batch_shapes)
+
+or give the leaf its sharding: jax.ShapeDtypeStruct(shape, dtype, \
+sharding=NamedSharding(repl.mesh, spec))."""
+
+
+def deleted_leaf(tree: Any) -> str | None:
+    """The path of the first leaf of ``tree`` whose buffer is gone (donated or deleted), or None."""
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if isinstance(x, jax.Array) and x.is_deleted():
+            return jax.tree_util.keystr(path) or "(the state)"
+    return None

@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from replicator._src import errors
 from replicator._src.checkpoint import Checkpoints
 from replicator._src.context import Replicator, local_row
 from replicator._src.typing import PyTree, StepFn
@@ -87,7 +88,12 @@ def fit(
         resumed run continues it).
       tensorboard_dir: also write the metrics as TensorBoard scalars there (needs
         ``tensorboardX``: ``pip install "replicator[tensorboard]"``).
-      eval_fn: ``eval_fn(state) -> dict`` of numbers, called every ``eval_every`` steps.
+      eval_fn: ``eval_fn(state) -> dict`` of numbers, called every ``eval_every`` steps with
+        the training state, logged with an ``eval_`` prefix. It may run steps on that state
+        with ``repl.run`` (``repl.run(eval_step, state, batch)``): while it runs, ``repl``
+        donates nothing, so training goes on with the same state. It must not delete the
+        state otherwise (e.g. through ``jax.jit(..., donate_argnums=0)``): fit raises a
+        ValueError naming ``eval_fn`` if it does.
       examples_per_step: the global batch size, for the examples/s figure.
       tokens_per_step: tokens per global batch, for the tokens/s figure of language models.
       progress: show a progress bar (in a terminal, or in Jupyter with ipywidgets) or else a
@@ -157,7 +163,7 @@ def fit(
                 if step % log_every == 0 or step == steps:
                     report.log(step, _numbers(local_row(outputs)))
                 if eval_fn is not None and eval_every and step % eval_every == 0:
-                    report.log(step, _numbers(eval_fn(state)), prefix="eval_")
+                    report.log(step, _numbers(_evaluate(repl, eval_fn, state)), prefix="eval_")
                 if ckpt is not None and checkpoint_every and step % checkpoint_every == 0:
                     save(batches)
                 if stop.requested:
@@ -175,6 +181,25 @@ def fit(
     finally:
         report.close()
     return FitResult(state, step, report.history, preempted, resumed_from)
+
+
+def _evaluate(repl: Replicator, eval_fn: Callable[[PyTree], dict], state: PyTree) -> Any:
+    """``eval_fn(state)``, with ``repl``'s donation suspended so that the state outlives it."""
+    with repl._donation_suspended():
+        metrics = eval_fn(state)
+    path = errors.deleted_leaf(state)
+    if path is not None:
+        name = getattr(eval_fn, "__qualname__", None) or repr(eval_fn)
+        raise ValueError(
+            f"rp.fit: eval_fn ({name}) deleted state leaf "
+            f"{path} of the training state, which "
+            f"training goes on with: it donated it to a program (a jax.jit with "
+            f"donate_argnums, or another Replicator with donate=True) or deleted it. Let "
+            f"eval_fn only read the state: run its steps through fit's replicator (fit "
+            f"suspends its donation during eval_fn), jit without donate_argnums, or give "
+            f"another replicator donate=False."
+        )
+    return metrics
 
 
 def _gather(position: Any) -> list:

@@ -12,10 +12,22 @@ in how that body is mapped over the devices:
 respect to a replicated parameter is the *local* gradient, exactly as on one device (with
 ``check_vma=True`` it would silently be summed over replicas, and a later ``pmean`` would be a
 no-op). Reductions happen only where ``step_fn`` (or ``wrap_optimizer``) asks for them.
+
+Outputs come back whole. Every output leaf is stacked along a leading axis of size
+``num_replicas``. Under ``shard_map`` on a mesh with ``stage`` or ``model`` axes of size > 1, a
+leaf that differs across some of them is also concatenated along its own first axis over those
+axes, in mesh order (out spec ``P(replica_axes, ("stage",))``): a pipeline's ``g_stages`` of
+``[1, 4, 8, 8]`` per device on ``{"data": 2, "stage": 4}`` comes back ``[2, 4, 4, 8, 8]``. A leaf
+equal across them keeps ``[num_replicas, ...]``. Which leaves differ is decided when the step is
+traced, by a dataflow analysis of its jaxpr (`variance`). What cannot come back whole is refused
+before the step runs: a scalar output that differs across ``stage`` (no axis to concatenate
+along) and a new state leaf that differs across an axis its ``PartitionSpec`` does not name (one
+block would be kept). ``pmap`` and ``local`` have no such axes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,7 +37,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from replicator._src import errors
+from replicator._src import errors, variance
 from replicator._src import mesh as mesh_lib
 from replicator._src.binding import LOCAL, Binding, bind
 from replicator._src.typing import PyTree
@@ -59,13 +71,16 @@ def build(
         return body
     if lowering == "shard_map":
         binding = Binding("shard_map", axes, mesh_lib.num_replicas(mesh), tuple(mesh.shape.items()))
-        body = _per_replica(step_fn, binding, state_def, args_def, check)
-        mapped = jax.shard_map(
+        body = _per_replica(step_fn, binding, state_def, args_def, check, state_specs)
+        # Outputs that differ across a stage or model axis are concatenated over it (or
+        # refused), so that none comes back with one block only: see `variance.whole_outputs`.
+        mapped = variance.whole_outputs(
             body,
             mesh=mesh,
-            in_specs=(list(state_specs), list(arg_specs)),
-            out_specs=(list(state_specs), mesh_lib.batch_spec(mesh), PartitionSpec()),
-            check_vma=False,
+            state_def=state_def,
+            state_specs=state_specs,
+            arg_specs=arg_specs,
+            step=step_name(step_fn),
         )
         return jax.jit(mapped, donate_argnums=(0,) if donate else ())
     if lowering == "pmap":
@@ -75,7 +90,9 @@ def build(
     raise ValueError(f"unknown lowering {lowering!r}")  # validated by Replicator
 
 
-def _per_replica(step_fn, binding: Binding, state_def, args_def, check: Sequence[bool]):
+def _per_replica(
+    step_fn, binding: Binding, state_def, args_def, check: Sequence[bool], state_specs=None
+):
     """The body every lowering maps: one replica's step on flat leaves.
 
     Outputs get a leading axis of size 1 that the mapping concatenates into the replica axis
@@ -85,7 +102,15 @@ def _per_replica(step_fn, binding: Binding, state_def, args_def, check: Sequence
     def body(state_leaves, arg_leaves):
         state = jax.tree.unflatten(state_def, state_leaves)
         args = jax.tree.unflatten(args_def, arg_leaves)
-        with bind(binding):
+        if state_specs is not None:  # which state leaves are split over stage or model
+            placed = {
+                id(x): (x, tuple(a for a in binding.model_axes() if a in variance.spec_axes(spec)))
+                for x, spec in zip(state_leaves, state_specs, strict=True)
+            }
+            binding_now = dataclasses.replace(binding, state_axes=placed)
+        else:
+            binding_now = binding
+        with bind(binding_now):
             result = step_fn(state, *args)
         new_state, outputs = _check_result(step_fn, result, state)
         outputs = jax.tree.map(lambda v: jnp.asarray(v)[None], outputs)
@@ -153,7 +178,7 @@ def _divergence(leaves, check, axes):
     for leaf, checked in zip(leaves, check, strict=True):
         if not checked:
             continue
-        leaf = jnp.asarray(leaf)
+        leaf = _comparable(jnp.asarray(leaf))
         bits = _as_bits(leaf)
         flags.append(jnp.any(lax.pmax(bits, axes) != lax.pmin(bits, axes)))
         if jnp.issubdtype(leaf.dtype, jnp.inexact):
@@ -240,3 +265,76 @@ def check_pmap_mesh(mesh: Mesh) -> None:
             f"{others}. Use lowering='shard_map' (the default) for meshes with stage or model "
             f"axes."
         )
+
+
+def binding_axes(lowering: str, mesh: Mesh) -> tuple[str, ...]:
+    """The replica axes the placeholder collectives bind to while ``lowering`` traces a step.
+
+    The same axes as the `Binding` that `build` pushes: none for ``local``, the pmap axis
+    ``"data"`` for ``pmap``, the mesh's data axes for ``shard_map``.
+    """
+    if lowering == "local":
+        return ()
+    if lowering == "pmap":
+        return ("data",)
+    return mesh_lib.replica_axes(mesh)
+
+
+ReplicaCheck = Callable[[list], tuple[jax.Array, jax.Array]]
+
+
+def build_replica_check(mesh: Mesh, state_specs: Sequence[PartitionSpec]) -> ReplicaCheck | None:
+    """A program that compares a step's replicated state leaves across replicas, apart from it.
+
+    ``check(state_leaves)`` takes the leaves of the state a step returned (placed with
+    ``state_specs``) and returns ``(diverged, spread)``: per leaf whose spec does not use the
+    replica axes, in order, whether its bits differ across replicas and the largest spread of
+    its values, the same verdict as ``check_replicas=True`` computes inside the step. Each
+    device reads its own buffer of a "replicated" leaf (``shard_map`` with the leaves' own
+    specs, ``check_vma=False``); a leaf split over another axis (``stage``, ``model``) is
+    compared block by block and its verdict covers every block. The step itself is not
+    recompiled: this is a separate, small program, run by ``Replicator.run`` after a step's
+    first runs.
+
+    Returns:
+      The check, or ``None`` when no leaf is replicated over the replicas (nothing to compare).
+    """
+    checked = [not mesh_lib.spec_uses_replica_axes(s, mesh) for s in state_specs]
+    if not any(checked):
+        return None
+    specs = [s for s, c in zip(state_specs, checked, strict=True) if c]
+    axes = mesh_lib.replica_axes(mesh)
+    others = tuple(a for a in mesh.axis_names if a not in axes)
+
+    def body(leaves):
+        flags, spreads = _divergence(leaves, [True] * len(leaves), axes)
+        if others:
+            flags = lax.pmax(flags.astype(jnp.int32), others).astype(bool)
+            spreads = lax.pmax(spreads, others)
+        return flags, spreads
+
+    mapped = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(specs,),
+        out_specs=(PartitionSpec(), PartitionSpec()),
+        check_vma=False,
+    )
+    # Explicit input shardings: a leaf placed otherwise is refused rather than resharded (a
+    # reshard of a "replicated" leaf could copy one replica's buffer to all and hide a drift).
+    program = jax.jit(mapped, in_shardings=([NamedSharding(mesh, s) for s in specs],))
+
+    def check(state_leaves: list) -> tuple[jax.Array, jax.Array]:
+        return program([x for x, c in zip(state_leaves, checked, strict=True) if c])
+
+    return check
+
+
+def _comparable(x: jax.Array) -> jax.Array:
+    """``x`` as an array that ``lax.pmax``/``pmin`` accept: key data for PRNG keys, the real and
+    imaginary parts of complex numbers."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(x)
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        return jnp.stack([x.real, x.imag])
+    return x

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Mapping, Sequence
 
@@ -33,7 +34,8 @@ def build_mesh(
 
     Raises:
       ValueError: for an unknown axis, a non-positive size, more than one -1, or sizes whose
-        product is not the number of devices.
+        product is not the number of devices; when the mesh needs more devices than there are,
+        the error says how to get them (on CPU: set ``jax_num_cpu_devices`` before JAX starts).
     """
     if not isinstance(mesh_shape, Mapping) or not mesh_shape:
         raise TypeError(
@@ -63,6 +65,12 @@ def build_mesh(
     fixed = math.prod(size for size in mesh_shape.values() if size != -1)
     shape = dict(mesh_shape)
     if fills:
+        if fixed > n:
+            raise ValueError(
+                f"Replicator: mesh_shape={dict(mesh_shape)} cannot fill axis {fills[0]!r}: the "
+                f"other axes use {fixed} devices, more than the {n} available. "
+                f"{_more_devices(devices, fixed)}"
+            )
         if n % fixed:
             raise ValueError(
                 f"Replicator: mesh_shape={dict(mesh_shape)} cannot fill axis {fills[0]!r}: the "
@@ -70,15 +78,43 @@ def build_mesh(
                 f"available. Choose sizes whose product divides {n}."
             )
         shape[fills[0]] = n // fixed
-    if math.prod(shape.values()) != n:
+    need = math.prod(shape.values())
+    if need > n:
         raise ValueError(
-            f"Replicator: mesh_shape={dict(mesh_shape)} needs {math.prod(shape.values())} devices "
-            f"but {n} are available. Make the sizes multiply to {n}, put -1 on one axis to fill "
-            f"it (e.g. {{**mesh_shape, 'data': -1}}), or pass "
-            f"devices=jax.devices()[:{math.prod(shape.values())}]."
+            f"Replicator: mesh_shape={dict(mesh_shape)} needs {need} devices but {n} are "
+            f"available. {_more_devices(devices, need)}"
+        )
+    if need != n:
+        raise ValueError(
+            f"Replicator: mesh_shape={dict(mesh_shape)} needs {need} devices but {n} are "
+            f"available. Make the sizes multiply to {n}, put -1 on one axis to fill it (e.g. "
+            f"{{**mesh_shape, 'data': -1}}), or pass devices=jax.devices()[:{need}]."
         )
     names = [name for name in KNOWN_AXES if name in shape]
     return compat.make_mesh([shape[name] for name in names], names, devices)
+
+
+def _more_devices(devices: Sequence[jax.Device], need: int) -> str:
+    """How to get ``need`` devices when ``devices`` are fewer: the end of `build_mesh`'s error."""
+    platform = devices[0].platform if devices else jax.default_backend()
+    have = len(jax.devices(platform))
+    if have >= need:
+        return f"This process has {have} {platform} devices: pass devices=jax.devices()[:{need}]."
+    if platform != "cpu":
+        return (
+            f"This job has {have} {platform} devices; use a mesh of at most {have} (e.g. "
+            f'{{"data": -1}}), or run on more hosts (rp.distributed.initialize).'
+        )
+    return (
+        f"On CPU, JAX emulates as many devices as it is told, but only if told before JAX "
+        f"initialises its backend (the first jax.devices() or array creation), so set the count "
+        f"at the top of the script (in a notebook, restart the kernel first): "
+        f'jax.config.update("jax_num_cpu_devices", {need}), or '
+        f"XLA_FLAGS=--xla_force_host_platform_device_count={need} in the environment; with "
+        f"`replicator train`, the config's cpu_devices (replicator train CONFIG "
+        f"cpu_devices={need}). Or use a smaller mesh, e.g. "
+        f'{{"data": -1}}.'
+    )
 
 
 def replica_axes(mesh: Mesh) -> tuple[str, ...]:
@@ -113,6 +149,71 @@ def num_local_replicas(mesh: Mesh) -> int:
         if device.process_index == jax.process_index():
             local.add(tuple(index[p] for p in positions))
     return len(local)
+
+
+def fit_spec(spec: PartitionSpec, mesh: Mesh, *, api: str) -> PartitionSpec:
+    """``spec`` for ``mesh``: the axes replicator knows but ``mesh`` lacks are dropped.
+
+    Every axis in `KNOWN_AXES` that a mesh lacks means the same as that axis with size 1: the
+    pipeline engine then runs the sequential model (``stage``), and the replicas are laid out
+    over the other data axes (``dcn_data``). Sharding over an axis of size 1 is replication, so
+    dropping the axis from ``spec`` is exact: a step sees the same values either way. A stacked
+    pipeline placed with ``P("stage")`` is therefore replicated on a mesh without ``stage``, such
+    as the local lowering's one device, where the engine wants every stage.
+
+    >>> import jax
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = build_mesh({"data": 2}, devices=jax.devices()[:2])
+    >>> fit_spec(P("stage"), mesh, api="Replicator.place"), fit_spec(P("data"), mesh, api="")
+    (P(), P('data',))
+
+    Args:
+      spec: a ``PartitionSpec`` over mesh axis names.
+      mesh: the mesh it is for.
+      api: the function to name in errors, e.g. ``"Replicator.place"``.
+
+    Returns:
+      ``spec`` itself when ``mesh`` has all its axes; else a spec without the missing ones
+      (and without the trailing ``None`` entries that leaves).
+
+    Raises:
+      TypeError: if ``spec`` is not a ``PartitionSpec``.
+      ValueError: if ``spec`` names an axis that is neither in ``mesh`` nor in `KNOWN_AXES`
+        (a typo such as ``"stag"``).
+    """
+    if not isinstance(spec, PartitionSpec):
+        raise TypeError(
+            f"{api}: spec must be a PartitionSpec, such as P('stage') or P() "
+            f"(from jax.sharding import PartitionSpec as P); got {type(spec).__name__} {spec!r}."
+        )
+    present = set(mesh.axis_names)
+    entries, dropped = [], False
+    for entry in spec:
+        if entry is None or not isinstance(entry, str | tuple):  # None, P.UNCONSTRAINED
+            entries.append(entry)
+            continue
+        names = entry if isinstance(entry, tuple) else (entry,)
+        for name in names:
+            if name not in present and name not in KNOWN_AXES:
+                close = difflib.get_close_matches(str(name), [*present, *KNOWN_AXES], n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ValueError(
+                    f"{api}: spec {spec} names axis {name!r}, which is not an axis of this mesh "
+                    f"({dict(mesh.shape)}; axes {', '.join(map(repr, mesh.axis_names))}) nor "
+                    f"one replicator knows ({', '.join(map(repr, KNOWN_AXES))}){hint}. Name "
+                    f"mesh axes in the spec, e.g. rp.pipeline.stage_spec() for stacked stages."
+                )
+        kept = tuple(name for name in names if name in present)
+        dropped |= len(kept) != len(names)
+        if isinstance(entry, str) or len(kept) == len(names):
+            entries.append(entry if kept else None)
+        else:
+            entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    if not dropped:
+        return spec
+    while entries and entries[-1] is None:
+        entries.pop()
+    return spec.update(partitions=tuple(entries))
 
 
 def spec_uses_replica_axes(spec: PartitionSpec, mesh: Mesh) -> bool:

@@ -28,7 +28,6 @@ when the state is sharded: it sees one slice of each leaf.
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -38,61 +37,13 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from replicator._src import collectives
-from replicator._src import mesh as mesh_lib
+from replicator._src import collectives, placement, zero
 from replicator._src.binding import current_binding
+from replicator._src.sharded_eval import chunk
 from replicator._src.typing import PyTree
+from replicator._src.zero import ShardedParam, is_sharded_param
 
 ZERO_STAGES = (0, 1, 2, 3)
-
-
-@jax.tree_util.register_pytree_node_class
-class ShardedParam:
-    """A parameter stored ZeRO-3 style: flattened, padded to ``N * c`` and sharded over the
-    replicas along its last axis (leading axes, such as a stacked layer axis, are kept).
-
-    ``shape`` is the shape of one un-stacked parameter; `gather_params` rebuilds it. As a pytree
-    node its only child is ``flat``, so ``jax.grad``, optax and ``lax.scan`` see a plain array.
-    """
-
-    def __init__(self, flat: Any, shape: tuple[int, ...]) -> None:
-        self.flat = flat
-        self.shape = tuple(shape)
-
-    def tree_flatten(self):
-        return (self.flat,), self.shape
-
-    @classmethod
-    def tree_unflatten(cls, shape, children):
-        return cls(children[0], shape)
-
-    def __repr__(self) -> str:
-        return f"ShardedParam(shape={self.shape}, flat={getattr(self.flat, 'shape', self.flat)})"
-
-
-def gather_params(tree: PyTree) -> PyTree:
-    """The full parameters of the `ShardedParam` leaves of ``tree``, all-gathered over replicas.
-
-    Call it inside ``step_fn``'s forward pass, as late as possible: per layer, inside the layer
-    scan, so that only one layer's full parameters exist at a time (ZeRO-3 / FSDP). Autodiff turns
-    the all-gather into a reduce-scatter of the gradients. Other leaves pass through.
-
-    >>> import jax.numpy as jnp, replicator as rp
-    >>> rp.gather_params({"w": rp.ShardedParam(jnp.arange(4.0), (3,))})["w"]   # one replica
-    Array([0., 1., 2.], dtype=float32)
-    """
-    binding = current_binding()
-
-    def gather(node):
-        if not isinstance(node, ShardedParam):
-            return node
-        flat = node.flat
-        if not binding.is_local:
-            flat = lax.all_gather(flat, binding.axes, axis=flat.ndim - 1, tiled=True)
-        size = math.prod(node.shape)
-        return flat[..., :size].reshape((*flat.shape[:-1], *node.shape))
-
-    return jax.tree.map(gather, tree, is_leaf=lambda x: isinstance(x, ShardedParam))
 
 
 class LossScaleState(NamedTuple):
@@ -249,14 +200,17 @@ def wrap_optimizer(
         raise ValueError(f"{api}: zero_stage={zero_stage} needs the mesh; use repl.wrap_optimizer.")
     grad_dtype = None if grad_dtype is None else jnp.dtype(grad_dtype)
     inner = optax.with_extra_args_support(tx)
-    sharded = _Sharded(mesh) if zero_stage in (1, 2) else None
-    stage3 = _Sharded(mesh) if zero_stage == 3 else None
+    sharded = zero.Zero(mesh, stage=zero_stage) if zero_stage else None
     wrapped = zero_stage > 0 or loss_scale is not None
 
     def init(params):
-        if stage3:
+        if zero_stage == 3:
             _check_stage3_params(params)
-        inner_state = sharded.init(inner, params) if sharded else inner.init(params)
+        if sharded:
+            zero.warn_if_gathered(zero_stage, sharded.plan(inner, params))
+            inner_state = sharded.init(inner, params)
+        else:
+            inner_state = inner.init(params)
         if mesh is not None and not sharded:
             inner_state = _on_mesh(inner_state, mesh)
         if not wrapped:
@@ -266,15 +220,15 @@ def wrap_optimizer(
             start = 2.0**15 if dynamic else float(loss_scale)
             scale = LossScaleState(jnp.float32(start), jnp.int32(0), jnp.int32(0))
             if mesh is not None:
-                scale = jax.device_put(scale, NamedSharding(mesh, PartitionSpec()))
+                scale = placement.put(scale, NamedSharding(mesh, PartitionSpec()))
         return WrappedState(inner_state, scale)
 
     def reduce(grads):
         """Local gradients -> the mean over replicas: whole (stage 0) or this replica's slice."""
+        if zero_stage == 3:  # autodiff of gather_params already summed each slice
+            return jax.tree.map(lambda g: g / sharded.n, grads)
         if sharded:
             return sharded.reduce_scatter(grads, grad_dtype)
-        if stage3:  # autodiff of gather_params already summed each slice over the replicas
-            return jax.tree.map(lambda g: g / stage3.n, grads)
         return _mean_over_replicas(grads, grad_dtype)
 
     def finish(reduced, state, params, extra_args, like):
@@ -283,8 +237,13 @@ def wrap_optimizer(
         scale = state.loss_scale if wrapped else None
         if scale is not None:
             reduced = jax.tree.map(lambda g: (g / scale.scale).astype(g.dtype), reduced)
-        axes = (sharded or stage3).axes() if (sharded or stage3) else ()
-        norm = _global_norm(reduced, axes)
+        needs = [
+            *(["clip_global_norm=..."] if clip_global_norm is not None else []),
+            *(["loss_scale='dynamic'"] if scale is not None and dynamic else []),
+        ]
+        norm = _global_norm(
+            reduced, params, over_replicas=sharded is not None, why=", ".join(needs) or None
+        )
         if clip_global_norm is not None:
             reduced = _clip(reduced, norm, clip_global_norm)
         if sharded:
@@ -293,7 +252,7 @@ def wrap_optimizer(
             )
         else:
             updates, new_inner = inner.update(reduced, inner_state, params, **extra_args)
-        metrics = {"grad_norm": norm}
+        metrics = {} if norm is None else {"grad_norm": norm}
         if scale is not None and dynamic:
             finite = jnp.isfinite(norm)  # the same on every replica: a reduced value
             updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), updates)
@@ -316,14 +275,14 @@ def wrap_optimizer(
         return updates, new_state, metrics
 
     def update(grads, state, params=None, **extra_args):
-        if sharded or stage3:
-            (sharded or stage3).check_binding()
+        if sharded:
+            sharded.check_binding()
         updates, new_state, _ = finish(reduce(grads), state, params, extra_args, grads)
         return updates, new_state
 
     def step(loss_fn, params, state, batch):
-        if sharded or stage3:
-            (sharded or stage3).check_binding()
+        if sharded:
+            sharded.check_binding()
         k = accumulate_steps
         factor = state.loss_scale.scale if wrapped and state.loss_scale is not None else 1.0
 
@@ -342,7 +301,7 @@ def wrap_optimizer(
                 acc0 = jax.tree.map(jnp.zeros_like, params)
             elif per_mb_reduce:  # this replica's slice of each flattened, padded leaf
                 acc0 = jax.tree.map(
-                    lambda p: jnp.zeros(_chunk(np.size(p), sharded.n), jnp.result_type(p)), params
+                    lambda p: jnp.zeros(chunk(np.size(p), sharded.n), jnp.result_type(p)), params
                 )
             else:
                 acc0 = jax.tree.map(jnp.zeros_like, params)
@@ -363,12 +322,12 @@ def wrap_optimizer(
         return params, new_state, metrics
 
     def shard_params(params, stacked):
-        if not stage3:
+        if zero_stage != 3:
             raise ValueError(
                 f"shard_params: parameters are stored sharded only with zero_stage=3; this "
                 f"optimizer has zero_stage={zero_stage}."
             )
-        return stage3.shard_params(params, stacked)
+        return sharded.shard_params(params, stacked)
 
     opt = DistributedOptimizer(init, update)
     opt._step = step
@@ -377,15 +336,13 @@ def wrap_optimizer(
 
 
 def _check_stage3_params(params: PyTree) -> None:
-    if not any(isinstance(x, ShardedParam) for x in jax.tree.leaves(params, is_leaf=_is_sharded)):
+    if not any(
+        isinstance(x, ShardedParam) for x in jax.tree.leaves(params, is_leaf=is_sharded_param)
+    ):
         raise ValueError(
             "wrap_optimizer(zero_stage=3): init got plain parameters; store them sharded first: "
             "params = opt.shard_params(params), and call rp.gather_params in the forward pass."
         )
-
-
-def _is_sharded(x) -> bool:
-    return isinstance(x, ShardedParam)
 
 
 def _on_mesh(state: PyTree, mesh: Mesh) -> PyTree:
@@ -397,7 +354,7 @@ def _on_mesh(state: PyTree, mesh: Mesh) -> PyTree:
         sharding = getattr(x, "sharding", None)
         if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
             return x
-        return jax.device_put(x, replicated)
+        return placement.put(x, replicated)
 
     return jax.tree.map(place, state)
 
@@ -422,118 +379,43 @@ def _mean_over_replicas(grads: PyTree, dtype) -> PyTree:
     return jax.tree.map(lambda s, g: s.astype(g.dtype), collectives.all_reduce(sent, "mean"), grads)
 
 
-def _global_norm(grads: PyTree, axes=()) -> jax.Array:
-    total = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
-    total = jnp.asarray(total, jnp.float32)
-    return jnp.sqrt(lax.psum(total, axes) if axes else total)
+def _global_norm(grads: PyTree, params: PyTree, *, over_replicas: bool, why: str | None):
+    """The global norm of ``grads`` as on one device, or None if it is not needed and unknown.
+
+    ``over_replicas``: each replica holds a slice of the gradients (ZeRO). On a mesh with
+    ``stage`` (or ``model``) axes, the gradient of a parameter split over them (a pipeline's
+    stage parameters) is summed over them, and that of a parameter whole on every device of a
+    replica counted once; which is which is read from ``params``, the state leaves ``step_fn``
+    received. ``why`` names the option that needs the norm (clipping, loss scaling), or None.
+    """
+    binding = current_binding()
+    leaves = jax.tree.leaves(grads)
+    axes: list[tuple] = [()] * len(leaves)
+    if binding.model_axes():
+        p_leaves = None if params is None else jax.tree.leaves(params)
+        found = p_leaves is not None and len(p_leaves) == len(leaves)
+        axes = [binding.split_axes(p) for p in p_leaves] if found else [None] * len(leaves)
+        if any(a is None for a in axes):
+            if why is None:
+                return None
+            raise ValueError(_NORM_NEEDS_PARAMS.format(why=why, axes=binding.model_axes()))
+    total = jnp.zeros((), jnp.float32)
+    for g, split in zip(leaves, axes, strict=True):
+        total += collectives.sum_over_axes(jnp.sum(jnp.square(g.astype(jnp.float32))), split)
+    return jnp.sqrt(collectives.all_reduce(total, "sum") if over_replicas else total)
+
+
+_NORM_NEEDS_PARAMS = """\
+wrap_optimizer({why}): on a mesh with the axes {axes}, the global norm of the gradients must add \
+the gradients of parameters split over those axes (pipeline stages) across them, and count the \
+others once. It reads which is which from the parameters, which must be passed as step_fn \
+received them in its state:
+
+    updates, opt_state = opt.update(grads, state["opt"], state["params"])
+    params, opt_state, metrics = opt.step(loss_fn, state["params"], state["opt"], batch)"""
 
 
 def _clip(grads: PyTree, norm: jax.Array, max_norm: float) -> PyTree:
     # The same arithmetic as optax.clip_by_global_norm.
     scale = jnp.where(norm < max_norm, 1.0, max_norm / jnp.maximum(norm, 1e-38))
     return jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
-
-
-# -- ZeRO: the optimizer state sharded over the replicas ----------------------------------------
-
-
-def _chunk(size: int, n: int) -> int:
-    return max(1, math.ceil(size / n))
-
-
-def _flat_padded(x, n: int) -> jax.Array:
-    flat = jnp.ravel(x)
-    return jnp.pad(flat, (0, n * _chunk(flat.size, n) - flat.size))
-
-
-class _Sharded:
-    """ZeRO's layout: every leaf flattened, padded to ``N * c``, replica r owning slice r."""
-
-    def __init__(self, mesh: Mesh) -> None:
-        self.n = mesh_lib.num_replicas(mesh)
-        self.shard = NamedSharding(mesh, mesh_lib.batch_spec(mesh))
-        self.replicated = NamedSharding(mesh, PartitionSpec())
-
-    def init(self, inner, params):
-        for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
-            spec = getattr(getattr(p, "sharding", None), "spec", None)
-            if spec is not None and any(a is not None for a in spec):
-                raise ValueError(
-                    f"wrap_optimizer(zero_stage>=1): parameter {jax.tree_util.keystr(path)} is "
-                    f"sharded as {spec}; ZeRO here shards the optimizer state of replicated "
-                    f"parameters. Pass replicated parameters (repl.replicate)."
-                )
-        flat = jax.tree.map(lambda p: _flat_padded(p, self.n), params)
-        sizes = {int(f.shape[0]) for f in jax.tree.leaves(flat)}
-        state = inner.init(flat)
-        place = lambda s: jax.device_put(
-            s, self.shard if np.ndim(s) == 1 and int(np.shape(s)[0]) in sizes else self.replicated
-        )
-        return jax.tree.map(place, state)
-
-    def check_binding(self) -> None:
-        binding = current_binding()
-        if binding.num_replicas != self.n:
-            raise ValueError(
-                f"wrap_optimizer(zero_stage>=1): the state is sharded over {self.n} replicas, but "
-                f"this step runs on {binding.num_replicas}; call update inside repl.run of the "
-                f"replicator that made the optimizer."
-            )
-
-    def shard_params(self, params: PyTree, stacked) -> PyTree:
-        entry = mesh_lib.batch_spec(self.shard.mesh)[0]
-        stacked = set(stacked)
-        if stacked and not isinstance(params, dict):
-            raise ValueError("shard_params: stacked names top-level keys; params must be a dict.")
-        missing = stacked - set(params) if stacked else set()
-        if missing:
-            raise ValueError(f"shard_params: stacked keys {sorted(missing)} are not in params.")
-
-        def shard(x, lead: int):
-            x = jnp.asarray(x)
-            shape = x.shape[lead:]
-            flat = x.reshape((*x.shape[:lead], -1))
-            c = _chunk(flat.shape[-1], self.n)
-            flat = jnp.pad(flat, [(0, 0)] * lead + [(0, self.n * c - flat.shape[-1])])
-            spec = PartitionSpec(*([None] * lead), entry)
-            return ShardedParam(jax.device_put(flat, NamedSharding(self.shard.mesh, spec)), shape)
-
-        if not stacked:
-            return jax.tree.map(lambda x: shard(x, 0), params)
-        return {
-            k: jax.tree.map(lambda x, lead=int(k in stacked): shard(x, lead), v)
-            for k, v in params.items()
-        }
-
-    def axes(self):
-        binding = current_binding()
-        return () if binding.is_local else binding.axes
-
-    def reduce_scatter(self, grads, dtype):
-        axes, n = self.axes(), self.n
-
-        def scatter(g):
-            flat = _flat_padded(g, n)
-            sent = flat if dtype is None else flat.astype(dtype)
-            out = lax.psum_scatter(sent, axes, scatter_dimension=0, tiled=True) if axes else sent
-            return (out / n).astype(g.dtype)
-
-        return jax.tree.map(scatter, grads)
-
-    def apply(self, inner, g_shards, inner_state, params, extra_args, like):
-        axes, n = self.axes(), self.n
-        me = collectives.replica_id()
-
-        def my_slice(p):
-            flat = _flat_padded(p, n)
-            c = flat.shape[0] // n
-            return lax.dynamic_slice_in_dim(flat, me * c, c)
-
-        p_shards = None if params is None else jax.tree.map(my_slice, params)
-        u_shards, new_inner = inner.update(g_shards, inner_state, p_shards, **extra_args)
-
-        def gather(u, p):
-            full = lax.all_gather(u, axes, tiled=True) if axes else u
-            return full[: np.size(p)].reshape(np.shape(p)).astype(u.dtype)
-
-        return jax.tree.map(gather, u_shards, like), new_inner

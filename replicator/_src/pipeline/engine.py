@@ -191,12 +191,29 @@ def scan_layers(layer_fn: Callable[[PyTree, PyTree], PyTree], /) -> StageFn:
     compiled program is the same whatever the number of layers per stage, and 1F1B recomputes
     one layer at a time in the backward pass.
 
+    Equivalent to: ``for p in stage_params: x = layer_fn(p, x)`` (``p``: one row of each leaf).
+
+    Raises:
+      ValueError: when the stage is called (or traced by the pipeline), if ``layer_fn`` returns
+        an activation whose structure, shapes or dtypes differ from its input's, checked with
+        ``jax.eval_shape`` on one layer before the scan.
+
     >>> import jax.numpy as jnp, replicator as rp
     >>> stage = rp.pipeline.scan_layers(lambda w, x: x @ w)
     >>> stage(jnp.stack([2 * jnp.eye(2)] * 3), jnp.ones((1, 2)))
     Array([[8., 8.]], dtype=float32)
     """
     return _ScanLayers(layer_fn)
+
+
+_LAYER_CHANGES_SHAPE = (
+    "rp.pipeline.scan_layers({name}): layer_fn maps an activation {want} to {got}. The layers "
+    "of a stage run one after another in a lax.scan that carries the activation from layer to "
+    "layer (and the pipeline passes it on from stage to stage), so every layer in a stack must "
+    "map activations to the same shape and dtype. Put layers that change the width, such as an "
+    "embedding or a head, outside the stages: the embedding on the inputs before the pipeline "
+    "call, the head in loss_fn."
+)
 
 
 class _ScanLayers:
@@ -206,7 +223,23 @@ class _ScanLayers:
         self.layer_fn = layer_fn
 
     def __call__(self, stage_params: PyTree, x: PyTree) -> PyTree:
+        self.check_layer(stage_params, x)
         return lax.scan(lambda h, p: (self.layer_fn(p, h), None), x, stage_params)[0]
+
+    def check_layer(self, stage_params: PyTree, x: PyTree) -> None:
+        """Refuses a ``layer_fn`` whose output differs from its input in structure, shape or
+        dtype, which ``lax.scan`` cannot carry; found with ``jax.eval_shape`` on one layer."""
+        leaves = jax.tree.leaves(stage_params)
+        if not leaves or any(not np.ndim(a) for a in leaves):
+            return  # no layer axis to slice: lax.scan reports it
+        layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stage_params)
+        want = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), x)
+        got = jax.eval_shape(self.layer_fn, layer, want)
+        if not _same_shapes(got, want):
+            name = getattr(self.layer_fn, "__name__", repr(self.layer_fn))
+            raise ValueError(_LAYER_CHANGES_SHAPE.format(
+                name=name, want=_describe(want), got=_describe(got)
+            ))  # fmt: skip
 
     def __repr__(self) -> str:
         return f"scan_layers({getattr(self.layer_fn, '__name__', self.layer_fn)!r})"
@@ -346,18 +379,21 @@ def _check_stage_fn(name: str, stage_fn: StageFn, call: _Call) -> None:
     row = _take(call.rows, 0)
     out = jax.eval_shape(stage_fn, row, x)
     want = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), x)
-    got_def, want_def = jax.tree.structure(out), jax.tree.structure(want)
-    same = got_def == want_def and all(
-        (a.shape, a.dtype) == (b.shape, b.dtype)
-        for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(want), strict=True)
-    )
-    if not same:
+    if not _same_shapes(out, want):
         raise ValueError(
             f"{name}: stage_fn must return an activation with the structure, shapes and dtypes "
             f"of its input, so that every stage can pass it on; for a micro-batch "
             f"{_describe(want)} it returned {_describe(out)}. Move shape changes (embedding, "
             f"head) outside the stages: into the inputs and into loss_fn."
         )
+
+
+def _same_shapes(got: PyTree, want: PyTree) -> bool:
+    """Whether two trees of shaped values have one structure, and equal shapes and dtypes."""
+    return jax.tree.structure(got) == jax.tree.structure(want) and all(
+        (a.shape, a.dtype) == (b.shape, b.dtype)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+    )
 
 
 def _describe(tree) -> str:

@@ -125,6 +125,10 @@ def unstack_stages(stacked: PyTree, repeats: int = 1) -> PyTree:
 def stage_spec(repeats: int = 1) -> PartitionSpec:
     """The ``PartitionSpec`` that shards `stack_stages` output over the ``stage`` mesh axis.
 
+    On a mesh without a ``stage`` axis (``Replicator(lowering="local")``, ``{"data": 8}``),
+    ``Replicator.place`` drops the axis and replicates the stages, and the pipeline runs them in
+    order: the sequential model, so the same placement serves every mesh.
+
     >>> import replicator as rp
     >>> rp.pipeline.stage_spec(), rp.pipeline.stage_spec(2)
     (P('stage',), P(None, 'stage'))

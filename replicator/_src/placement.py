@@ -1,0 +1,59 @@
+"""Placement on the mesh that `Replicator.abstract` can see.
+
+``jax.eval_shape`` keeps a ``device_put``'s sharding in the shapes only on meshes with explicit
+axes. Every placement the library makes goes through `put`, which, while `recording` is active,
+also notes the sharding of each placed (traced) leaf, so that an abstract state gets the same
+shardings as the real one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+
+from replicator._src.typing import PyTree
+
+
+class _Tables(threading.local):
+    def __init__(self) -> None:
+        self.items: list[dict[int, tuple[Any, Any]]] = []
+
+
+_TABLES = _Tables()
+
+
+def put(tree: PyTree, shardings: Any) -> PyTree:
+    """``jax.device_put(tree, shardings)``, noted for `recording` (one sharding or a tree)."""
+    out = jax.device_put(tree, shardings)
+    if _TABLES.items:
+        leaves = jax.tree.leaves(out)
+        if isinstance(shardings, jax.sharding.Sharding):
+            per_leaf = [shardings] * len(leaves)
+        else:
+            per_leaf = jax.tree.leaves(
+                shardings, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding)
+            )
+        for leaf, sharding in zip(leaves, per_leaf, strict=True):
+            _TABLES.items[-1][id(leaf)] = (leaf, sharding)  # the leaf kept alive: ids stay unique
+    return out
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[dict[int, tuple[Any, Any]]]:
+    """Notes, by leaf identity, the sharding of every leaf `put` places within the block."""
+    table: dict[int, tuple[Any, Any]] = {}
+    _TABLES.items.append(table)
+    try:
+        yield table
+    finally:
+        _TABLES.items.pop()
+
+
+def recorded_sharding(table: dict[int, tuple[Any, Any]], leaf: Any) -> Any:
+    """The sharding `put` gave ``leaf`` while ``table`` was recording, or None."""
+    entry = table.get(id(leaf))
+    return entry[1] if entry is not None and entry[0] is leaf else None

@@ -1,0 +1,369 @@
+"""ZeRO: optimizer state (and with stage 3, parameters) sharded over the replicas.
+
+Every leaf of shape ``(*lead, *rest)`` is stored as ``(*lead, N * c)``: ``rest`` flattened and
+padded to ``N * c`` elements, replica ``r`` holding ``[r c, (r + 1) c)``. ``lead`` is empty except
+for ZeRO-3's stacked layers, which are sharded layer by layer. Leaves of one element are
+replicated.
+
+The inner optax transformation is written for whole arrays. `Zero.apply` runs its one-device
+program on the slices (`replicator._src.sharded_eval`): exact for element-wise transformations
+and for full reductions such as global-norm clipping and LAMB's trust ratio, with 1/N of the
+state per device. A transformation with an operation that has no meaning on slices (Adafactor's
+factored row and column statistics, a transpose, random numbers) runs instead on whole arrays,
+gathered for the update: still exact, with the state sharded between steps but whole during the
+update. `Zero.plan` tells which, before a step runs.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jex
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from replicator._src import collectives, placement, sharded_eval
+from replicator._src import mesh as mesh_lib
+from replicator._src.binding import current_binding
+from replicator._src.typing import PyTree
+
+_NOT_GATHERED = """\
+rp.ShardedParam: parameter of shape {shape} is stored sharded (ZeRO-3) and must be gathered \
+before it is used ({what}). Call rp.gather_params in the forward pass, as late as possible \
+(per layer, inside the layer scan):
+
+    def loss_fn(params, batch):
+        params = rp.gather_params(params)      # full parameters, all-gathered over the replicas
+        return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)"""
+
+
+@jax.tree_util.register_pytree_node_class
+class ShardedParam:
+    """A parameter stored ZeRO-3 style: flattened, padded to ``N * c`` and sharded over the
+    replicas along its last axis (leading axes, such as a stacked layer axis, are kept).
+
+    ``shape`` is the shape of one un-stacked parameter; `gather_params` rebuilds it. As a pytree
+    node its only child is ``flat``, so ``jax.grad``, optax and ``lax.scan`` see a plain array.
+    Used as an array without `gather_params` (``x @ w``, ``w + 1``, ``jnp.dot``), it raises a
+    ``TypeError`` that says to gather it.
+    """
+
+    def __init__(self, flat: Any, shape: tuple[int, ...]) -> None:
+        self.flat = flat
+        self.shape = tuple(shape)
+
+    def tree_flatten(self):
+        return (self.flat,), self.shape
+
+    @classmethod
+    def tree_unflatten(cls, shape, children):
+        return cls(children[0], shape)
+
+    def __repr__(self) -> str:
+        return f"ShardedParam(shape={self.shape}, flat={getattr(self.flat, 'shape', self.flat)})"
+
+    def _refuse(self, what: str):
+        raise TypeError(_NOT_GATHERED.format(shape=self.shape, what=what))
+
+    def __jax_array__(self):
+        self._refuse("converted to an array")
+
+    def __array__(self, *args, **kwargs):
+        self._refuse("converted to an array")
+
+    def __getitem__(self, index):
+        self._refuse("indexed")
+
+    def __getattr__(self, name: str):
+        if name in ("dtype", "ndim", "T", "astype", "reshape", "sum", "mean"):
+            self._refuse(f".{name}")
+        raise AttributeError(name)
+
+
+def _binary(symbol: str):
+    def refuse(self, other):
+        self._refuse(f"the operator {symbol}")
+
+    return refuse
+
+
+for _name, _symbol in [
+    ("matmul", "@"),
+    ("add", "+"),
+    ("sub", "-"),
+    ("mul", "*"),
+    ("truediv", "/"),
+    ("pow", "**"),
+]:
+    setattr(ShardedParam, f"__{_name}__", _binary(_symbol))
+    setattr(ShardedParam, f"__r{_name}__", _binary(_symbol))
+
+
+def is_sharded_param(x) -> bool:
+    return isinstance(x, ShardedParam)
+
+
+def gather_params(tree: PyTree) -> PyTree:
+    """The full parameters of the `ShardedParam` leaves of ``tree``, all-gathered over replicas.
+
+    Call it inside ``step_fn``'s forward pass, as late as possible: per layer, inside the layer
+    scan, so that only one layer's full parameters exist at a time (ZeRO-3 / FSDP). Autodiff turns
+    the all-gather into a reduce-scatter of the gradients. Other leaves pass through.
+
+    >>> import jax.numpy as jnp, replicator as rp
+    >>> rp.gather_params({"w": rp.ShardedParam(jnp.arange(4.0), (3,))})["w"]   # one replica
+    Array([0., 1., 2.], dtype=float32)
+    """
+
+    def gather(node):
+        if not isinstance(node, ShardedParam):
+            return node
+        flat = collectives.all_gather(node.flat, axis=node.flat.ndim - 1, tiled=True)
+        size = math.prod(node.shape)
+        return flat[..., :size].reshape((*flat.shape[:-1], *node.shape))
+
+    return jax.tree.map(gather, tree, is_leaf=is_sharded_param)
+
+
+class _Program(NamedTuple):
+    """An optax update traced on one-device shapes, and whether it runs on the slices."""
+
+    closed: Any  # jax.extend.core.ClosedJaxpr: (grads, state[, params]) -> (updates, state)
+    reason: str | None  # None: runs on the slices; else why it runs on gathered arrays
+    layout: sharded_eval.Layout
+    shapes: list  # the one-device shape of each parameter leaf
+    s_avals: list  # the one-device shape and dtype of each state leaf
+
+
+def _real_shape(leaf_shape: tuple[int, ...], node: ShardedParam | None) -> tuple[int, ...]:
+    return tuple(leaf_shape) if node is None else (*leaf_shape[:-1], *node.shape)
+
+
+class Zero:
+    """The ZeRO layout of one mesh, and the update of an optax transformation on it."""
+
+    def __init__(self, mesh: Mesh, *, stage: int) -> None:
+        self.mesh = mesh
+        self.stage = stage
+        self.n = mesh_lib.num_replicas(mesh)
+        self.entry = mesh_lib.batch_spec(mesh)[0]
+        self.replicated = NamedSharding(mesh, PartitionSpec())
+
+    # -- shapes ---------------------------------------------------------------------------------
+
+    def real_avals(self, tree: PyTree) -> PyTree:
+        """``tree`` with each leaf replaced by its one-device shape (same tree structure)."""
+
+        def real(x):
+            if isinstance(x, ShardedParam):
+                flat = jnp.shape(x.flat)
+                aval = jax.ShapeDtypeStruct(_real_shape(flat, x), jnp.result_type(x.flat))
+                return ShardedParam(aval, x.shape)
+            return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+
+        return jax.tree.map(real, tree, is_leaf=is_sharded_param)
+
+    def layout(self, params: PyTree) -> tuple[sharded_eval.Layout, str | None]:
+        """The layout for ``params`` and, if two leaves of one shape are laid out differently
+        (a stacked and an unstacked ZeRO-3 parameter of the same shape), why it cannot be used."""
+        leads: dict[tuple[int, ...], int] = {}
+        for x in jax.tree.leaves(params, is_leaf=is_sharded_param):
+            if isinstance(x, ShardedParam):
+                flat = jnp.shape(x.flat)
+                shape, lead = _real_shape(flat, x), len(flat) - 1
+            else:
+                shape, lead = tuple(jnp.shape(x)), 0
+            if math.prod(shape) > 1 and leads.setdefault(shape, lead) != lead:
+                return sharded_eval.Layout(self.n), (
+                    f"parameters of shape {shape} are stored both stacked and unstacked"
+                )
+        return sharded_eval.Layout(self.n, tuple((s, k) for s, k in leads.items() if k)), None
+
+    # -- init -----------------------------------------------------------------------------------
+
+    def check_params(self, params: PyTree) -> None:
+        for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
+            spec = getattr(getattr(p, "sharding", None), "spec", None)
+            if self.stage < 3 and spec is not None and any(a is not None for a in spec):
+                raise ValueError(
+                    f"wrap_optimizer(zero_stage={self.stage}): parameter "
+                    f"{jax.tree_util.keystr(path)} is sharded as {spec}; ZeRO-1/2 shard the "
+                    f"optimizer state of replicated parameters. Pass replicated parameters "
+                    f"(repl.replicate), or shard the parameters with zero_stage=3."
+                )
+
+    def init(self, inner, params: PyTree) -> PyTree:
+        """``inner.init`` on the one-device parameters, each leaf then stored in the layout."""
+        self.check_params(params)
+        layout, _ = self.layout(params)
+        avals = jax.eval_shape(lambda p: inner.init(self._whole(p)), params)
+        shardings = jax.tree.map(lambda a: self._stored_sharding(layout, a.shape), avals)
+
+        def init(p):
+            state = inner.init(self._whole(p))
+            return jax.tree.map(lambda s: self._stored(layout, s), state)
+
+        state = jax.jit(init, out_shardings=shardings)(params)
+        return placement.put(state, shardings)  # a no-op here; noted for Replicator.abstract
+
+    def _whole(self, params: PyTree) -> PyTree:
+        """Stored (global) parameters as one device has them: ZeRO-3 flats cropped, reshaped."""
+
+        def whole(x):
+            if not isinstance(x, ShardedParam):
+                return x
+            flat = x.flat
+            size = math.prod(x.shape)
+            return ShardedParam(flat[..., :size].reshape((*flat.shape[:-1], *x.shape)), x.shape)
+
+        return jax.tree.map(whole, params, is_leaf=is_sharded_param)
+
+    def _stored(self, layout: sharded_eval.Layout, x: jax.Array) -> jax.Array:
+        return x if layout.whole(jnp.shape(x)) else layout.flat_padded(x)
+
+    def _stored_sharding(self, layout: sharded_eval.Layout, shape) -> NamedSharding:
+        if layout.whole(shape):
+            return self.replicated
+        spec = PartitionSpec(*([None] * layout.lead(shape)), self.entry)
+        return NamedSharding(self.mesh, spec)
+
+    # -- the update -----------------------------------------------------------------------------
+
+    def check_binding(self) -> None:
+        binding = current_binding()
+        if binding.num_replicas != self.n:
+            raise ValueError(
+                f"wrap_optimizer(zero_stage={self.stage}): the state is sharded over {self.n} "
+                f"replicas, but this step runs on {binding.num_replicas}; call update inside "
+                f"repl.run of the replicator that made the optimizer."
+            )
+
+    def plan(self, inner, params: PyTree, extra_args: dict | None = None) -> str | None:
+        """None if ``inner``'s update runs on the slices exactly, else why it is gathered."""
+        return self._program(inner, params, True, extra_args or {}).reason
+
+    def _program(self, inner, params: PyTree, with_params: bool, extra_args: dict) -> _Program:
+        real_p = self.real_avals(params)
+        layout, conflict = self.layout(params)
+        p_avals, p_def = jax.tree.flatten(real_p)
+        s_avals, s_def = jax.tree.flatten(jax.eval_shape(inner.init, real_p))
+
+        def update(g, s, *p):
+            updates, new_state = inner.update(
+                jax.tree.unflatten(p_def, g),
+                jax.tree.unflatten(s_def, s),
+                jax.tree.unflatten(p_def, p[0]) if p else None,
+                **extra_args,
+            )
+            return jax.tree.leaves(updates), jax.tree.leaves(new_state)
+
+        args = (p_avals, s_avals, p_avals) if with_params else (p_avals, s_avals)
+        closed = jax.make_jaxpr(update)(*args)
+        reason = conflict or sharded_eval.unsupported(closed, layout)
+        return _Program(closed, reason, layout, [a.shape for a in p_avals], s_avals)
+
+    def reduce_scatter(self, grads: PyTree, dtype) -> PyTree:
+        """Local whole gradients -> this replica's slice of their mean (ZeRO-1/2)."""
+        n = self.n
+
+        def scatter(g):
+            flat = sharded_eval.Layout(n).flat_padded(g)
+            sent = flat if dtype is None else flat.astype(dtype)
+            out = collectives.reduce_scatter(sent, axis=0, op="sum")
+            return (out / n).astype(g.dtype)
+
+        return jax.tree.map(scatter, grads)
+
+    def apply(self, inner, g_local: PyTree, state: PyTree, params: PyTree, extra_args, like):
+        """``inner.update`` of the mean gradients, as on one device: ``(updates, state)``.
+
+        ``g_local`` is this replica's slice of each mean gradient (ZeRO-1/2: flat ``[c]``;
+        ZeRO-3: the `ShardedParam` layout), ``state`` its slice of the stored state, ``params``
+        the parameters as ``step_fn`` holds them (or None), ``like`` the gradients as
+        ``step_fn`` computed them (whole with ZeRO-1/2). The updates come back whole with
+        ZeRO-1/2 and in the `ShardedParam` layout with ZeRO-3.
+        """
+        prog = self._program(
+            inner, like if params is None else params, params is not None, extra_args
+        )
+        layout, shapes = prog.layout, prog.shapes
+        g_stored, g_def = jax.tree.flatten(g_local)
+        s_stored, s_def = jax.tree.flatten(state)
+        s_shapes = [a.shape for a in prog.s_avals]
+        if params is None:
+            p_local = []
+        elif self.stage == 3:
+            p_local = jax.tree.leaves(params)
+        else:
+            p_local = [layout.to_local(p) for p in jax.tree.leaves(params)]
+        if prog.reason is None:  # the one-device program, run on this replica's slices
+            local = sharded_eval.stored_local
+            g = [local(layout, s, x) for s, x in zip(shapes, g_stored, strict=True)]
+            s = [local(layout, s, x) for s, x in zip(s_shapes, s_stored, strict=True)]
+            p = [local(layout, s, x) for s, x in zip(shapes, p_local)]
+            outs = sharded_eval.evaluate(prog.closed, layout, *g, *s, *p)
+            u, new_s = outs[: len(g)], outs[len(g) :]
+            if self.stage < 3:
+                u = [layout.to_real(x, shape) for x, shape in zip(u, shapes, strict=True)]
+        else:  # the one-device program, run on whole arrays gathered from the slices
+            g = [layout.to_real(x, shape) for x, shape in zip(g_stored, shapes, strict=True)]
+            s = [layout.to_real(x, shape) for x, shape in zip(s_stored, s_shapes, strict=True)]
+            if self.stage == 3:
+                p = [layout.to_real(x, shape) for x, shape in zip(p_local, shapes)]
+            else:
+                p = [] if params is None else jax.tree.leaves(params)
+            outs = jex.jaxpr_as_fun(prog.closed)(*g, *s, *p)
+            u, new_s = outs[: len(g)], [layout.to_local(x) for x in outs[len(g) :]]
+            if self.stage == 3:
+                u = [layout.to_local(x) for x in u]
+        if self.stage == 3:
+            u = [sharded_eval.as_stored(layout, x, jnp.shape(o)) for x, o in zip(u, g_stored)]
+        new_state = [
+            sharded_eval.as_stored(layout, x, jnp.shape(o)).astype(jnp.result_type(o))
+            for x, o in zip(new_s, s_stored, strict=True)
+        ]
+        return jax.tree.unflatten(g_def, u), jax.tree.unflatten(s_def, new_state)
+
+    # -- ZeRO-3 parameters ----------------------------------------------------------------------
+
+    def shard_params(self, params: PyTree, stacked) -> PyTree:
+        stacked = set(stacked)
+        if stacked and not isinstance(params, dict):
+            raise ValueError("shard_params: stacked names top-level keys; params must be a dict.")
+        missing = stacked - set(params) if stacked else set()
+        if missing:
+            raise ValueError(f"shard_params: stacked keys {sorted(missing)} are not in params.")
+
+        def shard(x, lead: int):
+            x = jnp.asarray(x)
+            shape = x.shape[lead:]
+            flat = x.reshape((*x.shape[:lead], -1))
+            c = sharded_eval.chunk(flat.shape[-1], self.n)
+            flat = jnp.pad(flat, [(0, 0)] * lead + [(0, self.n * c - flat.shape[-1])])
+            spec = PartitionSpec(*([None] * lead), self.entry)
+            return ShardedParam(placement.put(flat, NamedSharding(self.mesh, spec)), shape)
+
+        if not stacked:
+            return jax.tree.map(lambda x: shard(x, 0), params)
+        return {
+            k: jax.tree.map(lambda x, lead=int(k in stacked): shard(x, lead), v)
+            for k, v in params.items()
+        }
+
+
+def warn_if_gathered(stage: int, reason: str | None) -> None:
+    """Warns, at ``init``, that the update runs on gathered arrays, and why."""
+    if reason is None:
+        return
+    warnings.warn(
+        f"wrap_optimizer(zero_stage={stage}): the optax transformation is not computed on "
+        f"shards: {reason}. Its update runs on whole arrays, gathered for each step (exact; "
+        f"the state stays sharded between steps, but is whole on every device during the "
+        f"update, and gathering it moves its bytes once per step). Element-wise "
+        f"transformations and full reductions (global-norm clipping, LAMB) run on shards; "
+        f"see the README section 'What is exact, and what is refused'.",
+        stacklevel=3,
+    )
