@@ -166,9 +166,14 @@ def wrap_optimizer(
     """
     api = "wrap_optimizer"
     if not isinstance(tx, optax.GradientTransformation):
+        hint = (
+            f" ({type(tx).__name__} has one: tx.gradient_transformation())"
+            if hasattr(tx, "gradient_transformation")
+            else ""
+        )
         raise TypeError(
             f"{api}: tx must be an optax.GradientTransformation (e.g. optax.adam(1e-3)); "
-            f"got {type(tx).__name__}."
+            f"got {type(tx).__name__}{hint}."
         )
     if zero_stage not in ZERO_STAGES:
         raise ValueError(

@@ -34,6 +34,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.extend import core as jex
 
@@ -109,7 +110,9 @@ class Layout:
             return x
         c = self.chunk(x.shape)
         flat = self.flat_padded(x)
-        return lax.dynamic_slice_in_dim(flat, collectives.replica_id() * c, c, axis=flat.ndim - 1)
+        # [..., N, c] indexed by replica: no offset r * c, which overflows int32 past 2**31.
+        blocks = flat.reshape((*flat.shape[:-1], self.n, c))
+        return lax.dynamic_index_in_dim(blocks, collectives.replica_id(), flat.ndim - 1, False)
 
     def to_real(self, local: jax.Array, shape: Sequence[int]) -> jax.Array:
         """The whole array of real ``shape`` from every replica's slice (an all-gather)."""
@@ -127,7 +130,9 @@ class Layout:
         """True where this replica's slice of a value of real ``shape`` holds real elements."""
         c = self.chunk(shape)
         size = math.prod(shape[self.lead(shape) :])
-        return collectives.replica_id() * c + jnp.arange(c) < size
+        # Real elements per replica, from Python ints: r * c overflows int32 past 2**31.
+        counts = np.clip(size - np.arange(self.n, dtype=np.int64) * c, 0, c).astype(np.int32)
+        return jnp.arange(c) < jnp.asarray(counts)[collectives.replica_id()]
 
 
 def stored_local(layout: Layout, real_shape: Sequence[int], stored: jax.Array) -> jax.Array:
