@@ -97,7 +97,7 @@ def main() -> None:
         input_fn,
         steps=args.steps,
         checkpoint_dir=None if args.out is None else f"{args.out}/checkpoints",
-        checkpoint_every=50,
+        checkpoint_every=None if args.out is None else 50,
         metrics_path=None if args.out is None else f"{args.out}/metrics.jsonl",
         log_every=args.log_every,
         examples_per_step=args.global_batch,
