@@ -24,6 +24,7 @@ from replicator._src.input import DistributedIterator as DistributedIterator
 from replicator._src.input import InputContext as InputContext
 from replicator._src.inspect import StepReport as StepReport
 from replicator._src.loop import FitResult as FitResult
+from replicator._src.loop import NonFiniteError as NonFiniteError
 from replicator._src.loop import fit as fit
 from replicator._src.optim import DistributedOptimizer as DistributedOptimizer
 from replicator._src.precision import Policy as Policy

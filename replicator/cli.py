@@ -2,7 +2,7 @@
 
 replicator train CONFIG [key=value ...]       train as a YAML config says (configs/)
 replicator explain CONFIG [key=value ...]     what its step costs per device, without running it
-replicator launch -n N [--devices-per-process D] -- CMD ...
+replicator launch -n N [--devices-per-process D] [--watchdog S] -- CMD ...
 """
 
 from __future__ import annotations
@@ -37,60 +37,48 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument("config", help="a YAML file")
     explain.add_argument("overrides", nargs="*", help="key=value")
     explain.add_argument("--json", metavar="PATH", help="also write the whole report as JSON")
-    launch = commands.add_parser(
+    commands.add_parser(  # parsed by the launcher itself: see main()
         "launch",
-        help="run a command as N local processes of one JAX distributed job",
-        description="Runs CMD as N local processes with a coordinator on 127.0.0.1. Each line "
-        "of output is prefixed with its rank; if a process fails, the others are stopped and "
-        "the exit code says which failed. In the script, call rp.distributed.initialize() first.",
+        help="run a command as N local processes of one JAX distributed job "
+        "(replicator launch --help)",
+        add_help=False,
     )
-    launch.add_argument("-n", "--num-processes", type=int, required=True, help="processes")
-    launch.add_argument(
-        "--devices-per-process",
-        type=int,
-        default=None,
-        help="emulated CPU devices per process (sets jax_num_cpu_devices through initialize)",
-    )
-    launch.add_argument("--port", type=int, default=None, help="coordinator port (default: free)")
-    launch.add_argument(
-        "--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL"
-    )
-    launch.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command to run")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(sys.argv[1:] if argv is None else list(argv))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["launch"]:  # the launcher parses its own options (--watchdog, ...)
+        from replicator._src.distributed import launch_main
+
+        return launch_main(argv[1:])
+    args = _parser().parse_args(argv)
     if args.command in ("train", "explain"):
         from replicator._src import config, jobs
 
+        where = f"replicator {args.command}"
         try:
             cfg = config.load(args.config, args.overrides)
             # explain: a config the library refuses (e.g. M < K for 1F1B) is a message too
             report = jobs.explain(cfg, json_path=args.json) if args.command == "explain" else None
-        except (ValueError, OSError) as e:
-            print(f"replicator {args.command}: {e}", file=sys.stderr)
-            return 2
+        except (*jobs.USER_ERRORS, OSError) as e:
+            return _user_error(where, e)
         if report is None:
-            jobs.run(cfg)
+            try:
+                jobs.run(cfg)
+            except jobs.SetupError as e:  # refused before the first step; later: a traceback
+                return _user_error(where, e)
             return 0
         print(report)
         if args.json:
             print(f"wrote {args.json}")
         return 0
-    if args.command == "launch":
-        from replicator._src.distributed import launch
+    return 2
 
-        cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
-        if not cmd:
-            _parser().error("launch: give the command after --, e.g. -- python train.py")
-        return launch(
-            cmd,
-            num_processes=args.num_processes,
-            devices_per_process=args.devices_per_process,
-            port=args.port,
-            grace=args.grace,
-        )
+
+def _user_error(where: str, error: BaseException) -> int:
+    """Prints a refused command's message (no traceback) on stderr; the exit code 2."""
+    print(f"{where}: {error}", file=sys.stderr)
     return 2
 
 

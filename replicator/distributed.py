@@ -2,5 +2,6 @@
 
 from replicator._src.distributed import ProcessInfo as ProcessInfo
 from replicator._src.distributed import free_port as free_port
+from replicator._src.distributed import heartbeat as heartbeat
 from replicator._src.distributed import initialize as initialize
 from replicator._src.distributed import launch as launch

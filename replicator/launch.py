@@ -1,11 +1,13 @@
-"""``python -m replicator.launch -n 2 [--devices-per-process 4] -- python train.py ...``
+"""``python -m replicator.launch -n 2 [--devices-per-process 4] [--watchdog S] -- python train.py``
 
 Starts N local processes of one job on JAX's distributed runtime (coordinator on 127.0.0.1),
-prefixes their output with their rank, and ends them all if one fails. The same as
+prefixes their output with their rank, and ends them all at the first failure. The same as
 ``replicator launch``.
 """
 
-from replicator.cli import main
+import sys
+
+from replicator._src.distributed import launch_main
 
 if __name__ == "__main__":
-    raise SystemExit(main(["launch", *__import__("sys").argv[1:]]))
+    raise SystemExit(launch_main(sys.argv[1:]))

@@ -11,6 +11,7 @@ PUBLIC = [
     "DistributedOptimizer",
     "FitResult",
     "InputContext",
+    "NonFiniteError",  # rp.fit stops with it on a nan/inf output or state, before saving it
     "Policy",
     "ReplicasDivergedError",
     "Replicator",

@@ -2,6 +2,7 @@
 restoring onto another mesh."""
 
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -62,9 +63,18 @@ def test_keeps_the_newest_and_falls_back_from_a_broken_one(tmp_path):
     for path in sorted(Path(tmp_path, "3", "state").rglob("*")):
         if path.is_file() and "metadata" not in path.name:
             path.write_bytes(b"")
-    with pytest.warns(UserWarning, match=r"checkpoint step 3 .* is unreadable"):
-        state, record = rp.Checkpoints(tmp_path).restore({"w": np.zeros(4, np.float32)})
+    ckpt = rp.Checkpoints(tmp_path, keep=2)
+    with pytest.warns(UserWarning) as caught:
+        state, record = ckpt.restore({"w": np.zeros(4, np.float32)})
     assert record["step"] == 2 and state["w"].tolist() == [2.0] * 4
+    # The warning says what was wrong and where the broken step went: moved aside, not deleted.
+    text = "\n".join(str(w.message) for w in caught)
+    assert re.search(r"checkpoint step 3 .* is unreadable \(\w+(Error|Exception)\w*: .+\)", text)
+    (aside,) = [p for p in os.listdir(tmp_path) if p.startswith("3.broken-")]
+    assert f"moved it aside to {tmp_path / aside} (kept, not deleted)" in text
+    assert os.path.isdir(tmp_path / aside / "state") and ckpt.steps() == [2]
+    ckpt.save(3, state)  # the run can save step 3 again
+    assert ckpt.steps() == [2, 3] and rp.Checkpoints(tmp_path).steps() == [2, 3]
     with pytest.raises(FileNotFoundError, match=r"no checkpoint in"):
         rp.Checkpoints(os.path.join(tmp_path, "empty")).restore({"w": np.zeros(4)})
 
@@ -174,9 +184,12 @@ def test_a_state_of_another_dtype_is_an_error_not_a_cast(tmp_path):
     like = {"w": jax.numpy.zeros(4, jax.numpy.bfloat16), "b": np.zeros(2, np.float32)}
     with pytest.raises(
         rp.StateMismatchError,
-        match=r"leaf \['w'\] of checkpoint step 1 is float32, but .* bfloat16",
+        match=r"leaf \['w'\] of checkpoint step 1 is float32, but .* bfloat16.*cast=True",
     ):
         ckpt.restore(like)
+    state, _ = ckpt.restore(like, cast=True)  # asked for: cast
+    assert state["w"].dtype == jax.numpy.bfloat16
+    np.testing.assert_allclose(np.asarray(state["w"], np.float32), 1.1, rtol=1e-2)
 
 
 def test_saving_a_donated_state_is_a_clear_error_and_writes_nothing(tmp_path):

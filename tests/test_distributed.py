@@ -42,3 +42,72 @@ def test_launch_checks_its_arguments():
         rp.distributed.launch(["true"], num_processes=0)
     with pytest.raises(ValueError, match=r"give the command to run after --"):
         rp.distributed.launch([], num_processes=1)
+
+
+def test_heartbeat_is_a_no_op_alone_and_writes_the_launchers_file(tmp_path, monkeypatch):
+    import struct
+    import time
+
+    from replicator._src import distributed
+
+    monkeypatch.setattr(distributed, "_beat", [])
+    monkeypatch.delenv("REPLICATOR_HEARTBEAT_FILE", raising=False)
+    rp.distributed.heartbeat()  # no launcher: nothing to write, nothing raised
+    assert distributed._beat == [None]
+    path = tmp_path / "rank0.beat"
+    path.write_bytes(struct.pack("<ddq", 0.0, 0.0, 0))
+    monkeypatch.setattr(distributed, "_beat", [])
+    monkeypatch.setattr(distributed, "_beats", [0])
+    monkeypatch.setenv("REPLICATOR_HEARTBEAT_FILE", str(path))
+    before = time.monotonic()
+    rp.distributed.heartbeat()
+    rp.distributed.heartbeat()
+    t, exiting, count = distributed._read_beat(str(path))
+    assert before <= t <= time.monotonic() and not exiting and count == 2
+
+
+def test_the_coordinator_binds_to_loopback_only_for_a_loopback_address():
+    from replicator._src.distributed import _is_loopback
+
+    assert (
+        _is_loopback("127.0.0.1:1234") and _is_loopback("localhost:1") and _is_loopback("[::1]:5")
+    )
+    assert not _is_loopback("10.0.0.1:1234") and not _is_loopback("myhost:1234")
+
+
+def test_replicator_launch_takes_the_launchers_options(capsys):
+    from replicator.cli import main
+
+    assert main(["launch", "--watchdog", "0", "-n", "2", "--", "true"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "replicator launch: --watchdog must be a number of seconds > 0 (or left out for no "
+        "watchdog); got 0.0.\n"
+    )
+    assert main(["launch", "--watchdog", "5", "-n", "2", "--", sys.executable, "-c", "1"]) == 0
+
+
+def test_the_first_failure_is_named_even_when_a_peer_is_seen_to_end_first(tmp_path):
+    """Rank 1 is SIGKILLed; rank 0's all-reduce then fails, and the launcher happens to see rank
+    0 end first: rank 1 is still the one named. An own failure comes before either."""
+    import queue
+    import struct
+
+    from replicator._src import distributed
+
+    files = [str(tmp_path / f"rank{r}.beat") for r in range(3)]
+    marks = [(10.0, distributed.FAILED_IN_RUNTIME), (0.0, distributed.RUNNING), (0.0, 0.0)]
+    for path, (t, how) in zip(files, marks):
+        with open(path, "wb") as f:
+            f.write(struct.pack("<ddq", t, how, 3))
+    exits = queue.Queue()
+    exits.put((1, -9, 10.2))  # seen after rank 0's exit, though it failed first
+    got = distributed._first_failure({0: (1, 10.1)}, {1, 2}, exits, files)
+    assert got == (1, -9)
+    with open(files[2], "wb") as f:
+        f.write(struct.pack("<ddq", 10.3, distributed.FAILED, 3))  # rank 2: sys.exit(3)
+    exits.put((1, -9, 10.2))
+    exits.put((2, 3, 10.4))
+    assert distributed._first_failure({0: (1, 10.1)}, {1, 2}, exits, files) == (2, 3)
+    assert distributed._runtime_error(ValueError("UNKNOWN: Gloo all-reduce failed: reset"))
+    assert not distributed._runtime_error(ValueError("bad batch"))

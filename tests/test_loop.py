@@ -44,9 +44,11 @@ def test_a_killed_run_resumes_exactly(tmp_path):
 
     proc = start(tmp_path, "out.npz", 0.15)
     wait_for_checkpoint(tmp_path, 10, proc)
+    while '"step": 12' not in (tmp_path / "metrics.jsonl").read_text():  # logged, not saved
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
-    killed_lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     again = start(tmp_path, "out.npz", 0.0)
     output, _ = again.communicate(timeout=300)
     assert again.returncode == 0, output
@@ -58,11 +60,24 @@ def test_a_killed_run_resumes_exactly(tmp_path):
     for key in want.files:  # the same program on the same data: bitwise equal
         np.testing.assert_array_equal(got[key], want[key])
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    resumed = [r["step"] for r in lines[len(killed_lines) :]]
-    assert resumed == list(range(resumed_from + 1, 21))  # the metrics go on from the right step
+    # Each step once: the lines the killed run logged after its last checkpoint are dropped.
+    assert [r["step"] for r in lines] == list(range(1, 21))
     by_step = {r["step"]: r["loss"] for r in json.loads("[" + ",".join(
         (straight / "metrics.jsonl").read_text().splitlines()) + "]")}  # fmt: skip
-    assert all(r["loss"] == by_step[r["step"]] for r in lines[len(killed_lines) :])
+    assert all(r["loss"] == by_step[r["step"]] for r in lines)
+
+
+def test_rerunning_a_finished_run_exits_cleanly_and_says_it_is_complete(tmp_path):
+    run = start(tmp_path, "out.npz", 0.0)
+    assert run.wait(timeout=300) == 0, run.stdout.read()
+    again = start(tmp_path, "again.npz", 0.0)
+    output, _ = again.communicate(timeout=300)
+    assert again.returncode == 0, output
+    assert "rp.fit: the run is complete at step 20 (steps=20)" in output
+    assert "done step=20 preempted=False resumed_from=20" in output
+    got, want = np.load(tmp_path / "again.npz"), np.load(tmp_path / "out.npz")
+    for key in want.files:
+        np.testing.assert_array_equal(got[key], want[key])
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):

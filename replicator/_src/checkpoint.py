@@ -4,7 +4,9 @@ A checkpoint is one step directory holding the state pytree (parameters, optimiz
 shards, loss scale, ...) and a small JSON record (the step, the input iterator's position, and
 anything else the caller adds). orbax writes each step into a temporary directory and renames it
 when complete, so a save interrupted midway is never taken for a checkpoint. `restore` reads the
-newest step it can; if that one is unreadable it says so and falls back to the one before.
+newest step it can; if that one is unreadable it says so and falls back to the one before, and
+once an older step restores, the unreadable newer ones are moved aside (renamed
+``<step>.broken-<time>``, never deleted) so that the run can save those steps again.
 Restoring takes a ``like`` tree whose shardings say where each array goes: a checkpoint saved on
 8 devices restores onto a mesh of 4, ZeRO-sharded states included (their flattened leaves are
 padded to a multiple of the replica count, so their lengths can differ by the padding).
@@ -15,6 +17,7 @@ state having changed, not a broken checkpoint: `StateMismatchError`, with no fal
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from typing import Any
 
@@ -106,17 +109,28 @@ class Checkpoints:
         )
         self._manager.wait_until_finished()
 
-    def restore(self, like: PyTree, step: int | None = None) -> tuple[PyTree, dict]:
+    def restore(
+        self, like: PyTree, step: int | None = None, *, cast: bool = False
+    ) -> tuple[PyTree, dict]:
         """``(state, record)`` of checkpoint ``step`` (default: the newest readable one).
 
         Args:
           like: a tree with the state's structure whose leaves are arrays or
             ``jax.ShapeDtypeStruct``s; their shardings say where the restored arrays go (another
             mesh than the one that saved them is fine).
-          step: a specific step; then no fallback.
+          step: a specific step; then no fallback, and nothing is moved.
+          cast: restore a leaf saved in another dtype by casting it to ``like``'s dtype
+            (e.g. an fp32 checkpoint into a bf16 state); without it that is an error.
+
+        Without ``step``, an unreadable step (a corrupt or truncated file, an empty step
+        directory) is reported in a warning naming the exception, and the step before is tried.
+        Once one restores, the unreadable newer steps are moved aside: renamed to
+        ``<step>.broken-<time>`` in ``directory`` (never deleted), so that the run can save
+        those step numbers again.
 
         Raises:
-          FileNotFoundError: if there is no readable checkpoint.
+          FileNotFoundError: if there is no readable checkpoint (then nothing is moved: when
+            no step restores, ``like`` may be what is wrong).
           StateMismatchError: (a ValueError) if ``like`` has leaves the checkpoint does not
             (or lacks some it has), or a leaf of another dtype, or of another shape beyond the
             padding of ZeRO's layout. Raised for the newest readable step: older steps of the
@@ -126,28 +140,62 @@ class Checkpoints:
         candidates = [step] if step is not None else self.steps()[::-1]
         if not candidates:
             raise FileNotFoundError(f"rp.Checkpoints: no checkpoint in {self.directory}.")
-        errors = []
+        broken = []  # (step, exception) of the newer steps that failed to restore
         for s in candidates:
             try:
-                restored = self._restore(s, abstract)
+                restored = self._restore(s, abstract, cast=cast)
             except StateMismatchError:
                 raise  # the caller's state does not match: an older step would not either
             except Exception as e:  # a corrupt or partial step: try the one before
                 if step is not None:
                     raise
-                errors.append(f"step {s}: {type(e).__name__}: {str(e)[:200]}")
+                broken.append((s, e))
                 warnings.warn(
                     f"rp.Checkpoints: checkpoint step {s} in {self.directory} is unreadable "
-                    f"({type(e).__name__}); trying the one before.",
+                    f"({_described(e)}); trying the one before.",
                     stacklevel=2,
                 )
                 continue
+            if broken:
+                self._move_aside(broken, restored_step=s)
             return restored
         raise FileNotFoundError(
-            f"rp.Checkpoints: no readable checkpoint in {self.directory}: " + "; ".join(errors)
+            f"rp.Checkpoints: no readable checkpoint in {self.directory}: "
+            + "; ".join(f"step {s}: {_described(e)}" for s, e in broken)
+            + ". None was moved or deleted: as no step restores, the state to restore into "
+            "(`like`) may be what is wrong. If the checkpoints are indeed broken, move them out "
+            "of the directory to start the run over."
         )
 
-    def _restore(self, step: int, abstract: PyTree) -> tuple[PyTree, dict]:
+    def _move_aside(self, broken: list[tuple[int, Exception]], *, restored_step: int) -> None:
+        """Renames the directories of the ``broken`` steps (newer than ``restored_step``, which
+        restored into the same ``like``: so they are broken, not the caller's state) to
+        ``<step>.broken-<time>``, never deleting them, so that the run can save those steps
+        again. Only process 0 renames (as orbax, which has process 0 alone change the
+        directory); every process then reloads the list of steps."""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        for s, e in broken:
+            source = os.path.join(self.directory, str(s))
+            target = f"{source}.broken-{stamp}"
+            n = 1
+            while os.path.exists(target):
+                n += 1
+                target = f"{source}.broken-{stamp}-{n}"
+            if jax.process_index() == 0 and os.path.lexists(source):
+                os.rename(source, target)
+            warnings.warn(
+                f"rp.Checkpoints.restore: checkpoint step {s} in {self.directory} is broken "
+                f"({_described(e)}), while step {restored_step} restores: moved it aside to "
+                f"{target} (kept, not deleted). The run goes on from step {restored_step}.",
+                stacklevel=3,
+            )
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("rp.Checkpoints: broken steps moved aside")
+        self._manager.reload()
+
+    def _restore(self, step: int, abstract: PyTree, *, cast: bool = False) -> tuple[PyTree, dict]:
         """Reads one step. Leaves in ZeRO's flattened, padded layout (``[..., N * c]``, split
         over N replicas along the last axis) saved with another N are read as saved and then
         cut or padded to this mesh's length: only padding differs."""
@@ -160,7 +208,7 @@ class Checkpoints:
         read_as, resize = [], {}
         for i, (path, want) in enumerate(flat):
             meta = saved.get(_name(path), (None, None))[1]
-            if getattr(meta, "dtype", None) is not None:
+            if getattr(meta, "dtype", None) is not None and not cast:
                 _check_dtype(step, path, meta.dtype, want.dtype)
             if getattr(meta, "shape", None) is None or tuple(meta.shape) == tuple(want.shape):
                 read_as.append(want)
@@ -226,6 +274,14 @@ class Checkpoints:
         self._manager.close()
 
 
+def _described(e: BaseException) -> str:
+    """``Type: message`` of an exception, the message cut to 300 characters."""
+    message = " ".join(str(e).split())
+    if len(message) > 300:
+        message = message[:300] + " ..."
+    return f"{type(e).__name__}: {message}" if message else type(e).__name__
+
+
 def _check_alive(state: PyTree) -> None:
     """Raises ValueError, naming the first, if a leaf of ``state`` has a deleted buffer."""
     path = errors.deleted_leaf(state)
@@ -253,7 +309,7 @@ def _check_dtype(step: int, path, saved, want) -> None:
         f"is {saved}, but the state to restore into has {want}; restoring would cast it. "
         f"Restore into the saved dtype (e.g. jax.ShapeDtypeStruct(shape, jnp.{saved}, "
         f"sharding=...)), then cast on purpose: "
-        f"jax.tree.map(lambda x: x.astype(jnp.{want}), state)."
+        f"jax.tree.map(lambda x: x.astype(jnp.{want}), state); or restore(like, cast=True)."
     )
 
 

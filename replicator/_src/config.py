@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -27,12 +28,28 @@ class ModelConfig:
     seq_len: int = 64
     width: int = 16  # cnn: channels of the first conv block (the second has twice as many)
 
+    def __post_init__(self) -> None:
+        _one_of(self, "kind", MODEL_KINDS, what="a model kind")
+        for name in ("d_model", "layers", "heads", "seq_len", "width"):
+            _at_least(self, name, 1)
+        if self.kind == "gpt" and self.d_model % self.heads:
+            raise ValueError(
+                f"{_where(self)}heads={self.heads} does not divide d_model={self.d_model}; use a "
+                f"d_model that is a multiple of heads (e.g. "
+                f"d_model={self.heads * math.ceil(self.d_model / self.heads)})."
+            )
+
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
     schedule: str = "1f1b"  # "gpipe", "circular" or "1f1b"
     microbatches: int = 4
     repeats: int = 2  # virtual stages per device, for "circular"
+
+    def __post_init__(self) -> None:
+        _one_of(self, "schedule", SCHEDULES, what="a schedule")
+        _at_least(self, "microbatches", 1)
+        _at_least(self, "repeats", 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,22 +71,105 @@ class TrainConfig:
     out_dir: str = "runs"
     plot: bool = True
 
+    def __post_init__(self) -> None:
+        where = _where(self)
+        if not self.name or self.name != os.path.basename(self.name) or self.name in (".", ".."):
+            raise ValueError(
+                f"{where}name={self.name!r} must be a plain directory name (the run's outputs go "
+                f"to out_dir/name); use e.g. name=run1, and out_dir for the parent directory."
+            )
+        if not self.out_dir:
+            raise ValueError(f"{where}out_dir must be a directory; got {self.out_dir!r}.")
+        for key, size in self.mesh.items():
+            if not isinstance(key, str) or isinstance(size, bool) or not isinstance(size, int):
+                raise ValueError(
+                    f"{where}mesh must map axis names to sizes (ints); got {key!r}: {size!r}. "
+                    f"e.g. mesh: {{data: -1}} or mesh: {{data: 2, stage: 4}}."
+                )
+            if size < 1 and size != -1:
+                raise ValueError(
+                    f"{where}mesh.{key}={size}: an axis size must be an int >= 1, or -1 for the "
+                    f"remaining devices."
+                )
+        _at_least(self, "cpu_devices", 0)
+        for name in ("steps", "global_batch", "accumulate_steps", "log_every", "checkpoint_every"):
+            _at_least(self, name, 1)
+        _one_of(self, "optimizer", OPTIMIZERS, what="an optimizer")
+        _finite_positive(self, "learning_rate", example="learning_rate=3e-3")
+        if self.clip_global_norm is not None:
+            _finite_positive(self, "clip_global_norm", example="clip_global_norm=1.0", none=True)
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"{where}zero_stage must be 0, 1, 2 or 3; got {self.zero_stage!r}.")
+
+
+MODEL_KINDS = ("gpt", "mlp", "cnn")
+SCHEDULES = ("gpipe", "circular", "1f1b")
+OPTIMIZERS = ("adam", "sgd")
+
+
+def _where(obj) -> str:
+    return f"{type(obj).__name__}: "  # from_dict puts the file and the section in its place
+
+
+def _at_least(obj, name: str, low: int) -> None:
+    value = getattr(obj, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{_where(obj)}{name} must be an int >= {low}; got {value!r}.")
+
+
+def _one_of(obj, name: str, valid: tuple[str, ...], *, what: str) -> None:
+    value = getattr(obj, name)
+    if value not in valid:
+        close = difflib.get_close_matches(str(value), valid, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(
+            f"{_where(obj)}{name}={value!r} is not {what}; use one of "
+            f"{', '.join(map(repr, valid))}.{hint}"
+        )
+
+
+def _finite_positive(obj, name: str, *, example: str, none: bool = False) -> None:
+    value = getattr(obj, name)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not (math.isfinite(value) and value > 0)
+    ):
+        extra = " or null" if none else ""
+        raise ValueError(
+            f"{_where(obj)}{name} must be a finite number > 0{extra}; got {value!r} "
+            f"(e.g. {example})."
+        )
+
 
 def load(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> TrainConfig:
     """Reads a YAML config and applies ``key=value`` overrides (dotted keys for nested fields).
 
     Raises:
-      ValueError: naming an unknown key (with the valid keys) or a value of the wrong type.
+      FileNotFoundError: if there is no file at ``path``.
+      ValueError: naming an unknown key (with the valid keys), a value of the wrong type or out
+        of range (with the valid ones), or a file that is not a YAML mapping.
     """
     import yaml
 
-    with open(path) as f:
-        raw = yaml.safe_load(f) or {}
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f) or {}
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"config {path}: no config file there; give the path of a YAML file, e.g. "
+            f"configs/lm_dp.yaml."
+        ) from None
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ValueError(f"config {path} is not YAML: {_one_line(e)}") from None
     if not isinstance(raw, dict):
-        raise ValueError(f"config {path}: the top level must be a mapping of keys to values.")
+        raise ValueError(
+            f"config {path}: the top level must be a mapping of keys to values; got a "
+            f"{type(raw).__name__}."
+        )
     for item in overrides:
         key, sep, value = item.partition("=")
-        if not sep:
+        if not sep or not key:
             raise ValueError(f"override {item!r}: write key=value, e.g. steps=20.")
         target = raw
         *parents, leaf = key.split(".")
@@ -77,12 +177,18 @@ def load(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> Train
             target = target.setdefault(part, {})
             if not isinstance(target, dict):
                 raise ValueError(f"override {item!r}: {part} is not a section.")
-        target[leaf] = yaml.safe_load(value)
+        try:
+            target[leaf] = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise ValueError(f"override {item!r} is not YAML: {_one_line(e)}") from None
     return from_dict(TrainConfig, raw, where=str(path))
 
 
-def from_dict(cls, raw: dict, where: str = "config"):
-    """A ``cls`` dataclass from ``raw``, checking every key and type."""
+def from_dict(cls, raw: dict, where: str = "config", prefix: str = ""):
+    """A ``cls`` dataclass from ``raw``, checking every key, type and range.
+
+    ``prefix`` is the section's dotted path (``"model."``) in the messages.
+    """
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     values = {}
@@ -94,11 +200,21 @@ def from_dict(cls, raw: dict, where: str = "config"):
                 f"{where}: unknown key {key!r} in {cls.__name__}.{hint} Valid keys: "
                 f"{', '.join(fields)}."
             )
-        values[key] = _check(hints[key], value, f"{where}: {key}")
-    return cls(**values)
+        values[key] = _check(hints[key], value, f"{where}: {prefix}{key}", where, f"{prefix}{key}.")
+    try:
+        return cls(**values)
+    except ValueError as e:
+        message, own = str(e), f"{cls.__name__}: "
+        if not message.startswith(own):
+            raise
+        raise ValueError(f"{where}: {prefix}{message[len(own) :]}") from None
 
 
-def _check(hint, value, where: str) -> Any:
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())
+
+
+def _check(hint, value, where: str, file: str = "config", prefix: str = "") -> Any:
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(hint)
@@ -109,16 +225,21 @@ def _check(hint, value, where: str) -> Any:
             if option is type(None):
                 continue
             try:
-                return _check(option, value, where)
+                return _check(option, value, where, file, prefix)
             except ValueError as e:
                 errors.append(str(e))
         raise ValueError(errors[0] if errors else f"{where}: unexpected value {value!r}.")
     if dataclasses.is_dataclass(hint):
         if not isinstance(value, dict):
             raise ValueError(f"{where}: expected a section (mapping); got {value!r}.")
-        return from_dict(hint, value, where)
+        return from_dict(hint, value, file, prefix)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, str):  # YAML 1.1 reads 1e-3 as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     expected = dict if hint is dict else hint
     if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
         raise ValueError(

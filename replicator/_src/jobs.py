@@ -3,12 +3,27 @@ and a `fit` run, with metrics, checkpoints and pictures in ``out_dir/name``."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import sys
+from collections.abc import Iterator
 
 from replicator._src.config import TrainConfig
+from replicator._src.rundir import RunDirLockedError
+
+# What the library raises for a config, a mesh, a run directory or a checkpoint it refuses.
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError, RunDirLockedError)
+
+
+class SetupError(Exception):
+    """`run` refused the job before its first training step: the config, the mesh, the input's
+    batch size, the run directory (locked by another run) or its checkpoint (another state).
+
+    The message is the refusal's; ``__cause__`` is the library's error. The CLI prints it
+    without a traceback. A failure after the first step is raised as it is.
+    """
 
 
 def _devices(config: TrainConfig, *, cpu_only: bool) -> None:
@@ -66,7 +81,11 @@ def explain(config: TrainConfig, *, json_path: str | None = None):
 
 
 def run(config: TrainConfig) -> dict:
-    """Trains as ``config`` says; returns a summary (first and last loss, steps, seconds)."""
+    """Trains as ``config`` says; returns a summary (first and last loss, steps, seconds).
+
+    Raises:
+      SetupError: if the library refuses the job before the first step (see `SetupError`).
+    """
     import time
 
     import jax
@@ -75,23 +94,32 @@ def run(config: TrainConfig) -> dict:
 
     _devices(config, cpu_only=False)
     out = os.path.join(config.out_dir, config.name)
-    os.makedirs(out, exist_ok=True)
-    repl, step_fn, state, input_fn, tokens = build(config)
+    try:
+        os.makedirs(out, exist_ok=True)
+        repl, step_fn, state, input_fn, tokens = build(config)
+    except (*USER_ERRORS, OSError) as e:
+        raise SetupError(str(e)) from e
     print(f"replicator train {config.name}: {repl} on {jax.devices()[0].platform}", flush=True)
     t0 = time.perf_counter()
-    result = rp.fit(
-        repl,
-        step_fn,
-        state,
-        input_fn,
-        steps=config.steps,
-        checkpoint_dir=os.path.abspath(os.path.join(out, "checkpoints")),
-        checkpoint_every=config.checkpoint_every,
-        log_every=config.log_every,
-        metrics_path=os.path.join(out, "metrics.jsonl"),
-        examples_per_step=config.global_batch,
-        tokens_per_step=tokens,
-    )
+    with _first_step(repl) as started:
+        try:
+            result = rp.fit(
+                repl,
+                step_fn,
+                state,
+                input_fn,
+                steps=config.steps,
+                checkpoint_dir=os.path.abspath(os.path.join(out, "checkpoints")),
+                checkpoint_every=config.checkpoint_every,
+                log_every=config.log_every,
+                metrics_path=os.path.join(out, "metrics.jsonl"),
+                examples_per_step=config.global_batch,
+                tokens_per_step=tokens,
+            )
+        except USER_ERRORS as e:
+            if started:
+                raise  # a failure during training keeps its traceback
+            raise SetupError(str(e)) from e
     seconds = time.perf_counter() - t0
     losses = [(h["step"], h["loss"]) for h in result.history if "loss" in h]
     summary = {
@@ -105,12 +133,35 @@ def run(config: TrainConfig) -> dict:
         _plot(losses, os.path.join(out, "loss.png"), config)
     if config.pipeline is not None:
         _draw_schedule(config, repl.mesh.shape["stage"], out)
+    if losses:
+        done = (
+            f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}, {result.step} steps"
+        )
+    else:  # e.g. the run was complete already: no step ran, nothing was logged
+        done = f"no step to run, the run is at step {result.step} of {config.steps}"
     print(
-        f"replicator train {config.name}: loss {summary['first_loss']:.4f} -> "
-        f"{summary['last_loss']:.4f}, {result.step} steps in {seconds:.1f} s; outputs in {out}",
-        flush=True,
+        f"replicator train {config.name}: {done} in {seconds:.1f} s; outputs in {out}", flush=True
     )
     return summary
+
+
+@contextlib.contextmanager
+def _first_step(repl) -> Iterator[list]:
+    """A list that becomes non-empty (true) once ``repl.run`` has returned a first time."""
+    started: list = []
+    run = repl.run
+
+    def counted(*args, **kwargs):
+        out = run(*args, **kwargs)
+        if not started:
+            started.append(True)
+        return out
+
+    repl.run = counted
+    try:
+        yield started
+    finally:
+        del repl.run
 
 
 def _schedule(config: TrainConfig):

@@ -21,12 +21,28 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from replicator._src import errors
+from replicator._src import distributed, errors
 from replicator._src.checkpoint import Checkpoints
 from replicator._src.context import Replicator, local_row
+from replicator._src.rundir import holds_run_lock
 from replicator._src.typing import PyTree, StepFn
+
+
+class NonFiniteError(FloatingPointError):
+    """`fit` stopped because a training output or the state is not finite (nan or inf).
+
+    Raised before anything non-finite is saved: every checkpoint of the run is kept, and the
+    run resumes from the newest (for example with a lower learning rate) when started again.
+    """
+
+
+NONFINITE = """\
+rp.fit: {what} at step {step}. Stopped before saving anything non-finite: {kept}
+Lower the learning rate, check the data (or pass loss_scale="dynamic" to wrap_optimizer, which \
+skips steps whose gradients are not finite), then run again{resume}."""
 
 
 @dataclasses.dataclass
@@ -40,6 +56,7 @@ class FitResult:
     resumed_from: int | None  # the checkpoint step this run started from
 
 
+@holds_run_lock  # the run directory is this run's alone, until fit returns or raises
 def fit(
     repl: Replicator,
     step_fn: StepFn,
@@ -69,6 +86,19 @@ def fit(
     plus a progress bar, logging, evaluation, checkpoints and a summary at the end. The scalar
     ``outputs`` of ``step_fn`` are the logged metrics (``loss`` first among them).
 
+    Non-finite training stops the run with `NonFiniteError` (naming the step and the metric or
+    state leaf) before anything non-finite is saved, so every good checkpoint is kept and
+    running again resumes from the newest. Checked: the scalar outputs of ``step_fn`` at every
+    step that logs them (``log_every``) or saves a checkpoint, and the whole state (one small
+    jitted reduction) right before each checkpoint is saved. With loss scaling, a step that the
+    optimizer skipped (its ``skipped`` output grew: the state did not change) may show a
+    non-finite loss; that is handled, not an error. Evaluation outputs are not checked.
+
+    Running a finished run again (its newest checkpoint is at ``steps`` or beyond) does no
+    step: it says that the run is complete and returns the restored state. If ``input_fn``
+    ends before ``steps``, the state at that step is saved (with ``checkpoint_dir``) and a line
+    says where the input ended.
+
     The input position is part of each checkpoint. If ``input_fn``'s iterator has
     ``get_state``/``set_state`` (`rp.Batches`, grain's iterators) its state is saved and a
     resumed run continues from it; otherwise ``input_fn`` must be deterministic, and on resume
@@ -85,7 +115,8 @@ def fit(
       keep: checkpoints to keep.
       log_every: steps between metric logs (each log reads the outputs: a host sync).
       metrics_path: a JSONL file that gets one line per log and per evaluation (appended, so a
-        resumed run continues it).
+        resumed run continues it; on resume, the lines of steps after the restored checkpoint,
+        logged before the run stopped, are dropped first, so that each step appears once).
       tensorboard_dir: also write the metrics as TensorBoard scalars there (needs
         ``tensorboardX``: ``pip install "replicator[tensorboard]"``).
       eval_fn: ``eval_fn(state) -> dict`` of numbers, called every ``eval_every`` steps with
@@ -101,6 +132,9 @@ def fit(
 
     Returns:
       A `FitResult`; ``history`` holds this run's logged metrics.
+
+    Raises:
+      NonFiniteError: (a FloatingPointError) if a checked output or the state is not finite.
 
     Example (one epoch of a regression, on whatever devices there are)::
 
@@ -131,6 +165,14 @@ def fit(
         state, record = ckpt.restore(state)
         start = resumed_from = int(record["step"])
         input_state = _my_input_state(record.get("input_state"))
+        if metrics_path is not None:
+            _drop_lines_after(metrics_path, start)
+    if start >= steps:
+        _notice(
+            f"rp.fit: the run is complete at step {start} (steps={steps}); its checkpoint is in "
+            f"{ckpt.directory}. Nothing to do: give a larger steps to train on."
+        )
+        return FitResult(state, start, [], False, resumed_from)
     report = _Report(
         steps, start, progress, metrics_path, tensorboard_dir, examples_per_step, tokens_per_step
     )
@@ -138,8 +180,10 @@ def fit(
         report.say(f"rp.fit: resumed from the checkpoint of step {start} in {ckpt.directory}")
     step, preempted = start, False
     stop = _StopFlag()
+    guard = _FiniteGuard(ckpt)
 
     def save(batches) -> None:
+        guard.check_state(step, state)
         extra = {"data_position": step}
         position = batches.get_state()
         if position is not None:
@@ -155,32 +199,151 @@ def fit(
             ) as batches,
         ):
             for batch in batches:
+                distributed.heartbeat()  # progress, for replicator launch --watchdog
                 if step >= steps:
                     break
                 state, outputs = repl.run(step_fn, state, batch)
                 step += 1
                 report.advance(step)
-                if step % log_every == 0 or step == steps:
-                    report.log(step, _numbers(local_row(outputs)))
+                logs = step % log_every == 0 or step == steps
+                saves = ckpt is not None and checkpoint_every and step % checkpoint_every == 0
+                if logs or saves:
+                    metrics = _numbers(local_row(outputs))
+                    if logs:
+                        report.log(step, metrics)
+                    guard.check_outputs(step, metrics)
                 if eval_fn is not None and eval_every and step % eval_every == 0:
                     report.log(step, _numbers(_evaluate(repl, eval_fn, state)), prefix="eval_")
-                if ckpt is not None and checkpoint_every and step % checkpoint_every == 0:
+                if saves:
                     save(batches)
                 if stop.requested:
                     preempted = True
                     break
                 if step >= steps:
                     break  # before next() takes one more batch off the input
-            if ckpt is not None and (preempted or step >= steps) and ckpt.latest_step() != step:
-                save(batches)
+            if ckpt is not None and step > start and ckpt.latest_step() != step:
+                save(batches)  # at the end, on SIGTERM/SIGINT, or where the input ended
         if preempted:
             report.say(f"rp.fit: stopped by {stop.signal_name} at step {step}; checkpoint saved")
         elif step < steps:
-            report.say(f"rp.fit: input_fn ran out of batches at step {step} of {steps}.")
+            saved = f"; checkpoint of step {step} saved in {ckpt.directory}" if ckpt else ""
+            report.notice(
+                f"rp.fit: the input (input_fn) ended at step {step} of {steps}, before steps"
+                f"{saved}."
+            )
         report.summary(step, ckpt)
     finally:
         report.close()
     return FitResult(state, step, report.history, preempted, resumed_from)
+
+
+class _FiniteGuard:
+    """Stops `fit` with `NonFiniteError` when a checked output or the state is not finite."""
+
+    def __init__(self, ckpt: Checkpoints | None) -> None:
+        self._ckpt = ckpt
+        self._skipped: float | None = None  # the last ``skipped`` count of loss scaling seen
+
+    def check_outputs(self, step: int, metrics: dict) -> None:
+        skipped = [v for k, v in metrics.items() if k.split(".")[-1] == "skipped"]
+        bad = [k for k, v in metrics.items() if isinstance(v, float) and not np.isfinite(v)]
+        if skipped:
+            handled = self._skipped is None or skipped[0] > self._skipped
+            self._skipped = skipped[0]
+            if handled:  # the optimizer skipped this step: its state did not change
+                bad = []
+        if _anywhere(bool(bad)):
+            name = bad[0] if bad else "(on another process)"
+            value = metrics.get(name, float("nan"))
+            raise NonFiniteError(self._message(f"the training output {name!r} is {value}", step))
+
+    def check_state(self, step: int, state: PyTree) -> None:
+        leaf = _nonfinite_leaf(state)
+        if leaf is not None:
+            raise NonFiniteError(
+                self._message(f"state leaf {leaf} is not finite (nan or inf)", step)
+            )
+
+    def _message(self, what: str, step: int) -> str:
+        ckpt = self._ckpt
+        newest = ckpt.latest_step() if ckpt is not None else None
+        if ckpt is None:
+            kept, resume = "there is no checkpoint_dir, so nothing was saved.", ""
+        elif newest is None:
+            kept = f"no checkpoint in {ckpt.directory} yet."
+            resume = " (it starts from step 0)"
+        else:
+            kept = f"the checkpoints in {ckpt.directory} are kept (newest: step {newest})."
+            resume = f" to resume from step {newest}"
+        return NONFINITE.format(what=what, step=step, kept=kept, resume=resume)
+
+
+def _anywhere(flag: bool) -> bool:
+    """Whether ``flag`` is true on any process (so that every process stops together)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.array([flag]))))
+
+
+@jax.jit
+def _finite_flags(leaves: list) -> jax.Array:
+    return jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])
+
+
+def _nonfinite_leaf(state: PyTree) -> str | None:
+    """The path of the first floating leaf of ``state`` holding a nan or inf, or None."""
+    flat = [
+        (path, x)
+        for path, x in jax.tree_util.tree_flatten_with_path(state)[0]
+        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
+    ]
+    if not flat:
+        return None
+    flags = np.asarray(_finite_flags([x for _, x in flat]))
+    if flags.all():
+        return None
+    return jax.tree_util.keystr(flat[int(np.argmin(flags))][0])
+
+
+def _drop_lines_after(path: str | os.PathLike, step: int) -> None:
+    """Rewrites the JSONL file ``path`` without the lines of steps after ``step`` (logged by a
+    run that stopped after its last checkpoint, and about to be logged again) and without a
+    line cut short by a kill: through a new file and a rename, so that a kill meanwhile
+    leaves the old file or the new one."""
+    try:
+        with open(path) as f:
+            lines = f.readlines()
+    except FileNotFoundError:
+        return
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line cut short
+        if (
+            isinstance(record, dict)
+            and isinstance(record.get("step"), int)
+            and record["step"] > step
+        ):
+            continue
+        kept.append(line if line.endswith("\n") else line + "\n")
+    if kept == lines:
+        return
+    temporary = f"{os.fspath(path)}.tmp-{os.getpid()}"
+    with open(temporary, "w") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
+
+
+def _notice(text: str) -> None:
+    """A line on stderr on process 0, whether or not ``progress`` is on."""
+    if jax.process_index() == 0:
+        print(text, file=sys.stderr, flush=True)
 
 
 def _evaluate(repl: Replicator, eval_fn: Callable[[PyTree], dict], state: PyTree) -> Any:
@@ -297,6 +460,13 @@ class _Report:
             self._bar[0].console.print(text, highlight=False)
         else:
             print(text, file=sys.stderr, flush=True)
+
+    def notice(self, text: str) -> None:
+        """``text`` on process 0 even without ``progress``: something the user must know."""
+        if self._show:
+            self.say(text)
+        else:
+            _notice(text)
 
     def summary(self, step: int, ckpt: Checkpoints | None) -> None:
         seconds = time.perf_counter() - self._t_start
