@@ -18,16 +18,16 @@ from replicator._src.collectives import replica_id as replica_id
 from replicator._src.context import Replicator as Replicator
 from replicator._src.context import current as current
 from replicator._src.context import local_row as local_row
+from replicator._src.data import Batches as Batches
+from replicator._src.data import DistributedIterator as DistributedIterator
+from replicator._src.data import InputContext as InputContext
 from replicator._src.errors import ReplicasDivergedError as ReplicasDivergedError
-from replicator._src.input import Batches as Batches
-from replicator._src.input import DistributedIterator as DistributedIterator
-from replicator._src.input import InputContext as InputContext
-from replicator._src.inspect import StepReport as StepReport
 from replicator._src.loop import FitResult as FitResult
 from replicator._src.loop import NonFiniteError as NonFiniteError
 from replicator._src.loop import fit as fit
 from replicator._src.optim import DistributedOptimizer as DistributedOptimizer
 from replicator._src.precision import Policy as Policy
+from replicator._src.report import StepReport as StepReport
 from replicator._src.zero import ShardedParam as ShardedParam
 from replicator._src.zero import gather_params as gather_params
 

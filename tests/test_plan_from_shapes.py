@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from test_inspect import WIDTH, mlp, mlp_loss, zero_loss, zero_params
+from test_report import WIDTH, mlp, mlp_loss, zero_loss, zero_params
 
 import replicator as rp
 from replicator import pipeline

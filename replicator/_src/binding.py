@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
 from collections.abc import Iterator
 
+from replicator._src import scoped
 from replicator._src.typing import AxisName
 
 
@@ -62,27 +62,19 @@ class Binding:
 LOCAL = Binding("local", (), 1)
 
 
-class _Stack(threading.local):
-    def __init__(self) -> None:
-        self.items: list[Binding] = []
-
-
-_STACK = _Stack()
+_STACK: scoped.Stack[Binding] = scoped.Stack()
 
 
 def current_binding() -> Binding:
     """The innermost binding of this thread, or `LOCAL`."""
-    return _STACK.items[-1] if _STACK.items else LOCAL
+    return _STACK.top(LOCAL)
 
 
 @contextlib.contextmanager
 def bind(binding: Binding) -> Iterator[Binding]:
     """Binds the placeholder collectives to ``binding`` for the duration of the block."""
-    _STACK.items.append(binding)
-    try:
+    with _STACK.push(binding):
         yield binding
-    finally:
-        _STACK.items.pop()
 
 
 def replica_axis_name() -> AxisName | tuple[AxisName, ...] | None:
@@ -114,34 +106,18 @@ def replica_axis_name() -> AxisName | tuple[AxisName, ...] | None:
     ...     rp.replica_axis_name()
     'data'
     """
-    if _STACK.items:
-        axes = _STACK.items[-1].axes
-    else:
-        axes = _context_axes()
+    axes = _STACK.top().axes if _STACK else _CONTEXT_AXES.top(())
     if not axes:
         return None
     return axes[0] if len(axes) == 1 else axes
 
 
-class _ContextAxes(threading.local):
-    def __init__(self) -> None:
-        self.items: list[tuple[AxisName, ...]] = []
-
-
-_CONTEXT_AXES = _ContextAxes()
+_CONTEXT_AXES: scoped.Stack[tuple[AxisName, ...]] = scoped.Stack()
 
 
 @contextlib.contextmanager
 def context_axes(axes: tuple[AxisName, ...]) -> Iterator[None]:
     """Within the block, `replica_axis_name` outside a trace answers ``axes``: what the
     replicator whose ``context()`` is entered binds while it traces a step."""
-    _CONTEXT_AXES.items.append(tuple(axes))
-    try:
+    with _CONTEXT_AXES.push(tuple(axes)):
         yield
-    finally:
-        _CONTEXT_AXES.items.pop()
-
-
-def _context_axes() -> tuple[AxisName, ...]:
-    """The replica axes that the replicator of the innermost ``repl.context()`` binds, or ()."""
-    return _CONTEXT_AXES.items[-1] if _CONTEXT_AXES.items else ()

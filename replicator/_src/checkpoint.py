@@ -24,9 +24,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from replicator._src import errors
+from replicator._src.mesh import replicated_sharding
 from replicator._src.typing import PyTree
 
 
@@ -64,8 +65,7 @@ class Checkpoints:
     def __init__(self, directory: str | os.PathLike, *, keep: int = 3) -> None:
         import orbax.checkpoint as ocp
 
-        if not isinstance(keep, int) or keep < 1:
-            raise ValueError(f"rp.Checkpoints: keep must be an int >= 1; got {keep!r}.")
+        errors.positive_int(keep, api="rp.Checkpoints", name="keep")
         self._ocp = ocp
         self.directory = os.path.abspath(os.fspath(directory))
         os.makedirs(self.directory, exist_ok=True)
@@ -222,7 +222,7 @@ class Checkpoints:
                 )
             sharding = want.sharding
             if meta.shape[-1] % _splits(want.sharding, want.ndim):
-                sharding = NamedSharding(want.sharding.mesh, PartitionSpec())
+                sharding = replicated_sharding(want.sharding.mesh)
             read_as.append(jax.ShapeDtypeStruct(tuple(meta.shape), want.dtype, sharding=sharding))
             resize[i] = want
         restored = self._manager.restore(

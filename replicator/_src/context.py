@@ -6,7 +6,6 @@ import collections
 import contextlib
 import itertools
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -19,11 +18,11 @@ from jax.experimental.multihost_utils import broadcast_one_to_all
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from replicator._src import binding as binding_lib
-from replicator._src import errors, optim, placement
-from replicator._src import input as input_lib
-from replicator._src import inspect as inspect_lib
+from replicator._src import data as data_lib
+from replicator._src import errors, optim, placement, scoped, tracing
 from replicator._src import lowering as lowering_lib
 from replicator._src import mesh as mesh_lib
+from replicator._src import report as report_lib
 from replicator._src.typing import PyTree, StepFn
 
 
@@ -135,11 +134,9 @@ class Replicator:
         if max_in_flight is None:
             on_cpu = self._mesh.devices.flat[0].platform == "cpu" and self._mesh.devices.size > 1
             max_in_flight = 2 if on_cpu else sys.maxsize
-        if not isinstance(max_in_flight, int) or max_in_flight < 1:
-            raise ValueError(
-                f"Replicator: max_in_flight must be an int >= 1 (or None for the default); "
-                f"got {max_in_flight!r}."
-            )
+        errors.positive_int(
+            max_in_flight, api="Replicator", name="max_in_flight", none=" (or None for the default)"
+        )
         self._max_in_flight = max_in_flight
         self._in_flight: collections.deque[jax.Array] = collections.deque()
 
@@ -178,12 +175,9 @@ class Replicator:
         while ``run`` traces ``step_fn``. Within it, ``rp.replica_axis_name()`` outside a trace
         answers what ``run`` binds, for layers built here (a BatchNorm's ``axis_name``).
         """
-        _CURRENT.items.append(self)
-        try:
-            with binding_lib.context_axes(lowering_lib.binding_axes(self._lowering, self._mesh)):
-                yield self
-        finally:
-            _CURRENT.items.pop()
+        axes = lowering_lib.binding_axes(self._lowering, self._mesh)
+        with _CURRENT.push(self), binding_lib.context_axes(axes):
+            yield self
 
     @contextlib.contextmanager
     def _donation_suspended(self) -> Iterator[None]:
@@ -340,19 +334,19 @@ class Replicator:
 
     # -- input ------------------------------------------------------------------------------
 
-    def input_context(self) -> input_lib.InputContext:
+    def input_context(self) -> data_lib.InputContext:
         """The `InputContext` that ``distribute`` passes to ``input_fn`` in this process."""
-        return input_lib.make_input_context(self.num_replicas)
+        return data_lib.make_input_context(self.num_replicas)
 
     def distribute(
         self,
-        input_fn: Callable[[input_lib.InputContext], Iterable[PyTree]],
+        input_fn: Callable[[data_lib.InputContext], Iterable[PyTree]],
         /,
         *,
         prefetch: int = 2,
         skip: int = 0,
         state: Any = None,
-    ) -> input_lib.DistributedIterator:
+    ) -> data_lib.DistributedIterator:
         """Iterates ``input_fn(ctx)``'s batches as global arrays split over the replicas.
 
         ``input_fn`` runs once per process and yields that process's part of each global batch:
@@ -379,12 +373,12 @@ class Replicator:
             )
         if not isinstance(skip, int) or skip < 0:
             raise ValueError(f"Replicator.distribute: skip must be an int >= 0; got {skip!r}.")
-        source = input_lib.call_input_fn(input_fn, self.input_context())
+        source = data_lib.call_input_fn(input_fn, self.input_context())
         if state is not None:
-            source = input_lib.resume(source, state)
+            source = data_lib.resume(source, state)
         if skip:
             source = itertools.islice(source, skip, None)
-        return input_lib.DistributedIterator(
+        return data_lib.DistributedIterator(
             source,
             sharding=mesh_lib.batch_sharding(self._mesh),
             num_local_replicas=mesh_lib.num_local_replicas(self._mesh),
@@ -483,7 +477,7 @@ class Replicator:
         program, _ = self._program(step_fn, state_leaves, state_def, arg_leaves, args_def, args)
         return program.lower(state_leaves, arg_leaves)
 
-    def explain(self, step_fn: StepFn, state: PyTree, *args: PyTree) -> inspect_lib.StepReport:
+    def explain(self, step_fn: StepFn, state: PyTree, *args: PyTree) -> report_lib.StepReport:
         """What ``run(step_fn, state, *args)`` would cost per device, without running it.
 
         Compiles the step for this mesh and reads the compiled program: per-device memory
@@ -522,10 +516,10 @@ class Replicator:
         start = time.perf_counter()
         state_leaves, state_def = jax.tree.flatten(state)
         arg_leaves, args_def = jax.tree.flatten(args)
-        with inspect_lib.recording() as pipelines:  # a new program: step_fn is traced again
+        with tracing.recording() as pipelines:  # a new program: step_fn is traced again
             program, _ = self._compile(step_fn, state_def, args_def, state_leaves, arg_leaves, args)
             compiled = program.lower(state_leaves, arg_leaves).compile()
-        return inspect_lib.report(
+        return report_lib.report(
             compiled,
             step=getattr(step_fn, "__qualname__", None) or repr(step_fn),
             mesh_shape=dict(self._mesh.shape),
@@ -683,12 +677,7 @@ def _raise_donated(state: PyTree) -> None:
         )
 
 
-class _Current(threading.local):
-    def __init__(self) -> None:
-        self.items: list[Replicator] = []
-
-
-_CURRENT = _Current()
+_CURRENT: scoped.Stack[Replicator] = scoped.Stack()
 
 
 def current() -> Replicator | None:
@@ -698,4 +687,4 @@ def current() -> Replicator | None:
     >>> rp.current() is None
     True
     """
-    return _CURRENT.items[-1] if _CURRENT.items else None
+    return _CURRENT.top()

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 
 import jax
 
-from replicator._src import compat
+from replicator._src import compat, errors
 
 ENV_COORDINATOR = "REPLICATOR_COORDINATOR"
 ENV_NUM_PROCESSES = "REPLICATOR_NUM_PROCESSES"
@@ -518,15 +518,12 @@ def _check_launch_args(command, num_processes, devices_per_process, port, grace,
     def seconds(x):
         return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x and x != x + 1
 
-    if not isinstance(num_processes, int) or num_processes < 1:
-        raise ValueError(f"replicator launch: -n must be an int >= 1; got {num_processes!r}.")
-    if devices_per_process is not None and (
-        not isinstance(devices_per_process, int) or devices_per_process < 1
-    ):
-        raise ValueError(
-            f"replicator launch: --devices-per-process must be an int >= 1 (or left out for "
-            f"the platform's own devices); got {devices_per_process!r}."
-        )
+    api = "replicator launch"
+    errors.positive_int(num_processes, api=api, name="-n")
+    errors.positive_int(
+        devices_per_process, api=api, name="--devices-per-process",
+        none=" (or left out for the platform's own devices)",
+    )  # fmt: skip
     if port is not None and (not isinstance(port, int) or not 1 <= port <= 65535):
         raise ValueError(
             f"replicator launch: --port must be an int in 1..65535 (or left out for a free "

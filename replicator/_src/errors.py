@@ -5,6 +5,32 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
+
+
+def positive_int(value: Any, *, api: str, name: str, none: str | None = None, fix: str = ""):
+    """``value`` as an int if it is an int >= 1, else a ValueError naming ``api`` and ``name``.
+
+    Args:
+      value: what the caller passed (a Python or NumPy int; ``True`` is not a count).
+      api: the API to name in the error, e.g. ``"rp.fit"``.
+      name: the argument's name, e.g. ``"steps"``.
+      none: if given, ``None`` is accepted (and returned), and the error says so with this text
+        after ">= 1", e.g. ``" or None"``.
+      fix: a sentence appended to the error.
+
+    >>> positive_int(3, api="rp.fit", name="steps")
+    3
+    >>> positive_int(0, api="rp.fit", name="steps")
+    Traceback (most recent call last):
+    ValueError: rp.fit: steps must be an int >= 1; got 0.
+    """
+    if value is None and none is not None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        tail = f" {fix}" if fix else ""
+        raise ValueError(f"{api}: {name} must be an int >= 1{none or ''}; got {value!r}.{tail}")
+    return int(value)
 
 
 class ReplicasDivergedError(RuntimeError):

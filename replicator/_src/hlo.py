@@ -14,14 +14,13 @@ pipeline engine marks the stage shifts (one tick in ``Lv`` layer iterations) and
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import re
-from collections.abc import Iterator
 from fractions import Fraction
 
-import jax
 import numpy as np
+
+from replicator._src import tracing
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 
@@ -41,23 +40,10 @@ _DTYPE_BYTES = {
     "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5,
     "s2": 0.25, "u2": 0.25, "token": 0,
 }  # fmt: skip
-_MARK = re.compile(r"replicator_runs_(\d+)_of_(\d+)")
 _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([\d,]*)\]")
 _CALLS = re.compile(
     r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)"
 )
-
-
-@contextlib.contextmanager
-def runs(num: int, den: int) -> Iterator[None]:
-    """Marks the conditionals traced inside as running ``num`` times in every ``den`` loop trips.
-
-    Use it around a ``lax.cond`` inside a ``lax.scan`` whose predicate is true on a known share
-    of the iterations; the HLO reader then counts that conditional's work and collectives
-    ``num / den`` as often as the loop runs (otherwise: as often as the loop runs).
-    """
-    with jax.named_scope(f"replicator_runs_{int(num)}_of_{int(den)}"):
-        yield
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,7 +239,7 @@ class _Walker:
             op_name = re.search(r'op_name="([^"]*)"', inst.attrs)
             op_name = op_name.group(1) if op_name else ""
             m, marks = mult, applied
-            for found in _MARK.finditer(op_name):
+            for found in tracing.RUNS_MARK.finditer(op_name):
                 key = op_name[: found.end()]
                 if key not in marks:
                     m, marks = m * Fraction(int(found.group(1)), int(found.group(2))), marks | {key}

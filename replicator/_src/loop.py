@@ -144,15 +144,13 @@ def fit(
         result = rp.fit(repl, step_fn, state, input_fn, steps=1000,
                         checkpoint_dir="/tmp/run", checkpoint_every=100)
     """
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"rp.fit: steps must be an int >= 1; got {steps!r}.")
+    errors.positive_int(steps, api="rp.fit", name="steps")
     for name, value in (
         ("checkpoint_every", checkpoint_every),
         ("eval_every", eval_every),
         ("log_every", log_every),
     ):
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise ValueError(f"rp.fit: {name} must be an int >= 1 or None; got {value!r}.")
+        errors.positive_int(value, api="rp.fit", name=name, none=" or None")
     if checkpoint_every and checkpoint_dir is None:
         raise ValueError(
             "rp.fit: checkpoint_every is set but checkpoint_dir is None; give checkpoint_dir "

@@ -231,7 +231,7 @@ def _build_pmap(step_fn, mesh, state_def, args_def, state_specs, arg_specs, dona
     out_shardings = (
         [NamedSharding(mesh, s) for s in state_specs],
         mesh_lib.batch_sharding(mesh),
-        NamedSharding(mesh, PartitionSpec()),
+        mesh_lib.replicated_sharding(mesh),
     )
     return jax.jit(program, donate_argnums=(0,) if donate else (), out_shardings=out_shardings)
 

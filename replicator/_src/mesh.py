@@ -12,7 +12,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from replicator._src import compat
 
-KNOWN_AXES: tuple[str, ...] = ("dcn_data", "data", "stage", "model")
+STAGE_AXIS = "stage"
+"""The pipeline axis: stage ``s`` of a pipeline lives on index ``s`` of it."""
+
+KNOWN_AXES: tuple[str, ...] = ("dcn_data", "data", STAGE_AXIS, "model")
 """Mesh axes replicator knows, in the order they are laid out (outermost first)."""
 
 DATA_AXES: tuple[str, ...] = ("dcn_data", "data")
@@ -137,6 +140,7 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def replicated_sharding(mesh: Mesh) -> NamedSharding:
+    """``NamedSharding(mesh, P())``: every device holds the whole array."""
     return NamedSharding(mesh, PartitionSpec())
 
 

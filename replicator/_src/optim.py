@@ -35,10 +35,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
-from replicator._src import collectives, placement, zero
+from replicator._src import collectives, errors, placement, zero
 from replicator._src.binding import current_binding
+from replicator._src.mesh import replicated_sharding
 from replicator._src.sharded_eval import chunk
 from replicator._src.typing import PyTree
 from replicator._src.zero import ShardedParam, is_sharded_param
@@ -183,8 +184,7 @@ def wrap_optimizer(
         )
     if clip_global_norm is not None and not clip_global_norm > 0:
         raise ValueError(f"{api}: clip_global_norm must be > 0 or None; got {clip_global_norm!r}.")
-    if not isinstance(accumulate_steps, int) or accumulate_steps < 1:
-        raise ValueError(f"{api}: accumulate_steps must be an int >= 1; got {accumulate_steps!r}.")
+    errors.positive_int(accumulate_steps, api=api, name="accumulate_steps")
     dynamic = loss_scale == "dynamic"
     if not (
         loss_scale is None or dynamic or (isinstance(loss_scale, int | float) and loss_scale > 0)
@@ -192,10 +192,7 @@ def wrap_optimizer(
         raise ValueError(
             f"{api}: loss_scale must be None, a positive number or 'dynamic'; got {loss_scale!r}."
         )
-    if not isinstance(loss_scale_period, int) or loss_scale_period < 1:
-        raise ValueError(
-            f"{api}: loss_scale_period must be an int >= 1; got {loss_scale_period!r}."
-        )
+    errors.positive_int(loss_scale_period, api=api, name="loss_scale_period")
     if zero_stage == 3 and grad_dtype is not None:
         raise ValueError(
             f"{api}: grad_dtype is not supported with zero_stage=3 (its gradients are reduced "
@@ -225,7 +222,7 @@ def wrap_optimizer(
             start = 2.0**15 if dynamic else float(loss_scale)
             scale = LossScaleState(jnp.float32(start), jnp.int32(0), jnp.int32(0))
             if mesh is not None:
-                scale = placement.put(scale, NamedSharding(mesh, PartitionSpec()))
+                scale = placement.put(scale, replicated_sharding(mesh))
         return WrappedState(inner_state, scale)
 
     def reduce(grads):
@@ -353,7 +350,7 @@ def _check_stage3_params(params: PyTree) -> None:
 def _on_mesh(state: PyTree, mesh: Mesh) -> PyTree:
     """Leaves not yet on ``mesh`` (such as Adam's step count) replicated on it, so that the
     state ``run`` gets has the placement of the state it returns, and the step compiles once."""
-    replicated = NamedSharding(mesh, PartitionSpec())
+    replicated = replicated_sharding(mesh)
 
     def place(x):
         sharding = getattr(x, "sharding", None)

@@ -9,27 +9,21 @@ shardings as the real one.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import jax
 
+from replicator._src import scoped
 from replicator._src.typing import PyTree
 
-
-class _Tables(threading.local):
-    def __init__(self) -> None:
-        self.items: list[dict[int, tuple[Any, Any]]] = []
-
-
-_TABLES = _Tables()
+_TABLES: scoped.Stack[dict[int, tuple[Any, Any]]] = scoped.Stack()
 
 
 def put(tree: PyTree, shardings: Any) -> PyTree:
     """``jax.device_put(tree, shardings)``, noted for `recording` (one sharding or a tree)."""
     out = jax.device_put(tree, shardings)
-    if _TABLES.items:
+    if _TABLES:
         leaves = jax.tree.leaves(out)
         if isinstance(shardings, jax.sharding.Sharding):
             per_leaf = [shardings] * len(leaves)
@@ -38,19 +32,15 @@ def put(tree: PyTree, shardings: Any) -> PyTree:
                 shardings, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding)
             )
         for leaf, sharding in zip(leaves, per_leaf, strict=True):
-            _TABLES.items[-1][id(leaf)] = (leaf, sharding)  # the leaf kept alive: ids stay unique
+            _TABLES.top()[id(leaf)] = (leaf, sharding)  # the leaf kept alive: ids stay unique
     return out
 
 
 @contextlib.contextmanager
 def recording() -> Iterator[dict[int, tuple[Any, Any]]]:
     """Notes, by leaf identity, the sharding of every leaf `put` places within the block."""
-    table: dict[int, tuple[Any, Any]] = {}
-    _TABLES.items.append(table)
-    try:
+    with _TABLES.push({}) as table:
         yield table
-    finally:
-        _TABLES.items.pop()
 
 
 def recorded_sharding(table: dict[int, tuple[Any, Any]], leaf: Any) -> Any:

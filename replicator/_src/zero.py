@@ -150,7 +150,7 @@ class Zero:
         self.stage = stage
         self.n = mesh_lib.num_replicas(mesh)
         self.entry = mesh_lib.batch_spec(mesh)[0]
-        self.replicated = NamedSharding(mesh, PartitionSpec())
+        self.replicated = mesh_lib.replicated_sharding(mesh)
 
     # -- shapes ---------------------------------------------------------------------------------
 

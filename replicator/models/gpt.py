@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from replicator._src.errors import positive_int
+
 PyTree = Any
 
 
@@ -49,11 +51,8 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "d_model", "num_heads", "num_layers"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"GPTConfig: {name} must be an int >= 1; got {value!r}.")
-        if self.d_ff is not None and (not isinstance(self.d_ff, int) or self.d_ff < 1):
-            raise ValueError(f"GPTConfig: d_ff must be an int >= 1 or None; got {self.d_ff!r}.")
+            positive_int(getattr(self, name), api="GPTConfig", name=name)
+        positive_int(self.d_ff, api="GPTConfig", name="d_ff", none=" or None")
         if self.d_model % self.num_heads:
             raise ValueError(
                 f"GPTConfig: d_model={self.d_model} must divide by num_heads={self.num_heads}; "

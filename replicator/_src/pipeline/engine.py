@@ -38,13 +38,13 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from replicator._src import hlo
-from replicator._src import inspect as inspect_lib
+from replicator._src import tracing
 from replicator._src.binding import current_binding
+from replicator._src.errors import positive_int
+from replicator._src.mesh import STAGE_AXIS
 from replicator._src.pipeline import schedules as schedules_lib
 from replicator._src.typing import PyTree
 
-STAGE_AXIS = "stage"
 _PARAMS = "rp_pipeline_layer_params"
 
 StageFn = Callable[[PyTree, PyTree], PyTree]
@@ -297,7 +297,7 @@ class _Call:
         xs = _microbatch(inputs, m)
         if plan is not None:  # for Replicator.explain: one micro-batch's activation per tick
             sent = sum(a[0].size * a.dtype.itemsize for a in jax.tree.leaves(xs))
-            inspect_lib.note_pipeline(plan, sent, backward=api == "value_and_grad")
+            _note(plan, sent, backward=api == "value_and_grad")
         call = cls(
             api, schedule, k, m, rows, xs, _microbatch(targets, m),
             jax.tree.map(jnp.shape, stage_params), batch,
@@ -312,9 +312,27 @@ class _Call:
         return jax.tree.map(lambda a: a.reshape((self.batch, *a.shape[2:])), tree)
 
 
+def _note(plan: schedules_lib.Plan, activation_bytes: int, *, backward: bool) -> None:
+    """Notes ``plan`` for `Replicator.explain` (a no-op unless a report is being made)."""
+    if not tracing.recording_pipelines():
+        return
+    tracing.note_pipeline(
+        tracing.PipelineNote(
+            schedule=plan.schedule,
+            num_stages=plan.num_stages,
+            num_microbatches=plan.num_microbatches,
+            repeats=plan.repeats,
+            ticks=plan.num_ticks,
+            bubble_fraction=float(plan.bubble_fraction()),
+            activation_bytes=int(activation_bytes),
+            sends_per_step=(2 if backward else 1) * plan.num_ticks,
+            picture=schedules_lib.render(plan, width=100),
+        )
+    )
+
+
 def _check_common(m, remat, api: str, unroll: bool = False) -> None:
-    if not isinstance(m, int) or isinstance(m, bool) or m < 1:
-        raise ValueError(f"rp.pipeline.{api}: num_microbatches must be an int >= 1; got {m!r}.")
+    positive_int(m, api=f"rp.pipeline.{api}", name="num_microbatches")
     for name, value in (("remat", remat), ("unroll", unroll)):
         if not isinstance(value, bool):
             raise TypeError(f"rp.pipeline.{api}: {name} must be True or False; got {value!r}.")
@@ -508,13 +526,13 @@ def _forward_ticks(call, plan, stage_fn, loss_fn, head_params, rows, ts, xs, *, 
         if loss_fn is None:
             acc = _where(done, _put(acc, ic, h), acc)
         else:
-            with hlo.runs(m, plan.num_ticks * lv):  # on the last stage, once per micro-batch
+            with tracing.runs(m, plan.num_ticks * lv):  # on the last stage, once per micro-batch
                 acc = acc + lax.cond(
                     done,
                     lambda: _mean_loss(loss_fn, head_params, h, _take(ts, ic), m),
                     lambda: jnp.zeros((), jnp.float32),
                 )
-        with hlo.runs(1, lv):  # after the tick's last layer
+        with tracing.runs(1, lv):  # after the tick's last layer
             recv = lax.cond(last_layer, lambda: _shift(h, k, 1, ring=v > 1), lambda: recv)
         return (recv, h, acc), None
 
@@ -579,12 +597,12 @@ def _one_f_one_b(call: _Call, stage_fn, loss_fn, head_params):
         f_on = (i >= 0) & (q < lv)
         x = _where(q == 0, _where(is_first, _take(call.xs, ic), c["act"]), c["h"])
         # Each stage is busy in M of the T ticks' forward halves, and in M backward halves.
-        with hlo.runs(m, 2 * plan.num_ticks):
+        with tracing.runs(m, 2 * plan.num_ticks):
             h = lax.cond(f_on, lambda: layer_fn(_take(params, lf), x), lambda: c["h"])
         slot = jnp.where(f_on, ic % slots, slots)  # idle: the spare slot
         stash = jax.tree.map(lambda a, v: a.at[slot, lf].set(v), c["stash"], x)
         # The last stage turns its output into the loss and the cotangent at once.
-        with hlo.runs(m, 2 * lv * plan.num_ticks):  # on the last stage, once per micro-batch
+        with tracing.runs(m, 2 * lv * plan.num_ticks):  # on the last stage, once per micro-batch
             loss, (g_head, dy) = lax.cond(
                 f_on & (q == lv - 1) & is_last,
                 lambda: grad_loss(head_params, h, _take(call.ts, ic)),
@@ -596,7 +614,7 @@ def _one_f_one_b(call: _Call, stage_fn, loss_fn, head_params):
         b_on = (j >= 0) & (q >= lv)
         cot = _where(q == lv, _where(is_last, dy, c["cot"]), c["g"])
         saved = jax.tree.map(lambda a: a[jc % slots, lb], stash)
-        with hlo.runs(m, 2 * plan.num_ticks):
+        with tracing.runs(m, 2 * plan.num_ticks):
             g_layer, g = lax.cond(
                 b_on,
                 lambda: jax.vjp(layer_fn, _take(params, lb), saved)[1](cot),
@@ -604,7 +622,7 @@ def _one_f_one_b(call: _Call, stage_fn, loss_fn, head_params):
             )
         end = q == 2 * lv - 1
         g_xs = _put(c["g_xs"], jnp.where(end & b_on & is_first, jc, m), g)  # else: spare row
-        with hlo.runs(1, 2 * lv):  # after the tick's last backward layer
+        with tracing.runs(1, 2 * lv):  # after the tick's last backward layer
             act, cot_next = lax.cond(
                 end,
                 lambda: (_shift(h, k, 1, ring=False), _shift(g, k, -1, ring=False)),

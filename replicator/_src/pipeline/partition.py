@@ -21,12 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from replicator._src.errors import positive_int
+from replicator._src.mesh import STAGE_AXIS
 from replicator._src.typing import PyTree
-
-
-def _check_count(api: str, name: str, value) -> None:
-    if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{api}: {name} must be an int >= 1; got {value!r}.")
 
 
 def _as_stacked(layers) -> PyTree:
@@ -92,8 +89,8 @@ def stack_stages(layers: Sequence[PyTree] | PyTree, num_stages: int, repeats: in
     [4, 5]
     """
     api = "rp.pipeline.stack_stages"
-    _check_count(api, "num_stages", num_stages)
-    _check_count(api, "repeats", repeats)
+    positive_int(num_stages, api=api, name="num_stages")
+    positive_int(repeats, api=api, name="repeats")
     stacked = _as_stacked(layers)
     n = jax.tree.leaves(stacked)[0].shape[0]
     s = num_stages * repeats
@@ -117,7 +114,7 @@ def unstack_stages(stacked: PyTree, repeats: int = 1) -> PyTree:
     >>> bool((rp.pipeline.unstack_stages(rp.pipeline.stack_stages(w, 2, repeats=2), 2) == w).all())
     True
     """
-    _check_count("rp.pipeline.unstack_stages", "repeats", repeats)
+    positive_int(repeats, api="rp.pipeline.unstack_stages", name="repeats")
     lead = 2 if repeats == 1 else 3
     return jax.tree.map(lambda a: jnp.reshape(a, (-1, *jnp.shape(a)[lead:])), stacked)
 
@@ -133,8 +130,8 @@ def stage_spec(repeats: int = 1) -> PartitionSpec:
     >>> rp.pipeline.stage_spec(), rp.pipeline.stage_spec(2)
     (P('stage',), P(None, 'stage'))
     """
-    _check_count("rp.pipeline.stage_spec", "repeats", repeats)
-    return PartitionSpec("stage") if repeats == 1 else PartitionSpec(None, "stage")
+    positive_int(repeats, api="rp.pipeline.stage_spec", name="repeats")
+    return PartitionSpec(STAGE_AXIS) if repeats == 1 else PartitionSpec(None, STAGE_AXIS)
 
 
 # -- balancing layers of unequal cost -----------------------------------------------------------
@@ -203,7 +200,7 @@ def balance(costs: Sequence[float], num_stages: int) -> Partition:
     max stage cost 4, imbalance 1.200
     """
     api = "rp.pipeline.balance"
-    _check_count(api, "num_stages", num_stages)
+    positive_int(num_stages, api=api, name="num_stages")
     c = np.asarray(list(costs), dtype=np.float64)
     if c.ndim != 1 or c.size == 0:
         raise ValueError(f"{api}: costs must be a non-empty list of per-layer costs.")
@@ -261,7 +258,7 @@ def layer_costs(
     api = "rp.pipeline.layer_costs"
     if method not in ("flops", "time"):
         raise ValueError(f"{api}: method must be 'flops' or 'time'; got {method!r}.")
-    _check_count(api, "repeats", repeats)
+    positive_int(repeats, api=api, name="repeats")
     if params is not None and len(params) != len(fns):
         raise ValueError(f"{api}: {len(fns)} fns but {len(params)} params; give one per layer.")
     x = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), example_input)

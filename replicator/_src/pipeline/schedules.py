@@ -16,18 +16,17 @@ from typing import ClassVar, TypeAlias
 
 import numpy as np
 
-
-def _check_int(api: str, name: str, value: object, fix: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-        raise ValueError(f"{api}: {name} must be an int >= 1; got {value!r}. {fix}")
-    return int(value)
+from replicator._src.errors import positive_int
 
 
 def _check_sizes(api: str, num_stages: object, num_microbatches: object) -> tuple[int, int]:
-    k = _check_int(api, "num_stages", num_stages, "Pass the size of the 'stage' mesh axis.")
-    m = _check_int(
-        api, "num_microbatches", num_microbatches, "Pass how many micro-batches to split into."
+    k = positive_int(
+        num_stages, api=api, name="num_stages", fix="Pass the size of the 'stage' mesh axis."
     )
+    m = positive_int(
+        num_microbatches, api=api, name="num_microbatches",
+        fix="Pass how many micro-batches to split into.",
+    )  # fmt: skip
     return k, m
 
 
@@ -170,12 +169,10 @@ class Circular:
     name: ClassVar[str] = "circular"
 
     def __post_init__(self) -> None:
-        _check_int(
-            "Circular",
-            "repeats",
-            self.repeats,
-            "Use Circular(repeats=2) or more, or GPipe() for one stage per device.",
-        )
+        positive_int(
+            self.repeats, api="Circular", name="repeats",
+            fix="Use Circular(repeats=2) or more, or GPipe() for one stage per device.",
+        )  # fmt: skip
 
     def plan(self, num_stages: int, num_microbatches: int) -> Plan:
         """The tick tables for ``num_stages`` devices and ``num_microbatches`` micro-batches."""

@@ -12,15 +12,13 @@ and returns a :class:`StepReport`:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import io
 import json
 import math
-import threading
-from collections.abc import Iterator
 
 from replicator._src import hlo
+from replicator._src.tracing import PipelineNote
 
 Collective = hlo.Collective
 
@@ -48,35 +46,6 @@ class Memory:
     def peak(self) -> int:
         """An upper bound of the bytes live at once: arguments + outputs - aliased + temps."""
         return self.arguments + self.outputs - self.aliased + self.temporaries
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelineNote:
-    """A pipeline call traced in the step: its schedule and what moves between stages.
-
-    Attributes:
-      schedule: ``"gpipe"``, ``"circular"`` or ``"1f1b"``.
-      num_stages: K.
-      num_microbatches: M.
-      repeats: V, virtual stages per device.
-      ticks: T, ticks of the schedule's scan.
-      bubble_fraction: the idle share of a lock-step step (backward = 2 x forward).
-      activation_bytes: one micro-batch's activation on one device: what a stage sends to the
-        next each tick (and, as cotangent, back).
-      sends_per_step: stage shifts per step on each device: 2T with the backward pass (the
-        activation forward, its cotangent back), T for a forward-only ``apply``.
-      picture: the schedule as an ASCII grid (``rp.pipeline.render``).
-    """
-
-    schedule: str
-    num_stages: int
-    num_microbatches: int
-    repeats: int
-    ticks: int
-    bubble_fraction: float
-    activation_bytes: int
-    sends_per_step: int
-    picture: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,49 +216,6 @@ def _renderable(r: StepReport):
             )
         )
     return Group(*parts)
-
-
-# -- notes taken while a step is traced --------------------------------------------------------
-
-
-class _Notes(threading.local):
-    def __init__(self) -> None:
-        self.stack: list[list[PipelineNote]] = []
-
-
-_NOTES = _Notes()
-
-
-@contextlib.contextmanager
-def recording() -> Iterator[list[PipelineNote]]:
-    """Collects the `PipelineNote`s of the pipelines traced inside the block."""
-    notes: list[PipelineNote] = []
-    _NOTES.stack.append(notes)
-    try:
-        yield notes
-    finally:
-        _NOTES.stack.pop()
-
-
-def note_pipeline(plan, activation_bytes: int, *, backward: bool) -> None:
-    """Called by the pipeline engine at trace time; a no-op unless a report is being made."""
-    if not _NOTES.stack:
-        return
-    from replicator._src.pipeline import schedules
-
-    _NOTES.stack[-1].append(
-        PipelineNote(
-            schedule=plan.schedule,
-            num_stages=plan.num_stages,
-            num_microbatches=plan.num_microbatches,
-            repeats=plan.repeats,
-            ticks=plan.num_ticks,
-            bubble_fraction=float(plan.bubble_fraction()),
-            activation_bytes=int(activation_bytes),
-            sends_per_step=(2 if backward else 1) * plan.num_ticks,
-            picture=schedules.render(plan, width=100),
-        )
-    )
 
 
 def report(

@@ -1,0 +1,84 @@
+"""What the library notes while a step is traced, for the report to read back.
+
+Two kinds of note, both made by the code that builds a step (the pipeline engine) and read by
+``report.py`` once the step is compiled; neither changes what the step computes:
+
+* `runs`: a named scope around a conditional inside a loop, saying how many of the loop's
+  trips take it; the HLO reader (``hlo.py``) finds the scope's name in the compiled program.
+* `note_pipeline`: a `PipelineNote` for each pipeline traced inside `recording`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+from collections.abc import Iterator
+
+import jax
+
+from replicator._src import scoped
+
+RUNS_MARK = re.compile(r"replicator_runs_(\d+)_of_(\d+)")
+
+
+@contextlib.contextmanager
+def runs(num: int, den: int) -> Iterator[None]:
+    """Marks the conditionals traced inside as running ``num`` times in every ``den`` loop trips.
+
+    Use it around a ``lax.cond`` inside a ``lax.scan`` whose predicate is true on a known share
+    of the iterations; the HLO reader then counts that conditional's work and collectives
+    ``num / den`` as often as the loop runs (otherwise: as often as the loop runs).
+    """
+    with jax.named_scope(f"replicator_runs_{int(num)}_of_{int(den)}"):
+        yield
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineNote:
+    """A pipeline call traced in the step: its schedule and what moves between stages.
+
+    Attributes:
+      schedule: ``"gpipe"``, ``"circular"`` or ``"1f1b"``.
+      num_stages: K.
+      num_microbatches: M.
+      repeats: V, virtual stages per device.
+      ticks: T, ticks of the schedule's scan.
+      bubble_fraction: the idle share of a lock-step step (backward = 2 x forward).
+      activation_bytes: one micro-batch's activation on one device: what a stage sends to the
+        next each tick (and, as cotangent, back).
+      sends_per_step: stage shifts per step on each device: 2T with the backward pass (the
+        activation forward, its cotangent back), T for a forward-only ``apply``.
+      picture: the schedule as an ASCII grid (``rp.pipeline.render``).
+    """
+
+    schedule: str
+    num_stages: int
+    num_microbatches: int
+    repeats: int
+    ticks: int
+    bubble_fraction: float
+    activation_bytes: int
+    sends_per_step: int
+    picture: str
+
+
+_NOTES: scoped.Stack[list[PipelineNote]] = scoped.Stack()
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[PipelineNote]]:
+    """Collects the `PipelineNote`s of the pipelines traced inside the block."""
+    with _NOTES.push([]) as notes:
+        yield notes
+
+
+def recording_pipelines() -> bool:
+    """Whether a `recording` block is open on this thread (the engine then notes its plan)."""
+    return bool(_NOTES)
+
+
+def note_pipeline(note: PipelineNote) -> None:
+    """Called by the pipeline engine at trace time; a no-op unless a report is being made."""
+    if _NOTES:
+        _NOTES.top().append(note)
