@@ -2,7 +2,8 @@
 
 The data is generated procedurally (no downloads): 16x16 images of six kinds of shapes (bars,
 diagonals, squares, disks, crosses) at random positions and sizes, with noise, from
-``replicator.models.shape_images``. The script is the whole replicator recipe: an ``input_fn``,
+``replicator.models.cnn.shape_batches``; the model and its loss are ``replicator.models.cnn``'s.
+The BatchNorm statistics travel in the state next to the parameters. The script is the whole replicator recipe: an ``input_fn``,
 a one-replica ``step_fn``, and a ``Replicator``.
 
     python examples/train_dp.py                      # 8 emulated CPU devices, 300 steps
@@ -38,38 +39,27 @@ def main() -> None:
     if args.cpu_devices and args.lowering != "local":
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
 
-    import jax.numpy as jnp
-    import numpy as np
     import optax
     from flax import nnx
 
     import replicator as rp
-    from replicator.models import CNN, SHAPES, shape_images
+    from replicator.models import cnn
 
     repl = rp.Replicator(mesh_shape={"data": -1}, lowering=args.lowering)
     print(f"{repl} on {jax.devices()[0].platform}: global batch {args.global_batch}")
 
-    def input_fn(ctx: rp.InputContext):
-        rng = np.random.default_rng(1000 + ctx.input_pipeline_id)
+    def input_fn(ctx: rp.InputContext):  # this process's part of each global batch
         per_process = ctx.per_pipeline_batch_size(args.global_batch)
-        while True:
-            x, y = shape_images(rng, per_process)
-            yield {"x": x, "y": y}
+        yield from cnn.shape_batches(per_process, seed=1000 + ctx.input_pipeline_id)
 
-    model = CNN(in_channels=1, num_classes=len(SHAPES), width=16, rngs=nnx.Rngs(0))
-    graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
+    model = cnn.CNN(in_channels=1, num_classes=len(cnn.SHAPES), width=16, rngs=nnx.Rngs(0))
+    graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)  # BatchNorm: stats
     tx = repl.wrap_optimizer(optax.adam(args.lr))
 
-    def loss_fn(params, stats, batch):
-        m = nnx.merge(graphdef, params, stats, copy=True)
-        logits = m(batch["x"])
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-        accuracy = jnp.mean(jnp.argmax(logits, -1) == batch["y"])
-        return loss, (nnx.state(m, nnx.BatchStat), accuracy)
-
     def step_fn(state, batch):  # one replica's step; gradients are local
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (loss, (stats, accuracy)), grads = grad_fn(state["params"], state["stats"], batch)
+        (loss, (stats, accuracy)), grads = cnn.value_and_grad(
+            graphdef, state["params"], state["stats"], batch
+        )  # BatchNorm statistics over every replica's examples
         updates, opt = tx.update(grads, state["opt"], state["params"])  # all-reduce inside
         params = optax.apply_updates(state["params"], updates)
         metrics = {"loss": loss, "accuracy": accuracy}

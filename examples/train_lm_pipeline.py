@@ -55,18 +55,17 @@ def main() -> None:
         "circular": pipeline.Circular(repeats),
         "1f1b": pipeline.OneFOneB(),
     }[args.schedule]
-    grad_fn = pipeline.value_and_grad(
-        gpt.stage_fn(config), gpt.head_loss, num_microbatches=args.microbatches, schedule=schedule
+    # The loss and this replica's gradients: embedding, then the stages as a pipeline, then
+    # the head (gpt.pipeline_value_and_grad).
+    grad_fn = gpt.pipeline_value_and_grad(
+        config, num_microbatches=args.microbatches, schedule=schedule
     )
     tx = repl.wrap_optimizer(optax.adam(args.lr), clip_global_norm=1.0)
 
     def step_fn(state, batch):  # one data replica, every stage
-        p = state["params"]
-        x, embed_vjp = jax.vjp(lambda e: gpt.embed(e, batch["tokens"]), p["embed"])
-        loss, (g_stages, g_x, g_head) = grad_fn(p["stages"], x, batch["targets"], p["head"])
-        grads = {"embed": embed_vjp(g_x)[0], "stages": g_stages, "head": g_head}
-        updates, opt = tx.update(grads, state["opt"], p)
-        new = {"params": optax.apply_updates(p, updates), "opt": opt}
+        loss, grads = grad_fn(state["params"], batch)
+        updates, opt = tx.update(grads, state["opt"], state["params"])  # all-reduce inside
+        new = {"params": optax.apply_updates(state["params"], updates), "opt": opt}
         return new, {"loss": rp.all_reduce(loss, "mean")}
 
     text = gpt.stdlib_text(2_000_000)
@@ -78,14 +77,8 @@ def main() -> None:
         )
 
     params = gpt.init(config, jax.random.key(0))
-    placed = {
-        "embed": repl.replicate(params["embed"]),
-        "stages": repl.place(
-            pipeline.stack_stages(params["blocks"], num_stages=4, repeats=repeats),
-            pipeline.stage_spec(repeats),
-        ),
-        "head": repl.replicate(params["head"]),
-    }
+    # The blocks stacked into 4 stages and sharded over "stage"; embedding and head replicated.
+    placed = gpt.place_pipeline(repl, params, num_stages=4, repeats=repeats)
     state = {"params": placed, "opt": tx.init(placed)}
     print(f"{repl}: GPT with {gpt.num_params(params):,} parameters, {args.schedule}, "
           f"{len(text):,} bytes of stdlib text")  # fmt: skip

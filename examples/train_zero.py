@@ -9,7 +9,8 @@ the mean gradient and updates only its slice of the parameters. ``jax.checkpoint
 gathers again in the backward pass instead of keeping every layer's full parameters alive. The
 cost is 3x the parameter bytes on the wire per step, against 2x for plain data parallelism.
 
-The data is generated procedurally (no downloads): y = sin(x0) cos(x1) from 16 Gaussian inputs.
+The data is generated procedurally (no downloads): y = sin(x0) cos(x1) from 16 Gaussian inputs
+(``replicator.models.mlp.regression_batches``).
 
     python examples/train_zero.py                    # 8 emulated CPU devices, ZeRO-3
     python examples/train_zero.py --zero-stage 0     # the same model, replicated, to compare
@@ -51,16 +52,14 @@ def main() -> None:
     import optax
 
     import replicator as rp
+    from replicator.models import mlp
 
     repl = rp.Replicator(mesh_shape={"data": -1})
     print(f"{repl} on {jax.devices()[0].platform}: ZeRO stage {args.zero_stage}")
 
-    def input_fn(ctx: rp.InputContext):
-        rng = np.random.default_rng(ctx.input_pipeline_id)  # reproducible per input pipeline
+    def input_fn(ctx: rp.InputContext):  # reproducible per input pipeline
         per_process = ctx.per_pipeline_batch_size(args.global_batch)
-        while True:
-            x = rng.normal(size=(per_process, 16)).astype(np.float32)
-            yield {"x": x, "y": np.sin(x[:, :1]) * np.cos(x[:, 1:2])}
+        yield from mlp.regression_batches(per_process, seed=ctx.input_pipeline_id)
 
     d, rng = args.width, np.random.default_rng(0)
     params = {

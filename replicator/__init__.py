@@ -28,7 +28,8 @@ from replicator._src.loop import fit as fit
 from replicator._src.optim import DistributedOptimizer as DistributedOptimizer
 from replicator._src.precision import Policy as Policy
 from replicator._src.report import StepReport as StepReport
-from replicator._src.zero import ShardedParam as ShardedParam
-from replicator._src.zero import gather_params as gather_params
+from replicator._src.rundir import RunDirLockedError as RunDirLockedError
+from replicator._src.sharded_params import ShardedParam as ShardedParam
+from replicator._src.sharded_params import gather_params as gather_params
 
 __version__ = "0.1.0"

@@ -5,9 +5,7 @@ prefixes their output with their rank, and ends them all at the first failure. T
 ``replicator launch``.
 """
 
-import sys
-
-from replicator._src.distributed import launch_main
+from replicator.cli import launch
 
 if __name__ == "__main__":
-    raise SystemExit(launch_main(sys.argv[1:]))
+    raise SystemExit(launch.main())

@@ -9,8 +9,8 @@ on one device: that is its meaning, and the oracle it is tested against.
 """
 
 from replicator._src.pipeline.engine import apply as apply
-from replicator._src.pipeline.engine import scan_layers as scan_layers
 from replicator._src.pipeline.engine import value_and_grad as value_and_grad
+from replicator._src.pipeline.layers import scan_layers as scan_layers
 from replicator._src.pipeline.partition import Partition as Partition
 from replicator._src.pipeline.partition import balance as balance
 from replicator._src.pipeline.partition import layer_costs as layer_costs

@@ -15,6 +15,7 @@ PUBLIC = [
     "Policy",
     "ReplicasDivergedError",
     "Replicator",
+    "RunDirLockedError",  # rp.fit refuses a run directory another live run holds; catchable
     "ShardedParam",
     "StateMismatchError",
     "StepReport",

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from replicator._src import config
+from replicator import cli
+from replicator.cli import config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -144,3 +145,29 @@ def test_explain_of_an_impossible_config_says_why_and_exits_2():
     assert run.returncode == 2
     assert "replicator explain: OneFOneB.plan: num_microbatches must be >= num_stages" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize(
+    "name, overrides, words",
+    [
+        ("cnn_bn", ["zero_stage=3"], "model.kind='cnn' supports zero_stage 0, 1 or 2"),
+        ("cnn_bn", ["accumulate_steps=2"], "accumulate_steps=2"),
+        ("cnn_bn", ["mesh.stage=2"], "model.kind='cnn' is data parallel"),
+        ("lm_pipeline", ["pipeline=null"], "a mesh with a 'stage' axis needs a pipeline: section"),
+    ],
+)
+def test_what_a_model_kind_needs_is_checked_when_the_config_loads(
+    name, overrides, words, capsys, tmp_path
+):
+    path = ROOT / "configs" / f"{name}.yaml"
+    with pytest.raises(ValueError, match=f"^{path}: .*{words}"):
+        config.load(path, overrides)
+    errors = []
+    for command in ("train", "explain"):
+        assert cli.main([command, str(path), f"out_dir={tmp_path}", *overrides]) == 2
+        errors.append(capsys.readouterr().err)
+    assert errors[0].removeprefix("replicator train: ") == errors[1].removeprefix(
+        "replicator explain: "
+    )
+    assert errors[0].count("\n") == 1 and words in errors[0], errors
+    assert not (tmp_path / name).exists()  # refused before the run directory

@@ -100,3 +100,32 @@ def test_bad_broadcast_source_and_scatter_shape():
         run_collective("shard_map", lambda x: rp.broadcast(x, source=9))
     with pytest.raises(ValueError, match=r"cannot be split over 8 replicas along axis 1; pad"):
         run_collective("shard_map", lambda x: rp.reduce_scatter(x, axis=1))
+
+
+def test_max_and_min_over_named_mesh_axes():
+    import jax
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from replicator._src import collectives
+
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "stage"))
+    x = np.random.default_rng(1).normal(size=(8, 3)).astype(np.float32)  # one row per device
+
+    def body(v):
+        return (
+            collectives.max_over_axes(v, ("stage",)),
+            collectives.min_over_axes(v, ("data", "stage")),
+            collectives.max_over_axes(v, ()),
+        )
+
+    most, least, same = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=P(("data", "stage")),
+        out_specs=(P("data"), P(), P(("data", "stage"))),
+        check_vma=False,
+    )(x)
+    np.testing.assert_array_equal(most, x.reshape(2, 4, 3).max(axis=1))
+    np.testing.assert_array_equal(least, x.min(axis=0, keepdims=True))
+    np.testing.assert_array_equal(same, x)

@@ -62,7 +62,7 @@ def test_heartbeat_is_a_no_op_alone_and_writes_the_launchers_file(tmp_path, monk
     before = time.monotonic()
     rp.distributed.heartbeat()
     rp.distributed.heartbeat()
-    t, exiting, count = distributed._read_beat(str(path))
+    t, exiting, count = distributed.read_beat(str(path))
     assert before <= t <= time.monotonic() and not exiting and count == 2
 
 
@@ -93,7 +93,7 @@ def test_the_first_failure_is_named_even_when_a_peer_is_seen_to_end_first(tmp_pa
     import queue
     import struct
 
-    from replicator._src import distributed
+    from replicator._src import distributed, launcher
 
     files = [str(tmp_path / f"rank{r}.beat") for r in range(3)]
     marks = [(10.0, distributed.FAILED_IN_RUNTIME), (0.0, distributed.RUNNING), (0.0, 0.0)]
@@ -102,12 +102,12 @@ def test_the_first_failure_is_named_even_when_a_peer_is_seen_to_end_first(tmp_pa
             f.write(struct.pack("<ddq", t, how, 3))
     exits = queue.Queue()
     exits.put((1, -9, 10.2))  # seen after rank 0's exit, though it failed first
-    got = distributed._first_failure({0: (1, 10.1)}, {1, 2}, exits, files)
+    got = launcher._first_failure({0: (1, 10.1)}, {1, 2}, exits, files)
     assert got == (1, -9)
     with open(files[2], "wb") as f:
         f.write(struct.pack("<ddq", 10.3, distributed.FAILED, 3))  # rank 2: sys.exit(3)
     exits.put((1, -9, 10.2))
     exits.put((2, 3, 10.4))
-    assert distributed._first_failure({0: (1, 10.1)}, {1, 2}, exits, files) == (2, 3)
+    assert launcher._first_failure({0: (1, 10.1)}, {1, 2}, exits, files) == (2, 3)
     assert distributed._runtime_error(ValueError("UNKNOWN: Gloo all-reduce failed: reset"))
     assert not distributed._runtime_error(ValueError("bad batch"))

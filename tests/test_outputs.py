@@ -83,7 +83,7 @@ def test_a_stage_varying_scalar_output_is_refused_before_the_step_runs():
     with pytest.raises(
         ValueError,
         match=r"Replicator\.run: output \['norm'\] of step_fn .* is a scalar that differs across "
-        r"the mesh axis 'stage'.*x\[None\].*one row per stage.*lax\.psum\(x, 'stage'\)",
+        r"the mesh axis 'stage'.*x\[None\].*one row per stage.*psum\(x, 'stage'\)",
     ):
         repl.run(step, {"w": w}, np.ones(8, np.float32))
     assert not ran
@@ -102,7 +102,7 @@ def test_a_replicated_state_leaf_made_stage_dependent_is_refused():
         ValueError,
         match=r"Replicator\.run: step_fn .* returned state leaf \['b'\] that differs across the "
         r"mesh axis 'stage', but its sharding P\(\) keeps one copy for all of 'stage'"
-        r".*lax\.pmean\(x, 'stage'\).*leading axis of size 4.*P\('stage'\)",
+        r".*pmean\(x, 'stage'\) from jax\.lax.*leading axis of size 4.*P\('stage'\)",
     ):
         repl.run(step, state, np.ones(8, np.float32))
 

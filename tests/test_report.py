@@ -245,6 +245,37 @@ def test_pipeline_moves_one_activation_per_tick_each_way(name):
     assert report.xla_flops < report.matmul_flops  # cost_analysis: loop bodies once
 
 
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_pipeline_apply_notes_the_forward_plan_it_runs(name):
+    k, m, w, global_batch = 4, 4, 16, 32
+    schedule = SCHEDULES[name]
+    runs = pipeline.GPipe() if name == "1f1b" else schedule  # apply runs 1F1B's forward: GPipe's
+    repl = rp.Replicator(mesh_shape={"stage": k, "data": 2})
+    rng = np.random.default_rng(5)
+    stack = (rng.normal(size=(2 * k * schedule.repeats, w, w)) / 4).astype(np.float32)
+    x = rng.normal(size=(global_batch, w)).astype(np.float32)
+    f = pipeline.apply(
+        pipeline.scan_layers(lambda p, h: jnp.tanh(h @ p)), num_microbatches=m, schedule=schedule
+    )
+    stages = pipeline.stack_stages(stack, num_stages=k, repeats=schedule.repeats)
+    report = repl.explain(
+        lambda s, x: (s, {"y": f(s, x)}),
+        repl.place(stages, pipeline.stage_spec(schedule.repeats)),
+        x,
+    )
+
+    plan = runs.plan(k, m)
+    (note,) = report.pipelines
+    assert (note.schedule, note.repeats, note.ticks, note.sends_per_step) == (
+        runs.name, runs.repeats, plan.num_ticks, plan.num_ticks,
+    )  # fmt: skip
+    assert note.bubble_fraction == pytest.approx(plan.bubble_fraction())
+    assert note.picture == pipeline.render(plan, width=100)
+    # The compiled program agrees: forward only, one activation shift per tick.
+    shifts = [c for c in report.collectives if c.kind == "collective-permute"]
+    assert sum(c.count for c in shifts) == note.sends_per_step
+
+
 def test_shapes_alone_give_the_same_report_and_nothing_runs():
     repl = rp.Replicator()
     opt = repl.wrap_optimizer(optax.adam(1e-3), zero_stage=1)

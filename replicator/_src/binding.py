@@ -80,7 +80,7 @@ def bind(binding: Binding) -> Iterator[Binding]:
 def replica_axis_name() -> AxisName | tuple[AxisName, ...] | None:
     """The axis name(s) of the replicas, for layers that take one.
 
-    Flax's ``BatchNorm(axis_name=...)`` and similar layers call ``lax.pmean`` themselves. Pass
+    Flax's ``BatchNorm(axis_name=...)`` and similar layers call JAX's ``pmean`` themselves. Pass
     them this value and they reduce over exactly the replicas:
 
     * while ``step_fn`` is traced: the replica axes of the lowering tracing it, ``None`` under
@@ -90,7 +90,7 @@ def replica_axis_name() -> AxisName | tuple[AxisName, ...] | None:
       it traces, so that a model built there, e.g. with
       ``nnx.BatchNorm(..., axis_name=rp.replica_axis_name())`` in its ``__init__``, takes its
       statistics over every replica when ``repl.run`` runs it. Call such a model in training
-      mode only inside ``step_fn``: elsewhere ``lax.pmean`` finds no replica axis, and JAX
+      mode only inside ``step_fn``: elsewhere their ``pmean`` finds no replica axis, and JAX
       raises an unbound axis name error;
     * outside both: ``None``. A model built there takes its statistics over each replica's own
       examples; ``repl.run`` then refuses its first step with `ReplicasDivergedError` (the

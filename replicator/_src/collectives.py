@@ -150,7 +150,24 @@ def num_replicas() -> int:
     return current_binding().num_replicas
 
 
-def sum_over_axes(x: jax.Array, axes: tuple) -> jax.Array:
-    """The sum of ``x`` over the named non-replica mesh axes ``axes`` (such as ``"stage"``), for
-    the library's own reductions over values split across them; ``x`` when ``axes`` is empty."""
+def sum_over_axes(x: PyTree, axes: tuple) -> PyTree:
+    """The sum of ``x`` (a tree: one collective for all its leaves) over the named non-replica
+    mesh axes ``axes`` (such as ``"stage"``), for the library's own reductions over values split
+    across them; ``x`` when ``axes`` is empty."""
     return lax.psum(x, tuple(axes)) if axes else x
+
+
+def max_over_axes(x: jax.Array, axes: tuple) -> jax.Array:
+    """The element-wise maximum of ``x`` over the named mesh axes ``axes`` (replica axes or
+    others, such as ``"stage"``), for the library's own checks across devices; ``x`` when
+    ``axes`` is empty.
+
+    Equivalent to: ``max([x on device d for d along axes])``, element by element.
+    """
+    return lax.pmax(x, tuple(axes)) if axes else x
+
+
+def min_over_axes(x: jax.Array, axes: tuple) -> jax.Array:
+    """The element-wise minimum of ``x`` over the named mesh axes ``axes``, as `max_over_axes`
+    takes the maximum; ``x`` when ``axes`` is empty."""
+    return lax.pmin(x, tuple(axes)) if axes else x

@@ -2,24 +2,20 @@
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import itertools
-import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.experimental.multihost_utils import broadcast_one_to_all
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 from replicator._src import binding as binding_lib
 from replicator._src import data as data_lib
-from replicator._src import errors, optim, placement, scoped, tracing
+from replicator._src import drift, errors, leaf_specs, optim, scoped, step_cache, tracing
 from replicator._src import lowering as lowering_lib
 from replicator._src import mesh as mesh_lib
 from replicator._src import report as report_lib
@@ -87,58 +83,21 @@ class Replicator:
         donate: bool = True,
         max_in_flight: int | None = None,
     ) -> None:
-        if lowering not in lowering_lib.LOWERINGS:
-            raise ValueError(
-                f"Replicator: lowering={lowering!r} is not one of "
-                f"{', '.join(map(repr, lowering_lib.LOWERINGS))}."
-            )
-        mesh_shape = {"data": -1} if mesh_shape is None else mesh_shape
-        if lowering == "local":
-            devices = list(jax.devices()[:1] if devices is None else devices)
-        self._mesh = mesh_lib.build_mesh(mesh_shape, devices=devices)
-        if not mesh_lib.replica_axes(self._mesh):
-            raise ValueError(
-                f"Replicator: mesh_shape={dict(mesh_shape)} has no data axis; add "
-                f'"data": 1 (no data parallelism) or "data": -1.'
-            )
-        if lowering == "local" and self._mesh.devices.size != 1:
-            raise ValueError(
-                f"Replicator(lowering='local') runs one replica on one device, but "
-                f"mesh_shape={dict(mesh_shape)} uses {self._mesh.devices.size}; pass "
-                f"devices=jax.devices()[:1] or use lowering='shard_map'."
-            )
-        if lowering == "pmap":
-            lowering_lib.check_pmap_mesh(self._mesh)
+        self._mesh = lowering_lib.mesh_for(lowering, mesh_shape, devices=devices)
         self._lowering = lowering
-        if check_replicas is None:
-            check_replicas = 2  # the default: the first two runs of each compiled step
-        if not isinstance(check_replicas, bool) and (
-            not isinstance(check_replicas, int | np.integer) or check_replicas < 0
-        ):
-            raise (ValueError if isinstance(check_replicas, int | np.integer) else TypeError)(
-                f"Replicator: check_replicas must be True, False, None or an int >= 0; got "
-                f"{check_replicas!r}. None (the default) checks that replicated state agrees "
-                f"across replicas after the first 2 runs of each compiled step, n after the "
-                f"first n, True after every run (inside the step), False never."
-            )
-        # True: a check inside the step, every run. An int n: a separate check program after
-        # each of the first n runs of each compiled step (``_checked_runs`` counts them per
-        # program), cached per placement of the state in ``_replica_checks``.
-        self._check_replicas = check_replicas is True
-        multi = self.num_replicas > 1 and lowering != "local"
-        self._check_first_runs = int(check_replicas) if multi and check_replicas is not True else 0
-        self._checked_runs: dict[Any, int] = {}
-        self._replica_checks: dict[tuple, Any] = {}
-        self._donate = donate
-        self._cache: dict = {}
+        self._drift = drift.DriftCheck(self._mesh, lowering, drift.checked_policy(check_replicas))
         if max_in_flight is None:
-            on_cpu = self._mesh.devices.flat[0].platform == "cpu" and self._mesh.devices.size > 1
-            max_in_flight = 2 if on_cpu else sys.maxsize
+            max_in_flight = step_cache.default_max_in_flight(self._mesh)
         errors.positive_int(
             max_in_flight, api="Replicator", name="max_in_flight", none=" (or None for the default)"
         )
-        self._max_in_flight = max_in_flight
-        self._in_flight: collections.deque[jax.Array] = collections.deque()
+        self._steps = step_cache.StepCache(
+            self._mesh,
+            lowering,
+            donate=donate,
+            check_inside=self._drift.inside,
+            max_in_flight=max_in_flight,
+        )
 
     # -- facts --------------------------------------------------------------------------------
 
@@ -184,11 +143,8 @@ class Replicator:
         """Within the block, ``run`` donates no buffers: it runs (and caches apart) programs that
         keep their inputs alive. `fit` calls ``eval_fn`` so, as ``eval_fn`` may pass the training
         state, which training goes on with, to ``run``."""
-        donate, self._donate = self._donate, False
-        try:
+        with self._steps.donation_suspended():
             yield
-        finally:
-            self._donate = donate
 
     # -- state and optimizer ------------------------------------------------------------------
 
@@ -218,21 +174,7 @@ class Replicator:
           TypeError: if ``spec`` is not a ``PartitionSpec``.
           ValueError: if ``spec`` names an axis that is not a mesh axis at all (e.g. ``"stag"``).
         """
-        spec = mesh_lib.fit_spec(spec, self._mesh, api="Replicator.place")
-        sharding = NamedSharding(self._mesh, spec)
-        if jax.process_count() > 1:
-            tree = broadcast_one_to_all(tree)
-            return jax.tree.map(lambda x: _global_copy(np.asarray(x), sharding), tree)
-        # ``device_put`` reuses a device buffer that already holds the value (even with
-        # ``may_alias=False`` in jax 0.10.2); ``run`` donates the state, which would delete the
-        # caller's array. Copy first, so the placed state owns all of its buffers.
-        # An explicit dtype also drops JAX's weak type (jnp.full(3, 0.1) is weakly typed), which
-        # the step's new state would not have: the second step would compile again.
-        tree = jax.tree.map(
-            lambda x: jnp.array(x, dtype=x.dtype, copy=True) if isinstance(x, jax.Array) else x,
-            tree,
-        )
-        return placement.put(tree, sharding)
+        return leaf_specs.place(self._mesh, tree, spec)
 
     def wrap_optimizer(
         self,
@@ -310,27 +252,7 @@ class Replicator:
         >>> state["opt"].inner[0].mu["w"].sharding.spec   # Adam's moment: ZeRO-1 over the replicas
         P('data',)
         """
-        recorded = []
-
-        def traced():
-            state = init_fn()
-            recorded.extend(placement.recorded_sharding(table, x) for x in jax.tree.leaves(state))
-            return state
-
-        with placement.recording() as table:
-            shapes = jax.eval_shape(traced)
-        flat, treedef = jax.tree_util.tree_flatten_with_path(shapes)
-        leaves = []
-        for (path, x), sharding in zip(flat, recorded, strict=True):
-            spec = self._spec(x) if sharding is None else self._spec_of(sharding)
-            if spec is None:
-                raise ValueError(
-                    errors.UNPLACED_SHAPE.format(path=jax.tree_util.keystr(path), got=x)
-                )
-            leaves.append(
-                jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(self._mesh, spec))
-            )
-        return jax.tree.unflatten(treedef, leaves)
+        return leaf_specs.abstract(self._mesh, init_fn)
 
     # -- input ------------------------------------------------------------------------------
 
@@ -428,29 +350,13 @@ class Replicator:
         """
         state_leaves, state_def = jax.tree.flatten(state)
         arg_leaves, args_def = jax.tree.flatten(args)
-        if any(isinstance(x, jax.Array) and x.is_deleted() for x in state_leaves):
-            _raise_donated(state)
-        program, state_specs = self._program(
+        step_cache.raise_if_donated(state_leaves, state)
+        program, state_specs = self._steps.program(
             step_fn, state_leaves, state_def, arg_leaves, args_def, args
         )
-        while len(self._in_flight) >= self._max_in_flight:
-            self._in_flight.popleft().block_until_ready()
-        new_leaves, outputs, extras = program(state_leaves, arg_leaves)
-        self._in_flight.append(extras["done"] if "done" in extras else jax.tree.leaves(outputs)[0])
+        new_leaves, outputs, extras = self._steps.dispatch(program, state_leaves, arg_leaves)
         new_state = jax.tree.unflatten(state_def, new_leaves)
-        if "diverged" in extras:
-            self._raise_if_diverged(step_fn, new_state, outputs, state_specs, extras)
-        elif self._checked_runs.get(program, 0) < self._check_first_runs:
-            self._checked_runs[program] = self._checked_runs.get(program, 0) + 1
-            if state_specs not in self._replica_checks:
-                self._replica_checks[state_specs] = lowering_lib.build_replica_check(
-                    self._mesh, state_specs
-                )
-            check = self._replica_checks[state_specs]
-            if check is not None:
-                diverged, spread = check(new_leaves)
-                extras = {"diverged": diverged, "spread": spread}
-                self._raise_if_diverged(step_fn, new_state, outputs, state_specs, extras)
+        self._drift.after_run(program, step_fn, new_state, new_leaves, outputs, state_specs, extras)
         return new_state, outputs
 
     def lower(self, step_fn: StepFn, state: PyTree, *args: PyTree) -> jax.stages.Lowered:
@@ -474,7 +380,9 @@ class Replicator:
             )
         state_leaves, state_def = jax.tree.flatten(state)
         arg_leaves, args_def = jax.tree.flatten(args)
-        program, _ = self._program(step_fn, state_leaves, state_def, arg_leaves, args_def, args)
+        program, _ = self._steps.program(
+            step_fn, state_leaves, state_def, arg_leaves, args_def, args
+        )
         return program.lower(state_leaves, arg_leaves)
 
     def explain(self, step_fn: StepFn, state: PyTree, *args: PyTree) -> report_lib.StepReport:
@@ -517,7 +425,9 @@ class Replicator:
         state_leaves, state_def = jax.tree.flatten(state)
         arg_leaves, args_def = jax.tree.flatten(args)
         with tracing.recording() as pipelines:  # a new program: step_fn is traced again
-            program, _ = self._compile(step_fn, state_def, args_def, state_leaves, arg_leaves, args)
+            program, _ = self._steps.compile(
+                step_fn, state_def, args_def, state_leaves, arg_leaves, args
+            )
             compiled = program.lower(state_leaves, arg_leaves).compile()
         return report_lib.report(
             compiled,
@@ -527,106 +437,6 @@ class Replicator:
             platform=self._mesh.devices.flat[0].platform,
             compile_seconds=time.perf_counter() - start,
             pipelines=pipelines,
-        )
-
-    def _program(self, step_fn, state_leaves, state_def, arg_leaves, args_def, args):
-        # The cache key holds each leaf's sharding object and shape, which are cheap to read
-        # and compare; equal placements give equal specs, computed only on a miss.
-        key = (
-            step_fn,
-            self._donate,
-            state_def,
-            args_def,
-            tuple(map(_placement, state_leaves)),
-            tuple(map(_placement, arg_leaves)),
-        )
-        cached = self._cache.get(key)
-        if cached is None:
-            cached = self._cache[key] = self._compile(
-                step_fn, state_def, args_def, state_leaves, arg_leaves, args
-            )
-        return cached
-
-    def _compile(self, step_fn, state_def, args_def, state_leaves, arg_leaves, args):
-        state_specs = self._state_specs(state_leaves, state_def)
-        arg_specs = tuple(self._arg_spec(x, i, args) for i, x in enumerate(arg_leaves))
-        program = lowering_lib.build(
-            self._lowering,
-            step_fn,
-            mesh=self._mesh,
-            state_def=state_def,
-            args_def=args_def,
-            state_specs=state_specs,
-            arg_specs=arg_specs,
-            donate=self._donate,
-            check_replicas=self._check_replicas and self.num_replicas > 1,
-        )
-        return program, state_specs
-
-    def _spec(self, x) -> PartitionSpec | None:
-        return self._spec_of(getattr(x, "sharding", None))
-
-    def _spec_of(self, sharding) -> PartitionSpec | None:
-        if isinstance(sharding, NamedSharding) and sharding.mesh in (
-            self._mesh,
-            self._mesh.abstract_mesh,  # a shape traced under jax.eval_shape
-        ):
-            return sharding.spec
-        return None
-
-    def _state_specs(self, state_leaves, state_def) -> tuple[PartitionSpec, ...]:
-        """Each state leaf's spec: its own on this mesh, else replicated. A shape without a
-        sharding on this mesh is refused: its placement would be a guess."""
-        specs = []
-        for i, x in enumerate(state_leaves):
-            spec = self._spec(x)
-            if spec is None and isinstance(x, jax.ShapeDtypeStruct):
-                state = jax.tree.unflatten(state_def, state_leaves)
-                path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(state)[0][i][0])
-                raise ValueError(errors.UNPLACED_SHAPE.format(path=path or "(the state)", got=x))
-            specs.append(spec or PartitionSpec())
-        return tuple(specs)
-
-    def _arg_spec(self, x, index: int, args) -> PartitionSpec:
-        spec = self._spec(x)
-        if spec is not None:
-            return spec
-        if np.ndim(x) == 0:
-            return PartitionSpec()
-        n = self.num_replicas
-        if np.shape(x)[0] % n:
-            path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(args)[0][index][0])
-            raise ValueError(
-                f"Replicator.run: argument leaf args{path} of shape {np.shape(x)} is taken as a "
-                f"global batch, but its first axis ({np.shape(x)[0]}) does not split over "
-                f"{n} replicas. Use a multiple of {n}, or pass values every replica should see "
-                f"whole through repl.replicate(...)."
-            )
-        return mesh_lib.batch_spec(self._mesh)
-
-    def _raise_if_diverged(self, step_fn, state, outputs, state_specs, extras) -> None:
-        flags, spreads = np.asarray(extras["diverged"]), np.asarray(extras["spread"])
-        if not flags.any():
-            return
-        checked = [
-            path
-            for (path, _), spec in zip(
-                jax.tree_util.tree_flatten_with_path(state)[0], state_specs, strict=True
-            )
-            if not mesh_lib.spec_uses_replica_axes(spec, self._mesh)
-        ]
-        first = int(np.argmax(flags))
-        path = jax.tree_util.keystr(checked[first]) or "(the state)"
-        raise errors.ReplicasDivergedError(
-            errors.DIVERGED.format(
-                step=lowering_lib.step_name(step_fn),
-                path=path,
-                spread=f"{spreads[first]:.3g}",
-                count=int(flags.sum()),
-            ),
-            path=path,
-            state=state,
-            outputs=outputs,
         )
 
 
@@ -654,27 +464,6 @@ def local_row(outputs: PyTree) -> PyTree:
         return np.asarray(x)[0]
 
     return jax.tree.map(first, outputs)
-
-
-def _placement(x) -> tuple:
-    """What, besides structure, decides how ``run`` places a leaf: its sharding and shape."""
-    return getattr(x, "sharding", None), getattr(x, "shape", None) or np.shape(x)
-
-
-def _global_copy(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
-    """A global array of ``sharding`` from a host value that every process holds."""
-    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
-
-
-def _raise_donated(state: PyTree) -> None:
-    path = errors.deleted_leaf(state)
-    if path is not None:
-        raise ValueError(
-            f"Replicator.run: state leaf {path} was "
-            f"donated to an earlier run (or deleted), so its buffer is gone. Pass the state "
-            f"that run returned (state, out = repl.run(step_fn, state, batch); rp.fit "
-            f"returns it as result.state), or Replicator(donate=False) to keep inputs alive."
-        )
 
 
 _CURRENT: scoped.Stack[Replicator] = scoped.Stack()

@@ -3,46 +3,30 @@
 It shows a progress bar, logs metrics (JSONL, TensorBoard), evaluates now and then, checkpoints every
 ``checkpoint_every`` steps and when the process is asked to stop (SIGTERM, SIGINT: preemption),
 and resumes from the newest checkpoint, input position included, so that a killed run loses at
-most one checkpoint interval and continues exactly where it stopped.
+most one checkpoint interval and continues exactly where it stopped. What it shows and writes is
+`fit_log`'s, its non-finite checks are `nonfinite`'s and its stop signals `stop_flag`'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
-import signal
-import sys
-import threading
-import time
-import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from replicator._src import distributed, errors
 from replicator._src.checkpoint import Checkpoints
 from replicator._src.context import Replicator, local_row
+from replicator._src.fit_log import Report, drop_lines_after, notice
+from replicator._src.nonfinite import FiniteGuard
+from replicator._src.nonfinite import NonFiniteError as NonFiniteError  # raised by fit
 from replicator._src.rundir import holds_run_lock
+from replicator._src.stop_flag import StopFlag
 from replicator._src.typing import PyTree, StepFn
-
-
-class NonFiniteError(FloatingPointError):
-    """`fit` stopped because a training output or the state is not finite (nan or inf).
-
-    Raised before anything non-finite is saved: every checkpoint of the run is kept, and the
-    run resumes from the newest (for example with a lower learning rate) when started again.
-    """
-
-
-NONFINITE = """\
-rp.fit: {what} at step {step}. Stopped before saving anything non-finite: {kept}
-Lower the learning rate, check the data (or pass loss_scale="dynamic" to wrap_optimizer, which \
-skips steps whose gradients are not finite), then run again{resume}."""
 
 
 @dataclasses.dataclass
@@ -144,6 +128,43 @@ def fit(
         result = rp.fit(repl, step_fn, state, input_fn, steps=1000,
                         checkpoint_dir="/tmp/run", checkpoint_every=100)
     """
+    _check_arguments(steps, checkpoint_dir, checkpoint_every, eval_every, log_every)
+    ckpt = Checkpoints(checkpoint_dir, keep=keep) if checkpoint_dir is not None else None
+    state, start, resumed_from, input_state = _resume(ckpt, state, metrics_path)
+    if start >= steps:
+        notice(
+            f"rp.fit: the run is complete at step {start} (steps={steps}); its checkpoint is in "
+            f"{ckpt.directory}. Nothing to do: give a larger steps to train on."
+        )
+        return FitResult(state, start, [], False, resumed_from)
+    report = Report(
+        steps, start, progress, metrics_path, tensorboard_dir, examples_per_step, tokens_per_step
+    )
+    if resumed_from is not None:
+        report.say(f"rp.fit: resumed from the checkpoint of step {start} in {ckpt.directory}")
+    run = _Training(
+        repl,
+        step_fn,
+        state,
+        start=start,
+        steps=steps,
+        ckpt=ckpt,
+        checkpoint_every=checkpoint_every,
+        log_every=log_every or steps,
+        eval_fn=eval_fn,
+        eval_every=eval_every,
+        report=report,
+    )
+    try:
+        run.train(input_fn, input_state)
+        run.conclude()
+    finally:
+        report.close()
+    return FitResult(run.state, run.step, report.history, run.preempted, resumed_from)
+
+
+def _check_arguments(steps, checkpoint_dir, checkpoint_every, eval_every, log_every) -> None:
+    """Refuses `fit`'s counts that are not positive ints, and checkpoints without a directory."""
     errors.positive_int(steps, api="rp.fit", name="steps")
     for name, value in (
         ("checkpoint_every", checkpoint_every),
@@ -156,192 +177,112 @@ def fit(
             "rp.fit: checkpoint_every is set but checkpoint_dir is None; give checkpoint_dir "
             "(a directory) to save checkpoints."
         )
-    log_every = log_every or steps
-    ckpt = Checkpoints(checkpoint_dir, keep=keep) if checkpoint_dir is not None else None
-    start, resumed_from, input_state = 0, None, None
-    if ckpt is not None and ckpt.latest_step() is not None:
-        state, record = ckpt.restore(state)
-        start = resumed_from = int(record["step"])
-        input_state = _my_input_state(record.get("input_state"))
-        if metrics_path is not None:
-            _drop_lines_after(metrics_path, start)
-    if start >= steps:
-        _notice(
-            f"rp.fit: the run is complete at step {start} (steps={steps}); its checkpoint is in "
-            f"{ckpt.directory}. Nothing to do: give a larger steps to train on."
-        )
-        return FitResult(state, start, [], False, resumed_from)
-    report = _Report(
-        steps, start, progress, metrics_path, tensorboard_dir, examples_per_step, tokens_per_step
-    )
-    if resumed_from is not None:
-        report.say(f"rp.fit: resumed from the checkpoint of step {start} in {ckpt.directory}")
-    step, preempted = start, False
-    stop = _StopFlag()
-    guard = _FiniteGuard(ckpt)
 
-    def save(batches) -> None:
-        guard.check_state(step, state)
-        extra = {"data_position": step}
-        position = batches.get_state()
-        if position is not None:
-            extra["input_state"] = _gather(position)
-        ckpt.save(step, state, **extra)
 
-    try:
+def _resume(ckpt: Checkpoints | None, state: PyTree, metrics_path) -> tuple:
+    """Where `fit` starts: ``(state, start, resumed_from, input_state)``, from the newest
+    checkpoint if there is one (the JSONL lines of later steps dropped), else from ``state``."""
+    if ckpt is None or ckpt.latest_step() is None:
+        return state, 0, None, None
+    state, record = ckpt.restore(state)
+    start = int(record["step"])
+    input_state = _my_input_state(record.get("input_state"))
+    if metrics_path is not None:
+        drop_lines_after(metrics_path, start)
+    return state, start, start, input_state
+
+
+class _Training:
+    """One run of `fit`'s loop: the state and step it has reached, and the work of each step."""
+
+    def __init__(
+        self,
+        repl: Replicator,
+        step_fn: StepFn,
+        state: PyTree,
+        *,
+        start: int,
+        steps: int,
+        ckpt: Checkpoints | None,
+        checkpoint_every: int | None,
+        log_every: int,
+        eval_fn: Callable[[PyTree], dict] | None,
+        eval_every: int | None,
+        report: Report,
+    ) -> None:
+        self.repl, self.step_fn, self.state = repl, step_fn, state
+        self.start = self.step = start
+        self.steps, self.log_every = steps, log_every
+        self.ckpt, self.checkpoint_every = ckpt, checkpoint_every
+        self.eval_fn, self.eval_every = eval_fn, eval_every
+        self.report = report
+        self.preempted = False
+        self.stop = StopFlag()
+        self.guard = FiniteGuard(ckpt)
+
+    def train(self, input_fn: Callable[[Any], Iterable[PyTree]], input_state: Any) -> None:
+        """Runs steps until ``steps``, a stop signal or the end of the input; saves the last."""
+        skip = 0 if input_state is not None else self.start
         with (
-            stop.installed(),
-            report,
-            repl.distribute(
-                input_fn, skip=0 if input_state is not None else start, state=input_state
-            ) as batches,
+            self.stop.installed(),
+            self.report,
+            self.repl.distribute(input_fn, skip=skip, state=input_state) as batches,
         ):
             for batch in batches:
                 distributed.heartbeat()  # progress, for replicator launch --watchdog
-                if step >= steps:
+                if self.step >= self.steps or not self._step(batch, batches):
                     break
-                state, outputs = repl.run(step_fn, state, batch)
-                step += 1
-                report.advance(step)
-                logs = step % log_every == 0 or step == steps
-                saves = ckpt is not None and checkpoint_every and step % checkpoint_every == 0
-                if logs or saves:
-                    metrics = _numbers(local_row(outputs))
-                    if logs:
-                        report.log(step, metrics)
-                    guard.check_outputs(step, metrics)
-                if eval_fn is not None and eval_every and step % eval_every == 0:
-                    report.log(step, _numbers(_evaluate(repl, eval_fn, state)), prefix="eval_")
-                if saves:
-                    save(batches)
-                if stop.requested:
-                    preempted = True
-                    break
-                if step >= steps:
-                    break  # before next() takes one more batch off the input
-            if ckpt is not None and step > start and ckpt.latest_step() != step:
-                save(batches)  # at the end, on SIGTERM/SIGINT, or where the input ended
-        if preempted:
-            report.say(f"rp.fit: stopped by {stop.signal_name} at step {step}; checkpoint saved")
-        elif step < steps:
+            ckpt = self.ckpt
+            if ckpt is not None and self.step > self.start and ckpt.latest_step() != self.step:
+                self._save(batches)  # at the end, on SIGTERM/SIGINT, or where the input ended
+
+    def _step(self, batch: PyTree, batches) -> bool:
+        """One step, then its logs, checks, evaluation and checkpoint; whether to go on."""
+        self.state, outputs = self.repl.run(self.step_fn, self.state, batch)
+        self.step += 1
+        step, report = self.step, self.report
+        report.advance(step)
+        logs = step % self.log_every == 0 or step == self.steps
+        every = self.checkpoint_every
+        saves = self.ckpt is not None and every and step % every == 0
+        if logs or saves:
+            metrics = _numbers(local_row(outputs))
+            if logs:
+                report.log(step, metrics)
+            self.guard.check_outputs(step, metrics)
+        if self.eval_fn is not None and self.eval_every and step % self.eval_every == 0:
+            report.log(
+                step, _numbers(_evaluate(self.repl, self.eval_fn, self.state)), prefix="eval_"
+            )
+        if saves:
+            self._save(batches)
+        if self.stop.requested:
+            self.preempted = True
+            return False
+        return step < self.steps  # else stop before next() takes one more batch off the input
+
+    def _save(self, batches) -> None:
+        self.guard.check_state(self.step, self.state)
+        extra = {"data_position": self.step}
+        position = batches.get_state()
+        if position is not None:
+            extra["input_state"] = _gather(position)
+        self.ckpt.save(self.step, self.state, **extra)
+
+    def conclude(self) -> None:
+        """Says how the run ended, unless at ``steps``, and sums it up."""
+        step, ckpt, report = self.step, self.ckpt, self.report
+        if self.preempted:
+            report.say(
+                f"rp.fit: stopped by {self.stop.signal_name} at step {step}; checkpoint saved"
+            )
+        elif step < self.steps:
             saved = f"; checkpoint of step {step} saved in {ckpt.directory}" if ckpt else ""
             report.notice(
-                f"rp.fit: the input (input_fn) ended at step {step} of {steps}, before steps"
+                f"rp.fit: the input (input_fn) ended at step {step} of {self.steps}, before steps"
                 f"{saved}."
             )
         report.summary(step, ckpt)
-    finally:
-        report.close()
-    return FitResult(state, step, report.history, preempted, resumed_from)
-
-
-class _FiniteGuard:
-    """Stops `fit` with `NonFiniteError` when a checked output or the state is not finite."""
-
-    def __init__(self, ckpt: Checkpoints | None) -> None:
-        self._ckpt = ckpt
-        self._skipped: float | None = None  # the last ``skipped`` count of loss scaling seen
-
-    def check_outputs(self, step: int, metrics: dict) -> None:
-        skipped = [v for k, v in metrics.items() if k.split(".")[-1] == "skipped"]
-        bad = [k for k, v in metrics.items() if isinstance(v, float) and not np.isfinite(v)]
-        if skipped:
-            handled = self._skipped is None or skipped[0] > self._skipped
-            self._skipped = skipped[0]
-            if handled:  # the optimizer skipped this step: its state did not change
-                bad = []
-        if _anywhere(bool(bad)):
-            name = bad[0] if bad else "(on another process)"
-            value = metrics.get(name, float("nan"))
-            raise NonFiniteError(self._message(f"the training output {name!r} is {value}", step))
-
-    def check_state(self, step: int, state: PyTree) -> None:
-        leaf = _nonfinite_leaf(state)
-        if leaf is not None:
-            raise NonFiniteError(
-                self._message(f"state leaf {leaf} is not finite (nan or inf)", step)
-            )
-
-    def _message(self, what: str, step: int) -> str:
-        ckpt = self._ckpt
-        newest = ckpt.latest_step() if ckpt is not None else None
-        if ckpt is None:
-            kept, resume = "there is no checkpoint_dir, so nothing was saved.", ""
-        elif newest is None:
-            kept = f"no checkpoint in {ckpt.directory} yet."
-            resume = " (it starts from step 0)"
-        else:
-            kept = f"the checkpoints in {ckpt.directory} are kept (newest: step {newest})."
-            resume = f" to resume from step {newest}"
-        return NONFINITE.format(what=what, step=step, kept=kept, resume=resume)
-
-
-def _anywhere(flag: bool) -> bool:
-    """Whether ``flag`` is true on any process (so that every process stops together)."""
-    if jax.process_count() == 1:
-        return flag
-    from jax.experimental import multihost_utils
-
-    return bool(np.any(multihost_utils.process_allgather(np.array([flag]))))
-
-
-@jax.jit
-def _finite_flags(leaves: list) -> jax.Array:
-    return jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])
-
-
-def _nonfinite_leaf(state: PyTree) -> str | None:
-    """The path of the first floating leaf of ``state`` holding a nan or inf, or None."""
-    flat = [
-        (path, x)
-        for path, x in jax.tree_util.tree_flatten_with_path(state)[0]
-        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
-    ]
-    if not flat:
-        return None
-    flags = np.asarray(_finite_flags([x for _, x in flat]))
-    if flags.all():
-        return None
-    return jax.tree_util.keystr(flat[int(np.argmin(flags))][0])
-
-
-def _drop_lines_after(path: str | os.PathLike, step: int) -> None:
-    """Rewrites the JSONL file ``path`` without the lines of steps after ``step`` (logged by a
-    run that stopped after its last checkpoint, and about to be logged again) and without a
-    line cut short by a kill: through a new file and a rename, so that a kill meanwhile
-    leaves the old file or the new one."""
-    try:
-        with open(path) as f:
-            lines = f.readlines()
-    except FileNotFoundError:
-        return
-    kept = []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # a line cut short
-        if (
-            isinstance(record, dict)
-            and isinstance(record.get("step"), int)
-            and record["step"] > step
-        ):
-            continue
-        kept.append(line if line.endswith("\n") else line + "\n")
-    if kept == lines:
-        return
-    temporary = f"{os.fspath(path)}.tmp-{os.getpid()}"
-    with open(temporary, "w") as f:
-        f.writelines(kept)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
-
-
-def _notice(text: str) -> None:
-    """A line on stderr on process 0, whether or not ``progress`` is on."""
-    if jax.process_index() == 0:
-        print(text, file=sys.stderr, flush=True)
 
 
 def _evaluate(repl: Replicator, eval_fn: Callable[[PyTree], dict], state: PyTree) -> Any:
@@ -391,176 +332,6 @@ def _my_input_state(states: list | None) -> Any:
     )
 
 
-class _Report:
-    """The run's outputs besides the state: progress bar or lines, JSONL, TensorBoard, summary."""
-
-    def __init__(
-        self, steps, start, progress, metrics_path, tensorboard_dir, examples, tokens
-    ) -> None:
-        self.steps, self.start = steps, start
-        self.history: list[dict] = []
-        self._show = progress and jax.process_index() == 0
-        self._examples, self._tokens = examples, tokens
-        self._t_start = self._t_log = time.perf_counter()
-        self._last_log_step = start
-        self._jsonl = open(metrics_path, "a") if metrics_path is not None else None
-        self._tb = _tensorboard(tensorboard_dir) if jax.process_index() == 0 else None
-        self._bar = _bar(steps, start) if self._show else None
-        self._status = ""
-
-    def __enter__(self):
-        if self._bar is not None:
-            self._bar[0].start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._bar is not None:
-            self._bar[0].stop()
-            self._bar = None
-
-    def advance(self, step: int) -> None:
-        if self._bar is not None:
-            progress, task = self._bar
-            progress.update(task, completed=step, status=self._status)
-
-    def log(self, step: int, metrics: dict, prefix: str = "") -> None:
-        record = {"step": step, **{prefix + k: v for k, v in metrics.items()}}
-        if not prefix:
-            now = time.perf_counter()
-            rate = (step - self._last_log_step) / max(now - self._t_log, 1e-9)
-            self._t_log, self._last_log_step = now, step
-            record["steps_per_s"] = rate
-            if self._examples:
-                record["examples_per_s"] = rate * self._examples
-            if self._tokens:
-                record["tokens_per_s"] = rate * self._tokens
-        self.history.append(record)
-        if self._jsonl is not None:
-            self._jsonl.write(json.dumps(record) + "\n")
-            self._jsonl.flush()
-        if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, int | float):
-                    self._tb.add_scalar(key, value, step)
-            self._tb.flush()
-        line = _line(record, self.steps)
-        if self._bar is not None:
-            if not prefix:
-                self._status = "  ".join(line.split("  ")[1:4])
-            self._bar[0].console.print(line, highlight=False)
-        else:
-            self.say(line)
-
-    def say(self, text: str) -> None:
-        if not self._show:
-            return
-        if self._bar is not None:
-            self._bar[0].console.print(text, highlight=False)
-        else:
-            print(text, file=sys.stderr, flush=True)
-
-    def notice(self, text: str) -> None:
-        """``text`` on process 0 even without ``progress``: something the user must know."""
-        if self._show:
-            self.say(text)
-        else:
-            _notice(text)
-
-    def summary(self, step: int, ckpt: Checkpoints | None) -> None:
-        seconds = time.perf_counter() - self._t_start
-        done = step - self.start
-        parts = [f"rp.fit: {done} steps (to step {step}) in {seconds:.1f} s"]
-        losses = [r["loss"] for r in self.history if "loss" in r]
-        if losses:
-            parts.append(f"loss {losses[0]:.4g} -> {losses[-1]:.4g}")
-        rate = done / max(seconds, 1e-9)
-        if self._tokens:
-            parts.append(f"{rate * self._tokens:,.0f} tokens/s")
-        elif self._examples:
-            parts.append(f"{rate * self._examples:,.0f} examples/s")
-        if ckpt is not None and ckpt.latest_step() is not None:
-            parts.append(f"checkpoint {ckpt.latest_step()} in {ckpt.directory}")
-        self.__exit__()
-        self.say("; ".join(parts))
-
-    def close(self) -> None:
-        self.__exit__()
-        if self._jsonl is not None:
-            self._jsonl.close()
-        if self._tb is not None:
-            self._tb.close()
-
-
-def _bar(steps: int, start: int):
-    """A rich progress bar on stderr if stderr shows one (a terminal, or Jupyter with
-    ipywidgets); None in logs and files, where a line per log reads better."""
-    from rich import progress as rp_progress
-    from rich.console import Console
-
-    console = Console(stderr=True)
-    if console.is_jupyter:
-        try:
-            import ipywidgets  # noqa: F401
-        except ImportError:
-            return None
-    elif not console.is_terminal or console.is_dumb_terminal:
-        return None
-    bar = rp_progress.Progress(
-        rp_progress.TextColumn("step"),
-        rp_progress.MofNCompleteColumn(),
-        rp_progress.BarColumn(),
-        rp_progress.TimeElapsedColumn(),
-        rp_progress.TextColumn("<"),
-        rp_progress.TimeRemainingColumn(),
-        rp_progress.TextColumn("{task.fields[status]}"),
-        console=console,
-    )
-    task = bar.add_task("fit", total=steps, completed=start, status="")
-    return bar, task
-
-
-def _tensorboard(directory):
-    if directory is None:
-        return None
-    try:
-        from tensorboardX import SummaryWriter
-    except ImportError:
-        warnings.warn(
-            "rp.fit: tensorboard_dir is set but tensorboardX is not installed; metrics go to "
-            'JSONL only. pip install "replicator[tensorboard]" to write TensorBoard scalars.',
-            stacklevel=3,
-        )
-        return None
-    return SummaryWriter(os.fspath(directory))
-
-
-class _StopFlag:
-    """SIGTERM/SIGINT set a flag that the loop reads at each step boundary."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self.signal_name = ""
-
-    @contextlib.contextmanager
-    def installed(self):
-        if threading.current_thread() is not threading.main_thread():
-            yield  # signal handlers can only be set from the main thread
-            return
-        previous = {}
-
-        def handler(signum, frame):
-            self.requested = True
-            self.signal_name = signal.Signals(signum).name
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            previous[sig] = signal.signal(sig, handler)
-        try:
-            yield
-        finally:
-            for sig, old in previous.items():
-                signal.signal(sig, old)
-
-
 def _numbers(tree: Any) -> dict:
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     out = {}
@@ -570,11 +341,3 @@ def _numbers(tree: Any) -> dict:
             key = jax.tree_util.keystr(path).strip("[]'\".") or "value"
             out[key.replace("']['", ".")] = value.item()
     return out
-
-
-def _line(metrics: dict, steps: int) -> str:
-    parts = [f"step {metrics['step']:>6}/{steps}"]
-    for key, value in metrics.items():
-        if key != "step":
-            parts.append(f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}")
-    return "  ".join(parts)

@@ -28,7 +28,7 @@ block would be kept). ``pmap`` and ``local`` have no such axes.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -40,6 +40,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from replicator._src import errors, variance
 from replicator._src import mesh as mesh_lib
 from replicator._src.binding import LOCAL, Binding, bind
+from replicator._src.collectives import max_over_axes, min_over_axes
 from replicator._src.typing import PyTree
 
 LOWERINGS = ("shard_map", "pmap", "local")
@@ -124,8 +125,8 @@ def _per_replica(
             # block; the step's verdict covers every block.
             others = tuple(a for a, _ in binding.axis_sizes if a not in binding.axes)
             if others:
-                flags = lax.pmax(flags.astype(jnp.int32), others).astype(bool)
-                spreads = lax.pmax(spreads, others)
+                flags = max_over_axes(flags.astype(jnp.int32), others).astype(bool)
+                spreads = max_over_axes(spreads, others)
             extras["diverged"], extras["spread"] = flags, spreads
         return new_leaves, outputs, extras
 
@@ -180,9 +181,10 @@ def _divergence(leaves, check, axes):
             continue
         leaf = _comparable(jnp.asarray(leaf))
         bits = _as_bits(leaf)
-        flags.append(jnp.any(lax.pmax(bits, axes) != lax.pmin(bits, axes)))
+        flags.append(jnp.any(max_over_axes(bits, axes) != min_over_axes(bits, axes)))
         if jnp.issubdtype(leaf.dtype, jnp.inexact):
-            spread = jnp.max(jnp.abs(lax.pmax(leaf, axes) - lax.pmin(leaf, axes)), initial=0)
+            spread = max_over_axes(leaf, axes) - min_over_axes(leaf, axes)
+            spread = jnp.max(jnp.abs(spread), initial=0)
             spreads.append(spread.astype(jnp.float32))
         else:
             spreads.append(jnp.zeros((), jnp.float32))
@@ -256,6 +258,39 @@ def _pmap_axis(spec: PartitionSpec, mesh: Mesh, what: str) -> int | None:
     )
 
 
+def mesh_for(
+    lowering: str, mesh_shape: Mapping[str, int] | None, *, devices: Sequence[jax.Device] | None
+) -> Mesh:
+    """The mesh of ``Replicator(mesh_shape, lowering=lowering, devices=devices)``, validated.
+
+    Raises:
+      ValueError: if ``lowering`` is unknown, the mesh has no data axis, or it does not suit
+        the lowering (``local``: one device; ``pmap``: no other axis of size > 1).
+    """
+    if lowering not in LOWERINGS:
+        raise ValueError(
+            f"Replicator: lowering={lowering!r} is not one of {', '.join(map(repr, LOWERINGS))}."
+        )
+    mesh_shape = {"data": -1} if mesh_shape is None else mesh_shape
+    if lowering == "local":
+        devices = list(jax.devices()[:1] if devices is None else devices)
+    mesh = mesh_lib.build_mesh(mesh_shape, devices=devices)
+    if not mesh_lib.replica_axes(mesh):
+        raise ValueError(
+            f"Replicator: mesh_shape={dict(mesh_shape)} has no data axis; add "
+            f'"data": 1 (no data parallelism) or "data": -1.'
+        )
+    if lowering == "local" and mesh.devices.size != 1:
+        raise ValueError(
+            f"Replicator(lowering='local') runs one replica on one device, but "
+            f"mesh_shape={dict(mesh_shape)} uses {mesh.devices.size}; pass "
+            f"devices=jax.devices()[:1] or use lowering='shard_map'."
+        )
+    if lowering == "pmap":
+        check_pmap_mesh(mesh)
+    return mesh
+
+
 def check_pmap_mesh(mesh: Mesh) -> None:
     """pmap has one axis: every non-replica axis of the mesh must have size 1."""
     others = {k: v for k, v in mesh.shape.items() if k not in mesh_lib.DATA_AXES and v > 1}
@@ -309,8 +344,8 @@ def build_replica_check(mesh: Mesh, state_specs: Sequence[PartitionSpec]) -> Rep
     def body(leaves):
         flags, spreads = _divergence(leaves, [True] * len(leaves), axes)
         if others:
-            flags = lax.pmax(flags.astype(jnp.int32), others).astype(bool)
-            spreads = lax.pmax(spreads, others)
+            flags = max_over_axes(flags.astype(jnp.int32), others).astype(bool)
+            spreads = max_over_axes(spreads, others)
         return flags, spreads
 
     mapped = jax.shard_map(
@@ -331,8 +366,8 @@ def build_replica_check(mesh: Mesh, state_specs: Sequence[PartitionSpec]) -> Rep
 
 
 def _comparable(x: jax.Array) -> jax.Array:
-    """``x`` as an array that ``lax.pmax``/``pmin`` accept: key data for PRNG keys, the real and
-    imaginary parts of complex numbers."""
+    """``x`` as an array that `max_over_axes`/`min_over_axes` accept: key data for PRNG keys,
+    the real and imaginary parts of complex numbers."""
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
         return jax.random.key_data(x)
     if jnp.issubdtype(x.dtype, jnp.complexfloating):

@@ -24,47 +24,50 @@ Options follow Horovod and DeepSpeed:
 
 The inner transformation must act element by element (SGD, momentum, Adam, AdamW, Lion, ...)
 when the state is sharded: it sees one slice of each leaf.
+
+This module checks the options and chains the transformations that do the work, one concern
+each: `replica_mean` (the all-reduce), `zero` (ZeRO's reduce-scatter and sharded update),
+`clipping`, `loss_scaling` and `accumulation`.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
-from jax import lax
 from jax.sharding import Mesh, NamedSharding
 
-from replicator._src import collectives, errors, placement, zero
-from replicator._src.binding import current_binding
+from replicator._src import (
+    accumulation,
+    clipping,
+    collectives,
+    errors,
+    loss_scaling,
+    placement,
+    replica_mean,
+    zero,
+)
 from replicator._src.mesh import replicated_sharding
-from replicator._src.sharded_eval import chunk
 from replicator._src.typing import PyTree
-from replicator._src.zero import ShardedParam, is_sharded_param
 
 ZERO_STAGES = (0, 1, 2, 3)
+_EMPTY = optax.EmptyState()
 
 
-class LossScaleState(NamedTuple):
-    """Dynamic loss scaling. All fields are replicated scalars."""
+class Parts(NamedTuple):
+    """The transformations a `DistributedOptimizer` chains, and the options of its `step`."""
 
-    scale: jax.Array  # float32: the loss is multiplied by this before differentiation
-    good_steps: jax.Array  # int32: finite steps since the scale last changed
-    skipped: jax.Array  # int32: steps skipped so far because a gradient was not finite
-
-
-class WrappedState(NamedTuple):
-    """The state of a `DistributedOptimizer` with ZeRO or loss scaling.
-
-    ``inner`` is the inner transformation's state; with ``zero_stage >= 1`` it is over the
-    flattened, padded parameters: every leaf of shape ``[N * c]`` is sharded over the data axes
-    (``c`` elements per replica), the others (such as Adam's step count) are replicated.
-    """
-
-    inner: optax.OptState
-    loss_scale: LossScaleState | None
+    reduce: optax.GradientTransformationExtraArgs  # local grads -> mean (ZeRO: replica's slice)
+    clip: optax.GradientTransformationExtraArgs | None  # global-norm clipping, if asked for
+    apply: optax.GradientTransformationExtraArgs  # tx (ZeRO: on the slices), maybe loss-scaled
+    norm: Callable[[PyTree, PyTree], jax.Array | None]  # `clipping.global_norm` of reduced grads
+    layout: zero.Zero | None  # the ZeRO layout; None with zero_stage=0
+    wrapped: bool  # the state is a `loss_scaling.WrappedState` (ZeRO or loss scaling)
+    accumulate_steps: int  # micro-batches per `DistributedOptimizer.step`
 
 
 class DistributedOptimizer(optax.GradientTransformationExtraArgs):
@@ -72,8 +75,59 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
 
     ``update(grads, state, params)`` reduces local gradients over the replicas, clips them and
     applies the inner transformation. `step` also computes the gradients: with gradient
-    accumulation and loss scaling, which need to see the loss.
+    accumulation and loss scaling, which need to see the loss. Each concern is a transformation
+    of its own, in ``parts`` (a `Parts`); `wrap_optimizer` builds them.
     """
+
+    # Still a NamedTuple of exactly (init, update), on purpose: optax tells a transformation by
+    # isinstance (optax.with_extra_args_support, which otherwise drops the extra arguments, and
+    # wrap_optimizer's own check), and optax.chain unpacks each one as an (init, update) pair
+    # (`init_fns, update_fns = zip(*transforms)`), so there is no room for a third field. The
+    # two items call the methods below; `parts` is set once, here in the constructor.
+
+    parts: Parts
+
+    def __new__(cls, parts: Parts) -> DistributedOptimizer:
+        def init(params):
+            return self.init(params)
+
+        def update(grads, state, params=None, **extra_args):
+            return self.update(grads, state, params, **extra_args)
+
+        self = super().__new__(cls, init, update)
+        self.parts = parts
+        return self
+
+    def __getnewargs__(self) -> tuple[Parts]:  # for copy.copy: the constructor takes `parts`
+        return (self.parts,)
+
+    def init(self, params: PyTree) -> optax.OptState:
+        """The optimizer state for ``params``.
+
+        Returns:
+          ``tx``'s own state when ``zero_stage == 0`` and there is no loss scaling, else a
+          `loss_scaling.WrappedState`. With ``zero_stage >= 1`` call it outside ``step_fn``: it
+          returns global arrays sharded over the data axes.
+        """
+        return self.parts.apply.init(params)
+
+    def update(
+        self, grads: PyTree, state: optax.OptState, params: PyTree = None, **extra_args
+    ) -> tuple[PyTree, optax.OptState]:
+        """``(updates, state)`` from this replica's local ``grads``; call it inside ``step_fn``.
+
+        Equivalent to::
+
+            grads = rp.all_reduce(grads, "mean")   # ZeRO: this replica's slice of the mean
+            if clip_global_norm: grads = clip_by_global_norm(grads, clip_global_norm)
+            updates, state = tx.update(grads, state, params, **extra_args)
+        """
+        p = self.parts
+        if p.layout is not None:
+            p.layout.check_binding()
+            extra_args = {**extra_args, "local_grads": grads}
+        updates, state, _ = self._apply(self._reduce(grads), state, params, extra_args)
+        return updates, state
 
     def step(self, loss_fn, params: PyTree, state, batch: PyTree):
         """One optimizer step on ``batch``: ``(params, state, metrics)``.
@@ -95,7 +149,25 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
           gradient, before clipping), and with loss scaling ``loss_scale`` and ``skipped`` (the
           number of steps skipped so far).
         """
-        return self._step(loss_fn, params, state, batch)
+        p = self.parts
+        if p.layout is not None:
+            p.layout.check_binding()
+        scale = state.loss_scale.scale if p.wrapped and state.loss_scale is not None else 1.0
+        sliced = p.layout is not None and p.layout.stage >= 2  # accumulate this replica's slice
+        loss, grads = accumulation.accumulated_grads(
+            loss_fn,
+            params,
+            batch,
+            steps=p.accumulate_steps,
+            scale=scale,
+            each=self._reduce if sliced else None,
+            zeros=p.layout.slice_zeros if sliced else None,
+        )
+        reduced = grads if sliced else self._reduce(grads)
+        updates, state, metrics = self._apply(reduced, state, params, {})
+        params = optax.apply_updates(params, updates)
+        metrics = {"loss": collectives.all_reduce(jnp.asarray(loss, jnp.float32), "mean")} | metrics
+        return params, state, metrics
 
     def shard_params(self, params: PyTree, *, stacked: Any = ()) -> PyTree:
         """ZeRO-3: ``params`` stored as `ShardedParam` leaves, 1/N of each on every replica.
@@ -108,7 +180,36 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
 
         Inside ``step_fn``, ``loss_fn`` receives these and calls ``rp.gather_params``.
         """
-        return self._shard_params(params, stacked)
+        layout = self.parts.layout
+        if layout is None or layout.stage != 3:
+            raise ValueError(
+                f"shard_params: parameters are stored sharded only with zero_stage=3; this "
+                f"optimizer has zero_stage={0 if layout is None else layout.stage}."
+            )
+        return layout.shard_params(params, stacked)
+
+    def _reduce(self, grads: PyTree) -> PyTree:
+        """Local gradients -> the mean over replicas: whole (stage 0) or this replica's slice."""
+        return self.parts.reduce.update(grads, _EMPTY)[0]
+
+    def _apply(self, reduced: PyTree, state, params: PyTree, extra_args: dict):
+        """Reduced gradients -> ``(updates, state, metrics)``: unscale, clip, ``tx``, loss scale.
+
+        The global norm is computed once, for clipping, the dynamic loss scale and the metrics.
+        """
+        p = self.parts
+        scale = state.loss_scale if p.wrapped else None
+        reduced = loss_scaling.unscale(reduced, scale)
+        norm = p.norm(reduced, params)
+        if p.clip is not None:
+            reduced, _ = p.clip.update(reduced, _EMPTY, params, grad_norm=norm)
+        if p.wrapped:
+            extra_args = {**extra_args, "grad_norm": norm}
+        updates, state = p.apply.update(reduced, state, params, **extra_args)
+        metrics = {} if norm is None else {"grad_norm": norm}
+        if scale is not None:
+            metrics |= {"loss_scale": state.loss_scale.scale, "skipped": state.loss_scale.skipped}
+        return updates, state, metrics
 
 
 def wrap_optimizer(
@@ -149,9 +250,9 @@ def wrap_optimizer(
 
     Returns:
       A `DistributedOptimizer`. Its state is ``tx``'s own when ``zero_stage == 0`` and there is
-      no loss scaling, else a `WrappedState`. With ``zero_stage >= 1`` its ``init`` must run
-      outside ``step_fn`` (it returns global arrays sharded over the data axes) and ``update``
-      inside, with the parameters.
+      no loss scaling, else a `loss_scaling.WrappedState`. With ``zero_stage >= 1`` its ``init``
+      must run outside ``step_fn`` (it returns global arrays sharded over the data axes) and
+      ``update`` inside, with the parameters.
 
     Raises:
       TypeError: if ``tx`` is not an optax transformation.
@@ -165,6 +266,48 @@ def wrap_optimizer(
     >>> updates["w"]
     Array([-0.1, -0.1], dtype=float32)
     """
+    _check_options(
+        tx, zero_stage, clip_global_norm, accumulate_steps, loss_scale, loss_scale_period
+    )
+    _check_zero_needs(zero_stage, mesh, grad_dtype)
+    grad_dtype = None if grad_dtype is None else jnp.dtype(grad_dtype)
+    inner = optax.with_extra_args_support(tx)
+    layout = zero.Zero(mesh, stage=zero_stage) if zero_stage else None
+    if layout is not None:
+        reduce = zero.scatter_mean(layout, grad_dtype=grad_dtype)
+        apply = zero.sharded_update(inner, layout)
+    else:
+        reduce = replica_mean.mean_over_replicas(grad_dtype=grad_dtype)
+        apply = inner if mesh is None else _placed_on(inner, mesh)
+    wrapped = zero_stage > 0 or loss_scale is not None
+    if wrapped:
+        sharding = None if mesh is None else replicated_sharding(mesh)
+        apply = loss_scaling.with_loss_scale(
+            apply, loss_scale=loss_scale, period=loss_scale_period, sharding=sharding
+        )
+    needs = [
+        *(["clip_global_norm=..."] if clip_global_norm is not None else []),
+        *(["loss_scale='dynamic'"] if loss_scale == "dynamic" else []),
+    ]
+    sliced = layout is not None
+    norm = functools.partial(
+        clipping.global_norm, over_replicas=sliced, why=", ".join(needs) or None
+    )
+    clip = None
+    if clip_global_norm is not None:
+        clip = clipping.clip_by_global_norm(clip_global_norm, over_replicas=sliced)
+    return DistributedOptimizer(Parts(reduce, clip, apply, norm, layout, wrapped, accumulate_steps))
+
+
+def _check_options(
+    tx: Any,
+    zero_stage: Any,
+    clip_global_norm: Any,
+    accumulate_steps: Any,
+    loss_scale: Any,
+    loss_scale_period: Any,
+) -> None:
+    """Refuses, with `wrap_optimizer`'s errors, a ``tx`` or option values it does not take."""
     api = "wrap_optimizer"
     if not isinstance(tx, optax.GradientTransformation):
         hint = (
@@ -185,14 +328,20 @@ def wrap_optimizer(
     if clip_global_norm is not None and not clip_global_norm > 0:
         raise ValueError(f"{api}: clip_global_norm must be > 0 or None; got {clip_global_norm!r}.")
     errors.positive_int(accumulate_steps, api=api, name="accumulate_steps")
-    dynamic = loss_scale == "dynamic"
     if not (
-        loss_scale is None or dynamic or (isinstance(loss_scale, int | float) and loss_scale > 0)
+        loss_scale is None
+        or loss_scale == "dynamic"
+        or (isinstance(loss_scale, int | float) and loss_scale > 0)
     ):
         raise ValueError(
             f"{api}: loss_scale must be None, a positive number or 'dynamic'; got {loss_scale!r}."
         )
     errors.positive_int(loss_scale_period, api=api, name="loss_scale_period")
+
+
+def _check_zero_needs(zero_stage: int, mesh: Mesh | None, grad_dtype: Any) -> None:
+    """Refuses, with `wrap_optimizer`'s errors, ZeRO without what it needs."""
+    api = "wrap_optimizer"
     if zero_stage == 3 and grad_dtype is not None:
         raise ValueError(
             f"{api}: grad_dtype is not supported with zero_stage=3 (its gradients are reduced "
@@ -200,156 +349,12 @@ def wrap_optimizer(
         )
     if zero_stage and mesh is None:
         raise ValueError(f"{api}: zero_stage={zero_stage} needs the mesh; use repl.wrap_optimizer.")
-    grad_dtype = None if grad_dtype is None else jnp.dtype(grad_dtype)
-    inner = optax.with_extra_args_support(tx)
-    sharded = zero.Zero(mesh, stage=zero_stage) if zero_stage else None
-    wrapped = zero_stage > 0 or loss_scale is not None
-
-    def init(params):
-        if zero_stage == 3:
-            _check_stage3_params(params)
-        if sharded:
-            zero.warn_if_gathered(zero_stage, sharded.plan(inner, params))
-            inner_state = sharded.init(inner, params)
-        else:
-            inner_state = inner.init(params)
-        if mesh is not None and not sharded:
-            inner_state = _on_mesh(inner_state, mesh)
-        if not wrapped:
-            return inner_state
-        scale = None
-        if loss_scale is not None:
-            start = 2.0**15 if dynamic else float(loss_scale)
-            scale = LossScaleState(jnp.float32(start), jnp.int32(0), jnp.int32(0))
-            if mesh is not None:
-                scale = placement.put(scale, replicated_sharding(mesh))
-        return WrappedState(inner_state, scale)
-
-    def reduce(grads):
-        """Local gradients -> the mean over replicas: whole (stage 0) or this replica's slice."""
-        if zero_stage == 3:  # autodiff of gather_params already summed each slice
-            return jax.tree.map(lambda g: g / sharded.n, grads)
-        if sharded:
-            return sharded.reduce_scatter(grads, grad_dtype)
-        return _mean_over_replicas(grads, grad_dtype)
-
-    def finish(reduced, state, params, extra_args, like):
-        """Reduced gradients -> (updates, state, metrics): unscale, check, clip, apply."""
-        inner_state = state.inner if wrapped else state
-        scale = state.loss_scale if wrapped else None
-        if scale is not None:
-            reduced = jax.tree.map(lambda g: (g / scale.scale).astype(g.dtype), reduced)
-        needs = [
-            *(["clip_global_norm=..."] if clip_global_norm is not None else []),
-            *(["loss_scale='dynamic'"] if scale is not None and dynamic else []),
-        ]
-        norm = _global_norm(
-            reduced, params, over_replicas=sharded is not None, why=", ".join(needs) or None
-        )
-        if clip_global_norm is not None:
-            reduced = _clip(reduced, norm, clip_global_norm)
-        if sharded:
-            updates, new_inner = sharded.apply(
-                inner, reduced, inner_state, params, extra_args, like
-            )
-        else:
-            updates, new_inner = inner.update(reduced, inner_state, params, **extra_args)
-        metrics = {} if norm is None else {"grad_norm": norm}
-        if scale is not None and dynamic:
-            finite = jnp.isfinite(norm)  # the same on every replica: a reduced value
-            updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), updates)
-            new_inner = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_inner, inner_state)
-            good = jnp.where(finite, scale.good_steps + 1, 0)
-            grow = good >= loss_scale_period
-            new_scale = jnp.where(
-                finite,
-                jnp.where(grow, scale.scale * 2, scale.scale),
-                jnp.maximum(scale.scale / 2, 1.0),
-            )
-            scale = LossScaleState(
-                new_scale.astype(jnp.float32),
-                jnp.where(grow, 0, good).astype(jnp.int32),
-                (scale.skipped + jnp.where(finite, 0, 1)).astype(jnp.int32),
-            )
-        if scale is not None:
-            metrics |= {"loss_scale": scale.scale, "skipped": scale.skipped}
-        new_state = WrappedState(new_inner, scale) if wrapped else new_inner
-        return updates, new_state, metrics
-
-    def update(grads, state, params=None, **extra_args):
-        if sharded:
-            sharded.check_binding()
-        updates, new_state, _ = finish(reduce(grads), state, params, extra_args, grads)
-        return updates, new_state
-
-    def step(loss_fn, params, state, batch):
-        if sharded:
-            sharded.check_binding()
-        k = accumulate_steps
-        factor = state.loss_scale.scale if wrapped and state.loss_scale is not None else 1.0
-
-        def grad_of(mb):
-            loss, g = jax.value_and_grad(lambda p: loss_fn(p, mb) * factor)(params)
-            return loss / factor, g
-
-        if k == 1:
-            loss, grads = grad_of(batch)
-            reduced = reduce(grads)
-        else:
-            micro = _split(batch, k)
-            # ZeRO-2 and 3: accumulate only this replica's slice.
-            per_mb_reduce = zero_stage >= 2
-            if zero_stage == 3:
-                acc0 = jax.tree.map(jnp.zeros_like, params)
-            elif per_mb_reduce:  # this replica's slice of each flattened, padded leaf
-                acc0 = jax.tree.map(
-                    lambda p: jnp.zeros(chunk(np.size(p), sharded.n), jnp.result_type(p)), params
-                )
-            else:
-                acc0 = jax.tree.map(jnp.zeros_like, params)
-
-            def body(carry, mb):
-                loss_sum, acc = carry
-                loss, g = grad_of(mb)
-                g = reduce(g) if per_mb_reduce else g
-                return (loss_sum + loss, jax.tree.map(jnp.add, acc, g)), None
-
-            (loss_sum, acc), _ = lax.scan(body, (jnp.zeros((), jnp.float32), acc0), micro)
-            loss = loss_sum / k
-            acc = jax.tree.map(lambda a: a / k, acc)
-            reduced = acc if per_mb_reduce else reduce(acc)
-        updates, new_state, metrics = finish(reduced, state, params, {}, params)
-        params = optax.apply_updates(params, updates)
-        metrics = {"loss": collectives.all_reduce(jnp.asarray(loss, jnp.float32), "mean")} | metrics
-        return params, new_state, metrics
-
-    def shard_params(params, stacked):
-        if zero_stage != 3:
-            raise ValueError(
-                f"shard_params: parameters are stored sharded only with zero_stage=3; this "
-                f"optimizer has zero_stage={zero_stage}."
-            )
-        return sharded.shard_params(params, stacked)
-
-    opt = DistributedOptimizer(init, update)
-    opt._step = step
-    opt._shard_params = shard_params
-    return opt
 
 
-def _check_stage3_params(params: PyTree) -> None:
-    if not any(
-        isinstance(x, ShardedParam) for x in jax.tree.leaves(params, is_leaf=is_sharded_param)
-    ):
-        raise ValueError(
-            "wrap_optimizer(zero_stage=3): init got plain parameters; store them sharded first: "
-            "params = opt.shard_params(params), and call rp.gather_params in the forward pass."
-        )
-
-
-def _on_mesh(state: PyTree, mesh: Mesh) -> PyTree:
-    """Leaves not yet on ``mesh`` (such as Adam's step count) replicated on it, so that the
-    state ``run`` gets has the placement of the state it returns, and the step compiles once."""
+def _placed_on(tx: optax.GradientTransformationExtraArgs, mesh: Mesh):
+    """``tx`` whose ``init`` replicates on ``mesh`` the state leaves not yet on it (such as
+    Adam's step count), so that the state ``run`` gets has the placement of the state it
+    returns, and the step compiles once."""
     replicated = replicated_sharding(mesh)
 
     def place(x):
@@ -358,66 +363,7 @@ def _on_mesh(state: PyTree, mesh: Mesh) -> PyTree:
             return x
         return placement.put(x, replicated)
 
-    return jax.tree.map(place, state)
+    def init(params):
+        return jax.tree.map(place, tx.init(params))
 
-
-def _split(batch: PyTree, k: int) -> PyTree:
-    def split(path, a):
-        if np.ndim(a) == 0 or a.shape[0] % k:
-            raise ValueError(
-                f"DistributedOptimizer.step: batch leaf {jax.tree_util.keystr(path)} of shape "
-                f"{np.shape(a)} does not split into accumulate_steps={k} micro-batches; use a "
-                f"per-replica batch that is a multiple of {k}."
-            )
-        return a.reshape((k, a.shape[0] // k, *a.shape[1:]))
-
-    return jax.tree_util.tree_map_with_path(split, batch)
-
-
-def _mean_over_replicas(grads: PyTree, dtype) -> PyTree:
-    if dtype is None:
-        return collectives.all_reduce(grads, "mean")
-    sent = jax.tree.map(lambda g: g.astype(dtype), grads)
-    return jax.tree.map(lambda s, g: s.astype(g.dtype), collectives.all_reduce(sent, "mean"), grads)
-
-
-def _global_norm(grads: PyTree, params: PyTree, *, over_replicas: bool, why: str | None):
-    """The global norm of ``grads`` as on one device, or None if it is not needed and unknown.
-
-    ``over_replicas``: each replica holds a slice of the gradients (ZeRO). On a mesh with
-    ``stage`` (or ``model``) axes, the gradient of a parameter split over them (a pipeline's
-    stage parameters) is summed over them, and that of a parameter whole on every device of a
-    replica counted once; which is which is read from ``params``, the state leaves ``step_fn``
-    received. ``why`` names the option that needs the norm (clipping, loss scaling), or None.
-    """
-    binding = current_binding()
-    leaves = jax.tree.leaves(grads)
-    axes: list[tuple] = [()] * len(leaves)
-    if binding.model_axes():
-        p_leaves = None if params is None else jax.tree.leaves(params)
-        found = p_leaves is not None and len(p_leaves) == len(leaves)
-        axes = [binding.split_axes(p) for p in p_leaves] if found else [None] * len(leaves)
-        if any(a is None for a in axes):
-            if why is None:
-                return None
-            raise ValueError(_NORM_NEEDS_PARAMS.format(why=why, axes=binding.model_axes()))
-    total = jnp.zeros((), jnp.float32)
-    for g, split in zip(leaves, axes, strict=True):
-        total += collectives.sum_over_axes(jnp.sum(jnp.square(g.astype(jnp.float32))), split)
-    return jnp.sqrt(collectives.all_reduce(total, "sum") if over_replicas else total)
-
-
-_NORM_NEEDS_PARAMS = """\
-wrap_optimizer({why}): on a mesh with the axes {axes}, the global norm of the gradients must add \
-the gradients of parameters split over those axes (pipeline stages) across them, and count the \
-others once. It reads which is which from the parameters, which must be passed as step_fn \
-received them in its state:
-
-    updates, opt_state = opt.update(grads, state["opt"], state["params"])
-    params, opt_state, metrics = opt.step(loss_fn, state["params"], state["opt"], batch)"""
-
-
-def _clip(grads: PyTree, norm: jax.Array, max_norm: float) -> PyTree:
-    # The same arithmetic as optax.clip_by_global_norm.
-    scale = jnp.where(norm < max_norm, 1.0, max_norm / jnp.maximum(norm, 1e-38))
-    return jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
+    return optax.GradientTransformationExtraArgs(init, tx.update)

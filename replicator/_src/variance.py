@@ -91,8 +91,8 @@ def varying_axes(jaxpr: ClosedJaxpr, in_axes: Sequence[Axes], tracked: Iterable[
       reported as varying when the analysis cannot tell), never under-approximate.
 
     >>> import jax, jax.numpy as jnp
-    >>> from jax import lax
-    >>> f = lambda x: (lax.psum(x, "stage"), x + lax.axis_index("stage"), x * 2)
+    >>> from jax.lax import axis_index, psum
+    >>> f = lambda x: (psum(x, "stage"), x + axis_index("stage"), x * 2)
     >>> j = jax.make_jaxpr(f, axis_env=[("stage", 4)])(jnp.float32(1))
     >>> [sorted(a) for a in varying_axes(j, [frozenset()], ["stage"])]
     [[], ['stage'], []]
@@ -313,8 +313,8 @@ def _check_state(new_axes, state_specs, state_def, mesh: Mesh, step: str) -> Non
             f"{_axes_words(names)}, but its sharding {spec} keeps one copy for all of "
             f"{_quoted(names)}: one of its {copies} versions would be kept and the others "
             f"silently dropped. Make it the same on every device of {_quoted(names)} by "
-            f"reducing it in step_fn (e.g. lax.pmean(x, {_entry_repr(names)})), or keep one "
-            f"copy per {_quoted(names, ' and ', quote=False)}: give the leaf a leading axis of "
+            f"reducing it in step_fn (e.g. pmean(x, {_entry_repr(names)}) from jax.lax), or "
+            f"keep one copy per {_quoted(names, ' and ', quote=False)}: give the leaf a leading axis of "
             f"size {copies} and place it with P({_entry_repr(names)}) "
             f"(repl.place(x, P({_entry_repr(names)})))."
         )
@@ -339,7 +339,7 @@ def _output_specs(outputs, out_axes, replica: PartitionSpec, mesh: Mesh, step: s
                 f"and a scalar has none. Return "
                 f"x[None] to get one row per {_quoted(names, ' and ', quote=False)} (shape "
                 f"[num_replicas, {rows}]), or reduce it across {_quoted(names)} in step_fn "
-                f"first (e.g. lax.psum(x, {_entry_repr(names)}) or lax.pmean)."
+                f"first (e.g. psum(x, {_entry_repr(names)}) or pmean from jax.lax)."
             )
         specs.append(PartitionSpec(replica[0], names[0] if len(names) == 1 else names))
     return jax.tree.unflatten(jax.tree.structure(outputs), specs)

@@ -12,6 +12,9 @@ state per device. A transformation with an operation that has no meaning on slic
 factored row and column statistics, a transpose, random numbers) runs instead on whole arrays,
 gathered for the update: still exact, with the state sharded between steps but whole during the
 update. `Zero.plan` tells which, before a step runs.
+
+As optax transformations: `scatter_mean` takes local gradients to this replica's slice of their
+mean, and `sharded_update` runs an optax transformation on the slices, its state in this layout.
 """
 
 from __future__ import annotations
@@ -22,110 +25,16 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
 from jax.extend import core as jex
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from replicator._src import collectives, placement, sharded_eval
 from replicator._src import mesh as mesh_lib
 from replicator._src.binding import current_binding
+from replicator._src.sharded_params import ShardedParam, has_sharded_params, is_sharded_param
 from replicator._src.typing import PyTree
-
-_NOT_GATHERED = """\
-rp.ShardedParam: parameter of shape {shape} is stored sharded (ZeRO-3) and must be gathered \
-before it is used ({what}). Call rp.gather_params in the forward pass, as late as possible \
-(per layer, inside the layer scan):
-
-    def loss_fn(params, batch):
-        params = rp.gather_params(params)      # full parameters, all-gathered over the replicas
-        return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)"""
-
-
-@jax.tree_util.register_pytree_node_class
-class ShardedParam:
-    """A parameter stored ZeRO-3 style: flattened, padded to ``N * c`` and sharded over the
-    replicas along its last axis (leading axes, such as a stacked layer axis, are kept).
-
-    ``shape`` is the shape of one un-stacked parameter; `gather_params` rebuilds it. As a pytree
-    node its only child is ``flat``, so ``jax.grad``, optax and ``lax.scan`` see a plain array.
-    Used as an array without `gather_params` (``x @ w``, ``w + 1``, ``jnp.dot``), it raises a
-    ``TypeError`` that says to gather it.
-    """
-
-    def __init__(self, flat: Any, shape: tuple[int, ...]) -> None:
-        self.flat = flat
-        self.shape = tuple(shape)
-
-    def tree_flatten(self):
-        return (self.flat,), self.shape
-
-    @classmethod
-    def tree_unflatten(cls, shape, children):
-        return cls(children[0], shape)
-
-    def __repr__(self) -> str:
-        return f"ShardedParam(shape={self.shape}, flat={getattr(self.flat, 'shape', self.flat)})"
-
-    def _refuse(self, what: str):
-        raise TypeError(_NOT_GATHERED.format(shape=self.shape, what=what))
-
-    def __jax_array__(self):
-        self._refuse("converted to an array")
-
-    def __array__(self, *args, **kwargs):
-        self._refuse("converted to an array")
-
-    def __getitem__(self, index):
-        self._refuse("indexed")
-
-    def __getattr__(self, name: str):
-        if name in ("dtype", "ndim", "T", "astype", "reshape", "sum", "mean"):
-            self._refuse(f".{name}")
-        raise AttributeError(name)
-
-
-def _binary(symbol: str):
-    def refuse(self, other):
-        self._refuse(f"the operator {symbol}")
-
-    return refuse
-
-
-for _name, _symbol in [
-    ("matmul", "@"),
-    ("add", "+"),
-    ("sub", "-"),
-    ("mul", "*"),
-    ("truediv", "/"),
-    ("pow", "**"),
-]:
-    setattr(ShardedParam, f"__{_name}__", _binary(_symbol))
-    setattr(ShardedParam, f"__r{_name}__", _binary(_symbol))
-
-
-def is_sharded_param(x) -> bool:
-    return isinstance(x, ShardedParam)
-
-
-def gather_params(tree: PyTree) -> PyTree:
-    """The full parameters of the `ShardedParam` leaves of ``tree``, all-gathered over replicas.
-
-    Call it inside ``step_fn``'s forward pass, as late as possible: per layer, inside the layer
-    scan, so that only one layer's full parameters exist at a time (ZeRO-3 / FSDP). Autodiff turns
-    the all-gather into a reduce-scatter of the gradients. Other leaves pass through.
-
-    >>> import jax.numpy as jnp, replicator as rp
-    >>> rp.gather_params({"w": rp.ShardedParam(jnp.arange(4.0), (3,))})["w"]   # one replica
-    Array([0., 1., 2.], dtype=float32)
-    """
-
-    def gather(node):
-        if not isinstance(node, ShardedParam):
-            return node
-        flat = collectives.all_gather(node.flat, axis=node.flat.ndim - 1, tiled=True)
-        size = math.prod(node.shape)
-        return flat[..., :size].reshape((*flat.shape[:-1], *node.shape))
-
-    return jax.tree.map(gather, tree, is_leaf=is_sharded_param)
 
 
 class _Program(NamedTuple):
@@ -277,6 +186,15 @@ class Zero:
 
         return jax.tree.map(scatter, grads)
 
+    def slice_zeros(self, params: PyTree) -> PyTree:
+        """Zeros shaped as this replica's slice of the mean gradients (`reduce_scatter` with
+        ZeRO-1/2: flat ``[c]`` per leaf; ZeRO-3: the `ShardedParam` layout of ``params``)."""
+        if self.stage == 3:
+            return jax.tree.map(jnp.zeros_like, params)
+        return jax.tree.map(
+            lambda p: jnp.zeros(sharded_eval.chunk(np.size(p), self.n), jnp.result_type(p)), params
+        )
+
     def apply(self, inner, g_local: PyTree, state: PyTree, params: PyTree, extra_args, like):
         """``inner.update`` of the mean gradients, as on one device: ``(updates, state)``.
 
@@ -355,7 +273,11 @@ class Zero:
 
 
 def warn_if_gathered(stage: int, reason: str | None) -> None:
-    """Warns, at ``init``, that the update runs on gathered arrays, and why."""
+    """Warns, at ``init``, that the update runs on gathered arrays, and why.
+
+    The warning points at the user's ``opt.init``: the caller of `DistributedOptimizer.init`,
+    which calls the loss-scale wrapper's ``init``, which calls `sharded_update`'s.
+    """
     if reason is None:
         return
     warnings.warn(
@@ -365,5 +287,82 @@ def warn_if_gathered(stage: int, reason: str | None) -> None:
         f"update, and gathering it moves its bytes once per step). Element-wise "
         f"transformations and full reductions (global-norm clipping, LAMB) run on shards; "
         f"see the README section 'What is exact, and what is refused'.",
-        stacklevel=3,
+        stacklevel=5,
     )
+
+
+# -- as optax transformations -------------------------------------------------------------------
+
+ScatterMeanState = optax.EmptyState
+
+_PLAIN_PARAMS = (
+    "wrap_optimizer(zero_stage=3): init got plain parameters; store them sharded first: "
+    "params = opt.shard_params(params), and call rp.gather_params in the forward pass."
+)
+
+
+def scatter_mean(zero: Zero, *, grad_dtype: Any = None) -> optax.GradientTransformationExtraArgs:
+    """Local gradients -> this replica's slice of their mean over the replicas (stateless).
+
+    ZeRO-1/2: each leaf is flattened, padded and reduce-scattered (sent in ``grad_dtype`` if
+    given, e.g. ``jnp.bfloat16``), the same bytes as half an all-reduce. ZeRO-3: the gradients of
+    `ShardedParam` leaves are slices already, summed over the replicas by the autodiff of
+    `gather_params`; they are divided by N.
+
+    Equivalent to (replica ``r``)::
+
+        updates = [mean over replicas of flat_padded(g)[r c : (r + 1) c] for g in grads]
+
+    Args:
+      zero: the ZeRO layout.
+      grad_dtype: the dtype the gradients are sent in (ZeRO-1/2), or None for their own.
+
+    Returns:
+      An optax transformation whose state is `ScatterMeanState` (empty).
+    """
+
+    def update(grads, state, params=None, **extra_args):
+        del params, extra_args
+        if zero.stage == 3:  # autodiff of gather_params already summed each slice
+            return jax.tree.map(lambda g: g / zero.n, grads), state
+        return zero.reduce_scatter(grads, grad_dtype), state
+
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update)
+
+
+def sharded_update(
+    tx: optax.GradientTransformation, zero: Zero
+) -> optax.GradientTransformationExtraArgs:
+    """``tx`` run on this replica's slices of the mean gradients, as on one device (`Zero.apply`).
+
+    ``init(params)`` runs ``tx.init`` on the one-device parameters and stores each state leaf in
+    the ZeRO layout (global arrays: run it outside ``step_fn``); it warns if the update cannot
+    run on slices and will gather (`Zero.plan`). With ZeRO-3 ``params`` must be `ShardedParam`
+    leaves. ``update(slices, state, params=None, *, local_grads=None, **extra_args)`` takes the
+    slices of `scatter_mean` and returns whole updates (ZeRO-3: in the `ShardedParam` layout);
+    ``local_grads``, the gradients as ``step_fn`` computed them, gives the one-device shapes when
+    ``params`` is None. Other ``extra_args`` go to ``tx``.
+
+    Args:
+      tx: any optax transformation.
+      zero: the ZeRO layout.
+
+    Returns:
+      An optax transformation whose state is ``tx``'s, each leaf ``[N * c]`` sharded over the data
+      axes (scalar leaves, such as Adam's count, replicated).
+
+    Raises:
+      ValueError: from ``init``, with ZeRO-3 and plain parameters.
+    """
+    inner = optax.with_extra_args_support(tx)
+
+    def init(params):
+        if zero.stage == 3 and not has_sharded_params(params):
+            raise ValueError(_PLAIN_PARAMS)
+        warn_if_gathered(zero.stage, zero.plan(inner, params))
+        return zero.init(inner, params)
+
+    def update(slices, state, params=None, *, local_grads=None, **extra_args):
+        return zero.apply(inner, slices, state, params, extra_args, local_grads)
+
+    return optax.GradientTransformationExtraArgs(init, update)

@@ -1,11 +1,29 @@
 """A small convolutional classifier with cross-replica BatchNorm, and a procedurally generated
-image dataset to train it on (no downloads)."""
+image dataset to train it on (no downloads).
+
+The training pieces take the model split by ``nnx.split(model, nnx.Param, nnx.BatchStat)``:
+the parameters and the BatchNorm statistics travel in the training state as plain pytrees.
+
+>>> import numpy as np
+>>> from flax import nnx
+>>> from replicator.models import cnn
+>>> model = cnn.CNN(in_channels=1, num_classes=len(cnn.SHAPES), width=4, rngs=nnx.Rngs(0))
+>>> graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
+>>> batch = next(cnn.shape_batches(8, seed=0))
+>>> (loss, (stats, accuracy)), grads = cnn.value_and_grad(graphdef, params, stats, batch)
+>>> loss.shape, jax.tree.structure(grads) == jax.tree.structure(params)
+((), True)
+"""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 
 from replicator.models.layers import CrossReplicaBatchNorm
@@ -88,3 +106,48 @@ def shape_images(rng: np.random.Generator, n: int, size: int = 16) -> tuple[np.n
         images[i, ..., 0] = mask
     images += 0.3 * rng.normal(size=images.shape).astype(np.float32)
     return images, labels.astype(np.int32)
+
+
+def shape_batches(batch_size: int, *, seed: int = 0) -> Iterator[dict[str, np.ndarray]]:
+    """Endless batches of `shape_images`: ``{"x": [batch_size, 16, 16, 1], "y": [batch_size]}``.
+
+    Deterministic for a seed: give each input pipeline its own (e.g. ``1000 +
+    ctx.input_pipeline_id``).
+    """
+    rng = np.random.default_rng(seed)
+    while True:
+        x, y = shape_images(rng, batch_size)
+        yield {"x": x, "y": y}
+
+
+def loss(
+    graphdef: nnx.GraphDef, params: Any, stats: Any, batch: dict
+) -> tuple[jax.Array, tuple[Any, jax.Array]]:
+    """The CNN's mean cross-entropy on ``batch``, in training mode.
+
+    Args:
+      graphdef: the model's structure, from ``nnx.split(model, nnx.Param, nnx.BatchStat)``.
+      params: its ``nnx.Param`` state.
+      stats: its ``nnx.BatchStat`` state (the BatchNorm running statistics).
+      batch: ``{"x": images, "y": integer labels}``, as `shape_batches` yields.
+
+    Returns:
+      ``(loss, (stats, accuracy))``: the new BatchNorm statistics (taken over every replica's
+      examples inside a step) and the fraction of correct labels.
+    """
+    model = nnx.merge(graphdef, params, stats, copy=True)
+    logits = model(batch["x"])
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    accuracy = jnp.mean(jnp.argmax(logits, -1) == batch["y"])
+    return loss, (nnx.state(model, nnx.BatchStat), accuracy)
+
+
+def value_and_grad(
+    graphdef: nnx.GraphDef, params: Any, stats: Any, batch: dict
+) -> tuple[tuple[jax.Array, tuple[Any, jax.Array]], Any]:
+    """`loss` and its gradient with respect to ``params``: ``((loss, (stats, accuracy)), grads)``.
+
+    The gradients are this replica's own, as on one device; an optimizer from
+    ``repl.wrap_optimizer`` takes their mean over the replicas.
+    """
+    return jax.value_and_grad(loss, argnums=1, has_aux=True)(graphdef, params, stats, batch)

@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import replicator as rp
+from replicator import pipeline
 from replicator._src.errors import positive_int
 
 PyTree = Any
@@ -151,9 +153,7 @@ def blocks(stacked_params: dict, x: jax.Array, *, config: GPTConfig) -> jax.Arra
 def stage_fn(config: GPTConfig) -> Callable[[dict, jax.Array], jax.Array]:
     """``f(stage_params, x) -> x`` for the pipeline: the blocks of one stage (``[Lv, ...]``),
     built with `replicator.pipeline.scan_layers` so the pipeline steps through them one by one."""
-    from replicator.pipeline import scan_layers
-
-    return scan_layers(lambda p, x: block(p, x, config=config).astype(x.dtype))
+    return pipeline.scan_layers(lambda p, x: block(p, x, config=config).astype(x.dtype))
 
 
 def head_logits(head_params: dict, x: jax.Array) -> jax.Array:
@@ -178,6 +178,90 @@ def loss(params: dict, tokens: jax.Array, targets: jax.Array, *, config: GPTConf
     """The whole model's mean cross-entropy on one device: the oracle for the pipeline."""
     x = embed(params["embed"], tokens).astype(config.dtype)
     return head_loss(params["head"], blocks(params["blocks"], x, config=config), targets)
+
+
+def pipeline_value_and_grad(
+    config: GPTConfig, *, num_microbatches: int, schedule: Any = "gpipe"
+) -> Callable[[dict, dict], tuple[jax.Array, dict]]:
+    """``f(params, batch) -> (loss, grads)`` for one data replica, the blocks run as a pipeline.
+
+    ``params`` is `place_pipeline`'s layout, ``{"embed", "stages", "head"}``, and ``batch`` is
+    `token_batches`' ``{"tokens", "targets"}``. The embedding runs before the stages, and its
+    gradient flows back from the pipeline's input gradient; the head is the pipeline's
+    ``loss_fn`` (`head_loss`). Inside ``Replicator.run`` on a mesh with a ``stage`` axis the
+    stages run as ``schedule`` says; elsewhere, in order on one device. Either way::
+
+        Equivalent to: jax.value_and_grad(loss)(params with the stages unstacked, tokens, targets)
+
+    Args:
+      config: the model's sizes.
+      num_microbatches: micro-batches per replica's batch (see
+        `replicator.pipeline.value_and_grad`).
+      schedule: a `replicator.pipeline` schedule such as ``pipeline.OneFOneB()``, or its name.
+
+    Returns:
+      The function; its ``grads`` have the structure of ``params``, and are this replica's own
+      (reduce them across replicas, e.g. with an optimizer from ``repl.wrap_optimizer``).
+
+    >>> import jax, jax.numpy as jnp
+    >>> from replicator import pipeline
+    >>> from replicator.models import gpt
+    >>> config = gpt.GPTConfig(seq_len=8, d_model=16, num_heads=2, num_layers=2)
+    >>> params = gpt.init(config, jax.random.key(0))
+    >>> batch = next(gpt.token_batches(b"abcdefgh" * 20, batch_size=4, seq_len=8))
+    >>> blocks = params.pop("blocks")
+    >>> staged = dict(params, stages=pipeline.stack_stages(blocks, num_stages=2))
+    >>> grad_fn = gpt.pipeline_value_and_grad(config, num_microbatches=2)
+    >>> loss, grads = grad_fn(staged, batch)
+    >>> sorted(grads)
+    ['embed', 'head', 'stages']
+    >>> bool(jnp.allclose(loss, gpt.loss(params | {"blocks": blocks}, **batch, config=config)))
+    True
+    """
+    grad_fn = pipeline.value_and_grad(
+        stage_fn(config), head_loss, num_microbatches=num_microbatches, schedule=schedule
+    )
+
+    def value_and_grad(params: dict, batch: dict) -> tuple[jax.Array, dict]:
+        x, embed_vjp = jax.vjp(lambda e: embed(e, batch["tokens"]), params["embed"])
+        loss, (g_stages, g_x, g_head) = grad_fn(
+            params["stages"], x, batch["targets"], params["head"]
+        )
+        return loss, {"embed": embed_vjp(g_x)[0], "stages": g_stages, "head": g_head}
+
+    return value_and_grad
+
+
+def place_pipeline(repl: rp.Replicator, params: dict, *, num_stages: int, repeats: int = 1) -> dict:
+    """`init`'s parameters placed on ``repl``'s mesh for `pipeline_value_and_grad`.
+
+    The blocks are stacked into ``num_stages`` stages (``repeats`` virtual stages per device, for
+    the circular schedule) and sharded over the ``stage`` axis; the embedding and the head are
+    replicated.
+
+    Args:
+      repl: the Replicator whose mesh holds the parameters.
+      params: `init`'s ``{"embed", "blocks", "head"}``.
+      num_stages: the size of the mesh's ``stage`` axis.
+      repeats: virtual stages per device.
+
+    Returns:
+      ``{"embed", "stages", "head"}``, placed.
+
+    >>> import jax, replicator as rp
+    >>> from replicator.models import gpt
+    >>> config = gpt.GPTConfig(seq_len=8, d_model=16, num_heads=2, num_layers=4)
+    >>> repl = rp.Replicator(lowering="local")
+    >>> placed = gpt.place_pipeline(repl, gpt.init(config, jax.random.key(0)), num_stages=2)
+    >>> placed["stages"]["attn"]["qkv"].shape       # [stages, layers per stage, ...]
+    (2, 2, 16, 48)
+    """
+    stacked = pipeline.stack_stages(params["blocks"], num_stages=num_stages, repeats=repeats)
+    return {
+        "embed": repl.replicate(params["embed"]),
+        "stages": repl.place(stacked, pipeline.stage_spec(repeats)),
+        "head": repl.replicate(params["head"]),
+    }
 
 
 def num_params(params: PyTree) -> int:

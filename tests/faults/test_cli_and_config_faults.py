@@ -16,7 +16,8 @@ import pytest
 
 import replicator as rp
 from replicator import cli
-from replicator._src import config, jobs, rundir
+from replicator._src import rundir
+from replicator.cli import config, jobs
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"

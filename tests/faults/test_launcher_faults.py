@@ -97,7 +97,15 @@ def test_a_signal_to_the_launcher_reaches_the_workers_and_leaves_no_orphan(tmp_p
     proc, _ = start_idle_job(tmp_path, "--grace", "2")
     try:
         proc.send_signal(sig)
-        out, _ = proc.communicate(timeout=20)
+        try:
+            out, _ = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pids = {p.name: p.read_text() for p in tmp_path.glob("rank*.pid")}
+            raise AssertionError(
+                f"the launcher did not end within 20 s of {sig.name}; workers {pids}; its "
+                f"output: {proc.communicate()[0][-3000:]}"
+            ) from None
     finally:
         if proc.poll() is None:
             proc.kill()

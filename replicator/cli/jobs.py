@@ -1,5 +1,11 @@
 """The jobs behind ``replicator train CONFIG``: a config becomes a model, an input_fn, a step_fn
-and a `fit` run, with metrics, checkpoints and pictures in ``out_dir/name``."""
+and a `rp.fit` run, with metrics, checkpoints and pictures in ``out_dir/name``.
+
+Built on the public API only (``replicator``, ``replicator.models``). The config is checked
+before it gets here (`replicator.cli.config`); what is refused here is what only the library can
+see: the mesh against the devices, the batch against the replicas, the run directory, the
+checkpoint.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +14,21 @@ import dataclasses
 import math
 import os
 import sys
+import time
 from collections.abc import Iterator
 
-from replicator._src.config import TrainConfig
-from replicator._src.rundir import RunDirLockedError
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import replicator as rp
+from replicator.cli.config import TrainConfig
+from replicator.models import cnn, gpt, mlp
 
 # What the library raises for a config, a mesh, a run directory or a checkpoint it refuses.
-USER_ERRORS = (ValueError, TypeError, FileNotFoundError, RunDirLockedError)
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError, rp.RunDirLockedError)
 
 
 class SetupError(Exception):
@@ -31,36 +45,26 @@ def _devices(config: TrainConfig, *, cpu_only: bool) -> None:
 
     Emulated CPU devices only change the CPU platform: on a TPU or GPU host ``jax.devices()`` is
     still the accelerators, unless ``cpu_only`` (explain: plan any mesh on this machine's CPU,
-    with as many emulated devices as the mesh has, or ``cpu_devices`` if a size is -1).
+    with as many emulated devices as the mesh has, or ``cpu_devices`` if a size is -1). Once JAX
+    has started (a JAX computation ran in this process), its devices stay as they are.
     """
-    import jax
-
-    from replicator._src import compat
-
-    if compat.backends_initialized():
-        return
     sizes = list(config.mesh.values())
     n = math.prod(sizes) if cpu_only and sizes and min(sizes) > 0 else config.cpu_devices
+    if n:
+        try:
+            jax.config.update("jax_num_cpu_devices", n)
+        except RuntimeError:  # JAX has started: "should be updated before backends are ..."
+            return
     if cpu_only:
         jax.config.update("jax_platforms", "cpu")
-    if n:
-        jax.config.update("jax_num_cpu_devices", n)
 
 
 def build(config: TrainConfig):
     """The job a config describes: ``(repl, step_fn, state, input_fn, tokens_per_step)``."""
-    import optax
-
-    import replicator as rp
-
     repl = rp.Replicator(mesh_shape=dict(config.mesh))
-    make_tx = {"adam": optax.adam, "sgd": optax.sgd}.get(config.optimizer)
-    if make_tx is None:
-        raise ValueError(f"config: optimizer={config.optimizer!r}; use 'adam' or 'sgd'.")
-    jobs = {"gpt": _gpt, "mlp": _mlp, "cnn": _cnn}
-    if config.model.kind not in jobs:
-        raise ValueError(f"config: model.kind={config.model.kind!r}; use 'gpt', 'mlp' or 'cnn'.")
-    return (repl, *jobs[config.model.kind](config, repl, make_tx(config.learning_rate)))
+    make_tx = {"adam": optax.adam, "sgd": optax.sgd}[config.optimizer]
+    jobs = {"gpt": _gpt, "mlp": _mlp, "cnn": _cnn}[config.model.kind]
+    return (repl, *jobs(config, repl, make_tx(config.learning_rate)))
 
 
 def explain(config: TrainConfig, *, json_path: str | None = None):
@@ -86,12 +90,6 @@ def run(config: TrainConfig) -> dict:
     Raises:
       SetupError: if the library refuses the job before the first step (see `SetupError`).
     """
-    import time
-
-    import jax
-
-    import replicator as rp
-
     _devices(config, cpu_only=False)
     out = os.path.join(config.out_dir, config.name)
     try:
@@ -165,24 +163,15 @@ def _first_step(repl) -> Iterator[list]:
 
 
 def _schedule(config: TrainConfig):
-    from replicator import pipeline
-
     p = config.pipeline
     return {
-        "gpipe": pipeline.GPipe(),
-        "circular": pipeline.Circular(repeats=p.repeats),
-        "1f1b": pipeline.OneFOneB(),
+        "gpipe": rp.pipeline.GPipe(),
+        "circular": rp.pipeline.Circular(repeats=p.repeats),
+        "1f1b": rp.pipeline.OneFOneB(),
     }[p.schedule]
 
 
 def _gpt(config: TrainConfig, repl, inner_tx):
-    import jax
-    import optax
-
-    import replicator as rp
-    from replicator import pipeline
-    from replicator.models import gpt
-
     m = config.model
     model = gpt.GPTConfig(
         vocab_size=256, seq_len=m.seq_len, d_model=m.d_model, num_heads=m.heads, num_layers=m.layers
@@ -213,46 +202,24 @@ def _gpt(config: TrainConfig, repl, inner_tx):
         placed = repl.replicate(params)
         return step_fn, {"params": placed, "opt": opt.init(placed)}, input_fn, tokens
 
-    if config.pipeline is None:
-        raise ValueError("config: a mesh with a 'stage' axis needs a pipeline: section.")
-    schedule = _schedule(config)
-    k = repl.mesh.shape["stage"]
-    grad_fn = pipeline.value_and_grad(
-        gpt.stage_fn(model),
-        gpt.head_loss,
-        num_microbatches=config.pipeline.microbatches,
-        schedule=schedule,
+    schedule = _schedule(config)  # the config has a pipeline: section with a stage axis
+    grad_fn = gpt.pipeline_value_and_grad(
+        model, num_microbatches=config.pipeline.microbatches, schedule=schedule
     )
     tx = repl.wrap_optimizer(inner_tx, clip_global_norm=config.clip_global_norm)
 
-    def step_fn(state, batch):
-        p = state["params"]
-        x, embed_vjp = jax.vjp(lambda e: gpt.embed(e, batch["tokens"]), p["embed"])
-        loss, (g_stages, g_x, g_head) = grad_fn(p["stages"], x, batch["targets"], p["head"])
-        grads = {"embed": embed_vjp(g_x)[0], "stages": g_stages, "head": g_head}
-        updates, opt = tx.update(grads, state["opt"], p)
-        return {"params": optax.apply_updates(p, updates), "opt": opt}, {
-            "loss": rp.all_reduce(loss, "mean")
-        }
+    def pipeline_step_fn(state, batch):
+        loss, grads = grad_fn(state["params"], batch)
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        return {"params": params, "opt": opt}, {"loss": rp.all_reduce(loss, "mean")}
 
-    placed = {
-        "embed": repl.replicate(params["embed"]),
-        "stages": repl.place(
-            pipeline.stack_stages(params["blocks"], num_stages=k, repeats=schedule.repeats),
-            pipeline.stage_spec(schedule.repeats),
-        ),
-        "head": repl.replicate(params["head"]),
-    }
-    return step_fn, {"params": placed, "opt": tx.init(placed)}, input_fn, tokens
+    k = repl.mesh.shape["stage"]
+    placed = gpt.place_pipeline(repl, params, num_stages=k, repeats=schedule.repeats)
+    return pipeline_step_fn, {"params": placed, "opt": tx.init(placed)}, input_fn, tokens
 
 
 def _mlp(config: TrainConfig, repl, inner_tx):
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    import replicator as rp
-
     m = config.model
     rng = np.random.default_rng(0)
     params = {
@@ -288,11 +255,8 @@ def _mlp(config: TrainConfig, repl, inner_tx):
         placed = repl.replicate(params)
 
     def input_fn(ctx):
-        data = np.random.default_rng(1 + ctx.input_pipeline_id)
         per = ctx.per_pipeline_batch_size(config.global_batch)
-        while True:
-            x = data.normal(size=(per, 16)).astype(np.float32)
-            yield {"x": x, "y": np.sin(x[:, :1]) * np.cos(x[:, 1:2])}
+        yield from mlp.regression_batches(per, seed=1 + ctx.input_pipeline_id)
 
     def step_fn(state, batch):
         p, o, metrics = opt.step(loss_fn, state["params"], state["opt"], batch)
@@ -304,46 +268,22 @@ def _mlp(config: TrainConfig, repl, inner_tx):
 def _cnn(config: TrainConfig, repl, inner_tx):
     """The CNN with cross-replica BatchNorm on `shape_images`, data parallel: the BatchNorm
     statistics travel in the state next to the parameters, and are the same on every replica."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    import optax
-    from flax import nnx
-
-    import replicator as rp
-    from replicator.models import CNN, SHAPES, shape_images
-
-    if "stage" in repl.mesh.shape:
-        raise ValueError("config: model.kind='cnn' is data parallel; use a mesh without 'stage'.")
-    if config.zero_stage == 3 or config.accumulate_steps != 1:
-        raise ValueError(
-            f"config: model.kind='cnn' supports zero_stage 0, 1 or 2 and accumulate_steps=1 (its "
-            f"BatchNorm takes statistics over the whole batch); got zero_stage="
-            f"{config.zero_stage}, accumulate_steps={config.accumulate_steps}."
-        )
-    model = CNN(in_channels=1, num_classes=len(SHAPES), width=config.model.width, rngs=nnx.Rngs(0))
+    model = cnn.CNN(
+        in_channels=1, num_classes=len(cnn.SHAPES), width=config.model.width, rngs=nnx.Rngs(0)
+    )
     graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
     tx = repl.wrap_optimizer(
         inner_tx, zero_stage=config.zero_stage, clip_global_norm=config.clip_global_norm
     )
 
     def input_fn(ctx):
-        rng = np.random.default_rng(1000 + ctx.input_pipeline_id)
         per = ctx.per_pipeline_batch_size(config.global_batch)
-        while True:
-            x, y = shape_images(rng, per)
-            yield {"x": x, "y": y}
-
-    def loss_fn(params, stats, batch):
-        m = nnx.merge(graphdef, params, stats, copy=True)
-        logits = m(batch["x"])  # BatchNorm: statistics over every replica's examples
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-        accuracy = jnp.mean(jnp.argmax(logits, -1) == batch["y"])
-        return loss, (nnx.state(m, nnx.BatchStat), accuracy)
+        yield from cnn.shape_batches(per, seed=1000 + ctx.input_pipeline_id)
 
     def step_fn(state, batch):
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (loss, (stats, accuracy)), grads = grad_fn(state["params"], state["stats"], batch)
+        (loss, (stats, accuracy)), grads = cnn.value_and_grad(
+            graphdef, state["params"], state["stats"], batch
+        )
         updates, opt = tx.update(grads, state["opt"], state["params"])  # mean over replicas
         params = optax.apply_updates(state["params"], updates)
         metrics = rp.all_reduce({"loss": loss, "accuracy": accuracy}, "mean")
@@ -356,15 +296,13 @@ def _cnn(config: TrainConfig, repl, inner_tx):
 
 def _draw_schedule(config: TrainConfig, num_stages: int, out: str) -> None:
     """The pipeline schedule as ``schedule.txt`` (ASCII) and, with ``plot``, ``schedule.png``."""
-    from replicator import pipeline
-
     args = (_schedule(config), num_stages, config.pipeline.microbatches)
     png = os.path.join(out, "schedule.png") if config.plot else None
     try:
-        picture = pipeline.render(*args, path=png)
+        picture = rp.pipeline.render(*args, path=png)
     except ImportError:
         print('replicator train: no schedule.png (pip install "replicator[plot]")', file=sys.stderr)
-        picture = pipeline.render(*args)
+        picture = rp.pipeline.render(*args)
     with open(os.path.join(out, "schedule.txt"), "w") as f:
         f.write(picture + "\n")
 

@@ -11,6 +11,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+# An application on the public API only: config (YAML configs validated into dataclasses), jobs
+# (a config becomes a model, an input_fn, a step_fn and a run), launch (the launcher's options).
+from replicator.cli import config, jobs, launch
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="replicator", description=__doc__)
@@ -47,40 +51,41 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Runs ``replicator ARGS``; returns the exit code.
+
+    A config the CLI or the library refuses before the first step is one line on stderr,
+    ``replicator train: ...`` (or ``explain``), and exit code 2; a failure during training keeps
+    its traceback.
+
+    Args:
+      argv: the arguments after ``replicator`` (default: ``sys.argv[1:]``).
+    """
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["launch"]:  # the launcher parses its own options (--watchdog, ...)
-        from replicator._src.distributed import launch_main
-
-        return launch_main(argv[1:])
+        return launch.main(argv[1:])
     args = _parser().parse_args(argv)
-    if args.command in ("train", "explain"):
-        from replicator._src import config, jobs
-
-        where = f"replicator {args.command}"
+    if args.command not in ("train", "explain"):
+        return 2
+    where = f"replicator {args.command}"
+    try:
+        cfg = config.load(args.config, args.overrides)
+        # explain: a config the library refuses (e.g. M < K for 1F1B) is a message too
+        report = jobs.explain(cfg, json_path=args.json) if args.command == "explain" else None
+    except (*jobs.USER_ERRORS, OSError) as e:
+        return _user_error(where, e)
+    if report is None:
         try:
-            cfg = config.load(args.config, args.overrides)
-            # explain: a config the library refuses (e.g. M < K for 1F1B) is a message too
-            report = jobs.explain(cfg, json_path=args.json) if args.command == "explain" else None
-        except (*jobs.USER_ERRORS, OSError) as e:
+            jobs.run(cfg)
+        except jobs.SetupError as e:  # refused before the first step; later: a traceback
             return _user_error(where, e)
-        if report is None:
-            try:
-                jobs.run(cfg)
-            except jobs.SetupError as e:  # refused before the first step; later: a traceback
-                return _user_error(where, e)
-            return 0
-        print(report)
-        if args.json:
-            print(f"wrote {args.json}")
         return 0
-    return 2
+    print(report)
+    if args.json:
+        print(f"wrote {args.json}")
+    return 0
 
 
 def _user_error(where: str, error: BaseException) -> int:
     """Prints a refused command's message (no traceback) on stderr; the exit code 2."""
     print(f"{where}: {error}", file=sys.stderr)
     return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

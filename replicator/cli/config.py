@@ -2,7 +2,13 @@
 
 Only the CLI and the examples read configs; the library takes explicit arguments. A config names
 every field it sets; an unknown or mistyped key is an error that names it and lists the valid
-ones.
+ones. Every value is checked here, when the config is built, before any JAX work: a value out of
+range, or one the model kind cannot use, is a ``ValueError`` naming the key.
+
+>>> TrainConfig(model=ModelConfig(kind="cnn"), zero_stage=3)
+Traceback (most recent call last):
+...
+ValueError: TrainConfig: model.kind='cnn' supports zero_stage 0, 1 or 2 and accumulate_steps=1 (its BatchNorm takes statistics over the whole batch); got zero_stage=3, accumulate_steps=1.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ import os
 import types
 import typing
 from typing import Any
+
+import yaml
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +108,26 @@ class TrainConfig:
             _finite_positive(self, "clip_global_norm", example="clip_global_norm=1.0", none=True)
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"{where}zero_stage must be 0, 1, 2 or 3; got {self.zero_stage!r}.")
+        self._check_model_fits_the_job()
+
+    def _check_model_fits_the_job(self) -> None:
+        """What a model kind asks of the mesh, the pipeline and the optimizer options."""
+        where, kind = _where(self), self.model.kind
+        if kind == "gpt" and "stage" in self.mesh and self.pipeline is None:
+            raise ValueError(
+                f"{where}a mesh with a 'stage' axis needs a pipeline: section, e.g. pipeline: "
+                f"{{schedule: 1f1b, microbatches: 4}}."
+            )
+        if kind == "cnn" and "stage" in self.mesh:
+            raise ValueError(
+                f"{where}model.kind='cnn' is data parallel; use a mesh without 'stage'."
+            )
+        if kind == "cnn" and (self.zero_stage == 3 or self.accumulate_steps != 1):
+            raise ValueError(
+                f"{where}model.kind='cnn' supports zero_stage 0, 1 or 2 and accumulate_steps=1 "
+                f"(its BatchNorm takes statistics over the whole batch); got zero_stage="
+                f"{self.zero_stage}, accumulate_steps={self.accumulate_steps}."
+            )
 
 
 MODEL_KINDS = ("gpt", "mlp", "cnn")
@@ -120,12 +148,16 @@ def _at_least(obj, name: str, low: int) -> None:
 def _one_of(obj, name: str, valid: tuple[str, ...], *, what: str) -> None:
     value = getattr(obj, name)
     if value not in valid:
-        close = difflib.get_close_matches(str(value), valid, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ValueError(
             f"{_where(obj)}{name}={value!r} is not {what}; use one of "
-            f"{', '.join(map(repr, valid))}.{hint}"
+            f"{', '.join(map(repr, valid))}.{_did_you_mean(value, valid)}"
         )
+
+
+def _did_you_mean(value, valid) -> str:
+    """`` Did you mean 'x'?`` for the closest of ``valid`` to ``value``, or nothing."""
+    close = difflib.get_close_matches(str(value), valid, n=1)
+    return f" Did you mean {close[0]!r}?" if close else ""
 
 
 def _finite_positive(obj, name: str, *, example: str, none: bool = False) -> None:
@@ -150,8 +182,6 @@ def load(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> Train
       ValueError: naming an unknown key (with the valid keys), a value of the wrong type or out
         of range (with the valid ones), or a file that is not a YAML mapping.
     """
-    import yaml
-
     try:
         with open(path) as f:
             raw = yaml.safe_load(f) or {}
@@ -194,11 +224,9 @@ def from_dict(cls, raw: dict, where: str = "config", prefix: str = ""):
     values = {}
     for key, value in raw.items():
         if key not in fields:
-            close = difflib.get_close_matches(str(key), fields, n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
             raise ValueError(
-                f"{where}: unknown key {key!r} in {cls.__name__}.{hint} Valid keys: "
-                f"{', '.join(fields)}."
+                f"{where}: unknown key {key!r} in {cls.__name__}.{_did_you_mean(key, list(fields))}"
+                f" Valid keys: {', '.join(fields)}."
             )
         values[key] = _check(hints[key], value, f"{where}: {prefix}{key}", where, f"{prefix}{key}.")
     try:
