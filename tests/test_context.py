@@ -48,7 +48,7 @@ def test_state_keeps_its_sharding_and_is_donated():
     old = state["w"]
 
     def step(state, x):
-        assert state["w"].shape == (2, 3)  # step_fn sees its own block of a sharded leaf
+        assert state["w"].shape == (4, 3)  # whole along `model`, which XLA partitions
         return jax.tree.map(lambda v: v + 1, state), {}
 
     new, out = repl.run(step, state, jnp.ones((8, 3)))

@@ -95,3 +95,16 @@ def test_every_case_of_exact_or_refused_is_listed():
         "scan_layers", "jax_num_cpu_devices", "Checkpoints.save",
     ]:  # fmt: skip
         assert case in section, case
+
+
+def test_tensor_parallel_example_runs_and_keeps_the_split():
+    block = README.split("## Tensor parallelism and 3-D meshes", 1)[1]
+    code = re.search(r"```python\n(.*?)```", block, re.S).group(1)
+    namespace = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    from jax.sharding import PartitionSpec as P
+
+    w1 = namespace["state"][0]["w1"]
+    assert w1.sharding.spec == P(None, "model")
+    assert {s.data.shape for s in w1.addressable_shards} == {(12, 8)}
+    assert namespace["out"]["loss"].shape == (2,)

@@ -159,20 +159,26 @@ class Replicator:
         """
         return self.place(tree, PartitionSpec())
 
-    def place(self, tree: PyTree, spec: PartitionSpec) -> PyTree:
+    def place(self, tree: PyTree, spec: PartitionSpec | PyTree) -> PyTree:
         """Places every leaf of ``tree`` on the mesh with ``spec``, as `replicate` does with P().
 
         For state sharded over a mesh axis, such as pipeline stages:
-        ``repl.place(stacked, rp.pipeline.stage_spec())``. With several processes, process 0's
-        values are broadcast first and each process builds its own shards from them.
+        ``repl.place(stacked, rp.pipeline.stage_spec())``. ``spec`` may also be a tree of specs
+        with the structure of ``tree`` or of a prefix of it, one spec per leaf or subtree: the
+        Megatron layout of an MLP on a ``model`` axis is ``repl.place(params, {"w1": P(None,
+        "model"), "b1": P("model"), "w2": P("model", None), "b2": P()})``. With several
+        processes, process 0's values are broadcast first and each process builds its own
+        shards from them.
 
         A mesh axis replicator knows but this mesh lacks counts as an axis of size 1, so it is
         dropped from ``spec``: ``stage_spec()`` places a whole copy under the local lowering or
         on a ``{"data": N}`` mesh, where the pipeline runs every stage in order.
 
         Raises:
-          TypeError: if ``spec`` is not a ``PartitionSpec``.
-          ValueError: if ``spec`` names an axis that is not a mesh axis at all (e.g. ``"stag"``).
+          TypeError: if ``spec`` is not a ``PartitionSpec`` or a tree of them.
+          ValueError: if ``spec`` names an axis that is not a mesh axis at all (e.g. ``"stag"``),
+            if a tree of specs does not match ``tree``, or if a split does not divide a leaf's
+            dimension.
         """
         return leaf_specs.place(self._mesh, tree, spec)
 

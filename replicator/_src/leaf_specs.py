@@ -23,14 +23,14 @@ from replicator._src import mesh as mesh_lib
 from replicator._src.typing import PyTree
 
 
-def place(mesh: Mesh, tree: PyTree, spec: PartitionSpec) -> PyTree:
-    """``Replicator.place``: every leaf of ``tree`` as a global array of ``spec`` on ``mesh``,
-    owning its buffers; with several processes, process 0's values."""
-    spec = mesh_lib.fit_spec(spec, mesh, api="Replicator.place")
-    sharding = NamedSharding(mesh, spec)
+def place(mesh: Mesh, tree: PyTree, spec: PartitionSpec | PyTree) -> PyTree:
+    """``Replicator.place``: every leaf of ``tree`` as a global array of its spec on ``mesh``,
+    owning its buffers; with several processes, process 0's values. ``spec`` is one
+    ``PartitionSpec`` for every leaf, or a tree of them that is a prefix of ``tree``."""
+    shardings = leaf_shardings(mesh, tree, spec, api="Replicator.place")
     if jax.process_count() > 1:
         tree = broadcast_one_to_all(tree)
-        return jax.tree.map(lambda x: _global_copy(np.asarray(x), sharding), tree)
+        return jax.tree.map(lambda x, s: _global_copy(np.asarray(x), s), tree, shardings)
     # ``device_put`` reuses a device buffer that already holds the value (even with
     # ``may_alias=False`` in jax 0.10.2); ``run`` donates the state, which would delete the
     # caller's array. Copy first, so the placed state owns all of its buffers.
@@ -40,7 +40,70 @@ def place(mesh: Mesh, tree: PyTree, spec: PartitionSpec) -> PyTree:
         lambda x: jnp.array(x, dtype=x.dtype, copy=True) if isinstance(x, jax.Array) else x,
         tree,
     )
-    return placement.put(tree, sharding)
+    return placement.put(tree, shardings)
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, PartitionSpec)
+
+
+def leaf_shardings(mesh: Mesh, tree: PyTree, spec: PartitionSpec | PyTree, *, api: str) -> PyTree:
+    """A ``NamedSharding`` for each leaf of ``tree``, from one spec or a prefix tree of specs.
+
+    Raises:
+      TypeError: if ``spec`` is neither a ``PartitionSpec`` nor a tree of them.
+      ValueError: if ``spec``'s tree is not a prefix of ``tree``, names an axis the mesh
+        cannot know, or splits a dimension into parts that do not divide it.
+    """
+    if _is_spec(spec):
+        specs = jax.tree.map(lambda _: spec, tree)
+    else:
+        if not all(map(_is_spec, jax.tree.leaves(spec, is_leaf=_is_spec))):
+            mesh_lib.fit_spec(spec, mesh, api=api)  # raises its TypeError
+        try:
+            specs = jax.tree.broadcast(spec, tree, is_leaf=_is_spec)
+        except ValueError as e:
+            raise ValueError(
+                f"{api}: the tree of specs must have the structure of the tree placed, or of a "
+                f"prefix of it (one spec for a whole subtree); got specs "
+                f"{jax.tree.structure(spec, is_leaf=_is_spec)} for a tree "
+                f"{jax.tree.structure(tree)}."
+            ) from e
+    paths = jax.tree_util.tree_flatten_with_path(tree)[0]
+    out = []
+    for (path, leaf), leaf_spec in zip(
+        paths, jax.tree.leaves(specs, is_leaf=_is_spec), strict=True
+    ):
+        fitted = mesh_lib.fit_spec(leaf_spec, mesh, api=api)
+        _check_divides(np.shape(leaf), fitted, mesh, api, jax.tree_util.keystr(path))
+        # Without trailing Nones, as XLA gives a step's outputs: the next step then sees the
+        # same sharding and runs the same program.
+        entries = list(fitted)
+        while entries and entries[-1] is None:
+            entries.pop()
+        out.append(NamedSharding(mesh, PartitionSpec(*entries)))
+    return jax.tree.unflatten(jax.tree.structure(tree), out)
+
+
+def _check_divides(shape: tuple, spec: PartitionSpec, mesh: Mesh, api: str, path: str) -> None:
+    """Refuses a spec longer than the leaf's rank, or one whose split does not divide."""
+    what = f"leaf {path} of shape {list(shape)}" if path else f"a leaf of shape {list(shape)}"
+    if len(spec) > len(shape):
+        raise ValueError(
+            f"{api}: {spec} has {len(spec)} entries but {what} has {len(shape)} dimensions; "
+            f"give one entry per dimension at most."
+        )
+    for dim, entry in enumerate(spec):
+        names = entry if isinstance(entry, tuple) else (entry,)
+        parts = int(np.prod([mesh.shape[n] for n in names if n is not None]))
+        if shape[dim] % parts:
+            raise ValueError(
+                f"{api}: {what} cannot be split by {spec}: dimension {dim} has size "
+                f"{shape[dim]}, which does not divide over {parts} devices of "
+                f"{', '.join(repr(n) for n in names)}. Use a size that is a multiple of {parts} "
+                f"(e.g. {parts * -(-shape[dim] // parts)}), or leave that dimension whole "
+                f"(None in the spec)."
+            )
 
 
 def _global_copy(x: np.ndarray, sharding: NamedSharding) -> jax.Array:

@@ -71,7 +71,8 @@ def build(
         body = _per_replica(step_fn, LOCAL, state_def, args_def, [False] * len(state_specs))
         return body
     if lowering == "shard_map":
-        binding = Binding("shard_map", axes, mesh_lib.num_replicas(mesh), tuple(mesh.shape.items()))
+        manual = tuple((a, mesh.shape[a]) for a in mesh_lib.manual_axes(mesh))
+        binding = Binding("shard_map", axes, mesh_lib.num_replicas(mesh), manual)
         body = _per_replica(step_fn, binding, state_def, args_def, check, state_specs)
         # Outputs that differ across a stage or model axis are concatenated over it (or
         # refused), so that none comes back with one block only: see `variance.whole_outputs`.

@@ -15,7 +15,11 @@ from replicator._src import compat
 STAGE_AXIS = "stage"
 """The pipeline axis: stage ``s`` of a pipeline lives on index ``s`` of it."""
 
-KNOWN_AXES: tuple[str, ...] = ("dcn_data", "data", STAGE_AXIS, "model")
+MODEL_AXIS = "model"
+"""The tensor-parallel axis. Inside a step it is left to XLA's sharding propagation (GSPMD):
+``step_fn`` sees whole parameters however they are split over ``model``."""
+
+KNOWN_AXES: tuple[str, ...] = ("dcn_data", "data", STAGE_AXIS, MODEL_AXIS)
 """Mesh axes replicator knows, in the order they are laid out (outermost first)."""
 
 DATA_AXES: tuple[str, ...] = ("dcn_data", "data")
@@ -118,6 +122,32 @@ def _more_devices(devices: Sequence[jax.Device], need: int) -> str:
         f"cpu_devices={need}). Or use a smaller mesh, e.g. "
         f'{{"data": -1}}.'
     )
+
+
+def manual_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The axes a step is mapped over by hand (``shard_map``): all but ``model``, which XLA
+    partitions by itself (GSPMD), so ``step_fn`` sees whole values along it.
+
+    >>> manual_axes(build_mesh({"data": 2, "model": 2}, devices=jax.devices()[:4]))
+    ('data',)
+    """
+    return tuple(a for a in mesh.axis_names if a != MODEL_AXIS)
+
+
+def manual_spec(spec: PartitionSpec) -> PartitionSpec:
+    """``spec`` without the axes `manual_axes` leaves out: what ``shard_map`` is told, while the
+    array itself keeps its whole sharding.
+
+    >>> manual_spec(PartitionSpec("data", ("stage", "model"), "model"))
+    P('data', 'stage', None)
+    """
+
+    def keep(entry):
+        names = entry if isinstance(entry, tuple) else (entry,)
+        kept = tuple(n for n in names if n is not None and n != MODEL_AXIS)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    return PartitionSpec(*(keep(e) for e in spec))
 
 
 def replica_axes(mesh: Mesh) -> tuple[str, ...]:

@@ -32,7 +32,7 @@ from typing import Any
 
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun, jaxprs_in_params
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from replicator._src import mesh as mesh_lib
 
@@ -251,16 +251,25 @@ def whole_outputs(
     """
     replica = mesh_lib.batch_spec(mesh)
     replica_axes = set(mesh_lib.replica_axes(mesh))
-    tracked = tuple(a for a in mesh.axis_names if a not in replica_axes and mesh.shape[a] > 1)
-    in_specs = (list(state_specs), list(arg_specs))
+    manual = mesh_lib.manual_axes(mesh)
+    tracked = tuple(a for a in manual if a not in replica_axes and mesh.shape[a] > 1)
+    # `model` is left to XLA (GSPMD): shard_map hears only of the manual axes, and the arrays
+    # keep their whole shardings, which `keep_shardings` holds the new state to.
+    manual_state = [mesh_lib.manual_spec(s) for s in state_specs]
+    in_specs = (manual_state, [mesh_lib.manual_spec(s) for s in arg_specs])
 
     def mapped(f: Callable, outputs_spec: Any) -> Callable:
-        return jax.shard_map(
-            f,
-            mesh=mesh,
-            in_specs=in_specs,
-            out_specs=(list(state_specs), outputs_spec, PartitionSpec()),
-            check_vma=False,
+        return keep_shardings(
+            jax.shard_map(
+                f,
+                mesh=mesh,
+                in_specs=in_specs,
+                out_specs=(manual_state, outputs_spec, PartitionSpec()),
+                axis_names=set(manual),
+                check_vma=False,
+            ),
+            mesh,
+            state_specs,
         )
 
     if not tracked:  # every device of a replica is the replica: nothing can differ
@@ -280,6 +289,24 @@ def whole_outputs(
         return mapped(replay, specs)(state_leaves, arg_leaves)
 
     return program
+
+
+def keep_shardings(program: Callable, mesh: Mesh, state_specs: Sequence[PartitionSpec]):
+    """``program`` with its new state constrained to ``state_specs`` over the whole mesh, when
+    the mesh has axes that `mesh_lib.manual_axes` leaves to XLA: the state keeps its sharding
+    over ``model`` whatever XLA would choose."""
+    if mesh_lib.manual_axes(mesh) == tuple(mesh.axis_names):
+        return program
+
+    def constrained(state_leaves: list, arg_leaves: list):
+        new, outputs, extras = program(state_leaves, arg_leaves)
+        new = [
+            jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+            for x, spec in zip(new, state_specs, strict=True)
+        ]
+        return new, outputs, extras
+
+    return constrained
 
 
 def _trace(mapped: Callable, replica: PartitionSpec, body: Callable, state_leaves, arg_leaves):
