@@ -51,7 +51,7 @@ class Binding:
         return entry[1] if entry is not None and entry[0] is leaf else None
 
     def model_axes(self) -> tuple[AxisName, ...]:
-        """The mapped non-replica axes of size > 1 (``stage``, ``model``)."""
+        """The non-replica axes of size > 1 mapped by hand (``stage``; ``model`` is XLA's)."""
         return tuple(a for a, n in self.axis_sizes if a not in self.axes and n > 1)
 
     def axis_size(self, name: AxisName) -> int:

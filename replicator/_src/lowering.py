@@ -14,8 +14,8 @@ respect to a replicated parameter is the *local* gradient, exactly as on one dev
 no-op). Reductions happen only where ``step_fn`` (or ``wrap_optimizer``) asks for them.
 
 Outputs come back whole. Every output leaf is stacked along a leading axis of size
-``num_replicas``. Under ``shard_map`` on a mesh with ``stage`` or ``model`` axes of size > 1, a
-leaf that differs across some of them is also concatenated along its own first axis over those
+``num_replicas``. Under ``shard_map`` on a mesh with a ``stage`` axis of size > 1 (``model`` is
+left to XLA: values are whole along it), a leaf that differs across it is also concatenated along its own first axis over those
 axes, in mesh order (out spec ``P(replica_axes, ("stage",))``): a pipeline's ``g_stages`` of
 ``[1, 4, 8, 8]`` per device on ``{"data": 2, "stage": 4}`` comes back ``[2, 4, 4, 8, 8]``. A leaf
 equal across them keeps ``[num_replicas, ...]``. Which leaves differ is decided when the step is
@@ -74,7 +74,7 @@ def build(
         manual = tuple((a, mesh.shape[a]) for a in mesh_lib.manual_axes(mesh))
         binding = Binding("shard_map", axes, mesh_lib.num_replicas(mesh), manual)
         body = _per_replica(step_fn, binding, state_def, args_def, check, state_specs)
-        # Outputs that differ across a stage or model axis are concatenated over it (or
+        # Outputs that differ across the stage axis are concatenated over it (or
         # refused), so that none comes back with one block only: see `variance.whole_outputs`.
         mapped = variance.whole_outputs(
             body,
@@ -104,7 +104,7 @@ def _per_replica(
     def body(state_leaves, arg_leaves):
         state = jax.tree.unflatten(state_def, state_leaves)
         args = jax.tree.unflatten(args_def, arg_leaves)
-        if state_specs is not None:  # which state leaves are split over stage or model
+        if state_specs is not None:  # which state leaves are split over stage
             placed = {
                 id(x): (x, tuple(a for a in binding.model_axes() if a in variance.spec_axes(spec)))
                 for x, spec in zip(state_leaves, state_specs, strict=True)

@@ -1,8 +1,8 @@
 """Which mesh axes each value of a per-replica program differs across, and whole outputs from it.
 
 ``Replicator.run`` maps one replica's step over every device of the mesh. Besides the replica
-(data) axes, a mesh may have a ``stage`` axis (pipelines) and a ``model`` axis: a step's value can
-differ from one device to the next along those axes too, such as a pipeline's gradient of its
+(data) axes, a mesh may have a ``stage`` axis (pipelines), also mapped by hand: a step's value can
+differ from one device to the next along it too (``model`` is left to XLA and never does), such as a pipeline's gradient of its
 stage parameters. An output written with a spec that does not mention such an axis would keep
 one device's block and silently drop the others. This module finds, at trace time, the non-replica
 axes each output and each new state leaf varies over, so that the lowering can concatenate the
@@ -241,7 +241,7 @@ def whole_outputs(
     step; each output leaf has a leading axis of size 1. New state leaves keep ``state_specs``,
     extras are replicated. An output leaf that varies over no non-replica axis is concatenated
     over the replicas (spec ``P(replica_axes)``); one that varies over non-replica axes of size
-    > 1 (``stage``, ``model``) is also concatenated along its own first axis over those, in mesh
+    > 1 (``stage``) is also concatenated along its own first axis over those, in mesh
     order (spec ``P(replica_axes, ("stage",))``).
 
     Raises:
