@@ -43,7 +43,7 @@ def test_config_errors_name_the_key_and_list_the_valid_ones(tmp_path):
         config.load(path, ["steps"])
 
 
-@pytest.mark.parametrize("name", ["lm_pipeline", "lm_dp", "mlp_zero"])
+@pytest.mark.parametrize("name", ["lm_pipeline", "lm_dp", "mlp_zero", "lm_3d"])
 def test_shipped_configs_train(name, tmp_path):
     run = subprocess.run(
         [sys.executable, "-m", "replicator.cli", "train", str(ROOT / "configs" / f"{name}.yaml"),
@@ -58,6 +58,9 @@ def test_shipped_configs_train(name, tmp_path):
     if name == "lm_pipeline":  # the schedule's picture, as text and as a PNG
         assert "schedule=1f1b K=4" in (tmp_path / name / "schedule.txt").read_text()
         assert (tmp_path / name / "schedule.png").read_bytes()[:4] == b"\x89PNG"
+    if name == "lm_3d":  # the 3-D mesh, 1F1B over its 2 stages
+        assert "'data': 2, 'stage': 2, 'model': 2" in run.stdout, run.stdout
+        assert "schedule=1f1b K=2" in (tmp_path / name / "schedule.txt").read_text()
 
 
 def _train(config_path, out_dir, *overrides):
@@ -154,6 +157,9 @@ def test_explain_of_an_impossible_config_says_why_and_exits_2():
         ("cnn_bn", ["accumulate_steps=2"], "accumulate_steps=2"),
         ("cnn_bn", ["mesh.stage=2"], "model.kind='cnn' is data parallel"),
         ("lm_pipeline", ["pipeline=null"], "a mesh with a 'stage' axis needs a pipeline: section"),
+        ("cnn_bn", ["mesh.model=2"], "model.kind='cnn' has no tensor-parallel layout"),
+        ("mlp_zero", ["mesh.model=2"], "model.kind='mlp' has no tensor-parallel layout"),
+        ("lm_3d", ["model.heads=3", "model.d_model=96"], "model.heads=3 does not split over mesh"),
     ],
 )
 def test_what_a_model_kind_needs_is_checked_when_the_config_loads(

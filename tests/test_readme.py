@@ -108,3 +108,30 @@ def test_tensor_parallel_example_runs_and_keeps_the_split():
     assert w1.sharding.spec == P(None, "model")
     assert {s.data.shape for s in w1.addressable_shards} == {(12, 8)}
     assert namespace["out"]["loss"].shape == (2,)
+
+
+def run_block(after: str, index: int = 0) -> dict:
+    """Runs the ``index``-th python block after the heading ``after`` and returns its names."""
+    block = README.split(after, 1)[1]
+    code = re.findall(r"```python\n(.*?)```", block, re.S)[index]
+    namespace = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    return namespace
+
+
+def test_gpt_tensor_parallel_example_splits_the_heads():
+    namespace = run_block("### The GPT with tensor parallelism")
+    qkv = namespace["qkv"]
+    assert qkv.addressable_shards[0].data.shape == (2, 32, 24)
+    assert namespace["out"]["loss"].shape == (2,)
+
+
+def test_zero_on_3d_meshes_example_splits_the_state_over_stage_and_data():
+    namespace = run_block("### ZeRO on 3-D meshes")
+    assert namespace["mu"].addressable_shards[0].data.size == 256
+
+
+def test_checkpoint_3d_example_restores_onto_another_layout():
+    namespace = run_block("### Saving on a 3-D mesh, restoring onto another layout")
+    assert namespace["record"]["step"] == 100
+    assert namespace["state"]["params"]["w"].sharding.spec == namespace["P"]("stage")

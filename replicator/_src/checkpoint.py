@@ -9,7 +9,11 @@ once an older step restores, the unreadable newer ones are moved aside (renamed
 ``<step>.broken-<time>``, never deleted) so that the run can save those steps again.
 Restoring takes a ``like`` tree whose shardings say where each array goes: a checkpoint saved on
 8 devices restores onto a mesh of 4, ZeRO-sharded states included (their flattened leaves are
-padded to a multiple of the replica count, so their lengths can differ by the padding).
+padded to a multiple of the replica count, so their lengths can differ by the padding), and a
+state saved on ``{"data": 2, "stage": 2, "model": 2}`` restores onto ``{"data": 4, "stage": 2}``
+(arrays are saved as global arrays, so only the target's shardings count). A target sharding
+that does not divide a leaf is refused before any step is read (a ValueError naming the leaf),
+not taken for a broken checkpoint.
 Anything else that differs (a leaf added or removed, another shape or dtype) is the caller's
 state having changed, not a broken checkpoint: `StateMismatchError`, with no fallback.
 """
@@ -135,8 +139,12 @@ class Checkpoints:
             (or lacks some it has), or a leaf of another dtype, or of another shape beyond the
             padding of ZeRO's layout. Raised for the newest readable step: older steps of the
             run have the same structure, so none is tried.
+          ValueError: before any step is read, if a leaf's sharding in ``like`` splits a
+            dimension into parts that do not divide it (e.g. a ``jax.ShapeDtypeStruct`` of a
+            checkpoint's leaf with a spec of the old mesh's axes and the new mesh's sizes).
         """
         abstract = jax.tree.map(_abstract, like)
+        _check_divides(abstract)
         candidates = [step] if step is not None else self.steps()[::-1]
         if not candidates:
             raise FileNotFoundError(f"rp.Checkpoints: no checkpoint in {self.directory}.")
@@ -311,6 +319,34 @@ def _check_dtype(step: int, path, saved, want) -> None:
         f"sharding=...)), then cast on purpose: "
         f"jax.tree.map(lambda x: x.astype(jnp.{want}), state); or restore(like, cast=True)."
     )
+
+
+def _check_divides(abstract: PyTree) -> None:
+    """Raises ValueError, naming the first, if a leaf's ``NamedSharding`` splits one of its
+    dimensions into parts that do not divide it (orbax would fail on every step alike, which
+    is the state to restore into being wrong, not the checkpoints)."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
+        sharding = getattr(leaf, "sharding", None)
+        if not isinstance(sharding, NamedSharding):
+            continue
+        shape, sizes = tuple(leaf.shape), dict(sharding.mesh.shape)
+        for dim, entry in enumerate(tuple(sharding.spec)[: len(shape)]):
+            names = (entry,) if isinstance(entry, str) else entry
+            if not isinstance(names, tuple):  # None, P.UNCONSTRAINED
+                continue
+            parts = int(np.prod([sizes[n] for n in names]))
+            if shape[dim] % parts == 0:
+                continue
+            raise ValueError(
+                f"rp.Checkpoints.restore: leaf {jax.tree_util.keystr(path)} of shape "
+                f"{list(shape)} cannot be restored with {sharding.spec} on this mesh "
+                f"({sizes}): dimension {dim} has size {shape[dim]}, which does not divide over "
+                f"{parts} devices of {', '.join(map(repr, names))}. Nothing was read (the "
+                f"checkpoints are fine). Restore that leaf with a spec that divides it: leave "
+                f"the dimension whole (None in the spec) or split it over axes whose sizes "
+                f"divide {shape[dim]}; build `like` on the new mesh with repl.place(tree, "
+                f"specs) or repl.abstract(init_fn), which check every split."
+            )
 
 
 def _listed(paths: list[str], limit: int = 20) -> str:

@@ -34,10 +34,12 @@ class WrappedState(NamedTuple):
 
     ``inner`` is the inner transformation's state; with ``zero_stage >= 1`` it is over the
     flattened, padded parameters: every leaf of shape ``[N * c]`` is sharded over the data axes
-    (``c`` elements per replica), the others (such as Adam's step count) are replicated.
+    (``c`` elements per replica; on a mesh with ``model`` also over it, and for a pipeline's
+    stage block ``[K * N * c]`` over ``stage`` and the data axes, see `zero.Zero`), the others
+    (such as Adam's step count) are replicated.
     """
 
-    inner: optax.OptState  # ZeRO: leaves [N * c] sharded P(data axes), scalars replicated
+    inner: optax.OptState  # ZeRO: flat leaves sharded over the data axes; scalars replicated
     loss_scale: LossScaleState | None  # shape=() leaves, replicated; None without scaling
 
 

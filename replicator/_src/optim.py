@@ -25,6 +25,13 @@ Options follow Horovod and DeepSpeed:
 The inner transformation must act element by element (SGD, momentum, Adam, AdamW, Lion, ...)
 when the state is sharded: it sees one slice of each leaf.
 
+ZeRO on 3-D meshes: with ``zero_stage=1`` or ``2``, parameters split over ``stage`` (pipeline
+stage blocks) keep 1/(K N) of their state per device, split over the stages and the replicas,
+and every state leaf is also split over ``model`` when the mesh has one (1/(N T) per device;
+``model`` is XLA's, so the step sees each replica's slice whole). ``zero_stage=3`` stores the
+parameters flat over the replicas and ``model``, and a stage block's layers flat layer by layer
+(1/(K N) per device), gathered one layer at a time inside ``rp.pipeline.scan_layers``.
+
 This module checks the options and chains the transformations that do the work, one concern
 each: `replica_mean` (the all-reduce), `zero` (ZeRO's reduce-scatter and sharded update),
 `clipping`, `loss_scaling` and `accumulation`.
@@ -179,6 +186,15 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
             `gather_params` one layer at a time.
 
         Inside ``step_fn``, ``loss_fn`` receives these and calls ``rp.gather_params``.
+        On a mesh with a ``model`` axis each flat is split over it too (1/(N T) per device).
+
+        A leaf split over ``stage`` (`rp.pipeline.stage_spec`) is a stage block of stacked
+        layers: it is stored layer by layer whether or not its key is in ``stacked``, and the
+        layer function gathers its layer inside the scan,
+        ``rp.pipeline.scan_layers(lambda p, h: layer_fn(rp.gather_params(p), h))``.
+
+        Raises:
+          ValueError: without ``zero_stage=3``.
         """
         layout = self.parts.layout
         if layout is None or layout.stage != 3:
@@ -241,7 +257,8 @@ def wrap_optimizer(
       tx: any ``optax.GradientTransformation`` (element-wise when ``zero_stage >= 1``).
       mesh: the replicator's mesh; needed for ``zero_stage >= 1`` (``init`` places the sharded
         state on it). ``Replicator.wrap_optimizer`` passes it.
-      zero_stage: 0 (replicated state), or 1 and 2 (state sharded over the replicas).
+      zero_stage: 0 (replicated state), 1 and 2 (state sharded over the replicas, and over
+        ``stage`` and ``model`` as the parameters are), or 3 (parameters sharded too).
       clip_global_norm: clip the mean gradient to this global norm, if given.
       grad_dtype: the dtype the gradients are communicated in (default: their own).
       accumulate_steps: micro-batches per `DistributedOptimizer.step`.

@@ -57,13 +57,24 @@ _REDUCTIONS = {
     "reduce_and": ("min", jnp.all, True),
     "reduce_or": ("max", jnp.any, False),
 }
+UNKNOWN = "?"  # a split of a value the caller cannot tell: a full reduction of it is refused
+_OVER_AXES = {
+    "sum": collectives.sum_over_axes,
+    "max": collectives.max_over_axes,
+    "min": collectives.min_over_axes,
+}
+_UNKNOWN_SPLIT = (
+    "a full reduction of a gradient that may be a pipeline stage block (pass the parameters "
+    "as step_fn received them: opt.update(grads, state['opt'], state['params']))"
+)
 _RESHAPES = frozenset({"reshape", "squeeze", "expand_dims", "broadcast_in_dim"})
 _CALLS = {"jit": "jaxpr", "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr"}
 
 
-def chunk(size: int, n: int) -> int:
-    """Elements per replica of a leaf of ``size`` elements split over ``n``."""
-    return max(1, math.ceil(size / n))
+def chunk(size: int, n: int, multiple: int = 1) -> int:
+    """Elements per replica of a leaf of ``size`` elements split over ``n``, a multiple of
+    ``multiple`` (the devices each replica's slice is split over further, such as ``model``)."""
+    return multiple * max(1, math.ceil(size / (n * multiple)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,21 +83,29 @@ class Layout:
 
     A shape of one element is held whole. Any other shape ``s`` is sharded with
     ``leads.get(s, 0)`` leading axes kept (ZeRO-3's stacked layers) and the rest flattened,
-    padded and split over ``n`` replicas.
+    padded and split over ``n`` replicas, ``multiple`` dividing each slice. A shape in
+    ``splits`` is one device's block of a value split over other manual mesh axes as well
+    (a pipeline's stage blocks): a full reduction of it is completed over those axes too.
     """
 
     n: int
     leads: tuple[tuple[tuple[int, ...], int], ...] = ()
+    multiple: int = 1
+    splits: tuple[tuple[tuple[int, ...], tuple[str, ...]], ...] = ()
 
     def lead(self, shape: Sequence[int]) -> int:
         return dict(self.leads).get(tuple(shape), 0)
+
+    def split(self, shape: Sequence[int]) -> tuple[str, ...]:
+        """The mesh axes, besides the replicas, that values of ``shape`` are split over."""
+        return dict(self.splits).get(tuple(shape), ())
 
     @staticmethod
     def whole(shape: Sequence[int]) -> bool:
         return math.prod(shape) == 1
 
     def chunk(self, shape: Sequence[int]) -> int:
-        return chunk(math.prod(shape[self.lead(shape) :]), self.n)
+        return chunk(math.prod(shape[self.lead(shape) :]), self.n, self.multiple)
 
     def local_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
         if self.whole(shape):
@@ -200,6 +219,9 @@ def _check_eqn(eqn, layout: Layout) -> str | None:
         if len(sharded) == 1 and all(s == () or s in sharded for s in ins + outs):
             return None
         return _describe(eqn, "an element-wise operation between different shapes")
+    if name in _REDUCTIONS or name == "dot_general":
+        if UNKNOWN in layout.split(ins[0]):
+            return _describe(eqn, _UNKNOWN_SPLIT)
     if name in _REDUCTIONS:
         (shape,) = ins
         if tuple(eqn.params["axes"]) == tuple(range(len(shape))):
@@ -216,7 +238,7 @@ def _check_eqn(eqn, layout: Layout) -> str | None:
         if layout.whole(src) and name == "broadcast_in_dim":
             return None  # a whole value broadcast to a sharded shape
         same = math.prod(src) == math.prod(dst) and layout.lead(src) == layout.lead(dst) == 0
-        if same and not layout.whole(dst):
+        if same and not layout.whole(dst) and layout.split(src) == layout.split(dst):
             return None  # the same row-major elements: the same slices
         return _describe(eqn, f"a change of shape from {src} to {dst}")
     return _describe(eqn, f"the operation {name!r}")
@@ -311,7 +333,7 @@ def _reduce(name: str, layout: Layout, shape, x: jax.Array, dtype) -> jax.Array:
         identity = info.min if name == "reduce_max" else info.max
     kept = jnp.where(layout.mask(shape), x, jnp.asarray(identity, x.dtype))
     partial = local_reduce(kept).astype(dtype)
-    if jnp.dtype(dtype) == jnp.bool_:
-        as_int = collectives.all_reduce(partial.astype(jnp.int32), op)
-        return as_int.astype(jnp.bool_)
-    return collectives.all_reduce(partial, op)
+    as_int = jnp.dtype(dtype) == jnp.bool_
+    out = collectives.all_reduce(partial.astype(jnp.int32) if as_int else partial, op)
+    out = _OVER_AXES[op](out, layout.split(shape))  # a stage block: the other blocks too
+    return out.astype(jnp.bool_) if as_int else out

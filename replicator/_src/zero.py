@@ -5,6 +5,18 @@ padded to ``N * c`` elements, replica ``r`` holding ``[r c, (r + 1) c)``. ``lead
 for ZeRO-3's stacked layers, which are sharded layer by layer. Leaves of one element are
 replicated.
 
+On 3-D meshes:
+
+* ``stage`` (pipelines): a parameter split over ``stage`` is, inside a step, one device's stage
+  block; its state is stored by blocks, ``[K * N * c]`` over ``("stage", data axes)``: block
+  ``s`` flattened and padded to ``N * c``, replica ``r`` holding ``[r c, (r + 1) c)`` of it, so
+  1/(K N) of the leaf per device. Full reductions of a block's slices are completed over the
+  replicas and the stages. ZeRO-3 stores a stage block's layers flat layer by layer,
+  ``[K, L/K, N * c]`` over ``("stage", None, data axes)`` (`zero_blocks`).
+* ``model`` (XLA's): a step sees every parameter whole along it, so the layout is that of the
+  data axes alone; each replica's slice (``c``, a multiple of T) is stored split over ``model``
+  too, 1/(N T) per device, and XLA moves it where the step needs it.
+
 The inner optax transformation is written for whole arrays. `Zero.apply` runs its one-device
 program on the slices (`replicator._src.sharded_eval`): exact for element-wise transformations
 and for full reductions such as global-norm clipping and LAMB's trust ratio, with 1/N of the
@@ -30,7 +42,7 @@ import optax
 from jax.extend import core as jex
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from replicator._src import collectives, placement, sharded_eval
+from replicator._src import collectives, placement, sharded_eval, zero_blocks
 from replicator._src import mesh as mesh_lib
 from replicator._src.binding import current_binding
 from replicator._src.sharded_params import ShardedParam, has_sharded_params, is_sharded_param
@@ -58,8 +70,18 @@ class Zero:
         self.mesh = mesh
         self.stage = stage
         self.n = mesh_lib.num_replicas(mesh)
-        self.entry = mesh_lib.batch_spec(mesh)[0]
+        self.k = dict(mesh.shape).get(mesh_lib.STAGE_AXIS, 1)  # pipeline stages
+        self.t = dict(mesh.shape).get(mesh_lib.MODEL_AXIS, 1)  # XLA's model axis
+        # A flat leaf is split over the replicas and, with a `model` axis, over it too: each
+        # replica's slice of c elements (a multiple of T) is split further by XLA.
+        model = (mesh_lib.MODEL_AXIS,) if self.t > 1 else ()
+        self.flat_axes = (*mesh_lib.replica_axes(mesh), *model)
+        self.entry = zero_blocks.entry(self.flat_axes)
         self.replicated = mesh_lib.replicated_sharding(mesh)
+
+    def new_layout(self, leads=(), splits=()) -> sharded_eval.Layout:
+        """The `sharded_eval.Layout` of this mesh (slices of a multiple of T elements)."""
+        return sharded_eval.Layout(self.n, tuple(leads), self.t, tuple(splits))
 
     # -- shapes ---------------------------------------------------------------------------------
 
@@ -75,45 +97,69 @@ class Zero:
 
         return jax.tree.map(real, tree, is_leaf=is_sharded_param)
 
-    def layout(self, params: PyTree) -> tuple[sharded_eval.Layout, str | None]:
+    def layout(
+        self, params: PyTree, splits: list | None = None
+    ) -> tuple[sharded_eval.Layout, str | None]:
         """The layout for ``params`` and, if two leaves of one shape are laid out differently
-        (a stacked and an unstacked ZeRO-3 parameter of the same shape), why it cannot be used."""
+        (a stacked and an unstacked ZeRO-3 parameter of the same shape, or a stage block and
+        a whole parameter), why it cannot be used. ``splits`` gives each leaf's axes besides
+        the replicas that it is one device's block of (`step_splits`, `zero_blocks.stage_view`)."""
         leads: dict[tuple[int, ...], int] = {}
-        for x in jax.tree.leaves(params, is_leaf=is_sharded_param):
+        axes: dict[tuple[int, ...], tuple] = {}
+        leaves = jax.tree.leaves(params, is_leaf=is_sharded_param)
+        for x, split in zip(leaves, splits or [()] * len(leaves), strict=True):
             if isinstance(x, ShardedParam):
                 flat = jnp.shape(x.flat)
                 shape, lead = _real_shape(flat, x), len(flat) - 1
             else:
                 shape, lead = tuple(jnp.shape(x)), 0
             if math.prod(shape) > 1 and leads.setdefault(shape, lead) != lead:
-                return sharded_eval.Layout(self.n), (
+                return self.new_layout(), (
                     f"parameters of shape {shape} are stored both stacked and unstacked"
                 )
-        return sharded_eval.Layout(self.n, tuple((s, k) for s, k in leads.items() if k)), None
+            if math.prod(shape) > 1 and axes.setdefault(shape, split) != split:
+                return self.new_layout(), (
+                    f"parameters of shape {shape} are both split over {split or axes[shape]} "
+                    f"and whole on every device of a replica"
+                )
+        return self.new_layout(
+            ((s, k) for s, k in leads.items() if k), ((s, a) for s, a in axes.items() if a)
+        ), None
 
     # -- init -----------------------------------------------------------------------------------
 
     def check_params(self, params: PyTree) -> None:
-        for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
-            spec = getattr(getattr(p, "sharding", None), "spec", None)
-            if self.stage < 3 and spec is not None and any(a is not None for a in spec):
-                raise ValueError(
-                    f"wrap_optimizer(zero_stage={self.stage}): parameter "
-                    f"{jax.tree_util.keystr(path)} is sharded as {spec}; ZeRO-1/2 shard the "
-                    f"optimizer state of replicated parameters. Pass replicated parameters "
-                    f"(repl.replicate), or shard the parameters with zero_stage=3."
-                )
+        zero_blocks.check_params(params, self.mesh, stage=self.stage)
 
     def init(self, inner, params: PyTree) -> PyTree:
-        """``inner.init`` on the one-device parameters, each leaf then stored in the layout."""
+        """``inner.init`` on the one-device parameters, each leaf then stored in the layout.
+
+        A state leaf shaped like a stage-split parameter is stored by blocks: each stage's
+        block flattened, padded and split over the replicas (and ``model``), 1/(K N) of the
+        leaf per device; the other leaves flattened over the replicas, as `layout` says.
+        """
         self.check_params(params)
         layout, _ = self.layout(params)
+        dims = zero_blocks.stage_dims(
+            params, self.k, api=f"wrap_optimizer(zero_stage={self.stage})"
+        )
+        # ZeRO-3 stage blocks: the state of a layer is stored as the layer's flat is
+        flats = {
+            _real_shape(x.flat.shape, x): x.flat.sharding
+            for x in jax.tree.leaves(params, is_leaf=is_sharded_param)
+            if isinstance(x, ShardedParam) and zero_blocks.stage_dim(x, self.k) is not None
+        }
         avals = jax.eval_shape(lambda p: inner.init(self._whole(p)), params)
-        shardings = jax.tree.map(lambda a: self._stored_sharding(layout, a.shape), avals)
+        shardings = jax.tree.map(
+            lambda a: (
+                flats.get(a.shape) or self._stored_sharding(layout, a.shape, dims.get(a.shape))
+            ),
+            avals,
+        )
 
         def init(p):
             state = inner.init(self._whole(p))
-            return jax.tree.map(lambda s: self._stored(layout, s), state)
+            return jax.tree.map(lambda s: self._stored(layout, s, dims.get(s.shape)), state)
 
         state = jax.jit(init, out_shardings=shardings)(params)
         return placement.put(state, shardings)  # a no-op here; noted for Replicator.abstract
@@ -130,10 +176,16 @@ class Zero:
 
         return jax.tree.map(whole, params, is_leaf=is_sharded_param)
 
-    def _stored(self, layout: sharded_eval.Layout, x: jax.Array) -> jax.Array:
-        return x if layout.whole(jnp.shape(x)) else layout.flat_padded(x)
+    def _stored(self, layout: sharded_eval.Layout, x: jax.Array, dim: int | None) -> jax.Array:
+        if dim is None:
+            return x if layout.whole(jnp.shape(x)) else layout.flat_padded(x)
+        block = (*x.shape[:dim], x.shape[dim] // self.k, *x.shape[dim + 1 :])
+        return zero_blocks.by_blocks(x, dim, self.k, self.n * self.new_layout().chunk(block))
 
-    def _stored_sharding(self, layout: sharded_eval.Layout, shape) -> NamedSharding:
+    def _stored_sharding(self, layout: sharded_eval.Layout, shape, dim) -> NamedSharding:
+        if dim is not None:
+            entry = zero_blocks.entry((mesh_lib.STAGE_AXIS, *self.flat_axes))
+            return NamedSharding(self.mesh, PartitionSpec(entry))
         if layout.whole(shape):
             return self.replicated
         spec = PartitionSpec(*([None] * layout.lead(shape)), self.entry)
@@ -151,12 +203,39 @@ class Zero:
             )
 
     def plan(self, inner, params: PyTree, extra_args: dict | None = None) -> str | None:
-        """None if ``inner``'s update runs on the slices exactly, else why it is gathered."""
-        return self._program(inner, params, True, extra_args or {}).reason
+        """None if ``inner``'s update runs on the slices exactly, else why it is gathered.
 
-    def _program(self, inner, params: PyTree, with_params: bool, extra_args: dict) -> _Program:
+        ``params`` are global (as ``init`` gets them); stage-split ones are seen as one
+        device's block.
+
+        Raises:
+          ValueError: if the update cannot run on the slices and a parameter is split over
+            ``stage`` (gathering over the replicas would give one block, not the leaf).
+        """
+        view, splits = zero_blocks.stage_view(params, self.k)
+        prog = self._program(inner, view, True, extra_args or {}, splits)
+        self._refuse_gathered(prog)
+        return prog.reason
+
+    def _refuse_gathered(self, prog: _Program) -> None:
+        zero_blocks.refuse_gathered(self.stage, prog.reason, prog.layout.splits)
+
+    def step_splits(self, params: PyTree, grads: PyTree) -> list | None:
+        """Inside a step: each gradient's axes besides the replicas that it is one block of,
+        read from ``params`` as step_fn received them; `sharded_eval.UNKNOWN` for each when
+        ``params`` is None on a mesh with such axes (a full reduction is then refused)."""
+        binding = current_binding()
+        if not binding.model_axes():
+            return None
+        if params is None:
+            return [(sharded_eval.UNKNOWN,)] * len(jax.tree.leaves(grads))
+        return [binding.split_axes(p) or () for p in jax.tree.leaves(params)]
+
+    def _program(
+        self, inner, params: PyTree, with_params: bool, extra_args: dict, splits=None
+    ) -> _Program:
         real_p = self.real_avals(params)
-        layout, conflict = self.layout(params)
+        layout, conflict = self.layout(params, splits)
         p_avals, p_def = jax.tree.flatten(real_p)
         s_avals, s_def = jax.tree.flatten(jax.eval_shape(inner.init, real_p))
 
@@ -179,7 +258,7 @@ class Zero:
         n = self.n
 
         def scatter(g):
-            flat = sharded_eval.Layout(n).flat_padded(g)
+            flat = self.new_layout().flat_padded(g)
             sent = flat if dtype is None else flat.astype(dtype)
             out = collectives.reduce_scatter(sent, axis=0, op="sum")
             return (out / n).astype(g.dtype)
@@ -191,8 +270,9 @@ class Zero:
         ZeRO-1/2: flat ``[c]`` per leaf; ZeRO-3: the `ShardedParam` layout of ``params``)."""
         if self.stage == 3:
             return jax.tree.map(jnp.zeros_like, params)
+        layout = self.new_layout()
         return jax.tree.map(
-            lambda p: jnp.zeros(sharded_eval.chunk(np.size(p), self.n), jnp.result_type(p)), params
+            lambda p: jnp.zeros(layout.chunk(np.shape(p)), jnp.result_type(p)), params
         )
 
     def apply(self, inner, g_local: PyTree, state: PyTree, params: PyTree, extra_args, like):
@@ -204,9 +284,11 @@ class Zero:
         ``step_fn`` computed them (whole with ZeRO-1/2). The updates come back whole with
         ZeRO-1/2 and in the `ShardedParam` layout with ZeRO-3.
         """
+        splits = self.step_splits(params, like)
         prog = self._program(
-            inner, like if params is None else params, params is not None, extra_args
+            inner, like if params is None else params, params is not None, extra_args, splits
         )
+        self._refuse_gathered(prog)
         layout, shapes = prog.layout, prog.shapes
         g_stored, g_def = jax.tree.flatten(g_local)
         s_stored, s_def = jax.tree.flatten(state)
@@ -256,13 +338,18 @@ class Zero:
             raise ValueError(f"shard_params: stacked keys {sorted(missing)} are not in params.")
 
         def shard(x, lead: int):
+            dim = zero_blocks.stage_dim(x, self.k)  # a stage block of layers: by layers
+            lead = lead if dim is None else dim + 2
             x = jnp.asarray(x)
             shape = x.shape[lead:]
             flat = x.reshape((*x.shape[:lead], -1))
-            c = sharded_eval.chunk(flat.shape[-1], self.n)
+            c = self.new_layout().chunk(flat.shape[-1:])
             flat = jnp.pad(flat, [(0, 0)] * lead + [(0, self.n * c - flat.shape[-1])])
-            spec = PartitionSpec(*([None] * lead), self.entry)
-            return ShardedParam(placement.put(flat, NamedSharding(self.mesh, spec)), shape)
+            spec = [None] * lead + [self.entry]
+            if dim is not None:
+                spec[dim] = mesh_lib.STAGE_AXIS
+            sharding = NamedSharding(self.mesh, PartitionSpec(*spec))
+            return ShardedParam(placement.put(flat, sharding), shape)
 
         if not stacked:
             return jax.tree.map(lambda x: shard(x, 0), params)

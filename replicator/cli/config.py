@@ -118,6 +118,18 @@ class TrainConfig:
                 f"{where}a mesh with a 'stage' axis needs a pipeline: section, e.g. pipeline: "
                 f"{{schedule: 1f1b, microbatches: 4}}."
             )
+        if kind != "gpt" and "model" in self.mesh:
+            raise ValueError(
+                f"{where}model.kind={kind!r} has no tensor-parallel layout; use a mesh without "
+                f"'model' (e.g. mesh: {{data: -1}}), or model.kind='gpt'."
+            )
+        t = self.mesh.get("model", 1)
+        if kind == "gpt" and t > 1 and self.model.heads % t:
+            raise ValueError(
+                f"{where}model.heads={self.model.heads} does not split over mesh.model={t} (each "
+                f"device holds whole attention heads); use heads a multiple of {t} (e.g. heads="
+                f"{t * math.ceil(self.model.heads / t)}), or a smaller model axis."
+            )
         if kind == "cnn" and "stage" in self.mesh:
             raise ValueError(
                 f"{where}model.kind='cnn' is data parallel; use a mesh without 'stage'."

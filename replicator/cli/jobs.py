@@ -199,7 +199,7 @@ def _gpt(config: TrainConfig, repl, inner_tx):
             p, o, metrics = opt.step(loss_fn, state["params"], state["opt"], batch)
             return {"params": p, "opt": o}, metrics
 
-        placed = repl.replicate(params)
+        placed = gpt.place(repl, params, config=model)  # heads and MLP units over "model"
         return step_fn, {"params": placed, "opt": opt.init(placed)}, input_fn, tokens
 
     schedule = _schedule(config)  # the config has a pipeline: section with a stage axis
@@ -215,7 +215,7 @@ def _gpt(config: TrainConfig, repl, inner_tx):
         return {"params": params, "opt": opt}, {"loss": rp.all_reduce(loss, "mean")}
 
     k = repl.mesh.shape["stage"]
-    placed = gpt.place_pipeline(repl, params, num_stages=k, repeats=schedule.repeats)
+    placed = gpt.place_pipeline(repl, params, num_stages=k, repeats=schedule.repeats, config=model)
     return pipeline_step_fn, {"params": placed, "opt": tx.init(placed)}, input_fn, tokens
 
 

@@ -8,6 +8,10 @@ the head (final LayerNorm and output matrix) stay outside the stages: the embedd
 pipeline's input and its gradient flows back from ``g_inputs``; the head is ``loss_fn``'s
 ``head_params``. `loss` is the whole model on one device: the oracle.
 
+For tensor parallelism each dimension of each parameter has a role (`LOGICAL_AXES`), and one
+table maps roles to mesh axes (`MEGATRON_RULES`: attention heads and MLP hidden units over
+``model``); `place` and `place_pipeline` put the parameters on a mesh by it.
+
 >>> import jax, replicator as rp
 >>> from replicator.models import gpt
 >>> config = gpt.GPTConfig(vocab_size=256, seq_len=16, d_model=32, num_heads=4, num_layers=4)
@@ -24,16 +28,19 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Callable, Iterator
+import types
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 import replicator as rp
 from replicator import pipeline
 from replicator._src.errors import positive_int
+from replicator._src.mesh import MODEL_AXIS
 
 PyTree = Any
 
@@ -133,7 +140,9 @@ def block(layer_params: dict, x: jax.Array, *, config: GPTConfig) -> jax.Array:
     b, s, d = x.shape
     nh = config.num_heads
     qkv = _layer_norm(p["ln1"], x) @ p["attn"]["qkv"] + p["attn"]["qkv_bias"]
-    q, k, v = (a.reshape(b, s, nh, d // nh) for a in jnp.split(qkv, 3, axis=-1))
+    # Columns grouped by head, [head, (q, k, v), head_dim] (Megatron's order): a contiguous
+    # split of them over devices gives each device whole heads.
+    q, k, v = jnp.moveaxis(qkv.reshape(b, s, nh, 3, d // nh), 3, 0)
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / math.sqrt(d // nh)
     causal = jnp.tril(jnp.ones((s, s), bool))
     logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
@@ -232,21 +241,178 @@ def pipeline_value_and_grad(
     return value_and_grad
 
 
-def place_pipeline(repl: rp.Replicator, params: dict, *, num_stages: int, repeats: int = 1) -> dict:
+# -- placement: sharding by role -----------------------------------------------------------------
+
+_LN = {"scale": ("embed",), "bias": ("embed",)}
+_BLOCK_AXES = {
+    "ln1": _LN,
+    "attn": {
+        "qkv": ("embed", "heads"),  # columns grouped by head (see `block`)
+        "qkv_bias": ("heads",),
+        "out": ("heads", "embed"),  # rows: the heads' outputs, in the same order
+        "out_bias": ("embed",),
+    },
+    "ln2": _LN,
+    "mlp": {
+        "up": ("embed", "mlp"),
+        "up_bias": ("mlp",),
+        "down": ("mlp", "embed"),
+        "down_bias": ("embed",),
+    },
+}
+LOGICAL_AXES: dict = {
+    "embed": {"tokens": ("vocab", "embed"), "positions": ("seq", "embed")},
+    "blocks": jax.tree.map(
+        lambda a: ("layers", *a), _BLOCK_AXES, is_leaf=lambda a: isinstance(a, tuple)
+    ),
+    "head": {"norm": _LN, "w": ("embed", "vocab")},
+}
+"""The role of each dimension of each leaf of `init`'s parameters: ``"heads"`` (attention heads,
+each ``d_model / num_heads`` wide), ``"mlp"`` (the MLP's hidden units), ``"embed"`` (the model
+width), ``"vocab"``, ``"seq"`` (positions) and ``"layers"`` (the stacked blocks)."""
+
+MEGATRON_RULES: Mapping[str, str | None] = types.MappingProxyType(
+    {"heads": MODEL_AXIS, "mlp": MODEL_AXIS}
+)
+"""Role to mesh axis, Megatron-LM's layout: attention heads and MLP hidden units split over
+``model``, so the qkv and first MLP matrices are split by columns and the attention output and
+second MLP matrices by rows; every other role is whole. ``{**MEGATRON_RULES, "vocab": "model"}``
+also splits the embedding table by rows and the output matrix by columns."""
+
+_ROLE_SIZES = {"heads": "num_heads", "mlp": "hidden", "vocab": "vocab_size", "embed": "d_model"}
+
+
+def partition_specs(*, rules: Mapping[str, str | None] = MEGATRON_RULES) -> dict:
+    """The ``PartitionSpec`` of every leaf of `init`'s parameters: `LOGICAL_AXES` mapped to mesh
+    axes by ``rules`` (roles not in ``rules`` are whole). On a mesh without the axes they name,
+    ``Replicator.place`` drops them: the same specs place a replicated model on ``{"data": 8}``.
+
+    >>> from replicator.models import gpt
+    >>> specs = gpt.partition_specs()
+    >>> specs["blocks"]["attn"]["qkv"], specs["blocks"]["mlp"]["down"], specs["head"]["w"]
+    (P(None, None, 'model'), P(None, 'model', None), P(None, None))
+
+    Args:
+      rules: role to mesh axis; the roles are those of `LOGICAL_AXES` and the axis ``"model"``
+        (the one axis XLA partitions inside a step, so that ``step_fn`` sees whole parameters).
+
+    Raises:
+      ValueError: for a role `LOGICAL_AXES` does not use, or an axis other than ``"model"``.
+    """
+    roles = ("heads", "mlp", "vocab", "embed", "seq", "layers")
+    for role, axis in rules.items():
+        if role not in roles:
+            raise ValueError(
+                f"gpt.partition_specs: rules name role {role!r}, which no parameter has; the "
+                f"roles are {', '.join(map(repr, roles))}, e.g. rules={{'heads': 'model'}}."
+            )
+        if axis not in (MODEL_AXIS, None):
+            raise ValueError(
+                f"gpt.partition_specs: rules map {role!r} to {axis!r}; only {MODEL_AXIS!r} (or "
+                f"None, whole) can split parameters that step_fn sees whole. Shard over data with "
+                f"ZeRO (repl.wrap_optimizer(zero_stage=...)) and over stage with place_pipeline."
+            )
+    return jax.tree.map(
+        lambda axes: P(*(rules.get(a) for a in axes)),
+        LOGICAL_AXES,
+        is_leaf=lambda a: isinstance(a, tuple),
+    )
+
+
+def _check_split(mesh, config: GPTConfig | None, rules: Mapping, api: str) -> None:
+    """Refuses a split of a role that does not give each device whole heads (units, rows)."""
+    split = {r: a for r, a in rules.items() if a in mesh.shape and mesh.shape[a] > 1}
+    if not split:
+        return
+    if config is None:
+        raise ValueError(
+            f"{api}: the mesh splits {', '.join(map(repr, split))} over {dict(mesh.shape)}; pass "
+            f"config= (the model's GPTConfig) so the split can be checked to give each device "
+            f"whole heads, e.g. {api}(repl, params, config=config)."
+        )
+    for role, axis in split.items():
+        t, name = mesh.shape[axis], _ROLE_SIZES.get(role)
+        if name is None or getattr(config, name) % t == 0:
+            continue
+        n = getattr(config, name)
+        field = "d_ff" if name == "hidden" else name
+        raise ValueError(
+            f"{api}: {field}={n} does not split over the {t} devices of {axis!r} (rules map "
+            f"{role!r} to {axis!r}); use {field} a multiple of {t} (e.g. {t * math.ceil(n / t)}), "
+            f"or a smaller {axis!r} axis."
+        )
+
+
+def place(
+    repl: rp.Replicator,
+    params: dict,
+    *,
+    config: GPTConfig | None = None,
+    rules: Mapping[str, str | None] = MEGATRON_RULES,
+) -> dict:
+    """`init`'s parameters placed on ``repl``'s mesh for `loss`, split by `partition_specs`.
+
+    On ``{"data": D, "model": T}`` each device holds ``num_heads / T`` heads and ``hidden / T``
+    MLP units of every block; ``step_fn`` still sees whole parameters (XLA partitions the
+    ``model`` axis and adds its all-reduces: two per block forward, two backward). On a mesh
+    without ``model`` every leaf is replicated, as ``repl.replicate(params)``.
+
+    >>> import jax, replicator as rp
+    >>> from replicator.models import gpt
+    >>> config = gpt.GPTConfig(seq_len=8, d_model=16, num_heads=2, num_layers=2)
+    >>> repl = rp.Replicator(mesh_shape={"data": 2, "model": 2}, devices=jax.devices()[:4])
+    >>> placed = gpt.place(repl, gpt.init(config, jax.random.key(0)), config=config)
+    >>> qkv = placed["blocks"]["attn"]["qkv"]      # [layers, d_model, 3 d_model]
+    >>> qkv.shape, qkv.addressable_shards[0].data.shape    # one head's q, k, v columns each
+    ((2, 16, 48), (2, 16, 24))
+
+    Args:
+      repl: the Replicator whose mesh holds the parameters.
+      params: `init`'s ``{"embed", "blocks", "head"}``.
+      config: the model's sizes; needed when the mesh splits a role (to check whole heads).
+      rules: role to mesh axis (`partition_specs`).
+
+    Returns:
+      ``params``, placed.
+
+    Raises:
+      ValueError: if a role split over ``model`` (``num_heads``, the hidden units) does not
+        divide by its size, or ``config`` is missing for that check.
+    """
+    specs = partition_specs(rules=rules)
+    _check_split(repl.mesh, config, rules, "gpt.place")
+    return repl.place(params, specs)
+
+
+def place_pipeline(
+    repl: rp.Replicator,
+    params: dict,
+    *,
+    num_stages: int,
+    repeats: int = 1,
+    config: GPTConfig | None = None,
+    rules: Mapping[str, str | None] = MEGATRON_RULES,
+) -> dict:
     """`init`'s parameters placed on ``repl``'s mesh for `pipeline_value_and_grad`.
 
     The blocks are stacked into ``num_stages`` stages (``repeats`` virtual stages per device, for
-    the circular schedule) and sharded over the ``stage`` axis; the embedding and the head are
-    replicated.
+    the circular schedule) and sharded over the ``stage`` axis; inside each stage, and in the
+    embedding and head, every leaf is split as `partition_specs` says (heads and MLP units over
+    ``model`` when the mesh has it; else replicated).
 
     Args:
       repl: the Replicator whose mesh holds the parameters.
       params: `init`'s ``{"embed", "blocks", "head"}``.
       num_stages: the size of the mesh's ``stage`` axis.
       repeats: virtual stages per device.
+      config: the model's sizes; needed when the mesh splits a role (to check whole heads).
+      rules: role to mesh axis (`partition_specs`).
 
     Returns:
       ``{"embed", "stages", "head"}``, placed.
+
+    Raises:
+      ValueError: as `place` does.
 
     >>> import jax, replicator as rp
     >>> from replicator.models import gpt
@@ -256,11 +422,17 @@ def place_pipeline(repl: rp.Replicator, params: dict, *, num_stages: int, repeat
     >>> placed["stages"]["attn"]["qkv"].shape       # [stages, layers per stage, ...]
     (2, 2, 16, 48)
     """
+    specs = partition_specs(rules=rules)
+    _check_split(repl.mesh, config, rules, "gpt.place_pipeline")
+    lead = tuple(pipeline.stage_spec(repeats))  # the stage axes, then the layers' own specs
     stacked = pipeline.stack_stages(params["blocks"], num_stages=num_stages, repeats=repeats)
+    stage_specs = jax.tree.map(
+        lambda spec: P(*lead, *spec), specs.pop("blocks"), is_leaf=lambda x: isinstance(x, P)
+    )
     return {
-        "embed": repl.replicate(params["embed"]),
-        "stages": repl.place(stacked, pipeline.stage_spec(repeats)),
-        "head": repl.replicate(params["head"]),
+        "embed": repl.place(params["embed"], specs["embed"]),
+        "stages": repl.place(stacked, stage_specs),
+        "head": repl.place(params["head"], specs["head"]),
     }
 
 

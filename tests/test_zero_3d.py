@@ -1,0 +1,302 @@
+"""ZeRO on 3-D meshes: the optimizer state of pipeline stage blocks and of `model`-split
+parameters sharded over `data` as well, each against one device with the full batch; per-device
+bytes against the ZeRO formulas divided by K (stage) and T (model); what is still refused."""
+
+import math
+
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+from oracle import rel_err
+from test_pipeline import (
+    SCHEDULES,
+    D,
+    from_pipeline,
+    init_params,
+    layer_fn,
+    loss_fn,
+    make_batch,
+    oracle_loss,
+    pipelined_grads,
+)
+from test_tensor_parallel import (
+    MLP_SPECS,
+    OPTIMIZERS,
+    TOL,
+    make_repl,
+    mlp_batch,
+    mlp_loss,
+    mlp_params,
+    tp_stage_specs,
+    train_mlp,
+    train_oracle,
+)
+
+import replicator as rp
+from replicator import pipeline
+
+
+def flat_with_path(tree):
+    return jax.tree_util.tree_flatten_with_path(tree)[0]
+
+
+def device_bytes(x) -> int:
+    return x.addressable_shards[0].data.nbytes
+
+
+def state_leaves(opt_state):
+    """The non-scalar leaves of a ZeRO optimizer state, with their paths."""
+    flat = flat_with_path(opt_state.inner)
+    return [(jax.tree_util.keystr(k), x) for k, x in flat if x.ndim and x.size > 1]
+
+
+def pipeline_step(wrapped, grads):
+    def step(state, x, t):
+        loss, g = grads(state["params"], x, t)
+        updates, opt = wrapped.update(g, state["opt"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        return {"params": params, "opt": opt}, {"loss": rp.all_reduce(loss, "mean")}
+
+    return step
+
+
+def placed_pipeline(repl, params, v, *, k=4, model=False):
+    """The stage layers split over `stage` (and, with ``model``, their last dimension over
+    `model`); the embedding and the head replicated."""
+    stacked = pipeline.stack_stages(params["layers"], num_stages=k, repeats=v)
+    specs = tp_stage_specs(stacked, v) if model else pipeline.stage_spec(v)
+    return {
+        "embed": repl.replicate(params["embed"]),
+        "stages": repl.place(stacked, specs),
+        "head": repl.replicate(params["head"]),
+    }
+
+
+def train_pipeline(repl, wrapped, tx, name, *, zero3=False, check=None, model=False):
+    """Three steps of the pipelined model with ``wrapped`` on ``repl``, and the same steps of
+    ``tx`` on one device: ``(state, placed, got, want)``, ``got`` and ``want`` as `init_params`.
+    With ``zero3`` the parameters are stored with ``shard_params`` and gathered where used."""
+    schedule, v = SCHEDULES[name]
+    layer = (lambda p, h: layer_fn(rp.gather_params(p), h)) if zero3 else layer_fn
+    f = pipeline.value_and_grad(
+        pipeline.scan_layers(layer), loss_fn, num_microbatches=4, schedule=schedule
+    )
+    grads = zero3_pipelined_grads(f) if zero3 else pipelined_grads(f)
+    params = init_params()
+    placed = placed_pipeline(repl, params, v, k=repl.mesh.shape["stage"], model=model)
+    stored = wrapped.shard_params(placed) if zero3 else placed
+    state = {"params": stored, "opt": wrapped.init(stored)}
+    batches = [make_batch(16, seed=10 + i) for i in range(3)]
+    for x, t in batches:
+        state, _ = repl.run(pipeline_step(wrapped, grads), state, x, t)
+    want = train_oracle(oracle_loss, params, tx, batches)
+    got = from_pipeline(unshard(state["params"], placed) if zero3 else state["params"], v)
+    err = rel_err(got, want)
+    print(f"rel_err {err:.2e}")  # shown with pytest -s
+    assert err <= TOL, err
+    assert rel_err(got, params) > 1e-2  # training moved them
+    if check is not None:  # a step_fn that must be refused, on the trained state
+        check(state, grads)
+    return state, placed
+
+
+def zero3_pipelined_grads(f):
+    """`pipelined_grads` on ZeRO-3 parameters: the embedding and head gathered where they are
+    used, each layer gathered inside the layer scan (in ``f``)."""
+
+    def grads(params, x, t):
+        h, embed_vjp = jax.vjp(lambda e: x @ rp.gather_params(e)["w"], params["embed"])
+        head, head_vjp = jax.vjp(rp.gather_params, params["head"])
+        loss, (g_stages, g_h, g_head) = f(params["stages"], h, t, head)
+        (g_embed,) = embed_vjp(g_h)
+        (g_head,) = head_vjp(g_head)
+        return loss, {"embed": g_embed, "stages": g_stages, "head": g_head}
+
+    return grads
+
+
+def unshard(tree, like):
+    """ZeRO-3 parameters (stored flat) in the shapes of ``like``."""
+    return jax.tree.map(
+        lambda p, w: np.asarray(p.flat)[..., : math.prod(p.shape)].reshape(w.shape),
+        tree,
+        like,
+        is_leaf=lambda x: isinstance(x, rp.ShardedParam),
+    )
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2])
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "circular"])
+def test_zero_x_pp_trains_as_one_device_with_1_over_kd_of_the_state(name, opt, zero_stage):
+    """{"data": 2, "stage": 4}: the state of each stage block is flattened and split over the
+    two replicas (1/(K*D) of the leaf per device), that of the embedding and head over the
+    replicas (1/D); three steps equal one device with the full batch."""
+    repl = make_repl({"data": 2, "stage": 4})
+    tx = OPTIMIZERS[opt]()
+    state, placed = train_pipeline(repl, repl.wrap_optimizer(tx, zero_stage=zero_stage), tx, name)
+    leaves = state_leaves(state["opt"])
+    assert len(leaves) == (0 if opt == "sgd" else 2 * 4)  # mu and nu of 4 parameters
+    sizes = {jax.tree_util.keystr(k): a.size for k, a in flat_with_path(placed)}
+    for path, x in leaves:
+        size = next(s for k, s in sizes.items() if path.endswith(k))
+        split = 8 if "stages" in path else 2  # K * D for stage blocks, D for the rest
+        assert device_bytes(x) == math.ceil(size / split) * 4, (path, x.shape, x.sharding)
+
+
+@pytest.mark.parametrize("where", ["option", "chain"])
+def test_zero_x_pp_clips_by_the_norm_of_the_whole_gradient(where):
+    """Global-norm clipping with ZeRO-1 under a pipeline, as wrap_optimizer's option and inside
+    the optax chain (run on the slices): the squares of each stage block's slices are summed
+    over the replicas and the stages, those of the embedding and head over the replicas."""
+    repl = make_repl({"data": 2, "stage": 4})
+    max_norm = 0.01
+    tx = optax.chain(optax.clip_by_global_norm(max_norm), optax.adam(1e-2))
+    if where == "option":
+        wrapped = repl.wrap_optimizer(optax.adam(1e-2), zero_stage=1, clip_global_norm=max_norm)
+    else:
+        wrapped = repl.wrap_optimizer(tx, zero_stage=1)
+    for i in range(3):
+        x, t = make_batch(16, seed=10 + i)
+        assert float(optax.tree.norm(jax.grad(oracle_loss)(init_params(), x, t))) > 4 * max_norm
+
+    def refused(state, grads):
+        def no_params(state, x, t):  # the slices cannot tell stage blocks from whole leaves
+            _, g = grads(state["params"], x, t)
+            updates, opt = wrapped.update(g, state["opt"])
+            return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {}
+
+        with pytest.raises(
+            ValueError, match=r"(?s)(zero_stage=1|clip_global_norm).*stage.*state\[.params.\]"
+        ):
+            repl.run(no_params, state, *make_batch(16))
+
+    train_pipeline(repl, wrapped, tx, "1f1b", check=refused)
+
+
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+def test_zero_x_tp_trains_as_one_device_with_1_over_dt_of_the_state(opt):
+    """{"data": 2, "model": 4}: the Megatron MLP with ZeRO-1; the state of every parameter is
+    split over the 2 replicas and the 4 devices of `model` (1/8 per device)."""
+    repl = make_repl({"data": 2, "model": 4})
+    tx = OPTIMIZERS[opt]()
+    state, _, params, want = train_mlp(repl, repl.wrap_optimizer(tx, zero_stage=1), tx)
+    got = jax.tree.map(np.asarray, state["params"])
+    err = rel_err(got, want)
+    print(f"rel_err {err:.2e}")  # shown with pytest -s
+    assert err <= TOL, err
+    assert rel_err(got, params) > 1e-2
+    assert state["params"]["w1"].sharding.spec == P(None, "model")  # the layout is kept
+    for path, x in state_leaves(state["opt"]):
+        size = params[path.split("'")[-2]].size
+        assert device_bytes(x) == 4 * math.ceil(size / 8), (path, x.shape)
+
+
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_zero_x_pp_x_tp_trains_as_one_device(zero_stage):
+    """{"data": 2, "stage": 2, "model": 2}, 1F1B, Adam: stage layers split over `stage` and,
+    inside a stage, over `model`; ZeRO-1's state (ZeRO-3's parameters too) of a stage block is
+    1/(K*D*T) of the leaf per device."""
+    repl = make_repl({"data": 2, "stage": 2, "model": 2})
+    tx = optax.adam(1e-2)
+    wrapped = repl.wrap_optimizer(tx, zero_stage=zero_stage)
+    state, placed = train_pipeline(repl, wrapped, tx, "1f1b", zero3=zero_stage == 3, model=True)
+    w, mu = state["params"]["stages"]["w"], state["opt"].inner[0].mu["stages"]["w"]
+    stored = [mu] if zero_stage < 3 else [w.flat, mu.flat]
+    for x in stored:
+        assert device_bytes(x) == 4 * placed["stages"]["w"].size // 8, x.sharding
+
+
+def test_zero3_x_tp_trains_as_one_device_with_1_over_dt_of_the_parameters():
+    """{"data": 2, "model": 4}, ZeRO-3: each parameter stored flat over `data` and `model`
+    (1/8 per device), gathered in the forward pass; Adam, three steps equal one device."""
+    repl = make_repl({"data": 2, "model": 4})
+    tx = optax.adam(1e-2)
+    wrapped = repl.wrap_optimizer(tx, zero_stage=3)
+
+    def step(state, x, t):
+        def loss(p):
+            return mlp_loss(rp.gather_params(p), x, t)
+
+        g = jax.grad(loss)(state["params"])
+        updates, opt_state = wrapped.update(g, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt_state}, {}
+
+    params = mlp_params()
+    stored = wrapped.shard_params(repl.place(params, MLP_SPECS))
+    state = {"params": stored, "opt": wrapped.init(stored)}
+    batches = [mlp_batch(16, seed=10 + i) for i in range(3)]
+    for x, t in batches:
+        state, _ = repl.run(step, state, x, t)
+    want = train_oracle(mlp_loss, params, tx, batches)
+    got = {
+        k: np.asarray(p.flat)[: params[k].size].reshape(params[k].shape)
+        for k, p in state["params"].items()
+    }
+    err = rel_err(got, want)
+    print(f"rel_err {err:.2e}")  # shown with pytest -s
+    assert err <= TOL, err
+    for k, p in state["params"].items():
+        assert device_bytes(p.flat) == 4 * math.ceil(params[k].size / 8), k
+
+
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "circular"])
+def test_zero3_x_pp_trains_as_one_device_with_1_over_kd_of_the_parameters(name, opt):
+    """{"data": 2, "stage": 4}, ZeRO-3: each stage's layers stored flat layer by layer over the
+    replicas (1/(K*D) of a stage leaf per device), gathered one layer at a time inside the
+    layer scan; three steps equal one device with the full batch."""
+    repl = make_repl({"data": 2, "stage": 4})
+    tx = OPTIMIZERS[opt]()
+    wrapped = repl.wrap_optimizer(tx, zero_stage=3)
+    state, placed = train_pipeline(repl, wrapped, tx, name, zero3=True)
+    flats = dict(flat_with_path(state["params"]))
+    sizes = {jax.tree_util.keystr(k): a.size for k, a in flat_with_path(placed)}
+    for path, x in flats.items():
+        key = jax.tree_util.keystr(path[:-1])  # without the ShardedParam's .flat
+        layer = {"['stages']['w']": D * D, "['stages']['b']": D}.get(key)
+        if layer is None:  # the embedding and the head: 1/D each
+            assert device_bytes(x) == 4 * math.ceil(sizes[key] / 2), key
+        else:  # a stage's 16 / K layers, each split over the D replicas: 1/(K D)
+            assert device_bytes(x) == 4 * (16 // 4) * math.ceil(layer / 2), key
+            assert device_bytes(x) == 4 * sizes[key] // 8, key
+    for path, x in state_leaves(state["opt"]):
+        assert device_bytes(x) in {device_bytes(f) for f in flats.values()}, path
+
+
+def test_zero3_with_stage_blocks_not_stored_sharded_is_refused_with_the_fix():
+    repl = make_repl({"data": 2, "stage": 4})
+    wrapped = repl.wrap_optimizer(optax.adam(1e-2), zero_stage=3)
+    placed = placed_pipeline(repl, init_params(), 1)
+    stored = {**wrapped.shard_params({k: placed[k] for k in ("embed", "head")})}
+    stored["stages"] = placed["stages"]
+    with pytest.raises(
+        ValueError,
+        match=r"wrap_optimizer\(zero_stage=3\): parameter \['stages'\]\['b'\] is split over "
+        r"'stage' .*not stored sharded.*opt\.shard_params\(params\).*scan_layers",
+    ):
+        wrapped.init(stored)
+
+
+def test_zero_with_data_sharded_parameters_is_refused_with_the_fix():
+    repl = make_repl({"data": 2, "stage": 4})
+    x = repl.place(np.ones((8, 4), np.float32), P("data"))
+    with pytest.raises(
+        ValueError,
+        match=r"wrap_optimizer\(zero_stage=1\): parameter \['w'\] is sharded as .*over the "
+        r"replica axes \['data'\].*'stage'/'model' only.*zero_stage=3",
+    ):
+        repl.wrap_optimizer(optax.adam(1e-3), zero_stage=1).init({"w": x})
+
+
+def test_a_transformation_that_cannot_run_on_slices_is_refused_with_stage_blocks():
+    """Gathering over `data` gives one stage's block, not the whole leaf: refused at init."""
+    repl = make_repl({"data": 2, "stage": 4})
+    tx = optax.adafactor(1e-2, min_dim_size_to_factor=4)
+    placed = placed_pipeline(repl, init_params(), 1)
+    with pytest.raises(
+        ValueError, match=r"wrap_optimizer\(zero_stage=1\): .*'stage'.*zero_stage=0"
+    ):
+        repl.wrap_optimizer(tx, zero_stage=1).init(placed)
