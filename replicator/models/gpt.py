@@ -142,7 +142,7 @@ def block(layer_params: dict, x: jax.Array, *, config: GPTConfig) -> jax.Array:
     qkv = _layer_norm(p["ln1"], x) @ p["attn"]["qkv"] + p["attn"]["qkv_bias"]
     # Columns grouped by head, [head, (q, k, v), head_dim] (Megatron's order): a contiguous
     # split of them over devices gives each device whole heads.
-    q, k, v = jnp.moveaxis(qkv.reshape(b, s, nh, 3, d // nh), 3, 0)
+    q, k, v = jnp.split(qkv.reshape(b, s, nh, 3 * (d // nh)), 3, axis=-1)  # no transpose
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / math.sqrt(d // nh)
     causal = jnp.tril(jnp.ones((s, s), bool))
     logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
