@@ -31,7 +31,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from replicator._src import errors
-from replicator._src.mesh import replicated_sharding
+from replicator._src.mesh import indivisible_split, replicated_sharding
 from replicator._src.typing import PyTree
 
 
@@ -330,13 +330,9 @@ def _check_divides(abstract: PyTree) -> None:
         if not isinstance(sharding, NamedSharding):
             continue
         shape, sizes = tuple(leaf.shape), dict(sharding.mesh.shape)
-        for dim, entry in enumerate(tuple(sharding.spec)[: len(shape)]):
-            names = (entry,) if isinstance(entry, str) else entry
-            if not isinstance(names, tuple):  # None, P.UNCONSTRAINED
-                continue
-            parts = int(np.prod([sizes[n] for n in names]))
-            if shape[dim] % parts == 0:
-                continue
+        bad = indivisible_split(shape, sharding.spec, sizes)
+        if bad is not None:
+            dim, parts, names = bad
             raise ValueError(
                 f"rp.Checkpoints.restore: leaf {jax.tree_util.keystr(path)} of shape "
                 f"{list(shape)} cannot be restored with {sharding.spec} on this mesh "

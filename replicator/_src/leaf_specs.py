@@ -93,17 +93,16 @@ def _check_divides(shape: tuple, spec: PartitionSpec, mesh: Mesh, api: str, path
             f"{api}: {spec} has {len(spec)} entries but {what} has {len(shape)} dimensions; "
             f"give one entry per dimension at most."
         )
-    for dim, entry in enumerate(spec):
-        names = entry if isinstance(entry, tuple) else (entry,)
-        parts = int(np.prod([mesh.shape[n] for n in names if n is not None]))
-        if shape[dim] % parts:
-            raise ValueError(
-                f"{api}: {what} cannot be split by {spec}: dimension {dim} has size "
-                f"{shape[dim]}, which does not divide over {parts} devices of "
-                f"{', '.join(repr(n) for n in names)}. Use a size that is a multiple of {parts} "
-                f"(e.g. {parts * -(-shape[dim] // parts)}), or leave that dimension whole "
-                f"(None in the spec)."
-            )
+    bad = mesh_lib.indivisible_split(shape, spec, mesh.shape)
+    if bad is not None:
+        dim, parts, names = bad
+        raise ValueError(
+            f"{api}: {what} cannot be split by {spec}: dimension {dim} has size "
+            f"{shape[dim]}, which does not divide over {parts} devices of "
+            f"{', '.join(repr(n) for n in names)}. Use a size that is a multiple of {parts} "
+            f"(e.g. {parts * -(-shape[dim] // parts)}), or leave that dimension whole "
+            f"(None in the spec)."
+        )
 
 
 def _global_copy(x: np.ndarray, sharding: NamedSharding) -> jax.Array:

@@ -106,7 +106,7 @@ def _per_replica(
         args = jax.tree.unflatten(args_def, arg_leaves)
         if state_specs is not None:  # which state leaves are split over stage
             placed = {
-                id(x): (x, tuple(a for a in binding.model_axes() if a in variance.spec_axes(spec)))
+                id(x): (x, tuple(a for a in binding.model_axes() if a in mesh_lib.spec_axes(spec)))
                 for x, spec in zip(state_leaves, state_specs, strict=True)
             }
             binding_now = dataclasses.replace(binding, state_axes=placed)

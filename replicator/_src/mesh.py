@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -124,6 +125,21 @@ def _more_devices(devices: Sequence[jax.Device], need: int) -> str:
     )
 
 
+def entry_axes(entry: Any) -> tuple[str, ...]:
+    """The mesh axis names of one ``PartitionSpec`` entry: a name, a tuple of names, or none
+    (``None``, ``P.UNCONSTRAINED``).
+
+    >>> entry_axes(("stage", "model")), entry_axes("data"), entry_axes(None)
+    (('stage', 'model'), ('data',), ())
+    """
+    return tuple(n for n in (entry if isinstance(entry, tuple) else (entry,)) if isinstance(n, str))
+
+
+def spec_axes(spec: PartitionSpec) -> frozenset[str]:
+    """The mesh axes a ``PartitionSpec`` names."""
+    return frozenset(n for entry in spec for n in entry_axes(entry))
+
+
 def manual_axes(mesh: Mesh) -> tuple[str, ...]:
     """The axes a step is mapped over by hand (``shard_map``): all but ``model``, which XLA
     partitions by itself (GSPMD), so ``step_fn`` sees whole values along it.
@@ -143,11 +159,27 @@ def manual_spec(spec: PartitionSpec) -> PartitionSpec:
     """
 
     def keep(entry):
-        names = entry if isinstance(entry, tuple) else (entry,)
-        kept = tuple(n for n in names if n is not None and n != MODEL_AXIS)
+        kept = tuple(n for n in entry_axes(entry) if n != MODEL_AXIS)
         return None if not kept else kept[0] if len(kept) == 1 else kept
 
     return PartitionSpec(*(keep(e) for e in spec))
+
+
+def indivisible_split(
+    shape: Sequence[int], spec: PartitionSpec, axis_sizes: Mapping[str, int]
+) -> tuple[int, int, tuple[str, ...]] | None:
+    """The first dimension ``spec`` splits into parts that do not divide it, as ``(dimension,
+    parts, axis names)``, or None when every split divides (entries past the rank are ignored).
+
+    >>> indivisible_split((12, 30), PartitionSpec(None, "model"), {"data": 2, "model": 4})
+    (1, 4, ('model',))
+    """
+    for dim, entry in enumerate(tuple(spec)[: len(shape)]):
+        names = entry_axes(entry)
+        parts = math.prod(axis_sizes[n] for n in names)
+        if shape[dim] % parts:
+            return dim, parts, names
+    return None
 
 
 def replica_axes(mesh: Mesh) -> tuple[str, ...]:
@@ -252,9 +284,4 @@ def fit_spec(spec: PartitionSpec, mesh: Mesh, *, api: str) -> PartitionSpec:
 
 def spec_uses_replica_axes(spec: PartitionSpec, mesh: Mesh) -> bool:
     """Whether an array with this spec is split (not replicated) over some replica axis."""
-    axes = set(replica_axes(mesh))
-    for entry in spec:
-        names = entry if isinstance(entry, tuple) else (entry,)
-        if axes.intersection(n for n in names if n is not None):
-            return True
-    return False
+    return bool(spec_axes(spec) & set(replica_axes(mesh)))

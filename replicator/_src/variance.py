@@ -213,16 +213,6 @@ def _arity(program: ClosedJaxpr | Jaxpr) -> tuple[int, int]:
     return len(jaxpr.invars), len(jaxpr.outvars)
 
 
-def spec_axes(spec: PartitionSpec) -> Axes:
-    """The mesh axes a ``PartitionSpec`` names."""
-    names = set()
-    for entry in spec:
-        for name in entry if isinstance(entry, tuple) else (entry,):
-            if name is not None:
-                names.add(name)
-    return frozenset(names)
-
-
 # -- the shard_map program whose outputs come back whole -----------------------------------------
 
 
@@ -277,7 +267,7 @@ def whole_outputs(
 
     def program(state_leaves: list, arg_leaves: list) -> tuple[list, Any, Any]:
         closed, shapes = _trace(mapped, replica, body, state_leaves, arg_leaves)
-        in_axes = [spec_axes(s) & set(tracked) for s in (*state_specs, *arg_specs)]
+        in_axes = [mesh_lib.spec_axes(s) & set(tracked) for s in (*state_specs, *arg_specs)]
         tree = jax.tree.structure(shapes)
         new_axes, out_axes, _ = jax.tree.unflatten(tree, varying_axes(closed, in_axes, tracked))
         _check_state(new_axes, state_specs, state_def, mesh, step)
@@ -329,7 +319,7 @@ def _trace(mapped: Callable, replica: PartitionSpec, body: Callable, state_leave
 def _check_state(new_axes, state_specs, state_def, mesh: Mesh, step: str) -> None:
     """Refuses a new state leaf that varies over an axis its spec keeps one copy for."""
     for i, (axes, spec) in enumerate(zip(new_axes, state_specs, strict=True)):
-        extra = axes - spec_axes(spec)
+        extra = axes - mesh_lib.spec_axes(spec)
         if not extra:
             continue
         path = _state_path(state_def, i)

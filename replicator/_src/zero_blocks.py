@@ -40,10 +40,7 @@ ZERO3_STAGES = (
 
 def names(*entries) -> tuple:
     """The mesh axis names of ``PartitionSpec`` entries (a name, a tuple of names or None)."""
-    out = []
-    for e in entries:
-        out += [n for n in (e if isinstance(e, tuple) else (e,)) if n is not None]
-    return tuple(out)
+    return tuple(n for e in entries for n in mesh_lib.entry_axes(e))
 
 
 def entry(axes: tuple) -> Any:
