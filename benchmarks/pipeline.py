@@ -6,7 +6,8 @@ squared error. One training step is ``rp.pipeline.value_and_grad`` and an SGD up
 
 (a) compile: the time to lower and compile the step (``Replicator.lower(...).compile()``) for
     M in {4, 16, 64} micro-batches, and for 1, 4 and 16 layers per stage; per schedule, the ratio
-    of the largest to the smallest (target <= 1.3).
+    of the largest to the smallest (target <= 1.3). "any model" rows: stages that differ
+    (``rp.pipeline.sequential``: an input projection, blocks, an output projection).
 (b) step: the wall time per step of each schedule at K=4, M=16, alternated in one process with
     the same model run sequentially on one device with the same micro-batches and the same remat
     (the engine without a ``stage`` axis: a scan over the micro-batches), and with the full batch
@@ -14,11 +15,16 @@ squared error. One training step is ``rp.pipeline.value_and_grad`` and an SGD up
     work it executes: the limit is (ticks x stage work) / (M x stage work), i.e. (M+K-1)/M for
     GPipe and (VM+K-1)/VM for Circular, which compute through their bubbles, and 1.0 for 1F1B,
     which skips idle ticks under ``lax.cond``. Target: each schedule within 1.15x of its limit.
-(c) memory: the peak temporary bytes of the compiled step (``memory_analysis``) for GPipe and 1F1B
+(c) memory: the peak temporary bytes of the compiled step (``memory_analysis``) for each schedule
     at M in {8, 32} with a fixed micro-batch size: GPipe keeps a stage input per tick, 1F1B a ring
-    of 2K-1 stashed inputs.
+    of 2K-1 stashed inputs, ZeroBubble rings of K inputs and K output cotangents.
+(d) model: the modelled bubble fraction on K parallel devices (``rp.pipeline.step_time``, lock-step
+    as the scan runs) of GPipe, 1F1B, Circular (V=2) and ZeroBubble at K in {4, 8} and M in
+    {8, 16, 32}, with equal costs (F = B = W = 1, fused backward 2) and with the costs of a GPT
+    block measured from its compiled passes (``rp.pipeline.stage_costs_stacked``, XLA FLOPs).
+    Pure arithmetic on the tick tables; no step runs.
 
-    python benchmarks/pipeline.py                   # all three parts
+    python benchmarks/pipeline.py                   # all four parts
     python benchmarks/pipeline.py --part step --rounds 5
 """
 
@@ -54,12 +60,13 @@ SCHEDULES = {
     "gpipe": pipeline.GPipe(),
     "circular": pipeline.Circular(repeats=2),
     "1f1b": pipeline.OneFOneB(),
+    "zerobubble": pipeline.ZeroBubble(),
 }
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--part", choices=["compile", "step", "memory", "all"], default="all")
+    p.add_argument("--part", choices=["compile", "step", "memory", "model", "all"], default="all")
     p.add_argument("--rounds", type=int, default=7, help="alternating rounds for (b)")
     p.add_argument("--steps", type=int, default=3, help="steps per contender per round for (b)")
     p.add_argument("--microbatch", type=int, default=128, help="examples per micro-batch")
@@ -98,10 +105,11 @@ def batch(n: int, seed: int = 1):
     return x, np.tanh(x)
 
 
-def make_step(schedule, m: int, remat: bool = True):
+def make_step(schedule, m: int, remat: bool = True, stage_fn=None):
     f = pipeline.value_and_grad(
-        pipeline.scan_layers(block), loss_fn, num_microbatches=m, schedule=schedule, remat=remat
-    )
+        stage_fn or pipeline.scan_layers(block), loss_fn, num_microbatches=m, schedule=schedule,
+        remat=remat,
+    )  # fmt: skip
 
     def step(stages, x, t):
         loss, (g, _, _) = f(stages, x, t)
@@ -138,15 +146,42 @@ def placed(repl: rp.Replicator, n_layers: int, schedule) -> dict:
 # -- (a) compile time ---------------------------------------------------------------------------
 
 
-def compile_seconds(schedule, m: int, per_stage: int, repeats: int = 3) -> float:
+def any_model(per_stage: int):
+    """Stages that differ: a 64 -> 256 input projection and blocks, blocks, blocks, and blocks
+    and a 256 -> 64 output projection (`rp.pipeline.sequential`), with its packed params."""
+    rng = np.random.default_rng(0)
+    proj_in = {"w": (rng.normal(size=(64, WIDTH)) / 8).astype(np.float32)}
+    proj_out = {"w": (rng.normal(size=(WIDTH, 64)) / 16).astype(np.float32)}
+    blocks = [
+        jax.tree.map(lambda a, i=i: a[i], layers(4 * per_stage)) for i in range(4 * per_stage)
+    ]
+    fns = [lambda p, x: x @ p["w"], *[block] * len(blocks), lambda p, x: x @ p["w"]]
+    sizes = (per_stage + 1, per_stage, per_stage, per_stage + 1)
+    model = pipeline.sequential(
+        *pipeline.stages_from_layers(fns, [proj_in, *blocks, proj_out], sizes)
+    )
+    return model, model.pack(
+        pipeline.stages_from_layers(fns, [proj_in, *blocks, proj_out], sizes)[1]
+    )
+
+
+def compile_seconds(schedule, m: int, per_stage: int, repeats: int = 3, hetero=False) -> float:
     n_layers = K * schedule.repeats * per_stage
     times = []
     for _ in range(repeats):  # a fresh step function each time, so nothing is cached
         repl = pipeline_repl()
-        stages = placed(repl, n_layers, schedule)
-        x, t = batch(m * 4)
+        if hetero:
+            model, packed = any_model(per_stage)
+            stages = repl.place(packed, pipeline.stage_spec())
+            x, t = batch(m * 4)
+            x, t = x[:, :64], t[:, :64]
+            step = make_step(schedule, m, stage_fn=model)
+        else:
+            stages = placed(repl, n_layers, schedule)
+            x, t = batch(m * 4)
+            step = make_step(schedule, m)
         t0 = time.perf_counter()
-        repl.lower(make_step(schedule, m), stages, x, t).compile()
+        repl.lower(step, stages, x, t).compile()
         times.append(time.perf_counter() - t0)
     return float(np.median(times))
 
@@ -156,9 +191,11 @@ def part_compile() -> dict:
     print("(a) compile time, seconds (median of 3): lower + compile of one training step")
     print("| schedule | M=4 | M=16 | M=64 | max/min | L/stage=1 | 4 | 16 | max/min |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for name, schedule in SCHEDULES.items():
-        by_m = {m: compile_seconds(schedule, m, per_stage=2) for m in (4, 16, 64)}
-        by_l = {lv: compile_seconds(schedule, 16, per_stage=lv) for lv in (1, 4, 16)}
+    cases = [(n, s, False) for n, s in SCHEDULES.items()]
+    cases += [(f"any model, {n}", SCHEDULES[n], True) for n in ("1f1b", "zerobubble")]
+    for name, schedule, hetero in cases:
+        by_m = {m: compile_seconds(schedule, m, 2, hetero=hetero) for m in (4, 16, 64)}
+        by_l = {lv: compile_seconds(schedule, 16, lv, hetero=hetero) for lv in (1, 4, 16)}
         rm = max(by_m.values()) / min(by_m.values())
         rl = max(by_l.values()) / min(by_l.values())
         results[name] = {"by_microbatches": by_m, "by_layers_per_stage": by_l}
@@ -209,10 +246,18 @@ def part_step(args) -> dict:
             jax.block_until_ready(out)
             times[name].append((time.perf_counter() - t0) / args.steps)
     med = {k: float(np.median(v)) for k, v in times.items()}
+    mlp = pipeline.stage_costs_stacked(
+        pipeline.scan_layers(block),
+        layers(1),
+        jax.ShapeDtypeStruct((args.microbatch, WIDTH), jnp.float32),
+    )
+    f, b, w, bw = (getattr(mlp, k)[0] for k in ("forward", "backward_input",
+                                                 "backward_weight", "backward"))  # fmt: skip
     limits = {
         "gpipe": (m + K - 1) / m,
         "circular": (2 * m + K - 1) / (2 * m),
         "1f1b": 1.0,
+        "zerobubble": (f + b + w) / (f + bw),  # B and W each recompute the layer (XLA FLOPs)
     }
     print(
         f"(b) step time at K={K}, M={m}, {n_layers} layers, micro-batch {args.microbatch}, "
@@ -244,7 +289,8 @@ def part_memory(args) -> dict:
     print(f"(c) peak temporary memory of the compiled step, MiB (micro-batch {args.microbatch})")
     print("| schedule | M=8 | M=32 | growth |")
     print("|---|---|---|---|")
-    cases = [("gpipe", True), ("gpipe", False), ("1f1b", True)]
+    cases = [("gpipe", True), ("gpipe", False), ("circular", True), ("1f1b", True),
+             ("zerobubble", True)]  # fmt: skip
     for name, remat in cases:
         schedule = SCHEDULES[name]
         row = {}
@@ -257,6 +303,59 @@ def part_memory(args) -> dict:
         label = name + ("" if remat else " (remat=False)")
         results[label] = row
         print(f"| {label} | {row[8]:.2f} | {row[32]:.2f} | {row[32] / row[8]:.2f}x |")
+    print()
+    return results
+
+
+# -- (d) modelled bubbles ---------------------------------------------------------------------
+
+
+def gpt_block_costs(microbatch: int = 4) -> pipeline.StageCosts:
+    """One GPT block's F, B, W and fused backward, XLA FLOPs of its compiled passes (the
+    block of configs/lm_pipeline.yaml: d_model 64, 4 heads, sequence 64)."""
+    from replicator.models import gpt
+
+    config = gpt.GPTConfig(d_model=64, num_heads=4, num_layers=1, seq_len=64)
+    stacked = pipeline.stack_stages(gpt.init(config, jax.random.key(0))["blocks"], num_stages=1)
+    x = jax.ShapeDtypeStruct((microbatch, config.seq_len, config.d_model), jnp.float32)
+    return pipeline.stage_costs_stacked(gpt.stage_fn(config), stacked, x)
+
+
+def part_model() -> dict:
+    block = gpt_block_costs()
+    f, b, w, bw = (getattr(block, k)[0] for k in ("forward", "backward_input",
+                                                   "backward_weight", "backward"))  # fmt: skip
+    print("(d) modelled bubble fraction on K parallel devices (lock-step, as the scan runs)")
+    print(f"GPT block per micro-batch of 4: F={f:.3g} B={b:.3g} W={w:.3g} fused={bw:.3g} FLOPs "
+          f"(B/F={b / f:.2f}, W/F={w / f:.2f}, fused/F={bw / f:.2f})")  # fmt: skip
+    names = [f"{n} V={s.repeats}" if s.repeats > 1 else n for n, s in SCHEDULES.items()]
+    print(
+        "| costs | K | M | " + " | ".join(names) + " | zb / 1f1b bubble | "
+        "zb / 1f1b time | zb bound |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    results = {"gpt_block_flops": {"F": f, "B": b, "W": w, "fused": bw}, "rows": []}
+    for label, (cf, cb, cw, cbw) in (("equal", (1, 1, 1, 2)), ("GPT", (f, b, w, bw))):
+        for k in (4, 8):
+            for m in (8, 16, 32):
+                row = {"costs": label, "K": k, "M": m}
+                for name, schedule in SCHEDULES.items():
+                    v = schedule.repeats
+                    # V virtual stages per device split the device's layers: each costs 1/V
+                    costs = pipeline.StageCosts(*(
+                        (c / v,) * (k * v) for c in (cf, cb, cw, cbw)
+                    ), unit="units" if label == "equal" else "flops")  # fmt: skip
+                    st = pipeline.step_time(schedule.plan(k, m), costs)
+                    row[name] = {"bubble": st.bubble_fraction, "time": st.time}
+                zb, one = row["zerobubble"], row["1f1b"]
+                results["rows"].append(row)
+                cells = [f"{row[n]['bubble']:.4f}" for n in SCHEDULES]
+                # No schedule beats its work: ZeroBubble with no bubble at all takes M(F+B+W).
+                bound = m * (cf + cb + cw) / one["time"]
+                row["zb_bound"] = bound
+                cells += [f"{zb['bubble'] / one['bubble']:.2f}", f"{zb['time'] / one['time']:.2f}",
+                          f"{bound:.2f}"]  # fmt: skip
+                print(f"| {label} | {k} | {m} | " + " | ".join(cells) + " |")
     print()
     return results
 
@@ -278,6 +377,8 @@ def main() -> None:
         results["step"] = part_step(args)
     if args.part in ("memory", "all"):
         results["memory"] = part_memory(args)
+    if args.part in ("model", "all"):
+        results["model"] = part_model()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

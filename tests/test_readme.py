@@ -135,3 +135,34 @@ def test_checkpoint_3d_example_restores_onto_another_layout():
     namespace = run_block("### Saving on a 3-D mesh, restoring onto another layout")
     assert namespace["record"]["step"] == 100
     assert namespace["state"]["params"]["w"].sharding.spec == namespace["P"]("stage")
+
+
+def test_pipelines_of_any_model_example_runs_and_learns():
+    block = README.split("## Pipelines of any model", 1)[1]
+    code = re.search(r"```python\n(.*?)```", block, re.S).group(1)
+    namespace = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    losses = namespace["losses"]
+    assert losses[-1] < 0.05 * losses[0], losses
+    assert namespace["packed"]["float32"].shape == (4, 2048)
+    assert [sorted(p) for p in namespace["trained"]] == [["b", "w"], ["b", "w"], ["w"], ["b", "w"]]
+    gpt_split = re.findall(r"```python\n(.*?)```", block, re.S)[1]
+    namespace = {}
+    exec(compile(gpt_split, "README.md", "exec"), namespace)
+    assert namespace["split"].sizes == (2, 1, 1, 2)
+    assert len(namespace["model"]) == 4
+
+
+def test_zero_bubble_picture_and_modelled_times_in_the_readme_are_current():
+    from replicator import pipeline
+
+    block = README.split("### Zero-bubble", 1)[1]
+    picture = re.search(r"```\n(.*?)```", block, re.S).group(1)
+    assert picture.strip() in pipeline.render("zerobubble", 4, 8)
+    block = README.split("### Modelled step time", 1)[1]
+    code = re.search(r"```python\n(.*?)```", block, re.S).group(1)
+    printed = "\n".join(line[2:] for line in code.splitlines() if line.startswith("# "))
+    namespace = {"print": lambda *a: lines.append(" ".join(map(str, a)))}
+    lines = []
+    exec(compile(code, "README.md", "exec"), namespace)
+    assert "\n".join(lines) == printed

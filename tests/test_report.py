@@ -276,6 +276,136 @@ def test_pipeline_apply_notes_the_forward_plan_it_runs(name):
     assert sum(c.count for c in shifts) == note.sends_per_step
 
 
+def linear(w, h):
+    return h @ w
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zerobubble"])
+def test_pipeline_step_time_is_modelled_from_the_stages_flops(name):
+    # Linear layers: XLA drops the recompute (nothing needs it), so per layer F, B (dx) and W
+    # (dw) are one matmul each, 2*mb*w*w FLOPs, and the fused backward two.
+    k, d, m, w, layers, global_batch = 4, 2, 4, 16, 8, 32
+    repl = rp.Replicator(mesh_shape={"data": d, "stage": k})
+    rng = np.random.default_rng(6)
+    stack = (rng.normal(size=(layers, w, w)) / 4).astype(np.float32)
+    x = rng.normal(size=(global_batch, w)).astype(np.float32)
+    schedule = pipeline.OneFOneB() if name == "1f1b" else pipeline.ZeroBubble()
+    grad_fn = pipeline.value_and_grad(
+        pipeline.scan_layers(linear), lambda _, y, t: jnp.mean((y - t) ** 2),
+        num_microbatches=m, schedule=schedule,
+    )  # fmt: skip
+
+    def step(stages, x, t):
+        loss, (g, _, _) = grad_fn(stages, x, t)
+        return jax.tree.map(lambda a, g: a - 0.1 * g, stages, g), {"loss": loss}
+
+    stages = repl.place(pipeline.stack_stages(stack, num_stages=k), pipeline.stage_spec())
+    report = repl.explain(step, stages, x, x)
+
+    (note,) = report.pipelines
+    plan = schedule.plan(k, m)
+    mb, lv = global_batch // d // m, layers // k
+    one = lv * 2 * mb * w * w  # one stage's pass on one micro-batch
+    want_costs = pipeline.StageCosts(
+        forward=(one,) * k, backward_input=(one,) * k, backward_weight=(one,) * k,
+        backward=(2 * one,) * k, unit="flops",
+    )  # fmt: skip
+    want = pipeline.step_time(plan, want_costs)
+    assert note.stage_costs == want_costs and note.cost_note == ""
+    assert (note.cost_unit, note.modelled_time) == ("flops", want.time)
+    assert note.modelled_bubble == pytest.approx(want.bubble_fraction)
+    assert note.dataflow_time == want.dataflow_time <= want.time
+    equal = pipeline.step_time(plan)
+    assert (note.equal_time, note.equal_bubble) == (equal.time, equal.bubble_fraction)
+    assert note.bubble_fraction == pytest.approx(plan.bubble_fraction())
+    # Equal layers on every stage: the measured costs keep the equal-cost bubble.
+    assert note.modelled_bubble == pytest.approx(note.equal_bubble)
+    text = " ".join(str(report).split())
+    assert (
+        f"modelled step on {k} parallel devices in lock-step ticks: {want.time:.4g} FLOPs" in text
+    )
+    assert f"{want.dataflow_time:.4g} FLOPs without tick barriers" in text
+    assert f"F {one:.3g} {one:.3g} {one:.3g} {one:.3g}" in text
+    assert json.loads(report.to_json())["pipelines"][0]["stage_costs"]["forward"] == [one] * k
+
+
+def test_pipeline_of_unequal_stages_models_their_measured_bubble():
+    # Stage 0 runs x @ [4, 8], then two [8, 8] layers as one scan_layers run (stages_from_layers
+    # makes it a chain of runs); stage 1 runs x @ [8, 2]. Linear: F = B = W, the backward 2 F.
+    rng = np.random.default_rng(7)
+    shapes = [(4, 8), (8, 8), (8, 8), (8, 2)]
+    layer_params = [(rng.normal(size=s) / 2).astype(np.float32) for s in shapes]
+    fns, params = pipeline.stages_from_layers(linear, layer_params, (3, 1))
+    model = pipeline.sequential(fns, params)
+    repl = rp.Replicator(mesh_shape={"data": 2, "stage": 2}, devices=jax.devices()[:4])
+    f = pipeline.value_and_grad(
+        model, lambda _, y, t: jnp.mean((y - t) ** 2), num_microbatches=2, schedule="1f1b"
+    )
+
+    def step(packed, x, t):
+        loss, (g, _, _) = f(packed, x, t)
+        return jax.tree.map(lambda a, g: a - 0.1 * g, packed, g), {"loss": loss}
+
+    x = rng.normal(size=(16, 4)).astype(np.float32)
+    t = rng.normal(size=(16, 2)).astype(np.float32)
+    report = repl.explain(step, repl.place(model.pack(params), pipeline.stage_spec()), x, t)
+
+    (note,) = report.pipelines
+    mb = 16 // 2 // 2
+    f0, f1 = 2 * mb * 4 * 8 + 2 * (2 * mb * 8 * 8), 2 * mb * 8 * 2
+    want_costs = pipeline.StageCosts(
+        forward=(f0, f1), backward_input=(f0, f1), backward_weight=(f0, f1),
+        backward=(2 * f0, 2 * f1), unit="flops",
+    )  # fmt: skip
+    assert note.stage_costs == want_costs
+    want = pipeline.step_time(pipeline.OneFOneB().plan(2, 2), want_costs)
+    assert note.modelled_time == want.time
+    assert note.modelled_bubble == pytest.approx(want.bubble_fraction)
+    # Stage 1 idles most of each tick: far more bubble than with equal costs.
+    assert note.modelled_bubble > note.equal_bubble + 0.1
+    assert note.equal_bubble == pytest.approx(note.bubble_fraction)
+    text = " ".join(str(report).split())
+    assert (
+        f"bubble {want.bubble_fraction:.1%} with the stages' measured costs "
+        f"({note.equal_bubble:.1%} with equal costs)"
+    ) in text
+    assert f"F {f0:.3g} {f1:.3g}; backward {2 * f0:.3g} {2 * f1:.3g}" in text
+
+
+def test_pipeline_apply_models_the_forward_and_says_why_a_stage_is_not_measured():
+    k, m, w, global_batch = 4, 4, 16, 32
+    repl = rp.Replicator(mesh_shape={"stage": k, "data": 2})
+    rng = np.random.default_rng(8)
+    stages = pipeline.stack_stages(
+        (rng.normal(size=(2 * k, w, w)) / 4).astype(np.float32), num_stages=k
+    )
+    placed = repl.place(stages, pipeline.stage_spec())
+    x = rng.normal(size=(global_batch, w)).astype(np.float32)
+    plan = pipeline.GPipe().plan(k, m)
+
+    def explain(stage_fn):
+        f = pipeline.apply(stage_fn, num_microbatches=m)
+        (note,) = repl.explain(lambda s, x: (s, {"y": f(s, x)}), placed, x).pipelines
+        return note
+
+    # Forward only: T ticks of one stage's forward (backward passes cost nothing).
+    note = explain(pipeline.scan_layers(linear))
+    one = 2 * 2 * (global_batch // 2 // m) * w * w  # 2 layers per stage
+    assert note.stage_costs.forward == (one,) * k and note.stage_costs.backward == (0.0,) * k
+    assert note.modelled_time == plan.num_ticks * one
+    assert note.modelled_bubble == pytest.approx((k - 1) / plan.num_ticks)
+    assert note.equal_time == plan.num_ticks
+
+    # A stage that XLA compiles to a while loop cannot be counted: the equal-cost model only.
+    def looped(ws, h):
+        return jax.lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), h, ws)[0]
+
+    note = explain(looped)
+    assert note.stage_costs is None and "stage 0's forward compiles to a loop" in note.cost_note
+    assert (note.cost_unit, note.modelled_time) == ("units", plan.num_ticks)
+    assert note.modelled_bubble == pytest.approx(plan.bubble_fraction())
+
+
 def test_shapes_alone_give_the_same_report_and_nothing_runs():
     repl = rp.Replicator()
     opt = repl.wrap_optimizer(optax.adam(1e-3), zero_stage=1)

@@ -7,7 +7,8 @@ and returns a :class:`StepReport`:
 * FLOPs and every collective per step, from the optimized HLO (see ``hlo.py``: loops count as
   many times as they run, which ``cost_analysis()`` does not do);
 * for each pipeline in the step, its schedule, bubble fraction and picture, noted by the
-  pipeline engine while the step is traced.
+  pipeline engine while the step is traced, and its step time modelled on K parallel devices
+  from each stage's FLOPs (``timing.step_time``), since emulated devices cannot show a bubble.
 """
 
 from __future__ import annotations
@@ -157,6 +158,33 @@ def _count(x: float) -> str:
     return f"{x:.0f}" if float(x).is_integer() else f"{x:.2f}"
 
 
+def _modelled(p: PipelineNote) -> str:
+    """The step time modelled on K parallel devices, with the stages' measured FLOPs."""
+    head = f"modelled step on {p.num_stages} parallel devices in lock-step ticks: "
+    if p.stage_costs is None:
+        return (
+            f"{head}{p.equal_time:.4g} units with equal costs (F = B = W = 1 unit), bubble "
+            f"{p.equal_bubble:.1%}; {p.dataflow_time:.4g} units without tick barriers "
+            f"(dataflow). Stage FLOPs not measured: {p.cost_note}"
+        )
+    c, unit = p.stage_costs, "FLOPs" if p.cost_unit == "flops" else p.cost_unit
+
+    def costs(name: str, values: tuple[float, ...]) -> str:
+        return f"{name} " + " ".join(f"{v:.3g}" for v in values)
+
+    passes = [costs("F", c.forward)]
+    if any(c.backward) and p.schedule == "zerobubble":
+        passes += [costs("B", c.backward_input), costs("W", c.backward_weight)]
+    elif any(c.backward):
+        passes.append(costs("backward", c.backward))
+    return (
+        f"{head}{p.modelled_time:.4g} {unit} (each tick as long as its busiest stage), bubble "
+        f"{p.modelled_bubble:.1%} with the stages' measured costs ({p.equal_bubble:.1%} with "
+        f"equal costs); {p.dataflow_time:.4g} {unit} without tick barriers (dataflow)\n"
+        f"{unit} of one micro-batch, stage by stage: " + "; ".join(passes)
+    )
+
+
 def _renderable(r: StepReport):
     from rich.console import Group
     from rich.table import Table
@@ -206,6 +234,10 @@ def _renderable(r: StepReport):
                 f"({p.sends_per_step} sends per step)"
             )
         )
+        if p.padding:
+            parts.append(Text(p.padding))
+        if p.equal_time > 0:  # modelled when the plan was noted
+            parts.append(Text(_modelled(p)))
         parts.append(Text(p.picture))
     if r.unknown_trip_counts:
         parts.append(

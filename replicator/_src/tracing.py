@@ -14,10 +14,14 @@ import contextlib
 import dataclasses
 import re
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import jax
 
 from replicator._src import scoped
+
+if TYPE_CHECKING:
+    from replicator._src.pipeline.timing import StageCosts
 
 RUNS_MARK = re.compile(r"replicator_runs_(\d+)_of_(\d+)")
 
@@ -50,6 +54,22 @@ class PipelineNote:
       sends_per_step: stage shifts per step on each device: 2T with the backward pass (the
         activation forward, its cotangent back), T for a forward-only ``apply``.
       picture: the schedule as an ASCII grid (``rp.pipeline.render``).
+      padding: for stages that differ (``rp.pipeline.sequential``), what packing them into
+        buffers of one shape costs; empty otherwise.
+      modelled_time: the modelled lock-step time of one step on K parallel devices
+        (`timing.step_time`), with the stages' measured costs (in ``cost_unit``); with equal
+        costs when they could not be measured (see ``cost_note``).
+      modelled_bubble: the idle share of that modelled step.
+      dataflow_time: the same passes without tick barriers, what an asynchronous runtime could
+        reach at best (`timing.StepTime.dataflow_time`).
+      cost_unit: ``"flops"`` (XLA's count of each stage's compiled passes) or ``"units"``
+        (equal costs: F = B = W = 1, fused backward 2).
+      stage_costs: each logical stage's measured F, B, W and fused-backward FLOPs on one
+        micro-batch (`timing.StageCosts`), or None when not measured.
+      equal_time: the modelled step time with equal costs, in units.
+      equal_bubble: the modelled bubble with equal costs (``bubble_fraction`` for
+        ``value_and_grad``).
+      cost_note: why the stages' costs were not measured; empty when they were.
     """
 
     schedule: str
@@ -61,6 +81,15 @@ class PipelineNote:
     activation_bytes: int
     sends_per_step: int
     picture: str
+    padding: str = ""
+    modelled_time: float = 0.0
+    modelled_bubble: float = 0.0
+    dataflow_time: float = 0.0
+    cost_unit: str = "units"
+    stage_costs: StageCosts | None = None
+    equal_time: float = 0.0
+    equal_bubble: float = 0.0
+    cost_note: str = ""
 
 
 _NOTES: scoped.Stack[list[PipelineNote]] = scoped.Stack()

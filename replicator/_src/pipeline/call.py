@@ -4,7 +4,8 @@
 or ``apply``, before any tick is traced: it refuses a batch that does not split into M
 micro-batches, an M that the schedule cannot run on K stages, stage params that are not stacked
 and sharded for the mesh, and a ``stage_fn`` that changes the activation's shape. It makes the
-schedule's `Plan` once, for the schedules to run, and notes it for ``Replicator.explain``.
+schedule's `Plan` once, for the schedules to run, and notes it for ``Replicator.explain`` with
+the step time it would take on K parallel devices, modelled from each stage's measured FLOPs.
 """
 
 from __future__ import annotations
@@ -18,8 +19,19 @@ import numpy as np
 from replicator._src import tracing
 from replicator._src.binding import current_binding
 from replicator._src.mesh import STAGE_AXIS
+from replicator._src.pipeline import costs as costs_lib
+from replicator._src.pipeline import pictures, timing
 from replicator._src.pipeline import schedules as schedules_lib
-from replicator._src.pipeline.layers import StageFn, describe, same_shapes
+from replicator._src.pipeline.layers import (
+    Program,
+    StageFn,
+    as_layers,
+    describe,
+    layers_as_rows,
+    same_shapes,
+)
+from replicator._src.pipeline.packing import Packing
+from replicator._src.pipeline.stages import Sequential
 from replicator._src.pipeline.ticks import take
 from replicator._src.typing import PyTree
 
@@ -37,6 +49,21 @@ class PipelineCall:
     param_shapes: PyTree  # the stage params' shapes as passed, to undo `rows`
     batch: int  # the per-replica batch B
     unroll: bool  # ticks as a Python loop instead of lax.scan
+    stage_fn: StageFn  # the call's stage_fn, or a `Sequential` model
+    wire: Packing | None = None  # a Sequential's activations at its stage boundaries
+
+    def program(self, rows: PyTree) -> Program:
+        """What the schedules run on this stage, for stage rows ``rows`` (``call.rows`` or a
+        traced stand-in for them)."""
+        if isinstance(self.stage_fn, Sequential):
+            return self.stage_fn.program(jax.tree.map(lambda a: a[:, None], rows), self.wire)
+        return as_layers(self.stage_fn, rows)
+
+    def layers_as_rows(self, layers: PyTree) -> PyTree:
+        """The inverse of `program`'s layout: layers ``[V, Lv, ...]`` (or gradients) as rows."""
+        if isinstance(self.stage_fn, Sequential):
+            return jax.tree.map(lambda a: a[:, 0], layers)
+        return layers_as_rows(self.stage_fn, layers)
 
     @classmethod
     def from_arguments(
@@ -76,16 +103,24 @@ class PipelineCall:
         if k > 1 and asked is not None and asked != schedule:
             asked.plan(k, m)
         plan = schedule.plan(k, m) if k > 1 else None
-        rows = _stage_rows(name, stage_params, schedule.repeats, k)
         xs = _microbatch(inputs, m)
-        if plan is not None:  # for Replicator.explain: one micro-batch's activation per tick
-            sent = sum(a[0].size * a.dtype.itemsize for a in jax.tree.leaves(xs))
-            note_plan(plan, sent, backward=api == "value_and_grad")
+        wire = None
+        if isinstance(stage_fn, Sequential):
+            wire = _check_model(name, stage_fn, schedule.repeats, k, stage_params, xs, api)
+        rows = _stage_rows(name, stage_params, schedule.repeats, k)
         call = cls(
             plan, k, m, rows, xs, _microbatch(targets, m),
-            jax.tree.map(jnp.shape, stage_params), batch, unroll,
+            jax.tree.map(jnp.shape, stage_params), batch, unroll, stage_fn, wire,
         )  # fmt: skip
-        _check_stage_fn(name, stage_fn, call)
+        if wire is None:
+            _check_stage_fn(name, stage_fn, call)
+        if plan is not None:  # for Replicator.explain: one micro-batch's activation per tick
+            sent = sum(a[0].size * a.dtype.itemsize for a in jax.tree.leaves(xs))
+            if wire is not None:
+                sent = wire.buffer_bytes()
+            note_plan(plan, sent, backward=api == "value_and_grad",
+                      padding=_padding(stage_fn, wire), stage_fn=stage_fn,
+                      stage_params=stage_params, example_input=take(xs, 0))  # fmt: skip
         return call
 
     def from_rows(self, g_rows: PyTree) -> PyTree:
@@ -97,10 +132,34 @@ class PipelineCall:
         return jax.tree.map(lambda a: a.reshape((self.batch, *a.shape[2:])), tree)
 
 
-def note_plan(plan: schedules_lib.Plan, activation_bytes: int, *, backward: bool) -> None:
-    """Notes ``plan`` for `Replicator.explain` (a no-op unless a report is being made)."""
+def note_plan(
+    plan: schedules_lib.Plan,
+    activation_bytes: int,
+    *,
+    backward: bool,
+    padding: str = "",
+    stage_fn: StageFn | None = None,
+    stage_params: PyTree = None,
+    example_input: PyTree = None,
+) -> None:
+    """Notes ``plan`` for `Replicator.explain` (a no-op unless a report is being made).
+
+    With ``stage_fn`` (a ``stage_fn`` of identical stages or a `Sequential`), its stage params
+    as passed (one device's, inside the mesh) and one micro-batch's input, the note also holds
+    the step time modelled on K parallel devices (`timing.step_time`) from each stage's FLOPs
+    (`costs.stage_costs`), and with equal costs. A forward-only call (``backward=False``) is
+    modelled with backward passes that cost nothing. A stage whose FLOPs cannot be measured
+    (e.g. one that compiles to a loop) leaves the equal-cost model and the reason in the note.
+    """
     if not tracing.recording_pipelines():
         return
+    n = plan.num_stages * plan.repeats
+    equal = _forward_only(timing.StageCosts.equal(n), backward)
+    measured, why = None, "no stage function given"
+    if stage_fn is not None:
+        measured, why = _measured_costs(plan, stage_fn, stage_params, example_input, backward)
+    at_equal = timing.step_time(plan, equal)
+    shown = at_equal if measured is None else timing.step_time(plan, measured)
     tracing.note_pipeline(
         tracing.PipelineNote(
             schedule=plan.schedule,
@@ -111,9 +170,68 @@ def note_plan(plan: schedules_lib.Plan, activation_bytes: int, *, backward: bool
             bubble_fraction=float(plan.bubble_fraction()),
             activation_bytes=int(activation_bytes),
             sends_per_step=(2 if backward else 1) * plan.num_ticks,
-            picture=schedules_lib.render(plan, width=100),
+            picture=pictures.render(plan, width=100),
+            padding=padding,
+            modelled_time=shown.time,
+            modelled_bubble=shown.bubble_fraction,
+            dataflow_time=shown.dataflow_time,
+            cost_unit=shown.unit,
+            stage_costs=measured,
+            equal_time=at_equal.time,
+            equal_bubble=at_equal.bubble_fraction,
+            cost_note="" if measured is not None else why,
         )
     )
+
+
+def _measured_costs(
+    plan: schedules_lib.Plan, stage_fn: StageFn, stage_params: PyTree, x: PyTree, backward: bool
+) -> tuple[timing.StageCosts | None, str]:
+    """Each logical stage's FLOPs on one micro-batch ``x`` (backward passes at 0 unless
+    ``backward``), or None and the reason they could not be measured. ``stage_params`` are one
+    device's (``[1, ...]`` or ``[V, 1, ...]``) inside the mesh: the stack of K stages is rebuilt
+    from their shapes. Each pass compiles on its own, outside the mesh being traced."""
+    v, k = plan.repeats, plan.num_stages
+    try:
+        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+            if isinstance(stage_fn, Sequential):
+                layout = stage_fn.params_layout
+                params = [
+                    jax.eval_shape(lambda j=j: layout.unpack(j, layout.zeros()))
+                    for j in range(len(stage_fn))
+                ]
+                measured = costs_lib.stage_costs(list(stage_fn.fns), params, x, method="flops")
+            else:
+                lead = (k,) if v == 1 else (v, k)
+                stacked = jax.tree.map(
+                    lambda a: jax.ShapeDtypeStruct(
+                        (*lead, *np.shape(a)[len(lead) :]), jnp.result_type(a)
+                    ),
+                    stage_params,
+                )
+                measured = costs_lib.stage_costs_stacked(
+                    stage_fn, stacked, x, virtual_stages=v, method="flops"
+                )
+        measured = _forward_only(measured, backward)
+        timing.step_time(plan, measured)  # refuses costs that make the step take no time
+    except Exception as e:  # a report never fails on a stage it cannot measure
+        first = (str(e).strip().splitlines() or [""])[0]
+        if isinstance(e, ValueError) and first.startswith(("rp.pipeline.", "step_time:")):
+            return None, first  # the library's own refusal says why and what to do
+        return None, (
+            f"the stages could not be compiled on their own, outside the mesh "
+            f"({type(e).__name__}{': ' + first if first else ''}); a stage that calls "
+            f"collectives (such as rp.gather_params for ZeRO-3) cannot be measured alone"
+        )
+    return measured, ""
+
+
+def _forward_only(costs: timing.StageCosts, backward: bool) -> timing.StageCosts:
+    """``costs`` with backward passes that cost nothing, for a forward-only call."""
+    if backward:
+        return costs
+    zero = (0.0,) * costs.num_stages
+    return dataclasses.replace(costs, backward_input=zero, backward_weight=zero, backward=zero)
 
 
 def _batch_size(name: str, inputs, targets) -> int:
@@ -182,3 +300,53 @@ def _check_stage_fn(name: str, stage_fn: StageFn, call: PipelineCall) -> None:
             f"{describe(want)} it returned {describe(out)}. Move shape changes (embedding, "
             f"head) outside the stages: into the inputs and into loss_fn."
         )
+
+
+def _check_model(
+    name: str, model: Sequential, repeats: int, k: int, stage_params: PyTree, xs: PyTree, api: str
+) -> Packing:
+    """Refuses a `Sequential` that does not fit the mesh or the schedule; its activations' layout."""
+    if model.repeats != repeats:
+        raise ValueError(
+            f"{name}: the model was built with repeats={model.repeats} but the schedule runs "
+            f"{repeats} virtual stage(s) per device; build it with "
+            f"rp.pipeline.sequential(..., repeats={repeats}) or use a matching schedule."
+        )
+    if k > 1 and model.num_stages != k:
+        raise ValueError(
+            f"{name}: the model has {len(model)} stages = {model.num_stages} per repeat, but the "
+            f"mesh's 'stage' axis has {k} devices; use a mesh with 'stage': {model.num_stages}, "
+            f"or split the model into {k * repeats} stages."
+        )
+    keys = sorted(model.params_layout.sizes)
+    if not isinstance(stage_params, dict) or sorted(stage_params) != keys:
+        raise ValueError(
+            f"{name}: with a Sequential model, stage_params must be its packed parameters, "
+            f"a dict with keys {keys} as model.pack(params) returns; got "
+            f"{describe(stage_params) if hasattr(stage_params, 'keys') else type(stage_params).__name__}."
+        )
+    shapes = model.boundaries(take(xs, 0))
+    if api == "apply":
+        b = jax.tree.leaves(xs)[0].shape[1]
+        for leaf in jax.tree.leaves(shapes[-1]):
+            if not leaf.shape or leaf.shape[0] != b:
+                raise ValueError(
+                    f"{name}: apply returns the last stage's output for the whole batch, so "
+                    f"each of its leaves needs the micro-batch's leading axis of {b}; got "
+                    f"{describe(shapes[-1])}."
+                )
+    return Packing.of(shapes)
+
+
+def _padding(stage_fn: StageFn, wire: Packing | None) -> str:
+    """For ``Replicator.explain``: what a `Sequential` model's packing costs in padding."""
+    if wire is None:
+        return ""
+    params = stage_fn.params_layout
+    used = [wire.used_bytes(j) for j in range(len(wire))]
+    return (
+        f"stages packed: parameters {params.buffer_bytes():,} bytes per stage row, of which "
+        f"{params.padding_bytes():,} bytes padding over all {len(params)} stages; activations "
+        f"{wire.buffer_bytes():,} bytes per micro-batch (boundaries use {min(used):,}-"
+        f"{max(used):,})"
+    )

@@ -27,11 +27,13 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from replicator._src.collectives import sum_over_axes
 from replicator._src.errors import positive_int
 from replicator._src.mesh import STAGE_AXIS
-from replicator._src.pipeline import gpipe, one_f_one_b, sequential
+from replicator._src.pipeline import gpipe, one_f_one_b, sequential, zero_bubble
 from replicator._src.pipeline import schedules as schedules_lib
 from replicator._src.pipeline.call import PipelineCall
 from replicator._src.pipeline.layers import StageFn
@@ -104,11 +106,12 @@ def value_and_grad(
     """
     sched = schedules_lib.get(schedule)
     _check_options(num_microbatches, remat, "value_and_grad", unroll)
-    if sched.name == "1f1b" and not remat:
+    if sched.name in ("1f1b", "zerobubble") and not remat:
         raise ValueError(
-            "rp.pipeline.value_and_grad: OneFOneB() always recomputes each layer from its "
-            "stashed input in the backward pass; remat=False is not available for it. Use "
-            "remat=True, or GPipe()/Circular() with remat=False to keep activations instead."
+            f"rp.pipeline.value_and_grad: {type(sched).__name__}() always recomputes each "
+            "layer from its stashed input in the backward pass; remat=False is not available "
+            "for it. Use remat=True, or GPipe()/Circular() with remat=False to keep activations "
+            "instead."
         )
 
     def f(stage_params, inputs, targets, head_params=None):
@@ -117,17 +120,19 @@ def value_and_grad(
             unroll=unroll,
         )  # fmt: skip
         if call.num_stages == 1:
-            return sequential.value_and_grad(call, stage_fn, loss_fn, head_params, remat)
+            loss, (g_rows, g_xs, g_head) = sequential.value_and_grad(
+                call, loss_fn, head_params, remat
+            )
+            return loss, (g_rows, _no_int_grads(g_xs), g_head)
         if sched.name == "1f1b":
-            loss, g_rows, g_xs, g_head = one_f_one_b.value_and_grad(
-                call, stage_fn, loss_fn, head_params
-            )
+            loss, g_rows, g_xs, g_head = one_f_one_b.value_and_grad(call, loss_fn, head_params)
+        elif sched.name == "zerobubble":
+            loss, g_rows, g_xs, g_head = zero_bubble.value_and_grad(call, loss_fn, head_params)
         else:
-            loss, g_rows, g_xs, g_head = gpipe.value_and_grad(
-                call, stage_fn, loss_fn, head_params, remat
-            )
+            loss, g_rows, g_xs, g_head = gpipe.value_and_grad(call, loss_fn, head_params, remat)
         loss, g_xs, g_head = sum_over_axes((loss, g_xs, g_head), (STAGE_AXIS,))
-        return loss, (call.from_rows(g_rows), call.merge_batch(g_xs), g_head)
+        g_xs = _no_int_grads(call.merge_batch(g_xs))
+        return loss, (call.from_rows(g_rows), g_xs, g_head)
 
     return f
 
@@ -154,7 +159,8 @@ def apply(
     """
     sched = schedules_lib.get(schedule)
     _check_options(num_microbatches, True, "apply", unroll)
-    runs = schedules_lib.GPipe() if sched.name == "1f1b" else sched  # 1F1B's forward ticks
+    # 1F1B's and ZeroBubble's forward ticks are GPipe's.
+    runs = schedules_lib.GPipe() if sched.name in ("1f1b", "zerobubble") else sched
 
     def f(stage_params, inputs):
         call = PipelineCall.from_arguments(
@@ -162,9 +168,9 @@ def apply(
             unroll=unroll, asked=sched,
         )  # fmt: skip
         if call.num_stages == 1:
-            ys = sequential.outputs(call, stage_fn)
+            ys = sequential.outputs(call)
         else:
-            ys = sum_over_axes(gpipe.outputs(call, stage_fn), (STAGE_AXIS,))
+            ys = sum_over_axes(gpipe.outputs(call), (STAGE_AXIS,))
         return call.merge_batch(ys)
 
     return f
@@ -175,3 +181,13 @@ def _check_options(m: object, remat: object, api: str, unroll: object) -> None:
     for name, value in (("remat", remat), ("unroll", unroll)):
         if not isinstance(value, bool):
             raise TypeError(f"rp.pipeline.{api}: {name} must be True or False; got {value!r}.")
+
+
+def _no_int_grads(g_inputs: PyTree) -> PyTree:
+    """Integer inputs (token ids) have no gradient: ``float0`` zeros, as ``jax.grad`` gives."""
+    return jax.tree.map(
+        lambda g: (
+            g if jnp.issubdtype(g.dtype, jnp.inexact) else np.zeros(g.shape, jax.dtypes.float0)
+        ),
+        g_inputs,
+    )

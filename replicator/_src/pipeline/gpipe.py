@@ -18,7 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 from replicator._src import tracing
 from replicator._src.mesh import STAGE_AXIS
 from replicator._src.pipeline.call import PipelineCall
-from replicator._src.pipeline.layers import StageFn, as_layers
+from replicator._src.pipeline.layers import vjp_inexact
 from replicator._src.pipeline.ticks import (
     LossFn,
     mean_loss,
@@ -35,31 +35,32 @@ _PARAMS = "rp_pipeline_layer_params"
 
 
 def value_and_grad(
-    call: PipelineCall, stage_fn: StageFn, loss_fn: LossFn, head_params: PyTree, remat: bool
+    call: PipelineCall, loss_fn: LossFn, head_params: PyTree, remat: bool
 ) -> tuple[jax.Array, PyTree, PyTree, PyTree]:
     """This stage's share of the loss, and its gradients: ``jax.vjp`` of `forward_ticks`.
 
     Returns:
       ``(loss, g_rows, g_xs, g_head)``: the loss and the gradients of the head and of the inputs
       ``[M, b, ...]`` are this stage's share (to be summed over ``stage``); ``g_rows`` are the
-      gradients of this stage's rows.
+      gradients of this stage's rows. Integer inputs get zero gradients.
     """
 
     def local_loss(rows, xs, head):
-        return forward_ticks(call, stage_fn, loss_fn, head, rows, call.ts, xs, remat=remat)
+        return forward_ticks(call, loss_fn, head, rows, call.ts, xs, remat=remat)
 
-    loss, vjp = jax.vjp(local_loss, call.rows, call.xs, head_params)
+    loss, vjp = vjp_inexact(local_loss, call.rows, call.xs, head_params)
     g_rows, g_xs, g_head = vjp(jnp.ones((), jnp.float32))
     return loss, g_rows, g_xs, g_head
 
 
-def outputs(call: PipelineCall, stage_fn: StageFn) -> PyTree:
+def outputs(call: PipelineCall) -> PyTree:
     """The last stage's outputs ``[M, b, ...]`` of the forward ticks, zeros on other stages."""
-    return forward_ticks(call, stage_fn, None, None, call.rows, None, call.xs, remat=False)
+    wires = forward_ticks(call, None, None, call.rows, None, call.xs, remat=False)
+    return call.program(call.rows).leave(wires)
 
 
 def forward_ticks(
-    call: PipelineCall, stage_fn: StageFn, loss_fn: LossFn | None, head_params: PyTree,
+    call: PipelineCall, loss_fn: LossFn | None, head_params: PyTree,
     rows: PyTree, ts: PyTree, xs: PyTree, *, remat: bool,
 ) -> PyTree:  # fmt: skip
     """Runs the forward ticks of ``call.plan`` on this stage, one layer per scan iteration.
@@ -69,32 +70,33 @@ def forward_ticks(
 
         for t in range(T):
             i, r = fwd[t, s], fwd_repeat[t, s]        # micro-batch and virtual stage, or -1
-            x = xs[i] if s == 0 and r == 0 else recv
+            x = enter(xs[i]) if s == 0 and r == 0 else recv
             for li in range(Lv):
-                x = layer_fn(rows[r][li], x)
+                x = layer_fn(rows[r][li], x, r*K + s)   # logical stage r*K + s
             if i >= 0 and s == K - 1 and r == V - 1:  # leaves the pipeline
-                acc += loss_fn(head_params, x, ts[i]) / M   # or, without loss_fn: ys[i] = x
+                acc += loss_fn(head_params, leave(x), ts[i]) / M   # or: ys[i] = x
             recv = shift(x, +1)                       # around the ring when V > 1
 
     Returns:
       With ``loss_fn``: this stage's share of the mean loss (nonzero on the last stage). Without
-      it: the last stage's outputs ``[M, b, ...]`` (zeros elsewhere).
+      it: the last stage's activations ``[M, ...]`` (zeros elsewhere), before ``leave``.
     """
     plan = call.plan
     k, v, m = call.num_stages, plan.repeats, call.num_microbatches
     s = lax.axis_index(STAGE_AXIS)
     fwd, rep = jnp.asarray(plan.fwd), jnp.asarray(plan.fwd_repeat)
-    layer_fn, layers, lv = as_layers(stage_fn, rows)
-    run_layer = _layer_on(layer_fn, remat)
-    x0 = zeros(take(xs, 0))
+    prog = call.program(rows)
+    layers, lv = prog.layers, prog.lv
+    run_layer = _layer_on(prog.layer_fn, remat)
+    x0 = zeros(prog.enter(take(xs, 0)))
 
     def iteration(carry, u):
         recv, h, acc = carry
         t, li = u // lv, u % lv
         i, r = fwd[t, s], rep[t, s]
         ic = jnp.maximum(i, 0)
-        x = where(li == 0, where((s == 0) & (r == 0), take(xs, ic), recv), h)
-        h = run_layer(layers, r, li, x)
+        x = where(li == 0, where((s == 0) & (r == 0), prog.enter(take(xs, ic)), recv), h)
+        h = run_layer(layers, r, li, x, r * k + s)
         last_layer = li == lv - 1
         done = last_layer & (i >= 0) & (s == k - 1) & (r == v - 1)  # leaves the pipeline
         if loss_fn is None:
@@ -103,28 +105,30 @@ def forward_ticks(
             with tracing.runs(m, plan.num_ticks * lv):  # on the last stage, once per micro-batch
                 acc = acc + lax.cond(
                     done,
-                    lambda: mean_loss(loss_fn, head_params, h, take(ts, ic), m),
+                    lambda: mean_loss(loss_fn, head_params, prog.leave(h), take(ts, ic), m),
                     lambda: jnp.zeros((), jnp.float32),
                 )
         with tracing.runs(1, lv):  # after the tick's last layer
             recv = lax.cond(last_layer, lambda: shift(h, k, 1, ring=v > 1), lambda: recv)
         return (recv, h, acc), None
 
-    init = (x0, x0, jnp.zeros((), jnp.float32) if loss_fn is not None else zeros(xs))
+    acc0 = jax.tree.map(lambda a: jnp.zeros((m, *a.shape), a.dtype), x0)
+    init = (x0, x0, jnp.zeros((), jnp.float32) if loss_fn is not None else acc0)
     return run_ticks(iteration, init, plan.num_ticks * lv, call.unroll)[2]
 
 
 def _layer_on(layer_fn: Callable, remat: bool) -> Callable:
-    """``g(layers, r, li, x)``: ``layer_fn`` on layer ``li`` of row ``r``, for a differentiated scan.
+    """``g(layers, r, li, x, j)``: ``layer_fn`` on layer ``li`` of row ``r`` (logical stage ``j``),
+    for a differentiated scan.
 
     What the scan keeps per iteration for the backward pass must never be a copy of the layer's
     parameters: they are sliced inside a checkpoint, so with ``remat`` the residuals are the
     layer's input and indices, and without it every intermediate activation but the parameters.
     """
 
-    def run(layers, r, li, x):
+    def run(layers, r, li, x, j):
         layer = jax.tree.map(lambda a: take(take(a, r), li), layers)
-        return layer_fn(checkpoint_name(layer, _PARAMS), x)
+        return layer_fn(checkpoint_name(layer, _PARAMS), x, j)
 
     if remat:
         return jax.checkpoint(run, prevent_cse=False)

@@ -8,6 +8,7 @@ stage, which is what ``lax.scan`` needs to carry it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -91,14 +92,41 @@ def run_layers(layer_fn: Callable, layers: PyTree, x: PyTree) -> PyTree:
     return lax.scan(lambda h, p: (layer_fn(p, h), None), x, layers)[0]
 
 
-def as_layers(stage_fn: StageFn, rows: PyTree) -> tuple[Callable, PyTree, int]:
-    """The stage rows as layers ``[V, Lv, ...]``, the function of one layer, and Lv.
+def _identity(x: PyTree) -> PyTree:
+    return x
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """What a schedule runs on each stage: layers, and how the inputs enter and the output leaves.
+
+    Attributes:
+      layer_fn: ``layer_fn(layer_params, x, j) -> x``: one layer of logical stage ``j`` (an int32
+        scalar, possibly traced) on one micro-batch's activation ``x``.
+      layers: the stage rows as layers ``[V, Lv, ...]``.
+      lv: Lv, layers per stage.
+      enter: one micro-batch of the inputs as the activation stage 0 receives.
+      leave: the last stage's activation as the model's output (what ``loss_fn`` receives).
+      enter_t: the transpose of ``enter``: an activation's cotangent as the inputs' cotangent.
+    """
+
+    layer_fn: Callable[[PyTree, PyTree, jax.Array], PyTree]
+    layers: PyTree
+    lv: int
+    enter: Callable[[PyTree], PyTree] = _identity
+    leave: Callable[[PyTree], PyTree] = _identity
+    enter_t: Callable[[PyTree], PyTree] = _identity
+
+
+def as_layers(stage_fn: StageFn, rows: PyTree) -> Program:
+    """The `Program` of identical stages: rows ``[V, ...]`` as layers ``[V, Lv, ...]``.
 
     A `scan_layers` stage exposes its layers; any other ``stage_fn`` is one layer of its own.
     """
     if isinstance(stage_fn, _ScanLayers):
-        return stage_fn.layer_fn, rows, jax.tree.leaves(rows)[0].shape[1]
-    return stage_fn, jax.tree.map(lambda a: a[:, None], rows), 1
+        fn = stage_fn.layer_fn
+        return Program(lambda p, x, j: fn(p, x), rows, jax.tree.leaves(rows)[0].shape[1])
+    return Program(lambda p, x, j: stage_fn(p, x), jax.tree.map(lambda a: a[:, None], rows), 1)
 
 
 def layers_as_rows(stage_fn: StageFn, layers: PyTree) -> PyTree:
@@ -106,6 +134,39 @@ def layers_as_rows(stage_fn: StageFn, layers: PyTree) -> PyTree:
     if isinstance(stage_fn, _ScanLayers):
         return layers
     return jax.tree.map(lambda a: a[:, 0], layers)
+
+
+def vjp_inexact(fn: Callable, *primals: PyTree) -> tuple[PyTree, Callable]:
+    """``jax.vjp`` that differentiates only the floating leaves of ``primals`` and outputs.
+
+    Integer leaves (token ids, masks, a stage index) are held constant: ``vjp_fn(cot)`` ignores
+    the cotangent's integer leaves and returns zeros of their own dtype for the primals' integer
+    leaves, so every result has the structure and dtypes of what it stands for.
+    """
+    flat, treedef = jax.tree.flatten(primals)
+    diff = [_inexact(a) for a in flat]
+
+    def f(*dl):
+        it = iter(dl)
+        full = [next(it) if d else a for a, d in zip(flat, diff, strict=True)]
+        out = fn(*jax.tree.unflatten(treedef, full))
+        leaves = jax.tree.leaves(out)
+        return [a for a in leaves if _inexact(a)], out
+
+    kept, vjp, out = jax.vjp(f, *(a for a, d in zip(flat, diff, strict=True) if d), has_aux=True)
+
+    def vjp_fn(cot):
+        grads = iter(vjp([a for a in jax.tree.leaves(cot) if _inexact(a)]))
+        full = [next(grads) if d else jnp.zeros(jnp.shape(a), jnp.result_type(a))
+                for a, d in zip(flat, diff, strict=True)]  # fmt: skip
+        return jax.tree.unflatten(treedef, full)
+
+    del kept
+    return out, vjp_fn
+
+
+def _inexact(a) -> bool:
+    return jnp.issubdtype(jnp.result_type(a), jnp.inexact)
 
 
 def same_shapes(got: PyTree, want: PyTree) -> bool:

@@ -18,7 +18,7 @@ from jax import lax
 from replicator._src import tracing
 from replicator._src.mesh import STAGE_AXIS
 from replicator._src.pipeline.call import PipelineCall
-from replicator._src.pipeline.layers import StageFn, as_layers, layers_as_rows
+from replicator._src.pipeline.layers import vjp_inexact
 from replicator._src.pipeline.ticks import (
     LossFn,
     add,
@@ -60,7 +60,7 @@ def _start(x0: PyTree, params: PyTree, head_params: PyTree, xs: PyTree, slots: i
 
 
 def value_and_grad(
-    call: PipelineCall, stage_fn: StageFn, loss_fn: LossFn, head_params: PyTree
+    call: PipelineCall, loss_fn: LossFn, head_params: PyTree
 ) -> tuple[jax.Array, PyTree, PyTree, PyTree]:
     """1F1B with one layer per scan iteration, on this stage.
 
@@ -70,13 +70,13 @@ def value_and_grad(
 
         for t in range(T):                             # T = M + 2K - 2
             if (i := fwd[t, s]) >= 0:                  # forward of micro-batch i
-                x = xs[i] if s == 0 else act
+                x = enter(xs[i]) if s == 0 else act
                 stash[i % (2K-1)] = x;  y = stage_fn(params, x)
-                if s == K - 1: loss += loss_fn(head, y, ts[i]) / M;  dy = d loss / d y
+                if s == K - 1: loss += loss_fn(head, leave(y), ts[i]) / M;  dy = d loss / d y
             if (j := bwd[t, s]) >= 0:                  # backward of micro-batch j
                 dp, g = vjp(stage_fn, params, stash[j % (2K-1)])(dy if s == K-1 else cot)
                 g_params += dp
-                if s == 0: g_xs[j] = g
+                if s == 0: g_xs[j] = enter_t(g)
             act, cot = shift(y, +1), shift(g, -1)
 
     Returns:
@@ -86,10 +86,14 @@ def value_and_grad(
     slots = plan.stash_slots
     s = lax.axis_index(STAGE_AXIS)
     fwd, bwd = jnp.asarray(plan.fwd), jnp.asarray(plan.bwd)
-    layer_fn, layers, lv = as_layers(stage_fn, call.rows)
-    params = take(layers, 0)  # this stage's layers, [Lv, ...]
+    prog = call.program(call.rows)
+    layer_fn, lv = prog.layer_fn, prog.lv
+    params = take(prog.layers, 0)  # this stage's layers, [Lv, ...]
     is_first, is_last = s == 0, s == k - 1
-    grad_loss = jax.value_and_grad(lambda h, y, t: mean_loss(loss_fn, h, y, t, m), argnums=(0, 1))
+
+    def grad_loss(head, y, t):
+        loss, vjp = vjp_inexact(lambda hp, w: mean_loss(loss_fn, hp, prog.leave(w), t, m), head, y)
+        return loss, vjp(jnp.ones((), jnp.float32))
 
     def iteration(c: _Carry, u):
         t, q = u // (2 * lv), u % (2 * lv)
@@ -97,10 +101,10 @@ def value_and_grad(
         i = fwd[t, s]
         ic, lf = jnp.maximum(i, 0), jnp.minimum(q, lv - 1)
         f_on = (i >= 0) & (q < lv)
-        x = where(q == 0, where(is_first, take(call.xs, ic), c.act), c.h)
+        x = where(q == 0, where(is_first, prog.enter(take(call.xs, ic)), c.act), c.h)
         # Each stage is busy in M of the T ticks' forward halves, and in M backward halves.
         with tracing.runs(m, 2 * plan.num_ticks):
-            h = lax.cond(f_on, lambda: layer_fn(take(params, lf), x), lambda: c.h)
+            h = lax.cond(f_on, lambda: layer_fn(take(params, lf), x, s), lambda: c.h)
         slot = jnp.where(f_on, ic % slots, slots)  # idle: the spare slot
         stash = jax.tree.map(lambda a, v: a.at[slot, lf].set(v), c.stash, x)
         # The last stage turns its output into the loss and the cotangent at once.
@@ -119,11 +123,12 @@ def value_and_grad(
         with tracing.runs(m, 2 * plan.num_ticks):
             g_layer, g = lax.cond(
                 b_on,
-                lambda: jax.vjp(layer_fn, take(params, lb), saved)[1](cot),
+                lambda: vjp_inexact(layer_fn, take(params, lb), saved, s)[1](cot)[:2],
                 lambda: (zeros(take(params, 0)), c.g),
             )
         end = q == 2 * lv - 1
-        g_xs = put(c.g_xs, jnp.where(end & b_on & is_first, jc, m), g)  # else: spare row
+        g_x = prog.enter_t(g)
+        g_xs = put(c.g_xs, jnp.where(end & b_on & is_first, jc, m), g_x)  # else: spare row
         with tracing.runs(1, 2 * lv):  # after the tick's last backward layer
             act, cot_next = lax.cond(
                 end,
@@ -137,7 +142,7 @@ def value_and_grad(
                      c.loss + loss)  # fmt: skip
         return new, None
 
-    init = _start(zeros(take(call.xs, 0)), params, head_params, call.xs, slots)
+    init = _start(zeros(prog.enter(take(call.xs, 0))), params, head_params, call.xs, slots)
     c = run_ticks(iteration, init, plan.num_ticks * 2 * lv, call.unroll)
-    g_rows = layers_as_rows(stage_fn, jax.tree.map(lambda g: g[None], c.g_params))  # [1, ...]
+    g_rows = call.layers_as_rows(jax.tree.map(lambda g: g[None], c.g_params))  # [1, ...]
     return c.loss, g_rows, jax.tree.map(lambda g: g[:m], c.g_xs), c.g_head

@@ -12,9 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -230,55 +228,3 @@ def balance(costs: Sequence[float], num_stages: int) -> Partition:
         bounds.append(i)
     stage = tuple(float(prefix[b] - prefix[a]) for a, b in itertools.pairwise(bounds))
     return Partition(tuple(bounds), stage, tuple(float(x) for x in c))
-
-
-def layer_costs(
-    fns: Sequence[Callable],
-    example_input: Any,
-    *,
-    params: Sequence[PyTree] | None = None,
-    method: str = "flops",
-    repeats: int = 5,
-) -> list[float]:
-    """Per-layer costs of layers run one after another, for `balance`.
-
-    Args:
-      fns: one callable per layer: ``f(x) -> y``, or ``f(p, x) -> y`` with ``params``.
-      example_input: the first layer's input (an array or pytree; only its shapes matter for
-        ``"flops"``).
-      params: per-layer parameters, ``params[i]`` for ``fns[i]``.
-      method: ``"flops"``: the compiled program's FLOPs (``cost_analysis``), nothing runs;
-        ``"time"``: the median wall time of ``repeats`` runs after a warm-up.
-
-    >>> import jax.numpy as jnp, replicator as rp
-    >>> fns = [lambda x: x @ jnp.ones((8, 8)), lambda x: x @ jnp.ones((8, 8)) @ jnp.ones((8, 8))]
-    >>> rp.pipeline.layer_costs(fns, jnp.ones((4, 8)))
-    [512.0, 1024.0]
-    """
-    api = "rp.pipeline.layer_costs"
-    if method not in ("flops", "time"):
-        raise ValueError(f"{api}: method must be 'flops' or 'time'; got {method!r}.")
-    positive_int(repeats, api=api, name="repeats")
-    if params is not None and len(params) != len(fns):
-        raise ValueError(f"{api}: {len(fns)} fns but {len(params)} params; give one per layer.")
-    x = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), example_input)
-    out = []
-    for i, fn in enumerate(fns):
-        args = (x,) if params is None else (params[i], x)
-        jitted = jax.jit(fn)
-        if method == "flops":
-            analysis = jitted.lower(*args).compile().cost_analysis()
-            if isinstance(analysis, list | tuple):
-                analysis = analysis[0] if analysis else {}
-            out.append(float((analysis or {}).get("flops", 0.0)))
-        else:
-            concrete = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), args)
-            jax.block_until_ready(jitted(*concrete))
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                jax.block_until_ready(jitted(*concrete))
-                times.append(time.perf_counter() - t0)
-            out.append(float(np.median(times)))
-        x = jax.eval_shape(fn, *args)
-    return out

@@ -1,8 +1,9 @@
-"""Pipeline schedules as pure objects: NumPy tick tables, bubble arithmetic and pictures.
+"""Pipeline schedules as pure objects: NumPy tick tables, their dependencies and ring buffers.
 
 K devices ("stages") run M micro-batches. A schedule is a small frozen dataclass whose
 ``plan(num_stages, num_microbatches)`` returns a :class:`Plan`: tables ``[T, K]`` telling which
 micro-batch each stage runs at each tick. The scanned engine reads them; nothing here needs JAX.
+Their modelled step time is in `timing`, their pictures in `pictures`.
 
 Whatever the schedule, the sequential meaning is the same: every micro-batch runs through the
 logical stages ``0, 1, ..., S-1`` in order (``S = K * repeats``) and the gradients are summed over
@@ -17,6 +18,7 @@ from typing import ClassVar, TypeAlias
 import numpy as np
 
 from replicator._src.errors import positive_int
+from replicator._src.pipeline import timing
 
 
 def _check_sizes(api: str, num_stages: object, num_microbatches: object) -> tuple[int, int]:
@@ -43,7 +45,7 @@ class Plan:
     """The tick tables of a schedule for K stages and M micro-batches (read-only arrays).
 
     Attributes:
-      schedule: ``"gpipe"``, ``"circular"`` or ``"1f1b"``.
+      schedule: ``"gpipe"``, ``"circular"``, ``"1f1b"`` or ``"zerobubble"``.
       num_stages: K.
       num_microbatches: M.
       repeats: V, the virtual stages per device (1 except for Circular).
@@ -52,7 +54,14 @@ class Plan:
       bwd: int32 ``[T, K]``: the micro-batch whose backward stage ``s`` runs at tick ``t``, or
         -1. All -1 for GPipe and Circular: their backward is autodiff of the forward scan, the
         forward ticks replayed in reverse.
-      stash_slots: 1F1B's ring buffer of stashed stage inputs (``2K - 1``); 0 for the others.
+      stash_slots: the ring buffer of stashed stage inputs, indexed by ``i % stash_slots``
+        (1F1B: ``2K - 1``; ZeroBubble: its own bound); 0 for GPipe and Circular.
+      wgt: int32 ``[T, K]``: the micro-batch whose weight-gradient pass (W) stage ``s`` runs at
+        tick ``t``, or -1. Only ZeroBubble splits the backward into B (input gradients, in
+        ``bwd``) and W; elsewhere all -1 (B and W run together in ``bwd``). ``None`` when
+        built: all -1.
+      grad_slots: ZeroBubble's ring buffer of output cotangents kept from their arrival until
+        the W pass, indexed by ``i % grad_slots``; 0 for the others.
     """
 
     schedule: str
@@ -63,9 +72,13 @@ class Plan:
     fwd_repeat: np.ndarray
     bwd: np.ndarray
     stash_slots: int = 0
+    wgt: np.ndarray | None = None
+    grad_slots: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("fwd", "fwd_repeat", "bwd"):
+        if self.wgt is None:
+            object.__setattr__(self, "wgt", np.full_like(np.asarray(self.fwd), -1))
+        for name in ("fwd", "fwd_repeat", "bwd", "wgt"):
             table = np.array(getattr(self, name), dtype=np.int32)
             if table.ndim != 2 or table.shape[1] != self.num_stages:
                 raise ValueError(
@@ -73,8 +86,8 @@ class Plan:
                 )
             table.setflags(write=False)
             object.__setattr__(self, name, table)
-        if not self.fwd.shape == self.fwd_repeat.shape == self.bwd.shape:
-            raise ValueError("Plan: fwd, fwd_repeat and bwd must have the same shape [T, K].")
+        if not self.fwd.shape == self.fwd_repeat.shape == self.bwd.shape == self.wgt.shape:
+            raise ValueError("Plan: fwd, fwd_repeat, bwd and wgt must have the same shape [T, K].")
 
     @property
     def num_ticks(self) -> int:
@@ -82,33 +95,33 @@ class Plan:
         return int(self.fwd.shape[0])
 
     def busy(self) -> np.ndarray:
-        """Bool ``[T, K]``: whether stage ``s`` runs a forward or a backward at tick ``t``."""
-        return (self.fwd >= 0) | (self.bwd >= 0)
+        """Bool ``[T, K]``: whether stage ``s`` runs a forward, a backward or a W at tick ``t``."""
+        return (self.fwd >= 0) | (self.bwd >= 0) | (self.wgt >= 0)
 
     def bubble_fraction(self, fwd_cost: float = 1.0, bwd_cost: float = 2.0) -> float:
         """The idle share of a lock-step step; each tick lasts as long as its busiest stage.
 
-        Without backward ticks (GPipe, Circular) the backward replays the forward ticks, so the
-        step lasts ``T * (f + b)`` while each device works ``V * M * (f + b)``: the bubble is
-        ``1 - V*M/T``. With them (1F1B) a tick lasts ``max_s(f*[fwd] + b*[bwd])`` and each
-        device works ``M * (f + b)``.
+        The modelled bubble of `timing.step_time` with equal costs on every stage: forward
+        ``f``, backward ``b`` (ZeroBubble: B and W ``b/2`` each). Without backward ticks (GPipe,
+        Circular) the backward replays the forward ticks, so the step lasts ``T * (f + b)``
+        while each device works ``V * M * (f + b)``: the bubble is ``1 - V*M/T``. With them
+        (1F1B) a tick lasts ``max_s(f*[fwd] + b*[bwd])`` and each device works ``M * (f + b)``.
 
         Args:
           fwd_cost: the time of one stage forward on one micro-batch.
           bwd_cost: the time of one stage backward (about twice the forward).
         """
         f, b = float(fwd_cost), float(bwd_cost)
-        if f < 0 or b < 0 or f + b <= 0:
+        if not (f >= 0 and b >= 0 and f + b > 0):
             raise ValueError(
                 f"Plan.bubble_fraction: costs must be >= 0 and not both 0; got "
                 f"fwd_cost={fwd_cost}, bwd_cost={bwd_cost}."
             )
-        useful = self.repeats * self.num_microbatches * (f + b)
-        if not (self.bwd >= 0).any():
-            time = self.num_ticks * (f + b)
-        else:
-            time = float((f * (self.fwd >= 0) + b * (self.bwd >= 0)).max(axis=1).sum())
-        return (time - useful) / time
+        costs = timing.StageCosts.equal(
+            self.num_stages * self.repeats, forward=f, backward_input=b / 2,
+            backward_weight=b / 2, backward=b,
+        )  # fmt: skip
+        return timing.step_time(self, costs).bubble_fraction
 
 
 def _diagonal(k: int, m: int, num_ticks: int) -> np.ndarray:
@@ -221,197 +234,258 @@ class OneFOneB:
         return Plan(self.name, k, m, 1, fwd, np.zeros_like(fwd), bwd, stash_slots=2 * k - 1)
 
 
-Schedule: TypeAlias = GPipe | Circular | OneFOneB
-_BY_NAME = {"gpipe": GPipe, "circular": Circular, "1f1b": OneFOneB}
+@dataclasses.dataclass(frozen=True)
+class ZeroBubble:
+    """ZB-H1 zero bubble (Qi et al., ICLR 2024): 1F1B with its backward split into B and W.
+
+    The backward of a stage splits into B, the input gradient that the previous stage waits for,
+    and W, the weight gradient that nobody waits for. Stage ``s`` keeps 1F1B's order of F and B
+    (``K - s`` forwards, then ``B, F, B, F, ...``, then the last B's), one pass per tick, and
+    runs a W whenever its next F or B is not ready yet (the W passes fill 1F1B's bubbles), or
+    when more than ``s`` W passes are pending (that keeps each ring to K entries). With equal
+    costs ``F = B = W`` the step takes ``T = 3M + K - 1`` ticks: the bubble is
+    ``(K-1)/(3M+K-1)``, against 1F1B's ``(K-1)/(M+K-1)``. Each stage holds at most K stage
+    inputs and K output cotangents (``stash_slots``, ``grad_slots``; see `ring_slots`).
+    Sequential meaning: each micro-batch through stages ``0..K-1``, then its gradient back
+    through ``K-1..0``, each stage's weight gradient from the same cotangent. Needs ``M >= K``.
+
+    Equivalent to::
+
+        for t in range(T):                     # every stage in the same tick
+            for s in range(K):
+                nxt = the next F or B of stage s in 1F1B order
+                if pending_w[s] > s: run W of the oldest micro-batch whose B ran
+                elif nxt is ready (its inputs came at an earlier tick): run nxt
+                elif pending_w[s]: run W of the oldest micro-batch whose B ran
+
+    Example:
+      >>> plan = ZeroBubble().plan(num_stages=2, num_microbatches=2)
+      >>> plan.fwd.T.tolist()
+      [[0, 1, -1, -1, -1, -1, -1], [-1, 0, -1, 1, -1, -1, -1]]
+      >>> plan.bwd.T.tolist()
+      [[-1, -1, -1, 0, -1, 1, -1], [-1, -1, 0, -1, 1, -1, -1]]
+      >>> plan.wgt.T.tolist()
+      [[-1, -1, -1, -1, 0, -1, 1], [-1, -1, -1, -1, -1, 0, 1]]
+      >>> plan.num_ticks, plan.stash_slots, plan.grad_slots, round(plan.bubble_fraction(), 4)
+      (7, 2, 2, 0.1429)
+    """
+
+    name: ClassVar[str] = "zerobubble"
+    repeats: ClassVar[int] = 1
+
+    def plan(self, num_stages: int, num_microbatches: int) -> Plan:
+        """The tick tables for ``num_stages`` devices and ``num_microbatches`` micro-batches."""
+        k, m = _check_sizes("ZeroBubble.plan", num_stages, num_microbatches)
+        why = "ZeroBubble keeps 1F1B's order, which needs K micro-batches in flight"
+        _check_enough("ZeroBubble.plan", k, m, why)
+        fwd, bwd, wgt = _zero_bubble_tables(k, m)
+        stash, grad = ring_slots(fwd, bwd, wgt)
+        return Plan(
+            self.name, k, m, 1, fwd, np.zeros_like(fwd), bwd,
+            stash_slots=stash, wgt=wgt, grad_slots=grad,
+        )  # fmt: skip
+
+
+def _one_f_one_b_order(k: int, m: int, s: int) -> list[tuple[int, int]]:
+    """Stage ``s``'s F (0) and B (1) passes in 1F1B order, as ``(phase, micro-batch)``."""
+    warm = min(k - s, m)
+    order = [(0, i) for i in range(warm)]
+    for i in range(m):
+        order.append((1, i))
+        if warm + i < m:
+            order.append((0, warm + i))
+    return order
+
+
+def _zero_bubble_tables(k: int, m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ZB-H1's ``fwd``, ``bwd``, ``wgt`` tables (see `ZeroBubble`)."""
+    never = 1 << 30
+    ran = np.full((2, m, k), never)  # the tick of F (0) and B (1) of (i, s)
+    orders = [_one_f_one_b_order(k, m, s) for s in range(k)]
+    nxt, done_w = [0] * k, [0] * k
+    rows = []
+    while min(done_w) < m:
+        t, row = len(rows), np.full((3, k), -1, np.int32)
+        for s in range(k):
+            pending = int((ran[1, :, s] < t).sum()) - done_w[s]
+            ready = False
+            if nxt[s] < len(orders[s]):
+                p, i = orders[s][nxt[s]]
+                if p == 0:
+                    ready = s == 0 or ran[0, i, s - 1] < t
+                else:
+                    ready = ran[0, i, s] < t and (s == k - 1 or ran[1, i, s + 1] < t)
+            if ready and pending <= s:
+                row[p, s], ran[p, i, s] = i, t
+                nxt[s] += 1
+            elif pending:
+                row[2, s] = done_w[s]
+                done_w[s] += 1
+        rows.append(row)
+    fwd, bwd, wgt = np.stack(rows, axis=1)
+    return fwd, bwd, wgt
+
+
+def _op_ticks(api: str, table: np.ndarray, name: str, m: int) -> np.ndarray:
+    """``[M, K]``: the tick of micro-batch ``i``'s pass on stage ``s`` in ``table``.
+
+    Raises a ValueError when a pass runs twice or never, or a stage runs them out of order.
+    """
+    k = table.shape[1]
+    ticks = np.full((m, k), -1)
+    for t, s in zip(*np.nonzero(table >= 0), strict=True):
+        i = int(table[t, s])
+        if i >= m or ticks[i, s] >= 0:
+            what = "is not a micro-batch" if i >= m else f"already ran at tick {ticks[i, s]}"
+            raise ValueError(
+                f"{api}: {name}[{t}, {s}] = {i} {what}; each micro-batch in [0, {m}) must run "
+                f"once per stage in {name}."
+            )
+        ticks[i, s] = t
+    missing = np.argwhere(ticks < 0)
+    if len(missing):
+        i, s = missing[0]
+        raise ValueError(f"{api}: micro-batch {i} never runs on stage {s} in {name}.")
+    bad = np.argwhere(np.diff(ticks, axis=0) <= 0)
+    if len(bad):
+        i, s = bad[0]
+        raise ValueError(
+            f"{api}: stage {s} runs {name} of micro-batch {i + 1} at tick {ticks[i + 1, s]}, "
+            f"not after micro-batch {i} (tick {ticks[i, s]}); each stage must run them in "
+            f"micro-batch order, so that its ring buffers can be indexed by i % slots."
+        )
+    return ticks
+
+
+def _pass_ticks(api: str, fwd, bwd, wgt, m: int | None = None) -> tuple[np.ndarray, ...]:
+    """The ticks ``[M, K]`` of F, B and W (W = B when the backward is fused: ``wgt`` all -1)."""
+    fwd, bwd, wgt = (np.asarray(x) for x in (fwd, bwd, wgt))
+    m = int(fwd.max()) + 1 if m is None else m
+    tf = _op_ticks(api, fwd, "fwd", m)
+    tb = _op_ticks(api, bwd, "bwd", m)
+    tw = tb if (wgt < 0).all() else _op_ticks(api, wgt, "wgt", m)
+    return tf, tb, tw
+
+
+def ring_slots(fwd: np.ndarray, bwd: np.ndarray, wgt: np.ndarray) -> tuple[int, int]:
+    """The ring buffer sizes ``(stash_slots, grad_slots)`` that tables with backward ticks need.
+
+    Micro-batch ``i``'s input is live on stage ``s`` from its arrival (tick ``F(i,s-1) + 1``;
+    on stage 0 from ``F(i,0)``) through its W (``W = B`` when the backward is fused: ``wgt``
+    all -1); its output cotangent from its arrival (tick ``B(i,s+1) + 1``; on the last stage
+    from ``F(i,K-1)``, where the loss makes it) through its W. Passes run in micro-batch order
+    on each stage, so the live micro-batches form a window; a ring indexed by ``i % slots``
+    needs the widest window over stages and ticks: ``max(largest live i - smallest + 1)``.
+
+    Args:
+      fwd: int ``[T, K]``, the forward table.
+      bwd: int ``[T, K]``, the backward (B) table.
+      wgt: int ``[T, K]``, the W table, or all -1.
+
+    Returns:
+      ``(stash_slots, grad_slots)``.
+
+    >>> p = OneFOneB().plan(3, 6)
+    >>> ring_slots(p.fwd, p.bwd, p.wgt)
+    (5, 1)
+    """
+    tf, tb, tw = _pass_ticks("schedules.ring_slots", fwd, bwd, wgt)
+    stash_from = np.concatenate([tf[:, :1], tf[:, :-1] + 1], axis=1)
+    grad_from = np.concatenate([tb[:, 1:] + 1, tf[:, -1:]], axis=1)
+    return _window(stash_from, tw), _window(grad_from, tw)
+
+
+def _window(first: np.ndarray, last: np.ndarray) -> int:
+    """The widest ``max - min + 1`` of the live ``i`` (``first[i, s] <= t <= last[i, s]``)."""
+    m = first.shape[0]
+    t = np.arange(int(last.max()) + 1)
+    live = (first[:, :, None] <= t) & (t <= last[:, :, None])  # [M, K, T]
+    i = np.arange(m)[:, None, None]
+    hi, lo = np.where(live, i, -1).max(axis=0), np.where(live, i, m).min(axis=0)
+    return int(np.where(hi >= 0, hi - lo + 1, 0).max())
+
+
+def check_dependencies(plan: Plan) -> None:
+    """Raises a ValueError if ``plan``'s tables break an order the engine relies on.
+
+    In a tick, a stage runs its F phase, then B, then W; at the tick's end it sends its F output
+    to stage ``s+1`` and its B output to ``s-1``. So F of ``(i, j)`` needs F of ``(i, j-1)`` at
+    an earlier tick (``j`` the logical stage); with backward ticks, B of ``(i, s)`` needs F of
+    ``(i, s)`` at the same tick or earlier and B of ``(i, s+1)`` at an earlier tick, and W needs
+    B at the same tick or earlier; each pass runs exactly once, in micro-batch order per stage;
+    ``stash_slots`` and ``grad_slots`` are at least `ring_slots`.
+
+    Args:
+      plan: the plan to check.
+
+    Raises:
+      ValueError: naming the first broken rule.
+
+    >>> check_dependencies(ZeroBubble().plan(4, 8))
+    """
+    api = f"check_dependencies({plan.schedule}, K={plan.num_stages}, M={plan.num_microbatches})"
+    k, m, v = plan.num_stages, plan.num_microbatches, plan.repeats
+    if not (plan.bwd >= 0).any():
+        ticks = np.full((m, v * k), -1)
+        for t, s in zip(*np.nonzero(plan.fwd >= 0), strict=True):
+            ticks[plan.fwd[t, s], plan.fwd_repeat[t, s] * k + s] = t
+        if (ticks < 0).any():
+            i, j = np.argwhere(ticks < 0)[0]
+            raise ValueError(f"{api}: micro-batch {i} never runs logical stage {j} in fwd.")
+        _check_after(api, ticks[:, 1:], ticks[:, :-1], "F", "F of the previous logical stage", 1)
+        return
+    tf, tb, tw = _pass_ticks(api, plan.fwd, plan.bwd, plan.wgt, m)
+    _check_after(api, tf[:, 1:], tf[:, :-1], "F", "F on the previous stage", 1)
+    _check_after(api, tb, tf, "B", "F on the same stage", 0, first=0)
+    _check_after(api, tb[:, :-1], tb[:, 1:], "B", "B on the next stage", 1, first=0)
+    _check_after(api, tw, tb, "W", "B on the same stage", 0, first=0)
+    stash, grad = ring_slots(plan.fwd, plan.bwd, plan.wgt)
+    split = (plan.wgt >= 0).any()
+    if plan.stash_slots < stash or (split and plan.grad_slots < grad):
+        raise ValueError(
+            f"{api}: the tables need stash_slots >= {stash} and grad_slots >= "
+            f"{grad if split else 0}; the plan has {plan.stash_slots} and {plan.grad_slots}."
+        )
+
+
+def _check_after(api: str, late, early, what: str, needs: str, gap: int, first: int = 1):
+    """Refuses ``late[i, s] < early[i, s] + gap``; column ``s`` is stage ``s + first``."""
+    bad = np.argwhere(late < early + gap)
+    if len(bad):
+        i, s = bad[0]
+        when = "an earlier tick" if gap else "the same tick or earlier"
+        raise ValueError(
+            f"{api}: {what} of micro-batch {i} runs at tick {late[i, s]} on stage {s + first} "
+            f"but needs {needs} at {when} (it runs at tick {early[i, s]})."
+        )
+
+
+Schedule: TypeAlias = GPipe | Circular | OneFOneB | ZeroBubble
+_BY_NAME = {
+    "gpipe": GPipe, "circular": Circular, "1f1b": OneFOneB, "zerobubble": ZeroBubble,
+    "zb": ZeroBubble,
+}  # fmt: skip
 
 
 def get(schedule: Schedule | str) -> Schedule:
-    """A schedule object from an instance or a name: ``"gpipe"``, ``"circular"``, ``"1f1b"``.
+    """A schedule object from an instance or a name.
+
+    The names are ``"gpipe"``, ``"circular"``, ``"1f1b"`` and ``"zerobubble"`` (or ``"zb"``).
 
     >>> get("1f1b")
     OneFOneB()
     """
-    if isinstance(schedule, GPipe | Circular | OneFOneB):
+    if isinstance(schedule, GPipe | Circular | OneFOneB | ZeroBubble):
         return schedule
     if isinstance(schedule, str):
         cls = _BY_NAME.get(schedule.strip().lower())
         if cls is None:
             raise ValueError(
                 f"schedules.get: unknown schedule {schedule!r}; valid names are "
-                f"{', '.join(map(repr, _BY_NAME))} (or pass GPipe(), Circular(repeats=V), OneFOneB())."
+                f"{', '.join(map(repr, _BY_NAME))} (or pass GPipe(), Circular(repeats=V), OneFOneB(), ZeroBubble())."
             )
         return cls()
     raise TypeError(
         f"schedules.get: schedule must be a schedule object or one of the names "
         f"{', '.join(map(repr, _BY_NAME))}; got {type(schedule).__name__}."
     )
-
-
-# -- pictures -----------------------------------------------------------------------------------
-
-
-def _columns(plan: Plan) -> tuple[np.ndarray, ...]:
-    """Columns of the picture: (fwd, fwd_repeat, bwd, bwd_repeat), each ``[C, K]``.
-
-    Autodiff schedules get the forward ticks, then their mirror: the backward replay.
-    """
-    if (plan.bwd >= 0).any():
-        return plan.fwd, plan.fwd_repeat, plan.bwd, np.zeros_like(plan.bwd)
-    idle, zero = np.full_like(plan.fwd, -1), np.zeros_like(plan.fwd)
-    return (
-        np.concatenate([plan.fwd, idle]),
-        np.concatenate([plan.fwd_repeat, zero]),
-        np.concatenate([idle, plan.fwd[::-1]]),
-        np.concatenate([zero, plan.fwd_repeat[::-1]]),
-    )
-
-
-def _label(kind: str, i: int, r: int, repeats: int) -> str:
-    if i < 0:
-        return ""
-    if repeats == 1:
-        return f"{kind}{i}"
-    return f"{kind}{i}{chr(ord('a') + r)}" if repeats <= 26 else f"{kind}{i}.{r}"
-
-
-def _summary(plan: Plan) -> str:
-    k, m, v, t = plan.num_stages, plan.num_microbatches, plan.repeats, plan.num_ticks
-    return (
-        f"schedule={plan.schedule} K={k} M={m} V={v} ticks={t} "
-        f"bubble={plan.bubble_fraction():.4f} (f=1, b=2)"
-    )
-
-
-def _legend(plan: Plan) -> str:
-    text = "legend: F3 = forward of micro-batch 3, B3 = its backward, . = idle (bubble)"
-    if 1 < plan.repeats <= 26:
-        text += "; the letter is the repeat (a = virtual stage 0 of the device, b = 1, ...)"
-    elif plan.repeats > 26:
-        text += "; the number after the dot is the repeat (virtual stage of the device)"
-    if (plan.bwd >= 0).any():
-        return text + "; F5B1 = forward of 5 and backward of 1 in the same tick"
-    t = plan.num_ticks
-    return text + f"; ticks 0-{t - 1} forward, {t}-{2 * t - 1} backward (the forward replayed)"
-
-
-def render(
-    schedule_or_plan: Plan | Schedule | str,
-    num_stages: int | None = None,
-    num_microbatches: int | None = None,
-    *,
-    path: str | None = None,
-    width: int | None = None,
-) -> str:
-    """A picture of a schedule: an ASCII grid, and optionally a PNG drawn with matplotlib.
-
-    One row per stage, one column per tick. A cell shows ``F3`` (forward of micro-batch 3),
-    ``B3`` (its backward), ``F5B1`` (both in one 1F1B tick) and, for Circular, the repeat as a
-    letter (``F3b``: repeat 1); ``.`` is idle. GPipe and Circular show the forward ticks
-    followed by the backward (the forward ticks mirrored). A legend and a summary line follow.
-
-    Args:
-      schedule_or_plan: a :class:`Plan`, or a schedule (object or name) with the sizes.
-      num_stages: K, when a schedule is given.
-      num_microbatches: M, when a schedule is given.
-      path: if given, also save a PNG there (needs ``pip install "replicator[plot]"``).
-      width: wrap the grid into blocks of columns at most this many characters wide (each
-        block repeats the stage labels and tick header). ``None``: one block, no wrapping.
-
-    Returns:
-      The ASCII picture.
-
-    >>> print(render("gpipe", 2, 2))
-    tick     0  1  2  3  4  5
-    stage 0  F0 F1 .  .  B1 B0
-    stage 1  .  F0 F1 B1 B0 .
-    legend: F3 = forward of micro-batch 3, B3 = its backward, . = idle (bubble); ticks 0-2 forward, 3-5 backward (the forward replayed)
-    schedule=gpipe K=2 M=2 V=1 ticks=3 bubble=0.3333 (f=1, b=2)
-    """
-    if isinstance(schedule_or_plan, Plan):
-        plan = schedule_or_plan
-        for name, want in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
-            if want is not None and want != getattr(plan, name):
-                raise ValueError(
-                    f"render: {name}={want} does not match the plan's "
-                    f"{getattr(plan, name)}; omit it when passing a Plan."
-                )
-    else:
-        if num_stages is None or num_microbatches is None:
-            raise ValueError(
-                "render: pass num_stages and num_microbatches with a schedule, "
-                "e.g. render('1f1b', 4, 8), or pass a Plan."
-            )
-        plan = get(schedule_or_plan).plan(num_stages, num_microbatches)
-    cf, cfr, cb, cbr = _columns(plan)
-    v = plan.repeats
-    cells = [
-        [
-            _label("F", cf[c, s], cfr[c, s], v) + _label("B", cb[c, s], cbr[c, s], v) or "."
-            for c in range(cf.shape[0])
-        ]
-        for s in range(plan.num_stages)
-    ]
-    cw = max(len(str(cf.shape[0] - 1)), *(len(x) for row in cells for x in row))
-    lw = len(f"stage {plan.num_stages - 1}")
-    per = cf.shape[0] if width is None else max(1, (width - lw - 1) // (cw + 1))
-    blocks = []
-    for lo in range(0, cf.shape[0], per):
-        cols = range(lo, min(lo + per, cf.shape[0]))
-        lines = ["tick".ljust(lw) + "  " + " ".join(str(c).ljust(cw) for c in cols)]
-        for s, row in enumerate(cells):
-            lines.append(f"stage {s}".ljust(lw) + "  " + " ".join(row[c].ljust(cw) for c in cols))
-        blocks.append("\n".join(line.rstrip() for line in lines))
-    text = "\n\n".join(blocks) + "\n" + _legend(plan) + "\n" + _summary(plan)
-    if path is not None:
-        _draw_png(plan, (cf, cfr, cb, cbr), path)
-    return text
-
-
-def _draw_png(plan: Plan, columns: tuple[np.ndarray, ...], path: str) -> None:
-    try:
-        import matplotlib
-        from matplotlib.figure import Figure
-        from matplotlib.patches import Rectangle
-    except ImportError as e:
-        raise ImportError(
-            'render(path=...) draws with matplotlib: pip install "replicator[plot]"'
-        ) from e
-    cf, cfr, cb, cbr = columns
-    ncol, k, m, v = cf.shape[0], plan.num_stages, plan.num_microbatches, plan.repeats
-    fig = Figure(figsize=(min(2 + 0.45 * ncol, 60), 1.2 + 0.55 * k))
-    ax = fig.add_subplot()
-    maps = matplotlib.colormaps["Blues"], matplotlib.colormaps["Oranges"]
-    for c in range(ncol):
-        for s in range(k):
-            parts = [
-                (p, i, r)
-                for p, i, r in ((0, cf[c, s], cfr[c, s]), (1, cb[c, s], cbr[c, s]))
-                if i >= 0
-            ]
-            if not parts:
-                ax.add_patch(Rectangle((c, s), 0.95, 0.95, color="#eeeeee"))
-            h = 0.95 / max(len(parts), 1)
-            for n, (p, i, r) in enumerate(parts):
-                shade = 0.3 + 0.5 * (r * m + i) / max(v * m - 1, 1)
-                ax.add_patch(Rectangle((c, s + n * h), 0.95, h, color=maps[p](shade)))
-                ax.text(
-                    c + 0.475,
-                    s + (n + 0.5) * h,
-                    _label("FB"[p], i, r, v)[1:],
-                    ha="center",
-                    va="center",
-                    fontsize=7 if len(parts) == 1 else 6,
-                    color="white" if shade > 0.6 else "black",
-                )
-    if not (plan.bwd >= 0).any():
-        ax.axvline(plan.num_ticks - 0.025, color="black", linewidth=1)
-    ax.set_xlim(0, ncol)
-    ax.set_ylim(k, 0)
-    ax.set_yticks(np.arange(k) + 0.475, [f"stage {s}" for s in range(k)])
-    ax.set_xticks(np.arange(ncol) + 0.475, [str(c) for c in range(ncol)], fontsize=6)
-    ax.set_xlabel("tick (blue: forward, orange: backward, grey: idle)")
-    ax.set_title(_summary(plan), fontsize=9)
-    for spine in ax.spines.values():
-        spine.set_visible(False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)

@@ -12,47 +12,53 @@ import jax.numpy as jnp
 from jax import lax
 
 from replicator._src.pipeline.call import PipelineCall
-from replicator._src.pipeline.layers import StageFn, as_layers, run_layers
+from replicator._src.pipeline.layers import Program, vjp_inexact
 from replicator._src.pipeline.ticks import LossFn, mean_loss
 from replicator._src.typing import PyTree
 
 
-def _flat(layers: PyTree) -> PyTree:
-    """Layers ``[S, Lv, ...]`` as one stack ``[S * Lv, ...]``, in logical order."""
-    return jax.tree.map(lambda a: a.reshape((-1, *a.shape[2:])), layers)
+def _run(prog: Program, layer_fn, x: PyTree) -> PyTree:
+    """Every layer of every stage in logical order on one micro-batch, as one ``lax.scan``.
+
+    Equivalent to: ``for j in range(S): for li in range(Lv): x = layer_fn(layers[j, li], x, j)``.
+    """
+    flat = jax.tree.map(lambda a: a.reshape((-1, *a.shape[2:])), prog.layers)  # [S * Lv, ...]
+    n = jax.tree.leaves(flat)[0].shape[0]
+    stage = jnp.arange(n, dtype=jnp.int32) // prog.lv
+    return lax.scan(lambda h, pj: (layer_fn(pj[0], h, pj[1]), None), x, (flat, stage))[0]
 
 
-def outputs(call: PipelineCall, stage_fn: StageFn) -> PyTree:
+def outputs(call: PipelineCall) -> PyTree:
     """The last stage's output for every micro-batch, ``[M, b, ...]``.
 
     Equivalent to: ``[stage_S-1(... stage_0(x)) for x in xs]``.
     """
-    layer_fn, layers, _ = as_layers(stage_fn, call.rows)
-    return lax.map(lambda x: run_layers(layer_fn, _flat(layers), x), call.xs)
+    prog = call.program(call.rows)
+    return lax.map(lambda x: prog.leave(_run(prog, prog.layer_fn, prog.enter(x))), call.xs)
 
 
 def value_and_grad(
-    call: PipelineCall, stage_fn: StageFn, loss_fn: LossFn, head_params: PyTree, remat: bool
+    call: PipelineCall, loss_fn: LossFn, head_params: PyTree, remat: bool
 ) -> tuple[jax.Array, tuple[PyTree, PyTree, PyTree]]:
     """The mean loss over the micro-batches and its gradients, remat per layer as in the pipeline.
 
     Equivalent to: ``mean(loss_fn(head, stage_S-1(... stage_0(x)), t) for x, t in zip(xs, ts))``
-    and its gradients with respect to the stage params, the inputs and ``head_params``.
+    and its gradients with respect to the stage params, the inputs (zeros for integer inputs)
+    and ``head_params``.
     """
-    layer_fn, _, _ = as_layers(stage_fn, call.rows)
-    fn = jax.checkpoint(layer_fn, prevent_cse=False) if remat else layer_fn
     m = call.num_microbatches
 
     def total(rows, xs, head):
-        layers = _flat(as_layers(stage_fn, rows)[1])
+        prog = call.program(rows)
+        fn = jax.checkpoint(prog.layer_fn, prevent_cse=False) if remat else prog.layer_fn
 
         def one(acc, xt):
             x, t = xt
-            return acc + mean_loss(loss_fn, head, run_layers(fn, layers, x), t, m), None
+            y = prog.leave(_run(prog, fn, prog.enter(x)))
+            return acc + mean_loss(loss_fn, head, y, t, m), None
 
         return lax.scan(one, jnp.zeros((), jnp.float32), (xs, call.ts))[0]
 
-    loss, (g_rows, g_xs, g_head) = jax.value_and_grad(total, argnums=(0, 1, 2))(
-        call.rows, call.xs, head_params
-    )
+    loss, vjp = vjp_inexact(total, call.rows, call.xs, head_params)
+    g_rows, g_xs, g_head = vjp(jnp.ones((), jnp.float32))
     return loss, (call.from_rows(g_rows), call.merge_batch(g_xs), g_head)

@@ -1,0 +1,305 @@
+"""Pipelines of any model (`pipeline.sequential`): stages with their own functions, parameters
+and activation shapes, against the model run on one device with the whole batch."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from oracle import rel_err
+
+import replicator as rp
+from replicator import pipeline
+from replicator.models import gpt
+
+TOL = 1e-5
+MESH = {"data": 2, "stage": 4}
+SCHEDULES = {"gpipe": pipeline.GPipe(), "1f1b": pipeline.OneFOneB(), "zb": pipeline.ZeroBubble()}
+
+
+def make_repl(mesh_shape=MESH):
+    n = int(np.prod(list(mesh_shape.values())))
+    return rp.Replicator(mesh_shape=mesh_shape, devices=jax.devices()[:n])
+
+
+# -- a CNN with downsampling: 4 stages of different parameter structures and shapes -----------
+
+
+def conv(x, w, stride=1):
+    return jax.lax.conv_general_dilated(
+        x, w, (stride, stride), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+
+
+def stem(p, x):  # the embedding: images [b, 8, 8, 3] -> [b, 8, 8, 8]
+    return jax.nn.relu(conv(x, p["w"]) + p["b"])
+
+
+def down(p, x):  # [b, 8, 8, 8] -> [b, 4, 4, 16]
+    h = jax.nn.relu(conv(x, p["conv1"], stride=2))
+    return h + conv(h, p["conv2"]) * p["scale"]
+
+
+def pool_mlp(p, x):  # [b, 4, 4, 16] -> [b, 32]
+    h = x.mean(axis=(1, 2))
+    return jnp.tanh(h @ p["w1"] + p["b1"]) @ p["w2"]
+
+
+def head(p, x):  # [b, 32] -> logits [b, 10]
+    return x @ p["w"] + p["b"]
+
+
+def cross_entropy(_, logits, labels):
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, labels[:, None], axis=-1))
+
+
+def cnn_params(seed=0):
+    r = np.random.default_rng(seed)
+
+    def n(*shape, scale=1.0):
+        return (scale * r.normal(size=shape) / np.sqrt(np.prod(shape[:-1]))).astype(np.float32)
+
+    return [
+        {"w": n(3, 3, 3, 8), "b": n(8, scale=0.1) * 10},
+        {"conv1": n(3, 3, 8, 16), "conv2": n(3, 3, 16, 16), "scale": np.float32(0.5)},
+        {"w1": n(16, 32), "b1": n(32, scale=0.1) * 10, "w2": n(32, 32)},
+        {"w": n(32, 10), "b": np.zeros(10, np.float32) + 0.1},
+    ]
+
+
+def cnn_batch(n=16, seed=1):
+    r = np.random.default_rng(seed)
+    return r.normal(size=(n, 8, 8, 3)).astype(np.float32), r.integers(0, 10, size=n)
+
+
+CNN = pipeline.sequential([stem, down, pool_mlp, head], cnn_params())
+
+
+def pipeline_step(model, schedule, m):
+    f = pipeline.value_and_grad(model, cross_entropy, num_microbatches=m, schedule=schedule)
+
+    def step(state, x, t):
+        loss, (g, g_x, _) = f(state["params"], x, t)
+        loss, g = rp.all_reduce((loss, g), "mean")  # per-replica means -> the global mean
+        return {**state, "grads": g}, {"loss": loss, "g_x": g_x}  # g_x: this replica's half
+
+    return step
+
+
+def grads_in_state(f):
+    """A step that keeps the replica-mean gradients in the state (placed like the params)."""
+
+    def step(state, x, t):
+        loss, (g, g_x, _) = f(state["params"], x, t)
+        if x.dtype == np.int32:
+            assert g_x.dtype == jax.dtypes.float0  # token ids have no gradient
+        loss, g = rp.all_reduce((loss, g), "mean")
+        return {**state, "grads": g}, {"loss": loss}
+
+    return step
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_cnn_stages_loss_and_every_gradient_equal_the_model_on_one_device(name):
+    repl = make_repl()
+    params = cnn_params()
+    x, t = cnn_batch()
+
+    def oracle(params, x):
+        return cross_entropy(None, CNN.run(params, x), t)
+
+    want_loss, (want, want_x) = jax.value_and_grad(oracle, argnums=(0, 1))(params, x)
+    packed = repl.place(CNN.pack(params), pipeline.stage_spec())
+    state = {"params": packed, "grads": jax.tree.map(jnp.zeros_like, packed)}
+    state, out = repl.run(pipeline_step(CNN, SCHEDULES[name], 4), state, x, t)
+    got = CNN.unpack(jax.tree.map(np.asarray, state["grads"]))
+    assert rel_err(out["loss"], np.full(2, want_loss)) <= TOL
+    for j in range(4):
+        assert rel_err(got[j], want[j]) <= TOL, j
+        assert min(np.abs(np.asarray(a)).max() for a in jax.tree.leaves(got[j])) > 0, j
+    # each replica's input gradient is its half of the batch's, times 2 (the mean of 2 replicas)
+    assert rel_err(np.asarray(out["g_x"]).reshape(x.shape) / 2, want_x) <= TOL
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb"])
+def test_cnn_three_sgd_steps_of_dp_x_pp_equal_single_device_training(name):
+    repl = make_repl()
+    tx = optax.sgd(0.1)
+    wrapped = repl.wrap_optimizer(tx)
+    f = pipeline.value_and_grad(CNN, cross_entropy, num_microbatches=4, schedule=SCHEDULES[name])
+
+    def step(state, x, t):
+        _, (g, _, _) = f(state["params"], x, t)
+        updates, opt = wrapped.update(g, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {}
+
+    params = cnn_params()
+    packed = repl.place(CNN.pack(params), pipeline.stage_spec())
+    state = {"params": packed, "opt": wrapped.init(packed)}
+    want, opt = params, tx.init(params)
+    for i in range(3):
+        x, t = cnn_batch(seed=10 + i)
+        state, _ = repl.run(step, state, x, t)
+        g = jax.grad(lambda p, x=x, t=t: cross_entropy(None, CNN.run(p, x), t))(want)
+        updates, opt = tx.update(g, opt, want)
+        want = optax.apply_updates(want, updates)
+    got = CNN.unpack(jax.tree.map(np.asarray, state["params"]))
+    assert rel_err(got, want) <= TOL
+    assert rel_err(got, params) > 1e-3  # training moved them
+
+
+def test_without_a_stage_axis_the_call_is_the_model_run_stage_after_stage():
+    params = cnn_params()
+    x, t = cnn_batch()
+    f = pipeline.value_and_grad(CNN, cross_entropy, num_microbatches=4)
+    loss, (g, _, _) = jax.jit(f)(CNN.pack(params), x, t)
+    want_loss, want = jax.value_and_grad(lambda p: cross_entropy(None, CNN.run(p, x), t))(params)
+    assert rel_err(loss, want_loss) <= TOL
+    assert rel_err(CNN.unpack(g), want) <= TOL
+    y = pipeline.apply(CNN, num_microbatches=2)(CNN.pack(params), x)
+    assert rel_err(y, CNN.run(params, x)) <= TOL
+
+
+def test_apply_on_the_mesh_returns_the_last_stages_output():
+    repl = make_repl()
+    params = cnn_params()
+    x, _ = cnn_batch()
+    f = pipeline.apply(CNN, num_microbatches=4)
+    packed = repl.place(CNN.pack(params), pipeline.stage_spec())
+    _, out = repl.run(lambda s, x: (s, {"y": rp.all_gather(f(s, x))}), packed, x)
+    assert rel_err(np.asarray(out["y"])[0].reshape(16, 10), CNN.run(params, x)) <= TOL
+
+
+# -- stages of any width under Circular: 8 logical stages on 4 devices -------------------------
+
+
+def test_circular_runs_eight_stages_of_different_widths():
+    widths = [5, 7, 3, 9, 4, 6, 8, 2, 3]
+    r = np.random.default_rng(3)
+    params = [
+        {
+            "w": (r.normal(size=(a, b)) / np.sqrt(a)).astype(np.float32),
+            "b": r.normal(size=b).astype(np.float32),
+        }
+        for a, b in itertools.pairwise(widths)
+    ]
+    model = pipeline.sequential([lambda p, x: jnp.tanh(x @ p["w"] + p["b"])] * 8, params, repeats=2)
+    x = r.normal(size=(16, 5)).astype(np.float32)
+    t = r.normal(size=(16, 3)).astype(np.float32)
+
+    def mse(_, y, t):
+        return jnp.mean((y - t) ** 2)
+
+    f = pipeline.value_and_grad(
+        model, mse, num_microbatches=4, schedule=pipeline.Circular(repeats=2)
+    )
+
+    repl = make_repl()
+    packed = repl.place(model.pack(params), pipeline.stage_spec(2))
+    state, out = repl.run(grads_in_state(f), {"params": packed, "grads": packed}, x, t)
+    want_loss, want = jax.value_and_grad(lambda p: mse(None, model.run(p, x), t))(params)
+    assert rel_err(out["loss"], np.full(2, want_loss)) <= TOL
+    assert rel_err(model.unpack(jax.tree.map(np.asarray, state["grads"])), want) <= TOL
+
+
+# -- the GPT split 2/1/1/2 by balance, with the embedding and the head as stages ---------------
+
+CONFIG = gpt.GPTConfig(vocab_size=64, seq_len=16, d_model=32, num_heads=4, num_layers=4)
+
+
+def gpt_layers():
+    p = gpt.init(CONFIG, jax.random.key(0))
+    blocks = [jax.tree.map(lambda a, i=i: a[i], p["blocks"]) for i in range(CONFIG.num_layers)]
+    block = lambda q, x: gpt.block(q, x, config=CONFIG)
+    fns = [gpt.embed, *[block] * CONFIG.num_layers, gpt.head_logits]
+    return fns, [p["embed"], *blocks, p["head"]]
+
+
+def token_loss(_, logits, targets):
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_gpt_split_two_one_one_two_by_balance_equals_one_device(name):
+    fns, layer_params = gpt_layers()
+    tokens = np.random.default_rng(4).integers(0, 64, size=(16, 16)).astype(np.int32)
+    costs = pipeline.layer_costs(fns, tokens[:2], params=layer_params)
+    split = pipeline.balance(costs, num_stages=4)
+    assert split.sizes == (2, 1, 1, 2)  # embedding + block, block, block, block + head
+    stage_fns, stage_params = pipeline.stages_from_layers(fns, layer_params, split)
+    model = pipeline.sequential(stage_fns, stage_params)
+    targets = np.roll(tokens, -1, axis=1)
+
+    def oracle(params):
+        return token_loss(None, model.run(params, tokens), targets)
+
+    want_loss, want = jax.value_and_grad(oracle)(stage_params)
+    repl = make_repl()
+    packed = repl.place(model.pack(stage_params), pipeline.stage_spec())
+    f = pipeline.value_and_grad(model, token_loss, num_microbatches=4, schedule=SCHEDULES[name])
+
+    state, out = repl.run(grads_in_state(f), {"params": packed, "grads": packed}, tokens, targets)
+    assert rel_err(out["loss"], np.full(2, want_loss)) <= TOL
+    assert rel_err(model.unpack(jax.tree.map(np.asarray, state["grads"])), want) <= TOL
+
+
+# -- what is refused ----------------------------------------------------------------------------
+
+
+def test_sequential_refuses_bad_models_with_the_fix():
+    with pytest.raises(
+        ValueError, match=r"params must be a list with one parameter tree per stage; got 3 for 4"
+    ):
+        pipeline.sequential([stem, down, pool_mlp, head], cnn_params()[:3])
+    with pytest.raises(ValueError, match=r"4 stages do not split into repeats=3"):
+        pipeline.sequential([stem, down, pool_mlp, head], cnn_params(), repeats=3)
+    with pytest.raises(ValueError, match=r"params\[1\]\['ids'\] is int32.*must be floating"):
+        pipeline.sequential([stem, down], [cnn_params()[0], {"ids": np.zeros(3, np.int32)}])
+    with pytest.raises(ValueError, match=r"params\[2\] is .* but the model was built with"):
+        CNN.pack([*cnn_params()[:2], {"w": np.zeros((3, 3))}, cnn_params()[3]])
+
+
+def test_a_model_that_does_not_fit_the_mesh_or_its_inputs_is_refused_before_a_step():
+    repl = make_repl({"data": 4, "stage": 2})
+    packed = repl.place(CNN.pack(cnn_params()), pipeline.stage_spec())
+    f = pipeline.value_and_grad(CNN, cross_entropy, num_microbatches=2)
+    x, t = cnn_batch()
+    with pytest.raises(
+        ValueError, match=r"4 stages = 4 per repeat, but the mesh's 'stage' axis has 2"
+    ):
+        repl.run(lambda s, x, t: (s, {"l": f(s, x, t)[0]}), packed, x, t)
+    g = pipeline.value_and_grad(CNN, cross_entropy, num_microbatches=2)
+    with pytest.raises(
+        ValueError,
+        match=r"stage 0 \(stem\) fails on its input float32\[8, 8, 8, 2\] \(the inputs\)",
+    ):
+        jax.eval_shape(g, CNN.pack(cnn_params()), x[:, :, :, :2], t)
+    with pytest.raises(ValueError, match=r"stage_params must be its packed parameters"):
+        jax.eval_shape(g, cnn_params(), x, t)
+    with pytest.raises(ValueError, match=r"built with repeats=1 but the schedule runs 2"):
+        jax.eval_shape(
+            pipeline.value_and_grad(CNN, cross_entropy, num_microbatches=4, schedule="circular"),
+            CNN.pack(cnn_params()), x, t,
+        )  # fmt: skip
+
+
+def test_explain_reports_the_padding_and_the_packed_activation_sent_each_tick():
+    repl = make_repl()
+    packed = repl.place(CNN.pack(cnn_params()), pipeline.stage_spec())
+    f = pipeline.value_and_grad(CNN, cross_entropy, num_microbatches=4, schedule="1f1b")
+    report = repl.explain(grads_in_state(f), {"params": packed, "grads": packed}, *cnn_batch())
+    (note,) = report.pipelines
+    # one micro-batch is 2 examples on each replica; the widest boundary is the stem's output
+    assert note.activation_bytes == 4 * 2 * 8 * 8 * 8
+    sizes = [224, 1152 + 2304 + 1, 16 * 32 + 32 + 32 * 32, 32 * 10 + 10]  # parameters per stage
+    padding = 4 * (4 * max(sizes) - sum(sizes))
+    assert f"parameters {4 * max(sizes):,} bytes per stage row" in note.padding
+    assert f"of which {padding:,} bytes padding over all 4 stages" in note.padding
+    assert "activations 4,096 bytes per micro-batch (boundaries use 80-4,096)" in note.padding
+    assert " ".join(note.padding.split()) in " ".join(str(report).split())
+    plan = pipeline.OneFOneB().plan(4, 4)
+    assert report.bytes_by(kind="collective-permute") == 2 * plan.num_ticks * 4096
