@@ -165,7 +165,7 @@ def any_model(per_stage: int):
     )
 
 
-def compile_seconds(schedule, m: int, per_stage: int, repeats: int = 3, hetero=False) -> float:
+def compile_seconds(schedule, m: int, per_stage: int, repeats: int = 5, hetero=False) -> float:
     n_layers = K * schedule.repeats * per_stage
     times = []
     for _ in range(repeats):  # a fresh step function each time, so nothing is cached
@@ -188,9 +188,11 @@ def compile_seconds(schedule, m: int, per_stage: int, repeats: int = 3, hetero=F
 
 def part_compile() -> dict:
     results = {}
-    print("(a) compile time, seconds (median of 3): lower + compile of one training step")
+    print("(a) compile time, seconds (median of 5): lower + compile of one training step")
     print("| schedule | M=4 | M=16 | M=64 | max/min | L/stage=1 | 4 | 16 | max/min |")
     print("|---|---|---|---|---|---|---|---|---|")
+    for hetero in (False, True):  # warm up: JAX's first lowering in a process is slower
+        compile_seconds(SCHEDULES["gpipe"], 4, 1, repeats=2, hetero=hetero)
     cases = [(n, s, False) for n, s in SCHEDULES.items()]
     cases += [(f"any model, {n}", SCHEDULES[n], True) for n in ("1f1b", "zerobubble")]
     for name, schedule, hetero in cases:
@@ -248,7 +250,7 @@ def part_step(args) -> dict:
     med = {k: float(np.median(v)) for k, v in times.items()}
     mlp = pipeline.stage_costs_stacked(
         pipeline.scan_layers(block),
-        layers(1),
+        pipeline.stack_stages(layers(1), num_stages=1),
         jax.ShapeDtypeStruct((args.microbatch, WIDTH), jnp.float32),
     )
     f, b, w, bw = (getattr(mlp, k)[0] for k in ("forward", "backward_input",

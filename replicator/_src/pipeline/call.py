@@ -196,10 +196,7 @@ def _measured_costs(
         with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
             if isinstance(stage_fn, Sequential):
                 layout = stage_fn.params_layout
-                params = [
-                    jax.eval_shape(lambda j=j: layout.unpack(j, layout.zeros()))
-                    for j in range(len(stage_fn))
-                ]
+                params = [layout.abstract(j) for j in range(len(stage_fn))]
                 measured = costs_lib.stage_costs(list(stage_fn.fns), params, x, method="flops")
             else:
                 lead = (k,) if v == 1 else (v, k)
@@ -325,6 +322,13 @@ def _check_model(
             f"a dict with keys {keys} as model.pack(params) returns; got "
             f"{describe(stage_params) if hasattr(stage_params, 'keys') else type(stage_params).__name__}."
         )
+    for key, n in model.params_layout.sizes.items():
+        if np.shape(stage_params[key])[-1] != n:
+            raise ValueError(
+                f"{name}: stage_params[{key!r}] has shape {np.shape(stage_params[key])}, but "
+                f"this model packs each stage into rows of {n}; pass model.pack(params) of the "
+                f"same model."
+            )
     shapes = model.boundaries(take(xs, 0))
     if api == "apply":
         b = jax.tree.leaves(xs)[0].shape[1]

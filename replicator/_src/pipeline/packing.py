@@ -90,6 +90,11 @@ class Packing:
     def __len__(self) -> int:
         return len(self.treedefs)
 
+    def abstract(self, j: int) -> PyTree:
+        """Member ``j``'s tree as ``ShapeDtypeStruct``s (nothing is allocated)."""
+        flat = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in self.leaves[j]]
+        return jax.tree.unflatten(self.treedefs[j], flat)
+
     def zeros(self, lead: tuple[int, ...] = ()) -> dict[str, jax.Array]:
         """Empty buffers ``{dtype: [*lead, n]}``."""
         return {k: jnp.zeros((*lead, n), k) for k, n in self.sizes.items()}

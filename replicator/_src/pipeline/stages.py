@@ -70,6 +70,14 @@ class Sequential:
                 f"{sorted(self.params_layout.sizes)} as Sequential.pack returns; got "
                 f"{describe(packed) if isinstance(packed, dict) else type(packed).__name__}."
             )
+        for k, a in packed.items():
+            want = len(self) * self.params_layout.sizes[k]
+            if np.size(a) != want or np.shape(a)[-1] != self.params_layout.sizes[k]:
+                raise ValueError(
+                    f"{_API}(...).unpack: packed[{k!r}] has shape {np.shape(a)}, but this model "
+                    f"packs its {len(self)} stages into rows of {self.params_layout.sizes[k]}; "
+                    f"unpack with the model that packed them."
+                )
         flat = {k: jnp.reshape(a, (len(self), -1)) for k, a in packed.items()}
         return [
             self.params_layout.unpack(j, {k: a[j] for k, a in flat.items()})
@@ -91,7 +99,7 @@ class Sequential:
             )
         for j, p in enumerate(params):
             got = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), p)
-            want = self.params_layout.unpack(j, self.params_layout.zeros())
+            want = self.params_layout.abstract(j)
             if jax.tree.structure(got) != jax.tree.structure(want) or any(
                 (a.shape, a.dtype) != (b.shape, b.dtype)
                 for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=False)
@@ -111,7 +119,7 @@ class Sequential:
         """
         shapes = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), x)]
         for j, fn in enumerate(self.fns):
-            p = self.params_layout.unpack(j, self.params_layout.zeros())
+            p = self.params_layout.abstract(j)
             try:
                 shapes.append(jax.eval_shape(fn, p, shapes[-1]))
             except Exception as e:
