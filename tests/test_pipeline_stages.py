@@ -317,3 +317,17 @@ def test_explain_reports_the_padding_and_the_packed_activation_sent_each_tick():
     assert " ".join(note.padding.split()) in " ".join(str(report).split())
     plan = pipeline.OneFOneB().plan(4, 4)
     assert report.bytes_by(kind="collective-permute") == 2 * plan.num_ticks * 4096
+
+
+def test_python_scalars_and_integer_inputs_pack_exactly():
+    table = np.arange(12.0, dtype=np.float32).reshape(6, 2)
+    params = [{"table": table, "s": 2.0}, np.eye(2, dtype=np.float32)]
+    model = pipeline.sequential(
+        [lambda p, x: p["table"][x["ids"]] * p["s"], lambda p, y: y @ p], params
+    )
+    packed = model.pack(params)
+    assert packed["float32"].shape == (2, 13)
+    assert model.unpack(packed)[0]["s"] == 2.0
+    ids = np.array([[5, 0], [3, 2]], np.int32)
+    y = pipeline.apply(model, num_microbatches=2)(packed, {"ids": ids})
+    assert np.array_equal(y, table[ids] * 2)

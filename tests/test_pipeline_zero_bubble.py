@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 from oracle import rel_err
+from test_pipeline import D_IN, D_OUT, D, layer_fn, loss_fn, make_batch
 
 import replicator as rp
 from replicator import pipeline
@@ -19,17 +20,9 @@ from replicator._src.pipeline import schedules as S
 from replicator._src.pipeline import zero_bubble
 from replicator._src.pipeline.call import PipelineCall
 
-K, M, D_IN, D, D_OUT = 4, 8, 5, 8, 3
+K, M = 4, 8
 MESH = {"data": 2, "stage": 4}
-TOL = 1e-5
-
-
-def layer_fn(p, h):
-    return h + jnp.tanh(h @ p["w"] + p["b"])
-
-
-def loss_fn(head, y, t):
-    return jnp.mean((y @ head["w"] - t) ** 2)
+TOL = 1e-5  # the model (layer_fn, loss_fn, make_batch) is tests/test_pipeline.py's
 
 
 # -- test plans -----------------------------------------------------------------------------------
@@ -163,12 +156,6 @@ def init_params(layers, seed=0):
         },
         "head": {"w": rng.normal(size=(D, D_OUT)).astype(np.float32) / np.sqrt(D)},
     }
-
-
-def make_batch(n, seed=1):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, D_IN)).astype(np.float32)
-    return x, np.sin(x[:, :D_OUT]) + 0.1 * rng.normal(size=(n, D_OUT)).astype(np.float32)
 
 
 def oracle_loss(params, x, t):

@@ -41,7 +41,10 @@ class Sequential:
         self.repeats = repeats
         self.num_stages = len(self.fns) // repeats  # K, the size of the 'stage' axis it needs
         self.params_layout = Packing.of(
-            [jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), p) for p in params]
+            [
+                jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), p)
+                for p in params
+            ]
         )
 
     def __len__(self) -> int:
@@ -98,7 +101,7 @@ class Sequential:
                 f"stage; got {type(params).__name__} of length {len(params) if isinstance(params, list | tuple) else '-'}."
             )
         for j, p in enumerate(params):
-            got = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), p)
+            got = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), p)
             want = self.params_layout.abstract(j)
             if jax.tree.structure(got) != jax.tree.structure(want) or any(
                 (a.shape, a.dtype) != (b.shape, b.dtype)
@@ -117,7 +120,7 @@ class Sequential:
         Raises:
           ValueError: naming the stage whose function fails on the shapes it receives.
         """
-        shapes = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), x)]
+        shapes = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), x)]
         for j, fn in enumerate(self.fns):
             p = self.params_layout.abstract(j)
             try:
