@@ -331,3 +331,13 @@ def test_python_scalars_and_integer_inputs_pack_exactly():
     ids = np.array([[5, 0], [3, 2]], np.int32)
     y = pipeline.apply(model, num_microbatches=2)(packed, {"ids": ids})
     assert np.array_equal(y, table[ids] * 2)
+
+
+def test_a_stage_that_pools_over_the_batch_is_refused():
+    """Micro-batching would change what it computes: the pipeline would differ from one device."""
+    p = [np.eye(4, dtype=np.float32), np.ones((4, 2), np.float32)]
+    model = pipeline.sequential([lambda w, x: jnp.tanh(x @ w).mean(0), lambda w, h: h @ w], p)
+    f = pipeline.value_and_grad(model, lambda _, y, t: jnp.mean((y - t) ** 2), num_microbatches=2)
+    x = np.ones((8, 4), np.float32)
+    with pytest.raises(ValueError, match=r"stage 0 returns .*float32\[4\].*leading axis"):
+        f(model.pack(p), x, np.ones((8, 2), np.float32))

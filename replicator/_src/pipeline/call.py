@@ -330,14 +330,25 @@ def _check_model(
                 f"same model."
             )
     shapes = model.boundaries(take(xs, 0))
-    if api == "apply":
-        b = jax.tree.leaves(xs)[0].shape[1]
-        for leaf in jax.tree.leaves(shapes[-1]):
-            if not leaf.shape or leaf.shape[0] != b:
+    b = jax.tree.leaves(xs)[0].shape[1]
+    # The batch axis must follow the micro-batch: shapes at b, and at b + 1 when they trace.
+    grown = jax.tree.map(lambda a: jax.ShapeDtypeStruct((b + 1, *a.shape[2:]), a.dtype), xs)
+    try:
+        at_b1 = model.boundaries(grown)
+    except ValueError:
+        at_b1 = None
+    for k, tree in enumerate(shapes[1:], 1):
+        leads = [(leaf.shape or (None,))[0] for leaf in jax.tree.leaves(tree)]
+        if at_b1 is not None:
+            leads += [(a.shape or (None,))[0] - 1 for a in jax.tree.leaves(at_b1[k])]
+        for lead in leads:
+            if lead != b:
                 raise ValueError(
-                    f"{name}: apply returns the last stage's output for the whole batch, so "
-                    f"each of its leaves needs the micro-batch's leading axis of {b}; got "
-                    f"{describe(shapes[-1])}."
+                    f"{name}: stage {k - 1} returns {describe(tree)}, but every stage must map "
+                    f"one micro-batch of {b} examples to outputs with that leading axis: a "
+                    f"stage that pools or reshapes over the batch would see micro-batches, not "
+                    f"the batch, and give another result than the model on one device. Keep "
+                    f"the batch axis first and leave batch reductions to loss_fn."
                 )
     return Packing.of(shapes)
 
