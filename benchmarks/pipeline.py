@@ -165,46 +165,56 @@ def any_model(per_stage: int):
     )
 
 
-def compile_seconds(schedule, m: int, per_stage: int, repeats: int = 5, hetero=False) -> float:
-    n_layers = K * schedule.repeats * per_stage
-    times = []
-    for _ in range(repeats):  # a fresh step function each time, so nothing is cached
-        repl = pipeline_repl()
-        if hetero:
-            model, packed = any_model(per_stage)
-            stages = repl.place(packed, pipeline.stage_spec())
-            x, t = batch(m * 4)
-            x, t = x[:, :64], t[:, :64]
-            step = make_step(schedule, m, stage_fn=model)
-        else:
-            stages = placed(repl, n_layers, schedule)
-            x, t = batch(m * 4)
-            step = make_step(schedule, m)
+def compile_case(schedule, m: int, per_stage: int, hetero: bool = False):
+    """A function that lowers and compiles one training step, from a fresh step function each
+    time (so nothing is cached), and returns the seconds it took."""
+    repl = pipeline_repl()
+    x, t = batch(m * 4)
+    if hetero:
+        model, packed = any_model(per_stage)
+        stages = repl.place(packed, pipeline.stage_spec())
+        x, t = x[:, :64], t[:, :64]
+    else:
+        model, stages = None, placed(repl, K * schedule.repeats * per_stage, schedule)
+
+    def seconds() -> float:
+        step = make_step(schedule, m, stage_fn=model)
         t0 = time.perf_counter()
         repl.lower(step, stages, x, t).compile()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+        return time.perf_counter() - t0
+
+    return seconds
 
 
-def part_compile() -> dict:
+def part_compile(rounds: int = 5) -> dict:
     results = {}
-    print("(a) compile time, seconds (median of 5): lower + compile of one training step")
+    print(
+        f"(a) compile time, seconds (median of {rounds} rounds): lower + compile of one "
+        "training step; each round compiles every column once, in turn"
+    )
     print("| schedule | M=4 | M=16 | M=64 | max/min | L/stage=1 | 4 | 16 | max/min |")
     print("|---|---|---|---|---|---|---|---|---|")
     for hetero in (False, True):  # warm up: JAX's first lowering in a process is slower
-        compile_seconds(SCHEDULES["gpipe"], 4, 1, repeats=2, hetero=hetero)
+        compile_case(SCHEDULES["gpipe"], 4, 1, hetero)()
     cases = [(n, s, False) for n, s in SCHEDULES.items()]
     cases += [(f"any model, {n}", SCHEDULES[n], True) for n in ("1f1b", "zerobubble")]
     for name, schedule, hetero in cases:
-        by_m = {m: compile_seconds(schedule, m, 2, hetero=hetero) for m in (4, 16, 64)}
-        by_l = {lv: compile_seconds(schedule, 16, lv, hetero=hetero) for lv in (1, 4, 16)}
+        columns = {("m", m): compile_case(schedule, m, 2, hetero) for m in (4, 16, 64)}
+        columns |= {("l", lv): compile_case(schedule, 16, lv, hetero) for lv in (1, 4, 16)}
+        times = {c: [] for c in columns}
+        for _ in range(rounds):  # interleaved, so that the machine's drift touches every column
+            for c, seconds in columns.items():
+                times[c].append(seconds())
+        med = {c: float(np.median(v)) for c, v in times.items()}
+        by_m = {m: med[("m", m)] for m in (4, 16, 64)}
+        by_l = {lv: med[("l", lv)] for lv in (1, 4, 16)}
         rm = max(by_m.values()) / min(by_m.values())
         rl = max(by_l.values()) / min(by_l.values())
         results[name] = {"by_microbatches": by_m, "by_layers_per_stage": by_l}
         results[name] |= {"ratio_m": rm, "ratio_layers": rl}
         cells = [f"{v:.2f}" for v in by_m.values()] + [f"{rm:.2f}"]
         cells += [f"{v:.2f}" for v in by_l.values()] + [f"{rl:.2f}"]
-        print(f"| {name} | " + " | ".join(cells) + " |")
+        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
     worst = max(max(r["ratio_m"], r["ratio_layers"]) for r in results.values())
     print(f"largest max/min ratio: {worst:.2f} (target <= 1.3)\n")
     return results

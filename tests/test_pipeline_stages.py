@@ -341,3 +341,61 @@ def test_a_stage_that_pools_over_the_batch_is_refused():
     x = np.ones((8, 4), np.float32)
     with pytest.raises(ValueError, match=r"stage 0 returns .*float32\[4\].*leading axis"):
         f(model.pack(p), x, np.ones((8, 2), np.float32))
+
+
+# -- stages made of runs of layers: one step per layer ---------------------------------------
+
+
+def runs_model():
+    """An input projection, six tanh layers and an output projection, split 3/2/1/2: runs of
+    two layers (scanned) and single layers (plain) next to the projections."""
+    rng = np.random.default_rng(5)
+    fns = [lambda w, x: x @ w] + [lambda w, x: jnp.tanh(x @ w)] * 6 + [lambda w, x: x @ w]
+    fns[-1] = fns[0]
+    shapes = [(3, 4)] + [(4, 4)] * 6 + [(4, 2)]
+    params = [(rng.normal(size=s) / 2).astype(np.float32) for s in shapes]
+    return pipeline.stages_from_layers(fns, params, (3, 2, 1, 2))
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb", "none"])
+def test_runs_of_layers_step_one_layer_per_iteration_and_equal_one_device(name):
+    stage_fns, stage_params = runs_model()
+    model = pipeline.sequential(stage_fns, stage_params)
+    assert model.params_layout.lv == 3  # stage 0: the projection, then its run's two layers
+    rng = np.random.default_rng(6)
+    x, t = rng.normal(size=(16, 3)).astype(np.float32), rng.normal(size=(16, 2)).astype(np.float32)
+    loss = lambda _, y, t: jnp.mean((y - t) ** 2)
+    want_loss, want = jax.value_and_grad(lambda p: loss(None, model.run(p, x), t))(stage_params)
+    if name == "none":
+        repl, spec = make_repl({"data": 2}), None
+    else:
+        repl, spec = make_repl(), pipeline.stage_spec()
+    packed = model.pack(stage_params)
+    packed = repl.replicate(packed) if spec is None else repl.place(packed, spec)
+    kw = {} if name == "none" else {"schedule": SCHEDULES[name]}
+    f = pipeline.value_and_grad(model, loss, num_microbatches=4, **kw)
+    state, out = repl.run(grads_in_state(f), {"params": packed, "grads": packed}, x, t)
+    assert rel_err(out["loss"], np.full(2, want_loss)) <= TOL
+    assert rel_err(model.unpack(jax.tree.map(np.asarray, state["grads"])), want) <= TOL
+    assert all(np.array_equal(a, b) for a, b in zip(
+        jax.tree.leaves(model.unpack(model.pack(stage_params))), jax.tree.leaves(stage_params)
+    ))  # fmt: skip
+
+
+def test_steps_that_compute_the_same_share_one_branch_of_the_program():
+    """One function on parameters, inputs and outputs of one layout is compiled once, not per
+    stage or per layer: the program is the same whatever the number of layers per stage."""
+    mm = lambda w, x: jnp.tanh(x @ w)
+    w4, w8 = np.eye(4, dtype=np.float32), np.ones((4, 8), np.float32)
+    x = np.ones((2, 4), np.float32)
+
+    def table(fns, params):
+        model = pipeline.sequential(fns, params)
+        return model.params_layout._branches(model.wire(x))[0].tolist()  # 0: passes x on
+
+    assert table([mm, mm, mm, mm], [w4, w4, w4, w8]) == [[1], [1], [1], [2]]
+    assert table([mm, lambda w, x: jnp.tanh(x @ w)], [w4, w4]) == [[1], [2]]  # another object
+    fns, ps = pipeline.stages_from_layers(mm, [w4] * 6, (2, 2, 1, 1))  # runs, then plain layers
+    assert table(fns, ps) == [[1, 1], [1, 1], [2, 0], [2, 0]]
+    fns, ps = pipeline.stages_from_layers(mm, [w4] * 20, (4, 16))
+    assert table(fns, ps) == [[1] * 4 + [0] * 12, [1] * 16]

@@ -56,13 +56,14 @@ class PipelineCall:
         """What the schedules run on this stage, for stage rows ``rows`` (``call.rows`` or a
         traced stand-in for them)."""
         if isinstance(self.stage_fn, Sequential):
-            return self.stage_fn.program(jax.tree.map(lambda a: a[:, None], rows), self.wire)
+            return self.stage_fn.program(rows, self.wire)
         return as_layers(self.stage_fn, rows)
 
-    def layers_as_rows(self, layers: PyTree) -> PyTree:
-        """The inverse of `program`'s layout: layers ``[V, Lv, ...]`` (or gradients) as rows."""
+    def layers_as_rows(self, layers: PyTree, shared: PyTree) -> PyTree:
+        """The inverse of `program`'s layout: gradients of the layers ``[V, Lv, ...]`` and of
+        the shared parameters ``[V, ...]`` as gradients of the rows."""
         if isinstance(self.stage_fn, Sequential):
-            return jax.tree.map(lambda a: a[:, 0], layers)
+            return self.stage_fn.params_layout.as_rows(layers, shared)
         return layers_as_rows(self.stage_fn, layers)
 
     @classmethod
@@ -350,7 +351,7 @@ def _check_model(
                     f"the batch, and give another result than the model on one device. Keep "
                     f"the batch axis first and leave batch reductions to loss_fn."
                 )
-    return Packing.of(shapes)
+    return model.wire(take(xs, 0))
 
 
 def _padding(stage_fn: StageFn, wire: Packing | None) -> str:

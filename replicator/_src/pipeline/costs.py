@@ -27,7 +27,7 @@ import numpy as np
 
 from replicator._src.errors import positive_int
 from replicator._src.pipeline.layers import _ScanLayers, describe, same_shapes
-from replicator._src.pipeline.stages import _Chain
+from replicator._src.pipeline.steps import Chain
 from replicator._src.pipeline.timing import StageCosts
 from replicator._src.typing import PyTree
 
@@ -266,7 +266,7 @@ def _stage_costs(
                 f"to one micro-batch, batch axis first, in every leaf; keep the batch axis in "
                 f"each stage's output and reduce over it in the loss instead."
             )
-        if isinstance(fn, _Chain):  # runs of layers: each measured as a stage, then summed
+        if isinstance(fn, Chain):  # runs of layers: each measured as a stage, then summed
             total, h = dict.fromkeys(costs, 0.0), x
             for r, (run, q) in enumerate(zip(fn.fns, p, strict=True)):
                 one = _passes(run, q, h, method=method, repeats=repeats, api=api,

@@ -72,7 +72,7 @@ def forward_ticks(
             i, r = fwd[t, s], fwd_repeat[t, s]        # micro-batch and virtual stage, or -1
             x = enter(xs[i]) if s == 0 and r == 0 else recv
             for li in range(Lv):
-                x = layer_fn(rows[r][li], x, r*K + s)   # logical stage r*K + s
+                x = layer_fn(rows[r][li], shared[r], x, r*K + s, li)   # logical stage r*K + s
             if i >= 0 and s == K - 1 and r == V - 1:  # leaves the pipeline
                 acc += loss_fn(head_params, leave(x), ts[i]) / M   # or: ys[i] = x
             recv = shift(x, +1)                       # around the ring when V > 1
@@ -96,7 +96,7 @@ def forward_ticks(
         i, r = fwd[t, s], rep[t, s]
         ic = jnp.maximum(i, 0)
         x = where(li == 0, where((s == 0) & (r == 0), prog.enter(take(xs, ic)), recv), h)
-        h = run_layer(layers, r, li, x, r * k + s)
+        h = run_layer(layers, prog.shared, r, li, x, r * k + s)
         last_layer = li == lv - 1
         done = last_layer & (i >= 0) & (s == k - 1) & (r == v - 1)  # leaves the pipeline
         if loss_fn is None:
@@ -118,17 +118,18 @@ def forward_ticks(
 
 
 def _layer_on(layer_fn: Callable, remat: bool) -> Callable:
-    """``g(layers, r, li, x, j)``: ``layer_fn`` on layer ``li`` of row ``r`` (logical stage ``j``),
-    for a differentiated scan.
+    """``g(layers, shared, r, li, x, j)``: ``layer_fn`` on layer ``li`` of row ``r`` (logical stage
+    ``j``), for a differentiated scan.
 
     What the scan keeps per iteration for the backward pass must never be a copy of the layer's
     parameters: they are sliced inside a checkpoint, so with ``remat`` the residuals are the
     layer's input and indices, and without it every intermediate activation but the parameters.
     """
 
-    def run(layers, r, li, x, j):
+    def run(layers, shared, r, li, x, j):
         layer = jax.tree.map(lambda a: take(take(a, r), li), layers)
-        return layer_fn(checkpoint_name(layer, _PARAMS), x, j)
+        own = checkpoint_name(take(shared, r), _PARAMS)
+        return layer_fn(checkpoint_name(layer, _PARAMS), own, x, j, li)
 
     if remat:
         return jax.checkpoint(run, prevent_cse=False)

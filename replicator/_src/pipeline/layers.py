@@ -101,18 +101,22 @@ class Program:
     """What a schedule runs on each stage: layers, and how the inputs enter and the output leaves.
 
     Attributes:
-      layer_fn: ``layer_fn(layer_params, x, j) -> x``: one layer of logical stage ``j`` (an int32
-        scalar, possibly traced) on one micro-batch's activation ``x``.
+      layer_fn: ``layer_fn(layer_params, shared, x, j, li) -> x``: layer ``li`` of logical stage
+        ``j`` (int32 scalars, possibly traced) on one micro-batch's activation ``x``, with that
+        layer's parameters and the stage's shared parameters.
       layers: the stage rows as layers ``[V, Lv, ...]``.
       lv: Lv, layers per stage.
+      shared: parameters that any layer of a stage may read, ``[V, ...]``; their gradient is the
+        sum over the stage's layers (``{}`` for stacks of identical stages).
       enter: one micro-batch of the inputs as the activation stage 0 receives.
       leave: the last stage's activation as the model's output (what ``loss_fn`` receives).
       enter_t: the transpose of ``enter``: an activation's cotangent as the inputs' cotangent.
     """
 
-    layer_fn: Callable[[PyTree, PyTree, jax.Array], PyTree]
+    layer_fn: Callable[[PyTree, PyTree, PyTree, jax.Array, jax.Array], PyTree]
     layers: PyTree
     lv: int
+    shared: PyTree = dataclasses.field(default_factory=dict)
     enter: Callable[[PyTree], PyTree] = _identity
     leave: Callable[[PyTree], PyTree] = _identity
     enter_t: Callable[[PyTree], PyTree] = _identity
@@ -125,8 +129,10 @@ def as_layers(stage_fn: StageFn, rows: PyTree) -> Program:
     """
     if isinstance(stage_fn, _ScanLayers):
         fn = stage_fn.layer_fn
-        return Program(lambda p, x, j: fn(p, x), rows, jax.tree.leaves(rows)[0].shape[1])
-    return Program(lambda p, x, j: stage_fn(p, x), jax.tree.map(lambda a: a[:, None], rows), 1)
+        lv = jax.tree.leaves(rows)[0].shape[1]
+        return Program(lambda p, _s, x, _j, _li: fn(p, x), rows, lv)
+    layers = jax.tree.map(lambda a: a[:, None], rows)
+    return Program(lambda p, _s, x, _j, _li: stage_fn(p, x), layers, 1)
 
 
 def layers_as_rows(stage_fn: StageFn, layers: PyTree) -> PyTree:

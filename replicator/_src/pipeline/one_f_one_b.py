@@ -43,18 +43,21 @@ class _Carry(NamedTuple):
     dy: PyTree  # the loss's cotangent of the last stage's latest output
     stash: PyTree  # layer inputs [2K-1 + 1, Lv, b, ...]; slot 2K-1 is a spare for idle halves
     g_params: PyTree  # this stage's layer gradients [Lv, ...], accumulated
+    g_shared: PyTree  # the gradient of the stage's shared parameters, accumulated
     g_head: PyTree  # the head's gradient, accumulated (nonzero on the last stage)
     g_xs: PyTree  # input gradients [M + 1, b, ...]; row M is a spare (nonzero on stage 0)
     loss: jax.Array  # float32 scalar: this stage's share of the mean loss
 
 
-def _start(x0: PyTree, params: PyTree, head_params: PyTree, xs: PyTree, slots: int) -> _Carry:
+def _start(
+    x0: PyTree, params: PyTree, shared: PyTree, head_params: PyTree, xs: PyTree, slots: int
+) -> _Carry:
     """The carry before the first tick: all zeros, with the spare stash slot and ``g_xs`` row."""
     lv = jax.tree.leaves(params)[0].shape[0]
     stash = jax.tree.map(lambda a: jnp.zeros((slots + 1, lv, *a.shape), a.dtype), x0)
     spare = jax.tree.map(lambda a: jnp.zeros((a.shape[0] + 1, *a.shape[1:]), a.dtype), xs)
     return _Carry(
-        x0, x0, x0, x0, x0, stash, zeros(params), zeros(head_params), spare,
+        x0, x0, x0, x0, x0, stash, zeros(params), zeros(shared), zeros(head_params), spare,
         jnp.zeros((), jnp.float32),
     )  # fmt: skip
 
@@ -89,6 +92,7 @@ def value_and_grad(
     prog = call.program(call.rows)
     layer_fn, lv = prog.layer_fn, prog.lv
     params = take(prog.layers, 0)  # this stage's layers, [Lv, ...]
+    shared = take(prog.shared, 0)
     is_first, is_last = s == 0, s == k - 1
 
     def grad_loss(head, y, t):
@@ -104,7 +108,7 @@ def value_and_grad(
         x = where(q == 0, where(is_first, prog.enter(take(call.xs, ic)), c.act), c.h)
         # Each stage is busy in M of the T ticks' forward halves, and in M backward halves.
         with tracing.runs(m, 2 * plan.num_ticks):
-            h = lax.cond(f_on, lambda: layer_fn(take(params, lf), x, s), lambda: c.h)
+            h = lax.cond(f_on, lambda: layer_fn(take(params, lf), shared, x, s, lf), lambda: c.h)
         slot = jnp.where(f_on, ic % slots, slots)  # idle: the spare slot
         stash = jax.tree.map(lambda a, v: a.at[slot, lf].set(v), c.stash, x)
         # The last stage turns its output into the loss and the cotangent at once.
@@ -121,10 +125,12 @@ def value_and_grad(
         cot = where(q == lv, where(is_last, dy, c.cot), c.g)
         saved = jax.tree.map(lambda a: a[jc % slots, lb], stash)
         with tracing.runs(m, 2 * plan.num_ticks):
-            g_layer, g = lax.cond(
+            g_layer, g_shared, g = lax.cond(
                 b_on,
-                lambda: vjp_inexact(layer_fn, take(params, lb), saved, s)[1](cot)[:2],
-                lambda: (zeros(take(params, 0)), c.g),
+                lambda: vjp_inexact(
+                    lambda p, sh, x: layer_fn(p, sh, x, s, lb), take(params, lb), shared, saved
+                )[1](cot),
+                lambda: (zeros(take(params, 0)), zeros(shared), c.g),
             )
         end = q == 2 * lv - 1
         g_x = prog.enter_t(g)
@@ -138,11 +144,12 @@ def value_and_grad(
         g_params = jax.tree.map(
             lambda a, d: a.at[lb].add(jnp.where(b_on, d, 0)), c.g_params, g_layer
         )
-        new = _Carry(act, cot_next, h, g, dy, stash, g_params, add(c.g_head, g_head), g_xs,
-                     c.loss + loss)  # fmt: skip
+        g_shared = add(c.g_shared, g_shared)  # zeros when idle
+        new = _Carry(act, cot_next, h, g, dy, stash, g_params, g_shared, add(c.g_head, g_head),
+                     g_xs, c.loss + loss)  # fmt: skip
         return new, None
 
-    init = _start(zeros(prog.enter(take(call.xs, 0))), params, head_params, call.xs, slots)
+    init = _start(zeros(prog.enter(take(call.xs, 0))), params, shared, head_params, call.xs, slots)
     c = run_ticks(iteration, init, plan.num_ticks * 2 * lv, call.unroll)
-    g_rows = call.layers_as_rows(jax.tree.map(lambda g: g[None], c.g_params))  # [1, ...]
+    g_rows = call.layers_as_rows(*(jax.tree.map(lambda g: g[None], (c.g_params, c.g_shared))))
     return c.loss, g_rows, jax.tree.map(lambda g: g[:m], c.g_xs), c.g_head

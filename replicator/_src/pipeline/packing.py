@@ -114,12 +114,7 @@ class Packing:
 
     def unpack(self, j: int, buffers: dict[str, jax.Array]) -> PyTree:
         """Member ``j``'s tree from buffers ``{dtype: [*lead, n]}``, each leaf ``[*lead, ...]``."""
-        flat = []
-        for leaf in self.leaves[j]:
-            buf = buffers[leaf.key]
-            part = buf[..., leaf.offset : leaf.offset + leaf.size]
-            flat.append(part.reshape((*buf.shape[:-1], *leaf.shape)).astype(leaf.dtype))
-        return jax.tree.unflatten(self.treedefs[j], flat)
+        return unpack_leaves(self.treedefs[j], self.leaves[j], buffers)
 
     def used_bytes(self, j: int) -> int:
         """The bytes member ``j``'s own leaves take in the buffers."""
@@ -132,3 +127,13 @@ class Packing:
     def padding_bytes(self) -> int:
         """Over all members, the bytes of buffer that hold padding rather than leaves."""
         return len(self) * self.buffer_bytes() - sum(self.used_bytes(j) for j in range(len(self)))
+
+
+def unpack_leaves(treedef, leaves: Sequence[_Leaf], buffers: dict[str, jax.Array]) -> PyTree:
+    """A tree of structure ``treedef`` from ``leaves`` laid out in ``buffers``."""
+    flat = []
+    for leaf in leaves:
+        buf = buffers[leaf.key]
+        part = buf[..., leaf.offset : leaf.offset + leaf.size]
+        flat.append(part.reshape((*buf.shape[:-1], *leaf.shape)).astype(leaf.dtype))
+    return jax.tree.unflatten(treedef, flat)

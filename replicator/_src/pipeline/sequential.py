@@ -13,19 +13,26 @@ from jax import lax
 
 from replicator._src.pipeline.call import PipelineCall
 from replicator._src.pipeline.layers import Program, vjp_inexact
-from replicator._src.pipeline.ticks import LossFn, mean_loss
+from replicator._src.pipeline.ticks import LossFn, mean_loss, take
 from replicator._src.typing import PyTree
 
 
 def _run(prog: Program, layer_fn, x: PyTree) -> PyTree:
     """Every layer of every stage in logical order on one micro-batch, as one ``lax.scan``.
 
-    Equivalent to: ``for j in range(S): for li in range(Lv): x = layer_fn(layers[j, li], x, j)``.
+    Equivalent to: ``for j in range(S): for li in range(Lv): x = layer_fn(layers[j, li],
+    shared[j], x, j, li)``.
     """
-    flat = jax.tree.map(lambda a: a.reshape((-1, *a.shape[2:])), prog.layers)  # [S * Lv, ...]
+    flat = jax.tree.map(lambda a: a.reshape((a.shape[0] * a.shape[1], *a.shape[2:])), prog.layers)
     n = jax.tree.leaves(flat)[0].shape[0]
-    stage = jnp.arange(n, dtype=jnp.int32) // prog.lv
-    return lax.scan(lambda h, pj: (layer_fn(pj[0], h, pj[1]), None), x, (flat, stage))[0]
+    u = jnp.arange(n, dtype=jnp.int32)
+    stage, li = u // prog.lv, u % prog.lv
+
+    def one(h, pj):
+        p, j, i = pj
+        return layer_fn(p, take(prog.shared, j), h, j, i), None
+
+    return lax.scan(one, x, (flat, stage, li))[0]
 
 
 def outputs(call: PipelineCall) -> PyTree:

@@ -2,27 +2,26 @@
 
 `sequential` describes a model as S logical stages in order (an embedding, blocks, a head, a
 CNN's downsampling stages...). The pipeline still runs it as one SPMD program: each device's
-stage parameters are packed into one buffer per dtype (`packing.Packing`, padded to the largest
-stage), the activation that moves between stages is packed the same way (padded to the largest
-stage boundary), and each device picks its stage's function with a ``lax.switch`` on its stage
-index. `stages_from_layers` turns a list of layers and a split such as `balance` gives into
-stages.
+stage parameters are packed into one buffer per dtype (padded to the largest stage), the
+activation that moves between stages is packed the same way (padded to the largest boundary), and
+each device picks its stage's step with a ``lax.switch`` (`steps.StageLayout`: a run of layers
+is one step per layer). `stages_from_layers` turns a list of layers and a split such as
+`balance` gives into stages.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from replicator._src.errors import positive_int
 from replicator._src.pipeline.layers import Program, describe, scan_layers
 from replicator._src.pipeline.packing import Packing
+from replicator._src.pipeline.steps import Chain, StageLayout
 from replicator._src.typing import PyTree
 
 _API = "rp.pipeline.sequential"
@@ -40,12 +39,7 @@ class Sequential:
         self.fns = tuple(fns)
         self.repeats = repeats
         self.num_stages = len(self.fns) // repeats  # K, the size of the 'stage' axis it needs
-        self.params_layout = Packing.of(
-            [
-                jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), p)
-                for p in params
-            ]
-        )
+        self.params_layout = StageLayout(self.fns, params)
 
     def __len__(self) -> int:
         return len(self.fns)
@@ -134,29 +128,14 @@ class Sequential:
                 ) from e
         return shapes
 
-    def program(self, layers: PyTree, wire: Packing) -> Program:
-        """The engine's view: one layer per stage (``[V, 1, ...]``), chosen by ``lax.switch``."""
-        params_layout = self.params_layout
+    def wire(self, x: PyTree) -> Packing:
+        """The layout of the activations at every step boundary, from one micro-batch ``x``."""
+        return self.params_layout.wire(x)
 
-        def branch(j: int) -> Callable:
-            def run(p, x):
-                y = self.fns[j](params_layout.unpack(j, p), wire.unpack(j, x))
-                return wire.pack(j + 1, y)
-
-            return run
-
-        branches = [branch(j) for j in range(len(self))]
-
-        def layer_fn(p, x, j):
-            return lax.switch(j, branches, p, x)
-
-        last = len(self)
-        return Program(
-            layer_fn, layers, 1,
-            enter=lambda x: wire.pack(0, x),
-            leave=lambda w: wire.unpack(last, w),
-            enter_t=lambda g: wire.unpack(0, g),
-        )  # fmt: skip
+    def program(self, rows: PyTree, wire: Packing) -> Program:
+        """The engine's view of stage rows ``{dtype: [V, n]}``: the stages' steps as layers
+        (`steps.StageLayout.program`)."""
+        return self.params_layout.program(rows, wire)
 
 
 def sequential(
@@ -172,7 +151,8 @@ def sequential(
     The model runs as one SPMD program on a mesh whose ``stage`` axis has K = S / repeats
     devices: each device's parameters are packed into one buffer per dtype, padded to the largest
     stage (`Sequential.pack`), the activation is passed on in buffers padded to the largest stage
-    boundary, and each device runs its stage under ``lax.switch``. Padding costs
+    boundary, and each device runs its stage under ``lax.switch``, one layer of a
+    `stages_from_layers` run per step. Padding costs
     ``K x (largest stage) - (all stages)`` of parameter memory (and as much for gradients and
     optimizer state), and each micro-batch's activation in flight takes the largest boundary's
     size; ``Replicator.explain`` reports both.
@@ -246,8 +226,9 @@ def stages_from_layers(
     Stage ``k`` runs layers ``[b_k, b_k+1)`` in order, where the boundaries come from ``sizes``
     (layers per stage, e.g. ``(2, 1, 1, 2)``, or the `Partition` that `balance` returns).
     Two or more consecutive layers of one function (the same Python object) with parameters of
-    one structure run as one ``lax.scan`` (`scan_layers`, with their parameters stacked), so
-    compile time does not grow with their number; such layers must keep the activation's shape.
+    one structure run as one `scan_layers` run, with their parameters stacked (in the pipeline,
+    one layer per iteration of the schedule's scan), so compile time does not grow with their
+    number; such layers must keep the activation's shape.
 
     Args:
       layers: one callable ``fn(params, x) -> y`` per layer, or one callable for every layer.
@@ -281,7 +262,7 @@ def stages_from_layers(
             stage_fns.append(runs[0][0])
             stage_params.append(runs[0][1])
         else:
-            stage_fns.append(_Chain(tuple(fn for fn, _ in runs)))
+            stage_fns.append(Chain(tuple(fn for fn, _ in runs)))
             stage_params.append(tuple(p for _, p in runs))
     return stage_fns, stage_params
 
@@ -310,15 +291,3 @@ def _runs(fns: list[Callable], params: list[PyTree]) -> list[tuple[Callable, PyT
             stacked = jax.tree.map(lambda *a: jnp.stack(a), *(params[i] for i in g))
             out.append((scan_layers(fns[g[0]]), stacked))
     return out
-
-
-@dataclasses.dataclass(frozen=True)
-class _Chain:
-    """A stage made of runs of layers: ``for fn, p in zip(fns, params): x = fn(p, x)``."""
-
-    fns: tuple[Callable, ...]
-
-    def __call__(self, params: tuple, x: PyTree) -> PyTree:
-        for fn, p in zip(self.fns, params, strict=True):
-            x = fn(p, x)
-        return x

@@ -59,7 +59,7 @@ class _Carry(NamedTuple):
     g: PyTree  # the B phase's cotangent after the layer just run
     stash: PyTree  # layer inputs [stash_slots + 1, Lv, b, ...]; the last slot is a spare
     grads: PyTree  # layer output cotangents [grad_slots + 1, Lv, b, ...]; the last: a spare
-    g_params: PyTree  # this stage's layer gradients [Lv, ...], accumulated by W
+    g_params: PyTree  # (layer gradients [Lv, ...], shared parameters' gradient), from W
     g_head: PyTree  # the head's gradient, accumulated (nonzero on the last stage)
     g_xs: PyTree  # input gradients [M + 1, b, ...]; row M is a spare (nonzero on stage 0)
     loss: jax.Array  # float32 scalar: this stage's share of the mean loss
@@ -118,11 +118,11 @@ def value_and_grad(
     x0 = zeros(st.prog.enter(take(call.xs, 0)))
     spare = jax.tree.map(lambda a: jnp.zeros((st.m + 1, *a.shape[1:]), a.dtype), call.xs)
     init = _Carry(
-        x0, x0, _ring(x0, st.ss, st.lv), _ring(x0, st.gs, st.lv), zeros(st.params),
+        x0, x0, _ring(x0, st.ss, st.lv), _ring(x0, st.gs, st.lv), zeros((st.params, st.shared)),
         zeros(head_params), spare, jnp.zeros((), jnp.float32),
     )  # fmt: skip
     c = run_ticks(st.iteration, init, st.ticks * 3 * st.lv, call.unroll)
-    g_rows = call.layers_as_rows(jax.tree.map(lambda a: a[None], c.g_params))  # [1, ...]
+    g_rows = call.layers_as_rows(*jax.tree.map(lambda a: a[None], c.g_params))  # [1, ...]
     return c.loss, g_rows, jax.tree.map(lambda a: a[: st.m], c.g_xs), c.g_head
 
 
@@ -165,19 +165,25 @@ class _Stage:
         self.prog = call.program(call.rows)
         self.lv = self.prog.lv
         self.params = take(self.prog.layers, 0)  # this stage's layers, [Lv, ...]
+        self.shared = take(self.prog.shared, 0)
         self.s = lax.axis_index(STAGE_AXIS)
         self.is_first, self.is_last = self.s == 0, self.s == self.k - 1
 
-    def layer(self, p: PyTree, x: PyTree) -> PyTree:
-        return self.prog.layer_fn(p, x, self.s)
+    def layer(self, li, x: PyTree, p: PyTree = None, shared: PyTree = None) -> PyTree:
+        """Layer ``li`` on ``x``, with its own parameters (or ``p``, ``shared``)."""
+        p = take(self.params, li) if p is None else p
+        shared = self.shared if shared is None else shared
+        return self.prog.layer_fn(p, shared, x, self.s, li)
 
     def input_grad(self, li, x: PyTree, cot: PyTree) -> PyTree:
         """B's step: the cotangent of layer ``li``'s input, recomputing it from ``x``."""
-        return vjp_inexact(lambda a: self.layer(take(self.params, li), a), x)[1](cot)[0]
+        return vjp_inexact(lambda a: self.layer(li, a), x)[1](cot)[0]
 
     def weight_grad(self, li, x: PyTree, cot: PyTree) -> PyTree:
-        """W's step: the gradient of layer ``li``'s params, recomputing it from ``x``."""
-        return vjp_inexact(lambda p: self.layer(p, x), take(self.params, li))[1](cot)[0]
+        """W's step: the gradients of layer ``li``'s params and of the shared params,
+        recomputing the layer from ``x``."""
+        own = (take(self.params, li), self.shared)
+        return vjp_inexact(lambda p: self.layer(li, x, *p), own)[1](cot)[0]
 
     def iteration(self, c: _Carry, u) -> tuple[_Carry, None]:
         """Iteration ``u``: layer ``q`` of phase F, B or W of tick ``t`` (``u = 3Lv t + q``)."""
@@ -203,7 +209,7 @@ class _Stage:
         x = where(q == 0, arrived, c.h)
         # Each stage is busy in M of the T ticks' F phases, M of the B's and M of the W's.
         with tracing.runs(m, 3 * self.ticks):
-            h = lax.cond(on, lambda: self.layer(take(self.params, lf), x), lambda: c.h)
+            h = lax.cond(on, lambda: self.layer(lf, x), lambda: c.h)
 
         def grad_loss(head, y, t):
             loss, vjp = vjp_inexact(
@@ -239,10 +245,13 @@ class _Stage:
             g_layer = lax.cond(
                 w_on,
                 lambda: self.weight_grad(lw, saved, cot),
-                lambda: zeros(take(self.params, 0)),
+                lambda: zeros((take(self.params, 0), self.shared)),
             )
-        g_params = jax.tree.map(
-            lambda a, d: a.at[lw].add(jnp.where(w_on, d, 0)), c.g_params, g_layer
+        g_params = (
+            jax.tree.map(
+                lambda a, d: a.at[lw].add(jnp.where(w_on, d, 0)), c.g_params[0], g_layer[0]
+            ),
+            add(c.g_params[1], g_layer[1]),  # zeros when idle
         )
         g_x = self.prog.enter_t(g)
         g_xs = put(c.g_xs, jnp.where(b_on & (lb == 0) & self.is_first, jc, m), g_x)  # or spare
