@@ -66,15 +66,33 @@ class Checkpoints:
     ([30.0, 30.0, 30.0], 30, 120)
     """
 
-    def __init__(self, directory: str | os.PathLike, *, keep: int = 3) -> None:
+    def __init__(
+        self, directory: str | os.PathLike, *, keep: int = 3, async_save: bool = False
+    ) -> None:
+        """Opens (or creates) the checkpoint directory.
+
+        Args:
+          directory: the run's checkpoint directory.
+          keep: how many of the newest checkpoints to keep.
+          async_save: ``save`` returns once the arrays are copied off the devices, and orbax
+            writes the files in a background thread (training goes on meanwhile). A step is
+            still complete or absent (written to a temporary directory, renamed when done);
+            ``steps``, ``restore``, the next ``save`` and ``close`` wait for a write in
+            progress, and an error in it is raised there.
+        """
         import orbax.checkpoint as ocp
 
         errors.positive_int(keep, api="rp.Checkpoints", name="keep")
+        if not isinstance(async_save, bool):
+            raise TypeError(
+                f"rp.Checkpoints: async_save must be True or False; got {async_save!r}."
+            )
+        self.async_save = async_save
         self._ocp = ocp
         self.directory = os.path.abspath(os.fspath(directory))
         os.makedirs(self.directory, exist_ok=True)
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=False, cleanup_tmp_directories=True
+            max_to_keep=keep, enable_async_checkpointing=async_save, cleanup_tmp_directories=True
         )
         self._manager = ocp.CheckpointManager(
             self.directory,
@@ -86,8 +104,13 @@ class Checkpoints:
         )
 
     def steps(self) -> list[int]:
-        """The steps saved and complete, oldest first."""
+        """The steps saved and complete, oldest first (after a write in progress ends)."""
+        self.wait()
         return sorted(self._manager.all_steps())
+
+    def wait(self) -> None:
+        """Waits for an asynchronous save in progress to be written; raises its error if any."""
+        self._manager.wait_until_finished()
 
     def latest_step(self) -> int | None:
         steps = self.steps()
@@ -111,7 +134,8 @@ class Checkpoints:
             ),
             force=True,
         )
-        self._manager.wait_until_finished()
+        if not self.async_save:
+            self.wait()
 
     def restore(
         self, like: PyTree, step: int | None = None, *, cast: bool = False
@@ -143,6 +167,7 @@ class Checkpoints:
             dimension into parts that do not divide it (e.g. a ``jax.ShapeDtypeStruct`` of a
             checkpoint's leaf with a spec of the old mesh's axes and the new mesh's sizes).
         """
+        self.wait()  # an asynchronous save in progress completes first
         abstract = jax.tree.map(_abstract, like)
         _check_divides(abstract)
         candidates = [step] if step is not None else self.steps()[::-1]
@@ -279,6 +304,8 @@ class Checkpoints:
         )
 
     def close(self) -> None:
+        """Waits for a write in progress, then releases orbax's threads."""
+        self.wait()
         self._manager.close()
 
 

@@ -1,0 +1,47 @@
+"""What a user installs: the license, type information, the changelog and dependency bounds."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import pathlib
+import tomllib
+
+from packaging.requirements import Requirement
+
+import replicator
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_the_license_file_is_the_license_the_metadata_names():
+    assert PYPROJECT["project"]["license"] == "Apache-2.0"
+    assert PYPROJECT["project"]["license-files"] == ["LICENSE"]
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text  # the whole text, not a stub
+
+
+def test_the_package_says_it_is_typed():
+    assert (pathlib.Path(replicator.__file__).parent / "py.typed").is_file()
+    assert "py.typed" in PYPROJECT["tool"]["setuptools"]["package-data"]["replicator"]
+    assert "Typing :: Typed" in PYPROJECT["project"]["classifiers"]
+
+
+def test_the_changelog_has_the_current_version():
+    assert f"({replicator.__version__})" in (ROOT / "CHANGELOG.md").read_text()
+
+
+def test_jax_is_bounded_to_the_minor_release_ci_tests_and_the_installed_versions_fit():
+    """The code reads HLO text and a private jax module: a new jax minor release must pass the
+    suite before the bounds allow it. What CI installed is what the bounds allow."""
+    requirements = {
+        Requirement(r).name: Requirement(r) for r in PYPROJECT["project"]["dependencies"]
+    }
+    for name in ("jax", "jaxlib"):
+        assert any(s.operator == "<" for s in requirements[name].specifier), name
+    assert requirements["numpy"].specifier.contains("2.0.0")
+    assert not requirements["numpy"].specifier.contains("1.26.4")  # jax 0.10 needs NumPy 2
+    for name, req in requirements.items():
+        installed = importlib.metadata.version(name)
+        assert req.specifier.contains(installed, prereleases=True), (name, installed)
