@@ -23,6 +23,8 @@ from typing import Any
 
 import yaml
 
+from replicator.cli.data import DataConfig
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -74,6 +76,7 @@ class TrainConfig:
     zero_stage: int = 0
     accumulate_steps: int = 1
     pipeline: PipelineConfig | None = None  # needed when mesh has a "stage" axis
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)  # path: your own data
     log_every: int = 10
     checkpoint_every: int = 50
     out_dir: str = "runs"

@@ -24,6 +24,7 @@ import optax
 from flax import nnx
 
 import replicator as rp
+from replicator.cli import data as data_lib
 from replicator.cli.config import TrainConfig
 from replicator.models import cnn, gpt, mlp
 
@@ -185,6 +186,7 @@ def _gpt(config: TrainConfig, repl, inner_tx):
             text, batch_size=per, seq_len=m.seq_len, seed=ctx.input_pipeline_id
         )
 
+    input_fn = _own_data(config, input_fn, vocab=256)
     tokens = config.global_batch * m.seq_len
     if "stage" not in repl.mesh.shape:
         opt = repl.wrap_optimizer(
@@ -258,6 +260,8 @@ def _mlp(config: TrainConfig, repl, inner_tx):
         per = ctx.per_pipeline_batch_size(config.global_batch)
         yield from mlp.regression_batches(per, seed=1 + ctx.input_pipeline_id)
 
+    input_fn = _own_data(config, input_fn)
+
     def step_fn(state, batch):
         p, o, metrics = opt.step(loss_fn, state["params"], state["opt"], batch)
         return {"params": p, "opt": o}, metrics
@@ -280,6 +284,8 @@ def _cnn(config: TrainConfig, repl, inner_tx):
         per = ctx.per_pipeline_batch_size(config.global_batch)
         yield from cnn.shape_batches(per, seed=1000 + ctx.input_pipeline_id)
 
+    input_fn = _own_data(config, input_fn, vocab=len(cnn.SHAPES))
+
     def step_fn(state, batch):
         (loss, (stats, accuracy)), grads = cnn.value_and_grad(
             graphdef, state["params"], state["stats"], batch
@@ -292,6 +298,21 @@ def _cnn(config: TrainConfig, repl, inner_tx):
     params, stats = repl.replicate(params), repl.replicate(stats)
     state = {"params": params, "stats": stats, "opt": tx.init(params)}
     return step_fn, state, input_fn, None
+
+
+def _own_data(config: TrainConfig, builtin, *, vocab: int | None = None):
+    """``builtin`` (the kind's own data), or the examples of ``config.data.path``, checked
+    against a batch of the built-in data and served resumably (`replicator.cli.data`)."""
+    if config.data.path is None:
+        return builtin
+    found = data_lib.examples(config.data, kind=config.model.kind, seq_len=config.model.seq_len)
+    batches = builtin(rp.InputContext())
+    like = next(iter(batches))
+    if hasattr(batches, "close"):
+        batches.close()
+    data_lib.check(found, like, path=config.data.path, global_batch=config.global_batch,
+                   vocab=vocab)  # fmt: skip
+    return data_lib.input_fn(found, config.data, config.global_batch)
 
 
 def _draw_schedule(config: TrainConfig, num_stages: int, out: str) -> None:
