@@ -17,6 +17,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import types
 import typing
 from typing import Any
@@ -30,7 +31,8 @@ from replicator.cli.data import DataConfig
 class ModelConfig:
     # "gpt": a byte-level decoder on Python's stdlib sources (d_model, layers, heads, seq_len);
     # "mlp": a residual MLP regression (d_model, layers);
-    # "cnn": a classifier with cross-replica BatchNorm on generated shape images (width).
+    # "cnn": a classifier with cross-replica BatchNorm on generated shape images (width);
+    # "module:function": your own job, `function(config, repl, tx)` (see jobs.own_model).
     kind: str = "gpt"
     d_model: int = 64
     layers: int = 4
@@ -39,7 +41,8 @@ class ModelConfig:
     width: int = 16  # cnn: channels of the first conv block (the second has twice as many)
 
     def __post_init__(self) -> None:
-        _one_of(self, "kind", MODEL_KINDS, what="a model kind")
+        if not _OWN_KIND.fullmatch(str(self.kind)):  # else "module:function", your own model
+            _one_of(self, "kind", MODEL_KINDS, what="a model kind (or 'module:function')")
         for name in ("d_model", "layers", "heads", "seq_len", "width"):
             _at_least(self, name, 1)
         if self.kind == "gpt" and self.d_model % self.heads:
@@ -121,7 +124,7 @@ class TrainConfig:
                 f"{where}a mesh with a 'stage' axis needs a pipeline: section, e.g. pipeline: "
                 f"{{schedule: 1f1b, microbatches: 4}}."
             )
-        if kind != "gpt" and "model" in self.mesh:
+        if kind in ("mlp", "cnn") and "model" in self.mesh:
             raise ValueError(
                 f"{where}model.kind={kind!r} has no tensor-parallel layout; use a mesh without "
                 f"'model' (e.g. mesh: {{data: -1}}), or model.kind='gpt'."
@@ -146,6 +149,7 @@ class TrainConfig:
 
 
 MODEL_KINDS = ("gpt", "mlp", "cnn")
+_OWN_KIND = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 SCHEDULES = ("gpipe", "circular", "1f1b")
 OPTIMIZERS = ("adam", "sgd")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import math
 import os
 import sys
@@ -62,10 +63,50 @@ def _devices(config: TrainConfig, *, cpu_only: bool) -> None:
 
 def build(config: TrainConfig):
     """The job a config describes: ``(repl, step_fn, state, input_fn, tokens_per_step)``."""
+    kind = config.model.kind
+    jobs = {"gpt": _gpt, "mlp": _mlp, "cnn": _cnn}.get(kind) or own_model(kind)  # imports first
     repl = rp.Replicator(mesh_shape=dict(config.mesh))
     make_tx = {"adam": optax.adam, "sgd": optax.sgd}[config.optimizer]
-    jobs = {"gpt": _gpt, "mlp": _mlp, "cnn": _cnn}[config.model.kind]
     return (repl, *jobs(config, repl, make_tx(config.learning_rate)))
+
+
+def own_model(kind: str):
+    """The job function that ``model.kind: "module:function"`` names, imported from the working
+    directory or the Python path.
+
+    ``function(config, repl, tx)`` receives the `TrainConfig`, the `rp.Replicator` built from
+    ``mesh`` and the optax transformation of the ``optimizer`` keys (to wrap with
+    ``repl.wrap_optimizer``), and returns ``(step_fn, state, input_fn, tokens_per_step)`` as
+    the built-in jobs do (``tokens_per_step`` may be None); ``rp.fit`` then trains it with the
+    config's steps, checkpoints and logs.
+
+    Raises:
+      ValueError: if the module cannot be imported or has no such function.
+    """
+    module_name, _, name = kind.partition(":")
+    if os.getcwd() not in sys.path:  # the `replicator` script's path starts at its own directory
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(
+            f"model.kind={kind!r}: cannot import {module_name} ({type(e).__name__}: {e}); run "
+            f"from the directory that holds it, or add it to PYTHONPATH."
+        ) from e
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(f"model.kind={kind!r}: {module_name} has no function {name}.")
+
+    def job(config, repl, tx):
+        out = fn(config, repl, tx)
+        if not isinstance(out, tuple) or len(out) != 4:
+            raise ValueError(
+                f"model.kind={kind!r}: {name}(config, repl, tx) must return (step_fn, state, "
+                f"input_fn, tokens_per_step); got {type(out).__name__}."
+            )
+        return out
+
+    return job
 
 
 def explain(config: TrainConfig, *, json_path: str | None = None):
