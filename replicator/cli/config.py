@@ -25,6 +25,7 @@ from typing import Any
 import yaml
 
 from replicator.cli.data import DataConfig
+from replicator.cli.optimizers import OptimizerConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +74,8 @@ class TrainConfig:
     cpu_devices: int = 8  # emulated when JAX has one CPU device only; 0: never emulate
     steps: int = 100
     global_batch: int = 32
-    optimizer: str = "adam"  # "adam" or "sgd"
+    # {name, schedule, warmup_steps, end_factor, weight_decay, momentum}, or a name alone
+    optimizer: OptimizerConfig | str = dataclasses.field(default_factory=OptimizerConfig)
     learning_rate: float = 3e-3
     clip_global_norm: float | None = 1.0
     zero_stage: int = 0
@@ -108,7 +110,13 @@ class TrainConfig:
         _at_least(self, "cpu_devices", 0)
         for name in ("steps", "global_batch", "accumulate_steps", "log_every", "checkpoint_every"):
             _at_least(self, name, 1)
-        _one_of(self, "optimizer", OPTIMIZERS, what="an optimizer")
+        if isinstance(self.optimizer, str):  # optimizer: adam, short for {name: adam}
+            try:
+                object.__setattr__(self, "optimizer", OptimizerConfig(name=self.optimizer))
+            except ValueError as e:
+                raise ValueError(
+                    f"{where}optimizer{str(e).removeprefix('OptimizerConfig: ')[4:]}"
+                ) from None
         _finite_positive(self, "learning_rate", example="learning_rate=3e-3")
         if self.clip_global_norm is not None:
             _finite_positive(self, "clip_global_norm", example="clip_global_norm=1.0", none=True)
@@ -151,7 +159,6 @@ class TrainConfig:
 MODEL_KINDS = ("gpt", "mlp", "cnn")
 _OWN_KIND = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 SCHEDULES = ("gpipe", "circular", "1f1b")
-OPTIMIZERS = ("adam", "sgd")
 
 
 def _where(obj) -> str:
@@ -223,6 +230,8 @@ def load(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> Train
         target = raw
         *parents, leaf = key.split(".")
         for part in parents:
+            if part == "optimizer" and isinstance(target.get(part), str):
+                target[part] = {"name": target[part]}  # optimizer: adam, then optimizer.x=...
             target = target.setdefault(part, {})
             if not isinstance(target, dict):
                 raise ValueError(f"override {item!r}: {part} is not a section.")

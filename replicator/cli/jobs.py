@@ -26,6 +26,7 @@ from flax import nnx
 
 import replicator as rp
 from replicator.cli import data as data_lib
+from replicator.cli import optimizers
 from replicator.cli.config import TrainConfig
 from replicator.models import cnn, gpt, mlp
 
@@ -66,8 +67,23 @@ def build(config: TrainConfig):
     kind = config.model.kind
     jobs = {"gpt": _gpt, "mlp": _mlp, "cnn": _cnn}.get(kind) or own_model(kind)  # imports first
     repl = rp.Replicator(mesh_shape=dict(config.mesh))
-    make_tx = {"adam": optax.adam, "sgd": optax.sgd}[config.optimizer]
-    return (repl, *jobs(config, repl, make_tx(config.learning_rate)))
+    tx, schedule = optimizers.make(config.optimizer, config.learning_rate, config.steps)
+    step_fn, state, input_fn, tokens = jobs(config, repl, tx)
+    return repl, *_logging_the_rate(repl, step_fn, state, schedule), input_fn, tokens
+
+
+def _logging_the_rate(repl, step_fn, state, schedule):
+    """``step_fn`` that also returns the step's learning rate as the ``learning_rate`` metric,
+    from a step counter kept in the state (``state["step"]``, saved with it)."""
+
+    def with_rate(full, batch):
+        inner, metrics = step_fn(full["job"], batch)
+        return {"job": inner, "step": full["step"] + 1}, {
+            **metrics,
+            "learning_rate": schedule(full["step"]),
+        }
+
+    return with_rate, {"job": state, "step": repl.replicate(jnp.zeros((), jnp.int32))}
 
 
 def own_model(kind: str):

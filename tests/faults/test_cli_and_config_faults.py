@@ -61,7 +61,7 @@ ONE_LINE = {
     "negative d_model": ("mlp_zero", ["model.d_model=-8"], ["model.d_model", ">= 1"]),
     "heads not dividing d_model": ("lm_dp", ["model.heads=5"], ["model.heads", "d_model"]),
     "unknown model kind": ("mlp_zero", ["model.kind=rnn"], ["model.kind", "'gpt'"]),
-    "unknown optimizer": ("mlp_zero", ["optimizer=adamw"], ["optimizer", "'sgd'"]),
+    "unknown optimizer": ("mlp_zero", ["optimizer=adamx"], ["optimizer", "'adamw'"]),
     "zero_stage 5": ("mlp_zero", ["zero_stage=5"], ["zero_stage", "0, 1, 2 or 3"]),
     "zero accumulate_steps": ("mlp_zero", ["accumulate_steps=0"], ["accumulate_steps", ">= 1"]),
     "negative clip": ("mlp_zero", ["clip_global_norm=-1"], ["clip_global_norm", "> 0"]),
