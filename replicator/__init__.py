@@ -27,6 +27,7 @@ from replicator._src.loop import NonFiniteError as NonFiniteError
 from replicator._src.loop import fit as fit
 from replicator._src.optim import DistributedOptimizer as DistributedOptimizer
 from replicator._src.precision import Policy as Policy
+from replicator._src.profiling import Profile as Profile
 from replicator._src.report import StepReport as StepReport
 from replicator._src.rundir import RunDirLockedError as RunDirLockedError
 from replicator._src.sharded_params import ShardedParam as ShardedParam

@@ -13,6 +13,7 @@ PUBLIC = [
     "InputContext",
     "NonFiniteError",  # rp.fit stops with it on a nan/inf output or state, before saving it
     "Policy",
+    "Profile",
     "ReplicasDivergedError",
     "Replicator",
     "RunDirLockedError",  # rp.fit refuses a run directory another live run holds; catchable

@@ -24,6 +24,7 @@ from replicator._src.context import Replicator, local_row
 from replicator._src.fit_log import Report, drop_lines_after, notice
 from replicator._src.nonfinite import FiniteGuard
 from replicator._src.nonfinite import NonFiniteError as NonFiniteError  # raised by fit
+from replicator._src.profiling import Profile, Tracer
 from replicator._src.rundir import holds_run_lock
 from replicator._src.stop_flag import StopFlag
 from replicator._src.typing import PyTree, StepFn
@@ -59,6 +60,7 @@ def fit(
     examples_per_step: int | None = None,
     tokens_per_step: int | None = None,
     progress: bool = True,
+    profile: Profile | dict | None = None,
 ) -> FitResult:
     """Trains for ``steps`` steps, resuming from ``checkpoint_dir`` if it holds a checkpoint.
 
@@ -113,6 +115,8 @@ def fit(
       tokens_per_step: tokens per global batch, for the tokens/s figure of language models.
       progress: show a progress bar (in a terminal, or in Jupyter with ipywidgets) or else a
         line per log, and a summary at the end; on stderr, on process 0 only.
+      profile: an `rp.Profile` (or a dict of its fields: ``dir``, ``start_step``,
+        ``num_steps``): a ``jax.profiler`` trace of those steps, for TensorBoard or Perfetto.
 
     Returns:
       A `FitResult`; ``history`` holds this run's logged metrics.
@@ -129,6 +133,7 @@ def fit(
                         checkpoint_dir="/tmp/run", checkpoint_every=100)
     """
     _check_arguments(steps, checkpoint_dir, checkpoint_every, eval_every, log_every)
+    tracer = Tracer(Profile.of(profile))
     ckpt = Checkpoints(checkpoint_dir, keep=keep) if checkpoint_dir is not None else None
     state, start, resumed_from, input_state = _resume(ckpt, state, metrics_path)
     if start >= steps:
@@ -154,11 +159,13 @@ def fit(
         eval_fn=eval_fn,
         eval_every=eval_every,
         report=report,
+        tracer=tracer,
     )
     try:
         run.train(input_fn, input_state)
         run.conclude()
     finally:
+        tracer.stop()  # a run that ends (or fails) inside the traced steps
         report.close()
     return FitResult(run.state, run.step, report.history, run.preempted, resumed_from)
 
@@ -209,13 +216,14 @@ class _Training:
         eval_fn: Callable[[PyTree], dict] | None,
         eval_every: int | None,
         report: Report,
+        tracer: Tracer,
     ) -> None:
         self.repl, self.step_fn, self.state = repl, step_fn, state
         self.start = self.step = start
         self.steps, self.log_every = steps, log_every
         self.ckpt, self.checkpoint_every = ckpt, checkpoint_every
         self.eval_fn, self.eval_every = eval_fn, eval_every
-        self.report = report
+        self.report, self.tracer = report, tracer
         self.preempted = False
         self.stop = StopFlag()
         self.guard = FiniteGuard(ckpt)
@@ -238,8 +246,10 @@ class _Training:
 
     def _step(self, batch: PyTree, batches) -> bool:
         """One step, then its logs, checks, evaluation and checkpoint; whether to go on."""
+        self.tracer.before(self.step + 1)
         self.state, outputs = self.repl.run(self.step_fn, self.state, batch)
         self.step += 1
+        self.tracer.after(self.step, self.state)
         step, report = self.step, self.report
         report.advance(step)
         logs = step % self.log_every == 0 or step == self.steps

@@ -67,6 +67,16 @@ class PipelineConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ProfileConfig:
+    start_step: int = 3  # the first traced step, counted from 1 (step 1 compiles)
+    num_steps: int = 3
+
+    def __post_init__(self) -> None:
+        _at_least(self, "start_step", 1)
+        _at_least(self, "num_steps", 1)
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     name: str = "run"
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -86,6 +96,8 @@ class TrainConfig:
     checkpoint_every: int = 50
     out_dir: str = "runs"
     plot: bool = True
+    tensorboard: bool = False  # also write the metrics to out_dir/name/tensorboard
+    profile: ProfileConfig | None = None  # a jax.profiler trace in out_dir/name/profile
 
     def __post_init__(self) -> None:
         where = _where(self)

@@ -171,6 +171,8 @@ def run(config: TrainConfig) -> dict:
                 metrics_path=os.path.join(out, "metrics.jsonl"),
                 examples_per_step=config.global_batch,
                 tokens_per_step=tokens,
+                tensorboard_dir=os.path.join(out, "tensorboard") if config.tensorboard else None,
+                profile=_profile(config, out),
             )
         except USER_ERRORS as e:
             if started:
@@ -199,6 +201,13 @@ def run(config: TrainConfig) -> dict:
         f"replicator train {config.name}: {done} in {seconds:.1f} s; outputs in {out}", flush=True
     )
     return summary
+
+
+def _profile(config: TrainConfig, out: str) -> rp.Profile | None:
+    p = config.profile
+    if p is None:
+        return None
+    return rp.Profile(os.path.join(out, "profile"), start_step=p.start_step, num_steps=p.num_steps)
 
 
 @contextlib.contextmanager
