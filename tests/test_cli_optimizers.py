@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from oracle import rel_err
 
 from replicator.cli import config as config_lib
 from replicator.cli import jobs, optimizers
@@ -134,3 +135,31 @@ def test_every_optimizer_is_exact_under_zero(zero_stage, overrides):
         warnings.simplefilter("ignore", UserWarning)
         got, _ = losses(zero_stage, *overrides)
     assert np.max(np.abs(got - want) / np.abs(want)) <= 1e-5, (got, want)
+
+
+def ema_run(zero_stage):
+    c = config_lib.load(
+        ROOT / "configs/mlp_zero.yaml",
+        [f"zero_stage={zero_stage}", "accumulate_steps=1", "steps=3", "learning_rate=0.1",
+         "optimizer.name=sgd", "optimizer.ema_decay=0.5"],
+    )  # fmt: skip
+    repl, step_fn, state, input_fn, _ = jobs.build(c)
+    batches = iter(input_fn(repl.input_context()))
+    history = [jax.tree.map(np.asarray, state["job"]["params"])]
+    for _ in range(3):
+        state, _ = repl.run(step_fn, state, next(batches))
+        history.append(jax.tree.map(np.asarray, state["job"]["params"]))
+    return jax.tree.map(np.asarray, state["ema"]), history
+
+
+def test_the_ema_of_the_parameters_is_kept_in_the_state_and_exact_under_zero():
+    ema, history = ema_run(0)
+    want = history[0]
+    for params in history[1:]:  # ema = d * ema + (1 - d) * params, after each update
+        want = jax.tree.map(lambda e, p: 0.5 * e + 0.5 * p, want, params)
+    for got, w in zip(jax.tree.leaves(ema), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(got, w, rtol=1e-6)
+    ema1, _ = ema_run(1)
+    assert rel_err(ema1, ema) <= 1e-5  # ZeRO-1: the same average, from sliced updates
+    with pytest.raises(ValueError, match=r"ema_decay must be in \[0, 1\); got 1.5"):
+        OptimizerConfig(ema_decay=1.5)

@@ -69,21 +69,34 @@ def build(config: TrainConfig):
     repl = rp.Replicator(mesh_shape=dict(config.mesh))
     tx, schedule = optimizers.make(config.optimizer, config.learning_rate, config.steps)
     step_fn, state, input_fn, tokens = jobs(config, repl, tx)
-    return repl, *_logging_the_rate(repl, step_fn, state, schedule), input_fn, tokens
+    step_fn, state = _rate_and_ema(repl, step_fn, state, schedule, config.optimizer.ema_decay)
+    return repl, step_fn, state, input_fn, tokens
 
 
-def _logging_the_rate(repl, step_fn, state, schedule):
+def _rate_and_ema(repl, step_fn, state, schedule, ema_decay):
     """``step_fn`` that also returns the step's learning rate as the ``learning_rate`` metric,
-    from a step counter kept in the state (``state["step"]``, saved with it)."""
+    from a step counter kept in the state (``state["step"]``, saved with it), and with
+    ``ema_decay`` keeps ``state["ema"] = d * ema + (1 - d) * params`` after each update (element
+    by element: exact under ZeRO, sharded as the parameters are, and checkpointed)."""
+    if ema_decay is not None and not (isinstance(state, dict) and "params" in state):
+        raise ValueError(
+            "optimizer.ema_decay: the job's state has no 'params' entry to average; return a "
+            "state dict with the parameters under 'params', or drop ema_decay."
+        )
 
     def with_rate(full, batch):
         inner, metrics = step_fn(full["job"], batch)
-        return {"job": inner, "step": full["step"] + 1}, {
-            **metrics,
-            "learning_rate": schedule(full["step"]),
-        }
+        new = {"job": inner, "step": full["step"] + 1}
+        if ema_decay is not None:
+            new["ema"] = jax.tree.map(
+                lambda e, p: ema_decay * e + (1 - ema_decay) * p, full["ema"], inner["params"]
+            )
+        return new, {**metrics, "learning_rate": schedule(full["step"])}
 
-    return with_rate, {"job": state, "step": repl.replicate(jnp.zeros((), jnp.int32))}
+    full = {"job": state, "step": repl.replicate(jnp.zeros((), jnp.int32))}
+    if ema_decay is not None:
+        full["ema"] = jax.tree.map(jnp.copy, state["params"])
+    return with_rate, full
 
 
 def own_model(kind: str):

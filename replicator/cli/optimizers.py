@@ -30,6 +30,7 @@ class OptimizerConfig:
     end_factor: float = 0.0  # cosine and linear: the last step's rate, x learning_rate
     weight_decay: float | None = None  # adamw, lion (default: optax's, 1e-4 and 1e-3)
     momentum: float | None = None  # sgd only: heavy-ball momentum
+    ema_decay: float | None = None  # keep ema = d * ema + (1 - d) * params in the state
 
     def __post_init__(self) -> None:
         where = "OptimizerConfig: "
@@ -56,6 +57,8 @@ class OptimizerConfig:
             )
         if self.weight_decay is not None and self.weight_decay < 0:
             raise ValueError(f"{where}weight_decay must be >= 0; got {self.weight_decay!r}.")
+        if self.ema_decay is not None and not 0 <= self.ema_decay < 1:
+            raise ValueError(f"{where}ema_decay must be in [0, 1); got {self.ema_decay!r}.")
         if self.momentum is not None and (self.name != "sgd" or not 0 <= self.momentum < 1):
             raise ValueError(
                 f"{where}momentum is for optimizer.name='sgd', in [0, 1); got "
