@@ -163,3 +163,12 @@ def test_the_ema_of_the_parameters_is_kept_in_the_state_and_exact_under_zero():
     assert rel_err(ema1, ema) <= 1e-5  # ZeRO-1: the same average, from sliced updates
     with pytest.raises(ValueError, match=r"ema_decay must be in \[0, 1\); got 1.5"):
         OptimizerConfig(ema_decay=1.5)
+
+
+def test_decay_steps_sets_the_schedules_length_apart_from_the_runs():
+    c = OptimizerConfig(schedule="cosine", warmup_steps=2, decay_steps=50)
+    assert float(optimizers.schedule_fn(c, 1.0, 10)(30)) == pytest.approx(
+        float(optax.warmup_cosine_decay_schedule(0.0, 1.0, 2, 50, 0.0)(30))
+    )
+    with pytest.raises(ValueError, match=r"decay_steps must be an int >= 1; got 0"):
+        OptimizerConfig(decay_steps=0)

@@ -28,6 +28,7 @@ class OptimizerConfig:
     schedule: str = "constant"  # "constant", "cosine" (to end_factor) or "linear" (to end_factor)
     warmup_steps: int = 0  # linear warmup from 0 to learning_rate, then the schedule
     end_factor: float = 0.0  # cosine and linear: the last step's rate, x learning_rate
+    decay_steps: int | None = None  # the schedule's length (default: the run's steps)
     weight_decay: float | None = None  # adamw, lion (default: optax's, 1e-4 and 1e-3)
     momentum: float | None = None  # sgd only: heavy-ball momentum
     ema_decay: float | None = None  # keep ema = d * ema + (1 - d) * params in the state
@@ -48,6 +49,12 @@ class OptimizerConfig:
             raise ValueError(f"{where}warmup_steps must be an int >= 0; got {self.warmup_steps!r}.")
         if self.warmup_steps < 0:
             raise ValueError(f"{where}warmup_steps must be an int >= 0; got {self.warmup_steps!r}.")
+        if self.decay_steps is not None and (
+            isinstance(self.decay_steps, bool)
+            or not isinstance(self.decay_steps, int)
+            or self.decay_steps < 1
+        ):
+            raise ValueError(f"{where}decay_steps must be an int >= 1; got {self.decay_steps!r}.")
         if not 0 <= self.end_factor <= 1:
             raise ValueError(f"{where}end_factor must be in [0, 1]; got {self.end_factor!r}.")
         if self.weight_decay is not None and self.name not in _DECAYS:
@@ -67,9 +74,11 @@ class OptimizerConfig:
 
 
 def schedule_fn(config: OptimizerConfig, learning_rate: float, steps: int) -> Callable:
-    """The learning rate at each step (an optax schedule), for ``steps`` steps in all."""
+    """The learning rate at each step (an optax schedule) over ``config.decay_steps`` steps, or
+    over the run's ``steps``; past its end the rate stays at its last value."""
     import optax
 
+    steps = config.decay_steps or steps
     peak, warm = learning_rate, min(config.warmup_steps, steps)
     end = peak * config.end_factor
     if config.schedule == "cosine":
