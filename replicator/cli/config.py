@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 from replicator.cli.data import DataConfig
-from replicator.cli.optimizers import OptimizerConfig
+from replicator.cli.optimizers import DEFAULT_LEARNING_RATE, OptimizerConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,9 +84,9 @@ class TrainConfig:
     cpu_devices: int = 8  # emulated when JAX has one CPU device only; 0: never emulate
     steps: int = 100
     global_batch: int = 32
-    # {name, schedule, warmup_steps, end_factor, weight_decay, momentum}, or a name alone
+    # {name, learning_rate, schedule, warmup_steps, ...} (`replicator.cli.optimizers`), or a name
     optimizer: OptimizerConfig | str = dataclasses.field(default_factory=OptimizerConfig)
-    learning_rate: float = 3e-3
+    learning_rate: float | None = None  # short for optimizer.learning_rate
     clip_global_norm: float | None = 1.0
     zero_stage: int = 0
     accumulate_steps: int = 1
@@ -129,7 +129,15 @@ class TrainConfig:
                 raise ValueError(
                     f"{where}optimizer{str(e).removeprefix('OptimizerConfig: ')[4:]}"
                 ) from None
-        _finite_positive(self, "learning_rate", example="learning_rate=3e-3")
+        if self.learning_rate is not None:  # learning_rate: 1e-3, short for the optimizer's
+            _finite_positive(self, "learning_rate", example="learning_rate=3e-3")
+            if self.optimizer.learning_rate not in (DEFAULT_LEARNING_RATE, self.learning_rate):
+                raise _both_rates(where)
+            object.__setattr__(
+                self,
+                "optimizer",
+                dataclasses.replace(self.optimizer, learning_rate=float(self.learning_rate)),
+            )
         if self.clip_global_norm is not None:
             _finite_positive(self, "clip_global_norm", example="clip_global_norm=1.0", none=True)
         if self.zero_stage not in (0, 1, 2, 3):
@@ -171,6 +179,14 @@ class TrainConfig:
 MODEL_KINDS = ("gpt", "mlp", "cnn")
 _OWN_KIND = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 SCHEDULES = ("gpipe", "circular", "1f1b")
+
+
+def _both_rates(where: str) -> ValueError:
+    return ValueError(
+        f"{where}learning_rate and optimizer.learning_rate are both set; set one of them (the "
+        f"top-level learning_rate is short for optimizer.learning_rate), e.g. "
+        f"optimizer: {{name: adam, learning_rate: 3e-3}}."
+    )
 
 
 def _where(obj) -> str:
@@ -235,10 +251,12 @@ def load(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> Train
             f"config {path}: the top level must be a mapping of keys to values; got a "
             f"{type(raw).__name__}."
         )
+    overridden = set()
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"override {item!r}: write key=value, e.g. steps=20.")
+        overridden.add(key)
         target = raw
         *parents, leaf = key.split(".")
         for part in parents:
@@ -251,6 +269,16 @@ def load(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> Train
             target[leaf] = yaml.safe_load(value)
         except yaml.YAMLError as e:
             raise ValueError(f"override {item!r} is not YAML: {_one_line(e)}") from None
+    # An override of the rate replaces it in whichever form the file gives it.
+    section = raw.get("optimizer")
+    if {"learning_rate", "optimizer.learning_rate"} <= overridden:
+        raise _both_rates("overrides: ")
+    if "learning_rate" in overridden and isinstance(section, dict):
+        section.pop("learning_rate", None)
+    elif "optimizer.learning_rate" in overridden:
+        raw.pop("learning_rate", None)
+    if "learning_rate" in raw and isinstance(section, dict) and "learning_rate" in section:
+        raise _both_rates(f"{path}: ")
     return from_dict(TrainConfig, raw, where=str(path))
 
 

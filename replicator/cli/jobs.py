@@ -65,10 +65,18 @@ def _devices(config: TrainConfig, *, cpu_only: bool) -> None:
 def build(config: TrainConfig):
     """The job a config describes: ``(repl, step_fn, state, input_fn, tokens_per_step)``."""
     kind = config.model.kind
-    jobs = {"gpt": _gpt, "mlp": _mlp, "cnn": _cnn}.get(kind) or own_model(kind)  # imports first
+    builtin = {"gpt": _gpt, "mlp": _mlp, "cnn": _cnn}.get(kind)
+    own = None if builtin else own_model(kind)  # imports first
     repl = rp.Replicator(mesh_shape=dict(config.mesh))
-    tx, schedule = optimizers.make(config.optimizer, config.learning_rate, config.steps)
-    step_fn, state, input_fn, tokens = jobs(config, repl, tx)
+
+    def make_tx(params):  # the weight-decay mask is decided from the whole parameters
+        return optimizers.make_optimizer(config.optimizer, steps=config.steps, params=params)[0]
+
+    if builtin is not None:
+        step_fn, state, input_fn, tokens = builtin(config, repl, make_tx)
+    else:  # its parameters are not known before it runs: the mask is decided on them
+        step_fn, state, input_fn, tokens = own(config, repl, make_tx(None))
+    schedule = optimizers.schedule_fn(config.optimizer, steps=config.steps)
     step_fn, state = _rate_and_ema(repl, step_fn, state, schedule, config.optimizer.ema_decay)
     return repl, step_fn, state, input_fn, tokens
 
@@ -105,9 +113,10 @@ def own_model(kind: str):
 
     ``function(config, repl, tx)`` receives the `TrainConfig`, the `rp.Replicator` built from
     ``mesh`` and the optax transformation of the ``optimizer`` keys (to wrap with
-    ``repl.wrap_optimizer``), and returns ``(step_fn, state, input_fn, tokens_per_step)`` as
-    the built-in jobs do (``tokens_per_step`` may be None); ``rp.fit`` then trains it with the
-    config's steps, checkpoints and logs.
+    ``repl.wrap_optimizer``; its weight-decay mask is decided by `optimizers.decay_mask` on the
+    parameters it is given; the peak rate is ``config.optimizer.learning_rate``), and returns
+    ``(step_fn, state, input_fn, tokens_per_step)`` as the built-in jobs do (``tokens_per_step``
+    may be None); ``rp.fit`` then trains it with the config's steps, checkpoints and logs.
 
     Raises:
       ValueError: if the module cannot be imported or has no such function.
@@ -251,7 +260,7 @@ def _schedule(config: TrainConfig):
     }[p.schedule]
 
 
-def _gpt(config: TrainConfig, repl, inner_tx):
+def _gpt(config: TrainConfig, repl, make_tx):
     m = config.model
     model = gpt.GPTConfig(
         vocab_size=256, seq_len=m.seq_len, d_model=m.d_model, num_heads=m.heads, num_layers=m.layers
@@ -269,7 +278,7 @@ def _gpt(config: TrainConfig, repl, inner_tx):
     tokens = config.global_batch * m.seq_len
     if "stage" not in repl.mesh.shape:
         opt = repl.wrap_optimizer(
-            inner_tx,
+            make_tx(params),
             zero_stage=config.zero_stage,
             accumulate_steps=config.accumulate_steps,
             clip_global_norm=config.clip_global_norm,
@@ -287,7 +296,10 @@ def _gpt(config: TrainConfig, repl, inner_tx):
     grad_fn = gpt.pipeline_value_and_grad(
         model, num_microbatches=config.pipeline.microbatches, schedule=schedule
     )
-    tx = repl.wrap_optimizer(inner_tx, clip_global_norm=config.clip_global_norm)
+    k = repl.mesh.shape["stage"]
+    placed = gpt.place_pipeline(repl, params, num_stages=k, repeats=schedule.repeats, config=model)
+    # the stage blocks [V, K, L/(V K), ...] are placed whole (split over "stage" only)
+    tx = repl.wrap_optimizer(make_tx(placed), clip_global_norm=config.clip_global_norm)
 
     def pipeline_step_fn(state, batch):
         loss, grads = grad_fn(state["params"], batch)
@@ -295,12 +307,10 @@ def _gpt(config: TrainConfig, repl, inner_tx):
         params = optax.apply_updates(state["params"], updates)
         return {"params": params, "opt": opt}, {"loss": rp.all_reduce(loss, "mean")}
 
-    k = repl.mesh.shape["stage"]
-    placed = gpt.place_pipeline(repl, params, num_stages=k, repeats=schedule.repeats, config=model)
     return pipeline_step_fn, {"params": placed, "opt": tx.init(placed)}, input_fn, tokens
 
 
-def _mlp(config: TrainConfig, repl, inner_tx):
+def _mlp(config: TrainConfig, repl, make_tx):
     m = config.model
     rng = np.random.default_rng(0)
     params = {
@@ -325,7 +335,7 @@ def _mlp(config: TrainConfig, repl, inner_tx):
         return jnp.mean((h @ rp.gather_params(p["head"])["w"] - batch["y"]) ** 2)
 
     opt = repl.wrap_optimizer(
-        inner_tx,
+        make_tx(params),
         zero_stage=config.zero_stage,
         accumulate_steps=config.accumulate_steps,
         clip_global_norm=config.clip_global_norm,
@@ -348,7 +358,7 @@ def _mlp(config: TrainConfig, repl, inner_tx):
     return step_fn, {"params": placed, "opt": opt.init(placed)}, input_fn, None
 
 
-def _cnn(config: TrainConfig, repl, inner_tx):
+def _cnn(config: TrainConfig, repl, make_tx):
     """The CNN with cross-replica BatchNorm on `shape_images`, data parallel: the BatchNorm
     statistics travel in the state next to the parameters, and are the same on every replica."""
     model = cnn.CNN(
@@ -356,7 +366,7 @@ def _cnn(config: TrainConfig, repl, inner_tx):
     )
     graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
     tx = repl.wrap_optimizer(
-        inner_tx, zero_stage=config.zero_stage, clip_global_norm=config.clip_global_norm
+        make_tx(params), zero_stage=config.zero_stage, clip_global_norm=config.clip_global_norm
     )
 
     def input_fn(ctx):
