@@ -98,3 +98,108 @@ def test_fit_spec_drops_known_axes_the_mesh_lacks_and_refuses_typos():
         mesh_lib.fit_spec(P("stag"), mesh, api="Replicator.place")
     with pytest.raises(TypeError, match=r"Replicator.place: spec must be a PartitionSpec"):
         mesh_lib.fit_spec("stage", mesh, api="Replicator.place")
+
+
+# -- multi-slice meshes ---------------------------------------------------------------------------
+
+
+class FakeTpu:
+    """A stand-in for one chip of a multi-slice TPU: what JAX's mesh builders read of a device."""
+
+    platform = "tpu"
+    device_kind = "TPU v4"
+    core_on_chip = 0
+
+    def __init__(self, id, slice_index, coords, process_index):
+        self.id, self.slice_index, self.coords = id, slice_index, coords
+        self.process_index = process_index
+
+    def __repr__(self):
+        return f"FakeTpu(id={self.id}, slice={self.slice_index})"
+
+
+def fake_slices(num_slices, x=2, y=2):
+    """``num_slices`` slices of ``x * y`` chips each (coords per slice), two chips per host."""
+    per = x * y
+    return [
+        FakeTpu(s * per + i, s, (i % x, i // x, 0), (s * per + i) // 2)
+        for s in range(num_slices)
+        for i in range(per)
+    ]
+
+
+def slice_of(index, mesh):
+    return {d.slice_index for d in mesh.devices[index].flat}
+
+
+def no_hybrid(*args, **kwargs):
+    raise AssertionError("create_hybrid_device_mesh was called")
+
+
+def test_multi_slice_puts_one_slice_on_each_dcn_data_index(monkeypatch):
+    from jax.experimental import mesh_utils
+
+    devices = fake_slices(2)
+    shuffled = devices[4:6] + devices[:4] + devices[6:]  # order of the list does not matter
+    mesh = mesh_lib.build_mesh({"data": 2, "dcn_data": 2, "stage": 2}, devices=shuffled)
+    assert dict(mesh.shape) == {"dcn_data": 2, "data": 2, "stage": 2}
+    assert mesh.axis_types == (jax.sharding.AxisType.Auto,) * 3
+    assert [slice_of(i, mesh) for i in range(2)] == [{0}, {1}]
+    for s in range(2):  # inside a slice: the layout jax.make_mesh gives that slice alone
+        alone = jax.make_mesh((2, 2), ("data", "stage"), devices=devices[4 * s : 4 * s + 4])
+        assert [d.id for d in mesh.devices[s].flat] == [d.id for d in alone.devices.flat]
+    # dcn_data filled with -1, and a multiple of the slice count: slice i // 2 at index i.
+    filled = mesh_lib.build_mesh({"dcn_data": -1, "data": 4}, devices=fake_slices(2))
+    assert dict(filled.shape) == {"dcn_data": 2, "data": 4}
+    twice = mesh_lib.build_mesh({"dcn_data": 4, "data": 2}, devices=fake_slices(2))
+    assert [slice_of(i, twice) for i in range(4)] == [{0}, {0}, {1}, {1}]
+    # Single slice (or CPU, whose devices have no slice_index): jax.make_mesh as before.
+    monkeypatch.setattr(mesh_utils, "create_hybrid_device_mesh", no_hybrid)
+    one = fake_slices(1)
+    mesh = mesh_lib.build_mesh({"data": 2, "model": 2}, devices=one)
+    same = jax.make_mesh((2, 2), ("data", "model"), devices=one)
+    assert [d.id for d in mesh.devices.flat] == [d.id for d in same.devices.flat]
+
+
+def test_a_cpu_mesh_is_built_as_before(monkeypatch):
+    from jax.experimental import mesh_utils
+
+    monkeypatch.setattr(mesh_utils, "create_hybrid_device_mesh", no_hybrid)
+    assert not hasattr(jax.devices()[0], "slice_index")
+    mesh = mesh_lib.build_mesh({"dcn_data": 2, "data": 2, "model": 2})
+    expected = jax.make_mesh(
+        (2, 2, 2),
+        ("dcn_data", "data", "model"),
+        axis_types=(jax.sharding.AxisType.Auto,) * 3,
+        devices=jax.devices(),
+    )
+    assert mesh == expected and mesh.devices.tolist() == expected.devices.tolist()
+
+
+def test_a_layout_that_puts_another_axis_across_slices_is_refused(monkeypatch):
+    from jax.experimental import mesh_utils
+
+    monkeypatch.setattr(mesh_utils, "create_hybrid_device_mesh", no_hybrid)
+    monkeypatch.setattr(jax, "make_mesh", no_hybrid)
+    with pytest.raises(
+        ValueError,
+        match=r"^Replicator: the devices span 2 slices, and 'dcn_data' is the only mesh axis laid "
+        r"out across slices, but mesh_shape=\{'data': -1\} has no 'dcn_data' axis\. Give "
+        r"'dcn_data' a multiple of 2 \(the slice count\): mesh_shape=\{'dcn_data': 2, "
+        r"'data': -1\}\.$",
+    ):
+        rp.Replicator(mesh_shape={"data": -1}, devices=fake_slices(2))
+    with pytest.raises(
+        ValueError,
+        match=r"the devices span 4 slices.*mesh_shape=\{'dcn_data': 2, 'data': 2, 'stage': 2\} "
+        r"gives 'dcn_data' 2\. Give 'dcn_data' a multiple of 4 \(the slice count\): "
+        r"mesh_shape=\{'dcn_data': 4, 'data': -1, 'stage': 2\}\.$",
+    ):
+        mesh_lib.build_mesh({"dcn_data": 2, "data": 2, "stage": 2}, devices=fake_slices(4, 2, 1))
+    uneven = fake_slices(2)[:6]
+    with pytest.raises(
+        ValueError,
+        match=r"the devices span 2 slices of different sizes \(slice 0: 4 devices, slice 1: 2\).*"
+        r"pass every device of each slice",
+    ):
+        mesh_lib.build_mesh({"dcn_data": 2, "data": 3}, devices=uneven)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 from jax.sharding import AxisType, Mesh
@@ -20,8 +22,110 @@ def make_mesh(shape: Sequence[int], names: Sequence[str], devices: Sequence[jax.
     )
 
 
+def make_hybrid_mesh(
+    ici_shape: Sequence[int],
+    dcn_shape: Sequence[int],
+    names: Sequence[str],
+    devices: Sequence[jax.Device],
+) -> Mesh:
+    """A mesh over several slices (devices with distinct ``slice_index``), all axes ``Auto``.
+
+    ``jax.make_mesh`` refuses multi-slice devices; ``create_hybrid_device_mesh`` lays each slice
+    out on its own (topology-aware, as ``jax.make_mesh`` would) with ``ici_shape``, then tiles the
+    slices, in ``slice_index`` order, along ``dcn_shape``. Axis ``i`` of the mesh has size
+    ``ici_shape[i] * dcn_shape[i]``.
+
+    Args:
+      ici_shape: the axis sizes inside one slice.
+      dcn_shape: how many slices each axis spans; the product is the number of slices.
+      names: the axis names.
+      devices: every device of the mesh, whole slices of equal size.
+
+    Returns:
+      The ``Mesh``.
+    """
+    from jax._src import mesh_utils as jax_mesh_utils  # the device kinds jax.make_mesh splits
+    from jax.experimental import mesh_utils
+
+    # jax.make_mesh (jax 0.10.2) lets XLA split physical axes on these kinds only.
+    split = devices[0].device_kind in (jax_mesh_utils._TPU_V5_LITE, jax_mesh_utils._TPU_V5E)
+    array = mesh_utils.create_hybrid_device_mesh(
+        tuple(ici_shape), tuple(dcn_shape), list(devices), allow_split_physical_axes=split
+    )
+    return Mesh(array, tuple(names), axis_types=(AxisType.Auto,) * len(names))
+
+
 def backends_initialized() -> bool:
     """Whether JAX has started its backends (after which ``jax.distributed`` cannot join)."""
     from jax._src import xla_bridge  # no public API says this (jax 0.10.2)
 
     return bool(xla_bridge.backends_are_initialized())
+
+
+class Cluster(NamedTuple):
+    """A cluster environment JAX's detection found (`detect_cluster`)."""
+
+    name: str  # JAX's ClusterEnv class, such as "SlurmCluster"
+    method: str | None  # jax.distributed.initialize(cluster_detection_method=method) picks it
+    process_count: int | None  # when environment variables say it (SLURM, Open MPI), else None
+
+
+# The detectors whose process count JAX reads from environment variables only (jax 0.10.2).
+_COUNT_IN_ENVIRONMENT = ("SlurmCluster", "OmpiCluster")
+
+
+def detect_cluster() -> Cluster | None:
+    """The first cluster environment JAX's own detection finds, asked without the network.
+
+    JAX (``jax._src.clusters``) knows SLURM, Open MPI, Cloud TPU on GKE and on GCE, Kubernetes,
+    and mpi4py, and asks them in that order, as ``jax.distributed.initialize`` does with no
+    arguments: the first whose ``is_env_present()`` is true wins, and opt-in ones (mpi4py) are
+    left out. Every ``is_env_present`` reads environment variables or local files, except
+    ``GceTpuCluster``'s, which asks the GCE metadata server (HTTP, up to 6 tries). That one is
+    asked only on a Cloud TPU VM: JAX found TPU chips on this machine's PCI bus when it was
+    imported, and ``TPU_SKIP_MDS_QUERY`` is not set (JAX sets it on machines without TPU
+    chips, so a laptop or a CPU/GPU cluster never queries it; set it to skip the query on a
+    TPU VM too). Kubernetes is found only with the ``kubernetes`` package installed; without
+    it, JAX warns and finds nothing.
+
+    Returns:
+      The `Cluster`, or None when no environment is present.
+
+    Raises:
+      RuntimeError: if a detector fails (Kubernetes', outside a pod, for example), naming it.
+    """
+    from jax._src import clusters  # no public API detects without initializing (jax 0.10.2)
+    from jax._src.clusters import cloud_tpu_cluster
+
+    for env in clusters.ClusterEnv._cluster_types:
+        if env.opt_in_only_method:
+            continue
+        if issubclass(env, cloud_tpu_cluster.GceTpuCluster) and (
+            not cloud_tpu_cluster.running_in_cloud_tpu_vm or "TPU_SKIP_MDS_QUERY" in os.environ
+        ):
+            continue  # would ask the metadata server: only on a Cloud TPU VM
+        try:
+            present = env.is_env_present()
+        except Exception as error:
+            raise RuntimeError(
+                f"rp.distributed.initialize: JAX's cluster detection {env.__name__} failed: "
+                f"{type(error).__name__}: {error}. Fix the environment it reads, or skip "
+                f"detection: pass coordinator_address, num_processes, process_id and "
+                f"local_device_ids."
+            ) from error
+        if present:
+            count = int(env.get_process_count()) if env.__name__ in _COUNT_IN_ENVIRONMENT else None
+            named = [
+                other for other in clusters.ClusterEnv._cluster_types if other.name == env.name
+            ]
+            # A name JAX can look up picks this environment alone; else JAX detects it again.
+            return Cluster(env.__name__, env.name if named == [env] else None, count)
+    return None
+
+
+def coordination_client():
+    """JAX's coordination-service client of this process (its key-value store), or None when
+    ``jax.distributed.initialize`` has not started one."""
+    from jax._src.distributed import global_state  # no public API gives it (jax 0.10.2)
+
+    return global_state.client

@@ -2,9 +2,10 @@
 
 `initialize` wraps ``jax.distributed.initialize``. It finds its arguments in this order: the
 arguments given; the variables the local launcher (``launcher.py``, ``replicator launch``) sets
-(``REPLICATOR_*``, named here once for both sides); otherwise JAX's own cluster detection (Cloud
-TPU pods, SLURM, ...). With one process and nothing to detect it does nothing, so the same script
-runs alone or under a launcher.
+(``REPLICATOR_*``, named here once for both sides); otherwise JAX's own cluster detection (SLURM,
+Open MPI, Cloud TPU on GKE and GCE, Kubernetes), asked through ``compat.detect_cluster`` so that
+it never reaches the network except on a Cloud TPU VM. With one process and nothing to detect it
+does nothing, so the same script runs alone or under a launcher.
 
 Under the launcher, `initialize` also makes each worker easy to end: SIGTERM ends it at once
 (JAX's runtime would otherwise hold it), a worker that fails (an uncaught exception, or
@@ -40,11 +41,13 @@ ENV_HEARTBEAT = "REPLICATOR_HEARTBEAT_FILE"
 
 @dataclasses.dataclass(frozen=True)
 class ProcessInfo:
-    """Where this process stands: ``source`` says how the arguments were found."""
+    """Where this process stands: ``source`` says how the arguments were found, and ``cluster``
+    which of JAX's cluster environments found them when ``source == "cluster"``."""
 
     process_index: int
     process_count: int
     source: str  # "arguments", "launcher", "cluster" or "single"
+    cluster: str | None = None  # JAX's ClusterEnv class, e.g. "SlurmCluster"; None unless "cluster"
 
 
 def initialize(
@@ -72,6 +75,18 @@ def initialize(
         killed process ends the job with an error instead of a hang.
       shutdown_timeout: seconds a process waits for the others at exit.
 
+    Without arguments or the launcher's variables, JAX's own cluster detection is asked, in
+    JAX's order: SLURM (under ``srun``), Open MPI (``mpirun``), Cloud TPU on GKE
+    (``TPU_WORKER_HOSTNAMES``), Cloud TPU on GCE, Kubernetes indexed Jobs (with the
+    ``kubernetes`` package). The first found joins the job through JAX, and ``ProcessInfo.cluster``
+    names it. Detection reads environment variables and local files only, with one exception
+    that never fires off a Cloud TPU VM: on a machine where JAX found TPU chips, and unless
+    ``TPU_SKIP_MDS_QUERY`` is set, the GCE metadata server is asked, as JAX itself does. A
+    SLURM or Open MPI job of one process counts as no cluster. Under the launcher, JAX's
+    detection is turned off (the launcher gives every argument). As in JAX, SLURM and Open MPI
+    give each process the one local device of its local rank unless ``local_device_ids`` says
+    otherwise.
+
     When the coordinator address is a loopback one (``127.0.0.1``, ``localhost``), as under
     ``replicator launch``, the coordinator binds to ``127.0.0.1`` only, not to every interface.
     Under the launcher, initialize also restores SIGTERM's default action (JAX's runtime
@@ -86,8 +101,10 @@ def initialize(
     Raises:
       RuntimeError: if JAX's backend is already initialised (some JAX computation, or a call
         such as ``jax.devices()``, ran before ``initialize``) and there is a job to join or a
-        device count to set. Alone with nothing to set, ``initialize`` is then a no-op, so a
-        notebook can run it twice.
+        device count to set. Alone with nothing to set, or once this process has joined its
+        job, ``initialize`` is then a no-op, so a notebook can run it twice. Also if Open MPI
+        started several processes but JAX cannot join them (Open MPI 5 sets no
+        ``OMPI_MCA_orte_hnp_uri``), or if one of JAX's cluster detectors fails.
 
     Example, at the top of a training script that runs alone or under ``replicator launch``::
 
@@ -96,6 +113,7 @@ def initialize(
         repl = rp.Replicator()               # every device of every process
     """
     env = os.environ
+    cluster = detection = None
     if coordinator_address is not None or num_processes is not None or process_id is not None:
         source = "arguments"
     elif ENV_COORDINATOR in env:
@@ -103,15 +121,22 @@ def initialize(
         coordinator_address = env[ENV_COORDINATOR]
         num_processes = int(env[ENV_NUM_PROCESSES])
         process_id = int(env[ENV_PROCESS_ID])
-    elif _cluster_detected(env):
-        source = "cluster"
+        detection = "deactivate"  # every argument is given: nothing for JAX to detect
     else:
-        source = "single"
+        found = compat.detect_cluster()
+        if found is not None and found.process_count != 1:
+            source, cluster, detection = "cluster", found.name, found.method
+        else:
+            source = "single"
+            if found is None:
+                _refuse_undetected_mpi(env)
     if cpu_devices is None and env.get(ENV_CPU_DEVICES):
         cpu_devices = int(env[ENV_CPU_DEVICES])
     if compat.backends_initialized():
         if source == "single" and (not cpu_devices or cpu_devices == jax.local_device_count()):
             return ProcessInfo(jax.process_index(), jax.process_count(), source)  # nothing to do
+        if source != "single" and jax.distributed.is_initialized():  # joined already
+            return ProcessInfo(jax.process_index(), jax.process_count(), source, cluster)
         raise RuntimeError(
             "rp.distributed.initialize: JAX's backend is already initialised, so this process "
             "can no longer join a multi-process job. Call rp.distributed.initialize() at the top "
@@ -130,6 +155,7 @@ def initialize(
         num_processes,
         process_id,
         local_device_ids,
+        cluster_detection_method=detection,
         initialization_timeout=initialization_timeout,
         heartbeat_timeout_seconds=heartbeat_timeout,
         shutdown_timeout_seconds=shutdown_timeout,
@@ -137,15 +163,23 @@ def initialize(
     )
     if source == "launcher":
         _end_fast_under_launcher()
-    return ProcessInfo(jax.process_index(), jax.process_count(), source)
+    return ProcessInfo(jax.process_index(), jax.process_count(), source, cluster)
 
 
-def _cluster_detected(env) -> bool:
-    """Whether JAX's own cluster detection has something to find (SLURM, Cloud TPU, MPI)."""
-    slurm = int(env.get("SLURM_NTASKS", "1") or 1) > 1 and "SLURM_JOB_ID" in env
-    tpu = "TPU_WORKER_HOSTNAMES" in env or "MEGASCALE_COORDINATOR_ADDRESS" in env
-    mpi = int(env.get("OMPI_COMM_WORLD_SIZE", "1") or 1) > 1
-    return slurm or tpu or mpi
+def _refuse_undetected_mpi(env) -> None:
+    """Open MPI started several processes that JAX cannot join: refuse, rather than run each
+    alone (Open MPI 5 no longer sets the ``OMPI_MCA_orte_hnp_uri`` JAX's detection reads)."""
+    size = int(env.get("OMPI_COMM_WORLD_SIZE", "1") or 1)
+    if size > 1:
+        rank = env.get("OMPI_COMM_WORLD_RANK", "?")
+        raise RuntimeError(
+            f"rp.distributed.initialize: Open MPI started this process as rank {rank} of {size} "
+            f"(OMPI_COMM_WORLD_SIZE={size}), but JAX's cluster detection found no cluster it "
+            f"can join (it reads OMPI_MCA_orte_hnp_uri, which Open MPI 5 no longer sets). Pass "
+            f"the job's coordinator (process 0's host and a free port) explicitly: "
+            f"rp.distributed.initialize(coordinator_address='HOST:PORT', "
+            f"num_processes={size}, process_id={rank})."
+        )
 
 
 def _is_loopback(address: str) -> bool:

@@ -20,10 +20,13 @@ MODEL_AXIS = "model"
 """The tensor-parallel axis. Inside a step it is left to XLA's sharding propagation (GSPMD):
 ``step_fn`` sees whole parameters however they are split over ``model``."""
 
-KNOWN_AXES: tuple[str, ...] = ("dcn_data", "data", STAGE_AXIS, MODEL_AXIS)
+DCN_AXIS = "dcn_data"
+"""The one axis laid out across slices (over the data-centre network) on multi-slice devices."""
+
+KNOWN_AXES: tuple[str, ...] = (DCN_AXIS, "data", STAGE_AXIS, MODEL_AXIS)
 """Mesh axes replicator knows, in the order they are laid out (outermost first)."""
 
-DATA_AXES: tuple[str, ...] = ("dcn_data", "data")
+DATA_AXES: tuple[str, ...] = (DCN_AXIS, "data")
 """Axes over which replicas are laid out; collectives in ``step_fn`` reduce over these only."""
 
 
@@ -36,6 +39,14 @@ def build_mesh(
     most communication-hungry axis) is innermost. Axes of size 1 are kept: a program written for
     ``{"data": 4, "stage": 1}`` sees a ``stage`` axis.
 
+    Devices of several slices (distinct ``slice_index`` values, as on multi-slice TPU) get a
+    hybrid mesh: ``dcn_data`` is the only axis that crosses slices, and every other axis stays
+    inside a slice, on its fast interconnect (ICI). ``dcn_data`` must then be a multiple ``k * S``
+    of the number of slices ``S``: slices are taken in ``slice_index`` order, and slice ``j``
+    holds the ``k`` consecutive indices ``j * k, ..., j * k + k - 1`` of ``dcn_data``. Inside a
+    slice, the layout is the one ``jax.make_mesh`` gives that slice alone. Devices of one slice,
+    or without ``slice_index`` (CPU), get ``jax.make_mesh``'s mesh.
+
     >>> import jax
     >>> dict(build_mesh({"stage": 1, "data": -1}, devices=jax.devices()[:2]).shape)
     {'data': 2, 'stage': 1}
@@ -44,6 +55,8 @@ def build_mesh(
       ValueError: for an unknown axis, a non-positive size, more than one -1, or sizes whose
         product is not the number of devices; when the mesh needs more devices than there are,
         the error says how to get them (on CPU: set ``jax_num_cpu_devices`` before JAX starts).
+        On devices of several slices: when ``dcn_data`` is missing or not a multiple of the
+        number of slices, or the slices have different numbers of devices.
     """
     if not isinstance(mesh_shape, Mapping) or not mesh_shape:
         raise TypeError(
@@ -99,7 +112,54 @@ def build_mesh(
             f"{{**mesh_shape, 'data': -1}}), or pass devices=jax.devices()[:{need}]."
         )
     names = [name for name in KNOWN_AXES if name in shape]
+    slices = _slice_sizes(devices)
+    if len(slices) > 1:
+        return _multi_slice_mesh(mesh_shape, shape, names, devices, slices)
     return compat.make_mesh([shape[name] for name in names], names, devices)
+
+
+def _slice_sizes(devices: Sequence[jax.Device]) -> dict[int, int]:
+    """``{slice_index: number of devices}``, in slice order; empty for devices without one."""
+    if not all(hasattr(d, "slice_index") for d in devices):
+        return {}
+    sizes: dict[int, int] = {}
+    for d in sorted(devices, key=lambda d: d.slice_index):
+        sizes[d.slice_index] = sizes.get(d.slice_index, 0) + 1
+    return sizes
+
+
+def _multi_slice_mesh(
+    mesh_shape: Mapping[str, int],
+    shape: Mapping[str, int],
+    names: Sequence[str],
+    devices: Sequence[jax.Device],
+    slices: Mapping[int, int],
+) -> Mesh:
+    """`build_mesh` on devices of several slices: ``dcn_data`` across them, the rest inside."""
+    count = len(slices)
+    if len(set(slices.values())) > 1:
+        sizes = [f"slice {s}: {n}" for s, n in slices.items()]
+        sizes[0] += " devices"
+        raise ValueError(
+            f"Replicator: the devices span {count} slices of different sizes "
+            f"({', '.join(sizes)}); a multi-slice mesh is laid out slice by slice, so pass every "
+            f"device of each slice (e.g. devices=jax.devices())."
+        )
+    dcn = shape.get(DCN_AXIS, 1)
+    if dcn % count:
+        fix = {DCN_AXIS: count, **{k: v for k, v in mesh_shape.items() if k != DCN_AXIS}}
+        if -1 not in fix.values():
+            fix["data"] = -1
+        fix = {name: fix[name] for name in KNOWN_AXES if name in fix}
+        has = f"gives {DCN_AXIS!r} {dcn}" if DCN_AXIS in mesh_shape else f"has no {DCN_AXIS!r} axis"
+        raise ValueError(
+            f"Replicator: the devices span {count} slices, and {DCN_AXIS!r} is the only mesh axis "
+            f"laid out across slices, but mesh_shape={dict(mesh_shape)} {has}. Give "
+            f"{DCN_AXIS!r} a multiple of {count} (the slice count): mesh_shape={fix}."
+        )
+    ici = [dcn // count if name == DCN_AXIS else shape[name] for name in names]
+    dcn_shape = [count if name == DCN_AXIS else 1 for name in names]
+    return compat.make_hybrid_mesh(ici, dcn_shape, names, devices)
 
 
 def _more_devices(devices: Sequence[jax.Device], need: int) -> str:
