@@ -32,5 +32,8 @@ from replicator._src.report import StepReport as StepReport
 from replicator._src.rundir import RunDirLockedError as RunDirLockedError
 from replicator._src.sharded_params import ShardedParam as ShardedParam
 from replicator._src.sharded_params import gather_params as gather_params
+from replicator._src.writers import MetricWriter as MetricWriter
+from replicator._src.writers import TensorBoardWriter as TensorBoardWriter
+from replicator._src.writers import WandbWriter as WandbWriter
 
 __version__ = "0.1.0"

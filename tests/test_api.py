@@ -11,6 +11,7 @@ PUBLIC = [
     "DistributedOptimizer",
     "FitResult",
     "InputContext",
+    "MetricWriter",  # rp.fit(writers=[...]): any object with write(step, metrics) and close()
     "NonFiniteError",  # rp.fit stops with it on a nan/inf output or state, before saving it
     "Policy",
     "Profile",
@@ -20,6 +21,8 @@ PUBLIC = [
     "ShardedParam",
     "StateMismatchError",
     "StepReport",
+    "TensorBoardWriter",
+    "WandbWriter",
     "all_gather",
     "all_reduce",
     "broadcast",

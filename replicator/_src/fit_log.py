@@ -1,8 +1,8 @@
 """What `fit` shows and writes besides the state: its `Report`.
 
 A progress bar on a terminal (or in Jupyter) or a line per log, the metrics as JSONL lines and
-TensorBoard scalars, notices and the summary at the end, on process 0. `drop_lines_after`
-keeps a resumed run's JSONL file to one line per step.
+to the run's writers (TensorBoard, W&B, your own), notices and the summary at the end, on
+process 0. `drop_lines_after` keeps a resumed run's JSONL file to one line per step.
 """
 
 from __future__ import annotations
@@ -12,10 +12,12 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Sequence
 
 import jax
 
 from replicator._src.checkpoint import Checkpoints
+from replicator._src.writers import MetricWriter, TensorBoardWriter
 
 
 def drop_lines_after(path: str | os.PathLike, step: int) -> None:
@@ -58,10 +60,23 @@ def notice(text: str) -> None:
 
 
 class Report:
-    """The run's outputs besides the state: progress bar or lines, JSONL, TensorBoard, summary."""
+    """The run's outputs besides the state: progress bar or lines, JSONL, writers, summary.
+
+    ``writers`` (checked by `writers.check_writers`) are written to on process 0 and closed by
+    their owner (`fit`); the `TensorBoardWriter` of ``tensorboard_dir`` is the report's own.
+    """
 
     def __init__(
-        self, steps, start, progress, metrics_path, tensorboard_dir, examples, tokens
+        self,
+        steps,
+        start,
+        progress,
+        metrics_path,
+        tensorboard_dir,
+        examples,
+        tokens,
+        *,
+        writers: Sequence[MetricWriter] = (),
     ) -> None:
         self.steps, self.start = steps, start
         self.history: list[dict] = []
@@ -70,7 +85,9 @@ class Report:
         self._t_start = self._t_log = time.perf_counter()
         self._last_log_step = start
         self._jsonl = open(metrics_path, "a") if metrics_path is not None else None
-        self._tb = _tensorboard(tensorboard_dir) if jax.process_index() == 0 else None
+        first = jax.process_index() == 0
+        self._tb = _tensorboard(tensorboard_dir) if first else None
+        self._writers = [*([self._tb] if self._tb else []), *writers] if first else []
         self._bar = _bar(steps, start) if self._show else None
         self._status = ""
 
@@ -104,11 +121,8 @@ class Report:
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record) + "\n")
             self._jsonl.flush()
-        if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, int | float):
-                    self._tb.add_scalar(key, value, step)
-            self._tb.flush()
+        for writer in self._writers:
+            writer.write(step, {k: v for k, v in record.items() if k != "step"})
         line = _line(record, self.steps)
         if self._bar is not None:
             if not prefix:
@@ -185,19 +199,20 @@ def _bar(steps: int, start: int):
     return bar, task
 
 
-def _tensorboard(directory):
+def _tensorboard(directory) -> TensorBoardWriter | None:
     if directory is None:
         return None
     try:
-        from tensorboardX import SummaryWriter
+        import tensorboardX  # noqa: F401
     except ImportError:
         warnings.warn(
-            "rp.fit: tensorboard_dir is set but tensorboardX is not installed; metrics go to "
-            'JSONL only. pip install "replicator[tensorboard]" to write TensorBoard scalars.',
+            "rp.fit: tensorboard_dir is set but tensorboardX is not installed; no TensorBoard "
+            "scalars are written (metrics_path and the writers are not affected). pip install "
+            '"replicator[tensorboard]" to write them.',
             stacklevel=3,
         )
         return None
-    return SummaryWriter(os.fspath(directory))
+    return TensorBoardWriter(directory)
 
 
 def _line(metrics: dict, steps: int) -> str:

@@ -28,6 +28,7 @@ from replicator._src.profiling import Profile, Tracer
 from replicator._src.rundir import holds_run_lock
 from replicator._src.stop_flag import StopFlag
 from replicator._src.typing import PyTree, StepFn
+from replicator._src.writers import MetricWriter, closes_writers
 
 
 @dataclasses.dataclass
@@ -41,6 +42,7 @@ class FitResult:
     resumed_from: int | None  # the checkpoint step this run started from
 
 
+@closes_writers  # writers checked before the run and closed after it, whatever happens
 @holds_run_lock  # the run directory is this run's alone, until fit returns or raises
 def fit(
     repl: Replicator,
@@ -61,6 +63,8 @@ def fit(
     tokens_per_step: int | None = None,
     progress: bool = True,
     profile: Profile | dict | None = None,
+    writers: list[MetricWriter] | tuple[MetricWriter, ...] = (),
+    async_checkpoints: bool = False,
 ) -> FitResult:
     """Trains for ``steps`` steps, resuming from ``checkpoint_dir`` if it holds a checkpoint.
 
@@ -104,7 +108,8 @@ def fit(
         resumed run continues it; on resume, the lines of steps after the restored checkpoint,
         logged before the run stopped, are dropped first, so that each step appears once).
       tensorboard_dir: also write the metrics as TensorBoard scalars there (needs
-        ``tensorboardX``: ``pip install "replicator[tensorboard]"``).
+        ``tensorboardX``: ``pip install "replicator[tensorboard]"``); the same as
+        ``writers=[rp.TensorBoardWriter(tensorboard_dir)]``.
       eval_fn: ``eval_fn(state) -> dict`` of numbers, called every ``eval_every`` steps with
         the training state, logged with an ``eval_`` prefix. It may run steps on that state
         with ``repl.run`` (``repl.run(eval_step, state, batch)``): while it runs, ``repl``
@@ -117,12 +122,22 @@ def fit(
         line per log, and a summary at the end; on stderr, on process 0 only.
       profile: an `rp.Profile` (or a dict of its fields: ``dir``, ``start_step``,
         ``num_steps``): a ``jax.profiler`` trace of those steps, for TensorBoard or Perfetto.
+      writers: `rp.MetricWriter`s (objects with ``write(step, metrics)`` and ``close()``),
+        e.g. ``rp.TensorBoardWriter(dir)``, ``rp.WandbWriter(project=...)`` or your own: each
+        gets every logged record (those of ``history``, without ``step``) on process 0, and
+        is closed on every process when fit returns or raises.
+      async_checkpoints: write checkpoints in a background thread (orbax's asynchronous
+        saving): each save returns once the state is copied off the devices and training goes
+        on while the files are written. A step is still complete or absent on disk (written
+        aside, renamed when done); the next save, and fit's return (or its error), wait for
+        the write in progress.
 
     Returns:
       A `FitResult`; ``history`` holds this run's logged metrics.
 
     Raises:
       NonFiniteError: (a FloatingPointError) if a checked output or the state is not finite.
+      TypeError: if ``writers`` is not a list of objects with ``write`` and ``close``.
 
     Example (one epoch of a regression, on whatever devices there are)::
 
@@ -134,40 +149,57 @@ def fit(
     """
     _check_arguments(steps, checkpoint_dir, checkpoint_every, eval_every, log_every)
     tracer = Tracer(Profile.of(profile))
-    ckpt = Checkpoints(checkpoint_dir, keep=keep) if checkpoint_dir is not None else None
-    state, start, resumed_from, input_state = _resume(ckpt, state, metrics_path)
-    if start >= steps:
-        notice(
-            f"rp.fit: the run is complete at step {start} (steps={steps}); its checkpoint is in "
-            f"{ckpt.directory}. Nothing to do: give a larger steps to train on."
+    if not isinstance(async_checkpoints, bool):
+        raise TypeError(
+            f"rp.fit: async_checkpoints must be True or False; got {async_checkpoints!r}."
         )
-        return FitResult(state, start, [], False, resumed_from)
-    report = Report(
-        steps, start, progress, metrics_path, tensorboard_dir, examples_per_step, tokens_per_step
-    )
-    if resumed_from is not None:
-        report.say(f"rp.fit: resumed from the checkpoint of step {start} in {ckpt.directory}")
-    run = _Training(
-        repl,
-        step_fn,
-        state,
-        start=start,
-        steps=steps,
-        ckpt=ckpt,
-        checkpoint_every=checkpoint_every,
-        log_every=log_every or steps,
-        eval_fn=eval_fn,
-        eval_every=eval_every,
-        report=report,
-        tracer=tracer,
-    )
+    ckpt = None
+    if checkpoint_dir is not None:
+        ckpt = Checkpoints(checkpoint_dir, keep=keep, async_save=async_checkpoints)
     try:
-        run.train(input_fn, input_state)
-        run.conclude()
+        state, start, resumed_from, input_state = _resume(ckpt, state, metrics_path)
+        if start >= steps:
+            notice(
+                f"rp.fit: the run is complete at step {start} (steps={steps}); its checkpoint is in "
+                f"{ckpt.directory}. Nothing to do: give a larger steps to train on."
+            )
+            return FitResult(state, start, [], False, resumed_from)
+        report = Report(
+            steps,
+            start,
+            progress,
+            metrics_path,
+            tensorboard_dir,
+            examples_per_step,
+            tokens_per_step,
+            writers=writers,
+        )
+        if resumed_from is not None:
+            report.say(f"rp.fit: resumed from the checkpoint of step {start} in {ckpt.directory}")
+        run = _Training(
+            repl,
+            step_fn,
+            state,
+            start=start,
+            steps=steps,
+            ckpt=ckpt,
+            checkpoint_every=checkpoint_every,
+            log_every=log_every or steps,
+            eval_fn=eval_fn,
+            eval_every=eval_every,
+            report=report,
+            tracer=tracer,
+        )
+        try:
+            run.train(input_fn, input_state)
+            run.conclude()
+        finally:
+            tracer.stop()  # a run that ends (or fails) inside the traced steps
+            report.close()
+        return FitResult(run.state, run.step, report.history, run.preempted, resumed_from)
     finally:
-        tracer.stop()  # a run that ends (or fails) inside the traced steps
-        report.close()
-    return FitResult(run.state, run.step, report.history, run.preempted, resumed_from)
+        if ckpt is not None:
+            ckpt.close()  # after the write in progress, if any
 
 
 def _check_arguments(steps, checkpoint_dir, checkpoint_every, eval_every, log_every) -> None:
@@ -249,6 +281,7 @@ class _Training:
         self.tracer.before(self.step + 1)
         self.state, outputs = self.repl.run(self.step_fn, self.state, batch)
         self.step += 1
+        stop = self.stop.after_step(self.step)  # before anything waits on the step's results
         self.tracer.after(self.step, self.state)
         step, report = self.step, self.report
         report.advance(step)
@@ -266,7 +299,7 @@ class _Training:
             )
         if saves:
             self._save(batches)
-        if self.stop.requested:
+        if stop:
             self.preempted = True
             return False
         return step < self.steps  # else stop before next() takes one more batch off the input
@@ -283,8 +316,8 @@ class _Training:
         """Says how the run ended, unless at ``steps``, and sums it up."""
         step, ckpt, report = self.step, self.ckpt, self.report
         if self.preempted:
-            report.say(
-                f"rp.fit: stopped by {self.stop.signal_name} at step {step}; checkpoint saved"
+            report.notice(
+                f"rp.fit: stopped by {self.stop.stopped_by} at step {step}; checkpoint saved"
             )
         elif step < self.steps:
             saved = f"; checkpoint of step {step} saved in {ckpt.directory}" if ckpt else ""

@@ -77,6 +77,23 @@ class ProfileConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class WandbConfig:
+    # A Weights & Biases run in out_dir/name/wandb; `wandb: true` is short for `wandb: {}`.
+    project: str | None = None  # null: the run's name
+    name: str | None = None  # the W&B run's display name; null: the run's name
+    mode: str = "offline"  # nothing sent: `wandb sync` the run later; "online" or "disabled"
+
+    def __post_init__(self) -> None:
+        _one_of(self, "mode", WANDB_MODES, what="a wandb mode")
+        for key in ("project", "name"):
+            value = getattr(self, key)
+            if value is not None and not value.strip():
+                raise ValueError(
+                    f"{_where(self)}{key} must be a non-empty name or null; got {value!r}."
+                )
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     name: str = "run"
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -94,10 +111,12 @@ class TrainConfig:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)  # path: your own data
     log_every: int = 10
     checkpoint_every: int = 50
+    async_checkpoints: bool = False  # write checkpoints in the background (rp.fit's)
     out_dir: str = "runs"
     plot: bool = True
     tensorboard: bool = False  # also write the metrics to out_dir/name/tensorboard
     profile: ProfileConfig | None = None  # a jax.profiler trace in out_dir/name/profile
+    wandb: WandbConfig | bool | None = None  # a W&B run (offline) in out_dir/name/wandb
 
     def __post_init__(self) -> None:
         where = _where(self)
@@ -140,6 +159,8 @@ class TrainConfig:
             )
         if self.clip_global_norm is not None:
             _finite_positive(self, "clip_global_norm", example="clip_global_norm=1.0", none=True)
+        if isinstance(self.wandb, bool):  # wandb: true, short for wandb: {} (offline)
+            object.__setattr__(self, "wandb", WandbConfig() if self.wandb else None)
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"{where}zero_stage must be 0, 1, 2 or 3; got {self.zero_stage!r}.")
         self._check_model_fits_the_job()
@@ -179,6 +200,7 @@ class TrainConfig:
 MODEL_KINDS = ("gpt", "mlp", "cnn")
 _OWN_KIND = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 SCHEDULES = ("gpipe", "circular", "1f1b")
+WANDB_MODES = ("offline", "online", "disabled")
 
 
 def _both_rates(where: str) -> ValueError:
@@ -262,6 +284,8 @@ def load(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> Train
         for part in parents:
             if part == "optimizer" and isinstance(target.get(part), str):
                 target[part] = {"name": target[part]}  # optimizer: adam, then optimizer.x=...
+            if part == "wandb" and isinstance(target.get(part), bool):
+                target[part] = {}  # wandb: true, then wandb.mode=...
             target = target.setdefault(part, {})
             if not isinstance(target, dict):
                 raise ValueError(f"override {item!r}: {part} is not a section.")
@@ -324,6 +348,11 @@ def _check(hint, value, where: str, file: str = "config", prefix: str = "") -> A
                 return _check(option, value, where, file, prefix)
             except ValueError as e:
                 errors.append(str(e))
+        if bool in options and not isinstance(value, dict):  # e.g. wandb: a section or true
+            if any(dataclasses.is_dataclass(option) for option in options):
+                raise ValueError(
+                    f"{where}: expected a section (mapping) or true/false; got {value!r}."
+                )
         raise ValueError(errors[0] if errors else f"{where}: unexpected value {value!r}.")
     if dataclasses.is_dataclass(hint):
         if not isinstance(value, dict):

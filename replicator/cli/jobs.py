@@ -174,6 +174,7 @@ def run(config: TrainConfig) -> dict:
     out = os.path.join(config.out_dir, config.name)
     try:
         os.makedirs(out, exist_ok=True)
+        writers = _writers(config, out)
         repl, step_fn, state, input_fn, tokens = build(config)
     except (*USER_ERRORS, OSError) as e:
         raise SetupError(str(e)) from e
@@ -189,12 +190,14 @@ def run(config: TrainConfig) -> dict:
                 steps=config.steps,
                 checkpoint_dir=os.path.abspath(os.path.join(out, "checkpoints")),
                 checkpoint_every=config.checkpoint_every,
+                async_checkpoints=config.async_checkpoints,
                 log_every=config.log_every,
                 metrics_path=os.path.join(out, "metrics.jsonl"),
                 examples_per_step=config.global_batch,
                 tokens_per_step=tokens,
                 tensorboard_dir=os.path.join(out, "tensorboard") if config.tensorboard else None,
                 profile=_profile(config, out),
+                writers=writers,
             )
         except USER_ERRORS as e:
             if started:
@@ -230,6 +233,28 @@ def _profile(config: TrainConfig, out: str) -> rp.Profile | None:
     if p is None:
         return None
     return rp.Profile(os.path.join(out, "profile"), start_step=p.start_step, num_steps=p.num_steps)
+
+
+def _writers(config: TrainConfig, out: str) -> list:
+    """The run's metric writers besides TensorBoard: a W&B run in ``out/wandb`` (``wandb:``).
+
+    Raises:
+      SetupError: if wandb is not installed.
+    """
+    w = config.wandb
+    if w is None:
+        return []
+    try:
+        writer = rp.WandbWriter(
+            project=w.project or config.name,
+            name=w.name or config.name,
+            dir=out,
+            mode=w.mode,
+            config=dataclasses.asdict(config),
+        )
+    except ImportError as e:
+        raise SetupError(f"wandb: {e}") from e
+    return [writer]
 
 
 @contextlib.contextmanager
