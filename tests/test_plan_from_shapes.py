@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 from test_report import WIDTH, mlp, mlp_loss, zero_loss, zero_params
 
 import replicator as rp
@@ -150,3 +151,53 @@ def test_abstract_allocates_nothing():
     shapes = repl.abstract(init)
     assert shapes["params"]["w"].shape == (64, 16384, 16384)
     assert shapes["opt"].inner[0].nu["w"].shape == (64 * 16384 * 16384,)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 3])
+@pytest.mark.parametrize(
+    "mesh_shape, specs",
+    [
+        ({"data": 2, "stage": 4}, {"w": P("stage"), "b": P()}),
+        ({"data": 2, "model": 4}, {"w": P(None, None, "model"), "b": P()}),
+        ({"data": 2, "stage": 2, "model": 2}, {"w": P("stage", None, "model"), "b": P()}),
+    ],
+)
+def test_abstract_optimizer_state_of_split_parameters_has_the_real_shardings(
+    mesh_shape, specs, zero_stage
+):
+    """The optimizer state of parameters split over `stage` or `model` (Adam's moments, which
+    eagerly inherit the parameters' sharding, and ZeRO's blocks, laid out by the parameters'
+    split) gets from repl.abstract the shapes and shardings the real init gives them; before,
+    the traced parameters' split was invisible and the moments came out replicated."""
+    repl = rp.Replicator(mesh_shape=mesh_shape)
+    opt = repl.wrap_optimizer(optax.adam(1e-3), zero_stage=zero_stage)
+
+    def init():
+        params = repl.place({"w": jnp.ones((4, 8, 8)), "b": jnp.ones((8,))}, specs)
+        if zero_stage == 3:
+            params = opt.shard_params(params)
+        return {"params": params, "opt": opt.init(params)}
+
+    def described(tree):
+        flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+        return [(jax.tree_util.keystr(k), x.shape, x.dtype, x.sharding.spec) for k, x in flat]
+
+    assert described(repl.abstract(init)) == described(init())
+
+
+def test_abstract_refuses_an_optimizer_state_leaf_not_shaped_like_the_parameters():
+    """A state leaf the library cannot tie to a parameter (here a [3] buffer) is refused when
+    built from shapes, instead of being assumed replicated."""
+    repl = rp.Replicator(mesh_shape={"data": 2, "stage": 4})
+
+    def odd_init(params):
+        return {"buffer": jnp.zeros((3,)), "mu": jax.tree.map(jnp.zeros_like, params)}
+
+    tx = repl.wrap_optimizer(optax.GradientTransformation(odd_init, lambda g, s, p=None: (g, s)))
+
+    def init():
+        params = repl.place({"w": jnp.ones((4, 8))}, P("stage"))
+        return {"params": params, "opt": tx.init(params)}
+
+    with pytest.raises(ValueError, match=r"wrap_optimizer: .*shape \[3\].*placement.*guess"):
+        repl.abstract(init)

@@ -391,7 +391,9 @@ class Replicator:
         )
         return program.lower(state_leaves, arg_leaves)
 
-    def explain(self, step_fn: StepFn, state: PyTree, *args: PyTree) -> report_lib.StepReport:
+    def explain(
+        self, step_fn: StepFn, state: PyTree, *args: PyTree, stage_costs: bool = True
+    ) -> report_lib.StepReport:
         """What ``run(step_fn, state, *args)`` would cost per device, without running it.
 
         Compiles the step for this mesh and reads the compiled program: per-device memory
@@ -409,6 +411,9 @@ class Replicator:
           step_fn: one replica's step, as for `run`.
           state: the state, or its shapes; as for `run`.
           *args: the arguments, e.g. a global batch, or their shapes.
+          stage_costs: for each pipeline, compile each stage's passes alone to count their
+            FLOPs and model the step with them; False models it with equal stage costs
+            (about half the compile time; the same for identical stages).
 
         Returns:
           A `StepReport`: print it for tables, ``to_json()`` for everything.
@@ -430,7 +435,8 @@ class Replicator:
         start = time.perf_counter()
         state_leaves, state_def = jax.tree.flatten(state)
         arg_leaves, args_def = jax.tree.flatten(args)
-        with tracing.recording() as pipelines:  # a new program: step_fn is traced again
+        # a new program: step_fn is traced again
+        with tracing.recording(measure_stages=stage_costs) as pipelines:
             program, _ = self._steps.compile(
                 step_fn, state_def, args_def, state_leaves, arg_leaves, args
             )

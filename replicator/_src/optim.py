@@ -45,6 +45,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
@@ -381,6 +382,44 @@ def _placed_on(tx: optax.GradientTransformationExtraArgs, mesh: Mesh):
         return placement.put(x, replicated)
 
     def init(params):
-        return jax.tree.map(place, tx.init(params))
+        state = tx.init(params)
+        if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params)):
+            return jax.tree.map(place, state)
+        return _abstract_placed(state, params, mesh, replicated)
 
     return optax.GradientTransformationExtraArgs(init, tx.update)
+
+
+def _abstract_placed(state: PyTree, params: PyTree, mesh: Mesh, replicated) -> PyTree:
+    """`_placed_on`'s placement of ``tx.init(params)`` when the state is built from shapes
+    (``Replicator.abstract``), where a traced leaf carries no sharding. Eagerly, a state leaf
+    made like a parameter (``zeros_like``: Adam's moments, momentum) has the parameter's
+    sharding; here a subtree with the parameters' structure and shapes gets their shardings,
+    a scalar is replicated, and any other leaf is refused rather than guessed."""
+    shardings = [placement.sharding_of(p) for p in jax.tree.leaves(params)]
+    treedef = jax.tree.structure(params)
+    shapes = [(np.shape(p), None) for p in jax.tree.leaves(params)]
+
+    def like_params(node) -> bool:
+        if jax.tree.structure(node) != treedef:
+            return False
+        return [(np.shape(x), None) for x in jax.tree.leaves(node)] == shapes
+
+    def place_node(node):
+        if placement.sharding_of(node) is not None:  # placed inside tx.init already
+            return node
+        if like_params(node) and all(s is not None for s in shardings):
+            leaves = jax.tree.leaves(node)
+            placed = [placement.put(x, s) for x, s in zip(leaves, shardings, strict=True)]
+            return jax.tree.unflatten(treedef, placed)
+        if np.ndim(node) == 0:
+            return placement.put(node, replicated)
+        raise ValueError(
+            f"wrap_optimizer: building the optimizer state from shapes (repl.abstract), a "
+            f"state leaf of shape {list(np.shape(node))} is neither a scalar nor part of a tree "
+            f"shaped like the parameters, so its placement on the mesh would be a guess. Build "
+            f"this state from real parameters, or place it yourself inside the init function "
+            f"(repl.place(opt_state, specs))."
+        )
+
+    return jax.tree.map(place_node, state, is_leaf=like_params)

@@ -47,3 +47,15 @@ def recorded_sharding(table: dict[int, tuple[Any, Any]], leaf: Any) -> Any:
     """The sharding `put` gave ``leaf`` while ``table`` was recording, or None."""
     entry = table.get(id(leaf))
     return entry[1] if entry is not None and entry[0] is leaf else None
+
+
+def recording_active() -> bool:
+    """Whether a `recording` block is open (a state is being built from shapes)."""
+    return bool(_TABLES)
+
+
+def sharding_of(leaf: Any) -> Any:
+    """``leaf``'s sharding: its own if concrete, else the one `put` recorded for it, or None."""
+    if not isinstance(leaf, jax.core.Tracer):
+        return getattr(leaf, "sharding", None)
+    return recorded_sharding(_TABLES.top(), leaf) if _TABLES else None

@@ -93,18 +93,26 @@ class PipelineNote:
 
 
 _NOTES: scoped.Stack[list[PipelineNote]] = scoped.Stack()
+_MEASURE: scoped.Stack[bool] = scoped.Stack()
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[list[PipelineNote]]:
-    """Collects the `PipelineNote`s of the pipelines traced inside the block."""
-    with _NOTES.push([]) as notes:
+def recording(*, measure_stages: bool = True) -> Iterator[list[PipelineNote]]:
+    """Collects the `PipelineNote`s of the pipelines traced inside the block. With
+    ``measure_stages=False`` the notes model the step with equal stage costs instead of
+    compiling each stage's passes to count their FLOPs (faster; exact for identical stages)."""
+    with _NOTES.push([]) as notes, _MEASURE.push(bool(measure_stages)):
         yield notes
 
 
 def recording_pipelines() -> bool:
     """Whether a `recording` block is open on this thread (the engine then notes its plan)."""
     return bool(_NOTES)
+
+
+def measuring_stages() -> bool:
+    """Whether the open `recording` block wants each stage's FLOPs measured."""
+    return bool(_MEASURE) and _MEASURE.top()
 
 
 def note_pipeline(note: PipelineNote) -> None:

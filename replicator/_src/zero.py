@@ -145,7 +145,7 @@ class Zero:
         )
         # ZeRO-3 stage blocks: the state of a layer is stored as the layer's flat is
         flats = {
-            _real_shape(x.flat.shape, x): x.flat.sharding
+            _real_shape(x.flat.shape, x): placement.sharding_of(x.flat)
             for x in jax.tree.leaves(params, is_leaf=is_sharded_param)
             if isinstance(x, ShardedParam) and zero_blocks.stage_dim(x, self.k) is not None
         }

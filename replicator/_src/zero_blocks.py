@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from replicator._src import mesh as mesh_lib
+from replicator._src import placement
 from replicator._src.sharded_params import ShardedParam, is_sharded_param
 from replicator._src.typing import PyTree
 
@@ -52,7 +53,7 @@ def stage_dim(x: Any, k: int) -> int | None:
     """The dimension of a global parameter split over ``stage`` (of size ``k`` > 1), or None;
     for a `ShardedParam`, that of its stored flat."""
     x = x.flat if isinstance(x, ShardedParam) else x
-    spec = getattr(getattr(x, "sharding", None), "spec", None)
+    spec = getattr(placement.sharding_of(x), "spec", None)
     if k == 1 or spec is None:
         return None
     dims = [d for d, e in enumerate(spec) if mesh_lib.STAGE_AXIS in names(e)]
@@ -116,7 +117,7 @@ def check_params(params: PyTree, mesh, *, stage: int) -> None:
     api = f"wrap_optimizer(zero_stage={stage})"
     k = dict(mesh.shape).get(mesh_lib.STAGE_AXIS, 1)
     for path, p in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_sharded_param)[0]:
-        spec = getattr(getattr(p, "sharding", None), "spec", None)
+        spec = getattr(placement.sharding_of(p), "spec", None)
         where = f"parameter {jax.tree_util.keystr(path)}"
         on_data = set(mesh_lib.replica_axes(mesh)) & set(names(*(spec or ())))
         if stage < 3 and on_data:

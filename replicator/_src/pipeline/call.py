@@ -157,7 +157,9 @@ def note_plan(
     n = plan.num_stages * plan.repeats
     equal = _forward_only(timing.StageCosts.equal(n), backward)
     measured, why = None, "no stage function given"
-    if stage_fn is not None:
+    if stage_fn is not None and not tracing.measuring_stages():
+        why = "not measured (explain(..., stage_costs=False))"
+    elif stage_fn is not None:
         measured, why = _measured_costs(plan, stage_fn, stage_params, example_input, backward)
     at_equal = timing.step_time(plan, equal)
     shown = at_equal if measured is None else timing.step_time(plan, measured)
