@@ -26,6 +26,15 @@ from replicator._src.loop import FitResult as FitResult
 from replicator._src.loop import NonFiniteError as NonFiniteError
 from replicator._src.loop import fit as fit
 from replicator._src.optim import DistributedOptimizer as DistributedOptimizer
+from replicator._src.planner.hardware import HARDWARE as HARDWARE
+from replicator._src.planner.hardware import Hardware as Hardware
+from replicator._src.planner.hardware import hardware as hardware
+from replicator._src.planner.layouts import Family as Family
+from replicator._src.planner.layouts import Layout as Layout
+from replicator._src.planner.layouts import enumerate_layouts as enumerate_layouts
+from replicator._src.planner.planning import Candidate as Candidate
+from replicator._src.planner.planning import PlanReport as PlanReport
+from replicator._src.planner.planning import plan as plan
 from replicator._src.precision import Policy as Policy
 from replicator._src.profiling import Profile as Profile
 from replicator._src.report import StepReport as StepReport

@@ -6,13 +6,19 @@ import replicator as rp
 
 PUBLIC = [
     "Batches",
+    "Candidate",  # rp.plan: one layout's outcome and modelled time
     "Checkpoints",
     "DistributedIterator",
     "DistributedOptimizer",
+    "Family",  # rp.enumerate_layouts: layouts that trade memory for time, tried in order
     "FitResult",
+    "HARDWARE",  # the built-in hardware profiles (TPU v4/v5e/v5p, H100, A100)
+    "Hardware",
     "InputContext",
+    "Layout",
     "MetricWriter",  # rp.fit(writers=[...]): any object with write(step, metrics) and close()
     "NonFiniteError",  # rp.fit stops with it on a nan/inf output or state, before saving it
+    "PlanReport",
     "Policy",
     "Profile",
     "ReplicasDivergedError",
@@ -27,10 +33,13 @@ PUBLIC = [
     "all_reduce",
     "broadcast",
     "current",
+    "enumerate_layouts",
     "fit",
     "gather_params",
+    "hardware",
     "local_row",
     "num_replicas",
+    "plan",
     "reduce_scatter",
     "replica_axis_name",
     "replica_id",

@@ -1,0 +1,1 @@
+"""The layout planner (`rp.plan`): hardware profiles, layouts, the time model, the search."""

@@ -1,0 +1,213 @@
+"""The modelled step time of a compiled layout on a hardware profile.
+
+The program says what one device does per step: its FLOPs, every collective with the mesh axes
+it spans and the bytes it sends, and each pipeline's idle share. The hardware profile says how
+fast a device does each. Nothing else is assumed about the model::
+
+    compute       = FLOPs / peak_flops                    (shared devices: all devices' FLOPs)
+    bubble        = idle FLOPs of a pipeline that skips its idle ticks (1F1B) / peak_flops
+    communication = sum over collectives of  wire bytes / bandwidth of the link it crosses
+                                           + executions * collective_latency
+    step          = compute + bubble + communication - hidden
+
+A collective crosses the DCN when the device groups of one of its axes span more devices than
+an island holds (the mesh is laid out with its last axis fastest, as ``jax.make_mesh`` does),
+else it runs over ICI/NVLink. ``hidden`` is the share ``overlap`` of the data-axis collectives
+(gradient reduction and ZeRO's gathers), at most the compute time, that runs behind compute;
+collectives over ``model`` and ``stage`` sit on the critical path and are always exposed.
+
+What the model leaves out is said in the README ("What the time model includes"): kernel
+efficiency below peak, memory-bound operations at HBM speed, host input, and launch overheads
+other than the per-collective latency.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from replicator._src.planner.hardware import Hardware
+
+# Axes whose collectives reduce gradients or gather ZeRO shards: what `overlap` may hide.
+DATA_AXES = frozenset({"data", "dcn_data"})
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveCost:
+    """A collective as the cost model needs it: one device's view, per step."""
+
+    kind: str
+    axes: tuple[str, ...]
+    wire_bytes: float  # bytes one device sends per step (ring algorithms), all executions
+    count: float  # executions per step
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledStep:
+    """What the compiled program of one layout does per device per step (from `StepReport`).
+
+    Attributes:
+      mesh: the mesh's axes and sizes, in layout order (the last axis is the fastest).
+      memory: bytes per device: ``arguments``, ``outputs``, ``aliased``, ``temporaries`` and
+        ``peak``.
+      flops: FLOPs per device per step, loops counted per trip.
+      collectives: every collective (`CollectiveCost`).
+      idle_flops: a pipeline's idle time on each device, in FLOPs at the stages' rate, where the
+        schedule skips its idle ticks (1F1B); 0 where the program computes through them (GPipe,
+        circular: already in ``flops``).
+      bubble: the pipelines' modelled idle share (0 without a pipeline).
+      compile_seconds: time to build, trace and compile.
+    """
+
+    mesh: dict[str, int]
+    memory: dict[str, int]
+    flops: float
+    collectives: tuple[CollectiveCost, ...]
+    idle_flops: float = 0.0
+    bubble: float = 0.0
+    compile_seconds: float = 0.0
+
+    @classmethod
+    def from_report(cls, report: Any) -> CompiledStep:
+        """The figures of a `StepReport` that the cost model reads."""
+        idle = 0.0
+        bubble = 0.0
+        for p in report.pipelines:
+            bubble = max(bubble, p.modelled_bubble)
+            if p.schedule not in ("1f1b", "zerobubble"):
+                continue  # GPipe and circular compute through their bubbles: in the FLOPs
+            if p.cost_unit == "flops" and p.modelled_time > 0:
+                idle += p.modelled_time * p.modelled_bubble
+            elif p.modelled_bubble < 1:  # equal costs: the idle share of the device's FLOPs
+                idle += report.flops * p.modelled_bubble / (1 - p.modelled_bubble)
+        m = report.memory
+        return cls(
+            mesh=dict(report.mesh),
+            memory={
+                "arguments": m.arguments,
+                "outputs": m.outputs,
+                "aliased": m.aliased,
+                "temporaries": m.temporaries,
+                "peak": m.peak,
+            },
+            flops=float(report.flops),
+            collectives=tuple(
+                CollectiveCost(c.kind, tuple(c.axes), float(c.wire_bytes), float(c.count))
+                for c in report.collectives
+            ),
+            idle_flops=float(idle),
+            bubble=float(bubble),
+            compile_seconds=float(report.compile_seconds),
+        )
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> CompiledStep:
+        raw = dict(raw)
+        raw["collectives"] = tuple(
+            CollectiveCost(c["kind"], tuple(c["axes"]), c["wire_bytes"], c["count"])
+            for c in raw["collectives"]
+        )
+        return cls(**raw)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelledTime:
+    """One step's modelled time on a hardware profile, in seconds, and its parts.
+
+    Attributes:
+      compute: FLOPs at the hardware's peak.
+      bubble: pipeline idle time that is not in the FLOPs.
+      ici: collective time over the fast interconnect (with latency).
+      dcn: collective time across islands (with latency).
+      hidden: collective time that runs behind compute (``overlap``).
+      total: ``compute + bubble + ici + dcn - hidden``.
+      mfu: model FLOPs utilisation: the model's own FLOPs per step over what the devices could
+        do at peak in ``total``; None without the model's FLOPs.
+    """
+
+    compute: float
+    bubble: float
+    ici: float
+    dcn: float
+    hidden: float
+    total: float
+    mfu: float | None = None
+
+    @property
+    def communication(self) -> float:
+        return self.ici + self.dcn
+
+
+def crosses_dcn(axes: tuple[str, ...], mesh: dict[str, int], island_size: int) -> bool:
+    """Whether a collective over ``axes`` of ``mesh`` reaches beyond one island.
+
+    The mesh's last axis varies fastest over the devices; an axis's groups span its size times
+    the sizes of the axes after it.
+
+    >>> crosses_dcn(("model",), {"data": 4, "model": 8}, island_size=8)
+    False
+    >>> crosses_dcn(("data",), {"data": 4, "model": 8}, island_size=8)
+    True
+    """
+    names = list(mesh)
+    for axis in axes:
+        if axis not in mesh:
+            continue
+        stride = math.prod(mesh[a] for a in names[names.index(axis) + 1 :])
+        if mesh[axis] > 1 and stride * mesh[axis] > island_size:
+            return True
+    return False
+
+
+def model_time(
+    step: CompiledStep,
+    hardware: Hardware,
+    *,
+    overlap: float = 0.0,
+    model_flops: float | None = None,
+) -> ModelledTime:
+    """The modelled time of one step of ``step`` on ``hardware`` (see the module docstring).
+
+    Args:
+      step: the compiled layout's figures.
+      hardware: the profile.
+      overlap: the share (0 to 1) of the data-axis collectives' time that hides behind compute.
+      model_flops: the model's own FLOPs per step over all devices (e.g. ``6 * params *
+        tokens``), for the MFU.
+
+    >>> hw = Hardware("toy", peak_flops=1e12, memory_bytes=2**30, ici_bandwidth=1e9,
+    ...               dcn_bandwidth=1e8, island_size=4)
+    >>> step = CompiledStep(mesh={"data": 8}, memory={}, flops=2e12,
+    ...                     collectives=(CollectiveCost("all-reduce", ("data",), 1e8, 1),))
+    >>> t = model_time(step, hw, model_flops=8 * 1.5e12)
+    >>> t.compute, t.dcn, t.total, round(t.mfu, 3)
+    (2.0, 1.0, 3.0, 0.5)
+    """
+    if not 0 <= overlap <= 1:
+        raise ValueError(f"model_time: overlap must be between 0 and 1; got {overlap!r}.")
+    devices = math.prod(step.mesh.values())
+    scale = devices if hardware.shared else 1  # shared: every device's work on one machine
+    compute = scale * step.flops / hardware.peak_flops
+    bubble = 0.0 if hardware.shared else step.idle_flops / hardware.peak_flops
+    ici = dcn = data_axes = 0.0
+    for c in step.collectives:
+        far = crosses_dcn(c.axes, step.mesh, hardware.island_size)
+        bandwidth = hardware.dcn_bandwidth if far else hardware.ici_bandwidth
+        seconds = scale * c.wire_bytes / bandwidth + c.count * hardware.collective_latency
+        if far:
+            dcn += seconds
+        else:
+            ici += seconds
+        if c.axes and set(c.axes) <= DATA_AXES:
+            data_axes += seconds
+    hidden = min(overlap * data_axes, compute)
+    total = compute + bubble + ici + dcn - hidden
+    mfu = None
+    if model_flops is not None and total > 0:
+        peak = hardware.peak_flops * (1 if hardware.shared else devices)
+        mfu = model_flops / (peak * total)
+    return ModelledTime(compute, bubble, ici, dcn, hidden, total, mfu)

@@ -1,0 +1,298 @@
+"""Hardware profiles for the planner: what one device computes, holds and sends per second.
+
+A profile is data, not code: peak dense bf16 FLOP/s, memory per device, the bandwidth one device
+sends with over the fast interconnect inside an island (a TPU slice's ICI, a GPU node's NVLink)
+and over the data-centre network between islands (DCN, InfiniBand), and how many devices an
+island holds. Each built-in profile names its published source. Users add their own as a YAML
+or JSON file with the same keys, or as a `Hardware` in code.
+
+The emulated CPU (``"cpu"``) is measured rather than published: its emulated devices share this
+machine's cores and memory, so its FLOP/s and copy bandwidth are the whole machine's, measured
+once on one device (`calibrate_cpu`), and a step's time is the work of every device added up
+(``shared=True``), with no bubble to wait in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import time
+from typing import Any
+
+GiB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """One device of an accelerator, and how it talks to the others.
+
+    Attributes:
+      name: the profile's name, e.g. ``"tpu-v5e"``.
+      peak_flops: dense bf16 FLOP/s per device (for ``shared``: of the whole machine).
+      memory_bytes: memory per device (HBM), the default budget of `rp.plan`.
+      ici_bandwidth: bytes per second one device sends in a collective inside an island
+        (per direction).
+      dcn_bandwidth: bytes per second one device sends to another island.
+      island_size: devices that share the fast interconnect: a TPU slice, a GPU node. A mesh
+        axis whose device groups span more than this crosses the DCN.
+      collective_latency: seconds each collective execution costs on top of its bytes.
+      shared: the devices are emulated on one machine and share its cores and memory
+        bandwidth: a step takes the work of all devices added up (``peak_flops`` and
+        ``ici_bandwidth`` are then the machine's).
+      source: where the figures come from.
+
+    >>> HARDWARE["tpu-v5e"].peak_flops
+    197000000000000.0
+    >>> Hardware.from_dict({"name": "my-gpu", "peak_flops": 1e15, "memory_bytes": "80GB",
+    ...     "ici_bandwidth": 4.5e11, "dcn_bandwidth": 5e10, "island_size": 8}).memory_bytes
+    80000000000
+    """
+
+    name: str
+    peak_flops: float
+    memory_bytes: int
+    ici_bandwidth: float
+    dcn_bandwidth: float
+    island_size: int
+    collective_latency: float = 0.0
+    shared: bool = False
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for key in ("peak_flops", "ici_bandwidth", "dcn_bandwidth"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(
+                    f"Hardware {self.name!r}: {key} must be a number > 0 (per second); got "
+                    f"{value!r}."
+                )
+            object.__setattr__(self, key, float(value))
+        object.__setattr__(self, "memory_bytes", parse_bytes(self.memory_bytes, "memory_bytes"))
+        size = self.island_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(
+                f"Hardware {self.name!r}: island_size must be an int >= 1 (devices on the fast "
+                f"interconnect, e.g. 8 for a GPU node); got {size!r}."
+            )
+        latency = self.collective_latency
+        if isinstance(latency, bool) or not isinstance(latency, int | float) or latency < 0:
+            raise ValueError(
+                f"Hardware {self.name!r}: collective_latency must be seconds >= 0; got {latency!r}."
+            )
+        object.__setattr__(self, "collective_latency", float(latency))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Hardware:
+        """A profile from a mapping with `Hardware`'s keys (``memory_bytes`` may be ``"16GiB"``).
+
+        Raises:
+          ValueError: for an unknown or missing key, or a value out of range.
+        """
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - fields)
+        if unknown:
+            raise ValueError(
+                f"Hardware: unknown key(s) {', '.join(map(repr, unknown))}; the keys are "
+                f"{', '.join(f.name for f in dataclasses.fields(cls))}."
+            )
+        required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
+        missing = sorted(required - set(raw))
+        if missing:
+            raise ValueError(
+                f"Hardware {raw.get('name', '?')!r}: missing key(s) {', '.join(missing)}; a "
+                f"profile gives name, peak_flops, memory_bytes, ici_bandwidth, dcn_bandwidth "
+                f"and island_size (see rp.HARDWARE['tpu-v5e'] for one)."
+            )
+        return cls(**raw)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_UNITS = {
+    "": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}  # fmt: skip
+_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*([a-z]*)\s*", re.IGNORECASE)
+
+
+def parse_bytes(value: Any, name: str = "memory") -> int:
+    """``16GiB``, ``"80 GB"``, ``1.5e9`` or ``2**34`` as a number of bytes.
+
+    >>> parse_bytes("16GiB"), parse_bytes("80GB"), parse_bytes(1024)
+    (17179869184, 80000000000, 1024)
+
+    Raises:
+      ValueError: naming ``name``, for anything else or a size <= 0.
+    """
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        size = float(value)
+    else:
+        match = _SIZE.fullmatch(str(value)) if isinstance(value, str) else None
+        unit = match and _UNITS.get(match.group(2).lower())
+        if not unit:
+            raise ValueError(
+                f"{name}={value!r} is not a size; write bytes as a number or with a unit: "
+                f"16GiB, 80GB, 512MiB (units: {', '.join(u for u in _UNITS if u)})."
+            )
+        size = float(match.group(1)) * unit
+    if not math.isfinite(size) or size <= 0:
+        raise ValueError(f"{name}={value!r} must be a size > 0 bytes, e.g. 16GiB.")
+    return int(size)
+
+
+def _tpu(name, flops, memory, ici, dcn, island, source) -> Hardware:
+    return Hardware(name, flops, memory, ici, dcn, island, collective_latency=5e-6, source=source)
+
+
+def _gpu(name, flops, memory, nvlink, ib, source) -> Hardware:
+    return Hardware(name, flops, memory, nvlink, ib, 8, collective_latency=1e-5, source=source)
+
+
+HARDWARE: dict[str, Hardware] = {
+    "tpu-v4": _tpu(
+        "tpu-v4",
+        275e12,
+        32 * GiB,
+        1.1e15 / 4096,
+        50e9 / 8,
+        4096,
+        "cloud.google.com/tpu/docs/v4: 275 TFLOP/s bf16, 32 GiB HBM2, all-reduce bandwidth "
+        "1.1 PB/s per 4096-chip pod (268.6 GB/s per chip). The page gives no DCN figure: "
+        "v5p's 50 Gbps per chip is assumed.",
+    ),
+    "tpu-v5e": _tpu(
+        "tpu-v5e",
+        197e12,
+        16 * GiB,
+        1600e9 / 8,
+        2 * 100e9 / 8 / 8,
+        256,
+        "cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 16 GB HBM2, ICI 1600 Gbps per chip "
+        "(400 GB/s bidirectional; 51.2 TB/s all-reduce per 256-chip pod), 2 x 100 Gbps NICs "
+        "per 8-chip host (25 Gbps DCN per chip); a slice is at most 256 chips.",
+    ),
+    "tpu-v5p": _tpu(
+        "tpu-v5p",
+        459e12,
+        95 * GiB,
+        4800e9 / 8,
+        50e9 / 8,
+        6144,
+        "cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, 95 GiB HBM2e, ICI 4800 Gbps per "
+        "chip (1200 GB/s bidirectional), DCN 50 Gbps per chip; a slice is at most 6144 chips.",
+    ),
+    "h100": _gpu(
+        "h100",
+        989e12,
+        80 * 10**9,
+        900e9 / 2,
+        400e9 / 8,
+        "NVIDIA H100 SXM datasheet: 989 TFLOP/s dense bf16, 80 GB HBM3, NVLink 900 GB/s "
+        "(bidirectional) within an 8-GPU node; one 400 Gb/s InfiniBand NDR adapter per GPU "
+        "(DGX H100) between nodes.",
+    ),
+    "a100": _gpu(
+        "a100",
+        312e12,
+        80 * 10**9,
+        600e9 / 2,
+        200e9 / 8,
+        "NVIDIA A100 SXM 80GB datasheet: 312 TFLOP/s dense bf16, 80 GB HBM2e, NVLink 600 GB/s "
+        "(bidirectional) within an 8-GPU node; one 200 Gb/s InfiniBand HDR adapter per GPU "
+        "(DGX A100, Selene) between nodes.",
+    ),
+}
+"""The built-in profiles by name: TPU v4, v5e and v5p, H100 and A100 (SXM, 8 per node). The
+emulated CPU is ``hardware("cpu")``, measured on this machine."""
+
+
+def hardware(spec: str | os.PathLike | dict | Hardware, /) -> Hardware:
+    """A profile: a built-in name (`HARDWARE`, or ``"cpu"`` measured here), a YAML/JSON file of
+    `Hardware`'s keys, a mapping of them, or a `Hardware`.
+
+    Raises:
+      ValueError: for an unknown name (listing the known ones) or a file that is not a profile.
+    """
+    if isinstance(spec, Hardware):
+        return spec
+    if isinstance(spec, dict):
+        return Hardware.from_dict(spec)
+    text = os.fspath(spec)
+    if text in HARDWARE:
+        return HARDWARE[text]
+    if text == "cpu":
+        return calibrate_cpu()
+    if os.path.isfile(text):
+        with open(text) as f:
+            if text.endswith(".json"):
+                raw = json.load(f)
+            else:
+                import yaml
+
+                raw = yaml.safe_load(f)
+        if not isinstance(raw, dict):
+            raise ValueError(f"hardware file {text}: expected a mapping of Hardware's keys.")
+        try:
+            return Hardware.from_dict(raw)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"hardware file {text}: {e}") from None
+    raise ValueError(
+        f"hardware={text!r} is neither a known profile nor a file; use one of "
+        f"{', '.join(map(repr, [*HARDWARE, 'cpu']))}, or the path of a YAML file with the keys "
+        f"name, peak_flops, memory_bytes, ici_bandwidth, dcn_bandwidth, island_size."
+    )
+
+
+_CALIBRATED: dict[int, Hardware] = {}
+
+
+def calibrate_cpu(*, memory_bytes: int | str = 16 * GiB, size: int = 1024) -> Hardware:
+    """This machine as the emulated devices see it, measured once on one CPU device.
+
+    Times an fp32 ``size x size`` matmul (the FLOP/s the devices share) and a large copy (the
+    memory bandwidth an emulated collective moves bytes with), taking the best of a few runs.
+    The result is cached for the process.
+
+    Args:
+      memory_bytes: the budget to report as each device's memory.
+      size: the matmul's side.
+
+    Returns:
+      A `Hardware` named ``"cpu"`` with ``shared=True``.
+    """
+    key = parse_bytes(memory_bytes, "memory_bytes")
+    if key in _CALIBRATED:
+        return _CALIBRATED[key]
+    import jax
+    import jax.numpy as jnp
+
+    device = jax.devices("cpu")[0]
+    a = jax.device_put(jnp.ones((size, size), jnp.float32), device)
+    matmul = jax.jit(lambda x: (x @ x) @ x)
+    flops = 2 * 2 * size**3
+    big = jax.device_put(jnp.ones((32 * 2**20,), jnp.float32), device)  # 128 MiB
+    copy = jax.jit(lambda x: x * 1.0000001)  # reads and writes every byte once
+    rate_flops = _best_rate(matmul, a, work=flops)
+    rate_bytes = _best_rate(copy, big, work=2 * big.nbytes)
+    profile = Hardware(
+        "cpu", rate_flops, key, rate_bytes, rate_bytes, 2**31, collective_latency=0.0,
+        shared=True,
+        source=f"measured on this machine's CPU device 0: a {size}x{size} fp32 matmul and a "
+        f"128 MiB copy, best of 5",
+    )  # fmt: skip
+    _CALIBRATED[key] = profile
+    return profile
+
+
+def _best_rate(fn, x, *, work: float, repeats: int = 5) -> float:
+    fn(x).block_until_ready()  # compile
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn(x).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return work / best

@@ -1,0 +1,295 @@
+"""Layouts: how a model's training step is spread over N devices, and which ones are worth trying.
+
+A `Layout` fixes the mesh (``data`` x ``stage`` x ``model``), the ZeRO stage, the pipeline
+schedule with its micro-batches, gradient accumulation and rematerialisation. `enumerate_layouts`
+lists the layouts of N devices that the model's sizes allow, grouped into *families*: layouts
+that differ only in how much memory they trade for time (accumulation steps, rematerialisation).
+Within a family the planner compiles the fastest first and stops at the first that fits, since
+the others take at least as long under the time model (more FLOPs, or the same FLOPs in smaller
+pieces with no less communication).
+
+This module is plain Python: no JAX, nothing compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+from replicator._src.errors import positive_int
+from replicator._src.pipeline import schedules as schedules_lib
+
+SCHEDULES = ("gpipe", "1f1b", "circular")
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One way to run a training step on ``data * stage * model`` devices.
+
+    Attributes:
+      data: replicas: the batch is split over them.
+      stage: pipeline stages; 1 for no pipeline.
+      model: tensor-parallel devices: attention heads and MLP units split over them.
+      zero_stage: 0 (replicated optimizer state), 1, 2 or 3 (ZeRO; 3 also shards parameters).
+      schedule: ``"gpipe"``, ``"1f1b"`` or ``"circular"`` when ``stage > 1``, else None.
+      microbatches: the pipeline's micro-batches per replica batch (``stage > 1``).
+      repeats: virtual stages per device (``"circular"``).
+      accumulate_steps: gradient accumulation micro-steps (no pipeline).
+      remat: recompute each layer in the backward pass instead of keeping its activations
+        (always on for 1F1B, which recomputes each stage from its stashed input).
+
+    >>> Layout(data=2, stage=4, schedule="1f1b", microbatches=8, remat=True)
+    Layout(data=2 stage=4 1f1b M=8 remat)
+    >>> Layout(data=8, zero_stage=3).mesh_shape
+    {'data': 8}
+    """
+
+    data: int = 1
+    stage: int = 1
+    model: int = 1
+    zero_stage: int = 0
+    schedule: str | None = None
+    microbatches: int = 1
+    repeats: int = 1
+    accumulate_steps: int = 1
+    remat: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("data", "stage", "model", "microbatches", "repeats", "accumulate_steps"):
+            positive_int(getattr(self, name), api="Layout", name=name)
+        if self.zero_stage not in ZERO_STAGES:
+            raise ValueError(f"Layout: zero_stage must be 0, 1, 2 or 3; got {self.zero_stage!r}.")
+        if self.stage > 1 and self.schedule not in SCHEDULES:
+            raise ValueError(
+                f"Layout: stage={self.stage} needs a schedule, one of {', '.join(SCHEDULES)}; "
+                f"got {self.schedule!r}."
+            )
+        if self.stage == 1 and (self.schedule is not None or self.microbatches != 1):
+            raise ValueError(
+                "Layout: schedule and microbatches are for pipelines (stage > 1); use "
+                "accumulate_steps to split a replica's batch without one."
+            )
+        if self.stage > 1 and self.accumulate_steps != 1:
+            raise ValueError(
+                "Layout: a pipeline splits the batch into its micro-batches; use microbatches, "
+                "not accumulate_steps, with stage > 1."
+            )
+        if self.repeats != 1 and self.schedule != "circular":
+            raise ValueError("Layout: repeats (virtual stages) are for the circular schedule.")
+        if self.schedule == "1f1b" and not self.remat:
+            object.__setattr__(self, "remat", True)  # 1F1B recomputes each stage: say so
+
+    @property
+    def num_devices(self) -> int:
+        return self.data * self.stage * self.model
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        """The mesh: ``data`` always, ``stage`` and ``model`` when larger than 1."""
+        shape = {"data": self.data}
+        if self.stage > 1:
+            shape["stage"] = self.stage
+        if self.model > 1:
+            shape["model"] = self.model
+        return shape
+
+    def __str__(self) -> str:
+        parts = [f"data={self.data}"]
+        if self.stage > 1:
+            parts.append(f"stage={self.stage} {self.schedule}")
+            if self.repeats > 1:
+                parts.append(f"V={self.repeats}")
+            parts.append(f"M={self.microbatches}")
+        if self.model > 1:
+            parts.append(f"model={self.model}")
+        if self.zero_stage:
+            parts.append(f"zero={self.zero_stage}")
+        if self.accumulate_steps > 1:
+            parts.append(f"accum={self.accumulate_steps}")
+        if self.remat:
+            parts.append("remat")
+        return " ".join(parts)
+
+    def __repr__(self) -> str:
+        return f"Layout({self})"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def divisors(n: int) -> list[int]:
+    """``n``'s divisors in increasing order.
+
+    >>> divisors(12)
+    [1, 2, 3, 4, 6, 12]
+    """
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_layouts(
+    num_devices: int,
+    *,
+    global_batch: int,
+    num_layers: int,
+    num_heads: int | None = None,
+    hidden: int | None = None,
+    schedules: Sequence[str] = SCHEDULES,
+    zero_stages: Sequence[int] = ZERO_STAGES,
+    microbatches: Sequence[int] | None = None,
+    repeats: int = 2,
+    accumulate_steps: Sequence[int] | None = None,
+    remat: Sequence[bool] = (False, True),
+    max_model: int | None = None,
+    max_stage: int | None = None,
+) -> list[Family]:
+    """The layouts of ``num_devices`` devices that a model's sizes allow, in families.
+
+    Every ``data x stage x model = num_devices`` split is tried where ``model`` divides
+    ``num_heads`` and ``hidden``, ``stage`` (times ``repeats`` for the circular schedule)
+    divides ``num_layers``, and ``data`` divides ``global_batch``. A pipeline's micro-batches
+    must divide the replica's batch and satisfy the schedule (1F1B and circular need at least
+    ``stage`` of them). ZeRO-2 differs from ZeRO-1 only with gradient accumulation, so it is
+    listed only with ``accumulate_steps > 1``.
+
+    A `Family` holds the layouts of one mesh, ZeRO stage, schedule and micro-batch count that
+    trade memory for time, fastest first: without rematerialisation, then with it (more FLOPs);
+    within each, fewer accumulation steps, then more (the same FLOPs in smaller pieces, no less
+    communication, and less memory). The planner takes the first that fits.
+
+    Args:
+      num_devices: N.
+      global_batch: examples per step, over all replicas.
+      num_layers: the layers a pipeline splits into stages.
+      num_heads: attention heads (``model`` must divide them); None: no constraint.
+      hidden: MLP hidden units (``model`` must divide them); None: no constraint.
+      schedules: the pipeline schedules to try.
+      zero_stages: the ZeRO stages to try.
+      microbatches: pipeline micro-batch counts to try; default ``2 stage`` and ``4 stage``
+        where the replica batch and the schedule allow them, else the largest that is allowed.
+      repeats: the circular schedule's virtual stages per device.
+      accumulate_steps: accumulation steps to try without a pipeline; default every power of
+        2 that divides the replica batch.
+      remat: the rematerialisation settings to try (GPipe, circular and no pipeline; 1F1B
+        always recomputes).
+      max_model: the largest ``model`` axis to try (e.g. the devices of one node).
+      max_stage: the largest ``stage`` axis to try.
+
+    Returns:
+      The families, each with at least one layout.
+
+    >>> families = enumerate_layouts(8, global_batch=16, num_layers=4, num_heads=4)
+    >>> families[0].groups
+    ((Layout(data=8), Layout(data=8 accum=2)), (Layout(data=8 remat), Layout(data=8 accum=2 remat)))
+    >>> len(families), sum(len(f.layouts) for f in families)
+    (75, 168)
+    """
+    api = "enumerate_layouts"
+    n = positive_int(num_devices, api=api, name="num_devices")
+    batch = positive_int(global_batch, api=api, name="global_batch")
+    layers = positive_int(num_layers, api=api, name="num_layers")
+    positive_int(repeats, api=api, name="repeats")
+    for name, values, valid in (
+        ("schedules", schedules, SCHEDULES),
+        ("zero_stages", zero_stages, ZERO_STAGES),
+    ):
+        bad = [v for v in values if v not in valid]
+        if bad or not values:
+            raise ValueError(
+                f"{api}: {name}={list(values)!r}; choose one or more of "
+                f"{', '.join(map(repr, valid))}."
+            )
+    rematerialise = sorted({bool(r) for r in remat})
+    if not rematerialise:
+        raise ValueError(f"{api}: remat must hold False, True or both; got {list(remat)!r}.")
+    families: list[Family] = []
+    for model in divisors(n):
+        if max_model is not None and model > max_model:
+            continue
+        if any(size is not None and size % model for size in (num_heads, hidden)):
+            continue
+        for stage in divisors(n // model):
+            if (max_stage is not None and stage > max_stage) or layers % stage:
+                continue
+            data = n // (model * stage)
+            if batch % data:
+                continue
+            per_replica = batch // data
+            mesh = {"data": data, "stage": stage, "model": model}
+            if stage == 1:
+                accums = accumulate_steps
+                if accums is None:
+                    accums = [2**i for i in range(per_replica.bit_length())]
+                accums = sorted({a for a in accums if a >= 1 and per_replica % a == 0})
+                for zero in zero_stages:
+                    steps = [a for a in accums if a > 1] if zero == 2 else accums
+                    groups = tuple(
+                        tuple(Layout(**mesh, zero_stage=zero, accumulate_steps=a, remat=r)
+                              for a in steps)
+                        for r in rematerialise
+                    )  # fmt: skip
+                    if steps:
+                        families.append(Family(groups))
+                continue
+            for schedule in schedules:
+                v = repeats if schedule == "circular" else 1
+                if layers % (stage * v):
+                    continue
+                for m in _microbatch_options(schedule, stage, per_replica, microbatches, v):
+                    for zero in zero_stages:
+                        if zero == 2:  # no accumulation in a pipeline: ZeRO-1's program
+                            continue
+                        options = [True] if schedule == "1f1b" else rematerialise
+                        groups = tuple(
+                            (Layout(**mesh, zero_stage=zero, schedule=schedule, microbatches=m,
+                                    repeats=v, remat=r),)
+                            for r in options
+                        )  # fmt: skip
+                        families.append(Family(groups))
+    return families
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """Layouts that differ only in what they trade memory for, in the order to try them.
+
+    ``groups`` are tried in order (no rematerialisation, then rematerialisation); inside a group
+    each layout needs no more memory than the one before it (more accumulation steps), so the
+    first that fits is found by bisection.
+    """
+
+    groups: tuple[tuple[Layout, ...], ...]
+
+    @property
+    def layouts(self) -> list[Layout]:
+        return [layout for group in self.groups for layout in group]
+
+    def __str__(self) -> str:
+        return str(self.groups[0][0])
+
+
+def _microbatch_options(
+    schedule: str, stage: int, per_replica: int, microbatches: Iterable[int] | None, v: int
+) -> list[int]:
+    """The micro-batch counts to try: ``microbatches``, or ``2 stage`` and ``4 stage`` (the
+    bubble falls with M and, for 1F1B, so does the memory), else the largest M the replica
+    batch and the schedule allow; each must divide the replica batch and suit the schedule."""
+    sched = {"gpipe": schedules_lib.GPipe(), "1f1b": schedules_lib.OneFOneB(),
+             "circular": schedules_lib.Circular(repeats=v)}[schedule]  # fmt: skip
+
+    def valid(m: int) -> bool:
+        if m < 1 or per_replica % m:
+            return False
+        try:
+            sched.plan(stage, m)
+        except ValueError:  # the schedule's own rule (e.g. 1F1B needs M >= K)
+            return False
+        return True
+
+    if microbatches is not None:
+        return sorted({int(m) for m in microbatches if valid(int(m))})
+    wanted = [m for m in (2 * stage, 4 * stage) if valid(m)]
+    if wanted:
+        return wanted
+    fallback = [m for m in range(per_replica, 0, -1) if valid(m)]
+    return fallback[:1]

@@ -1,0 +1,358 @@
+"""``rp.plan``: choose a layout for a model, a device count and a memory budget, from compiled
+programs.
+
+The planner lists the layouts the model's sizes allow (`enumerate_layouts`), drops those whose
+state alone cannot fit (read from the state's shapes, nothing compiled), compiles the others
+from shapes with ``Replicator.explain`` (in worker processes with the devices emulated), and
+models each one's step time on a hardware profile (`cost_model.model_time`). It needs no cost
+model of the program: the compiled program gives its exact per-device memory, FLOPs and
+collective bytes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import io
+import json
+import multiprocessing
+import os
+import time
+from collections.abc import Callable, Sequence
+
+from replicator._src.planner import search
+from replicator._src.planner.cost_model import ModelledTime, model_time
+from replicator._src.planner.hardware import Hardware, parse_bytes
+from replicator._src.planner.hardware import hardware as hardware_lib
+from replicator._src.planner.layouts import Family, Layout
+from replicator._src.report import format_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One layout's outcome (`search.Outcome`) with its modelled time (None unless compiled)."""
+
+    outcome: search.Outcome
+    time: ModelledTime | None = None
+
+    @property
+    def layout(self) -> Layout:
+        return self.outcome.layout
+
+    @property
+    def fits(self) -> bool:
+        return self.outcome.status == search.FITS
+
+    @property
+    def peak_bytes(self) -> int | None:
+        c = self.outcome.compiled
+        return None if c is None else c.memory["peak"]
+
+    def to_dict(self) -> dict:
+        return {**self.outcome.to_dict(),
+                "time": None if self.time is None else dataclasses.asdict(self.time)}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanReport:
+    """The layouts `plan` tried, ranked by modelled step time, and what became of the others.
+
+    Attributes:
+      num_devices: N.
+      memory_budget: bytes per device a layout's peak must stay within.
+      hardware: the profile the times are modelled on.
+      overlap: the share of data-axis collectives assumed hidden behind compute.
+      model_flops: the model's FLOPs per step (for the MFU), or None.
+      ranked: the layouts that fit, fastest first.
+      rejected: the others: too big (compiled or from the state alone), refused, or skipped
+        because a layout of the same family that does less work fits.
+      seconds: the planning's wall time.
+      workers: processes that compiled (0: this process).
+    """
+
+    num_devices: int
+    memory_budget: int
+    hardware: Hardware
+    overlap: float
+    model_flops: float | None
+    ranked: tuple[Candidate, ...]
+    rejected: tuple[Candidate, ...]
+    seconds: float
+    workers: int
+
+    @property
+    def best(self) -> Layout | None:
+        """The fastest layout that fits, or None if none does."""
+        return self.ranked[0].layout if self.ranked else None
+
+    @property
+    def compiled(self) -> int:
+        """How many layouts were compiled."""
+        return sum(c.outcome.compiled is not None for c in (*self.ranked, *self.rejected))
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "num_devices": self.num_devices,
+                "memory_budget": self.memory_budget,
+                "hardware": self.hardware.to_dict(),
+                "overlap": self.overlap,
+                "model_flops": self.model_flops,
+                "best": None if self.best is None else self.best.to_dict(),
+                "ranked": [c.to_dict() for c in self.ranked],
+                "rejected": [c.to_dict() for c in self.rejected],
+                "seconds": self.seconds,
+                "workers": self.workers,
+            },
+            indent=2,
+        )
+
+    def table(self, top: int = 20) -> str:
+        """The report as text: the ``top`` fastest layouts that fit, and ``top`` rejected."""
+        from rich.console import Console
+
+        buffer = io.StringIO()
+        Console(file=buffer, width=130, color_system=None, soft_wrap=False).print(
+            _renderable(self, top)
+        )
+        return buffer.getvalue().rstrip()
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def __rich__(self):
+        return _renderable(self)
+
+    def _repr_pretty_(self, printer, cycle) -> None:  # IPython / Jupyter
+        printer.text(str(self))
+
+
+def plan(
+    build: Callable[[Layout], tuple] | str,
+    /,
+    layouts: Sequence[Family | Layout],
+    *,
+    hardware: Hardware | str | dict = "cpu",
+    memory: int | str | None = None,
+    model_flops: float | None = None,
+    overlap: float = 0.0,
+    workers: int | None = None,
+    progress: bool = False,
+) -> PlanReport:
+    """Ranks ``layouts`` by modelled step time among those whose compiled step fits ``memory``.
+
+    For each family of layouts (see `enumerate_layouts`): build the job with ``build(layout)``,
+    reject the family if its state alone exceeds the budget (from shapes: nothing compiled),
+    else compile its layouts with ``Replicator.explain`` from the fastest to the most frugal
+    until one fits, and model the step time of each compiled layout on ``hardware``
+    (`cost_model.model_time`: compute at peak, collective bytes at the bandwidth of the link
+    they cross, the pipeline bubble). Equivalent to::
+
+        for family in layouts:
+            for layout in family (fastest first):
+                repl, step_fn, state, *args = build(layout)
+                report = repl.explain(step_fn, state, *args)
+                if report.memory.peak <= memory: keep (layout, model_time(report)); break
+
+    Args:
+      build: ``build(layout) -> (repl, step_fn, state, *args)``: the training step of the model
+        on ``rp.Replicator(mesh_shape=layout.mesh_shape)`` with the layout's options, its state
+        (``repl.abstract(init)``: shapes with shardings, nothing allocated) and its arguments
+        (shapes). A module-level function, or ``"module:function"``, so that worker processes
+        can import it; ``functools.partial`` of one works too.
+      layouts: families from `enumerate_layouts`, or single `Layout`s (each tried alone).
+      hardware: a profile (`Hardware`), a built-in name (``"tpu-v5e"``, ``"h100"``, ...,
+        ``"cpu"``: this machine, measured) or a YAML/JSON file.
+      memory: the budget per device (``"16GiB"`` or bytes); default the profile's memory.
+      model_flops: the model's FLOPs per step over all devices, for the MFU column.
+      overlap: the share (0 to 1) of the data-axis collectives assumed to run behind compute.
+      workers: processes that compile, each with N emulated CPU devices; 0 compiles here
+        (this process must have exactly N devices). Default: here if this process has N
+        devices, else ``min(2, cpu_count)``.
+      progress: show a progress bar.
+
+    Returns:
+      A `PlanReport`: print it for the ranked table; ``.best`` is the fastest layout that fits.
+
+    Raises:
+      ValueError: for layouts of different device counts, a bad budget or profile, or
+        ``workers=0`` in a process without N devices.
+    """
+    start = time.perf_counter()
+    families = [f if isinstance(f, Family) else Family(((f,),)) for f in layouts]
+    if not families:
+        raise ValueError("rp.plan: layouts is empty; pass rp.enumerate_layouts(...)'s families.")
+    for f in families:
+        if not isinstance(f, Family) or not all(isinstance(x, Layout) for x in f.layouts):
+            raise ValueError(
+                f"rp.plan: layouts must hold rp.Layout or families from rp.enumerate_layouts; "
+                f"got {f!r}."
+            )
+    sizes = {lay.num_devices for f in families for lay in f.layouts}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"rp.plan: the layouts use {sorted(sizes)} devices; plan one device count at a time."
+        )
+    (n,) = sizes
+    profile = hardware_lib(hardware)
+    budget = profile.memory_bytes if memory is None else parse_bytes(memory, "memory")
+    if not 0 <= overlap <= 1:
+        raise ValueError(f"rp.plan: overlap must be between 0 and 1; got {overlap!r}.")
+    workers = _workers(workers, n)
+    outcomes = _run(build, families, budget, n, workers, progress)
+    candidates = []
+    for o in outcomes:
+        t = None
+        if o.compiled is not None:
+            t = model_time(o.compiled, profile, overlap=overlap, model_flops=model_flops)
+        candidates.append(Candidate(o, t))
+    ranked = sorted((c for c in candidates if c.fits), key=lambda c: c.time.total)
+    order = {search.TOO_BIG: 0, search.STATE_TOO_BIG: 1, search.ERROR: 2, search.SKIPPED: 3}
+    rejected = sorted(
+        (c for c in candidates if not c.fits),
+        key=lambda c: (order[c.outcome.status], -(c.peak_bytes or c.outcome.state_bytes or 0)),
+    )
+    return PlanReport(
+        num_devices=n, memory_budget=budget, hardware=profile, overlap=overlap,
+        model_flops=model_flops, ranked=tuple(ranked), rejected=tuple(rejected),
+        seconds=time.perf_counter() - start, workers=workers,
+    )  # fmt: skip
+
+
+def _workers(workers: int | None, n: int) -> int:
+    if workers is not None:
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+            raise ValueError(f"rp.plan: workers must be an int >= 0; got {workers!r}.")
+        if workers == 0:
+            import jax
+
+            if jax.device_count() != n:
+                raise ValueError(
+                    f"rp.plan: workers=0 compiles in this process, which has "
+                    f"{jax.device_count()} devices, not the layouts' {n}; use workers=1 or more "
+                    f"(processes with {n} emulated CPU devices)."
+                )
+        return workers
+    import jax
+
+    if jax.device_count() == n and jax.devices()[0].platform == "cpu":
+        return 0
+    return max(1, min(2, os.cpu_count() or 1))
+
+
+def _run(build, families, budget, n, workers, progress) -> list[search.Outcome]:
+    bar = _Progress(len(families), progress)
+    results: list[list[dict]] = [None] * len(families)  # type: ignore[list-item]
+    try:
+        if workers == 0:
+            for i, family in enumerate(families):
+                results[i] = search.search_family(build, family, budget)
+                bar.advance(family)
+        else:
+            context = multiprocessing.get_context("spawn")
+            with concurrent.futures.ProcessPoolExecutor(
+                max_workers=workers, mp_context=context, initializer=search.init_worker,
+                initargs=(n,),
+            ) as pool:  # fmt: skip
+                futures = {
+                    pool.submit(search.search_family, build, family, budget): i
+                    for i, family in enumerate(families)
+                }
+                for future in concurrent.futures.as_completed(futures):
+                    i = futures[future]
+                    try:
+                        results[i] = future.result()
+                    except Exception as e:  # a worker died (e.g. out of memory)
+                        reason = f"the worker failed: {type(e).__name__}: {e}"
+                        results[i] = [
+                            search.Outcome(lay, search.ERROR, reason).to_dict()
+                            for lay in families[i].layouts
+                        ]
+                    bar.advance(families[i])
+    finally:
+        bar.close()
+    return [search.outcome_from_dict(raw) for family in results for raw in family]
+
+
+class _Progress:
+    def __init__(self, total: int, show: bool):
+        self.bar = None
+        if show:
+            from rich.progress import Progress
+
+            self.bar = Progress(transient=True)
+            self.task = self.bar.add_task("planning: compiling layout families", total=total)
+            self.bar.start()
+
+    def advance(self, family: Family) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, advance=1, description=f"planned {family}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.4g}"
+
+
+def _renderable(r: PlanReport, top: int = 20):
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    hw = r.hardware
+    budget = format_bytes(r.memory_budget)
+    head = Text(
+        f"plan for {r.num_devices} devices of {hw.name} ({hw.peak_flops / 1e12:.4g} TFLOP/s, "
+        f"ICI {hw.ici_bandwidth / 1e9:.4g} GB/s, DCN {hw.dcn_bandwidth / 1e9:.4g} GB/s per "
+        f"device, {hw.island_size} devices per island), {budget} per device; collectives on "
+        f"data axes {r.overlap:.0%} hidden behind compute\n"
+        f"{len(r.ranked) + len(r.rejected)} layouts: {r.compiled} compiled, {len(r.ranked)} "
+        f"fit; {r.seconds:.1f} s with {r.workers or 'no'} worker process(es)"
+    )
+    ranked = Table(title="layouts that fit, fastest first (modelled ms per step)",
+                   title_justify="left")  # fmt: skip
+    for name, justify in (("#", "right"), ("layout", "left"), ("peak/device", "right"),
+                          ("step", "right"), ("compute", "right"), ("bubble", "right"),
+                          ("ICI", "right"), ("DCN", "right"), ("MFU", "right")):  # fmt: skip
+        ranked.add_column(name, justify=justify)
+    for i, c in enumerate(r.ranked[:top], 1):
+        t = c.time
+        ranked.add_row(
+            str(i), str(c.layout), format_bytes(c.peak_bytes), _ms(t.total), _ms(t.compute),
+            _ms(t.bubble), _ms(t.ici), _ms(t.dcn), "-" if t.mfu is None else f"{t.mfu:.1%}",
+        )  # fmt: skip
+    parts = [head, ranked]
+    if len(r.ranked) > top:
+        parts.append(Text(f"... and {len(r.ranked) - top} more that fit (to_json() has all)"))
+    shown = [c for c in r.rejected if c.outcome.status != search.SKIPPED][:top]
+    if shown:
+        rejected = Table(title="rejected", title_justify="left")
+        rejected.add_column("layout")
+        rejected.add_column("memory/device", justify="right")
+        rejected.add_column("why")
+        for c in shown:
+            o = c.outcome
+            size = c.peak_bytes or o.state_bytes
+            rejected.add_row(str(c.layout), "-" if size is None else format_bytes(size),
+                             f"{o.status}: {o.reason}" if o.reason else o.status)  # fmt: skip
+        parts.append(rejected)
+    hidden = len([c for c in r.rejected if c.outcome.status != search.SKIPPED]) - len(shown)
+    skipped = sum(c.outcome.status == search.SKIPPED for c in r.rejected)
+    notes = []
+    if hidden > 0:
+        notes.append(f"{hidden} more rejected")
+    if skipped:
+        notes.append(
+            f"{skipped} not compiled: a layout of the same family that does no more work fits, "
+            f"or one that needs less memory does not"
+        )
+    if notes:
+        parts.append(Text("; ".join(notes) + " (to_json() lists each with its reason)"))
+    if r.best is not None:
+        parts.append(Text(f"best: {r.best}"))
+    else:
+        parts.append(Text(f"no layout fits {budget} per device", style="bold"))
+    return Group(*parts)

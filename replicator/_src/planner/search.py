@@ -1,0 +1,225 @@
+"""Compiling a family of layouts, from the fastest to the most frugal, until one fits.
+
+This is the part of the planner that runs where the devices are: in this process when it has
+the layout's devices, or in a worker process started with that many emulated CPU devices. It
+builds each layout's job with the user's ``build(layout)``, reads the state's bytes per device
+from its shapes (no compile), compiles with ``Replicator.explain`` and returns plain results
+that the planning process models and ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+from replicator._src.planner.cost_model import CompiledStep
+from replicator._src.planner.layouts import Family, Layout
+from replicator._src.report import format_bytes
+
+FITS, TOO_BIG, STATE_TOO_BIG, SKIPPED, ERROR = (
+    "fits",
+    "too big",
+    "state too big",
+    "skipped",
+    "error",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What became of one layout.
+
+    Attributes:
+      layout: the layout.
+      status: ``"fits"`` (compiled, peak within the budget), ``"too big"`` (compiled, over
+        it), ``"state too big"`` (its state alone is over the budget: not compiled),
+        ``"skipped"`` (not compiled: see ``reason``) or ``"error"`` (the build or the library
+        refused it: see ``reason``).
+      reason: why it was rejected or skipped, in words.
+      state_bytes: the state's bytes per device, from its shapes and shardings (None if not
+        built).
+      compiled: the compiled program's figures (None if not compiled).
+    """
+
+    layout: Layout
+    status: str
+    reason: str = ""
+    state_bytes: int | None = None
+    compiled: CompiledStep | None = None
+
+    def to_dict(self) -> dict:
+        return {
+            "layout": self.layout.to_dict(),
+            "status": self.status,
+            "reason": self.reason,
+            "state_bytes": self.state_bytes,
+            "compiled": None if self.compiled is None else self.compiled.to_dict(),
+        }
+
+
+def resolve(build: Callable | str) -> Callable:
+    """``build`` itself, or the function a ``"module:function"`` string names."""
+    if callable(build):
+        return build
+    module, _, name = str(build).partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(
+            f"rp.plan: build={build!r} names no importable function ({e}); give a function, or "
+            f"'module:function' importable in a fresh process."
+        ) from e
+
+
+def state_bytes_per_device(state: Any) -> int:
+    """The bytes one device holds of ``state``: each leaf's shard, from its shape and sharding."""
+    import jax
+    import numpy as np
+
+    total = 0
+    for leaf in jax.tree.leaves(state):
+        shape = tuple(np.shape(leaf))
+        itemsize = np.dtype(leaf.dtype).itemsize
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is not None:
+            shape = sharding.shard_shape(shape)
+        total += math.prod(shape) * itemsize
+    return int(total)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+class _Searcher:
+    def __init__(self, build: Callable, budget: int):
+        self.build = build
+        self.budget = budget
+        self.outcomes: dict[Layout, Outcome] = {}
+
+    def job(self, layout: Layout):
+        out = self.build(layout)
+        if not isinstance(out, tuple) or len(out) < 3:
+            raise TypeError(
+                f"rp.plan: build(layout) must return (repl, step_fn, state, *args); got "
+                f"{type(out).__name__}."
+            )
+        repl, step_fn, state, *args = out
+        mesh = {k: v for k, v in repl.mesh.shape.items() if v > 1 or k == "data"}
+        want = {k: v for k, v in layout.mesh_shape.items() if v > 1 or k == "data"}
+        if mesh != want:
+            raise ValueError(
+                f"rp.plan: build({layout}) made a Replicator on mesh {dict(repl.mesh.shape)}; "
+                f"use Replicator(mesh_shape=layout.mesh_shape)."
+            )
+        return repl, step_fn, state, args
+
+    def compile(self, layout: Layout) -> Outcome:
+        if layout in self.outcomes:
+            return self.outcomes[layout]
+        start = time.perf_counter()
+        try:
+            repl, step_fn, state, args = self.job(layout)
+            size = state_bytes_per_device(state)
+            report = repl.explain(step_fn, state, *args, stage_costs=False)
+        except Exception as e:  # the library's refusal, or the user's build failing
+            outcome = Outcome(layout, ERROR, _first_line(e))
+        else:
+            compiled = dataclasses.replace(
+                CompiledStep.from_report(report), compile_seconds=time.perf_counter() - start
+            )
+            peak = compiled.memory["peak"]
+            fits = peak <= self.budget
+            reason = "" if fits else f"compiled peak {format_bytes(peak)} per device"
+            outcome = Outcome(layout, FITS if fits else TOO_BIG, reason, size, compiled)
+        self.outcomes[layout] = outcome
+        return outcome
+
+    def family(self, family: Family) -> list[Outcome]:
+        layouts = family.layouts
+        first = layouts[0]
+        try:
+            _, _, state, _ = self.job(first)
+            size = state_bytes_per_device(state)
+        except Exception as e:
+            reason = _first_line(e)
+            return [Outcome(lay, ERROR, reason) for lay in layouts]
+        if size > self.budget:
+            reason = f"its state alone is {format_bytes(size)} per device"
+            return [Outcome(lay, STATE_TOO_BIG, reason, size) for lay in layouts]
+        skipped: dict[Layout, str] = {}
+        found: Layout | None = None  # the first fitting layout of an earlier group
+        for group in family.groups:
+            if found is not None:
+                # More FLOPs (remat) and no fewer bytes moved at as many accumulation steps:
+                # only fewer accumulation steps than the earlier fit can be faster.
+                limit = found.accumulate_steps
+                for lay in group:
+                    if lay.accumulate_steps >= limit:
+                        skipped[lay] = f"{found} fits and does less work"
+                group = tuple(lay for lay in group if lay.accumulate_steps < limit)
+                if not group:
+                    continue
+            fit = self._first_fit(group, skipped)
+            if fit is not None and found is None:
+                found = fit
+        out = []
+        for lay in layouts:
+            if lay in self.outcomes:
+                out.append(dataclasses.replace(self.outcomes[lay], state_bytes=size))
+            else:
+                out.append(Outcome(lay, SKIPPED, skipped.get(lay, "not needed"), size))
+        return out
+
+    def _first_fit(self, group: tuple[Layout, ...], skipped: dict) -> Layout | None:
+        """The first layout of ``group`` that fits (memory falls along the group), by bisection;
+        None if even the last does not fit."""
+        last = self.compile(group[-1])
+        if last.status != FITS:
+            for lay in group[:-1]:
+                skipped[lay] = f"needs more memory than {group[-1]}, which does not fit"
+            return None
+        lo, hi = 0, len(group) - 1  # group[hi] fits
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.compile(group[mid]).status == FITS:
+                hi = mid
+            else:
+                lo = mid + 1
+        for i, lay in enumerate(group):
+            if lay in self.outcomes:
+                continue
+            if i < hi:
+                skipped[lay] = "needs more memory than a layout of its family that does not fit"
+            else:
+                skipped[lay] = f"{group[hi]} fits with fewer accumulation steps"
+        return group[hi]
+
+
+def search_family(build: Callable | str, family: Family, budget: int) -> list[dict]:
+    """The outcomes of ``family`` as plain dicts (for a worker process to send back)."""
+    return [o.to_dict() for o in _Searcher(resolve(build), budget).family(family)]
+
+
+def outcome_from_dict(raw: dict) -> Outcome:
+    compiled = raw["compiled"]
+    return Outcome(
+        layout=Layout(**raw["layout"]),
+        status=raw["status"],
+        reason=raw["reason"],
+        state_bytes=raw["state_bytes"],
+        compiled=None if compiled is None else CompiledStep.from_dict(compiled),
+    )
+
+
+def init_worker(num_devices: int) -> None:
+    """A planning worker: ``num_devices`` emulated CPU devices, set before JAX starts."""
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", int(num_devices))
+    jax.config.update("jax_platforms", "cpu")

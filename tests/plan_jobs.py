@@ -1,0 +1,98 @@
+"""Jobs for rp.plan's tests, importable by its worker processes: fake compiled programs with
+chosen peaks (to test the search), and the GPT built from shapes for any layout."""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import replicator as rp
+from replicator import pipeline
+from replicator.models import gpt
+
+COMPILED: list = []  # the layouts fake_build's Replicator compiled, in order (this process)
+
+
+class _FakeReplicator:
+    """Compiles nothing: its report's peak is 1000 / accumulate_steps, plus 500 without remat;
+    remat costs a third more FLOPs, and each accumulation step 1% more."""
+
+    def __init__(self, layout: rp.Layout):
+        self.layout = layout
+        self.mesh = types.SimpleNamespace(shape=layout.mesh_shape)
+
+    def explain(self, step_fn, state, *args, stage_costs=True):
+        lay = self.layout
+        COMPILED.append(lay)
+        peak = 1000 // lay.accumulate_steps + (0 if lay.remat else 500)
+        memory = types.SimpleNamespace(
+            arguments=100, outputs=100, aliased=100, temporaries=peak - 100, peak=peak
+        )
+        flops = 1e9 * (4 / 3 if lay.remat else 1) * (1 + 0.01 * lay.accumulate_steps)
+        return types.SimpleNamespace(
+            mesh=lay.mesh_shape, memory=memory, flops=flops, collectives=(), pipelines=(),
+            compile_seconds=0.0,
+        )  # fmt: skip
+
+
+def fake_build(layout: rp.Layout):
+    state = {"w": jax.ShapeDtypeStruct((25,), jnp.float32)}  # 100 bytes, on every device
+    return _FakeReplicator(layout), None, state
+
+
+def refusing_build(layout: rp.Layout):
+    raise ValueError("no such layout here")
+
+
+CONFIG = gpt.GPTConfig(vocab_size=256, seq_len=16, d_model=32, num_heads=4, num_layers=4)
+BATCH = 16
+
+
+def gpt_build(layout: rp.Layout):
+    """The GPT's Adam step for ``layout`` (data, model, ZeRO, accumulation; pipelines with
+    their schedule), its state from shapes and its batch as shapes."""
+    repl = rp.Replicator(mesh_shape=layout.mesh_shape)
+    batch = jax.ShapeDtypeStruct((BATCH, CONFIG.seq_len), jnp.int32)
+    batch = {"tokens": batch, "targets": batch}
+    if layout.stage == 1:
+        opt = repl.wrap_optimizer(
+            optax.adam(1e-3), zero_stage=layout.zero_stage, accumulate_steps=layout.accumulate_steps
+        )
+
+        def init():
+            params = gpt.place(repl, gpt.init(CONFIG, jax.random.key(0)), config=CONFIG)
+            return {"params": params, "opt": opt.init(params)}
+
+        def loss_fn(params, b):
+            return gpt.loss(params, b["tokens"], b["targets"], config=CONFIG)
+
+        def step(state, b):
+            params, opt_state, metrics = opt.step(loss_fn, state["params"], state["opt"], b)
+            return {"params": params, "opt": opt_state}, metrics
+
+        return repl, step, repl.abstract(init), batch
+    schedule = {
+        "gpipe": pipeline.GPipe(),
+        "1f1b": pipeline.OneFOneB(),
+        "circular": pipeline.Circular(repeats=layout.repeats),
+    }[layout.schedule]
+    tx = repl.wrap_optimizer(optax.adam(1e-3), zero_stage=layout.zero_stage)
+    grad_fn = gpt.pipeline_value_and_grad(
+        CONFIG, num_microbatches=layout.microbatches, schedule=schedule
+    )
+
+    def init():
+        params = gpt.init(CONFIG, jax.random.key(0))
+        placed = gpt.place_pipeline(
+            repl, params, num_stages=layout.stage, repeats=schedule.repeats, config=CONFIG
+        )
+        return {"params": placed, "opt": tx.init(placed)}
+
+    def pipeline_step(state, b):
+        loss, grads = grad_fn(state["params"], b)
+        updates, opt_state = tx.update(grads, state["opt"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        return {"params": params, "opt": opt_state}, {"loss": rp.all_reduce(loss, "mean")}
+
+    return repl, pipeline_step, repl.abstract(init), batch
