@@ -62,6 +62,8 @@ def gpt_build(layout: rp.Layout):
 
         def init():
             params = gpt.place(repl, gpt.init(CONFIG, jax.random.key(0)), config=CONFIG)
+            if layout.zero_stage == 3:  # stored sharded, gathered layer by layer
+                params = opt.shard_params(params, stacked=["blocks"])
             return {"params": params, "opt": opt.init(params)}
 
         def loss_fn(params, b):
@@ -87,6 +89,8 @@ def gpt_build(layout: rp.Layout):
         placed = gpt.place_pipeline(
             repl, params, num_stages=layout.stage, repeats=schedule.repeats, config=CONFIG
         )
+        if layout.zero_stage == 3:
+            placed = tx.shard_params(placed)
         return {"params": placed, "opt": tx.init(placed)}
 
     def pipeline_step(state, b):
@@ -96,3 +100,13 @@ def gpt_build(layout: rp.Layout):
         return {"params": params, "opt": opt_state}, {"loss": rp.all_reduce(loss, "mean")}
 
     return repl, pipeline_step, repl.abstract(init), batch
+
+
+def crashing_build(layout: rp.Layout):
+    """fake_build, except that the process dies on the layout with 4 replicas (as a check
+    failure in XLA's compiler would end it)."""
+    if layout.data == 4:
+        import os
+
+        os._exit(7)
+    return fake_build(layout)

@@ -1,5 +1,7 @@
 """The GPT reference model: scanned blocks, stages, causality, learning, and its pipeline oracle."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,6 +45,27 @@ def test_stages_in_order_equal_the_blocks(num_stages):
     for s in range(num_stages):
         h = gpt.stage_fn(CONFIG)(jax.tree.map(lambda a, s=s: a[s], stages), h)
     assert rel_err(h, gpt.blocks(params["blocks"], x, config=CONFIG)) <= 1e-6
+
+
+def test_remat_gives_the_same_loss_and_gradients_for_more_flops():
+    """GPTConfig(remat=True) recomputes each block in the backward pass: one SGD step equals the
+    step that keeps the activations, and the compiled step does more FLOPs."""
+    params = gpt.init(CONFIG, jax.random.key(5))
+    t, y = tokens(batch=4, seed=6)
+    repl = rp.Replicator(devices=jax.devices()[:1])
+    steps, flops = {}, {}
+    for remat in (False, True):
+        config = dataclasses.replace(CONFIG, remat=remat)
+
+        def step(state, t, y, config=config):
+            loss, g = jax.value_and_grad(gpt.loss)(state, t, y, config=config)
+            return jax.tree.map(lambda p, g: p - 0.5 * g, state, g), {"loss": loss}
+
+        steps[remat] = repl.run(step, repl.replicate(params), t, y)
+        flops[remat] = repl.explain(step, repl.replicate(params), t, y).flops
+    assert rel_err(steps[True], steps[False]) <= 1e-6
+    assert rel_err(steps[True][0], params) > 1e-2
+    assert flops[True] > flops[False]
 
 
 def test_causal():

@@ -281,6 +281,17 @@ def test_a_refused_layout_is_rejected_with_the_librarys_reason():
     assert c.outcome.status == "error" and "ValueError: no such layout here" in c.outcome.reason
 
 
+def test_a_worker_that_dies_takes_only_its_family_with_it():
+    """The process compiling data=4 x model=2 dies; that family is an error saying so, and a
+    new worker plans the families after it."""
+    layouts = [rp.Layout(data=8), rp.Layout(data=4, model=2), rp.Layout(data=2, model=4)]
+    report = rp.plan(plan_jobs.crashing_build, layouts, hardware=HW, memory=2000, workers=1)
+    assert [str(c.layout) for c in report.ranked] == ["data=8", "data=2 model=4"]
+    (dead,) = report.rejected
+    assert str(dead.layout) == "data=4 model=2" and dead.outcome.status == "error"
+    assert "worker process died (exit code 7)" in dead.outcome.reason
+
+
 def test_plan_refuses_mixed_device_counts_and_bad_workers():
     with pytest.raises(ValueError, match=r"the layouts use \[4, 8\] devices"):
         rp.plan(plan_jobs.fake_build, [rp.Layout(data=8), rp.Layout(data=4)], hardware=HW)

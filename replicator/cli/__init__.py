@@ -2,6 +2,8 @@
 
 replicator train CONFIG [key=value ...]       train as a YAML config says (configs/)
 replicator explain CONFIG [key=value ...]     what its step costs per device, without running it
+replicator plan CONFIG --devices N [--memory 16GiB] [--hardware tpu-v5e]
+                                              the fastest layout that fits, written as a config
 replicator launch -n N [--devices-per-process D] [--watchdog S] -- CMD ...
 """
 
@@ -13,7 +15,7 @@ from collections.abc import Sequence
 
 # An application on the public API only: config (YAML configs validated into dataclasses), jobs
 # (a config becomes a model, an input_fn, a step_fn and a run), launch (the launcher's options).
-from replicator.cli import config, jobs, launch
+from replicator.cli import config, jobs, launch, plan
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -41,6 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument("config", help="a YAML file")
     explain.add_argument("overrides", nargs="*", help="key=value")
     explain.add_argument("--json", metavar="PATH", help="also write the whole report as JSON")
+    plan.add_parser(commands)
     commands.add_parser(  # parsed by the launcher itself: see main()
         "launch",
         help="run a command as N local processes of one JAX distributed job "
@@ -64,9 +67,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["launch"]:  # the launcher parses its own options (--watchdog, ...)
         return launch.main(argv[1:])
     args = _parser().parse_args(argv)
-    if args.command not in ("train", "explain"):
+    if args.command not in ("train", "explain", "plan"):
         return 2
     where = f"replicator {args.command}"
+    if args.command == "plan":
+        try:
+            return plan.run(args)
+        except (*jobs.USER_ERRORS, OSError) as e:
+            return _user_error(where, e)
     try:
         cfg = config.load(args.config, args.overrides)
         # explain: a config the library refuses (e.g. M < K for 1F1B) is a message too

@@ -30,7 +30,8 @@ from replicator.cli.optimizers import DEFAULT_LEARNING_RATE, OptimizerConfig
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    # "gpt": a byte-level decoder on Python's stdlib sources (d_model, layers, heads, seq_len);
+    # "gpt": a byte-level decoder on Python's stdlib sources (d_model, layers, heads, seq_len,
+    #   and the gpt-only vocab, d_ff, dtype, remat);
     # "mlp": a residual MLP regression (d_model, layers);
     # "cnn": a classifier with cross-replica BatchNorm on generated shape images (width);
     # "module:function": your own job, `function(config, repl, tx)` (see jobs.own_model).
@@ -40,12 +41,40 @@ class ModelConfig:
     heads: int = 4
     seq_len: int = 64
     width: int = 16  # cnn: channels of the first conv block (the second has twice as many)
+    vocab: int = 256  # gpt: token ids, >= 256 (the built-in text is bytes; .npy ids < vocab)
+    d_ff: int | None = None  # gpt: the MLP's hidden units; null: 4 * d_model
+    dtype: str = "float32"  # gpt: the compute dtype, "float32" or "bfloat16" (params stay fp32)
+    # gpt: recompute each block in the backward pass instead of keeping its activations (the
+    # same numbers; less memory, more FLOPs). In a pipeline it is the engine's remat for the
+    # gpipe and circular schedules; 1f1b always recomputes each block from its stashed input,
+    # whatever remat says (true or false: the same program).
+    remat: bool = False
 
     def __post_init__(self) -> None:
         if not _OWN_KIND.fullmatch(str(self.kind)):  # else "module:function", your own model
             _one_of(self, "kind", MODEL_KINDS, what="a model kind (or 'module:function')")
         for name in ("d_model", "layers", "heads", "seq_len", "width"):
             _at_least(self, name, 1)
+        if self.kind in ("mlp", "cnn"):  # your own job reads what it likes of the section
+            for name, default in GPT_ONLY.items():
+                if getattr(self, name) != default:
+                    raise ValueError(
+                        f"{_where(self)}{name}={getattr(self, name)!r} is for model.kind='gpt'; "
+                        f"model.kind={self.kind!r} has no {name}. Remove the key (or set it to "
+                        f"{default!r})."
+                    )
+        _at_least(self, "vocab", 1)
+        if self.d_ff is not None:
+            _at_least(self, "d_ff", 1)
+        _one_of(self, "dtype", DTYPES, what="a compute dtype")
+        if not isinstance(self.remat, bool):
+            raise ValueError(f"{_where(self)}remat must be true or false; got {self.remat!r}.")
+        if self.kind == "gpt" and self.vocab < BYTE_VOCAB:
+            raise ValueError(
+                f"{_where(self)}vocab={self.vocab} is smaller than the data's {BYTE_VOCAB} byte "
+                f"tokens (the built-in text and text files are bytes, ids 0-255); use vocab >= "
+                f"{BYTE_VOCAB} (e.g. vocab={BYTE_VOCAB})."
+            )
         if self.kind == "gpt" and self.d_model % self.heads:
             raise ValueError(
                 f"{_where(self)}heads={self.heads} does not divide d_model={self.d_model}; use a "
@@ -185,6 +214,21 @@ class TrainConfig:
                 f"device holds whole attention heads); use heads a multiple of {t} (e.g. heads="
                 f"{t * math.ceil(self.model.heads / t)}), or a smaller model axis."
             )
+        d_ff = self.model.d_ff
+        if kind == "gpt" and t > 1 and d_ff is not None and d_ff % t:
+            raise ValueError(
+                f"{where}model.d_ff={d_ff} does not split over mesh.model={t} (each device holds "
+                f"d_ff / {t} of the MLP's hidden units); use d_ff a multiple of {t} (e.g. d_ff="
+                f"{t * math.ceil(d_ff / t)}), or a smaller model axis."
+            )
+        if kind == "gpt" and "stage" in self.mesh and self.accumulate_steps != 1:
+            raise ValueError(
+                f"{where}accumulate_steps={self.accumulate_steps} does not apply to a pipeline "
+                f"(mesh has a 'stage' axis), which splits each replica's batch into micro-batches "
+                f"already; use pipeline.microbatches instead (e.g. pipeline.microbatches="
+                f"{self.accumulate_steps * (self.pipeline.microbatches if self.pipeline else 4)}"
+                f") with accumulate_steps=1."
+            )
         if kind == "cnn" and "stage" in self.mesh:
             raise ValueError(
                 f"{where}model.kind='cnn' is data parallel; use a mesh without 'stage'."
@@ -198,6 +242,9 @@ class TrainConfig:
 
 
 MODEL_KINDS = ("gpt", "mlp", "cnn")
+DTYPES = ("float32", "bfloat16")
+BYTE_VOCAB = 256
+GPT_ONLY = {"vocab": BYTE_VOCAB, "d_ff": None, "dtype": "float32", "remat": False}  # defaults
 _OWN_KIND = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 SCHEDULES = ("gpipe", "circular", "1f1b")
 WANDB_MODES = ("offline", "online", "disabled")

@@ -1,5 +1,6 @@
 """The jobs behind ``replicator train CONFIG``: a config becomes a model, an input_fn, a step_fn
-and a `rp.fit` run, with metrics, checkpoints and pictures in ``out_dir/name``.
+and a `rp.fit` run, with metrics, checkpoints and pictures in ``out_dir/name``; or, for planning,
+the same step_fn with its state and batch as shapes (`abstract_job`), allocating nothing.
 
 Built on the public API only (``replicator``, ``replicator.models``). The config is checked
 before it gets here (`replicator.cli.config`); what is refused here is what only the library can
@@ -11,12 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import math
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +30,7 @@ from flax import nnx
 import replicator as rp
 from replicator.cli import data as data_lib
 from replicator.cli import optimizers
-from replicator.cli.config import TrainConfig
+from replicator.cli.config import MODEL_KINDS, TrainConfig
 from replicator.models import cnn, gpt, mlp
 
 # What the library raises for a config, a mesh, a run directory or a checkpoint it refuses.
@@ -62,30 +65,92 @@ def _devices(config: TrainConfig, *, cpu_only: bool) -> None:
         jax.config.update("jax_platforms", "cpu")
 
 
+class _Job(NamedTuple):
+    """A built-in job before its state exists: what `build` and `abstract_job` share."""
+
+    step_fn: Callable  # step_fn(state, batch) -> (state, metrics), one replica's step
+    init: Callable[[], Any]  # builds the state: arrays when called, shapes under repl.abstract
+    input_fn: Callable  # the kind's own data; reads nothing until it is iterated
+    batch: Callable[[], dict]  # the global batch, as jax.ShapeDtypeStruct leaves
+    tokens: int | None  # tokens per step, for the metrics
+    vocab: int | None  # token ids below it (checked in data.path's examples)
+
+
+def _builtin(config: TrainConfig):
+    """The built-in job function of ``config.model.kind`` (`_gpt`, `_mlp`, `_cnn`), or None."""
+    return {"gpt": _gpt, "mlp": _mlp, "cnn": _cnn}.get(config.model.kind)
+
+
+def _tx_maker(config: TrainConfig) -> Callable:
+    def make_tx(params):  # the weight-decay mask is decided from the whole parameters' shapes
+        return optimizers.make_optimizer(config.optimizer, steps=config.steps, params=params)[0]
+
+    return make_tx
+
+
 def build(config: TrainConfig):
     """The job a config describes: ``(repl, step_fn, state, input_fn, tokens_per_step)``."""
     kind = config.model.kind
-    builtin = {"gpt": _gpt, "mlp": _mlp, "cnn": _cnn}.get(kind)
+    builtin = _builtin(config)
     own = None if builtin else own_model(kind)  # imports first
     repl = rp.Replicator(mesh_shape=dict(config.mesh))
-
-    def make_tx(params):  # the weight-decay mask is decided from the whole parameters
-        return optimizers.make_optimizer(config.optimizer, steps=config.steps, params=params)[0]
-
+    make_tx = _tx_maker(config)
     if builtin is not None:
-        step_fn, state, input_fn, tokens = builtin(config, repl, make_tx)
+        job = builtin(config, repl, make_tx)
+        input_fn = _own_data(config, job.input_fn, vocab=job.vocab)  # checked before the state
+        step_fn, state, tokens = job.step_fn, job.init(), job.tokens
     else:  # its parameters are not known before it runs: the mask is decided on them
         step_fn, state, input_fn, tokens = own(config, repl, make_tx(None))
-    schedule = optimizers.schedule_fn(config.optimizer, steps=config.steps)
-    step_fn, state = _rate_and_ema(repl, step_fn, state, schedule, config.optimizer.ema_decay)
+    step_fn, state = _rate_and_ema(repl, step_fn, state, config, make=lambda init: init())
     return repl, step_fn, state, input_fn, tokens
 
 
-def _rate_and_ema(repl, step_fn, state, schedule, ema_decay):
+def abstract_job(config: TrainConfig):
+    """The job a config describes, built from shapes: ``(repl, step_fn, state, batch)``.
+
+    The same code as `build` (the job's one init function runs under ``repl.abstract``), so
+    nothing is allocated and no data is read: a model too big for this machine can be planned
+    with ``repl.explain(step_fn, state, batch)``, whose report equals that of `build`'s state.
+    The mesh must fit ``jax.devices()`` (emulate CPU devices before JAX starts, as `explain`
+    does).
+
+    Args:
+      config: a built-in model kind's config.
+
+    Returns:
+      ``state`` is `build`'s state (with its ``"step"`` and ``"ema"`` entries) as
+      ``jax.ShapeDtypeStruct`` leaves with their shardings, and ``batch`` the global batch as
+      ``jax.ShapeDtypeStruct`` leaves (the built-in data's shapes, which ``data.path``'s
+      examples must have).
+
+    Raises:
+      ValueError: for your own ``module:function`` job (it builds its state itself), or what
+        `build` refuses of the mesh and the model.
+    """
+    builtin = _builtin(config)
+    if builtin is None:
+        raise ValueError(
+            f"abstract_job: model.kind={config.model.kind!r} is your own job, which builds its "
+            f"state itself; only the built-in kinds ({', '.join(map(repr, MODEL_KINDS))}) "
+            f"build from shapes. Use jobs.explain(config), which builds the state."
+        )
+    repl = rp.Replicator(mesh_shape=dict(config.mesh))
+    job = builtin(config, repl, _tx_maker(config))
+    state = repl.abstract(job.init)
+    step_fn, state = _rate_and_ema(repl, job.step_fn, state, config, make=repl.abstract)
+    return repl, step_fn, state, job.batch()
+
+
+def _rate_and_ema(repl, step_fn, state, config: TrainConfig, *, make: Callable):
     """``step_fn`` that also returns the step's learning rate as the ``learning_rate`` metric,
     from a step counter kept in the state (``state["step"]``, saved with it), and with
     ``ema_decay`` keeps ``state["ema"] = d * ema + (1 - d) * params`` after each update (element
-    by element: exact under ZeRO, sharded as the parameters are, and checkpointed)."""
+    by element: exact under ZeRO, sharded as the parameters are, and checkpointed).
+
+    ``state`` is the job's, as arrays or as shapes; ``make`` builds the added state the same
+    way: ``make(init)`` calls ``init``, or is ``repl.abstract``."""
+    schedule = optimizers.schedule_fn(config.optimizer, steps=config.steps)
+    ema_decay = config.optimizer.ema_decay
     if ema_decay is not None and not (isinstance(state, dict) and "params" in state):
         raise ValueError(
             "optimizer.ema_decay: the job's state has no 'params' entry to average; return a "
@@ -101,10 +166,14 @@ def _rate_and_ema(repl, step_fn, state, schedule, ema_decay):
             )
         return new, {**metrics, "learning_rate": schedule(full["step"])}
 
-    full = {"job": state, "step": repl.replicate(jnp.zeros((), jnp.int32))}
-    if ema_decay is not None:
-        full["ema"] = jax.tree.map(jnp.copy, state["params"])
+    full = {"job": state, "step": make(lambda: repl.replicate(jnp.zeros((), jnp.int32)))}
+    if ema_decay is not None:  # a copy of the parameters, with their shardings (or shapes)
+        full["ema"] = jax.tree.map(_copy, state["params"])
     return with_rate, full
+
+
+def _copy(x):
+    return x if isinstance(x, jax.ShapeDtypeStruct) else jnp.copy(x)
 
 
 def own_model(kind: str):
@@ -285,25 +354,42 @@ def _schedule(config: TrainConfig):
     }[p.schedule]
 
 
-def _gpt(config: TrainConfig, repl, make_tx):
+def gpt_config(config: TrainConfig) -> gpt.GPTConfig:
+    """The `gpt.GPTConfig` of a ``kind: gpt`` config's ``model:`` section."""
     m = config.model
-    model = gpt.GPTConfig(
-        vocab_size=256, seq_len=m.seq_len, d_model=m.d_model, num_heads=m.heads, num_layers=m.layers
+    return gpt.GPTConfig(
+        vocab_size=m.vocab,
+        seq_len=m.seq_len,
+        d_model=m.d_model,
+        num_heads=m.heads,
+        num_layers=m.layers,
+        d_ff=m.d_ff,
+        dtype=jnp.dtype(m.dtype),
+        remat=m.remat,
     )
-    params = gpt.init(model, jax.random.key(0))
-    text = gpt.stdlib_text(2_000_000)
+
+
+def _gpt(config: TrainConfig, repl, make_tx) -> _Job:
+    """The GPT on any mesh a config can give: data parallel (ZeRO 0-3, accumulation), tensor
+    parallel over ``model``, and pipelined over ``stage`` (ZeRO 0-3, with ``model`` too)."""
+    m, model = config.model, gpt_config(config)
+    init_params = lambda: gpt.init(model, jax.random.key(0))
+    text = functools.cache(lambda: gpt.stdlib_text(2_000_000))  # read when first iterated
 
     def input_fn(ctx):
         per = ctx.per_pipeline_batch_size(config.global_batch)
         yield from gpt.token_batches(
-            text, batch_size=per, seq_len=m.seq_len, seed=ctx.input_pipeline_id
+            text(), batch_size=per, seq_len=m.seq_len, seed=ctx.input_pipeline_id
         )
 
-    input_fn = _own_data(config, input_fn, vocab=256)
-    tokens = config.global_batch * m.seq_len
+    def batch():
+        shape = jax.ShapeDtypeStruct((config.global_batch, m.seq_len), jnp.int32)
+        return {"tokens": shape, "targets": shape}
+
+    tokens, zero3 = config.global_batch * m.seq_len, config.zero_stage == 3
     if "stage" not in repl.mesh.shape:
         opt = repl.wrap_optimizer(
-            make_tx(params),
+            make_tx(jax.eval_shape(init_params)),
             zero_stage=config.zero_stage,
             accumulate_steps=config.accumulate_steps,
             clip_global_norm=config.clip_global_norm,
@@ -314,17 +400,30 @@ def _gpt(config: TrainConfig, repl, make_tx):
             p, o, metrics = opt.step(loss_fn, state["params"], state["opt"], batch)
             return {"params": p, "opt": o}, metrics
 
-        placed = gpt.place(repl, params, config=model)  # heads and MLP units over "model"
-        return step_fn, {"params": placed, "opt": opt.init(placed)}, input_fn, tokens
+        def init():
+            placed = gpt.place(repl, init_params(), config=model)  # heads, MLP over "model"
+            if zero3:  # stored flat over the replicas, each block's layer on its own
+                placed = opt.shard_params(placed, stacked=["blocks"])
+            return {"params": placed, "opt": opt.init(placed)}
+
+        return _Job(step_fn, init, input_fn, batch, tokens, m.vocab)
 
     schedule = _schedule(config)  # the config has a pipeline: section with a stage axis
     grad_fn = gpt.pipeline_value_and_grad(
-        model, num_microbatches=config.pipeline.microbatches, schedule=schedule
+        model,
+        num_microbatches=config.pipeline.microbatches,
+        schedule=schedule,
+        remat=True if config.pipeline.schedule == "1f1b" else m.remat,  # 1F1B: always
     )
-    k = repl.mesh.shape["stage"]
-    placed = gpt.place_pipeline(repl, params, num_stages=k, repeats=schedule.repeats, config=model)
-    # the stage blocks [V, K, L/(V K), ...] are placed whole (split over "stage" only)
-    tx = repl.wrap_optimizer(make_tx(placed), clip_global_norm=config.clip_global_norm)
+    k, v = repl.mesh.shape["stage"], schedule.repeats
+    staged = lambda: gpt.pipeline_params(init_params(), num_stages=k, repeats=v)
+    # The stage blocks [V, K, L/(V K), ...] are split over "stage"; ZeRO shards their state
+    # (and with zero_stage=3 the blocks themselves, layer by layer) over the replicas too.
+    tx = repl.wrap_optimizer(
+        make_tx(jax.eval_shape(staged)),
+        zero_stage=config.zero_stage,
+        clip_global_norm=config.clip_global_norm,
+    )
 
     def pipeline_step_fn(state, batch):
         loss, grads = grad_fn(state["params"], batch)
@@ -332,22 +431,26 @@ def _gpt(config: TrainConfig, repl, make_tx):
         params = optax.apply_updates(state["params"], updates)
         return {"params": params, "opt": opt}, {"loss": rp.all_reduce(loss, "mean")}
 
-    return pipeline_step_fn, {"params": placed, "opt": tx.init(placed)}, input_fn, tokens
+    def pipeline_init():
+        placed = gpt.place_pipeline(repl, init_params(), num_stages=k, repeats=v, config=model)
+        if zero3:
+            placed = tx.shard_params(placed)
+        return {"params": placed, "opt": tx.init(placed)}
+
+    return _Job(pipeline_step_fn, pipeline_init, input_fn, batch, tokens, m.vocab)
 
 
-def _mlp(config: TrainConfig, repl, make_tx):
+def _mlp(config: TrainConfig, repl, make_tx) -> _Job:
     m = config.model
-    rng = np.random.default_rng(0)
-    params = {
-        "embed": {"w": (rng.normal(size=(16, m.d_model)) / 4).astype(np.float32)},
-        "layers": {
-            "w": (rng.normal(size=(m.layers, m.d_model, m.d_model)) / np.sqrt(m.d_model)).astype(
-                np.float32
-            ),
-            "b": np.zeros((m.layers, m.d_model), np.float32),
-        },
-        "head": {"w": (rng.normal(size=(m.d_model, 1)) / np.sqrt(m.d_model)).astype(np.float32)},
-    }
+
+    def init_params():  # host arrays (the model is small)
+        rng = np.random.default_rng(0)
+        normal = lambda *shape, div: (rng.normal(size=shape) / div).astype(np.float32)
+        embed = {"w": normal(16, m.d_model, div=4)}  # drawn in this order
+        w = normal(m.layers, m.d_model, m.d_model, div=np.sqrt(m.d_model))
+        layers = {"w": w, "b": np.zeros((m.layers, m.d_model), np.float32)}
+        head = {"w": normal(m.d_model, 1, div=np.sqrt(m.d_model))}
+        return {"embed": embed, "layers": layers, "head": head}
 
     @jax.checkpoint
     def layer(h, p):
@@ -360,45 +463,48 @@ def _mlp(config: TrainConfig, repl, make_tx):
         return jnp.mean((h @ rp.gather_params(p["head"])["w"] - batch["y"]) ** 2)
 
     opt = repl.wrap_optimizer(
-        make_tx(params),
+        make_tx(jax.eval_shape(init_params)),
         zero_stage=config.zero_stage,
         accumulate_steps=config.accumulate_steps,
         clip_global_norm=config.clip_global_norm,
     )
-    if config.zero_stage == 3:
-        placed = opt.shard_params(params, stacked=["layers"])
-    else:
-        placed = repl.replicate(params)
+
+    def init():
+        params = init_params()
+        if config.zero_stage == 3:
+            placed = opt.shard_params(params, stacked=["layers"])
+        else:
+            placed = repl.replicate(params)
+        return {"params": placed, "opt": opt.init(placed)}
 
     def input_fn(ctx):
         per = ctx.per_pipeline_batch_size(config.global_batch)
         yield from mlp.regression_batches(per, seed=1 + ctx.input_pipeline_id)
 
-    input_fn = _own_data(config, input_fn)
-
     def step_fn(state, batch):
         p, o, metrics = opt.step(loss_fn, state["params"], state["opt"], batch)
         return {"params": p, "opt": o}, metrics
 
-    return step_fn, {"params": placed, "opt": opt.init(placed)}, input_fn, None
+    return _Job(step_fn, init, input_fn, _first_batch(input_fn), None, None)
 
 
-def _cnn(config: TrainConfig, repl, make_tx):
+def _cnn(config: TrainConfig, repl, make_tx) -> _Job:
     """The CNN with cross-replica BatchNorm on `shape_images`, data parallel: the BatchNorm
     statistics travel in the state next to the parameters, and are the same on every replica."""
-    model = cnn.CNN(
-        in_channels=1, num_classes=len(cnn.SHAPES), width=config.model.width, rngs=nnx.Rngs(0)
-    )
-    graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
+
+    def new_model():
+        return cnn.CNN(
+            in_channels=1, num_classes=len(cnn.SHAPES), width=config.model.width, rngs=nnx.Rngs(0)
+        )
+
+    graphdef, shapes, _ = nnx.split(nnx.eval_shape(new_model), nnx.Param, nnx.BatchStat)
     tx = repl.wrap_optimizer(
-        make_tx(params), zero_stage=config.zero_stage, clip_global_norm=config.clip_global_norm
+        make_tx(shapes), zero_stage=config.zero_stage, clip_global_norm=config.clip_global_norm
     )
 
     def input_fn(ctx):
         per = ctx.per_pipeline_batch_size(config.global_batch)
         yield from cnn.shape_batches(per, seed=1000 + ctx.input_pipeline_id)
-
-    input_fn = _own_data(config, input_fn, vocab=len(cnn.SHAPES))
 
     def step_fn(state, batch):
         (loss, (stats, accuracy)), grads = cnn.value_and_grad(
@@ -409,9 +515,28 @@ def _cnn(config: TrainConfig, repl, make_tx):
         metrics = rp.all_reduce({"loss": loss, "accuracy": accuracy}, "mean")
         return {"params": params, "stats": stats, "opt": opt}, metrics
 
-    params, stats = repl.replicate(params), repl.replicate(stats)
-    state = {"params": params, "stats": stats, "opt": tx.init(params)}
-    return step_fn, state, input_fn, None
+    def init():
+        _, params, stats = nnx.split(new_model(), nnx.Param, nnx.BatchStat)
+        params, stats = repl.replicate(params), repl.replicate(stats)
+        return {"params": params, "stats": stats, "opt": tx.init(params)}
+
+    return _Job(step_fn, init, input_fn, _first_batch(input_fn), None, len(cnn.SHAPES))
+
+
+def _first(input_fn: Callable) -> dict:
+    """``input_fn``'s first global batch (one input pipeline)."""
+    batches = input_fn(rp.InputContext())
+    first = next(iter(batches))
+    if hasattr(batches, "close"):
+        batches.close()
+    return first
+
+
+def _first_batch(input_fn: Callable) -> Callable[[], dict]:
+    """The shapes of ``input_fn``'s first global batch, generated when called."""
+    return lambda: jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), _first(input_fn)
+    )
 
 
 def _own_data(config: TrainConfig, builtin, *, vocab: int | None = None):
@@ -420,10 +545,7 @@ def _own_data(config: TrainConfig, builtin, *, vocab: int | None = None):
     if config.data.path is None:
         return builtin
     found = data_lib.examples(config.data, kind=config.model.kind, seq_len=config.model.seq_len)
-    batches = builtin(rp.InputContext())
-    like = next(iter(batches))
-    if hasattr(batches, "close"):
-        batches.close()
+    like = _first(builtin)
     data_lib.check(found, like, path=config.data.path, global_batch=config.global_batch,
                    vocab=vocab)  # fmt: skip
     return data_lib.input_fn(found, config.data, config.global_batch)

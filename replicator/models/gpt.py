@@ -48,7 +48,10 @@ PyTree = Any
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
     """Sizes of the decoder. ``d_ff`` defaults to ``4 * d_model``; ``dtype`` is the compute
-    dtype (parameters stay fp32, and the head's logits and loss are fp32)."""
+    dtype (parameters stay fp32, and the head's logits and loss are fp32); ``remat`` recomputes
+    each block in the backward pass of `blocks` from its input instead of keeping its
+    activations (the same numbers, less memory, more FLOPs). Pipelines take their own ``remat``
+    (`pipeline_value_and_grad`)."""
 
     vocab_size: int = 256
     seq_len: int = 64
@@ -57,11 +60,14 @@ class GPTConfig:
     num_layers: int = 4
     d_ff: int | None = None
     dtype: Any = jnp.float32
+    remat: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "d_model", "num_heads", "num_layers"):
             positive_int(getattr(self, name), api="GPTConfig", name=name)
         positive_int(self.d_ff, api="GPTConfig", name="d_ff", none=" or None")
+        if not isinstance(self.remat, bool):
+            raise ValueError(f"GPTConfig: remat must be True or False; got {self.remat!r}.")
         if self.d_model % self.num_heads:
             raise ValueError(
                 f"GPTConfig: d_model={self.d_model} must divide by num_heads={self.num_heads}; "
@@ -127,15 +133,22 @@ def _layer_norm(p: dict, x: jax.Array) -> jax.Array:
 
 
 def embed(embed_params: dict, tokens: jax.Array) -> jax.Array:
-    """Token plus position embeddings: ``[B, S]`` int tokens to ``[B, S, D]``."""
+    """Token plus position embeddings: ``[B, S]`` int tokens to ``[B, S, D]``.
+
+    ZeRO-3 parameters (`rp.ShardedParam`) are gathered here, where they are used; plain arrays
+    pass through (so are `block`'s and `head_logits`')."""
+    embed_params = rp.gather_params(embed_params)
     s = tokens.shape[-1]
     return embed_params["tokens"][tokens] + embed_params["positions"][:s]
 
 
 def block(layer_params: dict, x: jax.Array, *, config: GPTConfig) -> jax.Array:
-    """One pre-LayerNorm decoder block: causal self-attention, then an MLP, each residual."""
+    """One pre-LayerNorm decoder block: causal self-attention, then an MLP, each residual.
+
+    ``layer_params`` may be one layer of ZeRO-3 parameters: they are gathered here, inside the
+    layer scan, one layer at a time."""
     dtype = config.dtype
-    p = jax.tree.map(lambda a: a.astype(dtype), layer_params)
+    p = jax.tree.map(lambda a: a.astype(dtype), rp.gather_params(layer_params))
     x = x.astype(dtype)
     b, s, d = x.shape
     nh = config.num_heads
@@ -154,8 +167,14 @@ def block(layer_params: dict, x: jax.Array, *, config: GPTConfig) -> jax.Array:
 
 
 def blocks(stacked_params: dict, x: jax.Array, *, config: GPTConfig) -> jax.Array:
-    """Every block in order, as a ``lax.scan`` over the leading layer axis."""
+    """Every block in order, as a ``lax.scan`` over the leading layer axis; with
+    ``config.remat`` each block is recomputed in the backward pass (``jax.checkpoint``).
+
+    Equivalent to: ``for p in stacked_params: x = block(p, x, config=config)``.
+    """
     step = lambda h, p: (block(p, h, config=config), None)
+    if config.remat:
+        step = jax.checkpoint(step, prevent_cse=False)  # in a scan: nothing to keep apart
     return jax.lax.scan(step, x, stacked_params)[0]
 
 
@@ -167,6 +186,7 @@ def stage_fn(config: GPTConfig) -> Callable[[dict, jax.Array], jax.Array]:
 
 def head_logits(head_params: dict, x: jax.Array) -> jax.Array:
     """Final LayerNorm and output matrix: ``[B, S, D]`` to fp32 logits ``[B, S, V]``."""
+    head_params = rp.gather_params(head_params)
     x = _layer_norm(head_params["norm"], x.astype(jnp.float32))
     return x @ head_params["w"]
 
@@ -190,7 +210,7 @@ def loss(params: dict, tokens: jax.Array, targets: jax.Array, *, config: GPTConf
 
 
 def pipeline_value_and_grad(
-    config: GPTConfig, *, num_microbatches: int, schedule: Any = "gpipe"
+    config: GPTConfig, *, num_microbatches: int, schedule: Any = "gpipe", remat: bool = True
 ) -> Callable[[dict, dict], tuple[jax.Array, dict]]:
     """``f(params, batch) -> (loss, grads)`` for one data replica, the blocks run as a pipeline.
 
@@ -202,11 +222,19 @@ def pipeline_value_and_grad(
 
         Equivalent to: jax.value_and_grad(loss)(params with the stages unstacked, tokens, targets)
 
+    ``params`` may also be ZeRO-3's (``opt.shard_params(placed)``): the embedding and the head
+    are gathered before the pipeline (their gradients scattered back), and each stage's layers
+    one at a time inside its layer scan (`block`). Each block computes in ``config.dtype``;
+    activations travel between stages in fp32 (bfloat16 to fp32 and back is exact, so the
+    values are those of `loss`).
+
     Args:
-      config: the model's sizes.
+      config: the model's sizes (its ``remat`` is for `blocks`; pipelines use ``remat``).
       num_microbatches: micro-batches per replica's batch (see
         `replicator.pipeline.value_and_grad`).
       schedule: a `replicator.pipeline` schedule such as ``pipeline.OneFOneB()``, or its name.
+      remat: recompute each block in the backward pass from its input (the pipeline engine's
+        ``remat``); 1F1B always recomputes and refuses ``remat=False``.
 
     Returns:
       The function; its ``grads`` have the structure of ``params``, and are this replica's own
@@ -228,15 +256,20 @@ def pipeline_value_and_grad(
     True
     """
     grad_fn = pipeline.value_and_grad(
-        stage_fn(config), head_loss, num_microbatches=num_microbatches, schedule=schedule
+        stage_fn(config),
+        head_loss,
+        num_microbatches=num_microbatches,
+        schedule=schedule,
+        remat=remat,
     )
 
     def value_and_grad(params: dict, batch: dict) -> tuple[jax.Array, dict]:
-        x, embed_vjp = jax.vjp(lambda e: embed(e, batch["tokens"]), params["embed"])
-        loss, (g_stages, g_x, g_head) = grad_fn(
-            params["stages"], x, batch["targets"], params["head"]
-        )
-        return loss, {"embed": embed_vjp(g_x)[0], "stages": g_stages, "head": g_head}
+        tokens = batch["tokens"]
+        x, embed_vjp = jax.vjp(lambda e: embed(e, tokens), params["embed"])
+        head, head_vjp = jax.vjp(rp.gather_params, params["head"])  # ZeRO-3: gathered once
+        loss, (g_stages, g_x, g_head) = grad_fn(params["stages"], x, batch["targets"], head)
+        grads = {"embed": embed_vjp(g_x)[0], "stages": g_stages, "head": head_vjp(g_head)[0]}
+        return loss, grads
 
     return value_and_grad
 
@@ -425,15 +458,31 @@ def place_pipeline(
     specs = partition_specs(rules=rules)
     _check_split(repl.mesh, config, rules, "gpt.place_pipeline")
     lead = tuple(pipeline.stage_spec(repeats))  # the stage axes, then the layers' own specs
-    stacked = pipeline.stack_stages(params["blocks"], num_stages=num_stages, repeats=repeats)
+    staged = pipeline_params(params, num_stages=num_stages, repeats=repeats)
     stage_specs = jax.tree.map(
         lambda spec: P(*lead, *spec), specs.pop("blocks"), is_leaf=lambda x: isinstance(x, P)
     )
     return {
-        "embed": repl.place(params["embed"], specs["embed"]),
-        "stages": repl.place(stacked, stage_specs),
-        "head": repl.place(params["head"], specs["head"]),
+        "embed": repl.place(staged["embed"], specs["embed"]),
+        "stages": repl.place(staged["stages"], stage_specs),
+        "head": repl.place(staged["head"], specs["head"]),
     }
+
+
+def pipeline_params(params: dict, *, num_stages: int, repeats: int = 1) -> dict:
+    """`init`'s parameters in `pipeline_value_and_grad`'s layout, unplaced: the blocks stacked
+    into stages (`replicator.pipeline.stack_stages`), the embedding and head as they are.
+
+    >>> import jax
+    >>> from replicator.models import gpt
+    >>> config = gpt.GPTConfig(seq_len=8, d_model=16, num_heads=2, num_layers=4)
+    >>> shapes = jax.eval_shape(
+    ...     lambda: gpt.pipeline_params(gpt.init(config, jax.random.key(0)), num_stages=2))
+    >>> sorted(shapes), shapes["stages"]["mlp"]["up"].shape
+    (['embed', 'head', 'stages'], (2, 2, 16, 64))
+    """
+    stacked = pipeline.stack_stages(params["blocks"], num_stages=num_stages, repeats=repeats)
+    return {"embed": params["embed"], "stages": stacked, "head": params["head"]}
 
 
 def num_params(params: PyTree) -> int:

@@ -11,11 +11,11 @@ collective bytes.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import io
 import json
 import multiprocessing
+import multiprocessing.connection
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -241,37 +241,106 @@ def _workers(workers: int | None, n: int) -> int:
 
 
 def _run(build, families, budget, n, workers, progress) -> list[search.Outcome]:
+    """Every family's outcomes, in the order of ``families``; siblings (families that differ in
+    their ZeRO stage only) are searched together, by one process."""
+    groups: dict[tuple, list[int]] = {}
+    for i, family in enumerate(families):
+        groups.setdefault(search.sibling_key(family), []).append(i)
+    tasks = list(groups.values())
     bar = _Progress(len(families), progress)
-    results: list[list[dict]] = [None] * len(families)  # type: ignore[list-item]
+    results: list = [None] * len(families)
     try:
         if workers == 0:
-            for i, family in enumerate(families):
-                results[i] = search.search_family(build, family, budget)
-                bar.advance(family)
-        else:
-            context = multiprocessing.get_context("spawn")
-            with concurrent.futures.ProcessPoolExecutor(
-                max_workers=workers, mp_context=context, initializer=search.init_worker,
-                initargs=(n,),
-            ) as pool:  # fmt: skip
-                futures = {
-                    pool.submit(search.search_family, build, family, budget): i
-                    for i, family in enumerate(families)
-                }
-                for future in concurrent.futures.as_completed(futures):
-                    i = futures[future]
-                    try:
-                        results[i] = future.result()
-                    except Exception as e:  # a worker died (e.g. out of memory)
-                        reason = f"the worker failed: {type(e).__name__}: {e}"
-                        results[i] = [
-                            search.Outcome(lay, search.ERROR, reason).to_dict()
-                            for lay in families[i].layouts
-                        ]
+            fn = search.resolve(build)
+            for task in tasks:
+                found = search.search_siblings(fn, [families[i] for i in task], budget)
+                for i, outcomes in zip(task, found, strict=True):
+                    results[i] = outcomes
                     bar.advance(families[i])
+        else:
+            _in_workers(build, families, tasks, budget, n, workers, results, bar)
     finally:
         bar.close()
-    return [search.outcome_from_dict(raw) for family in results for raw in family]
+    return [o for family in results for o in family]
+
+
+def _in_workers(build, families, tasks, budget, n, workers, results, bar) -> None:
+    """Fills ``results`` from ``workers`` processes with ``n`` emulated CPU devices, each
+    searching one task (a list of sibling families) at a time. A process that dies (out of
+    memory, a check failure in XLA's compiler) takes only its task with it: those families are
+    errors that say so, and a new process goes on with the others."""
+    context = multiprocessing.get_context("spawn")
+    todo = list(range(len(tasks)))[::-1]
+    idle: list = []
+    busy: dict = {}  # connection -> task index
+    procs: dict = {}  # connection -> process
+    finished = 0
+
+    def start():
+        parent, child = context.Pipe()
+        proc = context.Process(target=search.worker_main, args=(child, n, build), daemon=True)
+        proc.start()
+        child.close()
+        procs[parent] = proc
+        idle.append(parent)
+
+    try:
+        for _ in range(min(workers, len(tasks))):
+            start()
+        while todo or busy:
+            while todo and idle:
+                conn = idle.pop()
+                t = todo.pop()
+                conn.send(([families[i] for i in tasks[t]], budget))
+                busy[conn] = t
+            ready = multiprocessing.connection.wait([*busy, *(procs[c].sentinel for c in busy)])
+            for conn in list(busy):
+                proc, t = procs[conn], busy[conn]
+                if conn not in ready and proc.sentinel not in ready:
+                    continue
+                del busy[conn]
+                try:
+                    found = [[search.outcome_from_dict(o) for o in f] for f in conn.recv()]
+                    finished += 1
+                    idle.append(conn)
+                except (EOFError, OSError):  # died before it answered
+                    proc.join()
+                    conn.close()
+                    del procs[conn]
+                    if finished == 0 and proc.exitcode == 1:
+                        raise RuntimeError(WORKERS_DIED) from None
+                    reason = (
+                        f"its worker process died (exit code {proc.exitcode}) compiling this "
+                        f"family: out of memory, or a crash in XLA's CPU compiler"
+                    )
+                    found = [[search.Outcome(lay, search.ERROR, reason)
+                              for lay in families[i].layouts] for i in tasks[t]]  # fmt: skip
+                    if todo:
+                        start()
+                for i, outcomes in zip(tasks[t], found, strict=True):
+                    results[i] = outcomes
+                    bar.advance(families[i])
+    finally:
+        for conn, proc in procs.items():
+            try:
+                conn.send(None)  # done: the worker returns
+            except OSError:
+                pass
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+            conn.close()
+
+
+WORKERS_DIED = """\
+rp.plan: the first worker process failed before planning one family of layouts. Workers start \
+a fresh Python (multiprocessing's "spawn"), which imports your script again: run it under
+
+    if __name__ == "__main__":
+        report = rp.plan(build, layouts, ...)
+
+and make `build` a module-level function (or "module:function"), importable there. Or plan in \
+this process with workers=0, if it has the layouts' number of devices."""
 
 
 class _Progress:
@@ -304,11 +373,19 @@ def _renderable(r: PlanReport, top: int = 20):
 
     hw = r.hardware
     budget = format_bytes(r.memory_budget)
+    if hw.shared:
+        what = (
+            f"{hw.peak_flops / 1e12:.4g} TFLOP/s and {hw.ici_bandwidth / 1e9:.4g} GB/s shared by "
+            f"all devices"
+        )
+    else:
+        what = (
+            f"{hw.peak_flops / 1e12:.4g} TFLOP/s, ICI {hw.ici_bandwidth / 1e9:.4g} GB/s, DCN "
+            f"{hw.dcn_bandwidth / 1e9:.4g} GB/s per device, {hw.island_size} devices per island"
+        )
     head = Text(
-        f"plan for {r.num_devices} devices of {hw.name} ({hw.peak_flops / 1e12:.4g} TFLOP/s, "
-        f"ICI {hw.ici_bandwidth / 1e9:.4g} GB/s, DCN {hw.dcn_bandwidth / 1e9:.4g} GB/s per "
-        f"device, {hw.island_size} devices per island), {budget} per device; collectives on "
-        f"data axes {r.overlap:.0%} hidden behind compute\n"
+        f"plan for {r.num_devices} devices of {hw.name} ({what}), {budget} per device; "
+        f"collectives on data axes {r.overlap:.0%} hidden behind compute\n"
         f"{len(r.ranked) + len(r.rejected)} layouts: {r.compiled} compiled, {len(r.ranked)} "
         f"fit; {r.seconds:.1f} s with {r.workers or 'no'} worker process(es)"
     )

@@ -140,14 +140,19 @@ class _Searcher:
         self.outcomes[layout] = outcome
         return outcome
 
+    def state_size(self, layout: Layout) -> int | Exception:
+        """The bytes per device of ``layout``'s state (built from shapes), or the error."""
+        try:
+            _, _, state, _ = self.job(layout)
+            return state_bytes_per_device(state)
+        except Exception as e:
+            return e
+
     def family(self, family: Family) -> list[Outcome]:
         layouts = family.layouts
-        first = layouts[0]
-        try:
-            _, _, state, _ = self.job(first)
-            size = state_bytes_per_device(state)
-        except Exception as e:
-            reason = _first_line(e)
+        size = self.state_size(layouts[0])
+        if isinstance(size, Exception):
+            reason = _first_line(size)
             return [Outcome(lay, ERROR, reason) for lay in layouts]
         if size > self.budget:
             reason = f"its state alone is {format_bytes(size)} per device"
@@ -201,6 +206,46 @@ class _Searcher:
         return group[hi]
 
 
+def sibling_key(family: Family) -> tuple:
+    """Families with one key differ only in their ZeRO stage: `search_siblings` takes them
+    together."""
+    lay = family.layouts[0]
+    return (lay.data, lay.stage, lay.model, lay.schedule, lay.microbatches, lay.repeats)
+
+
+def search_siblings(build: Callable, families: list[Family], budget: int) -> list[list[Outcome]]:
+    """The outcomes of families that differ only in their ZeRO stage, searched from the highest
+    stage (the least memory) down. Once a stage has no layout that fits, the lower stages need
+    more memory for every layout (replicated state or gradients where it shards them), so they
+    are not compiled: only their state's size is read."""
+    searcher = _Searcher(build, budget)
+    order = sorted(range(len(families)), key=lambda i: -families[i].layouts[0].zero_stage)
+    out: list = [None] * len(families)
+    evidence: Layout | None = None  # a frugal sibling that does not fit
+    for i in order:
+        family = families[i]
+        if evidence is None:
+            out[i] = searcher.family(family)
+            statuses = {o.status for o in out[i]}
+            if FITS not in statuses and statuses <= {TOO_BIG, STATE_TOO_BIG, SKIPPED}:
+                evidence = family.groups[-1][-1]
+            continue
+        size = searcher.state_size(family.layouts[0])
+        if isinstance(size, Exception):
+            reason = _first_line(size)
+            out[i] = [Outcome(lay, ERROR, reason) for lay in family.layouts]
+        elif size > budget:
+            reason = f"its state alone is {format_bytes(size)} per device"
+            out[i] = [Outcome(lay, STATE_TOO_BIG, reason, size) for lay in family.layouts]
+        else:
+            reason = (
+                f"needs more memory than {evidence} (ZeRO-{evidence.zero_stage} shards more), "
+                f"which does not fit"
+            )
+            out[i] = [Outcome(lay, SKIPPED, reason, size) for lay in family.layouts]
+    return out
+
+
 def search_family(build: Callable | str, family: Family, budget: int) -> list[dict]:
     """The outcomes of ``family`` as plain dicts (for a worker process to send back)."""
     return [o.to_dict() for o in _Searcher(resolve(build), budget).family(family)]
@@ -217,9 +262,17 @@ def outcome_from_dict(raw: dict) -> Outcome:
     )
 
 
-def init_worker(num_devices: int) -> None:
-    """A planning worker: ``num_devices`` emulated CPU devices, set before JAX starts."""
+def worker_main(conn, num_devices: int, build) -> None:
+    """A planning worker process: ``num_devices`` emulated CPU devices (set before JAX starts),
+    then ``(families, budget)`` tasks from ``conn`` (siblings: `search_siblings`) searched and
+    answered until None comes."""
     import jax
 
     jax.config.update("jax_num_cpu_devices", int(num_devices))
     jax.config.update("jax_platforms", "cpu")
+    build = resolve(build)
+    while (task := conn.recv()) is not None:
+        families, budget = task
+        found = search_siblings(build, families, budget)
+        conn.send([[o.to_dict() for o in outcomes] for outcomes in found])
+    conn.close()
