@@ -341,3 +341,54 @@ def test_plan_in_worker_processes_with_another_device_count():
     # a quarter of the batch per device instead of an eighth: about twice the FLOPs
     ratio = by_name["data=4"].outcome.compiled.flops / here.ranked[0].outcome.compiled.flops
     assert 1.8 < ratio < 2.05, ratio
+
+
+def test_bytes_accessed_per_kernel_worked_by_hand():
+    """A loop of 4 trips whose fusion slices one row [1,8] of a stacked [4,8] operand and
+    multiplies it by a [8] vector, and whose in-place update writes one row back: per trip the
+    fusion reads 32 + 32 bytes and writes 32, the update reads and writes 32; the slice is
+    counted as the slice and the update in place, not the whole [4,8] buffer."""
+    from replicator._src import hlo
+
+    text = """
+%fused (param_0: f32[4,8], param_1: f32[8], param_2: s32[]) -> f32[1,8] {
+  %param_0 = f32[4,8]{1,0} parameter(0)
+  %param_2 = s32[] parameter(2)
+  %c = s32[] constant(0)
+  %ds = f32[1,8]{1,0} dynamic-slice(%param_0, %param_2, %c), dynamic_slice_sizes={1,8}
+  %param_1 = f32[8]{0} parameter(1)
+  %b = f32[1,8]{1,0} broadcast(%param_1), dimensions={1}
+  ROOT %m = f32[1,8]{1,0} multiply(%ds, %b)
+}
+
+%body (p: (f32[4,8], f32[8], s32[])) -> (f32[4,8], f32[8], s32[]) {
+  %p = (f32[4,8]{1,0}, f32[8]{0}, s32[]) parameter(0)
+  %x = f32[4,8]{1,0} get-tuple-element(%p), index=0
+  %v = f32[8]{0} get-tuple-element(%p), index=1
+  %i = s32[] get-tuple-element(%p), index=2
+  %f = f32[1,8]{1,0} fusion(%x, %v, %i), kind=kLoop, calls=%fused
+  %z = s32[] constant(0)
+  %u = f32[4,8]{1,0} dynamic-update-slice(%x, %f, %i, %z)
+  ROOT %t = (f32[4,8]{1,0}, f32[8]{0}, s32[]) tuple(%u, %v, %i)
+}
+
+%cond (q: (f32[4,8], f32[8], s32[])) -> pred[] {
+  %q = (f32[4,8]{1,0}, f32[8]{0}, s32[]) parameter(0)
+  ROOT %r = pred[] constant(true)
+}
+
+ENTRY %main (a: f32[4,8], w: f32[8]) -> f32[4,8] {
+  %a = f32[4,8]{1,0} parameter(0)
+  %w = f32[8]{0} parameter(1)
+  %zero = s32[] constant(0)
+  %init = (f32[4,8]{1,0}, f32[8]{0}, s32[]) tuple(%a, %w, %zero)
+  %loop = (f32[4,8]{1,0}, f32[8]{0}, s32[]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  ROOT %out = f32[4,8]{1,0} get-tuple-element(%loop), index=0
+}
+"""
+    costs = hlo.analyze(text, {"data": 1})
+    fusion = 32 + 32 + 4 + 32  # the slice, the vector, the index, the output
+    update = 2 * 32
+    assert costs.flops == 4 * 8  # the multiply, 4 trips
+    assert costs.bytes_accessed == 4 * (fusion + update)
+    assert sum(f for f, _ in costs.roofline) == 32

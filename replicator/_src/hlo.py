@@ -93,6 +93,8 @@ class Costs:
     transcendentals: float
     collectives: tuple[Collective, ...]
     unknown_trip_counts: int  # while loops without a known trip count (counted once)
+    bytes_accessed: float = 0.0  # memory read and written by each kernel, loops per trip
+    roofline: tuple[tuple[float, float], ...] = ()  # (FLOPs, bytes) of kernels of like intensity
 
 
 @dataclasses.dataclass
@@ -102,11 +104,13 @@ class _Inst:
     op: str
     operands: list[str]
     attrs: str
+    root: bool = False
 
 
 def _split_instruction(line: str) -> _Inst | None:
     body = line.strip()
-    if body.startswith("ROOT "):
+    root = body.startswith("ROOT ")
+    if root:
         body = body[5:]
     name, sep, rest = body.partition(" = ")
     if not sep or " " in name:
@@ -121,7 +125,9 @@ def _split_instruction(line: str) -> _Inst | None:
         return None
     end = _closing(rest, 0, depth=1)
     operands = re.findall(r"%([\w.\-]+)", rest[:end])
-    return _Inst(name.lstrip("%"), shape, op, operands, rest[end + 1 :])
+    if op == "parameter":  # its number: which operand of the caller it is
+        operands = [rest[:end].strip()]
+    return _Inst(name.lstrip("%"), shape, op, operands, rest[end + 1 :], root)
 
 
 def _closing(text: str, start: int, depth: int = 1) -> int:
@@ -210,6 +216,36 @@ def axes_spanned(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple[s
 
 
 _ZERO = (Fraction(0),) * 3
+_NO_BYTES = frozenset(
+    "parameter constant tuple get-tuple-element bitcast after-all partition-id replica-id "
+    "opt-barrier add-dependency domain".split()
+)
+_SLICES = frozenset({"dynamic-slice", "slice", "gather"})
+
+
+def _bin(flops: Fraction, nbytes: Fraction) -> int:
+    """Kernels of like arithmetic intensity (FLOPs per byte, within a factor of sqrt 2) share a
+    bin: a roofline over the bins is within that factor of one over every kernel."""
+    if nbytes <= 0:
+        return 10**6
+    if flops <= 0:
+        return -(10**6)
+    return int(np.floor(2 * np.log2(float(flops) / float(nbytes))))
+
+
+def _note(kernels: dict | None, flops: Fraction, nbytes: Fraction) -> None:
+    if kernels is None or (flops <= 0 and nbytes <= 0):
+        return
+    f, b = kernels.get(_bin(flops, nbytes), (Fraction(0), Fraction(0)))
+    kernels[_bin(flops, nbytes)] = (f + flops, b + nbytes)
+
+
+def _merge(into: dict | None, other: dict) -> None:
+    if into is None:
+        return
+    for k, (f, b) in other.items():
+        g, c = into.get(k, (Fraction(0), Fraction(0)))
+        into[k] = (g + f, c + b)
 
 
 def _add(a: tuple, b: tuple) -> tuple:
@@ -231,9 +267,10 @@ class _Walker:
         self.shapes = {i.name: i.shape for insts in comps.values() for i in insts}
         self.unknown_trips = 0
 
-    def visit(self, comp: str, mult: Fraction, cond: bool, applied: frozenset, out: list):
+    def visit(self, comp, mult, cond, applied, out, kernels=None, fused=False):
         """(FLOPs, matmul FLOPs, transcendentals) of ``comp`` run ``mult`` times; its
-        collectives are appended to ``out``."""
+        collectives are appended to ``out``, and unless ``fused`` (inside a fusion, where
+        nothing is stored between instructions) each kernel's FLOPs and bytes to ``kernels``."""
         total = (Fraction(0),) * 3
         for inst in self.comps[comp]:
             op_name = re.search(r'op_name="([^"]*)"', inst.attrs)
@@ -243,10 +280,11 @@ class _Walker:
                 key = op_name[: found.end()]
                 if key not in marks:
                     m, marks = m * Fraction(int(found.group(1)), int(found.group(2))), marks | {key}
-            total = _add(total, self.instruction(inst, m, cond, marks, op_name, out))
+            cost = self.instruction(inst, m, cond, marks, op_name, out, kernels, fused)
+            total = _add(total, cost)
         return total
 
-    def instruction(self, inst, mult, cond, marks, op_name, out):
+    def instruction(self, inst, mult, cond, marks, op_name, out, kernels, fused):
         op = inst.op.removesuffix("-start")
         if inst.op.endswith("-done"):
             return _ZERO
@@ -259,8 +297,11 @@ class _Walker:
             if trips is None:
                 self.unknown_trips += 1
             n = int(trips.group(1)) if trips else 1
-            body = self.visit(called["body"], mult * n, cond, marks, out)
-            return _add(body, self.visit(called["condition"], mult * (n + 1), cond, marks, out))
+            body = self.visit(called["body"], mult * n, cond, marks, out, kernels, fused)
+            cond_cost = self.visit(
+                called["condition"], mult * (n + 1), cond, marks, out, kernels, fused
+            )
+            return _add(body, cond_cost)
         if inst.op == "conditional":
             branches = re.search(r"branch_computations=\{([^}]*)\}", inst.attrs)
             names = (
@@ -268,11 +309,61 @@ class _Walker:
                 if branches
                 else [called["true_computation"], called["false_computation"]]
             )
-            costs = [self.visit(b, mult, True, marks, out) for b in names]
-            return max(costs, key=lambda c: c[0] + c[2])
-        if inst.op in ("fusion", "call", "async-start") and "calls" in called:
-            return self.visit(called["calls"], mult, cond, marks, out)
-        return self.leaf_cost(inst, mult)
+            runs = []
+            for name in names:
+                own: dict = {}
+                runs.append((self.visit(name, mult, True, marks, out, own, fused), own))
+            cost, own = max(runs, key=lambda r: r[0][0] + r[0][2])
+            _merge(kernels, own)
+            return cost
+        if inst.op == "fusion" and "calls" in called:
+            cost = self.visit(called["calls"], mult, cond, marks, out, None, True)
+            if not fused:
+                _note(kernels, cost[0], mult * self.fusion_bytes(inst, called["calls"]))
+            return cost
+        if inst.op in ("call", "async-start") and "calls" in called:
+            return self.visit(called["calls"], mult, cond, marks, out, kernels, fused)
+        cost = self.leaf_cost(inst, mult)
+        if not fused:
+            _note(kernels, cost[0], mult * self.leaf_bytes(inst))
+        return cost
+
+    def leaf_bytes(self, inst: _Inst) -> int:
+        """Bytes an unfused instruction reads and writes (none for bookkeeping ones)."""
+        if inst.op in _NO_BYTES:
+            return 0
+        if inst.op == "dynamic-update-slice":  # in place: the update read and written
+            return 2 * shape_bytes(self.shapes.get(inst.operands[1], ""))
+        if inst.op in ("dynamic-slice", "slice"):
+            return 2 * shape_bytes(inst.shape)
+        operands = sum(shape_bytes(self.shapes.get(o, "")) for o in inst.operands)
+        return shape_bytes(inst.shape) + operands
+
+    def fusion_bytes(self, inst: _Inst, comp: str) -> int:
+        """Bytes a fusion reads and writes: its output and operands, where an operand only
+        sliced inside counts its slices, and an in-place update its update."""
+        body = self.comps[comp]
+        params = {i.operands[0]: i for i in body if i.op == "parameter" and i.operands}
+        users: dict[str, list[_Inst]] = {}
+        for i in body:
+            for o in i.operands:
+                users.setdefault(o, []).append(i)
+        root = next((i for i in body if i.root), body[-1] if body else None)
+        written, in_place = shape_bytes(inst.shape), None
+        if root is not None and root.op == "dynamic-update-slice" and len(root.operands) > 1:
+            in_place = root.operands[0]
+            written = shape_bytes(self.shapes.get(root.operands[1], ""))
+        total = written
+        for k, operand in enumerate(inst.operands):
+            param = params.get(str(k))
+            if param is not None and param.name == in_place:
+                continue
+            uses = users.get(param.name, []) if param is not None else []
+            if uses and all(u.op in _SLICES and u.operands[0] == param.name for u in uses):
+                total += sum(shape_bytes(u.shape) for u in uses)
+            else:
+                total += shape_bytes(self.shapes.get(operand, ""))
+        return total
 
     def leaf_cost(self, inst: _Inst, mult: Fraction) -> tuple[Fraction, Fraction, Fraction]:
         op = inst.op
@@ -353,5 +444,10 @@ def analyze(text: str, mesh_shape: dict[str, int]) -> Costs:
     entry, comps = parse_module(text)
     walker = _Walker(comps, mesh_shape)
     out: list[Collective] = []
-    flops, matmul, trans = walker.visit(entry, Fraction(1), False, frozenset(), out)
-    return Costs(float(flops), float(matmul), float(trans), tuple(out), walker.unknown_trips)
+    kernels: dict = {}
+    flops, matmul, trans = walker.visit(entry, Fraction(1), False, frozenset(), out, kernels)
+    roofline = tuple((float(f), float(b)) for _, (f, b) in sorted(kernels.items()))
+    return Costs(
+        float(flops), float(matmul), float(trans), tuple(out), walker.unknown_trips,
+        bytes_accessed=float(sum(b for _, b in roofline)), roofline=roofline,
+    )  # fmt: skip

@@ -73,6 +73,11 @@ class StepReport:
       pipelines: the pipelines traced in the step (`PipelineNote`).
       unknown_trip_counts: loops without a known trip count, counted once (figures are then
         lower bounds).
+      bytes_accessed: memory each kernel (a fusion, or an unfused instruction) reads and writes
+        per step, loops counted per trip; a slice of an operand counts as the slice, an update
+        in place as the update (as XLA's cost analysis counts them, without its loop-once rule).
+      roofline: ``(FLOPs, bytes)`` of the kernels, grouped by arithmetic intensity (within a
+        factor of sqrt 2): a roofline time ``sum(max(f / peak, b / bandwidth))`` over the groups.
     """
 
     step: str
@@ -89,6 +94,8 @@ class StepReport:
     collectives: tuple[Collective, ...]
     pipelines: tuple[PipelineNote, ...]
     unknown_trip_counts: int = 0
+    bytes_accessed: float = 0.0
+    roofline: tuple[tuple[float, float], ...] = ()
 
     @property
     def collective_bytes(self) -> float:
@@ -210,6 +217,7 @@ def _renderable(r: StepReport):
     compute.add_row("FLOPs per step", f"{r.flops:.4g}")
     compute.add_row("of which matmuls (dot, convolution)", f"{r.matmul_flops:.4g}")
     compute.add_row("transcendentals", f"{r.transcendentals:.4g}")
+    compute.add_row("bytes read and written by the kernels", format_bytes(r.bytes_accessed))
     if r.xla_flops is not None:
         compute.add_row("XLA cost_analysis FLOPs (loop bodies once)", f"{r.xla_flops:.4g}")
     coll = Table(title="collectives per device per step", title_justify="left")
@@ -284,4 +292,6 @@ def report(
         collectives=costs.collectives,
         pipelines=tuple(pipelines),
         unknown_trip_counts=costs.unknown_trip_counts,
+        bytes_accessed=costs.bytes_accessed,
+        roofline=costs.roofline,
     )

@@ -4,7 +4,8 @@ The program says what one device does per step: its FLOPs, every collective with
 it spans and the bytes it sends, and each pipeline's idle share. The hardware profile says how
 fast a device does each. Nothing else is assumed about the model::
 
-    compute       = FLOPs / peak_flops                    (shared devices: all devices' FLOPs)
+    compute       = sum over kernels of max(FLOPs / peak_flops, bytes / hbm_bandwidth)
+                                                          (shared devices: all devices')
     bubble        = idle FLOPs of a pipeline that skips its idle ticks (1F1B) / peak_flops
     communication = sum over collectives of  wire bytes / bandwidth of the link it crosses
                                            + executions * collective_latency
@@ -58,6 +59,8 @@ class CompiledStep:
         circular: already in ``flops``).
       bubble: the pipelines' modelled idle share (0 without a pipeline).
       compile_seconds: time to build, trace and compile.
+      bytes_accessed: memory the kernels read and write per step (`StepReport.bytes_accessed`).
+      roofline: the kernels' ``(FLOPs, bytes)`` by arithmetic intensity (`StepReport.roofline`).
     """
 
     mesh: dict[str, int]
@@ -67,6 +70,8 @@ class CompiledStep:
     idle_flops: float = 0.0
     bubble: float = 0.0
     compile_seconds: float = 0.0
+    bytes_accessed: float = 0.0
+    roofline: tuple[tuple[float, float], ...] = ()
 
     @classmethod
     def from_report(cls, report: Any) -> CompiledStep:
@@ -99,6 +104,8 @@ class CompiledStep:
             idle_flops=float(idle),
             bubble=float(bubble),
             compile_seconds=float(report.compile_seconds),
+            bytes_accessed=float(getattr(report, "bytes_accessed", 0.0)),
+            roofline=tuple(tuple(map(float, k)) for k in getattr(report, "roofline", ())),
         )
 
     def to_dict(self) -> dict:
@@ -107,6 +114,7 @@ class CompiledStep:
     @classmethod
     def from_dict(cls, raw: dict) -> CompiledStep:
         raw = dict(raw)
+        raw["roofline"] = tuple(tuple(k) for k in raw.get("roofline", ()))
         raw["collectives"] = tuple(
             CollectiveCost(c["kind"], tuple(c["axes"]), c["wire_bytes"], c["count"])
             for c in raw["collectives"]
@@ -119,7 +127,8 @@ class ModelledTime:
     """One step's modelled time on a hardware profile, in seconds, and its parts.
 
     Attributes:
-      compute: FLOPs at the hardware's peak.
+      compute: the kernels at the roofline: FLOPs at the hardware's peak, or their bytes at its
+        memory bandwidth, whichever takes longer, kernel by kernel.
       bubble: pipeline idle time that is not in the FLOPs.
       ici: collective time over the fast interconnect (with latency).
       dcn: collective time across islands (with latency).
@@ -163,6 +172,21 @@ def crosses_dcn(axes: tuple[str, ...], mesh: dict[str, int], island_size: int) -
     return False
 
 
+def kernel_time(step: CompiledStep, hardware: Hardware) -> float:
+    """One device's compute time: each group of kernels of like intensity at the roofline,
+    ``max(FLOPs / peak_flops, bytes / hbm_bandwidth)``; FLOPs at peak alone without the
+    profile's memory bandwidth or the program's kernels.
+
+    >>> hw = Hardware("toy", 1e12, 2**30, 1e9, 1e8, 4, hbm_bandwidth=1e11)
+    >>> step = CompiledStep({"data": 1}, {}, 3e12, (), roofline=((1e12, 1e12), (2e12, 1e9)))
+    >>> kernel_time(step, hw)   # 10 s memory-bound + 2 s compute-bound
+    12.0
+    """
+    if hardware.hbm_bandwidth is None or not step.roofline:
+        return step.flops / hardware.peak_flops
+    return sum(max(f / hardware.peak_flops, b / hardware.hbm_bandwidth) for f, b in step.roofline)
+
+
 def model_time(
     step: CompiledStep,
     hardware: Hardware,
@@ -191,7 +215,7 @@ def model_time(
         raise ValueError(f"model_time: overlap must be between 0 and 1; got {overlap!r}.")
     devices = math.prod(step.mesh.values())
     scale = devices if hardware.shared else 1  # shared: every device's work on one machine
-    compute = scale * step.flops / hardware.peak_flops
+    compute = scale * kernel_time(step, hardware)
     bubble = 0.0 if hardware.shared else step.idle_flops / hardware.peak_flops
     ici = dcn = data_axes = 0.0
     for c in step.collectives:

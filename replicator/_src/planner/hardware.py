@@ -39,6 +39,8 @@ class Hardware:
       island_size: devices that share the fast interconnect: a TPU slice, a GPU node. A mesh
         axis whose device groups span more than this crosses the DCN.
       collective_latency: seconds each collective execution costs on top of its bytes.
+      hbm_bandwidth: bytes per second a device reads and writes its memory; kernels slower at
+        it than at ``peak_flops`` are modelled at it (None: FLOPs at peak only).
       shared: the devices are emulated on one machine and share its cores and memory
         bandwidth: a step takes the work of all devices added up (``peak_flops`` and
         ``ici_bandwidth`` are then the machine's).
@@ -58,6 +60,7 @@ class Hardware:
     dcn_bandwidth: float
     island_size: int
     collective_latency: float = 0.0
+    hbm_bandwidth: float | None = None
     shared: bool = False
     source: str = ""
 
@@ -76,6 +79,14 @@ class Hardware:
             raise ValueError(
                 f"Hardware {self.name!r}: island_size must be an int >= 1 (devices on the fast "
                 f"interconnect, e.g. 8 for a GPU node); got {size!r}."
+            )
+        hbm = self.hbm_bandwidth
+        if hbm is not None and (
+            isinstance(hbm, bool) or not isinstance(hbm, int | float) or hbm <= 0
+        ):
+            raise ValueError(
+                f"Hardware {self.name!r}: hbm_bandwidth must be bytes per second > 0, or null; "
+                f"got {hbm!r}."
             )
         latency = self.collective_latency
         if isinstance(latency, bool) or not isinstance(latency, int | float) or latency < 0:
@@ -144,68 +155,48 @@ def parse_bytes(value: Any, name: str = "memory") -> int:
     return int(size)
 
 
-def _tpu(name, flops, memory, ici, dcn, island, source) -> Hardware:
-    return Hardware(name, flops, memory, ici, dcn, island, collective_latency=5e-6, source=source)
+def _tpu(name, flops, memory, hbm, ici, dcn, island, source) -> Hardware:
+    return Hardware(name, flops, memory, ici, dcn, island, collective_latency=5e-6,
+                    hbm_bandwidth=hbm, source=source)  # fmt: skip
 
 
-def _gpu(name, flops, memory, nvlink, ib, source) -> Hardware:
-    return Hardware(name, flops, memory, nvlink, ib, 8, collective_latency=1e-5, source=source)
+def _gpu(name, flops, memory, hbm, nvlink, ib, source) -> Hardware:
+    return Hardware(name, flops, memory, nvlink, ib, 8, collective_latency=1e-5,
+                    hbm_bandwidth=hbm, source=source)  # fmt: skip
 
 
 HARDWARE: dict[str, Hardware] = {
     "tpu-v4": _tpu(
-        "tpu-v4",
-        275e12,
-        32 * GiB,
-        1.1e15 / 4096,
-        50e9 / 8,
-        4096,
-        "cloud.google.com/tpu/docs/v4: 275 TFLOP/s bf16, 32 GiB HBM2, all-reduce bandwidth "
-        "1.1 PB/s per 4096-chip pod (268.6 GB/s per chip). The page gives no DCN figure: "
-        "v5p's 50 Gbps per chip is assumed.",
+        "tpu-v4", 275e12, 32 * GiB, 1200e9, 1.1e15 / 4096, 50e9 / 8, 4096,
+        "cloud.google.com/tpu/docs/v4: 275 TFLOP/s bf16, 32 GiB HBM2 at 1200 GB/s, all-reduce "
+        "bandwidth 1.1 PB/s per 4096-chip pod (268.6 GB/s per chip). The page gives no DCN "
+        "figure: v5p's 50 Gbps per chip is assumed.",
     ),
     "tpu-v5e": _tpu(
-        "tpu-v5e",
-        197e12,
-        16 * GiB,
-        1600e9 / 8,
-        2 * 100e9 / 8 / 8,
-        256,
-        "cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 16 GB HBM2, ICI 1600 Gbps per chip "
-        "(400 GB/s bidirectional; 51.2 TB/s all-reduce per 256-chip pod), 2 x 100 Gbps NICs "
-        "per 8-chip host (25 Gbps DCN per chip); a slice is at most 256 chips.",
+        "tpu-v5e", 197e12, 16 * GiB, 819e9, 1600e9 / 8, 2 * 100e9 / 8 / 8, 256,
+        "cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 16 GB HBM2 at 819 GB/s, ICI 1600 "
+        "Gbps per chip (400 GB/s bidirectional; 51.2 TB/s all-reduce per 256-chip pod), "
+        "2 x 100 Gbps NICs per 8-chip host (25 Gbps DCN per chip); a slice is at most 256 chips.",
     ),
     "tpu-v5p": _tpu(
-        "tpu-v5p",
-        459e12,
-        95 * GiB,
-        4800e9 / 8,
-        50e9 / 8,
-        6144,
-        "cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, 95 GiB HBM2e, ICI 4800 Gbps per "
-        "chip (1200 GB/s bidirectional), DCN 50 Gbps per chip; a slice is at most 6144 chips.",
+        "tpu-v5p", 459e12, 95 * GiB, 2765e9, 4800e9 / 8, 50e9 / 8, 6144,
+        "cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, 95 GiB HBM2e at 2765 GB/s, ICI 4800 "
+        "Gbps per chip (1200 GB/s bidirectional), DCN 50 Gbps per chip; a slice is at most "
+        "6144 chips.",
     ),
     "h100": _gpu(
-        "h100",
-        989e12,
-        80 * 10**9,
-        900e9 / 2,
-        400e9 / 8,
-        "NVIDIA H100 SXM datasheet: 989 TFLOP/s dense bf16, 80 GB HBM3, NVLink 900 GB/s "
-        "(bidirectional) within an 8-GPU node; one 400 Gb/s InfiniBand NDR adapter per GPU "
-        "(DGX H100) between nodes.",
+        "h100", 989e12, 80 * 10**9, 3.35e12, 900e9 / 2, 400e9 / 8,
+        "NVIDIA H100 SXM datasheet: 989 TFLOP/s dense bf16, 80 GB HBM3 at 3.35 TB/s, NVLink "
+        "900 GB/s (bidirectional) within an 8-GPU node; one 400 Gb/s InfiniBand NDR adapter "
+        "per GPU (DGX H100) between nodes.",
     ),
     "a100": _gpu(
-        "a100",
-        312e12,
-        80 * 10**9,
-        600e9 / 2,
-        200e9 / 8,
-        "NVIDIA A100 SXM 80GB datasheet: 312 TFLOP/s dense bf16, 80 GB HBM2e, NVLink 600 GB/s "
-        "(bidirectional) within an 8-GPU node; one 200 Gb/s InfiniBand HDR adapter per GPU "
-        "(DGX A100, Selene) between nodes.",
+        "a100", 312e12, 80 * 10**9, 2.039e12, 600e9 / 2, 200e9 / 8,
+        "NVIDIA A100 SXM 80GB datasheet: 312 TFLOP/s dense bf16, 80 GB HBM2e at 2039 GB/s, "
+        "NVLink 600 GB/s (bidirectional) within an 8-GPU node; one 200 Gb/s InfiniBand HDR "
+        "adapter per GPU (DGX A100, Selene) between nodes.",
     ),
-}
+}  # fmt: skip
 """The built-in profiles by name: TPU v4, v5e and v5p, H100 and A100 (SXM, 8 per node). The
 emulated CPU is ``hardware("cpu")``, measured on this machine."""
 
@@ -280,7 +271,7 @@ def calibrate_cpu(*, memory_bytes: int | str = 16 * GiB, size: int = 1024) -> Ha
     rate_bytes = _best_rate(copy, big, work=2 * big.nbytes)
     profile = Hardware(
         "cpu", rate_flops, key, rate_bytes, rate_bytes, 2**31, collective_latency=0.0,
-        shared=True,
+        hbm_bandwidth=rate_bytes, shared=True,
         source=f"measured on this machine's CPU device 0: a {size}x{size} fp32 matmul and a "
         f"128 MiB copy, best of 5",
     )  # fmt: skip

@@ -1,0 +1,219 @@
+"""`replicator plan` checked three ways: its ranking against step times measured here, its time
+to plan a 7.5-billion-parameter GPT on 64 devices, and its choice against a published layout.
+
+1. **Ranking** (``--part rank``): the GPT at two sizes on 8 emulated CPU devices, 12 layouts
+   each (data parallel, ZeRO 1-3, tensor parallel, GPipe, 1F1B, circular, remat,
+   accumulation). The planner compiles each from shapes and models its step time with the
+   ``cpu`` profile (this machine's FLOP/s and copy bandwidth, measured once on one device);
+   then each layout is built for real and its step timed here, side by side in the same run.
+   The Spearman rank correlation between modelled and measured times says how well the model
+   orders layouts on the hardware it models.
+2. **Scale** (``--part scale``): ``replicator plan configs/gpt_7b5.yaml --devices 64 --memory
+   16GiB --hardware tpu-v5e``: wall time on this 2-core machine, the layouts compiled, the
+   choice and its memory, and the plain data-parallel layouts rejected with their memory.
+3. **Published** (``--part published``): Megatron-LM's layout for this model (Narayanan et al.
+   2021, Table 1: tensor parallel 4, no pipeline, 128 A100s, batch 512, 142 TFLOP/s per GPU
+   with activation recomputation) modelled by the planner next to the planner's own choice
+   for 128 A100s.
+
+    python benchmarks/plan.py                 # all three parts
+    python benchmarks/plan.py --part rank --json results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import pathlib
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+SIZES = {
+    "small": {"d_model": 64, "layers": 4, "heads": 4, "seq_len": 64, "global_batch": 32},
+    "medium": {"d_model": 256, "layers": 8, "heads": 8, "seq_len": 128, "global_batch": 32},
+}
+
+
+def rank_layouts():
+    import replicator as rp
+
+    return [
+        rp.Layout(data=8),
+        rp.Layout(data=8, zero_stage=1),
+        rp.Layout(data=8, zero_stage=3),
+        rp.Layout(data=8, remat=True),
+        rp.Layout(data=8, accumulate_steps=4),
+        rp.Layout(data=4, model=2),
+        rp.Layout(data=2, model=4),
+        rp.Layout(data=4, stage=2, schedule="1f1b", microbatches=4),
+        rp.Layout(data=2, stage=4, schedule="1f1b", microbatches=4),
+        rp.Layout(data=2, stage=4, schedule="1f1b", microbatches=8),
+        rp.Layout(data=2, stage=4, schedule="gpipe", microbatches=4),
+        rp.Layout(data=4, stage=2, schedule="circular", microbatches=4, repeats=2),
+        rp.Layout(data=2, stage=2, model=2, schedule="1f1b", microbatches=4),
+    ]
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation (ties share their mean rank)."""
+    import numpy as np
+
+    def ranks(x):
+        x = np.asarray(x, float)
+        order = np.argsort(x, kind="stable")
+        r = np.empty(len(x))
+        r[order] = np.arange(len(x), dtype=float)
+        for v in np.unique(x):  # ties: the mean of their ranks
+            r[x == v] = r[x == v].mean()
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def measure(cfg, steps: int = 5) -> float:
+    """The median seconds of ``steps`` training steps of ``cfg``, after two to compile."""
+    import jax
+
+    from replicator.cli import jobs
+
+    repl, step_fn, state, input_fn, _ = jobs.build(cfg)
+    batches = iter(input_fn(repl.input_context()))
+    batch = next(batches)
+    times = []
+    for i in range(steps + 2):
+        start = time.perf_counter()
+        state, out = repl.run(step_fn, state, batch)
+        jax.block_until_ready((state, out))
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def part_rank(results: dict) -> None:
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+    import replicator as rp
+    from replicator.cli import config as config_lib
+    from replicator.cli import plan as plan_cli
+
+    cpu = rp.hardware("cpu")
+    print(
+        f"cpu profile, measured on one device: {cpu.peak_flops / 1e9:.1f} GFLOP/s (fp32 matmul), "
+        f"{cpu.ici_bandwidth / 1e9:.2f} GB/s (copy)\n"
+    )
+    out = {"cpu_profile": cpu.to_dict(), "sizes": {}}
+    for size, keys in SIZES.items():
+        overrides = [f"model.{k}={v}" for k, v in keys.items() if k != "global_batch"]
+        overrides += [
+            f"global_batch={keys['global_batch']}",
+            "optimizer=adam",
+            "clip_global_norm=null",
+        ]
+        cfg = config_lib.load(ROOT / "configs" / "lm_dp.yaml", overrides)
+        raw = dataclasses.asdict(cfg)
+        layouts = rank_layouts()
+        build = lambda lay, raw=raw: plan_cli.build_layout(raw, lay)
+        report = rp.plan(build, layouts, hardware=cpu, memory="8GiB", workers=0,
+                         model_flops=plan_cli.model_flops(cfg))  # fmt: skip
+        modelled = {str(c.layout): c.time.total for c in report.ranked}
+        rows = []
+        print(f"GPT {size}: {keys}\n")
+        print("| layout | modelled ms | measured ms | measured / modelled |")
+        print("|---|---|---|---|")
+        for lay in layouts:
+            if str(lay) not in modelled:
+                print(f"| {lay} | not planned | | |")
+                continue
+            cfg_lay = config_lib.from_dict(
+                type(cfg), plan_cli.with_layout(raw, lay), where="benchmark"
+            )
+            seconds = measure(cfg_lay)
+            rows.append({"layout": str(lay), "modelled": modelled[str(lay)], "measured": seconds})
+            print(
+                f"| {lay} | {modelled[str(lay)] * 1e3:.1f} | {seconds * 1e3:.1f} | "
+                f"{seconds / modelled[str(lay)]:.2f} |",
+                flush=True,
+            )
+        rho = spearman([r["modelled"] for r in rows], [r["measured"] for r in rows])
+        print(f"\nSpearman rank correlation, {len(rows)} layouts: {rho:.3f}\n")
+        out["sizes"][size] = {"config": keys, "rows": rows, "spearman": rho}
+    results["rank"] = out
+
+
+def run_plan(args: list[str]) -> tuple[float, dict, str]:
+    with tempfile.TemporaryDirectory() as tmp:
+        json_path = pathlib.Path(tmp) / "plan.json"
+        out_path = pathlib.Path(tmp) / "best.yaml"
+        cmd = [sys.executable, "-m", "replicator.cli", "plan", *args, "--json", str(json_path),
+               "--out", str(out_path)]  # fmt: skip
+        start = time.perf_counter()
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        wall = time.perf_counter() - start
+        if done.returncode not in (0, 1):
+            raise RuntimeError(f"{shlex.join(cmd)} failed:\n{done.stderr[-3000:]}")
+        return wall, json.loads(json_path.read_text()), done.stdout
+
+
+def part_scale(results: dict) -> None:
+    args = ["configs/gpt_7b5.yaml", "--devices", "64", "--memory", "16GiB",
+            "--hardware", "tpu-v5e"]  # fmt: skip
+    print(f"`replicator plan {shlex.join(args)}`\n")
+    wall, plan, stdout = run_plan(args)
+    gib = 2**30
+    best = plan["ranked"][0] if plan["ranked"] else None
+    compiled = sum(c["compiled"] is not None for c in plan["ranked"] + plan["rejected"])
+    n = len(plan["ranked"]) + len(plan["rejected"])
+    print(f"wall {wall:.1f} s; {n} layouts, {compiled} compiled, {len(plan['ranked'])} fit")
+    if best:
+        peak = best["compiled"]["memory"]["peak"] / gib
+        print(f"best: {best['layout']}: peak {peak:.2f} GiB, modelled {best['time']['total'] * 1e3:.1f} ms, "
+              f"MFU {best['time']['mfu']:.1%}")  # fmt: skip
+    plain = [
+        c for c in plan["rejected"] if c["layout"]["data"] == 64 and c["layout"]["zero_stage"] == 0
+    ]
+    print("\nplain data parallelism (data=64, no ZeRO):\n")
+    for c in plain:
+        size = c["compiled"]["memory"]["peak"] if c["compiled"] else c["state_bytes"]
+        print(f"- {c['status']}: {size / gib:.2f} GiB ({c['reason']})")
+    print("\n```\n" + stdout.strip() + "\n```\n")
+    results["scale"] = {"wall_seconds": wall, "layouts": n, "compiled": compiled,
+                        "fit": len(plan["ranked"]), "best": best, "plain": plain}  # fmt: skip
+
+
+def part_published(results: dict) -> None:
+    args = ["configs/gpt_7b5.yaml", "--devices", "128", "--hardware", "a100"]
+    print(f"`replicator plan {shlex.join(args)}`\n")
+    wall, plan, stdout = run_plan(args)
+    print("\n```\n" + stdout.strip() + "\n```\n")
+    results["published"] = {"wall_seconds": wall, "plan": plan}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--part", choices=("rank", "scale", "published", "all"), default="all")
+    p.add_argument("--json", metavar="PATH", help="also write the results here")
+    args = p.parse_args()
+    today = datetime.date.today().isoformat()
+    print(f"{today}: `{shlex.join(['python', *sys.argv])}`\n")
+    results: dict = {"date": today}
+    for part, fn in (("rank", part_rank), ("scale", part_scale), ("published", part_published)):
+        if args.part in (part, "all"):
+            fn(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2, default=str)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
