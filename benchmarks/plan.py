@@ -176,7 +176,7 @@ def part_scale(results: dict) -> None:
     print(f"wall {wall:.1f} s; {n} layouts, {compiled} compiled, {len(plan['ranked'])} fit")
     if best:
         peak = best["compiled"]["memory"]["peak"] / gib
-        print(f"best: {best['layout']}: peak {peak:.2f} GiB, modelled {best['time']['total'] * 1e3:.1f} ms, "
+        print(f"best: {fmt(best['layout'])}: peak {peak:.2f} GiB, modelled {best['time']['total'] * 1e3:.1f} ms, "
               f"MFU {best['time']['mfu']:.1%}")  # fmt: skip
     plain = [
         c for c in plan["rejected"] if c["layout"]["data"] == 64 and c["layout"]["zero_stage"] == 0
@@ -191,11 +191,46 @@ def part_scale(results: dict) -> None:
 
 
 def part_published(results: dict) -> None:
+    """Megatron-LM's 7.5B layout (Narayanan et al. 2021, Table 1: tensor parallel 4, no
+    pipeline, data parallel 32 on 128 80-GB A100s, batch 512, full activation recomputation,
+    142 TFLOP/s per GPU) against the planner's choice for the same machine."""
     args = ["configs/gpt_7b5.yaml", "--devices", "128", "--hardware", "a100"]
     print(f"`replicator plan {shlex.join(args)}`\n")
     wall, plan, stdout = run_plan(args)
+    ranked = plan["ranked"]
+    best = ranked[0]
+    # Megatron's step: its FLOPs (96 B s l h^2 (1 + s/6h + V/16lh), recompute included) at
+    # 142 TFLOP/s on each of 128 GPUs; its MFU in the model FLOPs the planner counts
+    b, s, layers, h, v = 512, 2048, 36, 4096, 51200
+    megatron_flops = 96 * b * s * layers * h**2 * (1 + s / (6 * h) + v / (16 * layers * h))
+    megatron_step = megatron_flops / (142e12 * 128)
+    model_flops = plan["model_flops"]
+    megatron_mfu = model_flops / (megatron_step * 128 * 312e12)
+    theirs = [(i, c) for i, c in enumerate(ranked, 1)
+              if (c["layout"]["data"], c["layout"]["stage"], c["layout"]["model"]) == (32, 1, 4)
+              and c["layout"]["remat"]]  # fmt: skip
+    print(f"wall {wall:.1f} s; {len(ranked)} layouts fit")
+    print(f"planner's choice: {fmt(best['layout'])}: modelled {best['time']['total']:.2f} s, "
+          f"MFU {best['time']['mfu']:.1%}")  # fmt: skip
+    for i, c in theirs[:1]:
+        print(f"Megatron's layout at its best here: {fmt(c['layout'])}: rank {i} of {len(ranked)}, "
+              f"modelled {c['time']['total']:.2f} s, MFU {c['time']['mfu']:.1%}")  # fmt: skip
+    print(
+        f"Megatron measured: {megatron_step:.2f} s per step (142 TFLOP/s per GPU with "
+        f"recompute), MFU {megatron_mfu:.1%} in the planner's model FLOPs "
+        f"({model_flops:.3e} per step)"
+    )
     print("\n```\n" + stdout.strip() + "\n```\n")
-    results["published"] = {"wall_seconds": wall, "plan": plan}
+    results["published"] = {
+        "wall_seconds": wall, "best": best, "megatron_layout": theirs[:1],
+        "megatron_step_seconds": megatron_step, "megatron_mfu": megatron_mfu,
+    }  # fmt: skip
+
+
+def fmt(layout: dict) -> str:
+    import replicator as rp
+
+    return str(rp.Layout(**layout))
 
 
 def main() -> None:

@@ -166,3 +166,18 @@ def test_zero_bubble_picture_and_modelled_times_in_the_readme_are_current():
     lines = []
     exec(compile(code, "README.md", "exec"), namespace)
     assert "\n".join(lines) == printed
+
+
+def test_plan_example_builds_the_layouts_it_plans():
+    """The README's rp.plan example: its build(layout) compiles two layouts in this 8-device
+    process, and the plan ranks them (the enumeration itself runs in the example)."""
+    import replicator as rp
+
+    block = README.split("## Plan a layout", 1)[1]
+    code = re.search(r"```python\n(.*?)```", block, re.S).group(1)
+    namespace = {"__name__": "readme"}  # not "__main__": the example's plan is not run here
+    exec(compile(code, "README.md", "exec"), namespace)
+    layouts = [rp.Layout(data=8), rp.Layout(data=4, model=2, remat=True)]
+    report = rp.plan(namespace["build"], layouts, hardware="h100", memory="80GB", workers=0)
+    assert {str(c.layout) for c in report.ranked} == {"data=8", "data=4 model=2 remat"}
+    assert "if __name__ == \"__main__\":" in code and "rp.enumerate_layouts(8" in code

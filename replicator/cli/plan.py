@@ -78,6 +78,11 @@ def run(args: argparse.Namespace) -> int:
     if args.workers is not None and args.workers < 1:
         raise ValueError(f"--workers must be 1 or more; got {args.workers}.")
     families = layouts_for(cfg, n, args)
+    if args.hardware == "cpu":  # measured here, with the N devices the plan emulates
+        import jax
+
+        jax.config.update("jax_num_cpu_devices", n)
+        jax.config.update("jax_platforms", "cpu")
     profile = rp.hardware(args.hardware)
     budget = args.memory if args.memory is not None else profile.memory_bytes
     raw = dataclasses.asdict(cfg)

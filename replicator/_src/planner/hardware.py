@@ -242,11 +242,13 @@ _CALIBRATED: dict[int, Hardware] = {}
 
 
 def calibrate_cpu(*, memory_bytes: int | str = 16 * GiB, size: int = 1024) -> Hardware:
-    """This machine as the emulated devices see it, measured once on one CPU device.
+    """This machine as its emulated devices see it, measured once.
 
-    Times an fp32 ``size x size`` matmul (the FLOP/s the devices share) and a large copy (the
-    memory bandwidth an emulated collective moves bytes with), taking the best of a few runs.
-    The result is cached for the process.
+    On one CPU device: an fp32 ``size x size`` matmul (the FLOP/s the devices share) and a large
+    copy (the memory bandwidth, which also moves an emulated collective's bytes). With more than
+    one CPU device in the process: the time of one small all-reduce over all of them (the
+    latency every collective pays: the devices' threads meet). Best of a few runs each; cached
+    for the process.
 
     Args:
       memory_bytes: the budget to report as each device's memory.
@@ -264,19 +266,43 @@ def calibrate_cpu(*, memory_bytes: int | str = 16 * GiB, size: int = 1024) -> Ha
     device = jax.devices("cpu")[0]
     a = jax.device_put(jnp.ones((size, size), jnp.float32), device)
     matmul = jax.jit(lambda x: (x @ x) @ x)
-    flops = 2 * 2 * size**3
     big = jax.device_put(jnp.ones((32 * 2**20,), jnp.float32), device)  # 128 MiB
     copy = jax.jit(lambda x: x * 1.0000001)  # reads and writes every byte once
-    rate_flops = _best_rate(matmul, a, work=flops)
+    rate_flops = _best_rate(matmul, a, work=2 * 2 * size**3)
     rate_bytes = _best_rate(copy, big, work=2 * big.nbytes)
+    latency, devices = _collective_latency(jax.devices("cpu"))
     profile = Hardware(
-        "cpu", rate_flops, key, rate_bytes, rate_bytes, 2**31, collective_latency=0.0,
+        "cpu", rate_flops, key, rate_bytes, rate_bytes, 2**31, collective_latency=latency,
         hbm_bandwidth=rate_bytes, shared=True,
-        source=f"measured on this machine's CPU device 0: a {size}x{size} fp32 matmul and a "
-        f"128 MiB copy, best of 5",
+        source=f"measured on this machine: a {size}x{size} fp32 matmul and a 128 MiB copy on "
+        f"one CPU device, and an all-reduce over {devices} emulated devices; best of 5",
     )  # fmt: skip
     _CALIBRATED[key] = profile
     return profile
+
+
+def _collective_latency(devices: list, repeats: int = 100) -> tuple[float, int]:
+    """Seconds per small all-reduce over ``devices`` (0 for one device), and their count."""
+    if len(devices) < 2:
+        return 0.0, len(devices)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(devices), ("d",))
+
+    def body(x):
+        return jax.lax.fori_loop(0, repeats, lambda _, y: jax.lax.psum(y, "d") * 0.5, x)
+
+    fn = jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=PartitionSpec("d"), out_specs=PartitionSpec("d"),
+            check_vma=False,
+        )
+    )  # fmt: skip
+    x = jax.device_put(jnp.ones((len(devices), 16)), NamedSharding(mesh, PartitionSpec("d")))
+    return _best_rate(fn, x, work=1.0) ** -1 / repeats, len(devices)
 
 
 def _best_rate(fn, x, *, work: float, repeats: int = 5) -> float:
