@@ -180,4 +180,4 @@ def test_plan_example_builds_the_layouts_it_plans():
     layouts = [rp.Layout(data=8), rp.Layout(data=4, model=2, remat=True)]
     report = rp.plan(namespace["build"], layouts, hardware="h100", memory="80GB", workers=0)
     assert {str(c.layout) for c in report.ranked} == {"data=8", "data=4 model=2 remat"}
-    assert 'if __name__ == "__main__":' in code and "rp.enumerate_layouts(8" in code
+    assert 'if __name__ == "__main__":' in code and "rp.enumerate_layouts(" in code

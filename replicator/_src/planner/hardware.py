@@ -22,6 +22,8 @@ import re
 import time
 from typing import Any
 
+from replicator._src import collectives
+
 GiB = 2**30
 
 
@@ -293,7 +295,8 @@ def _collective_latency(devices: list, repeats: int = 100) -> tuple[float, int]:
     mesh = Mesh(np.array(devices), ("d",))
 
     def body(x):
-        return jax.lax.fori_loop(0, repeats, lambda _, y: jax.lax.psum(y, "d") * 0.5, x)
+        step = lambda _, y: collectives.sum_over_axes(y, ("d",)) * 0.5
+        return jax.lax.fori_loop(0, repeats, step, x)
 
     fn = jax.jit(
         jax.shard_map(
