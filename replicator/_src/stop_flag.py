@@ -125,7 +125,11 @@ class _Agreement:
             self._current = step
             wait = self._stop_after is None and self._reported is not None
             wait = wait and step > self._reported
-        if (wait and not self._decided.wait(self.timeout)) or self._error:
+        if wait and not self._decided.wait(self.timeout):
+            # The watcher's own read of the reports times out as well, a poll later at most:
+            # give it that long to name who did not answer (or to agree after all).
+            self._decided.wait(self.timeout + self.poll)
+        if (wait and not self._decided.is_set()) or self._error:
             raise RuntimeError(
                 f"rp.fit: {self.notice or 'a stop request'}, but the processes could not agree "
                 f"on the step to stop after within {self.timeout:g} s: "
