@@ -201,3 +201,18 @@ def test_abstract_refuses_an_optimizer_state_leaf_not_shaped_like_the_parameters
 
     with pytest.raises(ValueError, match=r"wrap_optimizer: .*shape \[3\].*placement.*guess"):
         repl.abstract(init)
+
+
+def test_abstract_refuses_optimizer_state_of_parameters_placed_outside_the_library():
+    """Adam's moments of a parameter placed by jax.device_put (whose sharding a traced leaf
+    does not carry) are refused, not assumed replicated, even when only the optimizer state is
+    returned."""
+    repl = rp.Replicator(mesh_shape={"data": 2, "stage": 4})
+    tx = repl.wrap_optimizer(optax.adam(1e-3))
+
+    def init():
+        sharding = jax.sharding.NamedSharding(repl.mesh, P("stage"))
+        return tx.init({"w": jax.device_put(jnp.ones((4, 8)), sharding)})
+
+    with pytest.raises(ValueError, match=r"wrap_optimizer: .*parameter was not placed"):
+        repl.abstract(init)

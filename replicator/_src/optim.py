@@ -408,11 +408,18 @@ def _abstract_placed(state: PyTree, params: PyTree, mesh: Mesh, replicated) -> P
     def place_node(node):
         if placement.sharding_of(node) is not None:  # placed inside tx.init already
             return node
-        if like_params(node) and all(s is not None for s in shardings):
+        if like_params(node):
+            if any(s is None for s in shardings):
+                raise ValueError(
+                    "wrap_optimizer: building the optimizer state from shapes (repl.abstract), "
+                    "a parameter was not placed by the library (repl.replicate, repl.place), so "
+                    "the placement of the state made like it would be a guess. Place the "
+                    "parameters with repl.place inside the init function."
+                )
             leaves = jax.tree.leaves(node)
             placed = [placement.put(x, s) for x, s in zip(leaves, shardings, strict=True)]
             return jax.tree.unflatten(treedef, placed)
-        if np.ndim(node) == 0:
+        if np.ndim(node) == 0:  # a leaf here: every node shaped like the params is above
             return placement.put(node, replicated)
         raise ValueError(
             f"wrap_optimizer: building the optimizer state from shapes (repl.abstract), a "
