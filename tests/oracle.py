@@ -114,7 +114,7 @@ def single_device(model: str, tx, data):
 
 # -- a model for ZeRO-3: embedding, scanned layers, head -------------------------------------
 
-D3 = 7  # per-layer leaves of 49 and 7 elements: padded to 56 and 8 over 8 replicas
+D3 = 8  # per-layer leaves [8, 8] and [8] split over 8 replicas; the head's bias [4] kept whole
 
 
 def zero3_params(seed=2):
@@ -125,8 +125,26 @@ def zero3_params(seed=2):
             "w": (rng.normal(size=(3, D3, D3)) / np.sqrt(D3)).astype(np.float32),
             "b": (0.1 * rng.normal(size=(3, D3))).astype(np.float32),
         },
-        "head": {"w": (rng.normal(size=(D3, 4)) / np.sqrt(D3)).astype(np.float32)},
+        "head": {
+            "w": (rng.normal(size=(D3, 4)) / np.sqrt(D3)).astype(np.float32),
+            "b": (0.1 * rng.normal(size=(4,))).astype(np.float32),
+        },
     }
+
+
+def zero_split(shape, n=8, lead=0, taken=()):
+    """ZeRO's documented rule, written out apart from the library: the largest axis (the first
+    of equal ones) past ``lead`` and not in ``taken`` that divides by ``n``, or None."""
+    free = [d for d in range(lead, len(shape)) if d not in taken and shape[d] % n == 0]
+    return max(free, key=lambda d: (shape[d], -d)) if free and n > 1 else None
+
+
+def zero_spec(shape, n=8, lead=0, axis="data"):
+    """The ``PartitionSpec`` of a leaf that ZeRO splits by `zero_split` (trailing Nones off)."""
+    from jax.sharding import PartitionSpec
+
+    d = zero_split(shape, n, lead)
+    return PartitionSpec() if d is None else PartitionSpec(*([None] * d), axis)
 
 
 def zero3_loss(params, batch):
@@ -139,4 +157,5 @@ def zero3_loss(params, batch):
         return jnp.tanh(h @ p["w"] + p["b"]), None
 
     h, _ = jax.lax.scan(layer, x, params["layers"])
-    return jnp.mean((h @ rp.gather_params(params["head"])["w"] - batch["y"]) ** 2)
+    head = rp.gather_params(params["head"])
+    return jnp.mean((h @ head["w"] + head["b"] - batch["y"]) ** 2)

@@ -5,7 +5,6 @@ metrics."""
 from __future__ import annotations
 
 import json
-import math
 import pathlib
 import warnings
 
@@ -158,10 +157,7 @@ def _whole(tree):
     """ZeRO-3's ShardedParams as whole arrays, on the host."""
 
     def whole(x):
-        if isinstance(x, rp.ShardedParam):
-            flat = np.asarray(x.flat)
-            return flat[..., : math.prod(x.shape)].reshape((*flat.shape[:-1], *x.shape))
-        return np.asarray(x)
+        return np.asarray(x.value if isinstance(x, rp.ShardedParam) else x)
 
     return jax.tree.map(whole, tree, is_leaf=lambda x: isinstance(x, rp.ShardedParam))
 

@@ -10,12 +10,12 @@ import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from oracle import batches, rel_err, zero3_loss, zero3_params
+from oracle import batches, rel_err, zero3_loss, zero3_params, zero_spec
 
 import replicator as rp
 
 STEPS = 5
-SIZES = (16, 13, 5, 4)  # leaves of 208, 13, 65, 5, 20, 4 elements: most do not divide by 8
+SIZES = (16, 24, 5, 4)  # leaves [16, 24], [24], [24, 5] split over 8; [5], [5, 4], [4] whole
 
 
 def init_params(seed=1):
@@ -74,10 +74,15 @@ def test_zero_stages_equal_single_device_training(zero_stage, opt):
     if zero_stage:
         mu = state["opt"].inner[0].mu if opt == "adam" else None
         tree = state["opt"].inner if mu is None else mu
-        for leaf in jax.tree.leaves(tree):  # each replica holds 1/8 of every state leaf
+        split = 0
+        for leaf in jax.tree.leaves(tree):  # in the parameter's shape, its split axis 1/8
             if leaf.ndim:
-                assert leaf.sharding.spec == P("data")
-                assert {s.data.shape[0] for s in leaf.addressable_shards} == {leaf.shape[0] // 8}
+                spec = zero_spec(leaf.shape)
+                assert leaf.sharding.spec == spec, (leaf.shape, leaf.sharding.spec)
+                shard = leaf.sharding.shard_shape(leaf.shape)
+                assert {s.data.shape for s in leaf.addressable_shards} == {shard}
+                split += spec != P()
+        assert split == 3 * (2 if opt == "adam" else 0) // 2
 
 
 @pytest.mark.parametrize("zero_stage", [0, 1])
@@ -117,9 +122,12 @@ def test_bf16_compressed_all_reduce(zero_stage):
         return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {}
 
     lowered = repl.lower(step, {"params": params, "opt": wrapped.init(params)}, data[0])
-    op = "reduce-scatter" if zero_stage else "all-reduce"
-    found = re.findall(rf"= (\w+)\[[^=]*? {op}\(", lowered.as_text(dialect="hlo"))
-    assert len(found) == 6 and set(found) == {"bf16"}, found  # one per gradient leaf
+    text = lowered.as_text(dialect="hlo")
+    scattered = re.findall(r"= (\w+)\[[^=]*? reduce-scatter\(", text)
+    reduced = re.findall(r"= (\w+)\[[^=]*? all-reduce\(", text)
+    # one per gradient leaf: ZeRO reduce-scatters the 3 with an axis that divides by 8
+    assert set(scattered + reduced) == {"bf16"}, (scattered, reduced)
+    assert (len(scattered), len(reduced)) == ((3, 3) if zero_stage else (0, 6))
 
 
 def test_errors():
@@ -261,8 +269,10 @@ def test_zero3_equals_single_device_training(accumulate_steps, opt):
         OPTIMIZERS[opt](), zero_stage=3, accumulate_steps=accumulate_steps
     )
     params = wrapped.shard_params(zero3_params(), stacked=["layers"])
-    w = params["layers"]["w"]
-    assert w.flat.shape == (3, 56) and {s.data.shape for s in w.flat.addressable_shards} == {(3, 7)}
+    w = params["layers"]["w"]  # [layers, 8, 8]: its first layer axis is split, per layer
+    assert w.value.shape == (3, 8, 8) and w.value.sharding.spec == P(None, "data")
+    assert {s.data.shape for s in w.value.addressable_shards} == {(3, 1, 8)}
+    assert params["head"]["b"].dim is None  # [4]: no axis divides by 8, whole
     state = {"params": params, "opt": wrapped.init(params)}
     traces = []
 

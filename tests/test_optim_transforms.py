@@ -20,12 +20,12 @@ EMPTY = optax.EmptyState()
 
 def tree(seed=0):
     rng = np.random.default_rng(seed)
-    return {"w": rng.normal(size=(5, 3)).astype(np.float32), "b": np.full((3,), 0.5, np.float32)}
+    return {"w": rng.normal(size=(8, 3)).astype(np.float32), "b": np.full((3,), 0.5, np.float32)}
 
 
 def local_grads(batch):
     """A different gradient on every replica: a function of its rows of the batch."""
-    return {"w": batch["x"][:, :5].T @ batch["y"][:, :3], "b": jnp.sum(batch["y"][:, :3], 0)}
+    return {"w": batch["x"][:, :8].T @ batch["y"][:, :3], "b": jnp.sum(batch["y"][:, :3], 0)}
 
 
 def mean_of_local_grads(batch, n=8):
@@ -81,8 +81,11 @@ def test_zero_slice_and_sharded_update_equal_optax_on_the_mean(stage, with_param
         updates, opt = tx.update(mean_of_local_grads(batch), opt, want)
         want = optax.apply_updates(want, updates)
     assert rel_err(state["params"], want) <= 1e-5
-    mu = state["opt"][0].mu["w"]  # Adam's moment: the ZeRO layout, 1/8 on each replica
-    assert mu.shape == (16,) and {s.data.shape for s in mu.addressable_shards} == {(2,)}
+    mu = state["opt"][0].mu  # Adam's moments in the parameters' shapes, split where 8 divides
+    assert mu["w"].shape == (8, 3) and {s.data.shape for s in mu["w"].addressable_shards} == {
+        (1, 3)
+    }
+    assert mu["b"].shape == (3,) and {s.data.shape for s in mu["b"].addressable_shards} == {(3,)}
 
 
 def test_clip_by_global_norm_on_one_device_is_optax():

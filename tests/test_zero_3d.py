@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
-from oracle import rel_err
+from oracle import rel_err, zero_split
 from test_pipeline import (
     SCHEDULES,
     D,
@@ -74,10 +74,13 @@ def placed_pipeline(repl, params, v, *, k=4, model=False):
     }
 
 
-def train_pipeline(repl, wrapped, tx, name, *, zero3=False, check=None, model=False):
+def train_pipeline(repl, wrapped, tx, name, *, zero3=False, check=None, model=False, stacked=False):
     """Three steps of the pipelined model with ``wrapped`` on ``repl``, and the same steps of
     ``tx`` on one device: ``(state, placed, got, want)``, ``got`` and ``want`` as `init_params`.
-    With ``zero3`` the parameters are stored with ``shard_params`` and gathered where used."""
+    With ``zero3`` the parameters are stored with ``shard_params`` and gathered where used.
+    With ``stacked`` the one-device run keeps the stage layers stacked as the pipeline does
+    (``[K, L/K, ...]``), for a ``tx`` that depends on the leaves' shapes (Adafactor factors a
+    leaf's two largest axes)."""
     schedule, v = SCHEDULES[name]
     layer = (lambda p, h: layer_fn(rp.gather_params(p), h)) if zero3 else layer_fn
     f = pipeline.value_and_grad(
@@ -91,8 +94,25 @@ def train_pipeline(repl, wrapped, tx, name, *, zero3=False, check=None, model=Fa
     batches = [make_batch(16, seed=10 + i) for i in range(3)]
     for x, t in batches:
         state, _ = repl.run(pipeline_step(wrapped, grads), state, x, t)
-    want = train_oracle(oracle_loss, params, tx, batches)
-    got = from_pipeline(unshard(state["params"], placed) if zero3 else state["params"], v)
+    trained = unshard(state["params"], placed) if zero3 else state["params"]
+    if stacked:  # the same model on one device, its layers in the pipeline's stacked shape
+        k = repl.mesh.shape["stage"]
+        layout = {
+            "embed": params["embed"],
+            "stages": pipeline.stack_stages(params["layers"], num_stages=k, repeats=v),
+            "head": params["head"],
+        }
+
+        def loss(p, x, t):
+            layers = pipeline.unstack_stages(p["stages"], repeats=v)
+            return oracle_loss({**p, "layers": layers}, x, t)
+
+        want = train_oracle(loss, layout, tx, batches)
+        got = jax.tree.map(np.asarray, trained)
+        params = layout
+    else:
+        want = train_oracle(oracle_loss, params, tx, batches)
+        got = from_pipeline(trained, v)
     err = rel_err(got, want)
     print(f"rel_err {err:.2e}")  # shown with pytest -s
     assert err <= TOL, err
@@ -118,13 +138,22 @@ def zero3_pipelined_grads(f):
 
 
 def unshard(tree, like):
-    """ZeRO-3 parameters (stored flat) in the shapes of ``like``."""
-    return jax.tree.map(
-        lambda p, w: np.asarray(p.flat)[..., : math.prod(p.shape)].reshape(w.shape),
-        tree,
-        like,
-        is_leaf=lambda x: isinstance(x, rp.ShardedParam),
+    """ZeRO-3 parameters as host arrays: each is stored in its own shape, as ``like``'s."""
+    out = jax.tree.map(
+        lambda p: np.asarray(p.value), tree, is_leaf=lambda x: isinstance(x, rp.ShardedParam)
     )
+    assert jax.tree.map(np.shape, out) == jax.tree.map(np.shape, like)
+    return out
+
+
+def rule_bytes(shape, spec, n, *, model=4, lead=0):
+    """Bytes on one device of an fp32 leaf of ``shape`` placed with ``spec`` (over `model` of
+    size ``model``) once ZeRO splits it by its documented rule: its largest axis past ``lead``
+    not split already that divides by the ``n`` replicas (none: whole on each)."""
+    taken = {d for d, e in enumerate(spec) if e is not None}
+    d = zero_split(shape, n, lead, taken)
+    parts = [n if i == d else model if i in taken else 1 for i in range(len(shape))]
+    return 4 * math.prod(s // p for s, p in zip(shape, parts))
 
 
 @pytest.mark.parametrize("zero_stage", [1, 2])
@@ -189,9 +218,12 @@ def test_zero_x_tp_trains_as_one_device_with_1_over_dt_of_the_state(opt):
     assert err <= TOL, err
     assert rel_err(got, params) > 1e-2
     assert state["params"]["w1"].sharding.spec == P(None, "model")  # the layout is kept
-    for path, x in state_leaves(state["opt"]):
-        size = params[path.split("'")[-2]].size
-        assert device_bytes(x) == 4 * math.ceil(size / 8), (path, x.shape)
+    for path, x in state_leaves(state["opt"]):  # 1/(D T) where an axis is free to split
+        key = path.split("'")[-2]
+        shape, spec = params[key].shape, tuple(MLP_SPECS[key])
+        assert device_bytes(x) == rule_bytes(shape, spec, 2), (path, x.shape)
+    if opt == "adam":
+        assert device_bytes(state["opt"].inner[0].mu["w1"]) == 4 * 12 * 32 // 8
 
 
 @pytest.mark.parametrize("zero_stage", [1, 3])
@@ -204,7 +236,7 @@ def test_zero_x_pp_x_tp_trains_as_one_device(zero_stage):
     wrapped = repl.wrap_optimizer(tx, zero_stage=zero_stage)
     state, placed = train_pipeline(repl, wrapped, tx, "1f1b", zero3=zero_stage == 3, model=True)
     w, mu = state["params"]["stages"]["w"], state["opt"].inner[0].mu["stages"]["w"]
-    stored = [mu] if zero_stage < 3 else [w.flat, mu.flat]
+    stored = [mu] if zero_stage < 3 else [w.value, mu.value]
     for x in stored:
         assert device_bytes(x) == 4 * placed["stages"]["w"].size // 8, x.sharding
 
@@ -231,15 +263,14 @@ def test_zero3_x_tp_trains_as_one_device_with_1_over_dt_of_the_parameters():
     for x, t in batches:
         state, _ = repl.run(step, state, x, t)
     want = train_oracle(mlp_loss, params, tx, batches)
-    got = {
-        k: np.asarray(p.flat)[: params[k].size].reshape(params[k].shape)
-        for k, p in state["params"].items()
-    }
+    got = {k: np.asarray(p.value) for k, p in state["params"].items()}
     err = rel_err(got, want)
     print(f"rel_err {err:.2e}")  # shown with pytest -s
     assert err <= TOL, err
-    for k, p in state["params"].items():
-        assert device_bytes(p.flat) == 4 * math.ceil(params[k].size / 8), k
+    for k, p in state["params"].items():  # 1/(D T) where an axis is free to split, else 1/T
+        spec = tuple(MLP_SPECS[k])
+        assert device_bytes(p.value) == rule_bytes(params[k].shape, spec, 2), k
+    assert device_bytes(state["params"]["w1"].value) == 4 * 12 * 32 // 8
 
 
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
@@ -291,12 +322,28 @@ def test_zero_with_data_sharded_parameters_is_refused_with_the_fix():
         repl.wrap_optimizer(optax.adam(1e-3), zero_stage=1).init({"w": x})
 
 
-def test_a_transformation_that_cannot_run_on_slices_is_refused_with_stage_blocks():
-    """Gathering over `data` gives one stage's block, not the whole leaf: refused at init."""
+def test_a_transformation_with_no_rule_on_parts_gathers_stage_blocks_too():
+    """A sort over every element of a leaf has no rule on parts: on a stage block it gathers
+    the parts over `data` and over `stage` into the whole leaf (the warning names it), and
+    three steps equal one device."""
+    from test_zero_any_tx import clip_by_quantile
+
+    repl = make_repl({"data": 2, "stage": 4})
+    tx = clip_by_quantile(1e-2)
+    wrapped = repl.wrap_optimizer(tx, zero_stage=1)
+    with pytest.warns(UserWarning, match=r"zero_stage=1.*gathered for each step.*reshape"):
+        train_pipeline(repl, wrapped, tx, "1f1b")
+
+
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_factored_adafactor_on_stage_blocks_trains_as_one_device(zero_stage):
+    """Adafactor factoring each stage layer's [8, 8] matrix: its row and column statistics
+    are per layer, so a stage block's are the block of the whole leaf's; on the parts, with
+    nothing gathered, and equal to one device."""
     repl = make_repl({"data": 2, "stage": 4})
     tx = optax.adafactor(1e-2, min_dim_size_to_factor=4)
+    wrapped = repl.wrap_optimizer(tx, zero_stage=zero_stage)
     placed = placed_pipeline(repl, init_params(), 1)
-    with pytest.raises(
-        ValueError, match=r"wrap_optimizer\(zero_stage=1\): .*'stage'.*zero_stage=0"
-    ):
-        repl.wrap_optimizer(tx, zero_stage=1).init(placed)
+    stored = wrapped.shard_params(placed) if zero_stage == 3 else placed
+    assert wrapped.plan(stored).on_shards
+    train_pipeline(repl, wrapped, tx, "1f1b", zero3=zero_stage == 3, stacked=True)

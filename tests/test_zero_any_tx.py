@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from oracle import batches, rel_err, zero3_loss, zero3_params
+from oracle import batches, rel_err, zero3_loss, zero3_params, zero_spec
 from test_optim import SIZES, init_params, loss_fn, oracle
 
 import replicator as rp
@@ -58,15 +58,33 @@ def max_abs_momentum(lr: float) -> optax.GradientTransformation:
     return optax.GradientTransformation(init, update)
 
 
+def clip_by_quantile(lr: float) -> optax.GradientTransformation:
+    """A sort over every element of a leaf: steps clipped at the 90th percentile of |g|, which
+    has no rule on parts (the sorted order mixes the replicas' parts)."""
+
+    def update(grads, state, params=None):
+        del params
+
+        def clipped(g):
+            cap = jnp.sort(jnp.abs(g).ravel())[int(0.9 * (g.size - 1))]
+            return -lr * jnp.clip(g, -cap, cap)
+
+        return jax.tree.map(clipped, grads), state
+
+    return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+
+
 # name -> (transformation, runs on the shards?)
 TRANSFORMS = {
     "clip_chain": (lambda: optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.5)), True),
     "lamb": (lambda: optax.lamb(1e-2, weight_decay=1e-2), True),
     "adafactor": (lambda: optax.adafactor(1e-2), True),  # no leaf >= 128: not factored
-    "adafactor_factored": (lambda: optax.adafactor(1e-2, min_dim_size_to_factor=4), False),
+    "adafactor_factored": (lambda: optax.adafactor(1e-2, min_dim_size_to_factor=4), True),
     "leaf_mean": (lambda: scale_by_leaf_mean(0.05), True),
     "max_abs_momentum": (lambda: max_abs_momentum(0.05), True),
-    "normalize_rows": (lambda: normalize_rows(0.05), False),
+    "normalize_rows": (lambda: normalize_rows(0.05), True),  # a reduction over one axis
+    "clip_by_quantile": (lambda: clip_by_quantile(0.05), False),  # a sort of every element
+    "muon": (lambda: optax.contrib.muon(1e-2), False),  # Newton-Schulz: products of whole matrices
 }
 
 
@@ -84,7 +102,8 @@ def zero_run(repl, tx, data, zero_stage):
 
     for batch in data:
         state, _ = repl.run(step, state, batch)
-    return state, [str(w.message) for w in caught if "wrap_optimizer" in str(w.message)]
+    warned = [str(w.message) for w in caught if "wrap_optimizer" in str(w.message)]
+    return state, warned, wrapped.plan(params)
 
 
 @pytest.mark.parametrize("zero_stage", [1, 2])
@@ -92,18 +111,35 @@ def zero_run(repl, tx, data, zero_stage):
 def test_zero_1_2_with_any_transformation_equal_one_device(name, zero_stage):
     make, on_shards = TRANSFORMS[name]
     data = batches(STEPS, din=SIZES[0], dout=SIZES[-1])
-    state, warned = zero_run(rp.Replicator(), make(), data, zero_stage)
+    state, warned, plan = zero_run(rp.Replicator(), make(), data, zero_stage)
     want = oracle(make(), data)
     assert rel_err(state["params"], want) <= 1e-5
     assert rel_err(state["params"], init_params()) > 1e-3  # it trained
+    assert plan.on_shards == on_shards, plan.gathered
+    shapes = {np.shape(p) for p in jax.tree.leaves(init_params())}
+    for leaf in jax.tree.leaves(state["opt"]):  # a state leaf shaped like a parameter: split
+        if np.shape(leaf) in shapes:  # like the parameter, 1/8 on each device when it divides
+            assert leaf.sharding.spec == zero_spec(leaf.shape), (leaf.shape, leaf.sharding)
     if on_shards:
         assert not warned
-        for leaf in jax.tree.leaves(state["opt"]):  # 1/8 of every non-scalar state leaf
-            if leaf.size > 1:
-                assert {s.data.shape[-1] for s in leaf.addressable_shards} == {leaf.shape[-1] // 8}
+        assert "the update runs on shards" in str(plan)
     else:
         assert len(warned) == 1 and "gathered for each step" in warned[0], warned
-        assert "reduce_sum" in warned[0]  # names the operation that has no meaning on slices
+        assert ("sort" if name == "clip_by_quantile" else "scan") in warned[0]
+
+
+def test_factored_adafactor_keeps_its_statistics_on_shards():
+    """Adafactor's row and column means of a [16, 24] matrix split along its columns (24): the
+    row means are a reduction over the split axis, completed over the replicas (whole, 16
+    floats); the column means are split like the columns. Nothing is gathered."""
+    repl = rp.Replicator()
+    opt = repl.wrap_optimizer(optax.adafactor(1e-2, min_dim_size_to_factor=4), zero_stage=1)
+    params = repl.replicate(init_params())
+    plan = opt.plan(params)
+    assert plan.on_shards and "on shards" in str(plan)
+    stats = {leaf.shape: leaf for leaf in plan.state if leaf.path.endswith("[0]['w']")}
+    assert stats[(16,)].split is None and stats[(16,)].why_whole == "reduced"
+    assert stats[(24,)].split == 0 and stats[(24,)].device_bytes == 4 * 24 // 8
 
 
 def test_an_element_wise_run_of_a_non_element_wise_transformation_is_wrong():
@@ -127,7 +163,8 @@ def test_an_element_wise_run_of_a_non_element_wise_transformation_is_wrong():
 
 
 @pytest.mark.parametrize(
-    "name", ["clip_chain", "lamb", "adafactor_factored", "leaf_mean", "normalize_rows"]
+    "name",
+    ["clip_chain", "lamb", "adafactor_factored", "leaf_mean", "normalize_rows", "clip_by_quantile"],
 )
 def test_zero_3_with_any_transformation_equals_one_device(name):
     make, _ = TRANSFORMS[name]
@@ -161,11 +198,12 @@ def test_zero_3_with_any_transformation_equals_one_device(name):
 def test_the_plan_is_known_before_a_step_and_names_the_operation():
     repl = rp.Replicator()
     params = repl.replicate(init_params())
-    with pytest.warns(UserWarning, match=r"zero_stage=1.*not computed on shards.*reduce_sum"):
-        repl.wrap_optimizer(normalize_rows(0.1), zero_stage=1).init(params)
+    with pytest.warns(UserWarning, match=r"zero_stage=1.*gather.*over the replicas.*sort"):
+        repl.wrap_optimizer(clip_by_quantile(0.1), zero_stage=1).init(params)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         repl.wrap_optimizer(optax.lamb(1e-3), zero_stage=1).init(params)
+        repl.wrap_optimizer(normalize_rows(0.1), zero_stage=1).init(params)
 
 
 def test_sharded_param_used_without_gather_params_says_to_gather():

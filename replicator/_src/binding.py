@@ -36,7 +36,8 @@ class Binding:
     num_replicas: int
     axis_sizes: tuple[tuple[AxisName, int], ...] = ()
     # While step_fn is traced: id of each state leaf step_fn received -> (the leaf, the
-    # non-replica mesh axes its PartitionSpec splits it over), for `split_axes`.
+    # non-replica mesh axes its PartitionSpec splits it over, the PartitionSpec), for
+    # `split_axes` and `spec_of`.
     state_axes: dict = dataclasses.field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -49,6 +50,12 @@ class Binding:
         or None if ``leaf`` is not a state leaf as ``step_fn`` received it."""
         entry = self.state_axes.get(id(leaf))
         return entry[1] if entry is not None and entry[0] is leaf else None
+
+    def spec_of(self, leaf):
+        """The ``PartitionSpec`` (over the whole mesh) of a state leaf as ``step_fn`` received
+        it, or None if ``leaf`` is not one."""
+        entry = self.state_axes.get(id(leaf))
+        return entry[2] if entry is not None and entry[0] is leaf else None
 
     def model_axes(self) -> tuple[AxisName, ...]:
         """The non-replica axes of size > 1 mapped by hand (``stage``; ``model`` is XLA's)."""

@@ -7,13 +7,14 @@ when complete, so a save interrupted midway is never taken for a checkpoint. `re
 newest step it can; if that one is unreadable it says so and falls back to the one before, and
 once an older step restores, the unreadable newer ones are moved aside (renamed
 ``<step>.broken-<time>``, never deleted) so that the run can save those steps again.
-Restoring takes a ``like`` tree whose shardings say where each array goes: a checkpoint saved on
-8 devices restores onto a mesh of 4, ZeRO-sharded states included (their flattened leaves are
-padded to a multiple of the replica count, so their lengths can differ by the padding), and a
-state saved on ``{"data": 2, "stage": 2, "model": 2}`` restores onto ``{"data": 4, "stage": 2}``
-(arrays are saved as global arrays, so only the target's shardings count). A target sharding
-that does not divide a leaf is refused before any step is read (a ValueError naming the leaf),
-not taken for a broken checkpoint.
+Restoring takes a ``like`` tree whose shardings say where each array goes. Every array is saved
+as the global array it is, in its own shape (ZeRO splits a leaf's axes without flattening or
+padding it, and a ZeRO-3 `ShardedParam` is saved as the parameter it stores), so a checkpoint
+is the same on every mesh: one saved on ``{"data": 2, "stage": 2, "model": 2}`` restores onto
+``{"data": 8}`` and the reverse, under any ZeRO stage (only the target's shardings count). A
+checkpoint in ZeRO's earlier flat layout is converted on restore (`flat_layout`). A target
+sharding that does not divide a leaf is refused before any step is read (a ValueError naming
+the leaf), not taken for a broken checkpoint.
 Anything else that differs (a leaf added or removed, another shape or dtype) is the caller's
 state having changed, not a broken checkpoint: `StateMismatchError`, with no fallback.
 """
@@ -26,12 +27,12 @@ import warnings
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from replicator._src import errors
+from replicator._src import errors, flat_layout
 from replicator._src.mesh import indivisible_split, replicated_sharding
+from replicator._src.sharded_params import ShardedParam, is_sharded_param, values
 from replicator._src.typing import PyTree
 
 
@@ -126,6 +127,7 @@ class Checkpoints:
         """
         ocp = self._ocp
         _check_alive(state)
+        state = values(state)  # a ZeRO-3 ShardedParam is saved as the parameter it stores
         record = {"step": int(step), **record}
         self._manager.save(
             int(step),
@@ -160,15 +162,15 @@ class Checkpoints:
           FileNotFoundError: if there is no readable checkpoint (then nothing is moved: when
             no step restores, ``like`` may be what is wrong).
           StateMismatchError: (a ValueError) if ``like`` has leaves the checkpoint does not
-            (or lacks some it has), or a leaf of another dtype, or of another shape beyond the
-            padding of ZeRO's layout. Raised for the newest readable step: older steps of the
-            run have the same structure, so none is tried.
+            (or lacks some it has), or a leaf of another dtype or shape (a leaf in ZeRO's earlier
+            flat layout is converted to its own shape instead). Raised for the newest readable
+            step: older steps of the run have the same structure, so none is tried.
           ValueError: before any step is read, if a leaf's sharding in ``like`` splits a
             dimension into parts that do not divide it (e.g. a ``jax.ShapeDtypeStruct`` of a
             checkpoint's leaf with a spec of the old mesh's axes and the new mesh's sizes).
         """
         self.wait()  # an asynchronous save in progress completes first
-        abstract = jax.tree.map(_abstract, like)
+        abstract = jax.tree.map(_abstract, values(like))
         _check_divides(abstract)
         candidates = [step] if step is not None else self.steps()[::-1]
         if not candidates:
@@ -191,7 +193,8 @@ class Checkpoints:
                 continue
             if broken:
                 self._move_aside(broken, restored_step=s)
-            return restored
+            state, record = restored
+            return _as_like(like, state), record
         raise FileNotFoundError(
             f"rp.Checkpoints: no readable checkpoint in {self.directory}: "
             + "; ".join(f"step {s}: {_described(e)}" for s, e in broken)
@@ -229,35 +232,38 @@ class Checkpoints:
         self._manager.reload()
 
     def _restore(self, step: int, abstract: PyTree, *, cast: bool = False) -> tuple[PyTree, dict]:
-        """Reads one step. Leaves in ZeRO's flattened, padded layout (``[..., N * c]``, split
-        over N replicas along the last axis) saved with another N are read as saved and then
-        cut or padded to this mesh's length: only padding differs."""
+        """Reads one step. A leaf saved in ZeRO's earlier flat layout is read as saved and
+        converted to its own shape (`flat_layout`)."""
         ocp = self._ocp
         flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
         saved = self._saved_leaves(step)
         if saved is not None:
+            saved = flat_layout.renamed(saved, {_name(path) for path, _ in flat})
             self._check_structure(step, saved, flat)
         saved = saved or {}
-        read_as, resize = [], {}
+        read_as, converted = [], {}
         for i, (path, want) in enumerate(flat):
-            meta = saved.get(_name(path), (None, None))[1]
+            _, meta, name = saved.get(_name(path), (None, None, None))
             if getattr(meta, "dtype", None) is not None and not cast:
                 _check_dtype(step, path, meta.dtype, want.dtype)
-            if getattr(meta, "shape", None) is None or tuple(meta.shape) == tuple(want.shape):
+            shape = getattr(meta, "shape", None)
+            legacy = name is not None and name != _name(path)  # a ZeRO-3 flat, saved as <path>.0
+            if shape is None or (tuple(shape) == tuple(want.shape) and not legacy):
                 read_as.append(want)
                 continue
-            if not _only_padding_differs(meta, want):
+            blocks = flat_layout.stage_blocks(meta)
+            if not flat_layout.convertible(meta, tuple(want.shape)):
                 raise StateMismatchError(
                     f"rp.Checkpoints: leaf {jax.tree_util.keystr(path)} of checkpoint step {step} "
-                    f"has shape {tuple(meta.shape)}, but the state to restore into has "
+                    f"has shape {tuple(shape)}, but the state to restore into has "
                     f"{tuple(want.shape)}. Build the state as the run that saved it did (the same "
-                    f"model and optimizer); only ZeRO's padding may differ between meshes."
+                    f"model and optimizer); the mesh and the ZeRO stage may differ."
                 )
-            sharding = want.sharding
-            if meta.shape[-1] % _splits(want.sharding, want.ndim):
-                sharding = replicated_sharding(want.sharding.mesh)
-            read_as.append(jax.ShapeDtypeStruct(tuple(meta.shape), want.dtype, sharding=sharding))
-            resize[i] = want
+            mesh = getattr(want.sharding, "mesh", None)
+            sharding = replicated_sharding(mesh) if mesh is not None else want.sharding
+            aval = jax.ShapeDtypeStruct(tuple(shape), want.dtype, sharding=sharding)
+            read_as.append((aval,) if legacy else aval)
+            converted[i] = (want, blocks, legacy)
         restored = self._manager.restore(
             step,
             args=ocp.args.Composite(
@@ -266,8 +272,9 @@ class Checkpoints:
             ),
         )
         leaves = treedef.flatten_up_to(restored["state"])
-        for i, want in resize.items():
-            leaves[i] = _to_length(leaves[i], want)
+        for i, (want, blocks, legacy) in converted.items():
+            x = leaves[i][0] if legacy else leaves[i]
+            leaves[i] = flat_layout.convert(x, want, blocks, flat_layout.stage_axis_of(want))
         return jax.tree.unflatten(treedef, leaves), dict(restored["record"])
 
     def _saved_leaves(self, step: int) -> dict | None:
@@ -286,7 +293,7 @@ class Checkpoints:
         checkpoint has, if any."""
         wanted = {_name(path): jax.tree_util.keystr(path) for path, _ in flat}
         added = [shown for name, shown in wanted.items() if name not in saved]
-        missing = [shown for name, (shown, _) in saved.items() if name not in wanted]
+        missing = [shown for name, (shown, *_) in saved.items() if name not in wanted]
         if not added and not missing:
             return
         counts = [f"{len(added)} added", f"{len(missing)} missing"]
@@ -391,49 +398,13 @@ def _name(path) -> str:
     return ".".join(parts)
 
 
-def _splits(sharding, ndim: int) -> int:
-    """How many ways ``sharding`` (a NamedSharding, or its orbax metadata) splits the last axis
-    of an array of rank ``ndim``."""
-    spec = tuple(getattr(sharding, "spec", None) or getattr(sharding, "partition_spec", ()) or ())
-    if len(spec) < ndim or spec[ndim - 1] is None:
-        return 1
-    axes = spec[ndim - 1]
-    axes = (axes,) if isinstance(axes, str) else tuple(axes)
-    mesh = getattr(sharding, "mesh", None)
-    sizes = (
-        dict(mesh.shape)
-        if mesh is not None
-        else dict(zip(getattr(sharding, "axis_names", ()), getattr(sharding, "shape", ())))
-    )
-    n = 1
-    for axis in axes:
-        n *= int(sizes.get(axis, 1))
-    return n
+def _as_like(like: PyTree, tree: PyTree) -> PyTree:
+    """``tree`` (``like``'s arrays) with ``like``'s `ShardedParam` nodes around them again."""
 
+    def wrap(node, x):
+        return ShardedParam(x, node.dim, node.auto) if isinstance(node, ShardedParam) else x
 
-def _only_padding_differs(meta, want) -> bool:
-    """Whether a saved leaf and the target differ only in ZeRO's padding: the same leading
-    axes, and some true size s with ``L - n < s <= L`` for both (length L split n ways)."""
-    saved, target = tuple(meta.shape), tuple(want.shape)
-    if len(saved) != len(target) or not saved or saved[:-1] != target[:-1]:
-        return False
-    if not isinstance(want.sharding, NamedSharding):
-        return False
-    n_saved = _splits(getattr(meta, "sharding", None), len(saved))
-    n_target = _splits(want.sharding, len(target))
-    if n_saved < 2 and n_target < 2:
-        return False
-    return max(saved[-1] - n_saved, target[-1] - n_target) < min(saved[-1], target[-1])
-
-
-def _to_length(x: jax.Array, want: jax.ShapeDtypeStruct) -> jax.Array:
-    length = want.shape[-1]
-
-    def fit(a):
-        a = a[..., :length]
-        return jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, length - a.shape[-1])])
-
-    return jax.jit(fit, out_shardings=want.sharding)(x)
+    return jax.tree.map(wrap, like, tree, is_leaf=is_sharded_param)
 
 
 def _abstract(x):

@@ -9,6 +9,8 @@ whole on every device of a replica counted once. `clip_by_global_norm` is
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -30,7 +32,11 @@ received them in its state:
 
 
 def global_norm(
-    grads: PyTree, params: PyTree, *, over_replicas: bool, why: str | None = None
+    grads: PyTree,
+    params: PyTree,
+    *,
+    over_replicas: bool | Sequence[bool] = False,
+    why: str | None = None,
 ) -> jax.Array | None:
     """The global norm of ``grads`` as on one device, or None if it is not needed and unknown.
 
@@ -40,8 +46,9 @@ def global_norm(
       grads: the gradients, reduced over the replicas (whole, or each replica's slice).
       params: the state leaves ``step_fn`` received, which tell which gradients are split over
         the ``stage`` (or ``model``) axes; only read on a mesh with such axes.
-      over_replicas: each replica holds a slice of the gradients (ZeRO): the squares are summed
-        over the replicas too.
+      over_replicas: each replica holds a part of the gradients (ZeRO): their squares are
+        summed over the replicas too. One bool for every leaf, or one per leaf (ZeRO keeps
+        leaves with no axis that divides by the replicas whole: those are counted once).
       why: the option that needs the norm (``"clip_global_norm=..."``), or None if it is only
         reported.
 
@@ -67,14 +74,21 @@ def global_norm(
             if why is None:
                 return None
             raise ValueError(_NORM_NEEDS_PARAMS.format(why=why, axes=binding.model_axes()))
-    total = jnp.zeros((), jnp.float32)
-    for g, split in zip(leaves, axes, strict=True):
-        total += collectives.sum_over_axes(jnp.sum(jnp.square(g.astype(jnp.float32))), split)
-    return jnp.sqrt(collectives.all_reduce(total, "sum") if over_replicas else total)
+    parts = [over_replicas] * len(leaves) if isinstance(over_replicas, bool) else over_replicas
+    whole = split_total = jnp.zeros((), jnp.float32)
+    for g, split, part in zip(leaves, axes, parts, strict=True):
+        square = collectives.sum_over_axes(jnp.sum(jnp.square(g.astype(jnp.float32))), split)
+        if part:
+            split_total += square
+        else:
+            whole += square
+    if any(parts):
+        whole += collectives.all_reduce(split_total, "sum")
+    return jnp.sqrt(whole)
 
 
 def clip_by_global_norm(
-    max_norm: float, *, over_replicas: bool = False
+    max_norm: float, *, over_replicas: bool | Sequence[bool] = False
 ) -> optax.GradientTransformationExtraArgs:
     """Scales the updates down to the global norm ``max_norm`` if their norm is larger.
 
@@ -88,7 +102,7 @@ def clip_by_global_norm(
 
     Args:
       max_norm: the largest global norm, > 0.
-      over_replicas: each replica holds a slice of the updates (ZeRO).
+      over_replicas: each replica holds a part of the updates (ZeRO), as for `global_norm`.
 
     Returns:
       An optax transformation whose state is `ClipByGlobalNormState` (empty).

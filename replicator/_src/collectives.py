@@ -171,3 +171,86 @@ def min_over_axes(x: jax.Array, axes: tuple) -> jax.Array:
     """The element-wise minimum of ``x`` over the named mesh axes ``axes``, as `max_over_axes`
     takes the maximum; ``x`` when ``axes`` is empty."""
     return lax.pmin(x, tuple(axes)) if axes else x
+
+
+# -- the library's own collectives over the replicas along one axis ------------------------------
+
+
+def gather_replicas(x: jax.Array, dim: int, auto: tuple = ()) -> jax.Array:
+    """Every replica's part of ``x`` concatenated along ``dim``, in replica order (ZeRO's
+    gathers): ``all_gather(x, axis=dim, tiled=True)``.
+
+    ``auto`` gives the ``PartitionSpec`` entries of ``x``'s last ``len(auto)`` axes over the
+    mesh axes XLA partitions inside a step (``model``). A collective over the replica axes is
+    otherwise taken by XLA as one over whole values along those axes, which gathers them over
+    ``model`` first; here each device gathers its own ``model`` part (a ``shard_map`` over the
+    ``model`` axes inside the step), so the weight stays split over ``model`` and the product that
+    uses it is computed once.
+    """
+    binding = current_binding()
+    if binding.is_local:
+        return x
+    axis = dim % x.ndim
+    return _over_auto(lambda v: lax.all_gather(v, binding.axes, axis=axis, tiled=True), x, auto)
+
+
+def scatter_replicas(x: jax.Array, dim: int, auto: tuple = ()) -> jax.Array:
+    """The sum of ``x`` over the replicas, of which this replica keeps its part along ``dim``
+    (ZeRO's reduce-scatter of gradients); ``auto`` as for `gather_replicas`.
+
+    Equivalent to ``jnp.split(all_reduce(x, "sum"), num_replicas(), dim)[replica_id()]``.
+    """
+    binding = current_binding()
+    if binding.is_local:
+        return x
+    axis = dim % x.ndim
+    scatter = lambda v: lax.psum_scatter(v, binding.axes, scatter_dimension=axis, tiled=True)
+    return _over_auto(scatter, x, auto)
+
+
+def replica_part(x: jax.Array, dim: int) -> jax.Array:
+    """This replica's part of ``x`` along ``dim`` (of ``num_replicas()`` equal parts): the
+    inverse of `gather_replicas`, with no communication."""
+    binding = current_binding()
+    if binding.is_local:
+        return x
+    axis = dim % x.ndim
+    size = x.shape[axis] // binding.num_replicas
+    return lax.dynamic_slice_in_dim(x, lax.axis_index(binding.axes) * size, size, axis)
+
+
+def gather_over_axes(x: jax.Array, axes: tuple, dim: int) -> jax.Array:
+    """Every device's part of ``x`` along the named non-replica axes ``axes`` (a pipeline's
+    ``stage``), concatenated along ``dim`` in mesh order: a stage-split leaf made whole."""
+    return lax.all_gather(x, tuple(axes), axis=dim % x.ndim, tiled=True) if axes else x
+
+
+def part_over_axes(x: jax.Array, axes: tuple, dim: int) -> jax.Array:
+    """This device's part of ``x`` along ``dim``, cut in as many parts as ``axes`` has devices
+    (the inverse of `gather_over_axes`, with no communication)."""
+    if not axes:
+        return x
+    size = x.shape[dim] // lax.axis_size(tuple(axes))
+    return lax.dynamic_slice_in_dim(x, lax.axis_index(tuple(axes)) * size, size, dim)
+
+
+def _over_auto(f, x: jax.Array, auto: tuple) -> jax.Array:
+    """``f(x)``, mapped by hand over the axes XLA partitions that ``auto`` (entries of ``x``'s
+    last axes) splits ``x`` over, so that ``f`` sees and keeps each device's part."""
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True)) if mesh.axis_names else {}
+    manual = set(getattr(mesh, "manual_axes", ()))
+    entries = [None] * (x.ndim - len(auto)) + list(auto)[-x.ndim :] if x.ndim else []
+
+    def keep(entry):
+        names = entry if isinstance(entry, tuple) else (entry,)
+        kept = tuple(n for n in names if isinstance(n, str) and sizes.get(n, 1) > 1)
+        kept = tuple(n for n in kept if n not in manual)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    spec = [keep(e) for e in entries]
+    axes = {n for e in spec for n in ((e,) if isinstance(e, str) else e or ())}
+    if not axes:
+        return f(x)
+    spec = jax.sharding.PartitionSpec(*spec)
+    return jax.shard_map(f, in_specs=spec, out_specs=spec, axis_names=axes, check_vma=False)(x)

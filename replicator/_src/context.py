@@ -436,7 +436,10 @@ class Replicator:
         state_leaves, state_def = jax.tree.flatten(state)
         arg_leaves, args_def = jax.tree.flatten(args)
         # a new program: step_fn is traced again
-        with tracing.recording(measure_stages=stage_costs) as pipelines:
+        with (
+            tracing.recording(measure_stages=stage_costs) as pipelines,
+            tracing.recording_zero() as zero,
+        ):
             program, _ = self._steps.compile(
                 step_fn, state_def, args_def, state_leaves, arg_leaves, args
             )
@@ -449,6 +452,7 @@ class Replicator:
             platform=self._mesh.devices.flat[0].platform,
             compile_seconds=time.perf_counter() - start,
             pipelines=pipelines,
+            zero=zero,
         )
 
 

@@ -104,9 +104,13 @@ def _per_replica(
     def body(state_leaves, arg_leaves):
         state = jax.tree.unflatten(state_def, state_leaves)
         args = jax.tree.unflatten(args_def, arg_leaves)
-        if state_specs is not None:  # which state leaves are split over stage
+        if state_specs is not None:  # each state leaf's spec, and whether it is a stage block
             placed = {
-                id(x): (x, tuple(a for a in binding.model_axes() if a in mesh_lib.spec_axes(spec)))
+                id(x): (
+                    x,
+                    tuple(a for a in binding.model_axes() if a in mesh_lib.spec_axes(spec)),
+                    spec,
+                )
                 for x, spec in zip(state_leaves, state_specs, strict=True)
             }
             binding_now = dataclasses.replace(binding, state_axes=placed)
@@ -218,15 +222,19 @@ def _build_pmap(step_fn, mesh, state_def, args_def, state_specs, arg_specs, dona
         devices=list(mesh.devices.flat),
     )
 
-    def split(leaves, leaf_axes):
+    def split(leaves, leaf_axes):  # axis a of n parts becomes (n, part) at a: pmap maps it
         return [
-            x if a is None else x.reshape((n, -1, *x.shape[1:])) for x, a in zip(leaves, leaf_axes)
+            x if a is None else x.reshape((*x.shape[:a], n, -1, *x.shape[a + 1 :]))
+            for x, a in zip(leaves, leaf_axes)
         ]
 
     def program(state_leaves, arg_leaves):
         new, outputs, extras = mapped(split(state_leaves, state_axes), split(arg_leaves, arg_axes))
         return (
-            [x if a is None else x.reshape((-1, *x.shape[2:])) for x, a in zip(new, state_axes)],
+            [
+                x if a is None else x.reshape((*x.shape[:a], -1, *x.shape[a + 2 :]))
+                for x, a in zip(new, state_axes)
+            ],
             outputs,
             extras,
         )
@@ -244,17 +252,18 @@ def _unstack_outputs(state_leaves, outputs, extras):
 
 
 def _pmap_axis(spec: PartitionSpec, mesh: Mesh, what: str) -> int | None:
-    entries = [e for e in spec]
-    while entries and entries[-1] is None:
-        entries.pop()
-    if not entries:
+    """The axis of a leaf split over the replicas (ZeRO splits any one), or None if it is
+    replicated."""
+    split = [d for d, e in enumerate(spec) if e is not None]
+    if not split:
         return None
-    first = entries[0] if isinstance(entries[0], tuple) else (entries[0],)
-    if len(entries) == 1 and set(first) == set(mesh_lib.replica_axes(mesh)):
-        return 0
+    entry = spec[split[0]]
+    names = entry if isinstance(entry, tuple) else (entry,)
+    if len(split) == 1 and set(names) == set(mesh_lib.replica_axes(mesh)):
+        return split[0]
     raise ValueError(
         f"Replicator(lowering='pmap'): a {what} leaf has sharding {spec}; pmap maps only leaves "
-        f"that are replicated or split along their first axis over the replicas. Use "
+        f"that are replicated or split along one axis over the replicas. Use "
         f"lowering='shard_map' (the default), which takes any sharding."
     )
 

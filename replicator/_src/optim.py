@@ -69,10 +69,11 @@ _EMPTY = optax.EmptyState()
 class Parts(NamedTuple):
     """The transformations a `DistributedOptimizer` chains, and the options of its `step`."""
 
+    inner: optax.GradientTransformation  # tx, as given to wrap_optimizer
     reduce: optax.GradientTransformationExtraArgs  # local grads -> mean (ZeRO: replica's slice)
     clip: optax.GradientTransformationExtraArgs | None  # global-norm clipping, if asked for
     apply: optax.GradientTransformationExtraArgs  # tx (ZeRO: on the slices), maybe loss-scaled
-    norm: Callable[[PyTree, PyTree], jax.Array | None]  # `clipping.global_norm` of reduced grads
+    norm: Callable[..., jax.Array | None]  # `clipping.global_norm` of reduced grads
     layout: zero.Zero | None  # the ZeRO layout; None with zero_stage=0
     wrapped: bool  # the state is a `loss_scaling.WrappedState` (ZeRO or loss scaling)
     accumulate_steps: int  # micro-batches per `DistributedOptimizer.step`
@@ -134,7 +135,8 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
         if p.layout is not None:
             p.layout.check_binding()
             extra_args = {**extra_args, "local_grads": grads}
-        updates, state, _ = self._apply(self._reduce(grads), state, params, extra_args)
+        reduced = self._reduce(grads, params)
+        updates, state, _ = self._apply(reduced, state, params, extra_args, like=grads)
         return updates, state
 
     def step(self, loss_fn, params: PyTree, state, batch: PyTree):
@@ -168,11 +170,11 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
             batch,
             steps=p.accumulate_steps,
             scale=scale,
-            each=self._reduce if sliced else None,
+            each=(lambda g: self._reduce(g, params)) if sliced else None,
             zeros=p.layout.slice_zeros if sliced else None,
         )
-        reduced = grads if sliced else self._reduce(grads)
-        updates, state, metrics = self._apply(reduced, state, params, {})
+        reduced = grads if sliced else self._reduce(grads, params)
+        updates, state, metrics = self._apply(reduced, state, params, {}, like=params)
         params = optax.apply_updates(params, updates)
         metrics = {"loss": collectives.all_reduce(jnp.asarray(loss, jnp.float32), "mean")} | metrics
         return params, state, metrics
@@ -180,18 +182,25 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
     def shard_params(self, params: PyTree, *, stacked: Any = ()) -> PyTree:
         """ZeRO-3: ``params`` stored as `ShardedParam` leaves, 1/N of each on every replica.
 
-        Args:
-          params: replicated or host parameters.
-          stacked: top-level keys of ``params`` whose leaves are stacked layers (a leading
-            layer axis): each layer is sharded on its own, so that a layer scan can
-            `gather_params` one layer at a time.
+        Each parameter keeps its shape; its largest axis that divides by the replicas and is
+        not split over ``stage`` or ``model`` already is split over the data axes too
+        (`zero_layout.split_dim`). A parameter with no such axis is kept whole on every replica.
 
-        Inside ``step_fn``, ``loss_fn`` receives these and calls ``rp.gather_params``.
-        On a mesh with a ``model`` axis each flat is split over it too (1/(N T) per device).
+        Args:
+          params: placed (``repl.place``, ``repl.replicate``) or host parameters.
+          stacked: top-level keys of ``params`` whose leaves are stacked layers (a leading
+            layer axis): that axis is never the split one, so that a layer scan can
+            `gather_params` one layer at a time. A dict gives each key's number of leading
+            layer axes, e.g. ``{"stages": 2}`` for a pipeline's ``[K, L/K, ...]`` stages on a
+            mesh without ``stage`` (on a mesh with it, they are known from the placement).
+
+        Inside ``step_fn``, ``loss_fn`` receives these and calls ``rp.gather_params``, which
+        gathers over the data axes only: a parameter split over ``model`` stays split over it,
+        and the product that uses it is computed once.
 
         A leaf split over ``stage`` (`rp.pipeline.stage_spec`) is a stage block of stacked
-        layers: it is stored layer by layer whether or not its key is in ``stacked``, and the
-        layer function gathers its layer inside the scan,
+        layers: its stage and layer axes are never split, whether or not its key is in
+        ``stacked``, and the layer function gathers its layer inside the scan,
         ``rp.pipeline.scan_layers(lambda p, h: layer_fn(rp.gather_params(p), h))``.
 
         Raises:
@@ -205,19 +214,46 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
             )
         return layout.shard_params(params, stacked)
 
-    def _reduce(self, grads: PyTree) -> PyTree:
-        """Local gradients -> the mean over replicas: whole (stage 0) or this replica's slice."""
-        return self.parts.reduce.update(grads, _EMPTY)[0]
+    def plan(self, params: PyTree) -> zero.ZeroPlan:
+        """Where ZeRO keeps each parameter and state leaf for ``params`` (as ``init`` takes them),
+        and which operations of the update, if any, gather; nothing is allocated.
 
-    def _apply(self, reduced: PyTree, state, params: PyTree, extra_args: dict):
+        >>> import jax, jax.numpy as jnp, optax, replicator as rp
+        >>> repl = rp.Replicator(devices=jax.devices()[:2])
+        >>> opt = repl.wrap_optimizer(optax.adafactor(1e-2, min_dim_size_to_factor=2), zero_stage=1)
+        >>> plan = opt.plan(repl.replicate({"w": jnp.zeros((4, 6))}))
+        >>> plan.params[0].split   # w is split along its 6 columns, 3 on each replica
+        1
+        >>> [(leaf.shape, leaf.split) for leaf in plan.state]  # count, row and column statistics
+        [((), None), ((4,), None), ((6,), 0), ((1,), None)]
+        >>> plan.on_shards   # the row means complete over the replicas; the column means split
+        True
+
+        Raises:
+          ValueError: with ``zero_stage=0`` (nothing is sharded), or for parameters ZeRO
+            refuses (as ``init`` would).
+        """
+        layout = self.parts.layout
+        if layout is None:
+            raise ValueError("plan: zero_stage=0 keeps every leaf whole; there is no ZeRO layout.")
+        return layout.layout(optax.with_extra_args_support(self.parts.inner), params)[1]
+
+    def _reduce(self, grads: PyTree, params: PyTree) -> PyTree:
+        """Local gradients -> the mean over replicas: whole (stage 0) or this replica's part."""
+        return self.parts.reduce.update(grads, _EMPTY, params)[0]
+
+    def _apply(self, reduced: PyTree, state, params: PyTree, extra_args: dict, *, like: PyTree):
         """Reduced gradients -> ``(updates, state, metrics)``: unscale, clip, ``tx``, loss scale.
 
         The global norm is computed once, for clipping, the dynamic loss scale and the metrics.
+        ``like`` is the gradients (or parameters) as ``step_fn`` holds them: ZeRO reads from
+        them which reduced leaves are this replica's part.
         """
         p = self.parts
         scale = state.loss_scale if p.wrapped else None
         reduced = loss_scaling.unscale(reduced, scale)
-        norm = p.norm(reduced, params)
+        split = False if p.layout is None else p.layout.split_flags(params, like)
+        norm = p.norm(reduced, params, over_replicas=split)
         if p.clip is not None:
             reduced, _ = p.clip.update(reduced, _EMPTY, params, grad_norm=norm)
         if p.wrapped:
@@ -307,14 +343,13 @@ def wrap_optimizer(
         *(["clip_global_norm=..."] if clip_global_norm is not None else []),
         *(["loss_scale='dynamic'"] if loss_scale == "dynamic" else []),
     ]
-    sliced = layout is not None
-    norm = functools.partial(
-        clipping.global_norm, over_replicas=sliced, why=", ".join(needs) or None
-    )
+    norm = functools.partial(clipping.global_norm, why=", ".join(needs) or None)
     clip = None
     if clip_global_norm is not None:
-        clip = clipping.clip_by_global_norm(clip_global_norm, over_replicas=sliced)
-    return DistributedOptimizer(Parts(reduce, clip, apply, norm, layout, wrapped, accumulate_steps))
+        clip = clipping.clip_by_global_norm(clip_global_norm)
+    return DistributedOptimizer(
+        Parts(tx, reduce, clip, apply, norm, layout, wrapped, accumulate_steps)
+    )
 
 
 def _check_options(

@@ -19,7 +19,7 @@ import json
 import math
 
 from replicator._src import hlo
-from replicator._src.tracing import PipelineNote
+from replicator._src.tracing import PipelineNote, ZeroNote
 
 Collective = hlo.Collective
 
@@ -78,6 +78,9 @@ class StepReport:
         in place as the update (as XLA's cost analysis counts them, without its loop-once rule).
       roofline: ``(FLOPs, bytes)`` of the kernels, grouped by arithmetic intensity (within a
         factor of sqrt 2): a roofline time ``sum(max(f / peak, b / bandwidth))`` over the groups.
+      zero: the ZeRO updates traced in the step (`ZeroNote`): how many parameters are split
+        over the replicas, how many (and how many bytes) are kept whole because no axis
+        divides by them, and which operations of the optimizer, if any, gather.
     """
 
     step: str
@@ -96,6 +99,7 @@ class StepReport:
     unknown_trip_counts: int = 0
     bytes_accessed: float = 0.0
     roofline: tuple[tuple[float, float], ...] = ()
+    zero: tuple[ZeroNote, ...] = ()
 
     @property
     def collective_bytes(self) -> float:
@@ -247,6 +251,8 @@ def _renderable(r: StepReport):
         if p.equal_time > 0:  # modelled when the plan was noted
             parts.append(Text(_modelled(p)))
         parts.append(Text(p.picture))
+    for z in r.zero:
+        parts.append(Text(_zero_line(z)))
     if r.unknown_trip_counts:
         parts.append(
             Text(
@@ -258,9 +264,29 @@ def _renderable(r: StepReport):
     return Group(*parts)
 
 
+def _zero_line(z: ZeroNote) -> str:
+    line = (
+        f"ZeRO-{z.zero_stage}: {z.split_leaves} parameters split over the {z.num_replicas} "
+        f"replicas, each along one axis of its own shape"
+    )
+    if z.whole_leaves:
+        line += (
+            f"; {z.whole_leaves} kept whole on every replica (no axis divides by "
+            f"{z.num_replicas}: {format_bytes(z.whole_bytes)} of parameters per device, their "
+            f"gradients all-reduced and their state whole)"
+        )
+    if z.gathered:
+        line += f"; the optimizer gathers for {len(z.gathered)} operation(s): " + "; ".join(
+            z.gathered
+        )
+    else:
+        line += "; the optimizer's update runs on shards"
+    return line
+
+
 def report(
     compiled, *, step: str, mesh_shape: dict[str, int], lowering: str, platform: str,
-    compile_seconds: float, pipelines: list[PipelineNote],
+    compile_seconds: float, pipelines: list[PipelineNote], zero: list[ZeroNote] = (),
 ) -> StepReport:  # fmt: skip
     """A `StepReport` from a compiled program (``jax.stages.Compiled``)."""
     stats = compiled.memory_analysis()
@@ -294,4 +320,5 @@ def report(
         unknown_trip_counts=costs.unknown_trip_counts,
         bytes_accessed=costs.bytes_accessed,
         roofline=costs.roofline,
+        zero=tuple(zero),
     )

@@ -1,27 +1,29 @@
-"""A one-device program evaluated on ZeRO shards, its full reductions completed by collectives.
+"""A one-device program evaluated on ZeRO shards, each value in its own shape.
 
-ZeRO keeps each optimizer-state leaf split over the replicas: a leaf of shape ``(*lead, *rest)``
-is stored as ``(*lead, N * c)``, the row-major flattening of ``rest`` padded to ``N * c``
-elements, and replica ``r`` holds elements ``[r c, (r + 1) c)``. The optimizer itself is written
-for whole arrays. This module runs its one-device program (the jaxpr of ``tx.update`` traced on
-the real shapes) on those slices, equation by equation:
+ZeRO keeps every optimizer-state leaf in the shape of the parameter it belongs to, with one axis
+split over the replicas (and, for a pipeline's stage block, another over ``stage``). The
+optimizer is written for whole arrays. This module runs its one-device program (the jaxpr of
+``tx.update`` traced on the whole leaves' shapes) on each device's parts, equation by equation,
+and knows for every value which axes are split: its `Split`.
 
-* element-wise primitives act on the slices as they are;
-* a reduction over *all* axes of a sharded value (``sum``, ``max``, ``min``, ``and``, ``or``, and
-  a ``dot_general`` that contracts every axis) reduces the replica's slice, with the padding
-  masked out, and completes it with an all-reduce: the global norms of clipping, the per-leaf
-  trust ratios of LAMB and the block RMS of Adafactor come out as on one device;
-* values of one element (scalars, and keep-dims results such as ``f32[1, 1]``) are held whole on
-  every replica and computed as on one device;
-* calls (``jit``, ``custom_jvp``, ``custom_vjp``) and ``cond`` on a whole predicate recurse.
+* Element-wise operations act on the parts as they are; a whole operand of a split value's
+  shape is cut to this device's part (no communication).
+* A reduction over axes that do not include a split axis runs on the parts, and its result
+  stays split (Adafactor's column statistics when the rows are split); one over a split axis
+  reduces the part and completes it with an all-reduce over the replicas (or the stages): the
+  row statistics, global norms, LAMB's trust ratio. Shape-dependent constants (a mean's
+  ``1 / size``) are those of the whole leaf, as the program was traced on it.
+* ``dot_general`` contracts split axes the same way; transposes, reshapes that keep a split
+  axis as the major axis of its group, broadcasts, squeezes, slices, pads and cumulative
+  operations along other axes follow the split axes; calls (``jit``, ``custom_jvp``,
+  ``custom_vjp``, ``checkpoint``) and ``cond`` recurse.
+* Anything else on a split value (a sort or a cumulative sum along a split axis, a loop, an
+  indexing ``gather``) gathers its operands over the replicas and stages and runs on whole
+  arrays: exact, and `evaluate` notes each such equation, so that ``Zero.plan`` can say which.
 
-Anything else on a sharded value (a reduction over some axes only, a transpose, a slice, random
-numbers, ...) has no exact meaning on slices. `unsupported` finds the first such equation before
-a step runs, and the caller then evaluates the program on whole arrays instead.
+Equivalent to (``program`` = the one-device update, ``part`` = this device's part)::
 
-Equivalent to (``program`` = the one-device update, ``to_local`` = this replica's slice)::
-
-    to_local(program(*[gather(x) for x in local_inputs]))
+    part(program(*[gather(x) for x in inputs]))
 """
 
 from __future__ import annotations
@@ -34,153 +36,82 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.extend import core as jex
 
-from replicator._src import collectives
+from replicator._src.shards import GROUPS, WHOLE, Comm, Split, local_shape
 
 ELEMENTWISE = frozenset(
     """
     abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp clz complex conj
     convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1
     floor ge gt imag integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg
-    nextafter not or population_count pow real reduce_precision rem round rsqrt
+    nextafter not or polygamma population_count pow real reduce_precision rem round rsqrt
     select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square sub
-    tan tanh xor
+    tan tanh xor igamma igammac bessel_i0e bessel_i1e
     """.split()
 )
-_REDUCTIONS = {
-    "reduce_sum": ("sum", jnp.sum, 0),
-    "reduce_max": ("max", jnp.max, None),
-    "reduce_min": ("min", jnp.min, None),
-    "reduce_and": ("min", jnp.all, True),
-    "reduce_or": ("max", jnp.any, False),
+_REDUCTIONS = {  # name -> the collective that completes it
+    "reduce_sum": "sum",
+    "reduce_max": "max",
+    "reduce_min": "min",
+    "reduce_and": "min",
+    "reduce_or": "max",
 }
-UNKNOWN = "?"  # a split of a value the caller cannot tell: a full reduction of it is refused
-_OVER_AXES = {
-    "sum": collectives.sum_over_axes,
-    "max": collectives.max_over_axes,
-    "min": collectives.min_over_axes,
-}
-_UNKNOWN_SPLIT = (
-    "a full reduction of a gradient that may be a pipeline stage block (pass the parameters "
-    "as step_fn received them: opt.update(grads, state['opt'], state['params']))"
-)
-_RESHAPES = frozenset({"reshape", "squeeze", "expand_dims", "broadcast_in_dim"})
+_CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"})
 _CALLS = {"jit": "jaxpr", "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr"}
 
 
-def chunk(size: int, n: int, multiple: int = 1) -> int:
-    """Elements per replica of a leaf of ``size`` elements split over ``n``, a multiple of
-    ``multiple`` (the devices each replica's slice is split over further, such as ``model``)."""
-    return multiple * max(1, math.ceil(size / (n * multiple)))
+@dataclasses.dataclass
+class _Val:
+    x: Any  # this device's part (a jax array, or a Python scalar for literals)
+    split: Split
 
 
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """How values of each real shape are held on a replica.
+def evaluate(
+    closed: jex.ClosedJaxpr, comm: Comm, args: Sequence[tuple[Any, Split]]
+) -> tuple[list[tuple[Any, Split]], list[str]]:
+    """Runs ``closed`` (traced on real shapes) on this device's parts.
 
-    A shape of one element is held whole. Any other shape ``s`` is sharded with
-    ``leads.get(s, 0)`` leading axes kept (ZeRO-3's stacked layers) and the rest flattened,
-    padded and split over ``n`` replicas, ``multiple`` dividing each slice. A shape in
-    ``splits`` is one device's block of a value split over other manual mesh axes as well
-    (a pipeline's stage blocks): a full reduction of it is completed over those axes too.
+    Args:
+      closed: the one-device program.
+      comm: the collectives to use (`Comm`).
+      args: ``(part, split)`` for each input of ``closed``.
+
+    Returns:
+      ``(outputs, gathered)``: ``(part, split)`` for each output, and a description of each
+      equation that gathered a split value to run on whole arrays.
     """
-
-    n: int
-    leads: tuple[tuple[tuple[int, ...], int], ...] = ()
-    multiple: int = 1
-    splits: tuple[tuple[tuple[int, ...], tuple[str, ...]], ...] = ()
-
-    def lead(self, shape: Sequence[int]) -> int:
-        return dict(self.leads).get(tuple(shape), 0)
-
-    def split(self, shape: Sequence[int]) -> tuple[str, ...]:
-        """The mesh axes, besides the replicas, that values of ``shape`` are split over."""
-        return dict(self.splits).get(tuple(shape), ())
-
-    @staticmethod
-    def whole(shape: Sequence[int]) -> bool:
-        return math.prod(shape) == 1
-
-    def chunk(self, shape: Sequence[int]) -> int:
-        return chunk(math.prod(shape[self.lead(shape) :]), self.n, self.multiple)
-
-    def local_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
-        if self.whole(shape):
-            return tuple(shape)
-        return (*shape[: self.lead(shape)], self.chunk(shape))
-
-    def global_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
-        """The stored (padded, flattened) shape of a sharded leaf of real ``shape``."""
-        return (*shape[: self.lead(shape)], self.n * self.chunk(shape))
-
-    def flat_padded(self, x: jax.Array) -> jax.Array:
-        """A whole array of real shape in its stored layout (padded with zeros)."""
-        lead = self.lead(x.shape)
-        flat = jnp.reshape(x, (*x.shape[:lead], -1))
-        pad = self.n * self.chunk(x.shape) - flat.shape[-1]
-        return jnp.pad(flat, [(0, 0)] * lead + [(0, pad)])
-
-    def to_local(self, x: jax.Array) -> jax.Array:
-        """This replica's slice of a whole array (which every replica holds)."""
-        if self.whole(x.shape):
-            return x
-        c = self.chunk(x.shape)
-        flat = self.flat_padded(x)
-        # [..., N, c] indexed by replica: no offset r * c, which overflows int32 past 2**31.
-        blocks = flat.reshape((*flat.shape[:-1], self.n, c))
-        return lax.dynamic_index_in_dim(blocks, collectives.replica_id(), flat.ndim - 1, False)
-
-    def to_real(self, local: jax.Array, shape: Sequence[int]) -> jax.Array:
-        """The whole array of real ``shape`` from every replica's slice (an all-gather)."""
-        shape = tuple(shape)
-        if self.whole(shape) and local.shape == shape:
-            return local
-        if self.whole(shape):  # a one-element leaf stored sharded: replica 0 holds it
-            first = jnp.where(collectives.replica_id() == 0, local, jnp.zeros_like(local))
-            return collectives.all_reduce(jnp.reshape(first, (-1,))[:1], "sum").reshape(shape)
-        full = collectives.all_gather(local, axis=local.ndim - 1, tiled=True)
-        lead = self.lead(shape)
-        return full[..., : math.prod(shape[lead:])].reshape(shape)
-
-    def mask(self, shape: Sequence[int]) -> jax.Array:
-        """True where this replica's slice of a value of real ``shape`` holds real elements."""
-        c = self.chunk(shape)
-        size = math.prod(shape[self.lead(shape) :])
-        # Real elements per replica, from Python ints: r * c overflows int32 past 2**31.
-        counts = np.clip(size - np.arange(self.n, dtype=np.int64) * c, 0, c).astype(np.int32)
-        return jnp.arange(c) < jnp.asarray(counts)[collectives.replica_id()]
+    ev = _Evaluator(comm)
+    vals = [_Val(x, s) for x, s in args]
+    outs = ev.run(closed.jaxpr, [_Val(c, WHOLE) for c in closed.consts], vals)
+    return [(v.x, v.split) for v in outs], ev.gathered
 
 
-def stored_local(layout: Layout, real_shape: Sequence[int], stored: jax.Array) -> jax.Array:
-    """A replica's stored slice as the evaluator holds it: one-element leaves become whole."""
-    if layout.whole(real_shape) and tuple(stored.shape) != tuple(real_shape):
-        return layout.to_real(stored, real_shape)
-    return stored
+def convert(x: Any, have: Split, want: Split, comm: Comm) -> Any:
+    """A device's part ``x`` of a value split as ``have``, as split by ``want`` instead."""
+    return _Evaluator(comm).to(_Val(x, have), want).x
 
 
-def as_stored(layout: Layout, value: jax.Array, stored_shape: Sequence[int]) -> jax.Array:
-    """A value the evaluator holds, in the stored slice shape (a whole one-element value is
-    copied into every replica's slot; only replica 0's counts)."""
-    if tuple(value.shape) == tuple(stored_shape):
-        return value
-    return jnp.broadcast_to(jnp.reshape(value, ()), stored_shape).astype(value.dtype)
+def analyze(
+    closed: jex.ClosedJaxpr, comm: Comm, splits: Sequence[Split]
+) -> tuple[list[Split], list[str]]:
+    """The split of each output of ``closed`` given its inputs' ``splits``, and the equations
+    that would gather: `evaluate` on shapes only, nothing computed or communicated."""
+    comm = dataclasses.replace(comm, abstract=True)
+    found: list = []
 
+    def run(*parts):
+        outs, gathered = evaluate(closed, comm, list(zip(parts, splits, strict=True)))
+        found.append(([s for _, s in outs], gathered))
+        return [x for x, _ in outs]
 
-def unsupported(closed: jex.ClosedJaxpr, layout: Layout) -> str | None:
-    """Why ``closed`` cannot be evaluated on shards, or None if it can."""
-    return _check_jaxpr(closed.jaxpr, layout)
-
-
-def evaluate(closed: jex.ClosedJaxpr, layout: Layout, *local_args: jax.Array) -> list[jax.Array]:
-    """Runs ``closed`` (traced on real shapes) on this replica's slices ``local_args``.
-
-    Each argument is held as `Layout` says for its real shape. Call `unsupported` first.
-    """
-    consts = [_const_local(layout, c) for c in closed.consts]
-    return _eval_jaxpr(closed.jaxpr, layout, consts, list(local_args))
+    avals = [
+        jax.ShapeDtypeStruct(local_shape(v.aval.shape, s, comm), v.aval.dtype)
+        for v, s in zip(closed.jaxpr.invars, splits, strict=True)
+    ]
+    jax.eval_shape(run, *avals)
+    return found[0]
 
 
 # -- the rules --------------------------------------------------------------------------------
@@ -190,61 +121,349 @@ def _shape(v) -> tuple[int, ...]:
     return tuple(getattr(v.aval, "shape", ()))
 
 
-def _check_jaxpr(jaxpr: jex.Jaxpr, layout: Layout) -> str | None:
-    for eqn in jaxpr.eqns:
-        reason = _check_eqn(eqn, layout)
-        if reason:
-            return reason
+class _Evaluator:
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
+        self.gathered: list[str] = []
+
+    def run(self, jaxpr: jex.Jaxpr, consts: list[_Val], args: list[_Val]) -> list[_Val]:
+        env: dict = {}
+
+        def read(v) -> _Val:
+            return _Val(v.val, WHOLE) if isinstance(v, jex.Literal) else env[v]
+
+        for var, val in zip(jaxpr.constvars, consts, strict=True):
+            env[var] = val
+        for var, val in zip(jaxpr.invars, args, strict=True):
+            env[var] = val
+        for eqn in jaxpr.eqns:
+            outs = self.eqn(eqn, [read(v) for v in eqn.invars])
+            for var, val in zip(eqn.outvars, outs, strict=True):
+                if not isinstance(var, jex.DropVar):
+                    env[var] = val
+        return [read(v) for v in jaxpr.outvars]
+
+    def to(self, v: _Val, want: Split, eqn=None, shape: Sequence[int] = ()) -> _Val:
+        """``v`` split as ``want``: gathered along the axes it must not be split along (noted
+        against ``eqn``), then cut along the others. An axis of size 1 in ``shape`` (an operand
+        that lax broadcasts along it) stays whole."""
+        x, now = v.x, {g: v.split.of(g) for g in GROUPS}
+        for group in GROUPS:
+            if now[group] is not None and now[group] != want.of(group):
+                x, now[group] = self.comm.gather(x, now[group], group), None
+                if eqn is not None:
+                    self.note(eqn, "a value split along another axis")
+        for group in GROUPS:
+            dim = want.of(group)
+            if dim is not None and now[group] is None and not (shape and shape[dim] == 1):
+                x, now[group] = self.comm.part(x, dim, group), dim
+        return _Val(x, Split(**now))
+
+    def note(self, eqn, what: str) -> None:
+        self.gathered.append(describe(eqn, what))
+
+    def whole(self, eqn, ins: list[_Val], what: str) -> list:
+        """The operands made whole, for an equation that has no rule on parts."""
+        if any(v.split != WHOLE for v in ins):
+            self.note(eqn, what)
+        return [self.to(v, WHOLE).x for v in ins]
+
+    def eqn(self, eqn, ins: list[_Val]) -> list[_Val]:
+        name = eqn.primitive.name
+        if all(v.split == WHOLE for v in ins):
+            return [_Val(x, WHOLE) for x in _bind(eqn, [v.x for v in ins])]
+        if name in _CALLS:
+            closed = eqn.params[_CALLS[name]]
+            return self.run(closed.jaxpr, [_Val(c, WHOLE) for c in closed.consts], ins)
+        if name in ("remat2", "checkpoint"):
+            return self.run(eqn.params["jaxpr"], [], ins)
+        rule = _RULES.get(name)
+        if rule is None and name in ELEMENTWISE:
+            rule = _elementwise
+        if rule is None and name in _REDUCTIONS:
+            rule = _reduction
+        if rule is None and name in _CUMULATIVE:
+            rule = _along_other_axes(lambda e: (e.params["axis"],))
+        if rule is not None:
+            out = rule(self, eqn, ins)
+            if out is not None:
+                return out
+        args = self.whole(eqn, ins, f"the operation {name!r}")
+        return [_Val(x, WHOLE) for x in _bind(eqn, args)]
+
+
+def _bind(eqn, args: list, **params) -> list:
+    out = eqn.primitive.bind(*args, **{**eqn.params, **params})
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _common(ins: list[_Val], big: list[int]) -> Split | None:
+    """The split of the first split operand along each group; None if the data and stage
+    splits would fall on one axis."""
+    dims = {}
+    for group in GROUPS:
+        found = [ins[i].split.of(group) for i in big if ins[i].split.of(group) is not None]
+        dims[group] = found[0] if found else None
+    if dims["data"] is not None and dims["data"] == dims["stage"]:
+        return None
+    return Split(**dims)
+
+
+def _elementwise(ev: _Evaluator, eqn, ins: list[_Val]):
+    """Operands of the output's shape, scalars, or (as lax broadcasts) of its rank with size-1
+    axes, which stay whole along a split axis; the others are cut to this part."""
+    shapes = [_shape(v) for v in eqn.invars]
+    big = [i for i, s in enumerate(shapes) if s != ()]
+    want = _common(ins, big)
+    if want is None:
+        return None
+    args = [ev.to(v, want, eqn, shapes[i]).x if i in big else v.x for i, v in enumerate(ins)]
+    return [_Val(x, want) for x in _bind(eqn, args)]
+
+
+def _drop(dim, axes) -> Any:
+    """Where axis ``dim`` goes once ``axes`` are reduced away (None if it is one of them)."""
+    if dim is None or dim in axes:
+        return None
+    return dim - sum(a < dim for a in axes)
+
+
+def _reduction(ev: _Evaluator, eqn, ins: list[_Val]):
+    (v,) = ins
+    axes = tuple(eqn.params["axes"])
+    op = _REDUCTIONS[eqn.primitive.name]
+    (out,) = _bind(eqn, [v.x])
+    as_int = out.dtype == jnp.bool_
+    if as_int:
+        out = out.astype(jnp.int32)
+    for group in GROUPS:
+        if v.split.of(group) in axes:
+            out = ev.comm.reduce(out, op, group)
+    if as_int:
+        out = out.astype(jnp.bool_)
+    return [_Val(out, Split(_drop(v.split.data, axes), _drop(v.split.stage, axes)))]
+
+
+def _arg_reduction(ev: _Evaluator, eqn, ins: list[_Val]):  # argmax, argmin
+    (v,) = ins
+    axes = tuple(eqn.params["axes"])
+    if v.split.data in axes or v.split.stage in axes:
+        return None
+    (out,) = _bind(eqn, [v.x])
+    return [_Val(out, Split(_drop(v.split.data, axes), _drop(v.split.stage, axes)))]
+
+
+def _dot_general(ev: _Evaluator, eqn, ins: list[_Val]):
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lc, rc, lb, rb = map(tuple, (lc, rc, lb, rb))
+    lhs, rhs = ins
+    nl, nr = len(_shape(eqn.invars[0])), len(_shape(eqn.invars[1]))
+    l_free = [i for i in range(nl) if i not in lc and i not in lb]
+    r_free = [i for i in range(nr) if i not in rc and i not in rb]
+
+    def out_pos(side: str, dim: int) -> int:
+        if side == "l":
+            return lb.index(dim) if dim in lb else len(lb) + l_free.index(dim)
+        return rb.index(dim) if dim in rb else len(lb) + len(l_free) + r_free.index(dim)
+
+    def partner(side: str, dim: int) -> int:
+        pairs = ((lc, rc), (lb, rb)) if side == "l" else ((rc, lc), (rb, lb))
+        for a, b in pairs:
+            if dim in a:
+                return b[a.index(dim)]
+        raise AssertionError
+
+    def pair(group: str):
+        """(lhs split, rhs split, reduced over the group, output split) along ``group``:
+        paired axes split alike, at most one free axis split."""
+        dl, dr = lhs.split.of(group), rhs.split.of(group)
+        if dl is not None and dl not in l_free:
+            return dl, partner("l", dl), dl in lc, None if dl in lc else out_pos("l", dl)
+        if dr is not None and dr not in r_free:
+            return partner("r", dr), dr, dr in rc, None if dr in rc else out_pos("r", dr)
+        if dl is not None:
+            return dl, None, False, out_pos("l", dl)
+        if dr is not None:
+            return None, dr, False, out_pos("r", dr)
+        return None, None, False, None
+
+    (ld, rd, red_d, out_d), (ls, rs, red_s, out_s) = pair("data"), pair("stage")
+    if (ld is not None and ld == ls) or (rd is not None and rd == rs):
+        return None
+    if out_d is not None and out_d == out_s:
+        return None
+    lx = ev.to(lhs, Split(ld, ls), eqn).x
+    rx = ev.to(rhs, Split(rd, rs), eqn).x
+    (out,) = _bind(eqn, [lx, rx])
+    if red_d:
+        out = ev.comm.reduce(out, "sum", "data")
+    if red_s:
+        out = ev.comm.reduce(out, "sum", "stage")
+    return [_Val(out, Split(out_d, out_s))]
+
+
+def _moved(split: Split, move) -> Split:
+    return Split(*(None if d is None else move(d) for d in (split.data, split.stage)))
+
+
+def _transpose(ev: _Evaluator, eqn, ins: list[_Val]):
+    (v,) = ins
+    perm = tuple(eqn.params["permutation"])
+    (out,) = _bind(eqn, [v.x])
+    return [_Val(out, _moved(v.split, perm.index))]
+
+
+def _regroup(src: Sequence[int], dst: Sequence[int], dim: int) -> int | None:
+    """The axis of ``dst`` that axis ``dim`` of ``src`` becomes in a row-major reshape, when
+    it is the major axis of its group (the axes of ``src`` and ``dst``, size-1 axes aside, whose
+    sizes multiply to the same number); None when it is not, or has size 1."""
+    a = [i for i, n in enumerate(src) if n != 1]
+    b = [j for j, n in enumerate(dst) if n != 1]
+    if dim not in a:
+        return None
+    i = j = 0
+    while i < len(a) and j < len(b):
+        head_i, head_j = a[i], b[j]
+        ps, pd = src[a[i]], dst[b[j]]
+        i, j = i + 1, j + 1
+        while ps != pd:
+            if ps < pd and i < len(a):
+                ps, i = ps * src[a[i]], i + 1
+            elif pd < ps and j < len(b):
+                pd, j = pd * dst[b[j]], j + 1
+            else:
+                return None
+        if head_i == dim:
+            return head_j
+        if dim in a[:i]:
+            return None  # inside a group, not its major axis
     return None
 
 
-def _check_eqn(eqn, layout: Layout) -> str | None:
-    name = eqn.primitive.name
-    ins = [_shape(v) for v in eqn.invars]
-    outs = [_shape(v) for v in eqn.outvars]
-    if all(layout.whole(s) for s in ins + outs):
-        return None  # whole values only: computed as on one device
-    if name in _CALLS:
-        return _check_jaxpr(eqn.params[_CALLS[name]].jaxpr, layout)
-    if name == "cond":
-        if not layout.whole(ins[0]):
-            return _describe(eqn, "a condition on a sharded value")
-        for branch in eqn.params["branches"]:
-            reason = _check_jaxpr(branch.jaxpr, layout)
-            if reason:
-                return reason
+def _reshape(ev: _Evaluator, eqn, ins: list[_Val]):
+    v = ins[0]
+    if eqn.params.get("dimensions") is not None or len(ins) > 1:
         return None
-    if name in ELEMENTWISE:
-        sharded = {s for s in ins + outs if not layout.whole(s)}
-        if len(sharded) == 1 and all(s == () or s in sharded for s in ins + outs):
+    src, dst = _shape(eqn.invars[0]), tuple(eqn.params["new_sizes"])
+    dims = {}
+    for group in GROUPS:
+        d = v.split.of(group)
+        out = None if d is None else _regroup(src, dst, d)
+        if d is not None and (out is None or dst[out] % ev.comm.size(group)):
             return None
-        return _describe(eqn, "an element-wise operation between different shapes")
-    if name in _REDUCTIONS or name == "dot_general":
-        if UNKNOWN in layout.split(ins[0]):
-            return _describe(eqn, _UNKNOWN_SPLIT)
-    if name in _REDUCTIONS:
-        (shape,) = ins
-        if tuple(eqn.params["axes"]) == tuple(range(len(shape))):
-            return None
-        return _describe(eqn, f"a reduction over axes {tuple(eqn.params['axes'])} only")
-    if name == "dot_general":
-        (contract, batch) = eqn.params["dimension_numbers"]
-        full = tuple(range(len(ins[0])))
-        if ins[0] == ins[1] and tuple(contract[0]) == full == tuple(contract[1]) and not batch[0]:
-            return None
-        return _describe(eqn, "a dot product that does not contract every axis")
-    if name in _RESHAPES:
-        (src, *_), (dst,) = ins, outs
-        if layout.whole(src) and name == "broadcast_in_dim":
-            return None  # a whole value broadcast to a sharded shape
-        same = math.prod(src) == math.prod(dst) and layout.lead(src) == layout.lead(dst) == 0
-        if same and not layout.whole(dst) and layout.split(src) == layout.split(dst):
-            return None  # the same row-major elements: the same slices
-        return _describe(eqn, f"a change of shape from {src} to {dst}")
-    return _describe(eqn, f"the operation {name!r}")
+        dims[group] = out
+    split = Split(**dims)
+    (out,) = _bind(eqn, [v.x], new_sizes=local_shape(dst, split, ev.comm))
+    return [_Val(out, split)]
 
 
-def _describe(eqn, what: str) -> str:
+def _broadcast_in_dim(ev: _Evaluator, eqn, ins: list[_Val]):
+    v = ins[0]
+    if len(ins) > 1:
+        return None
+    dst, dims = tuple(eqn.params["shape"]), tuple(eqn.params["broadcast_dimensions"])
+    split = _moved(v.split, lambda d: dims[d])
+    (out,) = _bind(eqn, [v.x], shape=local_shape(dst, split, ev.comm))
+    return [_Val(out, split)]
+
+
+def _squeeze(ev: _Evaluator, eqn, ins: list[_Val]):
+    (v,) = ins
+    dims = tuple(d % len(_shape(eqn.invars[0])) for d in eqn.params["dimensions"])
+    (out,) = _bind(eqn, [v.x])
+    return [_Val(out, Split(_drop(v.split.data, dims), _drop(v.split.stage, dims)))]
+
+
+def _along_other_axes(axes_of):
+    """A rule for an operation along some axes (``axes_of(eqn)``) whose operands and outputs
+    have one rank: it acts on the parts when no split axis is among them."""
+
+    def rule(ev: _Evaluator, eqn, ins: list[_Val]):
+        axes = axes_of(eqn)
+        shapes = [_shape(v) for v in eqn.invars]
+        big = [i for i, s in enumerate(shapes) if s != ()]
+        want = _common(ins, big)
+        if want is None or want.data in axes or want.stage in axes:
+            return None
+        if any(len(_shape(o)) != len(shapes[big[0]]) for o in eqn.outvars):
+            return None
+        args = [ev.to(v, want, eqn).x if i in big else v.x for i, v in enumerate(ins)]
+        return [_Val(x, want) for x in _bind(eqn, args)]
+
+    return rule
+
+
+def _slice(ev: _Evaluator, eqn, ins: list[_Val]):
+    (v,) = ins
+    shape = _shape(eqn.invars[0])
+    start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
+    strides = eqn.params["strides"] or (1,) * len(shape)
+    whole = lambda a: a is None or (start[a] == 0 and limit[a] == shape[a] and strides[a] == 1)
+    if not (whole(v.split.data) and whole(v.split.stage)):
+        return None
+    (out,) = _bind(eqn, [v.x], limit_indices=local_shape(limit, v.split, ev.comm))
+    return [_Val(out, v.split)]
+
+
+def _pad(ev: _Evaluator, eqn, ins: list[_Val]):
+    v, pad_value = ins
+    config = eqn.params["padding_config"]
+    untouched = lambda a: a is None or tuple(config[a]) == (0, 0, 0)
+    if pad_value.split != WHOLE or not (untouched(v.split.data) and untouched(v.split.stage)):
+        return None
+    (out,) = _bind(eqn, [v.x, pad_value.x])
+    return [_Val(out, v.split)]
+
+
+def _cond(ev: _Evaluator, eqn, ins: list[_Val]):
+    index, *ops = ins
+    if index.split != WHOLE:
+        return None
+    branches = eqn.params["branches"]
+    in_splits = [v.split for v in ops]
+    # each branch's output splits, found on shapes; where they differ the outputs are whole
+    found = [analyze(b, ev.comm, in_splits) for b in branches]
+    outs = []
+    for k in range(len(eqn.outvars)):
+        splits = {f[0][k] for f in found}
+        outs.append(splits.pop() if len(splits) == 1 else WHOLE)
+    for f in found:
+        ev.gathered.extend(f[1])
+
+    def branch(b):
+        def run(*xs):
+            inner = _Evaluator(ev.comm)
+            vals = [_Val(x, s) for x, s in zip(xs, in_splits, strict=True)]
+            res = inner.run(b.jaxpr, [_Val(c, WHOLE) for c in b.consts], vals)
+            return [jnp.asarray(inner.to(r, o).x) for r, o in zip(res, outs, strict=True)]
+
+        return run
+
+    results = lax.switch(
+        jnp.reshape(index.x, ()), [branch(b) for b in branches], *[v.x for v in ops]
+    )
+    return [_Val(x, s) for x, s in zip(results, outs, strict=True)]
+
+
+_RULES = {
+    "argmax": _arg_reduction,
+    "argmin": _arg_reduction,
+    "dot_general": _dot_general,
+    "transpose": _transpose,
+    "reshape": _reshape,
+    "broadcast_in_dim": _broadcast_in_dim,
+    "squeeze": _squeeze,
+    "slice": _slice,
+    "pad": _pad,
+    "rev": _along_other_axes(lambda e: tuple(e.params["dimensions"])),
+    "sort": _along_other_axes(lambda e: (e.params["dimension"],)),
+    "concatenate": _along_other_axes(lambda e: (e.params["dimension"],)),
+    "cond": _cond,
+}
+
+
+def describe(eqn, what: str) -> str:
+    """``what``, with the equation's operands and the user's line that made it."""
     shapes = ", ".join(f"{v.aval.str_short()}" for v in eqn.invars if hasattr(v, "aval"))
     where = _user_frame(eqn)
     return f"{what} ({eqn.primitive.name} of {shapes}{', at ' + where if where else ''})"
@@ -264,76 +483,5 @@ def _user_frame(eqn) -> str:
     return ""
 
 
-def _const_local(layout: Layout, c: Any) -> Any:
-    shape = tuple(jnp.shape(c))
-    return c if layout.whole(shape) else layout.to_local(jnp.asarray(c))
-
-
-def _eval_jaxpr(jaxpr: jex.Jaxpr, layout: Layout, consts: list, args: list) -> list:
-    env: dict = {}
-
-    def read(v):
-        return v.val if isinstance(v, jex.Literal) else env[v]
-
-    for var, val in zip(jaxpr.constvars, consts, strict=True):
-        env[var] = val
-    for var, val in zip(jaxpr.invars, args, strict=True):
-        env[var] = val
-    for eqn in jaxpr.eqns:
-        outs = _eval_eqn(eqn, layout, [read(v) for v in eqn.invars])
-        for var, val in zip(eqn.outvars, outs, strict=True):
-            if not isinstance(var, jex.DropVar):
-                env[var] = val
-    return [read(v) for v in jaxpr.outvars]
-
-
-def _eval_closed(closed, layout: Layout, args: list) -> list:
-    consts = [_const_local(layout, c) for c in closed.consts]
-    return _eval_jaxpr(closed.jaxpr, layout, consts, args)
-
-
-def _bind(eqn, args: list) -> list:
-    out = eqn.primitive.bind(*args, **eqn.params)
-    return list(out) if eqn.primitive.multiple_results else [out]
-
-
-def _eval_eqn(eqn, layout: Layout, args: list) -> list:
-    name = eqn.primitive.name
-    ins = [_shape(v) for v in eqn.invars]
-    outs = [_shape(v) for v in eqn.outvars]
-    if name in _CALLS:
-        return _eval_closed(eqn.params[_CALLS[name]], layout, args)
-    if name == "cond":
-        index, *operands = args
-        branches = [
-            (lambda *ops, b=b: _eval_closed(b, layout, list(ops))) for b in eqn.params["branches"]
-        ]
-        return list(lax.switch(jnp.reshape(index, ()), branches, *operands))
-    if all(layout.whole(s) for s in ins + outs):
-        return _bind(eqn, args)
-    if name in ELEMENTWISE:
-        return _bind(eqn, args)
-    if name in _REDUCTIONS:
-        return [_reduce(name, layout, ins[0], args[0], eqn.outvars[0].aval.dtype)]
-    if name == "dot_general":
-        (a, b), dtype = args, eqn.outvars[0].aval.dtype
-        return [_reduce("reduce_sum", layout, ins[0], a.astype(dtype) * b.astype(dtype), dtype)]
-    if name in _RESHAPES:
-        (x, *_), (dst,) = args, outs
-        if layout.whole(ins[0]):
-            return [jnp.broadcast_to(jnp.reshape(x, ()), layout.local_shape(dst))]
-        return [x]
-    raise AssertionError(f"sharded_eval: {name} should have been refused by unsupported()")
-
-
-def _reduce(name: str, layout: Layout, shape, x: jax.Array, dtype) -> jax.Array:
-    op, local_reduce, identity = _REDUCTIONS[name]
-    if identity is None:  # max/min: the padding must not win
-        info = jnp.finfo(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.iinfo(x.dtype)
-        identity = info.min if name == "reduce_max" else info.max
-    kept = jnp.where(layout.mask(shape), x, jnp.asarray(identity, x.dtype))
-    partial = local_reduce(kept).astype(dtype)
-    as_int = jnp.dtype(dtype) == jnp.bool_
-    out = collectives.all_reduce(partial.astype(jnp.int32) if as_int else partial, op)
-    out = _OVER_AXES[op](out, layout.split(shape))  # a stage block: the other blocks too
-    return out.astype(jnp.bool_) if as_int else out
+def whole_bytes(shape: Sequence[int], dtype: Any) -> int:
+    return math.prod(shape) * jnp.dtype(dtype).itemsize

@@ -1,15 +1,16 @@
 """ZeRO-3's stored parameters: `ShardedParam`, and `gather_params`, which makes them whole.
 
-A `ShardedParam` is one parameter flattened, padded to ``N * c`` elements and sharded over the
-replicas along its last axis (``zero.Zero.shard_params`` makes them). ``step_fn`` gathers them
-with `gather_params` in the forward pass, as late as possible, and autodiff turns that
-all-gather into a reduce-scatter of the gradients. Used as an array without being gathered, a
-`ShardedParam` raises a ``TypeError`` that says to gather it.
+A `ShardedParam` is one parameter in its own shape, one of its axes split over the replicas on
+top of whatever split it has over ``stage`` or ``model`` (``zero.Zero.shard_params`` makes them;
+`zero_layout.split_dim` chooses the axis). ``step_fn`` gathers them with `gather_params` in the
+forward pass, as late as possible, and autodiff turns that all-gather into a reduce-scatter of
+the gradients. Both run over the data axes only: on a mesh with ``model``, each device gathers
+its own ``model`` part, so the product that uses the weight stays split over ``model``. Used as
+an array without being gathered, a `ShardedParam` raises a ``TypeError`` that says to gather it.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
@@ -27,33 +28,58 @@ before it is used ({what}). Call rp.gather_params in the forward pass, as late a
         return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)"""
 
 
-@jax.tree_util.register_pytree_node_class
+@jax.tree_util.register_pytree_with_keys_class
 class ShardedParam:
-    """A parameter stored ZeRO-3 style: flattened, padded to ``N * c`` and sharded over the
-    replicas along its last axis (leading axes, such as a stacked layer axis, are kept).
+    """A parameter stored ZeRO-3 style: in its own shape, axis ``dim`` split over the replicas.
 
-    ``shape`` is the shape of one un-stacked parameter; `gather_params` rebuilds it. As a pytree
-    node its only child is ``flat``, so ``jax.grad``, optax and ``lax.scan`` see a plain array.
-    Used as an array without `gather_params` (``x @ w``, ``w + 1``, ``jnp.dot``), it raises a
-    ``TypeError`` that says to gather it.
+    Attributes:
+      value: the parameter. Outside a step it is the global array, of the parameter's shape,
+        with axis ``dim`` split over the data axes besides its split over ``stage`` and
+        ``model``; inside ``step_fn`` it is this replica's part (``dim`` 1/N as long).
+      dim: the split axis, counted from the end (``-2`` is the second to last), so that it
+        still names the same axis once a layer scan has sliced off leading (stacked) axes; None
+        for a parameter with no axis that divides by the replicas, kept whole on each.
+      auto: the ``PartitionSpec`` entries of the last ``len(auto)`` axes over the axes XLA
+        partitions inside a step (``model``): `gather_params` gathers each device's own part.
+
+    As a pytree node its only child is ``value`` (key ``.value``), so ``jax.grad``, optax and
+    ``lax.scan`` see a plain array. Used as an array without `gather_params` (``x @ w``,
+    ``w + 1``, ``jnp.dot``), it raises a ``TypeError`` that says to gather it.
     """
 
-    def __init__(self, flat: Any, shape: tuple[int, ...]) -> None:
-        self.flat = flat
-        self.shape = tuple(shape)
+    def __init__(self, value: Any, dim: int | None, auto: tuple = ()) -> None:
+        if dim is not None and dim >= 0:
+            raise ValueError(f"ShardedParam: dim counts from the end (negative); got {dim}.")
+        self.value = value
+        self.dim = dim
+        self.auto = tuple(auto)
+
+    def tree_flatten_with_keys(self):
+        return ((jax.tree_util.GetAttrKey("value"), self.value),), (self.dim, self.auto)
 
     def tree_flatten(self):
-        return (self.flat,), self.shape
+        return (self.value,), (self.dim, self.auto)
 
     @classmethod
-    def tree_unflatten(cls, shape, children):
-        return cls(children[0], shape)
+    def tree_unflatten(cls, aux, children):
+        node = object.__new__(cls)  # no validation: children may be anything jax puts there
+        node.value, (node.dim, node.auto) = children[0], aux
+        return node
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of ``value``: the parameter's outside a step, this replica's part inside."""
+        return tuple(getattr(self.value, "shape", ()))
 
     def __repr__(self) -> str:
-        return f"ShardedParam(shape={self.shape}, flat={getattr(self.flat, 'shape', self.flat)})"
+        return f"ShardedParam(shape={self.shape}, dim={self.dim})"
 
     def _refuse(self, what: str):
-        raise TypeError(_NOT_GATHERED.format(shape=self.shape, what=what))
+        shape = list(self.shape)
+        n = collectives.num_replicas()  # inside a step, value is this replica's part
+        if self.dim is not None and shape:
+            shape[self.dim] *= n
+        raise TypeError(_NOT_GATHERED.format(shape=tuple(shape), what=what))
 
     def __jax_array__(self):
         self._refuse("converted to an array")
@@ -99,23 +125,32 @@ def has_sharded_params(tree: PyTree) -> bool:
     return any(map(is_sharded_param, jax.tree.leaves(tree, is_leaf=is_sharded_param)))
 
 
+def values(tree: PyTree) -> PyTree:
+    """``tree`` with each `ShardedParam` replaced by its ``value`` (the parameter itself)."""
+    return jax.tree.map(
+        lambda x: x.value if isinstance(x, ShardedParam) else x, tree, is_leaf=is_sharded_param
+    )
+
+
 def gather_params(tree: PyTree) -> PyTree:
     """The full parameters of the `ShardedParam` leaves of ``tree``, all-gathered over replicas.
 
     Call it inside ``step_fn``'s forward pass, as late as possible: per layer, inside the layer
     scan, so that only one layer's full parameters exist at a time (ZeRO-3 / FSDP). Autodiff turns
-    the all-gather into a reduce-scatter of the gradients. Other leaves pass through.
+    the all-gather into a reduce-scatter of the gradients. Both move data over the replica axes
+    only: a parameter split over ``model`` stays split over it. Other leaves pass through, so
+    the same code runs on one device with plain parameters.
 
     >>> import jax.numpy as jnp, replicator as rp
-    >>> rp.gather_params({"w": rp.ShardedParam(jnp.arange(4.0), (3,))})["w"]   # one replica
+    >>> rp.gather_params({"w": rp.ShardedParam(jnp.arange(3.0), -1)})["w"]   # one replica
     Array([0., 1., 2.], dtype=float32)
     """
 
     def gather(node):
         if not isinstance(node, ShardedParam):
             return node
-        flat = collectives.all_gather(node.flat, axis=node.flat.ndim - 1, tiled=True)
-        size = math.prod(node.shape)
-        return flat[..., :size].reshape((*flat.shape[:-1], *node.shape))
+        if node.dim is None:
+            return node.value
+        return collectives.gather_replicas(node.value, node.dim, node.auto)
 
     return jax.tree.map(gather, tree, is_leaf=is_sharded_param)

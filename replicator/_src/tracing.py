@@ -119,3 +119,44 @@ def note_pipeline(note: PipelineNote) -> None:
     """Called by the pipeline engine at trace time; a no-op unless a report is being made."""
     if _NOTES:
         _NOTES.top().append(note)
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroNote:
+    """A ZeRO update traced in the step: how much of it runs on shards.
+
+    Attributes:
+      zero_stage: 1, 2 or 3.
+      num_replicas: N.
+      split_leaves: parameters with an axis split over the replicas (their state too).
+      whole_leaves: parameters of more than one element with no axis that divides by N, kept
+        whole on every replica: their gradients are all-reduced and their update computed on
+        every replica.
+      whole_bytes: those parameters' bytes (one device's block), what each replica holds of
+        them (with ZeRO-3) instead of 1/N.
+      gathered: each operation of the update that gathers its operands over the replicas to
+        run on whole arrays.
+    """
+
+    zero_stage: int
+    num_replicas: int
+    split_leaves: int
+    whole_leaves: int
+    whole_bytes: int
+    gathered: tuple[str, ...]
+
+
+_ZERO_NOTES: scoped.Stack[list[ZeroNote]] = scoped.Stack()
+
+
+@contextlib.contextmanager
+def recording_zero() -> Iterator[list[ZeroNote]]:
+    """Collects the `ZeroNote`s of the ZeRO updates traced inside the block."""
+    with _ZERO_NOTES.push([]) as notes:
+        yield notes
+
+
+def note_zero(note: ZeroNote) -> None:
+    """Called by ZeRO's update at trace time; a no-op unless a report is being made."""
+    if _ZERO_NOTES:
+        _ZERO_NOTES.top().append(note)

@@ -1,38 +1,33 @@
 """ZeRO: optimizer state (and with stage 3, parameters) sharded over the replicas.
 
-Every leaf of shape ``(*lead, *rest)`` is stored as ``(*lead, N * c)``: ``rest`` flattened and
-padded to ``N * c`` elements, replica ``r`` holding ``[r c, (r + 1) c)``. ``lead`` is empty except
-for ZeRO-3's stacked layers, which are sharded layer by layer. Leaves of one element are
-replicated.
+Every parameter, gradient and optimizer-state leaf keeps its own shape; one of its axes is split
+over the data axes on top of its split over ``stage`` and ``model`` (`zero_layout.split_dim`
+says which). So on every mesh a leaf is the same logical array, only its sharding differs:
 
-On 3-D meshes:
-
-* ``stage`` (pipelines): a parameter split over ``stage`` is, inside a step, one device's stage
-  block; its state is stored by blocks, ``[K * N * c]`` over ``("stage", data axes)``: block
-  ``s`` flattened and padded to ``N * c``, replica ``r`` holding ``[r c, (r + 1) c)`` of it, so
-  1/(K N) of the leaf per device. Full reductions of a block's slices are completed over the
-  replicas and the stages. ZeRO-3 stores a stage block's layers flat layer by layer,
-  ``[K, L/K, N * c]`` over ``("stage", None, data axes)`` (`zero_blocks`).
-* ``model`` (XLA's): a step sees every parameter whole along it, so the layout is that of the
-  data axes alone; each replica's slice (``c``, a multiple of T) is stored split over ``model``
-  too, 1/(N T) per device, and XLA moves it where the step needs it.
+* ZeRO-1/2: a gradient is reduce-scattered along its leaf's split axis, the optimizer runs on
+  this replica's part, and the update is all-gathered along the same axis: the bytes of an
+  all-reduce, 1/N of the state per device.
+* ZeRO-3: a parameter is stored split (`ShardedParam`) and gathered where it is used
+  (`gather_params`), one layer at a time inside a layer scan; autodiff reduce-scatters its
+  gradient; the optimizer updates the parts in place.
+* ``model`` (XLA's) and ``stage`` (a pipeline's blocks) keep their splits: the gathers and
+  reduce-scatters run over the data axes only, each device on its own ``model`` part, so a
+  product split over ``model`` stays split (FSDP x TP computes each product once).
 
 The inner optax transformation is written for whole arrays. `Zero.apply` runs its one-device
-program on the slices (`replicator._src.sharded_eval`): exact for element-wise transformations
-and for full reductions such as global-norm clipping and LAMB's trust ratio, with 1/N of the
-state per device. A transformation with an operation that has no meaning on slices (Adafactor's
-factored row and column statistics, a transpose, random numbers) runs instead on whole arrays,
-gathered for the update: still exact, with the state sharded between steps but whole during the
-update. `Zero.plan` tells which, before a step runs.
+program on the parts (`replicator._src.sharded_eval`), which knows each value's split axis:
+element-wise operations, reductions over any axes (completed over the replicas when they include
+the split axis: global norms, LAMB's trust ratio, Adafactor's factored statistics) and products
+run on the parts; the few operations with no rule on parts (a sort along the split axis, a loop)
+gather their operands for that operation only. `Zero.plan` tells which, before a step runs.
 
-As optax transformations: `scatter_mean` takes local gradients to this replica's slice of their
-mean, and `sharded_update` runs an optax transformation on the slices, its state in this layout.
+As optax transformations: `scatter_mean` takes local gradients to this replica's part of their
+mean, and `sharded_update` runs an optax transformation on the parts, its state in this layout.
 """
 
 from __future__ import annotations
 
-import math
-import warnings
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -42,25 +37,45 @@ import optax
 from jax.extend import core as jex
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from replicator._src import collectives, placement, sharded_eval, zero_blocks
+from replicator._src import (
+    collectives,
+    placement,
+    sharded_eval,
+    shards,
+    tracing,
+    zero_layout,
+    zero_plan,
+)
 from replicator._src import mesh as mesh_lib
 from replicator._src.binding import current_binding
 from replicator._src.sharded_params import ShardedParam, has_sharded_params, is_sharded_param
+from replicator._src.shards import WHOLE, Split
 from replicator._src.typing import PyTree
 
 
+class _Leaf(NamedTuple):
+    """One parameter (or its gradient) in ZeRO's layout."""
+
+    shape: tuple[int, ...]  # the whole parameter's shape (as on one device)
+    dtype: Any
+    data: int | None  # the axis split over the replicas; None: whole on every replica
+    stage: int | None  # the axis split over `stage` (a pipeline's stage blocks), or None
+    auto: tuple  # PartitionSpec entries over `model` (trailing axes), for its gathers
+    stored: bool  # a ShardedParam (ZeRO-3): the parameter itself is stored split
+
+
 class _Program(NamedTuple):
-    """An optax update traced on one-device shapes, and whether it runs on the slices."""
-
-    closed: Any  # jax.extend.core.ClosedJaxpr: (grads, state[, params]) -> (updates, state)
-    reason: str | None  # None: runs on the slices; else why it runs on gathered arrays
-    layout: sharded_eval.Layout
-    shapes: list  # the one-device shape of each parameter leaf
+    closed: jex.ClosedJaxpr  # (grads, state[, params]) -> (updates, state), one device's
     s_avals: list  # the one-device shape and dtype of each state leaf
+    s_def: Any  # the state's tree structure
 
 
-def _real_shape(leaf_shape: tuple[int, ...], node: ShardedParam | None) -> tuple[int, ...]:
-    return tuple(leaf_shape) if node is None else (*leaf_shape[:-1], *node.shape)
+_NEEDS_PARAMS = """\
+wrap_optimizer(zero_stage={stage}): on a mesh with a 'stage' axis, the update must know which \
+gradients are a pipeline's stage blocks, which it reads from the parameters; pass them as \
+step_fn received them in its state:
+
+    updates, opt_state = opt.update(grads, state["opt"], state["params"])"""
 
 
 class Zero:
@@ -71,127 +86,186 @@ class Zero:
         self.stage = stage
         self.n = mesh_lib.num_replicas(mesh)
         self.k = dict(mesh.shape).get(mesh_lib.STAGE_AXIS, 1)  # pipeline stages
-        self.t = dict(mesh.shape).get(mesh_lib.MODEL_AXIS, 1)  # XLA's model axis
-        # A flat leaf is split over the replicas and, with a `model` axis, over it too: each
-        # replica's slice of c elements (a multiple of T) is split further by XLA.
-        model = (mesh_lib.MODEL_AXIS,) if self.t > 1 else ()
-        self.flat_axes = (*mesh_lib.replica_axes(mesh), *model)
-        self.entry = zero_blocks.entry(self.flat_axes)
-        self.replicated = mesh_lib.replicated_sharding(mesh)
+        stage_axes = (mesh_lib.STAGE_AXIS,) if self.k > 1 else ()
+        self.comm = shards.Comm(self.n, self.k, stage_axes)
 
-    def new_layout(self, leads=(), splits=()) -> sharded_eval.Layout:
-        """The `sharded_eval.Layout` of this mesh (slices of a multiple of T elements)."""
-        return sharded_eval.Layout(self.n, tuple(leads), self.t, tuple(splits))
+    # -- leaves ---------------------------------------------------------------------------------
 
-    # -- shapes ---------------------------------------------------------------------------------
+    def _leaf(self, x, shape, spec, *, local: bool) -> _Leaf:
+        """The layout of parameter ``x`` (a leaf or a `ShardedParam`) of ``shape`` (global, or
+        this device's part inside a step: ``local``) placed with ``spec``."""
+        stored = isinstance(x, ShardedParam)
+        value = x.value if stored else x
+        stage = zero_layout.stage_dim(spec) if self.k > 1 else None
+        shape = list(shape)
+        if local and stage is not None:
+            shape[stage] *= self.k
+        if stored:
+            data = None if x.dim is None else x.dim % len(shape)
+            if local and data is not None:
+                shape[data] *= self.n
+            auto = x.auto
+        else:
+            data = zero_layout.split_dim(shape, spec, self.n)
+            auto = zero_layout.auto_entries(spec, len(shape))
+        return _Leaf(tuple(shape), jnp.result_type(value), data, stage, auto, stored)
 
-    def real_avals(self, tree: PyTree) -> PyTree:
-        """``tree`` with each leaf replaced by its one-device shape (same tree structure)."""
+    def _global_leaves(self, params: PyTree) -> list[_Leaf]:
+        """Each parameter of global ``params`` (as ``init`` gets them)."""
+        out = []
+        for x in jax.tree.leaves(params, is_leaf=is_sharded_param):
+            value = x.value if isinstance(x, ShardedParam) else x
+            out.append(self._leaf(x, np.shape(value), zero_layout.spec_of(value), local=False))
+        return out
 
-        def real(x):
-            if isinstance(x, ShardedParam):
-                flat = jnp.shape(x.flat)
-                aval = jax.ShapeDtypeStruct(_real_shape(flat, x), jnp.result_type(x.flat))
-                return ShardedParam(aval, x.shape)
-            return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+    def _step_leaves(self, params: PyTree, like: PyTree) -> list[_Leaf]:
+        """Inside a step: each parameter, read from ``params`` as step_fn received them (their
+        specs), or from the gradients ``like`` when ``params`` is None.
 
-        return jax.tree.map(real, tree, is_leaf=is_sharded_param)
+        Raises:
+          ValueError: without ``params`` on a mesh with a ``stage`` axis.
+        """
+        binding = current_binding()
+        if params is None and binding.model_axes():
+            raise ValueError(_NEEDS_PARAMS.format(stage=self.stage))
+        tree = like if params is None else params
+        out = []
+        for x in jax.tree.leaves(tree, is_leaf=is_sharded_param):
+            value = x.value if isinstance(x, ShardedParam) else x
+            spec = None if params is None else binding.spec_of(value)
+            out.append(self._leaf(x, np.shape(value), spec, local=True))
+        return out
 
-    def layout(
-        self, params: PyTree, splits: list | None = None
-    ) -> tuple[sharded_eval.Layout, str | None]:
-        """The layout for ``params`` and, if two leaves of one shape are laid out differently
-        (a stacked and an unstacked ZeRO-3 parameter of the same shape, or a stage block and
-        a whole parameter), why it cannot be used. ``splits`` gives each leaf's axes besides
-        the replicas that it is one device's block of (`step_splits`, `zero_blocks.stage_view`)."""
-        leads: dict[tuple[int, ...], int] = {}
-        axes: dict[tuple[int, ...], tuple] = {}
-        leaves = jax.tree.leaves(params, is_leaf=is_sharded_param)
-        for x, split in zip(leaves, splits or [()] * len(leaves), strict=True):
-            if isinstance(x, ShardedParam):
-                flat = jnp.shape(x.flat)
-                shape, lead = _real_shape(flat, x), len(flat) - 1
-            else:
-                shape, lead = tuple(jnp.shape(x)), 0
-            if math.prod(shape) > 1 and leads.setdefault(shape, lead) != lead:
-                return self.new_layout(), (
-                    f"parameters of shape {shape} are stored both stacked and unstacked"
-                )
-            if math.prod(shape) > 1 and axes.setdefault(shape, split) != split:
-                return self.new_layout(), (
-                    f"parameters of shape {shape} are both split over {split or axes[shape]} "
-                    f"and whole on every device of a replica"
-                )
-        return self.new_layout(
-            ((s, k) for s, k in leads.items() if k), ((s, a) for s, a in axes.items() if a)
-        ), None
+    def _state_split(self, x, aval) -> Split:
+        """Inside a step: how a state leaf ``x`` (this device's part) of one-device shape
+        ``aval`` is split, from its spec as step_fn received it, or else from its shape."""
+        spec = current_binding().spec_of(x)
+        if spec is not None:
+            data = set(mesh_lib.replica_axes(self.mesh))
+            dims = [d for d, e in enumerate(spec) if data & set(mesh_lib.entry_axes(e))]
+            return Split(
+                dims[0] if dims else None, zero_layout.stage_dim(spec) if self.k > 1 else None
+            )
+        local = tuple(np.shape(x))
+        diff = [d for d, (a, b) in enumerate(zip(local, aval.shape, strict=True)) if a != b]
+        if self.k > 1:
+            raise ValueError(
+                f"wrap_optimizer(zero_stage={self.stage}): on a mesh with a 'stage' axis, update "
+                f"takes the optimizer state as step_fn received it (state['opt']), whose "
+                f"shardings say how each leaf is split; a leaf of shape {list(local)} was made "
+                f"inside the step instead."
+            )
+        return Split(diff[0] if diff else None)
+
+    # -- the program ----------------------------------------------------------------------------
+
+    def _program(self, inner, tree: PyTree, leaves: list[_Leaf], with_params: bool, extra_args):
+        """``inner.update`` traced on the whole parameters' shapes (``leaves``)."""
+        treedef = jax.tree.structure(tree)  # ShardedParam nodes kept: optax sees the same tree
+        avals = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in leaves]
+        real = jax.tree.unflatten(treedef, avals)
+        s_avals, s_def = jax.tree.flatten(jax.eval_shape(inner.init, real))
+
+        def update(g, s, *p):
+            updates, new_state = inner.update(
+                jax.tree.unflatten(treedef, g),
+                jax.tree.unflatten(s_def, s),
+                jax.tree.unflatten(treedef, p[0]) if p else None,
+                **extra_args,
+            )
+            return jax.tree.leaves(updates), jax.tree.leaves(new_state)
+
+        args = (avals, s_avals, avals) if with_params else (avals, s_avals)
+        return _Program(jax.make_jaxpr(update)(*args), s_avals, s_def)
+
+    def _in_splits(self, leaves: list[_Leaf], with_params: bool):
+        grads = [Split(leaf.data, leaf.stage) for leaf in leaves]
+        params = [Split(leaf.data if leaf.stored else None, leaf.stage) for leaf in leaves]
+        return grads, params if with_params else []
 
     # -- init -----------------------------------------------------------------------------------
 
     def check_params(self, params: PyTree) -> None:
-        zero_blocks.check_params(params, self.mesh, stage=self.stage)
+        zero_layout.check_params(params, self.mesh, stage=self.stage)
 
-    def init(self, inner, params: PyTree) -> PyTree:
-        """``inner.init`` on the one-device parameters, each leaf then stored in the layout.
+    def layout(self, inner, params: PyTree) -> tuple[PyTree, zero_plan.ZeroPlan]:
+        """The sharding of each leaf of ``inner.init(params)`` (global ``params``), and the
+        `ZeroPlan`; nothing is allocated.
 
-        A state leaf shaped like a stage-split parameter is stored by blocks: each stage's
-        block flattened, padded and split over the replicas (and ``model``), 1/(K N) of the
-        leaf per device; the other leaves flattened over the replicas, as `layout` says.
+        The layout of the state is found from the update's own program: each state leaf is
+        split as the update computes it from the split gradients (the moments of a parameter
+        like the parameter; a statistic reduced over its split axis whole), iterated until
+        the state the update returns is split as the state it takes.
+
+        Raises:
+          ValueError: for parameters ZeRO cannot lay out (`zero_layout.check_params`), or an
+            update that would need a stage block whole.
         """
         self.check_params(params)
-        layout, _ = self.layout(params)
-        dims = zero_blocks.stage_dims(
-            params, self.k, api=f"wrap_optimizer(zero_stage={self.stage})"
+        leaves = self._global_leaves(params)
+        prog = self._program(inner, params, leaves, True, {})
+        g_splits, p_splits = self._in_splits(leaves, True)
+        s_splits = [WHOLE] * len(prog.s_avals)
+        n_g = len(g_splits)
+        for _ in range(5):
+            outs, gathered = sharded_eval.analyze(
+                prog.closed, self.comm, [*g_splits, *s_splits, *p_splits]
+            )
+            new = [self._storable(s, a) for s, a in zip(outs[n_g:], prog.s_avals, strict=True)]
+            if new == s_splits:
+                break
+            s_splits = new
+        specs = self._state_specs(leaves, prog, s_splits)
+        shardings = jax.tree.unflatten(prog.s_def, [NamedSharding(self.mesh, s) for s in specs])
+        paths = jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(prog.s_def, prog.s_avals))
+        plan = zero_plan.make(
+            self, params, leaves, paths[0], specs, [s.data for s in s_splits], gathered
         )
-        # ZeRO-3 stage blocks: the state of a layer is stored as the layer's flat is
-        flats = {
-            _real_shape(x.flat.shape, x): placement.sharding_of(x.flat)
-            for x in jax.tree.leaves(params, is_leaf=is_sharded_param)
-            if isinstance(x, ShardedParam) and zero_blocks.stage_dim(x, self.k) is not None
-        }
-        avals = jax.eval_shape(lambda p: inner.init(self._whole(p)), params)
-        shardings = jax.tree.map(
-            lambda a: (
-                flats.get(a.shape) or self._stored_sharding(layout, a.shape, dims.get(a.shape))
-            ),
-            avals,
-        )
+        return shardings, plan
 
-        def init(p):
-            state = inner.init(self._whole(p))
-            return jax.tree.map(lambda s: self._stored(layout, s, dims.get(s.shape)), state)
+    def init(self, inner, params: PyTree) -> tuple[PyTree, zero_plan.ZeroPlan]:
+        """``inner.init`` of the global ``params``, each state leaf placed as `layout` says,
+        and the `ZeroPlan`."""
+        shardings, plan = self.layout(inner, params)
+        state = jax.jit(inner.init, out_shardings=shardings)(params)
+        state = placement.put(state, shardings)  # a no-op here; noted for Replicator.abstract
+        return state, plan
 
-        state = jax.jit(init, out_shardings=shardings)(params)
-        return placement.put(state, shardings)  # a no-op here; noted for Replicator.abstract
+    def _storable(self, split: Split, aval) -> Split:
+        """A state leaf's split as it can be stored: whole along a group whose size does not
+        divide the axis."""
+        data, stage = split.data, split.stage
+        if data is not None and aval.shape[data] % self.n:
+            data = None
+        if stage is not None and aval.shape[stage] % self.k:
+            stage = None
+        return Split(data, stage)
 
-    def _whole(self, params: PyTree) -> PyTree:
-        """Stored (global) parameters as one device has them: ZeRO-3 flats cropped, reshaped."""
+    def _state_specs(self, leaves: list[_Leaf], prog: _Program, s_splits) -> list[PartitionSpec]:
+        """Each state leaf's spec: its stage axis over ``stage``, its split axis over the data
+        axes, and, for a leaf shaped and split like a parameter, that parameter's ``model``
+        entries."""
+        specs = []
+        for aval, split in zip(prog.s_avals, s_splits, strict=True):
+            shape = tuple(aval.shape)
+            entries: list = [None] * len(shape)
+            model = next(
+                (leaf.auto for leaf in leaves
+                 if leaf.shape == shape and leaf.data == split.data and leaf.stage == split.stage),
+                (),
+            )  # fmt: skip
+            for i, e in enumerate((None,) * (len(shape) - len(model)) + tuple(model)):
+                entries[i] = e
+            if split.stage is not None:
+                entries[split.stage] = mesh_lib.STAGE_AXIS
+            if split.data is not None:
+                entries[split.data] = zero_layout.data_entry(self.mesh)
+            while entries and entries[-1] is None:
+                entries.pop()
+            specs.append(PartitionSpec(*entries))
+        return specs
 
-        def whole(x):
-            if not isinstance(x, ShardedParam):
-                return x
-            flat = x.flat
-            size = math.prod(x.shape)
-            return ShardedParam(flat[..., :size].reshape((*flat.shape[:-1], *x.shape)), x.shape)
-
-        return jax.tree.map(whole, params, is_leaf=is_sharded_param)
-
-    def _stored(self, layout: sharded_eval.Layout, x: jax.Array, dim: int | None) -> jax.Array:
-        if dim is None:
-            return x if layout.whole(jnp.shape(x)) else layout.flat_padded(x)
-        block = (*x.shape[:dim], x.shape[dim] // self.k, *x.shape[dim + 1 :])
-        return zero_blocks.by_blocks(x, dim, self.k, self.n * self.new_layout().chunk(block))
-
-    def _stored_sharding(self, layout: sharded_eval.Layout, shape, dim) -> NamedSharding:
-        if dim is not None:
-            entry = zero_blocks.entry((mesh_lib.STAGE_AXIS, *self.flat_axes))
-            return NamedSharding(self.mesh, PartitionSpec(entry))
-        if layout.whole(shape):
-            return self.replicated
-        spec = PartitionSpec(*([None] * layout.lead(shape)), self.entry)
-        return NamedSharding(self.mesh, spec)
-
-    # -- the update -----------------------------------------------------------------------------
+    # -- inside a step ----------------------------------------------------------------------------
 
     def check_binding(self) -> None:
         binding = current_binding()
@@ -202,180 +276,132 @@ class Zero:
                 f"repl.run of the replicator that made the optimizer."
             )
 
-    def plan(self, inner, params: PyTree, extra_args: dict | None = None) -> str | None:
-        """None if ``inner``'s update runs on the slices exactly, else why it is gathered.
+    def reduce(self, grads: PyTree, params: PyTree, dtype) -> PyTree:
+        """Local gradients -> this replica's part of their mean over the replicas.
 
-        ``params`` are global (as ``init`` gets them); stage-split ones are seen as one
-        device's block.
-
-        Raises:
-          ValueError: if the update cannot run on the slices and a parameter is split over
-            ``stage`` (gathering over the replicas would give one block, not the leaf).
+        A gradient of a parameter stored whole is reduce-scattered along its split axis (sent
+        in ``dtype`` if given); that of a `ShardedParam` was summed over the replicas by the
+        autodiff of `gather_params` already, and is divided by N. A leaf with no split axis
+        is all-reduced.
         """
-        view, splits = zero_blocks.stage_view(params, self.k)
-        prog = self._program(inner, view, True, extra_args or {}, splits)
-        self._refuse_gathered(prog)
-        return prog.reason
-
-    def _refuse_gathered(self, prog: _Program) -> None:
-        zero_blocks.refuse_gathered(self.stage, prog.reason, prog.layout.splits)
-
-    def step_splits(self, params: PyTree, grads: PyTree) -> list | None:
-        """Inside a step: each gradient's axes besides the replicas that it is one block of,
-        read from ``params`` as step_fn received them; `sharded_eval.UNKNOWN` for each when
-        ``params`` is None on a mesh with such axes (a full reduction is then refused)."""
-        binding = current_binding()
-        if not binding.model_axes():
-            return None
-        if params is None:
-            return [(sharded_eval.UNKNOWN,)] * len(jax.tree.leaves(grads))
-        return [binding.split_axes(p) or () for p in jax.tree.leaves(params)]
-
-    def _program(
-        self, inner, params: PyTree, with_params: bool, extra_args: dict, splits=None
-    ) -> _Program:
-        real_p = self.real_avals(params)
-        layout, conflict = self.layout(params, splits)
-        p_avals, p_def = jax.tree.flatten(real_p)
-        s_avals, s_def = jax.tree.flatten(jax.eval_shape(inner.init, real_p))
-
-        def update(g, s, *p):
-            updates, new_state = inner.update(
-                jax.tree.unflatten(p_def, g),
-                jax.tree.unflatten(s_def, s),
-                jax.tree.unflatten(p_def, p[0]) if p else None,
-                **extra_args,
+        leaves = self._step_leaves(params, grads)
+        nodes, treedef = jax.tree.flatten(grads, is_leaf=is_sharded_param)
+        out = []
+        for g, leaf in zip(nodes, leaves, strict=True):
+            value = g.value if isinstance(g, ShardedParam) else g
+            if leaf.stored and leaf.data is not None:
+                reduced = value / self.n
+            else:
+                sent = value if dtype is None else value.astype(dtype)
+                if leaf.data is None:
+                    reduced = collectives.all_reduce(sent, "mean")
+                else:
+                    reduced = collectives.scatter_replicas(sent, leaf.data, leaf.auto) / self.n
+                reduced = reduced.astype(value.dtype)
+            out.append(
+                ShardedParam(reduced, g.dim, g.auto) if isinstance(g, ShardedParam) else reduced
             )
-            return jax.tree.leaves(updates), jax.tree.leaves(new_state)
+        return jax.tree.unflatten(treedef, out)
 
-        args = (p_avals, s_avals, p_avals) if with_params else (p_avals, s_avals)
-        closed = jax.make_jaxpr(update)(*args)
-        reason = conflict or sharded_eval.unsupported(closed, layout)
-        return _Program(closed, reason, layout, [a.shape for a in p_avals], s_avals)
-
-    def reduce_scatter(self, grads: PyTree, dtype) -> PyTree:
-        """Local whole gradients -> this replica's slice of their mean (ZeRO-1/2)."""
-        n = self.n
-
-        def scatter(g):
-            flat = self.new_layout().flat_padded(g)
-            sent = flat if dtype is None else flat.astype(dtype)
-            out = collectives.reduce_scatter(sent, axis=0, op="sum")
-            return (out / n).astype(g.dtype)
-
-        return jax.tree.map(scatter, grads)
+    def split_flags(self, params: PyTree, like: PyTree) -> list[bool]:
+        """For each reduced gradient leaf, whether it is this replica's part (its squares
+        are then summed over the replicas for a global norm)."""
+        return [leaf.data is not None for leaf in self._step_leaves(params, like)]
 
     def slice_zeros(self, params: PyTree) -> PyTree:
-        """Zeros shaped as this replica's slice of the mean gradients (`reduce_scatter` with
-        ZeRO-1/2: flat ``[c]`` per leaf; ZeRO-3: the `ShardedParam` layout of ``params``)."""
-        if self.stage == 3:
-            return jax.tree.map(jnp.zeros_like, params)
-        layout = self.new_layout()
-        return jax.tree.map(
-            lambda p: jnp.zeros(layout.chunk(np.shape(p)), jnp.result_type(p)), params
-        )
+        """Zeros shaped as this replica's part of the mean gradients (what `reduce` gives),
+        for ZeRO-2's accumulation."""
+        leaves = self._step_leaves(params, None)
+        nodes, treedef = jax.tree.flatten(params, is_leaf=is_sharded_param)
+        out = []
+        for p, leaf in zip(nodes, leaves, strict=True):
+            if isinstance(p, ShardedParam):
+                out.append(jax.tree.map(jnp.zeros_like, p))
+                continue
+            shape = shards.local_shape(leaf.shape, Split(leaf.data, leaf.stage), self.comm)
+            out.append(jnp.zeros(shape, jnp.result_type(p)))
+        return jax.tree.unflatten(treedef, out)
 
     def apply(self, inner, g_local: PyTree, state: PyTree, params: PyTree, extra_args, like):
         """``inner.update`` of the mean gradients, as on one device: ``(updates, state)``.
 
-        ``g_local`` is this replica's slice of each mean gradient (ZeRO-1/2: flat ``[c]``;
-        ZeRO-3: the `ShardedParam` layout), ``state`` its slice of the stored state, ``params``
-        the parameters as ``step_fn`` holds them (or None), ``like`` the gradients as
-        ``step_fn`` computed them (whole with ZeRO-1/2). The updates come back whole with
-        ZeRO-1/2 and in the `ShardedParam` layout with ZeRO-3.
+        ``g_local`` is this replica's part of each mean gradient (`reduce`), ``state`` its
+        part of the stored state, ``params`` the parameters as ``step_fn`` holds them (or None),
+        ``like`` the gradients as ``step_fn`` computed them (for their shapes when ``params``
+        is None). An update of a parameter stored whole comes back whole (all-gathered along
+        its split axis, each device its own ``model`` part); that of a `ShardedParam` in its
+        layout.
         """
-        splits = self.step_splits(params, like)
-        prog = self._program(
-            inner, like if params is None else params, params is not None, extra_args, splits
-        )
-        self._refuse_gathered(prog)
-        layout, shapes = prog.layout, prog.shapes
-        g_stored, g_def = jax.tree.flatten(g_local)
-        s_stored, s_def = jax.tree.flatten(state)
-        s_shapes = [a.shape for a in prog.s_avals]
-        if params is None:
-            p_local = []
-        elif self.stage == 3:
-            p_local = jax.tree.leaves(params)
-        else:
-            p_local = [layout.to_local(p) for p in jax.tree.leaves(params)]
-        if prog.reason is None:  # the one-device program, run on this replica's slices
-            local = sharded_eval.stored_local
-            g = [local(layout, s, x) for s, x in zip(shapes, g_stored, strict=True)]
-            s = [local(layout, s, x) for s, x in zip(s_shapes, s_stored, strict=True)]
-            p = [local(layout, s, x) for s, x in zip(shapes, p_local)]
-            outs = sharded_eval.evaluate(prog.closed, layout, *g, *s, *p)
-            u, new_s = outs[: len(g)], outs[len(g) :]
-            if self.stage < 3:
-                u = [layout.to_real(x, shape) for x, shape in zip(u, shapes, strict=True)]
-        else:  # the one-device program, run on whole arrays gathered from the slices
-            g = [layout.to_real(x, shape) for x, shape in zip(g_stored, shapes, strict=True)]
-            s = [layout.to_real(x, shape) for x, shape in zip(s_stored, s_shapes, strict=True)]
-            if self.stage == 3:
-                p = [layout.to_real(x, shape) for x, shape in zip(p_local, shapes)]
-            else:
-                p = [] if params is None else jax.tree.leaves(params)
-            outs = jex.jaxpr_as_fun(prog.closed)(*g, *s, *p)
-            u, new_s = outs[: len(g)], [layout.to_local(x) for x in outs[len(g) :]]
-            if self.stage == 3:
-                u = [layout.to_local(x) for x in u]
-        if self.stage == 3:
-            u = [sharded_eval.as_stored(layout, x, jnp.shape(o)) for x, o in zip(u, g_stored)]
-        new_state = [
-            sharded_eval.as_stored(layout, x, jnp.shape(o)).astype(jnp.result_type(o))
-            for x, o in zip(new_s, s_stored, strict=True)
+        leaves = self._step_leaves(params, like)
+        tree = like if params is None else params
+        prog = self._program(inner, tree, leaves, params is not None, extra_args)
+        g_splits, p_splits = self._in_splits(leaves, params is not None)
+        g_vals = jax.tree.leaves(g_local)
+        s_vals, s_def = jax.tree.flatten(state)
+        p_vals = [] if params is None else jax.tree.leaves(params)
+        s_splits = [self._state_split(x, a) for x, a in zip(s_vals, prog.s_avals, strict=True)]
+        args = [
+            *zip(g_vals, g_splits, strict=True),
+            *zip(s_vals, s_splits, strict=True),
+            *zip(p_vals, p_splits, strict=True),
         ]
-        return jax.tree.unflatten(g_def, u), jax.tree.unflatten(s_def, new_state)
+        outs, gathered = sharded_eval.evaluate(prog.closed, self.comm, args)
+        tracing.note_zero(zero_plan.note(self, leaves, gathered))
+        n_g = len(g_vals)
+        updates = []
+        for (u, split), leaf in zip(outs[:n_g], leaves, strict=True):
+            if leaf.stored:
+                updates.append(_to(u, split, Split(leaf.data, leaf.stage), self.comm))
+                continue
+            u = _to(u, split, Split(split.data, leaf.stage), self.comm)  # this stage's block
+            if split.data is not None:  # whole over the replicas, each device its model part
+                u = collectives.gather_replicas(u, split.data, leaf.auto)
+            updates.append(u)
+        new_state = [
+            jnp.asarray(_to(x, split, want, self.comm)).astype(old.dtype)
+            for (x, split), want, old in zip(outs[n_g:], s_splits, s_vals, strict=True)
+        ]
+        u_tree = jax.tree.unflatten(jax.tree.structure(g_local), updates)
+        return u_tree, jax.tree.unflatten(s_def, new_state)
 
     # -- ZeRO-3 parameters ----------------------------------------------------------------------
 
     def shard_params(self, params: PyTree, stacked) -> PyTree:
-        stacked = set(stacked)
-        if stacked and not isinstance(params, dict):
-            raise ValueError("shard_params: stacked names top-level keys; params must be a dict.")
-        missing = stacked - set(params) if stacked else set()
-        if missing:
-            raise ValueError(f"shard_params: stacked keys {sorted(missing)} are not in params.")
+        """``params`` stored as `ShardedParam` leaves (see `DistributedOptimizer.shard_params`)."""
+        leads = zero_layout.stacked_leads(stacked, params)
 
         def shard(x, lead: int):
-            dim = zero_blocks.stage_dim(x, self.k)  # a stage block of layers: by layers
-            lead = lead if dim is None else dim + 2
-            x = jnp.asarray(x)
-            shape = x.shape[lead:]
-            flat = x.reshape((*x.shape[:lead], -1))
-            c = self.new_layout().chunk(flat.shape[-1:])
-            flat = jnp.pad(flat, [(0, 0)] * lead + [(0, self.n * c - flat.shape[-1])])
-            spec = [None] * lead + [self.entry]
-            if dim is not None:
-                spec[dim] = mesh_lib.STAGE_AXIS
-            sharding = NamedSharding(self.mesh, PartitionSpec(*spec))
-            return ShardedParam(placement.put(flat, sharding), shape)
+            if isinstance(x, ShardedParam):
+                raise ValueError(
+                    "shard_params: a parameter is a ShardedParam already (stored by ZeRO-3); "
+                    "call shard_params once, on the placed parameters."
+                )
+            spec = zero_layout.spec_of(x)
+            stage = zero_layout.stage_dim(spec)
+            if stage is not None:  # a stage block of layers: never split its stage or layers
+                lead = max(lead, stage + 2)
+            shape = tuple(np.shape(x))
+            dim = zero_layout.split_dim(shape, spec, self.n, lead=lead)
+            new_spec = zero_layout.with_data(spec, dim, len(shape), self.mesh)
+            value = placement.put(jnp.asarray(x), NamedSharding(self.mesh, new_spec))
+            auto = zero_layout.auto_entries(spec, len(shape), keep=len(shape) - lead)
+            return ShardedParam(value, None if dim is None else dim - len(shape), auto)
 
-        if not stacked:
-            return jax.tree.map(lambda x: shard(x, 0), params)
+        if not leads:
+            return jax.tree.map(lambda x: shard(x, 0), params, is_leaf=is_sharded_param)
         return {
-            k: jax.tree.map(lambda x, lead=int(k in stacked): shard(x, lead), v)
+            k: jax.tree.map(
+                functools.partial(shard, lead=leads.get(k, 0)), v, is_leaf=is_sharded_param
+            )
             for k, v in params.items()
         }
 
 
-def warn_if_gathered(stage: int, reason: str | None) -> None:
-    """Warns, at ``init``, that the update runs on gathered arrays, and why.
-
-    The warning points at the user's ``opt.init``: the caller of `DistributedOptimizer.init`,
-    which calls the loss-scale wrapper's ``init``, which calls `sharded_update`'s.
-    """
-    if reason is None:
-        return
-    warnings.warn(
-        f"wrap_optimizer(zero_stage={stage}): the optax transformation is not computed on "
-        f"shards: {reason}. Its update runs on whole arrays, gathered for each step (exact; "
-        f"the state stays sharded between steps, but is whole on every device during the "
-        f"update, and gathering it moves its bytes once per step). Element-wise "
-        f"transformations and full reductions (global-norm clipping, LAMB) run on shards; "
-        f"see the README section 'What is exact, and what is refused'.",
-        stacklevel=5,
-    )
+def _to(x, have: Split, want: Split, comm: shards.Comm):
+    """``x``, split as ``have``, split as ``want`` instead (gathered, then cut)."""
+    if have == want:
+        return x
+    return sharded_eval.convert(x, have, want, comm)
 
 
 # -- as optax transformations -------------------------------------------------------------------
@@ -389,30 +415,24 @@ _PLAIN_PARAMS = (
 
 
 def scatter_mean(zero: Zero, *, grad_dtype: Any = None) -> optax.GradientTransformationExtraArgs:
-    """Local gradients -> this replica's slice of their mean over the replicas (stateless).
+    """Local gradients -> this replica's part of their mean over the replicas (stateless).
 
-    ZeRO-1/2: each leaf is flattened, padded and reduce-scattered (sent in ``grad_dtype`` if
-    given, e.g. ``jnp.bfloat16``), the same bytes as half an all-reduce. ZeRO-3: the gradients of
-    `ShardedParam` leaves are slices already, summed over the replicas by the autodiff of
-    `gather_params`; they are divided by N.
+    A gradient is reduce-scattered along its leaf's split axis (sent in ``grad_dtype`` if
+    given, e.g. ``jnp.bfloat16``), the same bytes as half an all-reduce; that of a
+    `ShardedParam` (ZeRO-3) was reduce-scattered by the autodiff of `gather_params` and is
+    divided by N; a leaf with no split axis is all-reduced (`Zero.reduce`).
 
-    Equivalent to (replica ``r``)::
+    Equivalent to (replica ``r``, ``dim`` each leaf's split axis)::
 
-        updates = [mean over replicas of flat_padded(g)[r c : (r + 1) c] for g in grads]
+        updates = [split(mean over replicas of g, N, dim)[r] for g in grads]
 
-    Args:
-      zero: the ZeRO layout.
-      grad_dtype: the dtype the gradients are sent in (ZeRO-1/2), or None for their own.
-
-    Returns:
-      An optax transformation whose state is `ScatterMeanState` (empty).
+    ``update(grads, state, params=None)``: ``params`` as ``step_fn`` received them give each
+    leaf's split axis (and ``model`` split); without them it is chosen from the shapes.
     """
 
     def update(grads, state, params=None, **extra_args):
-        del params, extra_args
-        if zero.stage == 3:  # autodiff of gather_params already summed each slice
-            return jax.tree.map(lambda g: g / zero.n, grads), state
-        return zero.reduce_scatter(grads, grad_dtype), state
+        del extra_args
+        return zero.reduce(grads, params, grad_dtype), state
 
     return optax.GradientTransformationExtraArgs(optax.init_empty_state, update)
 
@@ -420,23 +440,19 @@ def scatter_mean(zero: Zero, *, grad_dtype: Any = None) -> optax.GradientTransfo
 def sharded_update(
     tx: optax.GradientTransformation, zero: Zero
 ) -> optax.GradientTransformationExtraArgs:
-    """``tx`` run on this replica's slices of the mean gradients, as on one device (`Zero.apply`).
+    """``tx`` run on this replica's parts of the mean gradients, as on one device (`Zero.apply`).
 
-    ``init(params)`` runs ``tx.init`` on the one-device parameters and stores each state leaf in
-    the ZeRO layout (global arrays: run it outside ``step_fn``); it warns if the update cannot
-    run on slices and will gather (`Zero.plan`). With ZeRO-3 ``params`` must be `ShardedParam`
-    leaves. ``update(slices, state, params=None, *, local_grads=None, **extra_args)`` takes the
-    slices of `scatter_mean` and returns whole updates (ZeRO-3: in the `ShardedParam` layout);
-    ``local_grads``, the gradients as ``step_fn`` computed them, gives the one-device shapes when
-    ``params`` is None. Other ``extra_args`` go to ``tx``.
-
-    Args:
-      tx: any optax transformation.
-      zero: the ZeRO layout.
+    ``init(params)`` runs ``tx.init`` on the global parameters and places each state leaf in
+    ZeRO's layout (global arrays: run it outside ``step_fn``); it warns if some of the update
+    gathers (`Zero.plan`). With ZeRO-3 ``params`` must hold `ShardedParam` leaves.
+    ``update(parts, state, params=None, *, local_grads=None, **extra_args)`` takes the parts
+    of `scatter_mean` and returns whole updates (ZeRO-3: in the `ShardedParam` layout);
+    ``local_grads``, the gradients as ``step_fn`` computed them, gives the one-device shapes
+    when ``params`` is None. Other ``extra_args`` go to ``tx``.
 
     Returns:
-      An optax transformation whose state is ``tx``'s, each leaf ``[N * c]`` sharded over the data
-      axes (scalar leaves, such as Adam's count, replicated).
+      An optax transformation whose state is ``tx``'s, each leaf in its own shape, split over
+      the data axes along its split axis (scalar leaves, such as Adam's count, replicated).
 
     Raises:
       ValueError: from ``init``, with ZeRO-3 and plain parameters.
@@ -446,10 +462,11 @@ def sharded_update(
     def init(params):
         if zero.stage == 3 and not has_sharded_params(params):
             raise ValueError(_PLAIN_PARAMS)
-        warn_if_gathered(zero.stage, zero.plan(inner, params))
-        return zero.init(inner, params)
+        state, plan = zero.init(inner, params)
+        zero_plan.warn_if_gathered(plan)
+        return state
 
-    def update(slices, state, params=None, *, local_grads=None, **extra_args):
-        return zero.apply(inner, slices, state, params, extra_args, local_grads)
+    def update(parts, state, params=None, *, local_grads=None, **extra_args):
+        return zero.apply(inner, parts, state, params, extra_args, local_grads)
 
     return optax.GradientTransformationExtraArgs(init, update)

@@ -4,7 +4,8 @@ python reshard_run.py DEVICES CHECKPOINT_ROOT STEPS
 
 For each of a data-parallel, a ZeRO-1 and two ZeRO-3 states, trains to STEPS (resuming from the
 newest checkpoint of CHECKPOINT_ROOT/<name> if there is one), then writes the final parameters to
-CHECKPOINT_ROOT/<name>.npz and prints ``<name> resumed_from=<step> flat=<lengths of the state's last axes>``.
+CHECKPOINT_ROOT/<name>.npz and prints ``<name> resumed_from=<step> shapes=<the state leaves' shapes>
+split=<how many are split over the data axis>``.
 """
 
 import sys
@@ -54,9 +55,9 @@ for name, (zero_stage, opt) in RUNS.items():
         checkpoint_every=3,
         progress=False,
     )
-    flat = ",".join(
-        map(str, sorted({x.shape[-1] for x in jax.tree.leaves(result.state) if x.ndim}))
-    )
+    leaves = jax.tree.leaves(result.state)
+    shapes = ";".join("x".join(map(str, x.shape)) for x in leaves)
+    split = sum("data" in x.sharding.spec for x in leaves)
     final = jax.device_get(rp.gather_params(result.state["params"]))
     np.savez(f"{root}/{name}.npz", *jax.tree.leaves(final))
-    print(f"{name} resumed_from={result.resumed_from} flat={flat}", flush=True)
+    print(f"{name} resumed_from={result.resumed_from} shapes={shapes} split={split}", flush=True)

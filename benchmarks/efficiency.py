@@ -1,0 +1,335 @@
+"""Is each composition lean? FLOPs, collective bytes and memory of the compiled step, per device.
+
+The model is the library's GPT (``replicator.models.gpt``: token and position embeddings,
+pre-LayerNorm blocks of causal self-attention and a GELU MLP run as a ``lax.scan``, a final
+LayerNorm and an output matrix) at two sizes, Adam in fp32, a global batch of 32 sequences on 8
+emulated devices. Each layout's training step (``opt.step`` of ``gpt.loss``, parameters placed
+by ``gpt.place`` with Megatron's rules and, for ZeRO-3, stored by ``opt.shard_params``) is
+compiled by ``repl.explain`` from shapes; nothing runs. For each layout:
+
+* **FLOPs per device** against plain data parallelism's on the same global batch (the same
+  arithmetic per device once the model axis splits it): tensor parallelism adds only the
+  LayerNorms, biases and embeddings every ``model`` device repeats.
+* **Collective bytes per step by kind and axis** (loops counted per trip). The data-axis volume
+  (reduce-scatter + all-gather + 2 x all-reduce) against the ZeRO paper's, with Psi_T the
+  parameters one ``model`` device holds (``P_split / T + P_rep``): 2 Psi_T words for data
+  parallelism and ZeRO-1/2, 2 Psi_T for ZeRO-3 when the gathered weights are kept for the
+  backward pass (XLA keeps them without remat), 3 Psi_T with ``remat`` (each layer gathered
+  again in the backward pass). ``model``-axis all-gathers against the data-axis bytes (none: a
+  ZeRO collective moves each device's own ``model`` part only).
+* **Parameters, gradients and Adam state per device**, read from the state's shardings (the
+  gradients: the parts the optimizer reduces, ``opt.step``'s), against ``4 Psi_T / N``,
+  ``8 Psi_T / N`` (ZeRO-3; ZeRO-1/2 keep the parameters whole: ``4 Psi_T``).
+* **Temporaries** (``memory_analysis``).
+
+Then the same step written by hand, in MaxText's FSDP x TP style: ``jax.jit`` of ``gpt.loss``'s
+gradient and ``optax.adam``'s update with every parameter and its Adam moments placed by
+``NamedSharding`` (the same axes ZeRO splits, over ``data``, on top of Megatron's ``model``
+split), the batch over ``data``, the state held to its shardings and donated; XLA (GSPMD) adds
+the collectives. Its FLOPs, collective bytes and temporaries are read the same way
+(``replicator._src.hlo.analyze``, as ``explain`` does) and set beside ``repl.run``'s.
+
+    python benchmarks/efficiency.py
+    python benchmarks/efficiency.py --sizes small --json /tmp/efficiency.json
+"""
+
+# ruff: noqa: E402  (the device count must be set before JAX starts its backend)
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_platforms", "cpu")
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import shlex
+import sys
+import time
+
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import replicator as rp
+from replicator._src import hlo, zero_layout
+from replicator.models import gpt
+
+SIZES = {
+    "small": gpt.GPTConfig(vocab_size=256, seq_len=128, d_model=256, num_heads=8, num_layers=4),
+    "large": gpt.GPTConfig(vocab_size=256, seq_len=128, d_model=512, num_heads=8, num_layers=4),
+}
+BATCH = 32
+LAYOUTS = [  # (name, mesh, zero_stage, remat)
+    ("DP", {"data": 8}, 0, False),
+    ("TP 2", {"data": 4, "model": 2}, 0, False),
+    ("TP 4", {"data": 2, "model": 4}, 0, False),
+    ("FSDP", {"data": 8}, 3, False),
+    ("FSDP x TP 2", {"data": 4, "model": 2}, 3, False),
+    ("FSDP x TP 4", {"data": 2, "model": 4}, 3, False),
+    ("FSDP x TP 2, remat", {"data": 4, "model": 2}, 3, True),
+    ("ZeRO-1 x TP 2", {"data": 4, "model": 2}, 1, False),
+    ("ZeRO-1 x TP 4", {"data": 2, "model": 4}, 1, False),
+    ("ZeRO-2 x TP 2", {"data": 4, "model": 2}, 2, False),
+]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="small,large", help="comma-separated: small, large")
+    p.add_argument("--json", metavar="PATH", help="also write the results here")
+    return p.parse_args()
+
+
+def batch_shapes(config: gpt.GPTConfig) -> dict:
+    shape = jax.ShapeDtypeStruct((BATCH, config.seq_len), jnp.int32)
+    return {"tokens": shape, "targets": shape}
+
+
+def device_bytes(tree) -> int:
+    """Bytes one device holds of ``tree`` (arrays or shapes with shardings)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        total += math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+    return total
+
+
+def psi_t(config: gpt.GPTConfig, t: int) -> int:
+    """Parameters one ``model`` device holds under Megatron's layout: P_split / T + P_rep."""
+    shapes = jax.eval_shape(lambda: gpt.init(config, jax.random.key(0)))
+    specs = gpt.partition_specs()
+    total = 0
+    for x, spec in zip(jax.tree.leaves(shapes), jax.tree.leaves(specs, is_leaf=_is_spec)):
+        total += x.size // (t if "model" in tuple(spec) else 1)
+    return total
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, P)
+
+
+@dataclasses.dataclass
+class Row:
+    size: str
+    layout: str
+    mesh: dict
+    zero_stage: int
+    remat: bool
+    flops: float
+    matmul_flops: float
+    collectives: dict  # "kind axes" -> bytes per device per step
+    params_bytes: int
+    grads_bytes: int
+    opt_bytes: int
+    temp_bytes: int
+    compile_seconds: float
+    psi_t: int
+
+
+def replicator_row(size: str, name: str, mesh: dict, zero_stage: int, remat: bool) -> Row:
+    config = dataclasses.replace(SIZES[size], remat=remat)
+    n_devices = math.prod(mesh.values())
+    repl = rp.Replicator(mesh_shape=mesh, devices=jax.devices()[:n_devices])
+    opt = repl.wrap_optimizer(optax.adam(1e-3), zero_stage=zero_stage)
+
+    def init():
+        params = gpt.place(repl, gpt.init(config, jax.random.key(0)), config=config)
+        if zero_stage == 3:
+            params = opt.shard_params(params, stacked=["blocks"])
+        return {"params": params, "opt": opt.init(params)}
+
+    def loss_fn(params, batch):
+        return gpt.loss(params, batch["tokens"], batch["targets"], config=config)
+
+    def step(state, batch):
+        params, opt_state, metrics = opt.step(loss_fn, state["params"], state["opt"], batch)
+        return {"params": params, "opt": opt_state}, metrics
+
+    state = repl.abstract(init)
+    start = time.perf_counter()
+    report = repl.explain(step, state, batch_shapes(config))
+    seconds = time.perf_counter() - start
+    params = jax.tree.map(lambda x: x, state["params"])
+    n = repl.num_replicas
+    t = mesh.get("model", 1)
+    grads = device_bytes(params) if zero_stage == 3 else grads_bytes(params, zero_stage, n, mesh)
+    return Row(
+        size, name, mesh, zero_stage, remat, report.flops, report.matmul_flops,
+        by_kind(report.collectives), device_bytes(params), grads, device_bytes(state["opt"]),
+        report.memory.temporaries, seconds, psi_t(config, t),
+    )  # fmt: skip
+
+
+def grads_bytes(params, zero_stage: int, n: int, mesh: dict) -> int:
+    """The gradient the optimizer keeps per device: whole for ZeRO 0-1, split along each
+    leaf's ZeRO axis for ZeRO-2 (the parts it reduce-scatters and accumulates)."""
+    total = 0
+    for x in jax.tree.leaves(params):
+        shape = list(x.sharding.shard_shape(x.shape))
+        if zero_stage == 2:
+            d = zero_layout.split_dim(x.shape, x.sharding.spec, n)
+            if d is not None:
+                shape[d] //= n
+        total += math.prod(shape) * jnp.dtype(x.dtype).itemsize
+    return total
+
+
+def by_kind(collectives) -> dict:
+    out: dict[str, float] = {}
+    for c in collectives:
+        key = f"{c.kind} {'+'.join(c.axes) or '-'}"
+        out[key] = out.get(key, 0.0) + c.total_bytes
+    return out
+
+
+def reference_row(size: str, name: str, mesh: dict, zero_stage: int, remat: bool) -> Row:
+    """The step by hand in MaxText's style: jax.jit with NamedShardings, GSPMD's collectives."""
+    config = dataclasses.replace(SIZES[size], remat=remat)
+    n_devices = math.prod(mesh.values())
+    mesh_obj = rp.Replicator(mesh_shape=mesh, devices=jax.devices()[:n_devices]).mesh
+    n = mesh["data"]
+    tx = optax.adam(1e-3)
+    shapes = jax.eval_shape(lambda: gpt.init(config, jax.random.key(0)))
+    model_specs = jax.tree.map(
+        lambda s: P(*(e if e in mesh_obj.shape else None for e in tuple(s))),
+        gpt.partition_specs(),
+        is_leaf=_is_spec,
+    )
+
+    def fsdp(x, spec, lead):
+        d = zero_layout.split_dim(x.shape, spec, n, lead=lead)
+        return zero_layout.with_data(spec, d, x.ndim, mesh_obj)
+
+    leads = {k: int(k == "blocks") for k in shapes}
+    data_specs = {
+        k: jax.tree.map(
+            lambda x, s, lead=leads[k]: fsdp(x, s, lead), shapes[k], model_specs[k],
+            is_leaf=lambda v: isinstance(v, jax.ShapeDtypeStruct),
+        )
+        for k in shapes
+    }  # fmt: skip
+    param_specs = data_specs if zero_stage == 3 else model_specs
+    named = lambda specs: jax.tree.map(
+        lambda s: NamedSharding(mesh_obj, s), specs, is_leaf=_is_spec
+    )
+    p_shardings = named(param_specs)
+    opt_shapes = jax.eval_shape(tx.init, shapes)
+    moment_specs = data_specs if zero_stage else model_specs
+    adam = optax.ScaleByAdamState(
+        count=NamedSharding(mesh_obj, P()), mu=named(moment_specs), nu=named(moment_specs)
+    )
+    o_shardings = (adam, optax.EmptyState())  # optax.adam: scale_by_adam, then the rate
+    batch_sharding = NamedSharding(mesh_obj, P("data"))
+
+    def step(params, opt_state, batch):
+        def loss(p):
+            return gpt.loss(p, batch["tokens"], batch["targets"], config=config)
+
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    jitted = jax.jit(
+        step,
+        in_shardings=(p_shardings, o_shardings, batch_sharding),
+        out_shardings=(p_shardings, o_shardings, NamedSharding(mesh_obj, P())),
+        donate_argnums=(0, 1),
+    )
+    start = time.perf_counter()
+    compiled = jitted.lower(shapes, opt_shapes, batch_shapes(config)).compile()
+    seconds = time.perf_counter() - start
+    costs = hlo.analyze(compiled.as_text(), dict(mesh_obj.shape))
+    placed = lambda tree, shard: jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shard
+    )
+    return Row(
+        size, name + " (jit by hand)", mesh, zero_stage, remat, costs.flops, costs.matmul_flops,
+        by_kind(costs.collectives), device_bytes(placed(shapes, p_shardings)),
+        device_bytes(placed(shapes, p_shardings)), device_bytes(placed(opt_shapes, o_shardings)),
+        compiled.memory_analysis().temp_size_in_bytes, seconds, psi_t(config, mesh.get("model", 1)),
+    )  # fmt: skip
+
+
+def data_volume(row: Row) -> float:
+    """Data-axis bytes a ring moves per device, up to (N-1)/N: an all-reduce counts twice."""
+    c = row.collectives
+    return (
+        c.get("reduce-scatter data", 0)
+        + c.get("all-gather data", 0)
+        + 2 * c.get("all-reduce data", 0)
+    )
+
+
+def mib(x: float) -> str:
+    return f"{x / 2**20:.3f}"
+
+
+def main() -> None:
+    args = parse_args()
+    start = time.perf_counter()
+    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    rows: list[Row] = []
+    refs: list[Row] = []
+    for size in sizes:
+        for name, mesh, zero_stage, remat in LAYOUTS:
+            rows.append(replicator_row(size, name, mesh, zero_stage, remat))
+            if zero_stage in (1, 3) and "model" in mesh and not remat:
+                refs.append(reference_row(size, name, mesh, zero_stage, remat))
+            print(f"# {size} {name}: compiled in {rows[-1].compile_seconds:.1f} s", file=sys.stderr)
+    command = "python " + " ".join(map(shlex.quote, sys.argv))
+    print(f"Command: `{command}` ({datetime.date.today()}, jax {jax.__version__}, "
+          f"{time.perf_counter() - start:.0f} seconds)\n")  # fmt: skip
+    for size in sizes:
+        c = SIZES[size]
+        base = next(r for r in rows if r.size == size and r.layout == "DP")
+        print(f"### GPT {size}: d_model {c.d_model}, {c.num_layers} layers, {c.num_heads} heads, "
+              f"seq {c.seq_len}, vocab {c.vocab_size}, batch {BATCH}\n")  # fmt: skip
+        print("| layout | mesh | FLOPs / DP | matmul / DP | data volume MiB | formula MiB | "
+              "/ formula | model all-gather / data | params MiB | / 4 Psi_T/N | grads MiB | "
+              "Adam MiB | / 8 Psi_T/N | temp MiB |")  # fmt: skip
+        print("|" + "---|" * 14)
+        for r in rows:
+            if r.size != size:
+                continue
+            n = r.mesh["data"]
+            words = (3 if r.remat and r.zero_stage == 3 else 2) * r.psi_t
+            vol = data_volume(r)
+            model_gather = r.collectives.get("all-gather model", 0) / max(vol, 1)
+            p_formula = 4 * r.psi_t / (n if r.zero_stage == 3 else 1)
+            o_formula = 8 * r.psi_t / (n if r.zero_stage else 1)
+            print(
+                f"| {r.layout} | {r.mesh} | **{r.flops / base.flops:.3f}** | "
+                f"{r.matmul_flops / base.matmul_flops:.3f} | {mib(vol)} | {mib(4 * words)} | "
+                f"**{vol / (4 * words):.3f}** | **{model_gather:.3f}** | {mib(r.params_bytes)} | "
+                f"{r.params_bytes / p_formula:.3f} | {mib(r.grads_bytes)} | {mib(r.opt_bytes)} | "
+                f"{(r.opt_bytes - 4) / o_formula:.3f} | {mib(r.temp_bytes)} |"
+            )
+        print()
+        print("Against the same step by hand (`jax.jit` + `NamedSharding`, MaxText's style), "
+              "ratios repl.run / by hand:\n")  # fmt: skip
+        print("| layout | FLOPs | collective bytes | data volume | temp | repl.run collectives | "
+              "by hand collectives |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|")
+        for ref in refs:
+            if ref.size != size:
+                continue
+            mine = next(
+                r for r in rows if r.size == size and r.layout + " (jit by hand)" == ref.layout
+            )
+            total = lambda r: sum(r.collectives.values())
+            fmt = lambda r: ", ".join(f"{k} {mib(v)}" for k, v in sorted(r.collectives.items()))
+            print(
+                f"| {mine.layout} | **{mine.flops / ref.flops:.3f}** | "
+                f"**{total(mine) / total(ref):.3f}** | {data_volume(mine) / data_volume(ref):.3f} | "
+                f"**{mine.temp_bytes / ref.temp_bytes:.3f}** | {fmt(mine)} | {fmt(ref)} |"
+            )
+        print()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([dataclasses.asdict(r) for r in rows + refs], f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
