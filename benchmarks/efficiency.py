@@ -13,10 +13,12 @@ compiled by ``repl.explain`` from shapes; nothing runs. For each layout:
 * **Collective bytes per step by kind and axis** (loops counted per trip). The data-axis volume
   (reduce-scatter + all-gather + 2 x all-reduce) against the ZeRO paper's, with Psi_T the
   parameters one ``model`` device holds (``P_split / T + P_rep``): 2 Psi_T words for data
-  parallelism and ZeRO-1/2, 2 Psi_T for ZeRO-3 when the gathered weights are kept for the
-  backward pass (XLA keeps them without remat), 3 Psi_T with ``remat`` (each layer gathered
-  again in the backward pass). ``model``-axis all-gathers against the data-axis bytes (none: a
-  ZeRO collective moves each device's own ``model`` part only).
+  parallelism and ZeRO-1/2; 3 Psi_T for ZeRO-3, whose ``gpt.loss`` gathers each layer again in
+  the backward pass (``rp.regather_policy``, FSDP's reshard-after-forward; also with
+  ``remat``), 2 Psi_T when the gathered weights are kept for the backward pass instead ("weights
+  kept": the same blocks scanned without the policy). The embedding and head are gathered
+  once, so ZeRO-3's volume is a little under 3 Psi_T. ``model``-axis all-gathers against the
+  data-axis bytes (none: a ZeRO collective moves each device's own ``model`` part only).
 * **Parameters, gradients and Adam state per device**, read from the state's shardings (the
   gradients: the parts the optimizer reduces, ``opt.step``'s), against ``4 Psi_T / N``,
   ``8 Psi_T / N`` (ZeRO-3; ZeRO-1/2 keep the parameters whole: ``4 Psi_T``).
@@ -62,17 +64,18 @@ SIZES = {
     "large": gpt.GPTConfig(vocab_size=256, seq_len=128, d_model=512, num_heads=8, num_layers=4),
 }
 BATCH = 32
-LAYOUTS = [  # (name, mesh, zero_stage, remat)
-    ("DP", {"data": 8}, 0, False),
-    ("TP 2", {"data": 4, "model": 2}, 0, False),
-    ("TP 4", {"data": 2, "model": 4}, 0, False),
-    ("FSDP", {"data": 8}, 3, False),
-    ("FSDP x TP 2", {"data": 4, "model": 2}, 3, False),
-    ("FSDP x TP 4", {"data": 2, "model": 4}, 3, False),
-    ("FSDP x TP 2, remat", {"data": 4, "model": 2}, 3, True),
-    ("ZeRO-1 x TP 2", {"data": 4, "model": 2}, 1, False),
-    ("ZeRO-1 x TP 4", {"data": 2, "model": 4}, 1, False),
-    ("ZeRO-2 x TP 2", {"data": 4, "model": 2}, 2, False),
+LAYOUTS = [  # (name, mesh, zero_stage, variant: "" | "remat" | "kept")
+    ("DP", {"data": 8}, 0, ""),
+    ("TP 2", {"data": 4, "model": 2}, 0, ""),
+    ("TP 4", {"data": 2, "model": 4}, 0, ""),
+    ("FSDP", {"data": 8}, 3, ""),
+    ("FSDP x TP 2", {"data": 4, "model": 2}, 3, ""),
+    ("FSDP x TP 4", {"data": 2, "model": 4}, 3, ""),
+    ("FSDP x TP 2, weights kept", {"data": 4, "model": 2}, 3, "kept"),
+    ("FSDP x TP 2, remat", {"data": 4, "model": 2}, 3, "remat"),
+    ("ZeRO-1 x TP 2", {"data": 4, "model": 2}, 1, ""),
+    ("ZeRO-1 x TP 4", {"data": 2, "model": 4}, 1, ""),
+    ("ZeRO-2 x TP 2", {"data": 4, "model": 2}, 2, ""),
 ]
 
 
@@ -116,7 +119,7 @@ class Row:
     layout: str
     mesh: dict
     zero_stage: int
-    remat: bool
+    variant: str
     flops: float
     matmul_flops: float
     collectives: dict  # "kind axes" -> bytes per device per step
@@ -128,8 +131,8 @@ class Row:
     psi_t: int
 
 
-def replicator_row(size: str, name: str, mesh: dict, zero_stage: int, remat: bool) -> Row:
-    config = dataclasses.replace(SIZES[size], remat=remat)
+def replicator_row(size: str, name: str, mesh: dict, zero_stage: int, variant: str) -> Row:
+    config = dataclasses.replace(SIZES[size], remat=variant == "remat")
     n_devices = math.prod(mesh.values())
     repl = rp.Replicator(mesh_shape=mesh, devices=jax.devices()[:n_devices])
     opt = repl.wrap_optimizer(optax.adam(1e-3), zero_stage=zero_stage)
@@ -141,7 +144,12 @@ def replicator_row(size: str, name: str, mesh: dict, zero_stage: int, remat: boo
         return {"params": params, "opt": opt.init(params)}
 
     def loss_fn(params, batch):
-        return gpt.loss(params, batch["tokens"], batch["targets"], config=config)
+        if variant != "kept":  # gpt.loss: ZeRO-3 gathers each layer again in the backward pass
+            return gpt.loss(params, batch["tokens"], batch["targets"], config=config)
+        x = gpt.embed(params["embed"], batch["tokens"])  # gpt.loss without the regather policy
+        layer = lambda h, p: (gpt.block(p, h, config=config), None)
+        x, _ = jax.lax.scan(layer, x, params["blocks"])
+        return gpt.head_loss(params["head"], x, batch["targets"])
 
     def step(state, batch):
         params, opt_state, metrics = opt.step(loss_fn, state["params"], state["opt"], batch)
@@ -156,7 +164,7 @@ def replicator_row(size: str, name: str, mesh: dict, zero_stage: int, remat: boo
     t = mesh.get("model", 1)
     grads = device_bytes(params) if zero_stage == 3 else grads_bytes(params, zero_stage, n, mesh)
     return Row(
-        size, name, mesh, zero_stage, remat, report.flops, report.matmul_flops,
+        size, name, mesh, zero_stage, variant, report.flops, report.matmul_flops,
         by_kind(report.collectives), device_bytes(params), grads, device_bytes(state["opt"]),
         report.memory.temporaries, seconds, psi_t(config, t),
     )  # fmt: skip
@@ -184,9 +192,9 @@ def by_kind(collectives) -> dict:
     return out
 
 
-def reference_row(size: str, name: str, mesh: dict, zero_stage: int, remat: bool) -> Row:
+def reference_row(size: str, name: str, mesh: dict, zero_stage: int, variant: str) -> Row:
     """The step by hand in MaxText's style: jax.jit with NamedShardings, GSPMD's collectives."""
-    config = dataclasses.replace(SIZES[size], remat=remat)
+    config = dataclasses.replace(SIZES[size], remat=variant == "remat")
     n_devices = math.prod(mesh.values())
     mesh_obj = rp.Replicator(mesh_shape=mesh, devices=jax.devices()[:n_devices]).mesh
     n = mesh["data"]
@@ -223,9 +231,23 @@ def reference_row(size: str, name: str, mesh: dict, zero_stage: int, remat: bool
     o_shardings = (adam, optax.EmptyState())  # optax.adam: scale_by_adam, then the rate
     batch_sharding = NamedSharding(mesh_obj, P("data"))
 
+    def batch_split(x):  # MaxText constrains activations: the batch over the data axis
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh_obj, P("data")))
+
+    def model_loss(p, tokens, targets):  # gpt.loss, its activations held to the batch split
+        x = batch_split(gpt.embed(p["embed"], tokens).astype(config.dtype))
+
+        def layer(h, layer_params):
+            return batch_split(gpt.block(layer_params, h, config=config).astype(h.dtype)), None
+
+        if config.remat:
+            layer = jax.checkpoint(layer, prevent_cse=False)
+        x, _ = jax.lax.scan(layer, x, p["blocks"])
+        return gpt.head_loss(p["head"], x, targets)
+
     def step(params, opt_state, batch):
         def loss(p):
-            return gpt.loss(p, batch["tokens"], batch["targets"], config=config)
+            return model_loss(p, batch["tokens"], batch["targets"])
 
         value, grads = jax.value_and_grad(loss)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -245,7 +267,7 @@ def reference_row(size: str, name: str, mesh: dict, zero_stage: int, remat: bool
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shard
     )
     return Row(
-        size, name + " (jit by hand)", mesh, zero_stage, remat, costs.flops, costs.matmul_flops,
+        size, name + " (jit by hand)", mesh, zero_stage, variant, costs.flops, costs.matmul_flops,
         by_kind(costs.collectives), device_bytes(placed(shapes, p_shardings)),
         device_bytes(placed(shapes, p_shardings)), device_bytes(placed(opt_shapes, o_shardings)),
         compiled.memory_analysis().temp_size_in_bytes, seconds, psi_t(config, mesh.get("model", 1)),
@@ -273,10 +295,10 @@ def main() -> None:
     rows: list[Row] = []
     refs: list[Row] = []
     for size in sizes:
-        for name, mesh, zero_stage, remat in LAYOUTS:
-            rows.append(replicator_row(size, name, mesh, zero_stage, remat))
-            if zero_stage in (1, 3) and "model" in mesh and not remat:
-                refs.append(reference_row(size, name, mesh, zero_stage, remat))
+        for name, mesh, zero_stage, variant in LAYOUTS:
+            rows.append(replicator_row(size, name, mesh, zero_stage, variant))
+            if zero_stage in (1, 3) and "model" in mesh and not variant:
+                refs.append(reference_row(size, name, mesh, zero_stage, variant))
             print(f"# {size} {name}: compiled in {rows[-1].compile_seconds:.1f} s", file=sys.stderr)
     command = "python " + " ".join(map(shlex.quote, sys.argv))
     print(f"Command: `{command}` ({datetime.date.today()}, jax {jax.__version__}, "
@@ -294,7 +316,7 @@ def main() -> None:
             if r.size != size:
                 continue
             n = r.mesh["data"]
-            words = (3 if r.remat and r.zero_stage == 3 else 2) * r.psi_t
+            words = (3 if r.zero_stage == 3 and r.variant != "kept" else 2) * r.psi_t
             vol = data_volume(r)
             model_gather = r.collectives.get("all-gather model", 0) / max(vol, 1)
             p_formula = 4 * r.psi_t / (n if r.zero_stage == 3 else 1)

@@ -1,11 +1,11 @@
 """ZeRO-3 (fully sharded data parallel) training of a residual MLP, on emulated or real devices.
 
 With ZeRO-3 every device keeps only 1/N of each parameter, of its gradient and of the Adam
-state (N replicas). ``opt.shard_params`` stores each parameter flattened and sharded over the
-``data`` axis (each layer of a stacked layer axis on its own); in the forward pass
+state (N replicas). ``opt.shard_params`` stores each parameter in its own shape with one axis
+split over the ``data`` axis (never the stacked layer axis); in the forward pass
 ``rp.gather_params`` all-gathers one layer's parameters just before the layer uses them, and
-autodiff turns that all-gather into a reduce-scatter, so each device receives only its slice of
-the mean gradient and updates only its slice of the parameters. ``jax.checkpoint`` on the layer
+autodiff turns that all-gather into a reduce-scatter, so each device receives only its part of
+the mean gradient and updates only its part of the parameters. ``jax.checkpoint`` on the layer
 gathers again in the backward pass instead of keeping every layer's full parameters alive. The
 cost is 3x the parameter bytes on the wire per step, against 2x for plain data parallelism.
 

@@ -41,8 +41,10 @@ from replicator._src.report import StepReport as StepReport
 from replicator._src.rundir import RunDirLockedError as RunDirLockedError
 from replicator._src.sharded_params import ShardedParam as ShardedParam
 from replicator._src.sharded_params import gather_params as gather_params
+from replicator._src.sharded_params import regather_policy as regather_policy
 from replicator._src.writers import MetricWriter as MetricWriter
 from replicator._src.writers import TensorBoardWriter as TensorBoardWriter
 from replicator._src.writers import WandbWriter as WandbWriter
+from replicator._src.zero_plan import ZeroPlan as ZeroPlan
 
 __version__ = "0.1.0"

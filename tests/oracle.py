@@ -133,10 +133,10 @@ def zero3_params(seed=2):
 
 
 def zero_split(shape, n=8, lead=0, taken=()):
-    """ZeRO's documented rule, written out apart from the library: the largest axis (the first
-    of equal ones) past ``lead`` and not in ``taken`` that divides by ``n``, or None."""
+    """ZeRO's documented rule, written out apart from the library: the first axis past
+    ``lead`` and not in ``taken`` that divides by ``n``, or None."""
     free = [d for d in range(lead, len(shape)) if d not in taken and shape[d] % n == 0]
-    return max(free, key=lambda d: (shape[d], -d)) if free and n > 1 else None
+    return free[0] if free and n > 1 else None
 
 
 def zero_spec(shape, n=8, lead=0, axis="data"):

@@ -29,6 +29,7 @@ PUBLIC = [
     "StepReport",
     "TensorBoardWriter",
     "WandbWriter",
+    "ZeroPlan",  # opt.plan(params): each leaf's ZeRO split axis and bytes, what gathers
     "all_gather",
     "all_reduce",
     "broadcast",
@@ -41,6 +42,7 @@ PUBLIC = [
     "num_replicas",
     "plan",
     "reduce_scatter",
+    "regather_policy",  # jax.checkpoint policy: ZeRO-3 gathers each layer again backward
     "replica_axis_name",
     "replica_id",
 ]

@@ -150,8 +150,8 @@ def test_abstract_allocates_nothing():
 
     shapes = repl.abstract(init)
     assert shapes["params"]["w"].shape == (64, 16384, 16384)
-    nu = shapes["opt"].inner[0].nu["w"]  # the parameter's shape, its first 16384 axis split
-    assert nu.shape == (64, 16384, 16384) and nu.sharding.spec == P(None, "data")
+    nu = shapes["opt"].inner[0].nu["w"]  # the parameter's shape, its first axis split
+    assert nu.shape == (64, 16384, 16384) and nu.sharding.spec == P("data")
 
 
 @pytest.mark.parametrize("zero_stage", [0, 1, 3])

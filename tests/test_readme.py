@@ -60,8 +60,8 @@ def test_optimizer_example_runs_and_learns():
     metrics = namespace["metrics"]
     assert float(metrics["loss"][0]) < 0.05 * 16  # from ~16 at w = 0
     assert int(metrics["skipped"][0]) == 0
-    mu = namespace["state"]["opt"].inner[0].mu["w"]
-    assert {s.data.shape for s in mu.addressable_shards} == {(2,)}  # 16 elements over 8
+    mu = namespace["state"]["opt"].inner[0].mu["w"]  # [16, 1]: its 16 rows over 8 replicas
+    assert {s.data.shape for s in mu.addressable_shards} == {(2, 1)}
 
 
 def test_explain_example_runs_and_its_printed_tables_are_current(capsys):
@@ -126,8 +126,17 @@ def test_gpt_tensor_parallel_example_splits_the_heads():
     assert namespace["out"]["loss"].shape == (2,)
 
 
-def test_zero_on_3d_meshes_example_splits_the_state_over_stage_and_data():
-    namespace = run_block("### ZeRO on 3-D meshes")
+def test_zero_on_3d_meshes_examples_split_over_data_on_top_of_model_and_stage():
+    from jax.sharding import PartitionSpec as P
+
+    namespace = run_block("### ZeRO on 3-D meshes")  # FSDP x TP
+    qkv = namespace["qkv"]
+    assert qkv.sharding.spec == P(None, "data", "model")
+    assert qkv.addressable_shards[0].data.shape == (2, 16, 96)
+    assert namespace["report"].bytes_by(kind="all-gather", axes=("model",)) == 0
+    assert namespace["report"].bytes_by(kind="all-gather", axes=("data",)) > 0
+    namespace = run_block("### ZeRO on 3-D meshes", 1)  # ZeRO-1 x PP
+    assert namespace["mu"].sharding.spec == P("stage", "data")
     assert namespace["mu"].addressable_shards[0].data.size == 256
 
 

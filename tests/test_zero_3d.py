@@ -148,7 +148,7 @@ def unshard(tree, like):
 
 def rule_bytes(shape, spec, n, *, model=4, lead=0):
     """Bytes on one device of an fp32 leaf of ``shape`` placed with ``spec`` (over `model` of
-    size ``model``) once ZeRO splits it by its documented rule: its largest axis past ``lead``
+    size ``model``) once ZeRO splits it by its documented rule: its first axis past ``lead``
     not split already that divides by the ``n`` replicas (none: whole on each)."""
     taken = {d for d, e in enumerate(spec) if e is not None}
     d = zero_split(shape, n, lead, taken)
@@ -347,3 +347,69 @@ def test_factored_adafactor_on_stage_blocks_trains_as_one_device(zero_stage):
     stored = wrapped.shard_params(placed) if zero_stage == 3 else placed
     assert wrapped.plan(stored).on_shards
     train_pipeline(repl, wrapped, tx, "1f1b", zero3=zero_stage == 3, stacked=True)
+
+
+def gpt_explain(mesh, zero_stage, *, policy=True):
+    """``repl.explain`` of the GPT's Adam step on ``mesh`` under ``zero_stage``, from shapes;
+    ``policy=False`` scans the blocks without `rp.regather_policy` (weights kept)."""
+    from replicator.models import gpt
+
+    config = gpt.GPTConfig(vocab_size=128, seq_len=32, d_model=64, num_heads=4, num_layers=2)
+    repl = make_repl(mesh)
+    opt = repl.wrap_optimizer(optax.adam(1e-3), zero_stage=zero_stage)
+
+    def init():
+        params = gpt.place(repl, gpt.init(config, jax.random.key(0)), config=config)
+        if zero_stage == 3:
+            params = opt.shard_params(params, stacked=["blocks"])
+        return {"params": params, "opt": opt.init(params)}
+
+    def loss_fn(p, b):
+        if policy:
+            return gpt.loss(p, b["tokens"], b["targets"], config=config)
+        x = gpt.embed(p["embed"], b["tokens"])
+        x, _ = jax.lax.scan(lambda h, q: (gpt.block(q, h, config=config), None), x, p["blocks"])
+        return gpt.head_loss(p["head"], x, b["targets"])
+
+    def step(state, batch):
+        params, opt_state, metrics = opt.step(loss_fn, state["params"], state["opt"], batch)
+        return {"params": params, "opt": opt_state}, metrics
+
+    shape = jax.ShapeDtypeStruct((16, 32), np.int32)
+    state = repl.abstract(init)
+    report = repl.explain(step, state, {"tokens": shape, "targets": shape})
+    return report, state
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", [{"data": 4, "model": 2}, {"data": 2, "model": 4}])
+def test_fsdp_x_tp_computes_each_product_once_and_moves_no_weight_over_model(mesh):
+    """Read from the compiled programs: ZeRO-3 x TP does tensor parallelism's matmul FLOPs
+    (a weight gathered whole on every `model` device would multiply them by T), moves nothing
+    over `model` but TP's activations, and its data-axis volume is the ZeRO paper's: under
+    3 Psi_T words with each layer gathered again backward, 2 Psi_T with the weights kept."""
+    tp, tp_state = gpt_explain(mesh, 0)
+    fsdp, _ = gpt_explain(mesh, 3)
+    kept, _ = gpt_explain(mesh, 3, policy=False)
+    zero1, _ = gpt_explain(mesh, 1)
+    for report in (fsdp, kept, zero1):
+        assert report.matmul_flops <= 1.001 * tp.matmul_flops, report.matmul_flops / tp.matmul_flops
+        assert report.bytes_by(kind="all-gather", axes=("model",)) == 0
+        assert report.bytes_by(axes=("model",)) == tp.bytes_by(axes=("model",))
+    psi_t = sum(  # bytes one `model` device holds of the parameters
+        math.prod(x.sharding.shard_shape(x.shape)) * 4 for x in jax.tree.leaves(tp_state["params"])
+    )
+
+    def volume(r):
+        return sum(r.bytes_by(kind=k, axes=("data",)) for k in ("all-gather", "reduce-scatter")) + (
+            2 * r.bytes_by(kind="all-reduce", axes=("data",))
+        )
+
+    assert abs(volume(tp) / (2 * psi_t) - 1) < 1e-3  # data parallelism's all-reduce
+    assert abs(volume(zero1) / (2 * psi_t) - 1) < 1e-3
+    assert abs(volume(kept) / (2 * psi_t) - 1) < 1e-3
+    assert 2.5 * psi_t < volume(fsdp) <= 3 * psi_t
+    assert fsdp.memory.temporaries < kept.memory.temporaries  # one layer's weights at a time
+    (note,) = fsdp.zero
+    assert note.zero_stage == 3 and not note.gathered
+    assert note.whole_leaves == 2 and note.whole_bytes > 0  # the biases split over `model`

@@ -116,10 +116,10 @@ def test_zero_1_2_with_any_transformation_equal_one_device(name, zero_stage):
     assert rel_err(state["params"], want) <= 1e-5
     assert rel_err(state["params"], init_params()) > 1e-3  # it trained
     assert plan.on_shards == on_shards, plan.gathered
-    shapes = {np.shape(p) for p in jax.tree.leaves(init_params())}
-    for leaf in jax.tree.leaves(state["opt"]):  # a state leaf shaped like a parameter: split
-        if np.shape(leaf) in shapes:  # like the parameter, 1/8 on each device when it divides
-            assert leaf.sharding.spec == zero_spec(leaf.shape), (leaf.shape, leaf.sharding)
+    for leaf, planned in zip(jax.tree.leaves(state["opt"].inner), plan.state, strict=True):
+        assert leaf.sharding.spec == planned.spec and leaf.shape == planned.shape
+        if planned.why_whole != "reduced":  # a moment, like its parameter: 1/8 where 8 divides
+            assert leaf.sharding.spec == zero_spec(leaf.shape), (planned.path, leaf.sharding)
     if on_shards:
         assert not warned
         assert "the update runs on shards" in str(plan)
@@ -129,17 +129,17 @@ def test_zero_1_2_with_any_transformation_equal_one_device(name, zero_stage):
 
 
 def test_factored_adafactor_keeps_its_statistics_on_shards():
-    """Adafactor's row and column means of a [16, 24] matrix split along its columns (24): the
-    row means are a reduction over the split axis, completed over the replicas (whole, 16
-    floats); the column means are split like the columns. Nothing is gathered."""
+    """Adafactor's row and column means of a [16, 24] matrix split along its rows (16): the
+    column means are a reduction over the split axis, completed over the replicas (whole, 24
+    floats); the row means are split like the rows. Nothing is gathered."""
     repl = rp.Replicator()
     opt = repl.wrap_optimizer(optax.adafactor(1e-2, min_dim_size_to_factor=4), zero_stage=1)
     params = repl.replicate(init_params())
     plan = opt.plan(params)
     assert plan.on_shards and "on shards" in str(plan)
     stats = {leaf.shape: leaf for leaf in plan.state if leaf.path.endswith("[0]['w']")}
-    assert stats[(16,)].split is None and stats[(16,)].why_whole == "reduced"
-    assert stats[(24,)].split == 0 and stats[(24,)].device_bytes == 4 * 24 // 8
+    assert stats[(24,)].split is None and stats[(24,)].why_whole == "reduced"
+    assert stats[(16,)].split == 0 and stats[(16,)].device_bytes == 4 * 16 // 8
 
 
 def test_an_element_wise_run_of_a_non_element_wise_transformation_is_wrong():
@@ -179,6 +179,7 @@ def test_zero_3_with_any_transformation_equals_one_device(name):
     repl = rp.Replicator()
     wrapped = repl.wrap_optimizer(make(), zero_stage=3)
     sharded = wrapped.shard_params(zero3_params(), stacked=["layers"])
+    assert wrapped.plan(sharded).on_shards == TRANSFORMS[name][1], wrapped.plan(sharded)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         state = {"params": sharded, "opt": wrapped.init(sharded)}

@@ -182,7 +182,7 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
     def shard_params(self, params: PyTree, *, stacked: Any = ()) -> PyTree:
         """ZeRO-3: ``params`` stored as `ShardedParam` leaves, 1/N of each on every replica.
 
-        Each parameter keeps its shape; its largest axis that divides by the replicas and is
+        Each parameter keeps its shape; its first axis that divides by the replicas and is
         not split over ``stage`` or ``model`` already is split over the data axes too
         (`zero_layout.split_dim`). A parameter with no such axis is kept whole on every replica.
 
@@ -222,11 +222,11 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
         >>> repl = rp.Replicator(devices=jax.devices()[:2])
         >>> opt = repl.wrap_optimizer(optax.adafactor(1e-2, min_dim_size_to_factor=2), zero_stage=1)
         >>> plan = opt.plan(repl.replicate({"w": jnp.zeros((4, 6))}))
-        >>> plan.params[0].split   # w is split along its 6 columns, 3 on each replica
-        1
+        >>> plan.params[0].split   # w is split along its 4 rows, 2 on each replica
+        0
         >>> [(leaf.shape, leaf.split) for leaf in plan.state]  # count, row and column statistics
-        [((), None), ((4,), None), ((6,), 0), ((1,), None)]
-        >>> plan.on_shards   # the row means complete over the replicas; the column means split
+        [((), None), ((4,), 0), ((6,), None), ((1,), None)]
+        >>> plan.on_shards   # the row means split like the rows; the column means completed
         True
 
         Raises:

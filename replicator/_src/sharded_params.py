@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 
 from replicator._src import collectives
 from replicator._src.typing import PyTree
@@ -151,6 +152,45 @@ def gather_params(tree: PyTree) -> PyTree:
             return node
         if node.dim is None:
             return node.value
-        return collectives.gather_replicas(node.value, node.dim, node.auto)
+        whole = collectives.gather_replicas(node.value, node.dim, node.auto)
+        return checkpoint_name(whole, GATHERED)
 
     return jax.tree.map(gather, tree, is_leaf=is_sharded_param)
+
+
+GATHERED = "replicator_gathered_params"
+"""The ``jax.ad_checkpoint.checkpoint_name`` of every parameter `gather_params` gathers."""
+
+
+def regather_policy():
+    """A ``jax.checkpoint`` policy that saves everything for the backward pass but ZeRO-3's
+    gathered parameters, which are gathered again there: FSDP's ``reshard_after_forward``.
+
+    Without it, the backward pass of a layer scan keeps every layer's gathered weights (the
+    whole model, 1/T of it with ``model``): 2 Psi words on the wire per step. With it, each
+    layer's weights are gathered again in the backward pass instead (3 Psi words, only one
+    layer's weights whole at a time), and nothing else is recomputed. ``gpt.blocks`` applies
+    it; wrap your own layer with it:
+
+        step = jax.checkpoint(layer, policy=rp.regather_policy(), prevent_cse=False)
+        h, _ = jax.lax.scan(step, h, params["layers"])
+
+    >>> import jax, replicator as rp
+    >>> policy = rp.regather_policy()   # a function jax.checkpoint calls on each primitive
+    >>> callable(policy)
+    True
+    """
+    return _save_all_but_gathers
+
+
+def _save_all_but_gathers(prim, *_, **params) -> bool:
+    """Whether ``jax.checkpoint`` may keep an output of ``prim`` for the backward pass: all but
+    all-gathers (and the ``shard_map`` over ``model`` that wraps one, `gather_replicas`)."""
+    if prim.name == "all_gather":
+        return False
+    if prim.name == "shard_map":
+        body = getattr(params.get("jaxpr"), "eqns", None) or getattr(
+            getattr(params.get("jaxpr"), "jaxpr", None), "eqns", ()
+        )
+        return [e.primitive.name for e in body] != ["all_gather"]
+    return not (prim.name == "name" and params.get("name") == GATHERED)

@@ -5,8 +5,9 @@ over the data axes, on top of whatever split it has over ``stage`` (a pipeline's
 or ``model`` (tensor parallelism): MaxText's ``P("fsdp", "tensor")``, FSDP2's sharded dimension.
 `split_dim` chooses the axis:
 
-* the largest axis that divides by the number of replicas N and is not split over another mesh
-  axis already; of axes of equal size, the first;
+* the first (outermost) axis that divides by the number of replicas N and is not split over
+  another mesh axis already, as FSDP2 splits dim 0: each replica's part is then contiguous, so
+  gathering it and scattering into it need no transposes;
 * with ZeRO-3, not one of a stacked leaf's leading layer axes (a layer scan slices those, and
   gathers one layer at a time), nor a stage block's stage and layer axes;
 * None when no axis divides by N (or N is 1): the leaf is kept whole on every replica, still
@@ -17,7 +18,7 @@ or ``model`` (tensor parallelism): MaxText's ``P("fsdp", "tensor")``, FSDP2's sh
 
 Equivalent to::
 
-    dim = max((a for a in free_axes(leaf) if leaf.shape[a] % N == 0), key=lambda a: leaf.shape[a])
+    dim = next(a for a in free_axes(leaf) if leaf.shape[a] % N == 0)
     spec = leaf_spec with spec[dim] = data_axes
 """
 
@@ -48,6 +49,8 @@ def split_dim(shape: Sequence[int], spec: Any, n: int, *, lead: int = 0) -> int 
 
     >>> split_dim((512, 1536), PartitionSpec(None, "model"), 8)  # columns over model: rows
     0
+    >>> split_dim((512, 1536), PartitionSpec("model"), 8)  # rows over model: columns
+    1
     >>> split_dim((3, 7, 7), None, 8) is None                     # nothing divides by 8
     True
     """
@@ -57,7 +60,7 @@ def split_dim(shape: Sequence[int], spec: Any, n: int, *, lead: int = 0) -> int 
     free = [d for d in range(lead, len(shape)) if d not in taken and shape[d] % n == 0]
     if not free:
         return None
-    return max(free, key=lambda d: (shape[d], -d))
+    return free[0]
 
 
 def data_entry(mesh: Mesh) -> Any:

@@ -33,9 +33,9 @@ class PlanLeaf:
       spec: its ``PartitionSpec`` on the mesh.
       split: the axis split over the replicas (for a parameter ZeRO-1/2 keep whole: the axis
         its gradient is reduce-scattered along), or None when it is whole on every replica.
-      why_whole: for a whole leaf: ``"no axis divides"`` by the replicas, ``"reduced"`` (a
-        statistic reduced over a split axis, such as Adafactor's column means) or
-        ``"scalar"``; empty for a split leaf.
+      why_whole: for a whole leaf: ``"no axis divides"`` by the replicas, ``"reduced"``
+        (computed whole by the update: a statistic reduced over a split axis, such as
+        Adafactor's column means) or ``"scalar"``; empty for a split leaf.
       device_bytes: its bytes on one device.
     """
 
@@ -129,10 +129,10 @@ def make(
     for (path, a), spec, split in zip(s_paths, specs, s_splits, strict=True):
         shape = tuple(a.shape)
         why = ""
-        if split is None:
-            same = any(r.shape == shape for r in p_rows)
+        if split is None:  # whole: no axis to split, or computed by a reduction over one
+            divides = zero_layout.split_dim(shape, spec, zero.n) is not None
             why = "scalar" if math.prod(shape) <= 1 else (
-                "no axis divides" if same else "reduced")  # fmt: skip
+                "reduced" if divides else "no axis divides")  # fmt: skip
         s_rows.append(
             PlanLeaf(
                 f"opt{jax.tree_util.keystr(path)}", shape, str(a.dtype), spec, split,

@@ -168,14 +168,22 @@ def block(layer_params: dict, x: jax.Array, *, config: GPTConfig) -> jax.Array:
 
 def blocks(stacked_params: dict, x: jax.Array, *, config: GPTConfig) -> jax.Array:
     """Every block in order, as a ``lax.scan`` over the leading layer axis; with
-    ``config.remat`` each block is recomputed in the backward pass (``jax.checkpoint``).
+    ``config.remat`` each block is recomputed in the backward pass (``jax.checkpoint``), and
+    ZeRO-3 parameters are gathered again there (`rp.regather_policy`) rather than kept.
 
     Equivalent to: ``for p in stacked_params: x = block(p, x, config=config)``.
     """
     step = lambda h, p: (block(p, h, config=config), None)
     if config.remat:
         step = jax.checkpoint(step, prevent_cse=False)  # in a scan: nothing to keep apart
+    elif _stored_sharded(stacked_params):  # ZeRO-3: each layer gathered again backward
+        step = jax.checkpoint(step, policy=rp.regather_policy(), prevent_cse=False)
     return jax.lax.scan(step, x, stacked_params)[0]
+
+
+def _stored_sharded(tree: PyTree) -> bool:
+    is_node = lambda x: isinstance(x, rp.ShardedParam)
+    return any(map(is_node, jax.tree.leaves(tree, is_leaf=is_node)))
 
 
 def stage_fn(config: GPTConfig) -> Callable[[dict, jax.Array], jax.Array]:
