@@ -19,6 +19,7 @@ from replicator._src.collectives import sum_over_axes
 from replicator._src.pipeline import schedules as S
 from replicator._src.pipeline import zero_bubble
 from replicator._src.pipeline.call import PipelineCall
+from replicator._src.pipeline.residuals import as_remat
 
 K, M = 4, 8
 MESH = {"data": 2, "stage": 4}
@@ -127,7 +128,7 @@ class Tables:
         return self._plan
 
 
-def engine(stage_fn, plan, *, unroll=False):
+def engine(stage_fn, plan, *, unroll=False, remat="full"):
     """value_and_grad's wiring for a plan the library has no schedule for: the call, the
     ZeroBubble scan, the sums over 'stage'."""
 
@@ -136,7 +137,8 @@ def engine(stage_fn, plan, *, unroll=False):
             "value_and_grad", Tables(plan), plan.num_microbatches, stage_fn, stage_params,
             inputs, targets, unroll=unroll,
         )  # fmt: skip
-        loss, g_rows, g_xs, g_head = zero_bubble.value_and_grad(call, loss_fn, head)
+        policy = as_remat(remat, "engine")
+        loss, g_rows, g_xs, g_head = zero_bubble.value_and_grad(call, loss_fn, head, policy)
         loss, g_xs, g_head = sum_over_axes((loss, g_xs, g_head), ("stage",))
         return loss, (call.from_rows(g_rows), call.merge_batch(g_xs), g_head)
 
@@ -240,25 +242,30 @@ def assert_matches_oracle(f, lv):
 
 
 @pytest.mark.parametrize(
-    "lv,plan",
+    "lv,plan,remat",
     [
-        (1, lambda: delayed_plan(K, M, 2)),
-        (2, lambda: delayed_plan(K, M, 3)),
-        (3, lambda: random_plan(K, M, seed=3)),
+        (1, lambda: delayed_plan(K, M, 2), "none"),
+        (2, lambda: delayed_plan(K, M, 3), "full"),
+        (3, lambda: random_plan(K, M, seed=3), "dots"),
+        (3, lambda: random_plan(K, M, seed=3), "none"),
     ],
-    ids=["plain-delay2", "scan2-delay3", "scan3-random"],
+    ids=["plain-delay2-none", "scan2-delay3-full", "scan3-random-dots", "scan3-random-none"],
 )
-def test_loss_and_every_gradient_equal_the_sequential_model(lv, plan):
+def test_loss_and_every_gradient_equal_the_sequential_model(lv, plan, remat):
+    """The residuals, the cotangents and what B keeps for W wait in their rings for as many
+    ticks as the tables say, whatever the remat policy."""
     plan = plan()
     assert (plan.wgt != plan.bwd).any()  # W really runs apart from B
-    assert_matches_oracle(engine(stage_fn_for(lv), plan), lv)
+    assert_matches_oracle(engine(stage_fn_for(lv), plan, remat=remat), lv)
 
 
-@pytest.mark.parametrize("lv", [1, 2])
-def test_the_zerobubble_schedule_through_value_and_grad(lv):
+@pytest.mark.parametrize("lv,remat", [(1, "full"), (2, "none"), (2, "dots")])
+def test_the_zerobubble_schedule_through_value_and_grad(lv, remat):
     schedule = S.get("zerobubble")
     assert schedule.name == "zerobubble"
-    f = pipeline.value_and_grad(stage_fn_for(lv), loss_fn, num_microbatches=M, schedule=schedule)
+    f = pipeline.value_and_grad(
+        stage_fn_for(lv), loss_fn, num_microbatches=M, schedule=schedule, remat=remat
+    )
     assert_matches_oracle(f, lv)
 
 
@@ -347,20 +354,23 @@ def test_apply_and_the_remat_option():
     r = repl()
     _, out = r.run(lambda s, h: (s, {"y": f(s["stages"], h)}), place(params, r, lv), h)
     assert rel_err(np.asarray(out["y"]).reshape(want.shape), want) <= TOL
-    with pytest.raises(ValueError, match=r"ZeroBubble\(\) always recomputes.*remat=False is not"):
-        pipeline.value_and_grad(layer_fn, loss_fn, num_microbatches=M, schedule="zerobubble",
-                                remat=False)  # fmt: skip
 
 
-def test_explain_counts_the_busy_phases_and_two_shifts_per_tick():
-    """Each stage runs M of the T ticks' F, B and W phases: per layer and micro-batch one
-    matmul forward, two in B (recompute, input gradient) and two in W (recompute, weight
-    gradient); the head's three run M times on the last stage."""
+# Matmuls per layer and micro-batch: one forward, the input gradient in B, the weight gradient
+# in W, and with "full" the forward again in B (W uses what B recomputed). "dots" keeps the
+# product's output, so it recomputes only the tanh.
+MATMULS = {"none": 3, "full": 4, "dots": 3}
+
+
+@pytest.mark.parametrize("remat", list(MATMULS))
+def test_explain_counts_the_busy_phases_and_two_shifts_per_tick(remat):
+    """Each stage runs M of the T ticks' F, B and W phases, with the work of one fused
+    backward between B and W; the head's three matmuls run M times on the last stage."""
     lv, b = 2, 2  # b: rows of one micro-batch on one device
     r = repl()
     params = init_params(K * lv)
     f = pipeline.value_and_grad(
-        stage_fn_for(lv), loss_fn, num_microbatches=M, schedule=S.ZeroBubble()
+        stage_fn_for(lv), loss_fn, num_microbatches=M, schedule=S.ZeroBubble(), remat=remat
     )
 
     def step(state, h, t):
@@ -376,4 +386,4 @@ def test_explain_counts_the_busy_phases_and_two_shifts_per_tick():
                                                                 2 * plan.num_ticks)  # fmt: skip
     assert report.bytes_by(kind="collective-permute") == 2 * plan.num_ticks * 4 * b * D
     per_layer, head = 2 * b * D * D, 2 * b * D * D_OUT
-    assert report.matmul_flops == M * lv * 5 * per_layer + M * 3 * head
+    assert report.matmul_flops == M * lv * MATMULS[remat] * per_layer + M * 3 * head

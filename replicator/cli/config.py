@@ -44,11 +44,11 @@ class ModelConfig:
     vocab: int = 256  # gpt: token ids, >= 256 (the built-in text is bytes; .npy ids < vocab)
     d_ff: int | None = None  # gpt: the MLP's hidden units; null: 4 * d_model
     dtype: str = "float32"  # gpt: the compute dtype, "float32" or "bfloat16" (params stay fp32)
-    # gpt: recompute each block in the backward pass instead of keeping its activations (the
-    # same numbers; less memory, more FLOPs). In a pipeline it is the engine's remat for the
-    # gpipe and circular schedules; 1f1b always recomputes each block from its stashed input,
-    # whatever remat says (true or false: the same program).
-    remat: bool = False
+    # gpt: what each block keeps for its backward pass (the same numbers whatever it is):
+    # none (false) all its activations; full (true) its input, recomputing the block; dots the
+    # outputs of its linear layers, recomputing attention's scores (Megatron-LM's selective
+    # recomputation). In a pipeline it is the engine's remat, for every schedule.
+    remat: bool | str = False
 
     def __post_init__(self) -> None:
         if not _OWN_KIND.fullmatch(str(self.kind)):  # else "module:function", your own model
@@ -67,8 +67,11 @@ class ModelConfig:
         if self.d_ff is not None:
             _at_least(self, "d_ff", 1)
         _one_of(self, "dtype", DTYPES, what="a compute dtype")
-        if not isinstance(self.remat, bool):
-            raise ValueError(f"{_where(self)}remat must be true or false; got {self.remat!r}.")
+        if not isinstance(self.remat, bool) and self.remat not in REMAT_POLICIES:
+            raise ValueError(
+                f"{_where(self)}remat must be one of none, full, dots (or false = none, true = "
+                f"full); got {self.remat!r}."
+            )
         if self.kind == "gpt" and self.vocab < BYTE_VOCAB:
             raise ValueError(
                 f"{_where(self)}vocab={self.vocab} is smaller than the data's {BYTE_VOCAB} byte "
@@ -85,7 +88,7 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
-    schedule: str = "1f1b"  # "gpipe", "circular" or "1f1b"
+    schedule: str = "1f1b"  # "gpipe", "circular", "1f1b" or "zerobubble"
     microbatches: int = 4
     repeats: int = 2  # virtual stages per device, for "circular"
 
@@ -243,10 +246,11 @@ class TrainConfig:
 
 MODEL_KINDS = ("gpt", "mlp", "cnn")
 DTYPES = ("float32", "bfloat16")
+REMAT_POLICIES = ("none", "full", "dots")
 BYTE_VOCAB = 256
 GPT_ONLY = {"vocab": BYTE_VOCAB, "d_ff": None, "dtype": "float32", "remat": False}  # defaults
 _OWN_KIND = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
-SCHEDULES = ("gpipe", "circular", "1f1b")
+SCHEDULES = ("gpipe", "circular", "1f1b", "zerobubble")
 WANDB_MODES = ("offline", "online", "disabled")
 
 

@@ -351,6 +351,7 @@ def _schedule(config: TrainConfig):
         "gpipe": rp.pipeline.GPipe(),
         "circular": rp.pipeline.Circular(repeats=p.repeats),
         "1f1b": rp.pipeline.OneFOneB(),
+        "zerobubble": rp.pipeline.ZeroBubble(),
     }[p.schedule]
 
 
@@ -402,7 +403,7 @@ def _gpt(config: TrainConfig, repl, make_tx) -> _Job:
 
         def init():
             placed = gpt.place(repl, init_params(), config=model)  # heads, MLP over "model"
-            if zero3:  # stored flat over the replicas, each block's layer on its own
+            if zero3:  # split over the replicas, each block's layer gathered on its own
                 placed = opt.shard_params(placed, stacked=["blocks"])
             return {"params": placed, "opt": opt.init(placed)}
 
@@ -413,7 +414,7 @@ def _gpt(config: TrainConfig, repl, make_tx) -> _Job:
         model,
         num_microbatches=config.pipeline.microbatches,
         schedule=schedule,
-        remat=True if config.pipeline.schedule == "1f1b" else m.remat,  # 1F1B: always
+        remat=m.remat,
     )
     k, v = repl.mesh.shape["stage"], schedule.repeats
     staged = lambda: gpt.pipeline_params(init_params(), num_stages=k, repeats=v)

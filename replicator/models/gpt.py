@@ -41,6 +41,7 @@ import replicator as rp
 from replicator import pipeline
 from replicator._src.errors import positive_int
 from replicator._src.mesh import MODEL_AXIS
+from replicator._src.pipeline.residuals import as_remat
 
 PyTree = Any
 
@@ -48,10 +49,11 @@ PyTree = Any
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
     """Sizes of the decoder. ``d_ff`` defaults to ``4 * d_model``; ``dtype`` is the compute
-    dtype (parameters stay fp32, and the head's logits and loss are fp32); ``remat`` recomputes
-    each block in the backward pass of `blocks` from its input instead of keeping its
-    activations (the same numbers, less memory, more FLOPs). Pipelines take their own ``remat``
-    (`pipeline_value_and_grad`)."""
+    dtype (parameters stay fp32, and the head's logits and loss are fp32); ``remat`` is what each
+    block of `blocks` keeps for the backward pass: ``"none"`` (``False``) all its activations,
+    ``"full"`` (``True``) its input only, recomputing the block, ``"dots"`` the outputs of its
+    linear layers, recomputing attention's scores and the element-wise rest (the same numbers,
+    less memory, more FLOPs). Pipelines take their own ``remat`` (`pipeline_value_and_grad`)."""
 
     vocab_size: int = 256
     seq_len: int = 64
@@ -60,14 +62,18 @@ class GPTConfig:
     num_layers: int = 4
     d_ff: int | None = None
     dtype: Any = jnp.float32
-    remat: bool = False
+    remat: bool | str = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "d_model", "num_heads", "num_layers"):
             positive_int(getattr(self, name), api="GPTConfig", name=name)
         positive_int(self.d_ff, api="GPTConfig", name="d_ff", none=" or None")
-        if not isinstance(self.remat, bool):
-            raise ValueError(f"GPTConfig: remat must be True or False; got {self.remat!r}.")
+        if not isinstance(self.remat, (bool, str)):
+            raise ValueError(
+                f"GPTConfig: remat must be True, False, 'none', 'full' or 'dots'; got "
+                f"{self.remat!r}."
+            )
+        as_remat(self.remat, "GPTConfig")
         if self.d_model % self.num_heads:
             raise ValueError(
                 f"GPTConfig: d_model={self.d_model} must divide by num_heads={self.num_heads}; "
@@ -168,14 +174,16 @@ def block(layer_params: dict, x: jax.Array, *, config: GPTConfig) -> jax.Array:
 
 def blocks(stacked_params: dict, x: jax.Array, *, config: GPTConfig) -> jax.Array:
     """Every block in order, as a ``lax.scan`` over the leading layer axis; with
-    ``config.remat`` each block is recomputed in the backward pass (``jax.checkpoint``), and
-    ZeRO-3 parameters are gathered again there (`rp.regather_policy`) rather than kept.
+    ``config.remat`` each block keeps what its policy says for the backward pass
+    (``jax.checkpoint``), and ZeRO-3 parameters are gathered again there
+    (`rp.regather_policy`) rather than kept.
 
     Equivalent to: ``for p in stacked_params: x = block(p, x, config=config)``.
     """
     step = lambda h, p: (block(p, h, config=config), None)
-    if config.remat:
-        step = jax.checkpoint(step, prevent_cse=False)  # in a scan: nothing to keep apart
+    remat = as_remat(config.remat, "GPTConfig")
+    if remat.recomputes:  # gathered ZeRO-3 weights are never saved by these policies
+        step = jax.checkpoint(step, policy=remat.policy, prevent_cse=False)
     elif _stored_sharded(stacked_params):  # ZeRO-3: each layer gathered again backward
         step = jax.checkpoint(step, policy=rp.regather_policy(), prevent_cse=False)
     return jax.lax.scan(step, x, stacked_params)[0]
@@ -218,7 +226,11 @@ def loss(params: dict, tokens: jax.Array, targets: jax.Array, *, config: GPTConf
 
 
 def pipeline_value_and_grad(
-    config: GPTConfig, *, num_microbatches: int, schedule: Any = "gpipe", remat: bool = True
+    config: GPTConfig,
+    *,
+    num_microbatches: int,
+    schedule: Any = "gpipe",
+    remat: bool | str | Callable = True,
 ) -> Callable[[dict, dict], tuple[jax.Array, dict]]:
     """``f(params, batch) -> (loss, grads)`` for one data replica, the blocks run as a pipeline.
 
@@ -241,8 +253,8 @@ def pipeline_value_and_grad(
       num_microbatches: micro-batches per replica's batch (see
         `replicator.pipeline.value_and_grad`).
       schedule: a `replicator.pipeline` schedule such as ``pipeline.OneFOneB()``, or its name.
-      remat: recompute each block in the backward pass from its input (the pipeline engine's
-        ``remat``); 1F1B always recomputes and refuses ``remat=False``.
+      remat: what each block keeps for the backward pass, as for
+        `replicator.pipeline.value_and_grad`: ``"none"``, ``"full"`` (``True``) or ``"dots"``.
 
     Returns:
       The function; its ``grads`` have the structure of ``params``, and are this replica's own

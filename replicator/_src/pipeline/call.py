@@ -31,6 +31,7 @@ from replicator._src.pipeline.layers import (
     same_shapes,
 )
 from replicator._src.pipeline.packing import Packing
+from replicator._src.pipeline.residuals import Remat
 from replicator._src.pipeline.stages import Sequential
 from replicator._src.pipeline.ticks import take
 from replicator._src.typing import PyTree
@@ -70,7 +71,7 @@ class PipelineCall:
     def from_arguments(
         cls, api: str, schedule: schedules_lib.Schedule, m: int, stage_fn: StageFn,
         stage_params: PyTree, inputs: PyTree, targets: PyTree, *, unroll: bool,
-        asked: schedules_lib.Schedule | None = None,
+        asked: schedules_lib.Schedule | None = None, remat: Remat | None = None,
     ) -> PipelineCall:  # fmt: skip
         """Checks a call's arguments and splits them for ``schedule``, the schedule that runs.
 
@@ -84,6 +85,7 @@ class PipelineCall:
           asked: the schedule the user passed, when another one runs (``apply`` runs the
             forward ticks of ``OneFOneB()``, which are GPipe's): the call refuses what it
             refuses, so that ``apply`` takes the arguments ``value_and_grad`` takes.
+          remat: the call's remat policy, for the measured costs of the note.
 
         Raises:
           ValueError: as `value_and_grad` says.
@@ -121,7 +123,8 @@ class PipelineCall:
                 sent = wire.buffer_bytes()
             note_plan(plan, sent, backward=api == "value_and_grad",
                       padding=_padding(stage_fn, wire), stage_fn=stage_fn,
-                      stage_params=stage_params, example_input=take(xs, 0))  # fmt: skip
+                      stage_params=stage_params, example_input=take(xs, 0),
+                      remat=remat)  # fmt: skip
         return call
 
     def from_rows(self, g_rows: PyTree) -> PyTree:
@@ -142,13 +145,14 @@ def note_plan(
     stage_fn: StageFn | None = None,
     stage_params: PyTree = None,
     example_input: PyTree = None,
+    remat: Remat | None = None,
 ) -> None:
     """Notes ``plan`` for `Replicator.explain` (a no-op unless a report is being made).
 
     With ``stage_fn`` (a ``stage_fn`` of identical stages or a `Sequential`), its stage params
     as passed (one device's, inside the mesh) and one micro-batch's input, the note also holds
     the step time modelled on K parallel devices (`timing.step_time`) from each stage's FLOPs
-    (`costs.stage_costs`), and with equal costs. A forward-only call (``backward=False``) is
+    (`costs.stage_costs`, under the call's ``remat`` policy), and with equal costs. A forward-only call (``backward=False``) is
     modelled with backward passes that cost nothing. A stage whose FLOPs cannot be measured
     (e.g. one that compiles to a loop) leaves the equal-cost model and the reason in the note.
     """
@@ -160,7 +164,9 @@ def note_plan(
     if stage_fn is not None and not tracing.measuring_stages():
         why = "not measured (explain(..., stage_costs=False))"
     elif stage_fn is not None:
-        measured, why = _measured_costs(plan, stage_fn, stage_params, example_input, backward)
+        measured, why = _measured_costs(
+            plan, stage_fn, stage_params, example_input, backward, remat
+        )
     at_equal = timing.step_time(plan, equal)
     shown = at_equal if measured is None else timing.step_time(plan, measured)
     tracing.note_pipeline(
@@ -188,8 +194,9 @@ def note_plan(
 
 
 def _measured_costs(
-    plan: schedules_lib.Plan, stage_fn: StageFn, stage_params: PyTree, x: PyTree, backward: bool
-) -> tuple[timing.StageCosts | None, str]:
+    plan: schedules_lib.Plan, stage_fn: StageFn, stage_params: PyTree, x: PyTree, backward: bool,
+    remat: Remat | None,
+) -> tuple[timing.StageCosts | None, str]:  # fmt: skip
     """Each logical stage's FLOPs on one micro-batch ``x`` (backward passes at 0 unless
     ``backward``), or None and the reason they could not be measured. ``stage_params`` are one
     device's (``[1, ...]`` or ``[V, 1, ...]``) inside the mesh: the stack of K stages is rebuilt
@@ -200,7 +207,9 @@ def _measured_costs(
             if isinstance(stage_fn, Sequential):
                 layout = stage_fn.params_layout
                 params = [layout.abstract(j) for j in range(len(stage_fn))]
-                measured = costs_lib.stage_costs(list(stage_fn.fns), params, x, method="flops")
+                measured = costs_lib.stage_costs(
+                    list(stage_fn.fns), params, x, method="flops", remat=remat or "full"
+                )
             else:
                 lead = (k,) if v == 1 else (v, k)
                 stacked = jax.tree.map(
@@ -210,7 +219,7 @@ def _measured_costs(
                     stage_params,
                 )
                 measured = costs_lib.stage_costs_stacked(
-                    stage_fn, stacked, x, virtual_stages=v, method="flops"
+                    stage_fn, stacked, x, virtual_stages=v, method="flops", remat=remat or "full"
                 )
         measured = _forward_only(measured, backward)
         timing.step_time(plan, measured)  # refuses costs that make the step take no time

@@ -27,6 +27,7 @@ import numpy as np
 
 from replicator._src.errors import positive_int
 from replicator._src.pipeline.layers import _ScanLayers, describe, same_shapes
+from replicator._src.pipeline.residuals import Remat, SavedLayer, as_remat
 from replicator._src.pipeline.steps import Chain
 from replicator._src.pipeline.timing import StageCosts
 from replicator._src.typing import PyTree
@@ -154,39 +155,19 @@ def _inexact(a: Any) -> bool:
     return bool(jnp.issubdtype(jnp.result_type(a), jnp.inexact))
 
 
-def _split(tree: PyTree) -> tuple[list, Callable[[list], PyTree]]:
-    """The differentiable (inexact) leaves of ``tree``, and the function rebuilding ``tree``
-    from new values of them (the other leaves, e.g. integer token ids, are closed over)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    mask = [_inexact(a) for a in leaves]
-
-    def rebuild(diff: list) -> PyTree:
-        it = iter(diff)
-        return treedef.unflatten([next(it) if m else a for m, a in zip(mask, leaves, strict=True)])
-
-    return [a for m, a in zip(mask, leaves, strict=True) if m], rebuild
-
-
-def _backward(fn: Callable, wrt: str) -> Callable:
-    """``f(p, x, g)``: the recompute of ``fn`` under ``jax.checkpoint`` and its vjp on ``g``
-    (the cotangents of the output's inexact leaves), with respect to ``wrt``: ``"both"``,
-    ``"input"`` or ``"weight"``."""
-    remat = jax.checkpoint(fn, prevent_cse=False)
-
-    def run(p: PyTree, x: PyTree, g: list) -> Any:
-        pd, p_of = _split(p)
-        xd, x_of = _split(x)
-
-        def f(pd: list, xd: list) -> list:
-            return [a for a in jax.tree.leaves(remat(p_of(pd), x_of(xd))) if _inexact(a)]
-
-        if wrt == "input":
-            return jax.vjp(lambda xd: f(pd, xd), xd)[1](g)
-        if wrt == "weight":
-            return jax.vjp(lambda pd: f(pd, xd), pd)[1](g)
-        return jax.vjp(f, pd, xd)[1](g)
-
-    return run
+def _backwards(fn: Callable, p: PyTree, x: PyTree, g: list, remat: Remat) -> dict:
+    """The backward passes of ``fn(p, x)`` as the engine runs them under ``remat``
+    (`residuals.SavedLayer`), each a function and its abstract arguments: from the forward's
+    residuals and the output's cotangents ``g``, ``"both"`` (the fused backward), ``"input"``
+    (ZeroBubble's B) and ``"weight"`` (W, from the residuals and what B kept)."""
+    saved = SavedLayer(lambda p, _sh, x, _j, _li: fn(p, x), remat, p, {}, x, 0, 0)
+    res = saved.residuals
+    inter = saved.inter_shapes(p, {}, res, g)
+    return {
+        "input": (lambda p, r, g: saved.input_grad(p, {}, r, g), (p, res, g)),
+        "weight": (lambda p, r, g, i: saved.weight_grad(p, {}, r, g, i), (p, res, g, inter)),
+        "both": (lambda p, r, g: saved.backward(p, {}, r, g), (p, res, g)),
+    }
 
 
 def _batch_axis(tree: PyTree) -> int | None:
@@ -196,18 +177,15 @@ def _batch_axis(tree: PyTree) -> int | None:
 
 
 def _passes(
-    fn: Callable, p: PyTree, x: PyTree, *, method: str, repeats: int, api: str, what: str
-) -> dict[str, float]:
+    fn: Callable, p: PyTree, x: PyTree, *, method: str, repeats: int, api: str, what: str,
+    remat: Remat,
+) -> dict[str, float]:  # fmt: skip
     """The forward, input-, weight- and fused-backward costs of ``fn(p, x)`` (abstract ``p``
-    and ``x``); a `scan_layers` stage one layer at a time, times its number of layers."""
+    and ``x``) under ``remat``; a `scan_layers` stage one layer at a time, times its number of
+    layers."""
     layer_fn, layer_p, n = _one_layer(fn, p)
     g = [a for a in jax.tree.leaves(jax.eval_shape(layer_fn, layer_p, x)) if _inexact(a)]
-    passes = {
-        "forward": (layer_fn, (layer_p, x)),
-        "input": (_backward(layer_fn, "input"), (layer_p, x, g)),
-        "weight": (_backward(layer_fn, "weight"), (layer_p, x, g)),
-        "both": (_backward(layer_fn, "both"), (layer_p, x, g)),
-    }
+    passes = {"forward": (layer_fn, (layer_p, x)), **_backwards(layer_fn, layer_p, x, g, remat)}
     out = {}
     for name, (f, args) in passes.items():
         which = f"{what}'s {'forward' if name == 'forward' else 'backward'}"
@@ -223,8 +201,10 @@ def _stage_costs(
     method: str,
     repeats: int,
     api: str,
+    remat: Any = "full",
 ) -> StageCosts:
     _check_method(method, repeats, api)
+    remat = as_remat(remat, api)
     if callable(fns) or not isinstance(fns, list | tuple):
         raise ValueError(
             f"{api}: fns must be a list with one callable per stage; got "
@@ -270,11 +250,13 @@ def _stage_costs(
             total, h = dict.fromkeys(costs, 0.0), x
             for r, (run, q) in enumerate(zip(fn.fns, p, strict=True)):
                 one = _passes(run, q, h, method=method, repeats=repeats, api=api,
-                              what=f"stage {j} (run {r} of its layers)")  # fmt: skip
+                              what=f"stage {j} (run {r} of its layers)", remat=remat)  # fmt: skip
                 total = {name: total[name] + one[name] for name in costs}
                 h = jax.eval_shape(run, q, h)
         else:
-            total = _passes(fn, p, x, method=method, repeats=repeats, api=api, what=f"stage {j}")
+            total = _passes(
+                fn, p, x, method=method, repeats=repeats, api=api, what=f"stage {j}", remat=remat
+            )
         for name in costs:
             costs[name].append(total[name])
         x = y
@@ -294,25 +276,28 @@ def stage_costs(
     *,
     method: str = "flops",
     repeats: int = 5,
+    remat: Any = "full",
 ) -> StageCosts:
     """The F, B, W and fused-backward costs of one micro-batch through each pipeline stage.
 
     Stage ``j`` runs ``y_j = fns[j](params[j], x_j)`` with ``x_0 = example_input`` and
     ``x_{j+1} = y_j`` (shapes found by ``jax.eval_shape``; they may change from stage to stage).
-    With ``g`` a cotangent shaped like ``y_j``, it measures the compiled program of each pass:
+    With ``g`` a cotangent shaped like ``y_j``, it measures the compiled program of each pass as
+    the engine runs it under the ``remat`` policy, from the residuals the forward kept:
 
     - ``forward`` (F): ``fns[j](p, x)``;
-    - ``backward`` (GPipe, Circular, 1F1B): the vjp of ``jax.checkpoint(fns[j])`` on ``g`` with
-      respect to ``(p, x)``, i.e. the recompute and both gradients;
-    - ``backward_input`` (ZeroBubble's B): the recompute and the vjp with respect to ``x`` only;
-    - ``backward_weight`` (ZeroBubble's W): the recompute and the vjp with respect to ``p`` only.
+    - ``backward`` (GPipe, Circular, 1F1B): both gradients from the residuals and ``g``, with
+      what the policy recomputes (``"none"``: nothing; ``"full"``: the whole stage);
+    - ``backward_input`` (ZeroBubble's B): the operations the input's gradient needs, keeping
+      what W needs besides;
+    - ``backward_weight`` (ZeroBubble's W): the rest, from what B kept.
 
     Only the inexact leaves of ``x`` and ``p`` are differentiated (integer leaves such as token
     ids are held fixed), and only the inexact leaves of ``y_j`` get a cotangent. FLOPs are what
-    XLA compiles: the recompute is shared within the fused backward, so ``backward <=
-    backward_input + backward_weight``, and dropped where no gradient needs it (a linear stage's
-    B is just its input gradient). A `scan_layers` stage is measured as the engine runs it, one
-    layer at a time (recomputed per layer), times its number of layers. A stage that
+    XLA compiles, so ``backward_input + backward_weight == backward`` up to what XLA fuses, and
+    a recompute no gradient needs is dropped (a linear stage recomputes nothing). A
+    `scan_layers` stage is measured as the engine runs it, one layer at a time, times its
+    number of layers. A stage that
     `stages_from_layers` made of runs of layers (some of them `scan_layers`) costs the sum of
     its runs, each measured as a stage of its own on the input the runs before it produce.
 
@@ -326,6 +311,8 @@ def stage_costs(
         ``"time"``: the median wall time of ``repeats`` runs on ones-filled arrays after a
         warm-up.
       repeats: runs to time with ``method="time"``.
+      remat: the engine's remat policy (``"none"``, ``"full"``, ``"dots"``; see
+        `value_and_grad`), whose backward passes are measured.
 
     Returns:
       `StageCosts` with one entry per stage, in ``"flops"`` or ``"seconds"``.
@@ -341,10 +328,15 @@ def stage_costs(
     >>> params = [jnp.ones((8, 16)), jnp.ones((16, 2))]
     >>> c = rp.pipeline.stage_costs(fns, params, jax.ShapeDtypeStruct((4, 8), jnp.float32))
     >>> c.forward, c.backward_input, c.backward_weight, c.backward  # 2*4*8*16 = 1024
-    ((1024.0, 256.0), (1024.0, 544.0), (1024.0, 544.0), (2048.0, 800.0))
+    ((1024.0, 256.0), (1024.0, 544.0), (1024.0, 256.0), (2048.0, 800.0))
+    >>> kept = rp.pipeline.stage_costs(fns, params, jnp.ones((4, 8)), remat="none")
+    >>> kept.backward_input, kept.backward  # stage 1's tanh is kept, not recomputed
+    ((1024.0, 280.0), (2048.0, 536.0))
     """
     api = "rp.pipeline.stage_costs"
-    return _stage_costs(fns, params, example_input, method=method, repeats=repeats, api=api)
+    return _stage_costs(
+        fns, params, example_input, method=method, repeats=repeats, api=api, remat=remat
+    )
 
 
 def stage_costs_stacked(
@@ -355,6 +347,7 @@ def stage_costs_stacked(
     virtual_stages: int = 1,
     method: str = "flops",
     repeats: int = 5,
+    remat: Any = "full",
 ) -> StageCosts:
     """`stage_costs` of a stack of identical stages: stage 0 measured once, for every stage.
 
@@ -365,7 +358,7 @@ def stage_costs_stacked(
       example_input: one micro-batch's input to a stage (arrays or ``ShapeDtypeStruct``s).
       virtual_stages: V, as in ``stack_stages(..., repeats=V)``; 1 unless the stack is for
         ``Circular(repeats=V)``.
-      method, repeats: as in `stage_costs`.
+      method, repeats, remat: as in `stage_costs`.
 
     Returns:
       `StageCosts` with ``V * K`` equal entries, one per logical stage.
@@ -414,7 +407,7 @@ def stage_costs_stacked(
             f"activation from stage to stage, so it must keep its shapes and dtypes. For stages "
             f"that change shapes, use rp.pipeline.stage_costs with one fn and params per stage."
         )
-    one = _stage_costs([stage_fn], [row], x, method=method, repeats=repeats, api=api)
+    one = _stage_costs([stage_fn], [row], x, method=method, repeats=repeats, api=api, remat=remat)
     n = int(np.prod(axes))
     return StageCosts(
         forward=one.forward * n,

@@ -37,6 +37,7 @@ from replicator._src.pipeline import gpipe, one_f_one_b, sequential, zero_bubble
 from replicator._src.pipeline import schedules as schedules_lib
 from replicator._src.pipeline.call import PipelineCall
 from replicator._src.pipeline.layers import StageFn
+from replicator._src.pipeline.residuals import as_remat
 from replicator._src.pipeline.ticks import LossFn
 from replicator._src.typing import PyTree
 
@@ -48,7 +49,7 @@ def value_and_grad(
     *,
     num_microbatches: int,
     schedule: Any = "gpipe",
-    remat: bool = True,
+    remat: bool | str | Callable = True,
     unroll: bool = False,
 ) -> Callable[..., tuple[jax.Array, tuple[PyTree, PyTree, PyTree]]]:
     """The loss of a pipelined model and its gradients, micro-batched over a schedule.
@@ -75,8 +76,13 @@ def value_and_grad(
       num_microbatches: M, the number of micro-batches per replica's batch.
       schedule: ``rp.pipeline.GPipe()``, ``Circular(repeats=V)``, ``OneFOneB()``, or their
         names ``"gpipe"``, ``"circular"``, ``"1f1b"``.
-      remat: recompute each layer in the backward pass from its input instead of keeping its
-        activations (for GPipe and Circular; 1F1B always recomputes from the stashed input).
+      remat: what each layer keeps for the backward pass, for every schedule: ``"none"``
+        (``False``) keeps all its activations and recomputes nothing; ``"full"`` (``True``, the
+        default) keeps its input and recomputes the layer; ``"dots"`` keeps the outputs of
+        products without batch dimensions (Megatron-LM's selective recomputation: attention's
+        scores are recomputed, the linear layers' outputs kept); or any ``jax.checkpoint``
+        policy. 1F1B and ZeroBubble keep what the policy says for their micro-batches in
+        flight only (at most 2K-1), so their memory stays flat in M whatever the policy.
       unroll: run the ticks as a Python loop instead of a ``lax.scan``, for debugging: the same
         tick body, one traced copy per tick (``jax.debug.print`` in ``stage_fn`` then shows every
         tick in order). Compile time grows with the number of ticks.
@@ -105,31 +111,26 @@ def value_and_grad(
     ((4, 3, 3), (4, 3))
     """
     sched = schedules_lib.get(schedule)
-    _check_options(num_microbatches, remat, "value_and_grad", unroll)
-    if sched.name in ("1f1b", "zerobubble") and not remat:
-        raise ValueError(
-            f"rp.pipeline.value_and_grad: {type(sched).__name__}() always recomputes each "
-            "layer from its stashed input in the backward pass; remat=False is not available "
-            "for it. Use remat=True, or GPipe()/Circular() with remat=False to keep activations "
-            "instead."
-        )
+    _check_options(num_microbatches, "value_and_grad", unroll)
+    policy = as_remat(remat, "rp.pipeline.value_and_grad")
 
     def f(stage_params, inputs, targets, head_params=None):
         call = PipelineCall.from_arguments(
             "value_and_grad", sched, num_microbatches, stage_fn, stage_params, inputs, targets,
-            unroll=unroll,
+            unroll=unroll, remat=policy,
         )  # fmt: skip
         if call.num_stages == 1:
             loss, (g_rows, g_xs, g_head) = sequential.value_and_grad(
-                call, loss_fn, head_params, remat
+                call, loss_fn, head_params, policy
             )
             return loss, (g_rows, _no_int_grads(g_xs), g_head)
         if sched.name == "1f1b":
-            loss, g_rows, g_xs, g_head = one_f_one_b.value_and_grad(call, loss_fn, head_params)
+            run = one_f_one_b.value_and_grad
         elif sched.name == "zerobubble":
-            loss, g_rows, g_xs, g_head = zero_bubble.value_and_grad(call, loss_fn, head_params)
+            run = zero_bubble.value_and_grad
         else:
-            loss, g_rows, g_xs, g_head = gpipe.value_and_grad(call, loss_fn, head_params, remat)
+            run = gpipe.value_and_grad
+        loss, g_rows, g_xs, g_head = run(call, loss_fn, head_params, policy)
         loss, g_xs, g_head = sum_over_axes((loss, g_xs, g_head), (STAGE_AXIS,))
         g_xs = _no_int_grads(call.merge_batch(g_xs))
         return loss, (call.from_rows(g_rows), g_xs, g_head)
@@ -158,7 +159,7 @@ def apply(
     Array([8., 8.], dtype=float32)
     """
     sched = schedules_lib.get(schedule)
-    _check_options(num_microbatches, True, "apply", unroll)
+    _check_options(num_microbatches, "apply", unroll)
     # 1F1B's and ZeroBubble's forward ticks are GPipe's.
     runs = schedules_lib.GPipe() if sched.name in ("1f1b", "zerobubble") else sched
 
@@ -176,11 +177,10 @@ def apply(
     return f
 
 
-def _check_options(m: object, remat: object, api: str, unroll: object) -> None:
+def _check_options(m: object, api: str, unroll: object) -> None:
     positive_int(m, api=f"rp.pipeline.{api}", name="num_microbatches")
-    for name, value in (("remat", remat), ("unroll", unroll)):
-        if not isinstance(value, bool):
-            raise TypeError(f"rp.pipeline.{api}: {name} must be True or False; got {value!r}.")
+    if not isinstance(unroll, bool):
+        raise TypeError(f"rp.pipeline.{api}: unroll must be True or False; got {unroll!r}.")
 
 
 def _no_int_grads(g_inputs: PyTree) -> PyTree:

@@ -19,6 +19,7 @@ from replicator._src import tracing
 from replicator._src.mesh import STAGE_AXIS
 from replicator._src.pipeline.call import PipelineCall
 from replicator._src.pipeline.layers import vjp_inexact
+from replicator._src.pipeline.residuals import Remat
 from replicator._src.pipeline.ticks import (
     LossFn,
     mean_loss,
@@ -35,7 +36,7 @@ _PARAMS = "rp_pipeline_layer_params"
 
 
 def value_and_grad(
-    call: PipelineCall, loss_fn: LossFn, head_params: PyTree, remat: bool
+    call: PipelineCall, loss_fn: LossFn, head_params: PyTree, remat: Remat
 ) -> tuple[jax.Array, PyTree, PyTree, PyTree]:
     """This stage's share of the loss, and its gradients: ``jax.vjp`` of `forward_ticks`.
 
@@ -55,13 +56,13 @@ def value_and_grad(
 
 def outputs(call: PipelineCall) -> PyTree:
     """The last stage's outputs ``[M, b, ...]`` of the forward ticks, zeros on other stages."""
-    wires = forward_ticks(call, None, None, call.rows, None, call.xs, remat=False)
+    wires = forward_ticks(call, None, None, call.rows, None, call.xs, remat=None)
     return call.program(call.rows).leave(wires)
 
 
 def forward_ticks(
     call: PipelineCall, loss_fn: LossFn | None, head_params: PyTree,
-    rows: PyTree, ts: PyTree, xs: PyTree, *, remat: bool,
+    rows: PyTree, ts: PyTree, xs: PyTree, *, remat: Remat | None,
 ) -> PyTree:  # fmt: skip
     """Runs the forward ticks of ``call.plan`` on this stage, one layer per scan iteration.
 
@@ -117,13 +118,14 @@ def forward_ticks(
     return run_ticks(iteration, init, plan.num_ticks * lv, call.unroll)[2]
 
 
-def _layer_on(layer_fn: Callable, remat: bool) -> Callable:
+def _layer_on(layer_fn: Callable, remat: Remat | None) -> Callable:
     """``g(layers, shared, r, li, x, j)``: ``layer_fn`` on layer ``li`` of row ``r`` (logical stage
-    ``j``), for a differentiated scan.
+    ``j``), for a differentiated scan (``remat=None``: not differentiated).
 
     What the scan keeps per iteration for the backward pass must never be a copy of the layer's
-    parameters: they are sliced inside a checkpoint, so with ``remat`` the residuals are the
-    layer's input and indices, and without it every intermediate activation but the parameters.
+    parameters: they are sliced inside a checkpoint, so with ``"full"`` the residuals are the
+    layer's input and indices, with ``"none"`` every intermediate activation but the parameters,
+    and with another policy what it saves, the parameters never.
     """
 
     def run(layers, shared, r, li, x, j):
@@ -131,7 +133,21 @@ def _layer_on(layer_fn: Callable, remat: bool) -> Callable:
         own = checkpoint_name(take(shared, r), _PARAMS)
         return layer_fn(checkpoint_name(layer, _PARAMS), own, x, j, li)
 
-    if remat:
-        return jax.checkpoint(run, prevent_cse=False)
-    policy = jax.checkpoint_policies.save_anything_except_these_names(_PARAMS)
+    if remat is None:
+        return run
+    if remat.policy is None:
+        policy = jax.checkpoint_policies.save_anything_except_these_names(_PARAMS)
+    else:
+        policy = _never_params(remat.policy)
     return jax.checkpoint(run, prevent_cse=False, policy=policy)
+
+
+def _never_params(policy: Callable) -> Callable:
+    """``policy``, except that the layer's parameters (named `_PARAMS`) are never saved."""
+
+    def saves(prim, *args, **params):
+        if prim.name == "name" and params.get("name") == _PARAMS:
+            return False
+        return policy(prim, *args, **params)
+
+    return saves

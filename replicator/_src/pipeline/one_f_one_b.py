@@ -1,10 +1,12 @@
-"""1F1B: forward and backward interleaved in one scan, with a stash bounded by 2K-1 inputs.
+"""1F1B: forward and backward interleaved in one scan, with a stash bounded by 2K-1 micro-batches.
 
 A tick is Lv forward iterations, then Lv backward iterations in reverse layer order, each under
-``lax.cond`` so that idle halves cost nothing. The backward recomputes each layer from its
-stashed input (``jax.vjp``), and the stash is a ring of ``2K-1`` micro-batches' layer inputs,
-whatever the number of micro-batches. Two stage transfers per tick: activations to ``s+1``,
-cotangents to ``s-1``.
+``lax.cond`` so that idle halves cost nothing. The forward keeps each layer's residuals as the
+remat policy says (`residuals.SavedLayer`): with ``"none"`` everything the backward pass needs,
+so nothing is recomputed (Megatron-LM's 1F1B); with ``"full"`` the layer's input, from which the
+backward recomputes the layer; with ``"dots"`` the products' outputs. The stash is a ring of
+``2K-1`` micro-batches' residuals, whatever the number of micro-batches. Two stage transfers per
+tick: activations to ``s+1``, cotangents to ``s-1``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from replicator._src import tracing
 from replicator._src.mesh import STAGE_AXIS
 from replicator._src.pipeline.call import PipelineCall
 from replicator._src.pipeline.layers import vjp_inexact
+from replicator._src.pipeline.residuals import Remat, SavedLayer
 from replicator._src.pipeline.ticks import (
     LossFn,
     add,
@@ -41,7 +44,7 @@ class _Carry(NamedTuple):
     h: PyTree  # the forward's activation after the layer just run
     g: PyTree  # the backward's cotangent after the layer just run
     dy: PyTree  # the loss's cotangent of the last stage's latest output
-    stash: PyTree  # layer inputs [2K-1 + 1, Lv, b, ...]; slot 2K-1 is a spare for idle halves
+    stash: list  # layer residuals [2K-1 + 1, Lv, ...]; slot 2K-1 is a spare for idle halves
     g_params: PyTree  # this stage's layer gradients [Lv, ...], accumulated
     g_shared: PyTree  # the gradient of the stage's shared parameters, accumulated
     g_head: PyTree  # the head's gradient, accumulated (nonzero on the last stage)
@@ -50,11 +53,12 @@ class _Carry(NamedTuple):
 
 
 def _start(
-    x0: PyTree, params: PyTree, shared: PyTree, head_params: PyTree, xs: PyTree, slots: int
-) -> _Carry:
+    x0: PyTree, params: PyTree, shared: PyTree, head_params: PyTree, xs: PyTree, slots: int,
+    residuals: list,
+) -> _Carry:  # fmt: skip
     """The carry before the first tick: all zeros, with the spare stash slot and ``g_xs`` row."""
     lv = jax.tree.leaves(params)[0].shape[0]
-    stash = jax.tree.map(lambda a: jnp.zeros((slots + 1, lv, *a.shape), a.dtype), x0)
+    stash = [jnp.zeros((slots + 1, lv, *r.shape), r.dtype) for r in residuals]
     spare = jax.tree.map(lambda a: jnp.zeros((a.shape[0] + 1, *a.shape[1:]), a.dtype), xs)
     return _Carry(
         x0, x0, x0, x0, x0, stash, zeros(params), zeros(shared), zeros(head_params), spare,
@@ -63,21 +67,21 @@ def _start(
 
 
 def value_and_grad(
-    call: PipelineCall, loss_fn: LossFn, head_params: PyTree
+    call: PipelineCall, loss_fn: LossFn, head_params: PyTree, remat: Remat
 ) -> tuple[jax.Array, PyTree, PyTree, PyTree]:
     """1F1B with one layer per scan iteration, on this stage.
 
     A tick is Lv forward iterations (under ``lax.cond``, idle when the tick has no forward),
-    then Lv backward iterations in reverse layer order, each recomputing its layer from the
-    stashed layer input. Equivalent to, on stage ``s``::
+    then Lv backward iterations in reverse layer order, each from the residuals its forward
+    stashed. Equivalent to, on stage ``s``::
 
         for t in range(T):                             # T = M + 2K - 2
             if (i := fwd[t, s]) >= 0:                  # forward of micro-batch i
                 x = enter(xs[i]) if s == 0 else act
-                stash[i % (2K-1)] = x;  y = stage_fn(params, x)
+                y, stash[i % (2K-1)] = forward(params, x)   # residuals, per the policy
                 if s == K - 1: loss += loss_fn(head, leave(y), ts[i]) / M;  dy = d loss / d y
             if (j := bwd[t, s]) >= 0:                  # backward of micro-batch j
-                dp, g = vjp(stage_fn, params, stash[j % (2K-1)])(dy if s == K-1 else cot)
+                dp, g = backward(params, stash[j % (2K-1)], dy if s == K-1 else cot)
                 g_params += dp
                 if s == 0: g_xs[j] = enter_t(g)
             act, cot = shift(y, +1), shift(g, -1)
@@ -94,6 +98,9 @@ def value_and_grad(
     params = take(prog.layers, 0)  # this stage's layers, [Lv, ...]
     shared = take(prog.shared, 0)
     is_first, is_last = s == 0, s == k - 1
+    x0 = zeros(prog.enter(take(call.xs, 0)))
+    saved = SavedLayer(layer_fn, remat, take(params, 0), shared, x0, s, jnp.int32(0))
+    no_res = [jnp.zeros(r.shape, r.dtype) for r in saved.residuals]
 
     def grad_loss(head, y, t):
         loss, vjp = vjp_inexact(lambda hp, w: mean_loss(loss_fn, hp, prog.leave(w), t, m), head, y)
@@ -108,9 +115,13 @@ def value_and_grad(
         x = where(q == 0, where(is_first, prog.enter(take(call.xs, ic)), c.act), c.h)
         # Each stage is busy in M of the T ticks' forward halves, and in M backward halves.
         with tracing.runs(m, 2 * plan.num_ticks):
-            h = lax.cond(f_on, lambda: layer_fn(take(params, lf), shared, x, s, lf), lambda: c.h)
+            h, res = lax.cond(
+                f_on,
+                lambda: saved.forward(take(params, lf), shared, x, s, lf),
+                lambda: (c.h, no_res),
+            )
         slot = jnp.where(f_on, ic % slots, slots)  # idle: the spare slot
-        stash = jax.tree.map(lambda a, v: a.at[slot, lf].set(v), c.stash, x)
+        stash = [a.at[slot, lf].set(v) for a, v in zip(c.stash, res, strict=True)]
         # The last stage turns its output into the loss and the cotangent at once.
         with tracing.runs(m, 2 * lv * plan.num_ticks):  # on the last stage, once per micro-batch
             loss, (g_head, dy) = lax.cond(
@@ -123,15 +134,15 @@ def value_and_grad(
         jc, lb = jnp.maximum(j, 0), jnp.maximum(2 * lv - 1 - q, 0)
         b_on = (j >= 0) & (q >= lv)
         cot = where(q == lv, where(is_last, dy, c.cot), c.g)
-        saved = jax.tree.map(lambda a: a[jc % slots, lb], stash)
+        kept = [a[jc % slots, lb] for a in stash]
+
+        def backward():  # the layer's gradients added to the carry's, only when B runs
+            g_layer, g_sh, g = saved.backward(take(params, lb), shared, kept, cot)
+            own = jax.tree.map(lambda a, d: a.at[lb].add(d), c.g_params, g_layer)
+            return own, add(c.g_shared, g_sh), g
+
         with tracing.runs(m, 2 * plan.num_ticks):
-            g_layer, g_shared, g = lax.cond(
-                b_on,
-                lambda: vjp_inexact(
-                    lambda p, sh, x: layer_fn(p, sh, x, s, lb), take(params, lb), shared, saved
-                )[1](cot),
-                lambda: (zeros(take(params, 0)), zeros(shared), c.g),
-            )
+            g_params, g_shared, g = lax.cond(b_on, backward, lambda: (c.g_params, c.g_shared, c.g))
         end = q == 2 * lv - 1
         g_x = prog.enter_t(g)
         g_xs = put(c.g_xs, jnp.where(end & b_on & is_first, jc, m), g_x)  # else: spare row
@@ -141,15 +152,11 @@ def value_and_grad(
                 lambda: (shift(h, k, 1, ring=False), shift(g, k, -1, ring=False)),
                 lambda: (c.act, c.cot),
             )
-        g_params = jax.tree.map(
-            lambda a, d: a.at[lb].add(jnp.where(b_on, d, 0)), c.g_params, g_layer
-        )
-        g_shared = add(c.g_shared, g_shared)  # zeros when idle
         new = _Carry(act, cot_next, h, g, dy, stash, g_params, g_shared, add(c.g_head, g_head),
                      g_xs, c.loss + loss)  # fmt: skip
         return new, None
 
-    init = _start(zeros(prog.enter(take(call.xs, 0))), params, shared, head_params, call.xs, slots)
+    init = _start(x0, params, shared, head_params, call.xs, slots, saved.residuals)
     c = run_ticks(iteration, init, plan.num_ticks * 2 * lv, call.unroll)
     g_rows = call.layers_as_rows(*(jax.tree.map(lambda g: g[None], (c.g_params, c.g_shared))))
     return c.loss, g_rows, jax.tree.map(lambda g: g[:m], c.g_xs), c.g_head

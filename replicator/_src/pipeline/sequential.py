@@ -13,6 +13,7 @@ from jax import lax
 
 from replicator._src.pipeline.call import PipelineCall
 from replicator._src.pipeline.layers import Program, vjp_inexact
+from replicator._src.pipeline.residuals import Remat
 from replicator._src.pipeline.ticks import LossFn, mean_loss, take
 from replicator._src.typing import PyTree
 
@@ -45,7 +46,7 @@ def outputs(call: PipelineCall) -> PyTree:
 
 
 def value_and_grad(
-    call: PipelineCall, loss_fn: LossFn, head_params: PyTree, remat: bool
+    call: PipelineCall, loss_fn: LossFn, head_params: PyTree, remat: Remat
 ) -> tuple[jax.Array, tuple[PyTree, PyTree, PyTree]]:
     """The mean loss over the micro-batches and its gradients, remat per layer as in the pipeline.
 
@@ -57,7 +58,7 @@ def value_and_grad(
 
     def total(rows, xs, head):
         prog = call.program(rows)
-        fn = jax.checkpoint(prog.layer_fn, prevent_cse=False) if remat else prog.layer_fn
+        fn = remat.wrap(prog.layer_fn)
 
         def one(acc, xt):
             x, t = xt

@@ -6,23 +6,24 @@ Each phase is Lv iterations of the scan, one layer each, under ``lax.cond`` so t
 phase costs nothing. At the end of a tick the F output goes to ``s+1`` and the B output (the
 cotangent of the stage input) to ``s-1``: two stage transfers per tick, as in 1F1B.
 
-Because B and W of a micro-batch may run ticks apart, what they read is kept in two ring
-buffers, written when it arrives and read when the tables say, so an arrival need not be
-consumed in the next tick:
+F keeps each layer's residuals as the remat policy says (`residuals.SavedLayer`). B runs the
+operations that the input's cotangent needs and keeps what W needs besides (the cotangents of
+the products with parameters, and the activations it recomputed); W runs the rest. So B and W
+together do one fused backward pass's work, as in the zero-bubble paper, and with ``"none"``
+nothing is recomputed at all.
 
-- the stage inputs ``[stash_slots + 1, Lv, b, ...]``: slot ``i % stash_slots`` holds the input
-  of every layer of the stage for micro-batch ``i``, from its arrival (or its F phase on stage
-  0) until its W phase;
+Because B and W of a micro-batch may run ticks apart, what they read is kept in ring buffers,
+written when it arrives and read when the tables say, so an arrival need not be consumed in the
+next tick:
+
+- the stage inputs ``[stash_slots + 1, b, ...]``: from the arrival from ``s-1`` to F;
+- the residuals ``[stash_slots + 1, Lv, ...]``: from F to W;
 - the output cotangents ``[grad_slots + 1, Lv, b, ...]``: entry ``[i % grad_slots, li]`` is the
   cotangent of layer ``li``'s output, from its arrival from ``s+1`` (or the loss's, on the last
-  stage) until W.
+  stage) until W;
+- what B hands to W ``[grad_slots + 1, Lv, ...]``: from B to W.
 
-The last slot of each ring is a spare that idle iterations write to. B and W both recompute
-their layer from the stashed input (``jax.vjp``): B takes the vjp with respect to the input
-only, W with respect to the layer's parameters only. So a layer's backward costs one forward more
-than 1F1B's fused one (for a matmul layer: five matmuls per micro-batch instead of four), and the
-rings hold ``stash_slots + grad_slots`` (K + K for ``ZeroBubble()``) micro-batches of all Lv
-layer activations, against 1F1B's ``2K - 1``.
+The last slot of each ring is a spare that idle iterations write to.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from replicator._src.mesh import STAGE_AXIS
 from replicator._src.pipeline import schedules as schedules_lib
 from replicator._src.pipeline.call import PipelineCall
 from replicator._src.pipeline.layers import vjp_inexact
+from replicator._src.pipeline.residuals import Remat, SavedLayer
 from replicator._src.pipeline.ticks import (
     LossFn,
     add,
@@ -57,28 +59,33 @@ class _Carry(NamedTuple):
 
     h: PyTree  # the F phase's activation after the layer just run
     g: PyTree  # the B phase's cotangent after the layer just run
-    stash: PyTree  # layer inputs [stash_slots + 1, Lv, b, ...]; the last slot is a spare
+    inbox: PyTree  # stage inputs from s-1 [stash_slots + 1, b, ...]; the last slot: a spare
+    stash: list  # layer residuals [stash_slots + 1, Lv, ...]; the last slot is a spare
     grads: PyTree  # layer output cotangents [grad_slots + 1, Lv, b, ...]; the last: a spare
+    inter: list  # what B keeps for W [grad_slots + 1, Lv, ...]; the last: a spare
     g_params: PyTree  # (layer gradients [Lv, ...], shared parameters' gradient), from W
     g_head: PyTree  # the head's gradient, accumulated (nonzero on the last stage)
     g_xs: PyTree  # input gradients [M + 1, b, ...]; row M is a spare (nonzero on stage 0)
     loss: jax.Array  # float32 scalar: this stage's share of the mean loss
 
 
-def _ring(x0: PyTree, slots: int, lv: int) -> PyTree:
-    return jax.tree.map(lambda a: jnp.zeros((slots + 1, lv, *a.shape), a.dtype), x0)
+def _ring(x0: PyTree, slots: int, lv: int | None = None) -> PyTree:
+    layers = () if lv is None else (lv,)
+    return jax.tree.map(lambda a: jnp.zeros((slots + 1, *layers, *a.shape), a.dtype), x0)
 
 
-def _get(ring: PyTree, slot, layer) -> PyTree:
-    return jax.tree.map(lambda a: a[slot, layer], ring)
+def _get(ring: PyTree, slot, layer=None) -> PyTree:
+    return jax.tree.map(lambda a: a[slot] if layer is None else a[slot, layer], ring)
 
 
 def _set(ring: PyTree, slot, layer, value: PyTree) -> PyTree:
+    if layer is None:
+        return jax.tree.map(lambda a, v: a.at[slot].set(v), ring, value)
     return jax.tree.map(lambda a, v: a.at[slot, layer].set(v), ring, value)
 
 
 def value_and_grad(
-    call: PipelineCall, loss_fn: LossFn, head_params: PyTree
+    call: PipelineCall, loss_fn: LossFn, head_params: PyTree, remat: Remat
 ) -> tuple[jax.Array, PyTree, PyTree, PyTree]:
     """ZeroBubble with one layer per scan iteration, on this stage.
 
@@ -88,22 +95,22 @@ def value_and_grad(
 
         for t in range(T):
             if (i := fwd[t, s]) >= 0:                       # F: forward of micro-batch i
-                x = enter(xs[i]) if s == 0 else stash[i % S, 0]
+                x = enter(xs[i]) if s == 0 else inbox[i % S]
                 for li in range(L):
-                    stash[i % S, li] = x;  x = layer_fn(params[li], x, s)
+                    x, stash[i % S, li] = forward(params[li], x)   # residuals, per the policy
                 if s == K - 1:
                     loss += loss_fn(head, leave(x), ts[i]) / M;  grads[i % G, L-1] = d loss / d x
             if (j := bwd[t, s]) >= 0:                       # B: input gradients of j
                 for li in reversed(range(L)):
-                    g = vjp(lambda x: layer_fn(params[li], x, s), stash[j % S, li])(grads[j % G, li])
+                    g, inter[j % G, li] = input_grad(params[li], stash[j % S, li], grads[j % G, li])
                     if li > 0: grads[j % G, li - 1] = g
                 if s == 0: g_xs[j] = enter_t(g)
             if (w := wgt[t, s]) >= 0:                       # W: weight gradients of w
                 for li in range(L):
-                    g_params[li] += vjp(lambda p: layer_fn(p, stash[w % S, li], s), params[li])(
-                        grads[w % G, li])
+                    g_params[li] += weight_grad(params[li], stash[w % S, li], grads[w % G, li],
+                                                inter[w % G, li])
             x_in, g_in = shift(x, +1), shift(g, -1)        # the tick's F and B outputs
-            if s > 0 and fwd[t, s-1] >= 0: stash[fwd[t, s-1] % S, 0] = x_in
+            if s > 0 and fwd[t, s-1] >= 0: inbox[fwd[t, s-1] % S] = x_in
             if s < K-1 and bwd[t, s+1] >= 0: grads[bwd[t, s+1] % G, L-1] = g_in
 
     Returns:
@@ -114,12 +121,13 @@ def value_and_grad(
       ValueError: if the plan's tables break a dependency or its rings are too small
         (`schedules.check_dependencies`).
     """
-    st = _Stage(call, loss_fn, head_params)
-    x0 = zeros(st.prog.enter(take(call.xs, 0)))
+    st = _Stage(call, loss_fn, head_params, remat)
+    x0 = st.x0
     spare = jax.tree.map(lambda a: jnp.zeros((st.m + 1, *a.shape[1:]), a.dtype), call.xs)
     init = _Carry(
-        x0, x0, _ring(x0, st.ss, st.lv), _ring(x0, st.gs, st.lv), zeros((st.params, st.shared)),
-        zeros(head_params), spare, jnp.zeros((), jnp.float32),
+        x0, x0, _ring(x0, st.ss), _ring(st.no_res, st.ss, st.lv), _ring(x0, st.gs, st.lv),
+        _ring(st.no_inter, st.gs, st.lv), zeros((st.params, st.shared)), zeros(head_params),
+        spare, jnp.zeros((), jnp.float32),
     )  # fmt: skip
     c = run_ticks(st.iteration, init, st.ticks * 3 * st.lv, call.unroll)
     g_rows = call.layers_as_rows(*jax.tree.map(lambda a: a[None], c.g_params))  # [1, ...]
@@ -132,7 +140,7 @@ class _F(NamedTuple):
     on: jax.Array  # bool: this iteration runs a forward layer
     mb: jax.Array  # its micro-batch (0 when idle)
     layer: jax.Array  # its layer
-    x: PyTree  # the layer's input
+    res: list  # the layer's residuals (zeros when idle)
     h: PyTree  # the layer's output (the carry's when idle)
     loss_made: jax.Array  # bool: the last stage made micro-batch mb's loss and cotangent
     loss: jax.Array  # that loss's share of the mean, else 0
@@ -148,6 +156,7 @@ class _BW(NamedTuple):
     mb: jax.Array  # B's micro-batch (0 when idle)
     layer: jax.Array  # B's layer
     g: PyTree  # B's output: the cotangent of the layer's input (the carry's when idle)
+    inter: list  # what B keeps for W (zeros when idle)
     g_params: PyTree  # the stage's weight gradients, with W's layer added
     g_xs: PyTree  # the inputs' gradients, with stage 0's last B layer put
 
@@ -155,7 +164,9 @@ class _BW(NamedTuple):
 class _Stage:
     """This stage's plan, layers and loss: the scan's iteration and its three phases."""
 
-    def __init__(self, call: PipelineCall, loss_fn: LossFn, head_params: PyTree) -> None:
+    def __init__(
+        self, call: PipelineCall, loss_fn: LossFn, head_params: PyTree, remat: Remat
+    ) -> None:
         plan = call.plan
         schedules_lib.check_dependencies(plan)  # the rings and orders the scan relies on
         self.call, self.loss_fn, self.head_params = call, loss_fn, head_params
@@ -168,32 +179,24 @@ class _Stage:
         self.shared = take(self.prog.shared, 0)
         self.s = lax.axis_index(STAGE_AXIS)
         self.is_first, self.is_last = self.s == 0, self.s == self.k - 1
-
-    def layer(self, li, x: PyTree, p: PyTree = None, shared: PyTree = None) -> PyTree:
-        """Layer ``li`` on ``x``, with its own parameters (or ``p``, ``shared``)."""
-        p = take(self.params, li) if p is None else p
-        shared = self.shared if shared is None else shared
-        return self.prog.layer_fn(p, shared, x, self.s, li)
-
-    def input_grad(self, li, x: PyTree, cot: PyTree) -> PyTree:
-        """B's step: the cotangent of layer ``li``'s input, recomputing it from ``x``."""
-        return vjp_inexact(lambda a: self.layer(li, a), x)[1](cot)[0]
-
-    def weight_grad(self, li, x: PyTree, cot: PyTree) -> PyTree:
-        """W's step: the gradients of layer ``li``'s params and of the shared params,
-        recomputing the layer from ``x``."""
-        own = (take(self.params, li), self.shared)
-        return vjp_inexact(lambda p: self.layer(li, x, *p), own)[1](cot)[0]
+        self.x0 = zeros(self.prog.enter(take(call.xs, 0)))
+        one = take(self.params, 0)
+        self.saved = SavedLayer(
+            self.prog.layer_fn, remat, one, self.shared, self.x0, self.s, jnp.int32(0)
+        )
+        self.no_res = [jnp.zeros(r.shape, r.dtype) for r in self.saved.residuals]
+        inter = self.saved.inter_shapes(one, self.shared, self.no_res, self.x0)
+        self.no_inter = [jnp.zeros(r.shape, r.dtype) for r in inter]
 
     def iteration(self, c: _Carry, u) -> tuple[_Carry, None]:
         """Iteration ``u``: layer ``q`` of phase F, B or W of tick ``t`` (``u = 3Lv t + q``)."""
         t, q = u // (3 * self.lv), u % (3 * self.lv)
         f = self.forward(c, t, q)
         bw = self.backward(c, t, q)
-        stash, grads = self.file(c, t, q, f, bw)
+        inbox, stash, grads, inter = self.file(c, t, q, f, bw)
         return _Carry(
-            f.h, bw.g, stash, grads, bw.g_params, add(c.g_head, f.g_head), bw.g_xs,
-            c.loss + f.loss,
+            f.h, bw.g, inbox, stash, grads, inter, bw.g_params, add(c.g_head, f.g_head),
+            bw.g_xs, c.loss + f.loss,
         ), None  # fmt: skip
 
     def forward(self, c: _Carry, t, q) -> _F:
@@ -204,12 +207,16 @@ class _Stage:
         ic, lf = jnp.maximum(i, 0), jnp.minimum(q, lv - 1)
         on = (i >= 0) & (q < lv)
         arrived = where(
-            self.is_first, self.prog.enter(take(call.xs, ic)), _get(c.stash, ic % self.ss, 0)
+            self.is_first, self.prog.enter(take(call.xs, ic)), _get(c.inbox, ic % self.ss)
         )
         x = where(q == 0, arrived, c.h)
         # Each stage is busy in M of the T ticks' F phases, M of the B's and M of the W's.
         with tracing.runs(m, 3 * self.ticks):
-            h = lax.cond(on, lambda: self.layer(lf, x), lambda: c.h)
+            h, res = lax.cond(
+                on,
+                lambda: self.saved.forward(take(self.params, lf), self.shared, x, self.s, lf),
+                lambda: (c.h, self.no_res),
+            )
 
         def grad_loss(head, y, t):
             loss, vjp = vjp_inexact(
@@ -224,12 +231,12 @@ class _Stage:
                 lambda: grad_loss(self.head_params, h, take(call.ts, ic)),
                 lambda: (jnp.zeros((), jnp.float32), (zeros(self.head_params), c.h)),
             )
-        return _F(on, ic, lf, x, h, loss_made, loss, g_head, dy)
+        return _F(on, ic, lf, res, h, loss_made, loss, g_head, dy)
 
     def backward(self, c: _Carry, t, q) -> _BW:
         """B (``Lv <= q < 2Lv``: layer ``2Lv-1-q`` of micro-batch ``bwd[t, s]``) and W (``q >=
-        2Lv``: layer ``q-2Lv`` of ``wgt[t, s]``), each from one layer input and one output
-        cotangent read from the rings."""
+        2Lv``: layer ``q-2Lv`` of ``wgt[t, s]``), each from one layer's residuals and output
+        cotangent read from the rings (and W from what B kept)."""
         lv, m, s = self.lv, self.m, self.s
         j, w = self.bwd[t, s], self.wgt[t, s]
         jc, wc = jnp.maximum(j, 0), jnp.maximum(w, 0)
@@ -237,32 +244,34 @@ class _Stage:
         b_on, w_on = (j >= 0) & in_b, (w >= 0) & in_w
         lb, lw = jnp.clip(2 * lv - 1 - q, 0, lv - 1), jnp.clip(q - 2 * lv, 0, lv - 1)
         read_mb, read_layer = jnp.where(in_w, wc, jc), jnp.where(in_w, lw, lb)
-        saved = _get(c.stash, read_mb % self.ss, read_layer)
+        res = _get(c.stash, read_mb % self.ss, read_layer)
         cot = _get(c.grads, read_mb % self.gs, read_layer)
         with tracing.runs(m, 3 * self.ticks):
-            g = lax.cond(b_on, lambda: self.input_grad(lb, saved, cot), lambda: c.g)
-        with tracing.runs(m, 3 * self.ticks):
-            g_layer = lax.cond(
-                w_on,
-                lambda: self.weight_grad(lw, saved, cot),
-                lambda: zeros((take(self.params, 0), self.shared)),
+            g, inter = lax.cond(
+                b_on,
+                lambda: self.saved.input_grad(take(self.params, lb), self.shared, res, cot),
+                lambda: (c.g, self.no_inter),
             )
-        g_params = (
-            jax.tree.map(
-                lambda a, d: a.at[lw].add(jnp.where(w_on, d, 0)), c.g_params[0], g_layer[0]
-            ),
-            add(c.g_params[1], g_layer[1]),  # zeros when idle
-        )
+        kept = _get(c.inter, wc % self.gs, lw)
+
+        def accumulate():  # W's gradients added to the carry's, only when W runs
+            g_p, g_sh = self.saved.weight_grad(take(self.params, lw), self.shared, res, cot, kept)
+            own = jax.tree.map(lambda a, d: a.at[lw].add(d), c.g_params[0], g_p)
+            return own, add(c.g_params[1], g_sh)
+
+        with tracing.runs(m, 3 * self.ticks):
+            g_params = lax.cond(w_on, accumulate, lambda: c.g_params)
         g_x = self.prog.enter_t(g)
         g_xs = put(c.g_xs, jnp.where(b_on & (lb == 0) & self.is_first, jc, m), g_x)  # or spare
-        return _BW(in_b, b_on, jc, lb, g, g_params, g_xs)
+        return _BW(in_b, b_on, jc, lb, g, inter, g_params, g_xs)
 
-    def file(self, c: _Carry, t, q, f: _F, bw: _BW) -> tuple[PyTree, PyTree]:
+    def file(self, c: _Carry, t, q, f: _F, bw: _BW) -> tuple[PyTree, list, PyTree, list]:
         """The rings after the iteration: one write to each (idle ones to the spare slot).
 
-        The stash gets F's layer input; at the end of the tick, the activation that arrived
-        from ``s-1``. The cotangents get the loss's (last stage, last F layer), B's output
-        (``li > 0``) and, at the end of the tick, the cotangent that arrived from ``s+1``.
+        The inbox gets, at the end of the tick, the activation that arrived from ``s-1``; the
+        stash F's residuals; the cotangents the loss's (last stage, last F layer), B's output
+        (``li > 0``) and, at the end of the tick, the cotangent that arrived from ``s+1``; the
+        last ring what B keeps for W.
         """
         k, s, ss, gs = self.k, self.s, self.ss, self.gs
         end = q == 3 * self.lv - 1
@@ -274,8 +283,9 @@ class _Stage:
             )
         x_from = self.fwd[t, jnp.maximum(s - 1, 0)]
         x_got = end & ~self.is_first & (x_from >= 0)
-        slot = jnp.where(f.on, f.mb % ss, jnp.where(x_got, jnp.maximum(x_from, 0) % ss, ss))
-        stash = _set(c.stash, slot, jnp.where(end, 0, f.layer), where(end, x_in, f.x))
+        inbox = _set(c.inbox, jnp.where(x_got, jnp.maximum(x_from, 0) % ss, ss), None, x_in)
+        stash = _set(c.stash, jnp.where(f.on, f.mb % ss, ss), f.layer, f.res)
+        inter = _set(c.inter, jnp.where(bw.b_on, bw.mb % gs, gs), bw.layer, bw.inter)
         g_from = self.bwd[t, jnp.minimum(s + 1, k - 1)]
         g_got = end & ~self.is_last & (g_from >= 0)
         b_put = bw.b_on & (bw.layer > 0)
@@ -283,4 +293,4 @@ class _Stage:
         slot = jnp.where(f.loss_made, f.mb % gs, jnp.where(b_put, bw.mb % gs, slot))
         layer = jnp.where(bw.in_b, jnp.maximum(bw.layer - 1, 0), self.lv - 1)
         value = where(f.loss_made, f.dy, where(end, g_in, bw.g))
-        return stash, _set(c.grads, slot, layer, value)
+        return inbox, stash, _set(c.grads, slot, layer, value), inter
