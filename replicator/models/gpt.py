@@ -244,9 +244,10 @@ def pipeline_value_and_grad(
 
     ``params`` may also be ZeRO-3's (``opt.shard_params(placed)``): the embedding and the head
     are gathered before the pipeline (their gradients scattered back), and each stage's layers
-    one at a time inside its layer scan (`block`). Each block computes in ``config.dtype``;
-    activations travel between stages in fp32 (bfloat16 to fp32 and back is exact, so the
-    values are those of `loss`).
+    one at a time inside its layer scan (`block`). Each block computes in ``config.dtype``, and
+    activations travel between stages in it too (but in fp32 on XLA:CPU with both a ``stage``
+    and a ``model`` axis, whose compiler aborts on that bf16 program; bfloat16 to fp32 and back
+    is exact, so the values are those of `loss` either way).
 
     Args:
       config: the model's sizes (its ``remat`` is for `blocks`; pipelines use ``remat``).
@@ -285,13 +286,31 @@ def pipeline_value_and_grad(
 
     def value_and_grad(params: dict, batch: dict) -> tuple[jax.Array, dict]:
         tokens = batch["tokens"]
-        x, embed_vjp = jax.vjp(lambda e: embed(e, tokens), params["embed"])
+        wire = _stage_dtype(config)
+        x, embed_vjp = jax.vjp(lambda e: embed(e, tokens).astype(wire), params["embed"])
         head, head_vjp = jax.vjp(rp.gather_params, params["head"])  # ZeRO-3: gathered once
         loss, (g_stages, g_x, g_head) = grad_fn(params["stages"], x, batch["targets"], head)
         grads = {"embed": embed_vjp(g_x)[0], "stages": g_stages, "head": head_vjp(g_head)[0]}
         return loss, grads
 
     return value_and_grad
+
+
+def _stage_dtype(config: GPTConfig) -> Any:
+    """The dtype of the activations between stages: the compute dtype, except on XLA:CPU with
+    both a ``stage`` and a ``model`` axis, where a bf16 step aborts the compiler (its
+    AllReducePromotion pass clones an all-reduce whose reducer is a copy:
+    tests/test_gpt_pipeline_dtype.py keeps checking that it still does). There the activations
+    travel in fp32, which holds every bf16 value exactly."""
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = {} if mesh.empty else dict(mesh.shape)
+    if (
+        jax.default_backend() == "cpu"
+        and sizes.get("stage", 1) > 1
+        and sizes.get(MODEL_AXIS, 1) > 1
+    ):
+        return jnp.float32
+    return config.dtype
 
 
 # -- placement: sharding by role -----------------------------------------------------------------
