@@ -37,12 +37,12 @@ def test_enumeration_of_8_devices_for_4_layers_and_4_heads():
     # data=2, stage=4: a replica's 8 examples; M = 2K = 8 (4K = 16 does not divide 8);
     # circular needs 4 layers to split into K*V = 8 virtual stages: not listed
     assert by_mesh[(2, 4, 1)] == {
-        (s, 8, 1, z) for s in ("gpipe", "1f1b") for z in (0, 1, 3)
+        (s, 8, 1, z) for s in ("gpipe", "1f1b", "zerobubble") for z in (0, 1, 3)
     }  # ZeRO-2 is ZeRO-1's program without accumulation: not listed for pipelines
     # data=4, stage=2: 4 examples a replica: M = 2K = 4; circular V=2 fits 4 layers
     assert by_mesh[(4, 2, 1)] == {
         (s, 4, 2 if s == "circular" else 1, z)
-        for s in ("gpipe", "1f1b", "circular")
+        for s in ("gpipe", "1f1b", "circular", "zerobubble")
         for z in (0, 1, 3)
     }
     # no pipeline: ZeRO 0, 1, 3, and ZeRO-2 only with accumulation
@@ -50,21 +50,21 @@ def test_enumeration_of_8_devices_for_4_layers_and_4_heads():
 
 
 def test_a_family_is_ordered_fastest_first():
-    """No remat before remat; within each, fewer accumulation steps first (2 examples per
-    replica: 1 or 2 steps); ZeRO-2 only with accumulation; 1F1B always recomputes."""
+    """No remat, then "dots", then full remat; within each, fewer accumulation steps first (2
+    examples per replica: 1 or 2 steps); ZeRO-2 only with accumulation; pipelines of every
+    schedule under each policy."""
     families = rp.enumerate_layouts(8, global_batch=16, num_layers=4, num_heads=4)
     first = {str(f): f for f in families}
-    assert first["data=8"].groups == (
-        (rp.Layout(data=8), rp.Layout(data=8, accumulate_steps=2)),
-        (rp.Layout(data=8, remat=True), rp.Layout(data=8, accumulate_steps=2, remat=True)),
+    assert first["data=8"].groups == tuple(
+        (rp.Layout(data=8, remat=r), rp.Layout(data=8, accumulate_steps=2, remat=r))
+        for r in (False, "dots", True)
     )
     assert first["data=8 zero=2 accum=2"].layouts == [
-        rp.Layout(data=8, zero_stage=2, accumulate_steps=2),
-        rp.Layout(data=8, zero_stage=2, accumulate_steps=2, remat=True),
+        rp.Layout(data=8, zero_stage=2, accumulate_steps=2, remat=r) for r in (False, "dots", True)
     ]
-    one_f_one_b = [f for f in families if f.layouts[0].schedule == "1f1b"]
-    assert one_f_one_b and all(f.layouts == [f.layouts[0]] for f in one_f_one_b)
-    assert all(f.layouts[0].remat for f in one_f_one_b)
+    for schedule in ("1f1b", "zerobubble"):
+        fams = [f for f in families if f.layouts[0].schedule == schedule]
+        assert fams and all([lay.remat for lay in f.layouts] == [False, "dots", True] for f in fams)
 
 
 def test_enumeration_options_and_refusals():
@@ -83,7 +83,10 @@ def test_enumeration_options_and_refusals():
 
 def test_layout_checks_and_names():
     lay = rp.Layout(data=2, stage=4, schedule="1f1b", microbatches=8)
-    assert lay.remat and str(lay) == "data=2 stage=4 1f1b M=8 remat"  # 1F1B recomputes
+    assert not lay.remat and str(lay) == "data=2 stage=4 1f1b M=8"  # 1F1B keeps residuals
+    assert str(rp.Layout(data=8, remat="full")) == "data=8 remat"
+    with pytest.raises(ValueError, match=r"Layout: remat must be False \('none'\), 'dots' or"):
+        rp.Layout(data=8, remat="some")
     assert lay.mesh_shape == {"data": 2, "stage": 4} and lay.num_devices == 8
     assert rp.Layout(data=2, model=4).mesh_shape == {"data": 2, "model": 4}
     with pytest.raises(ValueError, match=r"stage=4 needs a schedule"):

@@ -19,7 +19,7 @@ from replicator._src import tracing
 from replicator._src.mesh import STAGE_AXIS
 from replicator._src.pipeline.call import PipelineCall
 from replicator._src.pipeline.layers import vjp_inexact
-from replicator._src.pipeline.residuals import Remat
+from replicator._src.pipeline.residuals import Remat, never_gathered
 from replicator._src.pipeline.ticks import (
     LossFn,
     mean_loss,
@@ -124,8 +124,8 @@ def _layer_on(layer_fn: Callable, remat: Remat | None) -> Callable:
 
     What the scan keeps per iteration for the backward pass must never be a copy of the layer's
     parameters: they are sliced inside a checkpoint, so with ``"full"`` the residuals are the
-    layer's input and indices, with ``"none"`` every intermediate activation but the parameters,
-    and with another policy what it saves, the parameters never.
+    layer's input and indices, with ``"none"`` every intermediate activation but the parameters
+    (and ZeRO-3's gathered ones), and with another policy what it saves, the parameters never.
     """
 
     def run(layers, shared, r, li, x, j):
@@ -135,11 +135,7 @@ def _layer_on(layer_fn: Callable, remat: Remat | None) -> Callable:
 
     if remat is None:
         return run
-    if remat.policy is None:
-        policy = jax.checkpoint_policies.save_anything_except_these_names(_PARAMS)
-    else:
-        policy = _never_params(remat.policy)
-    return jax.checkpoint(run, prevent_cse=False, policy=policy)
+    return jax.checkpoint(run, prevent_cse=False, policy=_never_params(never_gathered(remat)))
 
 
 def _never_params(policy: Callable) -> Callable:

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
+from replicator._src.sharded_params import regather_policy
 from replicator._src.typing import PyTree
 
 _POLICIES = {
@@ -66,6 +67,19 @@ class Remat:
 
 
 NAMES = tuple(_POLICIES)
+
+
+def never_gathered(remat: Remat) -> Callable:
+    """``remat``'s ``jax.checkpoint`` policy, except that ZeRO-3's gathered parameters are never
+    kept (`rp.regather_policy`): a pipeline keeps residuals for several micro-batches, and a
+    copy of each layer's whole weights with each would undo ZeRO-3. ``"none"`` keeps all else.
+    """
+    if remat.policy is None:
+        return regather_policy()
+    keep = remat.policy
+    return lambda prim, *args, **params: bool(
+        regather_policy()(prim, *args, **params) and keep(prim, *args, **params)
+    )
 
 
 def as_remat(value: Any, api: str) -> Remat:
@@ -140,7 +154,8 @@ class SavedLayer:
             return [a for a in jax.tree.leaves(out) if _inexact(a)], out
 
         dl = [a for a, d in zip(flat, diff, strict=True) if d]
-        _, vjp, out = jax.vjp(self.remat.wrap(float_out), *dl, has_aux=True)
+        fn = jax.checkpoint(float_out, prevent_cse=False, policy=never_gathered(self.remat))
+        _, vjp, out = jax.vjp(fn, *dl, has_aux=True)
         leaves, vjp_tree = jax.tree.flatten(vjp)
         own = dl[: sum(diff[:n_own])]
         kinds, res = [], []

@@ -19,7 +19,10 @@ from collections.abc import Iterable, Sequence
 from replicator._src.errors import positive_int
 from replicator._src.pipeline import schedules as schedules_lib
 
-SCHEDULES = ("gpipe", "1f1b", "circular")
+SCHEDULES = ("gpipe", "1f1b", "circular", "zerobubble")
+# What each layer keeps for its backward pass, least recompute first: the pipelines' and the
+# GPT's remat policies ("none", "dots", "full"), as False, "dots", True.
+REMATS = (False, "dots", True)
 ZERO_STAGES = (0, 1, 2, 3)
 
 
@@ -32,15 +35,19 @@ class Layout:
       stage: pipeline stages; 1 for no pipeline.
       model: tensor-parallel devices: attention heads and MLP units split over them.
       zero_stage: 0 (replicated optimizer state), 1, 2 or 3 (ZeRO; 3 also shards parameters).
-      schedule: ``"gpipe"``, ``"1f1b"`` or ``"circular"`` when ``stage > 1``, else None.
+      schedule: ``"gpipe"``, ``"1f1b"``, ``"circular"`` or ``"zerobubble"`` when ``stage > 1``,
+        else None.
       microbatches: the pipeline's micro-batches per replica batch (``stage > 1``).
       repeats: virtual stages per device (``"circular"``).
       accumulate_steps: gradient accumulation micro-steps (no pipeline).
-      remat: recompute each layer in the backward pass instead of keeping its activations
-        (always on for 1F1B, which recomputes each stage from its stashed input).
+      remat: what each layer keeps for the backward pass: ``False`` (``"none"``) all its
+        activations, ``"dots"`` its products' outputs, ``True`` (``"full"``) its input only,
+        recomputing the layer.
 
     >>> Layout(data=2, stage=4, schedule="1f1b", microbatches=8, remat=True)
     Layout(data=2 stage=4 1f1b M=8 remat)
+    >>> Layout(data=8, remat="dots")
+    Layout(data=8 remat=dots)
     >>> Layout(data=8, zero_stage=3).mesh_shape
     {'data': 8}
     """
@@ -53,7 +60,7 @@ class Layout:
     microbatches: int = 1
     repeats: int = 1
     accumulate_steps: int = 1
-    remat: bool = False
+    remat: bool | str = False
 
     def __post_init__(self) -> None:
         for name in ("data", "stage", "model", "microbatches", "repeats", "accumulate_steps"):
@@ -77,8 +84,7 @@ class Layout:
             )
         if self.repeats != 1 and self.schedule != "circular":
             raise ValueError("Layout: repeats (virtual stages) are for the circular schedule.")
-        if self.schedule == "1f1b" and not self.remat:
-            object.__setattr__(self, "remat", True)  # 1F1B recomputes each stage: say so
+        object.__setattr__(self, "remat", _remat(self.remat, "Layout"))
 
     @property
     def num_devices(self) -> int:
@@ -108,7 +114,7 @@ class Layout:
         if self.accumulate_steps > 1:
             parts.append(f"accum={self.accumulate_steps}")
         if self.remat:
-            parts.append("remat")
+            parts.append("remat" if self.remat is True else f"remat={self.remat}")
         return " ".join(parts)
 
     def __repr__(self) -> str:
@@ -116,6 +122,16 @@ class Layout:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _remat(value: object, api: str) -> bool | str:
+    """``False``, ``"dots"`` or ``True`` for a remat setting (the policy names included)."""
+    named = {"none": False, "full": True, "dots": "dots", False: False, True: True}
+    if isinstance(value, (bool, str)) and value in named:
+        return named[value]
+    raise ValueError(
+        f"{api}: remat must be False ('none'), 'dots' or True ('full'); got {value!r}."
+    )
 
 
 def divisors(n: int) -> list[int]:
@@ -139,7 +155,7 @@ def enumerate_layouts(
     microbatches: Sequence[int] | None = None,
     repeats: int = 2,
     accumulate_steps: Sequence[int] | None = None,
-    remat: Sequence[bool] = (False, True),
+    remat: Sequence[bool | str] = REMATS,
     max_model: int | None = None,
     max_stage: int | None = None,
 ) -> list[Family]:
@@ -153,7 +169,8 @@ def enumerate_layouts(
     listed only with ``accumulate_steps > 1``.
 
     A `Family` holds the layouts of one mesh, ZeRO stage, schedule and micro-batch count that
-    trade memory for time, fastest first: without rematerialisation, then with it (more FLOPs);
+    trade memory for time, fastest first: without rematerialisation, then recomputing what the
+    products' outputs do not keep (``"dots"``), then whole layers (more FLOPs each time);
     within each, fewer accumulation steps, then more (the same FLOPs in smaller pieces, no less
     communication, and less memory). The planner takes the first that fits.
 
@@ -170,8 +187,8 @@ def enumerate_layouts(
       repeats: the circular schedule's virtual stages per device.
       accumulate_steps: accumulation steps to try without a pipeline; default every power of
         2 that divides the replica batch.
-      remat: the rematerialisation settings to try (GPipe, circular and no pipeline; 1F1B
-        always recomputes).
+      remat: the rematerialisation policies to try, for every schedule: ``False`` (none),
+        ``"dots"``, ``True`` (full).
       max_model: the largest ``model`` axis to try (e.g. the devices of one node).
       max_stage: the largest ``stage`` axis to try.
 
@@ -179,10 +196,10 @@ def enumerate_layouts(
       The families, each with at least one layout.
 
     >>> families = enumerate_layouts(8, global_batch=16, num_layers=4, num_heads=4)
-    >>> families[0].groups
-    ((Layout(data=8), Layout(data=8 accum=2)), (Layout(data=8 remat), Layout(data=8 accum=2 remat)))
+    >>> [str(group[0]) for group in families[0].groups]
+    ['data=8', 'data=8 remat=dots', 'data=8 remat']
     >>> len(families), sum(len(f.layouts) for f in families)
-    (75, 168)
+    (99, 360)
     """
     api = "enumerate_layouts"
     n = positive_int(num_devices, api=api, name="num_devices")
@@ -199,9 +216,10 @@ def enumerate_layouts(
                 f"{api}: {name}={list(values)!r}; choose one or more of "
                 f"{', '.join(map(repr, valid))}."
             )
-    rematerialise = sorted({bool(r) for r in remat})
+    asked = {_remat(r, api) for r in remat}
+    rematerialise = [r for r in REMATS if r in asked]
     if not rematerialise:
-        raise ValueError(f"{api}: remat must hold False, True or both; got {list(remat)!r}.")
+        raise ValueError(f"{api}: remat must hold False, 'dots' or True; got {list(remat)!r}.")
     families: list[Family] = []
     for model in divisors(n):
         if max_model is not None and model > max_model:
@@ -239,11 +257,10 @@ def enumerate_layouts(
                     for zero in zero_stages:
                         if zero == 2:  # no accumulation in a pipeline: ZeRO-1's program
                             continue
-                        options = [True] if schedule == "1f1b" else rematerialise
                         groups = tuple(
                             (Layout(**mesh, zero_stage=zero, schedule=schedule, microbatches=m,
                                     repeats=v, remat=r),)
-                            for r in options
+                            for r in rematerialise
                         )  # fmt: skip
                         families.append(Family(groups))
     return families
@@ -275,7 +292,8 @@ def _microbatch_options(
     bubble falls with M and, for 1F1B, so does the memory), else the largest M the replica
     batch and the schedule allow; each must divide the replica batch and suit the schedule."""
     sched = {"gpipe": schedules_lib.GPipe(), "1f1b": schedules_lib.OneFOneB(),
-             "circular": schedules_lib.Circular(repeats=v)}[schedule]  # fmt: skip
+             "circular": schedules_lib.Circular(repeats=v),
+             "zerobubble": schedules_lib.ZeroBubble()}[schedule]  # fmt: skip
 
     def valid(m: int) -> bool:
         if m < 1 or per_replica % m:
