@@ -206,17 +206,19 @@ def test_explain_of_the_job_from_shapes_equals_explain_of_the_built_job(
 
 
 @pytest.mark.parametrize(
-    "schedule, remat, engine",
+    "schedule, remat",
     [
-        ("gpipe", False, False),
-        ("gpipe", True, True),
-        ("circular", True, True),
-        ("1f1b", False, True),
+        ("gpipe", False),
+        ("gpipe", True),
+        ("circular", True),
+        ("1f1b", False),
+        ("1f1b", "dots"),
+        ("zerobubble", "full"),
     ],
 )
-def test_remat_is_the_pipeline_engines_and_1f1b_always_recomputes(schedule, remat, engine):
-    """model.remat reaches rp.pipeline.value_and_grad for GPipe and Circular; 1F1B recomputes
-    each block from its stashed input whatever remat says (tests/test_gpt.py: remat itself)."""
+def test_model_remat_is_the_pipeline_engines_for_every_schedule(schedule, remat):
+    """model.remat reaches rp.pipeline.value_and_grad as it is, whatever the schedule
+    (tests/test_pipeline.py: each policy against the sequential model)."""
     calls = []
     value_and_grad = pipeline.value_and_grad
 
@@ -226,7 +228,7 @@ def test_remat_is_the_pipeline_engines_and_1f1b_always_recomputes(schedule, rema
 
     with mock.patch.object(gpt.pipeline, "value_and_grad", spy):
         jobs.abstract_job(gpt_job({"data": 4, "stage": 2}, schedule=schedule, remat=remat))
-    assert calls == [engine]
+    assert calls == [remat]
 
 
 def test_a_big_gpt_is_built_from_shapes_allocating_nothing():

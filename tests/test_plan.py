@@ -326,7 +326,7 @@ def test_a_real_plan_ranks_the_compiled_gpt():
     tp = by_name["data=4 model=2"]
     assert any(c.axes == ("model",) for c in tp.outcome.compiled.collectives)
     assert tp.time.ici > 0 and by_name["data=8"].time.ici > 0
-    one_f = by_name["data=2 stage=4 1f1b M=4 remat"]
+    one_f = by_name["data=2 stage=4 1f1b M=4"]
     assert one_f.time.bubble > 0 and one_f.outcome.compiled.bubble == pytest.approx(3 / 7)
     assert by_name["data=2 stage=4 gpipe M=4"].time.bubble == 0
     assert "best: " in str(report) and report.to_json()
