@@ -78,8 +78,10 @@ def cnn_batch(n=16, seed=1):
 CNN = pipeline.sequential([stem, down, pool_mlp, head], cnn_params())
 
 
-def pipeline_step(model, schedule, m):
-    f = pipeline.value_and_grad(model, cross_entropy, num_microbatches=m, schedule=schedule)
+def pipeline_step(model, schedule, m, remat=True):
+    f = pipeline.value_and_grad(
+        model, cross_entropy, num_microbatches=m, schedule=schedule, remat=remat
+    )
 
     def step(state, x, t):
         loss, (g, g_x, _) = f(state["params"], x, t)
@@ -102,8 +104,13 @@ def grads_in_state(f):
     return step
 
 
-@pytest.mark.parametrize("name", list(SCHEDULES))
-def test_cnn_stages_loss_and_every_gradient_equal_the_model_on_one_device(name):
+@pytest.mark.parametrize(
+    "name, remat",
+    [*((name, True) for name in SCHEDULES), ("1f1b", "none"), ("zb", "none"), ("gpipe", "dots")],
+)
+def test_cnn_stages_loss_and_every_gradient_equal_the_model_on_one_device(name, remat):
+    """Stages of different shapes, packed into one buffer per device, under each remat
+    policy: what a stage keeps for its backward pass never changes the numbers."""
     repl = make_repl()
     params = cnn_params()
     x, t = cnn_batch()
@@ -114,7 +121,7 @@ def test_cnn_stages_loss_and_every_gradient_equal_the_model_on_one_device(name):
     want_loss, (want, want_x) = jax.value_and_grad(oracle, argnums=(0, 1))(params, x)
     packed = repl.place(CNN.pack(params), pipeline.stage_spec())
     state = {"params": packed, "grads": jax.tree.map(jnp.zeros_like, packed)}
-    state, out = repl.run(pipeline_step(CNN, SCHEDULES[name], 4), state, x, t)
+    state, out = repl.run(pipeline_step(CNN, SCHEDULES[name], 4, remat), state, x, t)
     got = CNN.unpack(jax.tree.map(np.asarray, state["grads"]))
     assert rel_err(out["loss"], np.full(2, want_loss)) <= TOL
     for j in range(4):

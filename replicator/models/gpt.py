@@ -41,7 +41,7 @@ import replicator as rp
 from replicator import pipeline
 from replicator._src.errors import positive_int
 from replicator._src.mesh import MODEL_AXIS
-from replicator._src.pipeline.residuals import as_remat
+from replicator._src.pipeline.residuals import as_remat, never_gathered
 
 PyTree = Any
 
@@ -182,10 +182,8 @@ def blocks(stacked_params: dict, x: jax.Array, *, config: GPTConfig) -> jax.Arra
     """
     step = lambda h, p: (block(p, h, config=config), None)
     remat = as_remat(config.remat, "GPTConfig")
-    if remat.recomputes:  # gathered ZeRO-3 weights are never saved by these policies
-        step = jax.checkpoint(step, policy=remat.policy, prevent_cse=False)
-    elif _stored_sharded(stacked_params):  # ZeRO-3: each layer gathered again backward
-        step = jax.checkpoint(step, policy=rp.regather_policy(), prevent_cse=False)
+    if remat.recomputes or _stored_sharded(stacked_params):  # ZeRO-3: gathered again backward
+        step = jax.checkpoint(step, policy=never_gathered(remat), prevent_cse=False)
     return jax.lax.scan(step, x, stacked_params)[0]
 
 

@@ -152,9 +152,10 @@ def note_plan(
     With ``stage_fn`` (a ``stage_fn`` of identical stages or a `Sequential`), its stage params
     as passed (one device's, inside the mesh) and one micro-batch's input, the note also holds
     the step time modelled on K parallel devices (`timing.step_time`) from each stage's FLOPs
-    (`costs.stage_costs`, under the call's ``remat`` policy), and with equal costs. A forward-only call (``backward=False``) is
-    modelled with backward passes that cost nothing. A stage whose FLOPs cannot be measured
-    (e.g. one that compiles to a loop) leaves the equal-cost model and the reason in the note.
+    (`costs.stage_costs`, under the call's ``remat`` policy), and with equal costs. A
+    forward-only call (``backward=False``) is modelled with backward passes that cost nothing.
+    A stage whose FLOPs cannot be measured (e.g. one that compiles to a loop) leaves the
+    equal-cost model and the reason in the note.
     """
     if not tracing.recording_pipelines():
         return

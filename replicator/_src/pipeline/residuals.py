@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
+from replicator._src.pipeline.layers import _inexact
 from replicator._src.sharded_params import regather_policy
 from replicator._src.typing import PyTree
 
@@ -111,8 +112,15 @@ def as_remat(value: Any, api: str) -> Remat:
     )
 
 
-def _inexact(a) -> bool:
-    return jnp.issubdtype(jnp.result_type(a), jnp.inexact)
+class _Meta(NamedTuple):
+    """What one trace of `SavedLayer.forward` found, for the backward passes."""
+
+    vjp_tree: Any  # the treedef of jax.vjp's function, whose leaves are the residuals
+    kinds: tuple  # per leaf: ("own", k), the k-th differentiated own parameter, or ("res", k)
+    tree: Any  # the treedef of (p, shared, x)
+    diff: tuple  # per leaf of (p, shared, x): whether it is differentiated (floating)
+    n_own: int  # the leaves of (p, shared)
+    like: list  # the shapes and dtypes of the leaves of (p, shared, x)
 
 
 class SavedLayer:
@@ -135,7 +143,7 @@ class SavedLayer:
 
     def __init__(self, layer_fn: Callable, remat: Remat, p, shared, x, j, li) -> None:
         self.layer_fn, self.remat = layer_fn, remat
-        self._meta: tuple | None = None
+        self._meta: _Meta | None = None
         self._split: tuple | None = None
         self.residuals: list[jax.ShapeDtypeStruct] = jax.eval_shape(
             lambda *a: self.forward(*a)[1], p, shared, x, j, li
@@ -165,10 +173,14 @@ class SavedLayer:
             if hit is None:
                 res.append(leaf)
         like = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in flat]
-        meta = (vjp_tree, tuple(kinds), tree, diff, n_own, like)
+        meta = _Meta(vjp_tree, tuple(kinds), tree, diff, n_own, like)
         if self._meta is None:
             self._meta = meta
-        elif self._meta[1:4] != meta[1:4]:
+        elif (self._meta.kinds, self._meta.tree, self._meta.diff) != (
+            meta.kinds,
+            meta.tree,
+            meta.diff,
+        ):
             raise AssertionError("SavedLayer: the layer's residuals changed between traces")
         return out, res
 
@@ -181,22 +193,23 @@ class SavedLayer:
         """ZeroBubble's B: the cotangent of the layer's input, and what W needs from B."""
         b = self._splits(p, shared, res, cot)[0]
         outs = b(*self._own(p, shared), *res, *self._cot(cot))
-        n_x = sum(self._meta[3][self._meta[4] :])
-        return self._fill(outs[:n_x], self._meta[4], None)[0], list(outs[n_x:])
+        n_own = self._meta.n_own
+        n_x = sum(self._meta.diff[n_own:])
+        return self._fill(outs[:n_x], n_own, None)[0], list(outs[n_x:])
 
     def weight_grad(self, p, shared, res, cot, inter) -> tuple[PyTree, PyTree]:
         """ZeroBubble's W: the gradients ``(g_p, g_shared)`` from the residuals, the output's
         cotangent and what B returned."""
         w = self._splits(p, shared, res, cot)[1]
         g_own = w(*self._own(p, shared), *res, *self._cot(cot), *inter)
-        return self._fill(g_own, 0, self._meta[4])
+        return self._fill(g_own, 0, self._meta.n_own)
 
     def inter_shapes(self, p, shared, res, cot) -> list[jax.ShapeDtypeStruct]:
         """The shapes of what B hands to W."""
         return self._splits(p, shared, res, cot)[2]
 
     def _own(self, p, shared) -> list[jax.Array]:
-        diff, n_own = self._meta[3], self._meta[4]
+        diff, n_own = self._meta.diff, self._meta.n_own
         return [a for a, d in zip(jax.tree.leaves((p, shared)), diff[:n_own], strict=True) if d]
 
     @staticmethod
@@ -204,7 +217,7 @@ class SavedLayer:
         return [a for a in jax.tree.leaves(cot) if _inexact(a)]
 
     def _vjp(self, own, res) -> Callable:
-        vjp_tree, kinds = self._meta[0], self._meta[1]
+        vjp_tree, kinds = self._meta.vjp_tree, self._meta.kinds
         leaves = [own[k] if kind == "own" else res[k] for kind, k in kinds]
         vjp = jax.tree.unflatten(vjp_tree, leaves)
         return lambda cots: list(vjp(list(cots)))
@@ -213,7 +226,9 @@ class SavedLayer:
         """Gradients of the differentiated leaves ``lo:hi`` of ``(p, shared, x)`` as trees, with
         zeros for the integer leaves: ``(g_p, g_shared, g_x)`` for all, ``(g_p, g_shared)`` for
         the own leaves, ``(g_x,)`` for the input's."""
-        _, _, tree, diff, n_own, like = self._meta
+        tree, diff, n_own, like = (
+            self._meta.tree, self._meta.diff, self._meta.n_own, self._meta.like
+        )  # fmt: skip
         hi = len(like) if hi is None else hi
         it = iter(grads)
         full = [next(it) if d and lo <= k < hi else jnp.zeros(a.shape, a.dtype)
