@@ -4,7 +4,7 @@ The model is split into stages: identical ones whose parameters are stacked (`st
 or stages that differ in function, parameters and shapes (`sequential`), packed into one buffer
 per device. Either way they are sharded over the mesh's ``stage`` axis. Inside a ``step_fn``
 that ``Replicator.run`` runs on a mesh such as ``{"data": 2, "stage": 4}``, `value_and_grad`
-runs a schedule (`GPipe`, `Circular`, `OneFOneB`, `ZeroBubble`) over the micro-batches of each
+runs a schedule (`GPipe`, `Circular`, `OneFOneB`, `Interleaved1F1B`, `ZeroBubble`) over the micro-batches of each
 replica's batch; the ``rp`` collectives in ``step_fn`` still reduce over ``data`` only. Without
 a ``stage`` axis the same call runs the stages in order on one device: that is its meaning, and
 the oracle it is tested against. `step_time` models a schedule's step on parallel hardware from
@@ -25,6 +25,7 @@ from replicator._src.pipeline.partition import unstack_stages as unstack_stages
 from replicator._src.pipeline.pictures import render as render
 from replicator._src.pipeline.schedules import Circular as Circular
 from replicator._src.pipeline.schedules import GPipe as GPipe
+from replicator._src.pipeline.schedules import Interleaved1F1B as Interleaved1F1B
 from replicator._src.pipeline.schedules import OneFOneB as OneFOneB
 from replicator._src.pipeline.schedules import Plan as Plan
 from replicator._src.pipeline.schedules import ZeroBubble as ZeroBubble

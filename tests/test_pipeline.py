@@ -20,6 +20,7 @@ SCHEDULES = {
     "gpipe": (pipeline.GPipe(), 1),
     "circular": (pipeline.Circular(repeats=2), 2),
     "1f1b": (pipeline.OneFOneB(), 1),
+    "interleaved": (pipeline.Interleaved1F1B(repeats=2), 2),
 }
 MESHES = [{"data": 1, "stage": 4}, {"data": 2, "stage": 4}]
 
@@ -94,7 +95,8 @@ def make_repl(mesh_shape):
 @pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda m: "x".join(map(str, m.values())))
 @pytest.mark.parametrize(
     "name,m",
-    [("gpipe", 4), ("gpipe", 2), ("circular", 4), ("circular", 8), ("1f1b", 4), ("1f1b", 6)],
+    [("gpipe", 4), ("gpipe", 2), ("circular", 4), ("circular", 8), ("1f1b", 4), ("1f1b", 6),
+     ("interleaved", 4), ("interleaved", 8)],
 )
 def test_loss_and_every_gradient_equal_the_sequential_model(name, m, mesh_shape):
     schedule, v = SCHEDULES[name]

@@ -398,12 +398,12 @@ def test_check_dependencies_refuses_each_broken_rule():
     twice = np.array(w)
     twice[tw[1, 2], 2] = 0
     cases = [
-        (dict(fwd=early_f), r"F of micro-batch 0 runs at tick \d+ on stage 1 but needs F on the previous stage at an earlier tick"),
-        (dict(bwd=early_b), r"B of micro-batch 0 runs at tick \d+ on stage 0 but needs B on the next stage at an earlier tick"),
-        (dict(wgt=early_w), r"W of micro-batch 0 runs at tick \d+ on stage 1 but needs B on the same stage at the same tick or earlier"),
-        (dict(wgt=twice), r"wgt\[\d+, 2\] = 0 already ran at tick \d+; each micro-batch in \[0, 4\) must run once"),
-        (dict(wgt=np.where(w == 3, -1, w)), r"micro-batch 3 never runs on stage 0 in wgt"),
-        (dict(wgt=np.where(w == 1, 2, np.where(w == 2, 1, w))), r"stage 0 runs wgt of micro-batch 2 at tick \d+, not after micro-batch 1"),
+        (dict(fwd=early_f), r"F of micro-batch 0 runs at tick \d+ on logical stage 1 but needs F on the previous stage at an earlier tick"),
+        (dict(bwd=early_b), r"B of micro-batch 0 runs at tick \d+ on logical stage 0 but needs B on the next stage at an earlier tick"),
+        (dict(wgt=early_w), r"W of micro-batch 0 runs at tick \d+ on logical stage 1 but needs B on the same stage at the same tick or earlier"),
+        (dict(wgt=twice), r"wgt\[\d+, 2\] = 0 already ran at tick \d+; each micro-batch in \[0, 4\) must run once per logical stage"),
+        (dict(wgt=np.where(w == 3, -1, w)), r"micro-batch 3 never runs on logical stage 0 in wgt"),
+        (dict(wgt=np.where(w == 1, 2, np.where(w == 2, 1, w))), r"logical stage 0 runs wgt of micro-batch 2 at tick \d+, not after micro-batch 1"),
         (dict(stash_slots=2), r"the tables need stash_slots >= 3 and grad_slots >= 3; the plan has 2 and 3"),
         (dict(grad_slots=1), r"the tables need stash_slots >= 3 and grad_slots >= 3; the plan has 3 and 1"),
     ]  # fmt: skip
@@ -416,7 +416,7 @@ def test_check_dependencies_refuses_each_broken_rule():
     circ = S.Circular(2).plan(2, 2)
     for fwd, match in [
         (np.where(circ.fwd == 1, -1, circ.fwd), r"micro-batch 1 never runs logical stage 0 in fwd"),
-        (circ.fwd[[1, 0, 2, 3, 4]], r"F of micro-batch 0 runs at tick 0 on stage 1 but needs F of the previous logical stage at an earlier tick"),
+        (circ.fwd[[1, 0, 2, 3, 4]], r"F of micro-batch 0 runs at tick 0 on logical stage 1 but needs F of the previous logical stage at an earlier tick"),
     ]:  # fmt: skip
         bad = S.Plan("circular", 2, 2, 2, fwd, circ.fwd_repeat, circ.bwd)
         with pytest.raises(ValueError, match=r"check_dependencies\(circular, K=2, M=2\): " + match):

@@ -16,7 +16,8 @@ pipeline call.
 This module holds the entry points. A call is checked, micro-batched and planned once
 (`call.PipelineCall`), then run by the schedule's scan: `gpipe` for GPipe and Circular (the
 forward ticks, differentiated by ``jax.vjp``), `one_f_one_b` for 1F1B (forward and backward in
-one scan). The scans step one *layer* per iteration (`layers`): a tick is Lv iterations, so the
+one scan), `zero_bubble` for ZeroBubble and Interleaved1F1B (passes that wait in ring
+buffers). The scans step one *layer* per iteration (`layers`): a tick is Lv iterations, so the
 compiled program is the same whatever the number of layers per stage, with no loop nested in
 another.
 """
@@ -74,15 +75,17 @@ def value_and_grad(
       loss_fn: ``loss_fn(head_params, y, targets) -> scalar``, the mean loss of one micro-batch
         (``head_params`` is ``None`` when the call passes none).
       num_microbatches: M, the number of micro-batches per replica's batch.
-      schedule: ``rp.pipeline.GPipe()``, ``Circular(repeats=V)``, ``OneFOneB()``, or their
-        names ``"gpipe"``, ``"circular"``, ``"1f1b"``.
+      schedule: ``rp.pipeline.GPipe()``, ``Circular(repeats=V)``, ``OneFOneB()``,
+        ``Interleaved1F1B(repeats=V)``, ``ZeroBubble()``, or their names ``"gpipe"``,
+        ``"circular"``, ``"1f1b"``, ``"interleaved"``, ``"zerobubble"``.
       remat: what each layer keeps for the backward pass, for every schedule: ``"none"``
         (``False``) keeps all its activations and recomputes nothing; ``"full"`` (``True``, the
         default) keeps its input and recomputes the layer; ``"dots"`` keeps the outputs of
         products without batch dimensions (Megatron-LM's selective recomputation: attention's
         scores are recomputed, the linear layers' outputs kept); or any ``jax.checkpoint``
-        policy. 1F1B and ZeroBubble keep what the policy says for their micro-batches in
-        flight only (at most 2K-1), so their memory stays flat in M whatever the policy.
+        policy. 1F1B, Interleaved1F1B and ZeroBubble keep what the policy says for their
+        micro-batches in flight only (a ring of about 2K per virtual stage), so their memory
+        stays flat in M whatever the policy.
       unroll: run the ticks as a Python loop instead of a ``lax.scan``, for debugging: the same
         tick body, one traced copy per tick (``jax.debug.print`` in ``stage_fn`` then shows every
         tick in order). Compile time grows with the number of ticks.
@@ -126,7 +129,7 @@ def value_and_grad(
             return loss, (g_rows, _no_int_grads(g_xs), g_head)
         if sched.name == "1f1b":
             run = one_f_one_b.value_and_grad
-        elif sched.name == "zerobubble":
+        elif sched.name in ("zerobubble", "interleaved"):
             run = zero_bubble.value_and_grad
         else:
             run = gpipe.value_and_grad
@@ -160,8 +163,12 @@ def apply(
     """
     sched = schedules_lib.get(schedule)
     _check_options(num_microbatches, "apply", unroll)
-    # 1F1B's and ZeroBubble's forward ticks are GPipe's.
-    runs = schedules_lib.GPipe() if sched.name in ("1f1b", "zerobubble") else sched
+    # 1F1B's and ZeroBubble's forward ticks are GPipe's; Interleaved1F1B's, Circular's.
+    runs = sched
+    if sched.name in ("1f1b", "zerobubble"):
+        runs = schedules_lib.GPipe()
+    elif sched.name == "interleaved":
+        runs = schedules_lib.Circular(repeats=sched.repeats)
 
     def f(stage_params, inputs):
         call = PipelineCall.from_arguments(

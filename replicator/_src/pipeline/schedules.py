@@ -45,10 +45,10 @@ class Plan:
     """The tick tables of a schedule for K stages and M micro-batches (read-only arrays).
 
     Attributes:
-      schedule: ``"gpipe"``, ``"circular"``, ``"1f1b"`` or ``"zerobubble"``.
+      schedule: ``"gpipe"``, ``"circular"``, ``"1f1b"``, ``"interleaved"`` or ``"zerobubble"``.
       num_stages: K.
       num_microbatches: M.
-      repeats: V, the virtual stages per device (1 except for Circular).
+      repeats: V, the virtual stages per device (1 except for Circular and Interleaved1F1B).
       fwd: int32 ``[T, K]``: the micro-batch whose forward stage ``s`` runs at tick ``t``, or -1.
       fwd_repeat: int32 ``[T, K]``: the virtual stage ``r`` of that forward; 0 where idle.
       bwd: int32 ``[T, K]``: the micro-batch whose backward stage ``s`` runs at tick ``t``, or
@@ -60,8 +60,11 @@ class Plan:
         tick ``t``, or -1. Only ZeroBubble splits the backward into B (input gradients, in
         ``bwd``) and W; elsewhere all -1 (B and W run together in ``bwd``). ``None`` when
         built: all -1.
-      grad_slots: ZeroBubble's ring buffer of output cotangents kept from their arrival until
-        the W pass, indexed by ``i % grad_slots``; 0 for the others.
+      grad_slots: the ring buffer of output cotangents kept from their arrival until the W
+        pass (ZeroBubble) or the backward (Interleaved1F1B), indexed by ``i % grad_slots``; 0
+        for the others.
+      bwd_repeat: int32 ``[T, K]``: the virtual stage ``r`` of the backward in ``bwd``; 0 where
+        idle. ``None`` when built: all 0.
     """
 
     schedule: str
@@ -74,11 +77,14 @@ class Plan:
     stash_slots: int = 0
     wgt: np.ndarray | None = None
     grad_slots: int = 0
+    bwd_repeat: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.wgt is None:
             object.__setattr__(self, "wgt", np.full_like(np.asarray(self.fwd), -1))
-        for name in ("fwd", "fwd_repeat", "bwd", "wgt"):
+        if self.bwd_repeat is None:
+            object.__setattr__(self, "bwd_repeat", np.zeros_like(np.asarray(self.fwd)))
+        for name in ("fwd", "fwd_repeat", "bwd", "wgt", "bwd_repeat"):
             table = np.array(getattr(self, name), dtype=np.int32)
             if table.ndim != 2 or table.shape[1] != self.num_stages:
                 raise ValueError(
@@ -86,8 +92,18 @@ class Plan:
                 )
             table.setflags(write=False)
             object.__setattr__(self, name, table)
-        if not self.fwd.shape == self.fwd_repeat.shape == self.bwd.shape == self.wgt.shape:
-            raise ValueError("Plan: fwd, fwd_repeat, bwd and wgt must have the same shape [T, K].")
+        if not (
+            self.fwd.shape == self.fwd_repeat.shape == self.bwd.shape == self.wgt.shape
+            == self.bwd_repeat.shape
+        ):  # fmt: skip
+            raise ValueError(
+                "Plan: fwd, fwd_repeat, bwd, bwd_repeat and wgt must have the same shape [T, K]."
+            )
+        if self.repeats > 1 and (self.wgt >= 0).any():
+            raise ValueError(
+                "Plan: weight-gradient passes (wgt) with virtual stages (repeats > 1) are not "
+                "supported; split the backward with repeats=1 (ZeroBubble) only."
+            )
 
     @property
     def num_ticks(self) -> int:
@@ -286,6 +302,68 @@ class ZeroBubble:
         )  # fmt: skip
 
 
+@dataclasses.dataclass(frozen=True)
+class Interleaved1F1B:
+    """Interleaved 1F1B (Megatron-LM's virtual pipeline): V virtual stages per device, 1F1B's order.
+
+    The model has ``S = V*K`` logical stages laid out as in `Circular`: logical stage
+    ``j = r*K + s`` is device ``s``'s virtual stage ``r``, and activations go around the ring
+    (cotangents around it backwards). Each device runs Megatron-LM's order of passes: forwards
+    go in groups of K micro-batches per virtual stage (micro-batches ``0..K-1`` through its
+    stage 0, then through its stage 1, ...), backwards likewise with the virtual stages
+    reversed; device ``s`` first runs ``2(K-1-s) + (V-1)K + 1`` forwards, then alternates one
+    backward and one forward. Each pass runs at the first tick its inputs are there, a forward
+    and a backward per tick at most (the forward first). With equal costs the bubble is
+    Megatron-LM's ``(K-1)/(V*M + K-1)``, against 1F1B's ``(K-1)/(M+K-1)``; a device holds the
+    residuals of at most ``stash_slots`` micro-batches per virtual stage, whatever M. Sequential
+    meaning: each micro-batch through logical stages ``0..V*K-1``, then its gradient back.
+    Needs ``M`` to be a multiple of K.
+
+    Example:
+      >>> plan = Interleaved1F1B(repeats=2).plan(num_stages=2, num_microbatches=2)
+      >>> plan.fwd.T.tolist()
+      [[0, 1, 0, 1, -1, -1, -1, -1], [-1, 0, 1, 0, 1, -1, -1, -1]]
+      >>> plan.bwd.T.tolist(), plan.bwd_repeat.T.tolist()
+      ([[-1, -1, -1, -1, 0, 1, 0, 1], [-1, -1, -1, 0, 1, 0, 1, -1]], [[0, 0, 0, 0, 1, 1, 0, 0], [0, 0, 0, 1, 1, 0, 0, 0]])
+      >>> plan.num_ticks, round(plan.bubble_fraction(), 4), round(1 / (2 * 2 + 1), 4)
+      (8, 0.2, 0.2)
+    """
+
+    repeats: int = 2
+    name: ClassVar[str] = "interleaved"
+
+    def __post_init__(self) -> None:
+        positive_int(
+            self.repeats, api="Interleaved1F1B", name="repeats",
+            fix="Use Interleaved1F1B(repeats=2) or more, or OneFOneB() for one stage per device.",
+        )  # fmt: skip
+        if self.repeats < 2:
+            raise ValueError(
+                f"Interleaved1F1B: repeats must be >= 2 (virtual stages per device); got "
+                f"{self.repeats}. Use OneFOneB() for one stage per device."
+            )
+
+    def plan(self, num_stages: int, num_microbatches: int) -> Plan:
+        """The tick tables for ``num_stages`` devices and ``num_microbatches`` micro-batches."""
+        k, m = _check_sizes("Interleaved1F1B.plan", num_stages, num_microbatches)
+        why = "1F1B's order needs K micro-batches in flight"
+        _check_enough("Interleaved1F1B.plan", k, m, why)
+        if m % k:
+            raise ValueError(
+                f"Interleaved1F1B.plan: num_microbatches must be a multiple of num_stages (the "
+                f"micro-batches go through each virtual stage in groups of K); got "
+                f"num_microbatches={m} with num_stages={k}. Use num_microbatches="
+                f"{(m // k + 1) * k}, or OneFOneB()."
+            )
+        v = int(self.repeats)
+        fwd, frep, bwd, brep = _interleaved_tables(k, m, v)
+        stash, grad = ring_slots(fwd, bwd, np.full_like(fwd, -1), frep, brep, v)
+        return Plan(
+            self.name, k, m, v, fwd, frep, bwd, stash_slots=stash, grad_slots=grad,
+            bwd_repeat=brep,
+        )  # fmt: skip
+
+
 def _one_f_one_b_order(k: int, m: int, s: int) -> list[tuple[int, int]]:
     """Stage ``s``'s F (0) and B (1) passes in 1F1B order, as ``(phase, micro-batch)``."""
     warm = min(k - s, m)
@@ -326,61 +404,128 @@ def _zero_bubble_tables(k: int, m: int) -> tuple[np.ndarray, np.ndarray, np.ndar
     return fwd, bwd, wgt
 
 
-def _op_ticks(api: str, table: np.ndarray, name: str, m: int) -> np.ndarray:
-    """``[M, K]``: the tick of micro-batch ``i``'s pass on stage ``s`` in ``table``.
+def _interleaved_order(k: int, m: int, v: int, s: int) -> list[tuple[int, int, int]]:
+    """Device ``s``'s passes in Megatron-LM's interleaved order, as ``(phase, mb, repeat)``."""
+    n = v * m
+    chunk = [(x // k) % v for x in range(n)]
+    mb = [(x // (k * v)) * k + x % k for x in range(n)]
+    fwd = [(0, mb[x], chunk[x]) for x in range(n)]
+    bwd = [(1, mb[x], v - 1 - chunk[x]) for x in range(n)]
+    warm = min(n, 2 * (k - 1 - s) + (v - 1) * k + 1)
+    order = fwd[:warm]
+    for x in range(n):
+        order.append(bwd[x])
+        if warm + x < n:
+            order.append(fwd[warm + x])
+    return order
 
-    Raises a ValueError when a pass runs twice or never, or a stage runs them out of order.
+
+def _interleaved_tables(k: int, m: int, v: int) -> tuple[np.ndarray, ...]:
+    """`Interleaved1F1B`'s ``fwd``, ``fwd_repeat``, ``bwd``, ``bwd_repeat`` tables.
+
+    Each tick, each device runs the head of its order if its inputs are there (a forward needs
+    the previous logical stage's forward at an earlier tick; a backward its own forward at this
+    tick or earlier and the next logical stage's backward at an earlier tick), and then the pass
+    after it too if that is of the other kind and ready.
+    """
+    never, last = 1 << 30, v * k - 1
+    ran = np.full((2, m, v * k), never)  # the tick of F (0) and B (1) of (i, j)
+    orders = [_interleaved_order(k, m, v, s) for s in range(k)]
+    nxt = [0] * k
+    rows = []
+    while any(n < len(o) for n, o in zip(nxt, orders, strict=True)):
+        t, row = len(rows), np.full((4, k), -1, np.int32)
+        row[1], row[3] = 0, 0
+        for s in range(k):
+            for _ in range(2):
+                if nxt[s] == len(orders[s]):
+                    break
+                p, i, r = orders[s][nxt[s]]
+                j = r * k + s
+                if row[2 * p, s] >= 0:  # one pass of each kind per tick
+                    break
+                if p == 0:
+                    ready = j == 0 or ran[0, i, j - 1] < t
+                else:
+                    ready = ran[0, i, j] <= t and (j == last or ran[1, i, j + 1] < t)
+                if not ready:
+                    break
+                row[2 * p, s], row[2 * p + 1, s], ran[p, i, j] = i, r, t
+                nxt[s] += 1
+        rows.append(row)
+    return tuple(np.stack(rows, axis=1))
+
+
+def _op_ticks(
+    api: str, table: np.ndarray, name: str, m: int, rep: np.ndarray | None = None, v: int = 1
+) -> np.ndarray:
+    """``[M, V*K]``: the tick of micro-batch ``i``'s pass on logical stage ``j`` in ``table``
+    (``j = rep[t, s] * K + s``; ``rep`` all 0 when ``None``).
+
+    Raises a ValueError when a pass runs twice or never, or a logical stage runs them out of
+    order.
     """
     k = table.shape[1]
-    ticks = np.full((m, k), -1)
+    rep = np.zeros_like(table) if rep is None else np.asarray(rep)
+    ticks = np.full((m, v * k), -1)
     for t, s in zip(*np.nonzero(table >= 0), strict=True):
-        i = int(table[t, s])
-        if i >= m or ticks[i, s] >= 0:
-            what = "is not a micro-batch" if i >= m else f"already ran at tick {ticks[i, s]}"
+        i, j = int(table[t, s]), int(rep[t, s]) * k + int(s)
+        if i >= m or ticks[i, j] >= 0:
+            what = "is not a micro-batch" if i >= m else f"already ran at tick {ticks[i, j]}"
             raise ValueError(
                 f"{api}: {name}[{t}, {s}] = {i} {what}; each micro-batch in [0, {m}) must run "
-                f"once per stage in {name}."
+                f"once per logical stage in {name}."
             )
-        ticks[i, s] = t
+        ticks[i, j] = t
     missing = np.argwhere(ticks < 0)
     if len(missing):
-        i, s = missing[0]
-        raise ValueError(f"{api}: micro-batch {i} never runs on stage {s} in {name}.")
+        i, j = missing[0]
+        raise ValueError(f"{api}: micro-batch {i} never runs on logical stage {j} in {name}.")
     bad = np.argwhere(np.diff(ticks, axis=0) <= 0)
     if len(bad):
-        i, s = bad[0]
+        i, j = bad[0]
         raise ValueError(
-            f"{api}: stage {s} runs {name} of micro-batch {i + 1} at tick {ticks[i + 1, s]}, "
-            f"not after micro-batch {i} (tick {ticks[i, s]}); each stage must run them in "
-            f"micro-batch order, so that its ring buffers can be indexed by i % slots."
+            f"{api}: logical stage {j} runs {name} of micro-batch {i + 1} at tick "
+            f"{ticks[i + 1, j]}, not after micro-batch {i} (tick {ticks[i, j]}); each stage must "
+            f"run them in micro-batch order, so that its ring buffers can be indexed by i % slots."
         )
     return ticks
 
 
-def _pass_ticks(api: str, fwd, bwd, wgt, m: int | None = None) -> tuple[np.ndarray, ...]:
-    """The ticks ``[M, K]`` of F, B and W (W = B when the backward is fused: ``wgt`` all -1)."""
+def _pass_ticks(
+    api: str, fwd, bwd, wgt, m: int | None = None, fwd_repeat=None, bwd_repeat=None, v: int = 1
+) -> tuple[np.ndarray, ...]:
+    """The ticks ``[M, V*K]`` of F, B and W on each logical stage (W = B when the backward is
+    fused: ``wgt`` all -1)."""
     fwd, bwd, wgt = (np.asarray(x) for x in (fwd, bwd, wgt))
     m = int(fwd.max()) + 1 if m is None else m
-    tf = _op_ticks(api, fwd, "fwd", m)
-    tb = _op_ticks(api, bwd, "bwd", m)
+    tf = _op_ticks(api, fwd, "fwd", m, fwd_repeat, v)
+    tb = _op_ticks(api, bwd, "bwd", m, bwd_repeat, v)
     tw = tb if (wgt < 0).all() else _op_ticks(api, wgt, "wgt", m)
     return tf, tb, tw
 
 
-def ring_slots(fwd: np.ndarray, bwd: np.ndarray, wgt: np.ndarray) -> tuple[int, int]:
+def ring_slots(
+    fwd: np.ndarray, bwd: np.ndarray, wgt: np.ndarray, fwd_repeat: np.ndarray | None = None,
+    bwd_repeat: np.ndarray | None = None, repeats: int = 1,
+) -> tuple[int, int]:  # fmt: skip
     """The ring buffer sizes ``(stash_slots, grad_slots)`` that tables with backward ticks need.
 
-    Micro-batch ``i``'s input is live on stage ``s`` from its arrival (tick ``F(i,s-1) + 1``;
-    on stage 0 from ``F(i,0)``) through its W (``W = B`` when the backward is fused: ``wgt``
-    all -1); its output cotangent from its arrival (tick ``B(i,s+1) + 1``; on the last stage
-    from ``F(i,K-1)``, where the loss makes it) through its W. Passes run in micro-batch order
-    on each stage, so the live micro-batches form a window; a ring indexed by ``i % slots``
-    needs the widest window over stages and ticks: ``max(largest live i - smallest + 1)``.
+    Micro-batch ``i``'s input is live on logical stage ``j`` from its arrival (tick
+    ``F(i,j-1) + 1``; on stage 0 from ``F(i,0)``) through its W (``W = B`` when the backward is
+    fused: ``wgt`` all -1); its output cotangent from its arrival (tick ``B(i,j+1) + 1``; on the
+    last stage from ``F(i,S-1)``, where the loss makes it) through its W. Passes run in
+    micro-batch order on each logical stage, so the live micro-batches form a window; a ring
+    indexed by ``i % slots`` (one ring per virtual stage) needs the widest window over logical
+    stages and ticks: ``max(largest live i - smallest + 1)``.
 
     Args:
       fwd: int ``[T, K]``, the forward table.
       bwd: int ``[T, K]``, the backward (B) table.
       wgt: int ``[T, K]``, the W table, or all -1.
+      fwd_repeat: int ``[T, K]``, the forwards' virtual stages (all 0 when ``None``).
+      bwd_repeat: int ``[T, K]``, the backwards' virtual stages (all 0 when ``None``).
+      repeats: V, the virtual stages per device.
 
     Returns:
       ``(stash_slots, grad_slots)``.
@@ -389,7 +534,9 @@ def ring_slots(fwd: np.ndarray, bwd: np.ndarray, wgt: np.ndarray) -> tuple[int, 
     >>> ring_slots(p.fwd, p.bwd, p.wgt)
     (5, 1)
     """
-    tf, tb, tw = _pass_ticks("schedules.ring_slots", fwd, bwd, wgt)
+    tf, tb, tw = _pass_ticks(
+        "schedules.ring_slots", fwd, bwd, wgt, None, fwd_repeat, bwd_repeat, repeats
+    )
     stash_from = np.concatenate([tf[:, :1], tf[:, :-1] + 1], axis=1)
     grad_from = np.concatenate([tb[:, 1:] + 1, tf[:, -1:]], axis=1)
     return _window(stash_from, tw), _window(grad_from, tw)
@@ -434,17 +581,21 @@ def check_dependencies(plan: Plan) -> None:
             raise ValueError(f"{api}: micro-batch {i} never runs logical stage {j} in fwd.")
         _check_after(api, ticks[:, 1:], ticks[:, :-1], "F", "F of the previous logical stage", 1)
         return
-    tf, tb, tw = _pass_ticks(api, plan.fwd, plan.bwd, plan.wgt, m)
+    tf, tb, tw = _pass_ticks(
+        api, plan.fwd, plan.bwd, plan.wgt, m, plan.fwd_repeat, plan.bwd_repeat, v
+    )
     _check_after(api, tf[:, 1:], tf[:, :-1], "F", "F on the previous stage", 1)
     _check_after(api, tb, tf, "B", "F on the same stage", 0, first=0)
     _check_after(api, tb[:, :-1], tb[:, 1:], "B", "B on the next stage", 1, first=0)
     _check_after(api, tw, tb, "W", "B on the same stage", 0, first=0)
-    stash, grad = ring_slots(plan.fwd, plan.bwd, plan.wgt)
-    split = (plan.wgt >= 0).any()
-    if plan.stash_slots < stash or (split and plan.grad_slots < grad):
+    stash, grad = ring_slots(
+        plan.fwd, plan.bwd, plan.wgt, plan.fwd_repeat, plan.bwd_repeat, v
+    )
+    rings = (plan.wgt >= 0).any() or v > 1  # the engines that keep cotangents in a ring
+    if plan.stash_slots < stash or (rings and plan.grad_slots < grad):
         raise ValueError(
             f"{api}: the tables need stash_slots >= {stash} and grad_slots >= "
-            f"{grad if split else 0}; the plan has {plan.stash_slots} and {plan.grad_slots}."
+            f"{grad if rings else 0}; the plan has {plan.stash_slots} and {plan.grad_slots}."
         )
 
 
@@ -455,34 +606,37 @@ def _check_after(api: str, late, early, what: str, needs: str, gap: int, first: 
         i, s = bad[0]
         when = "an earlier tick" if gap else "the same tick or earlier"
         raise ValueError(
-            f"{api}: {what} of micro-batch {i} runs at tick {late[i, s]} on stage {s + first} "
+            f"{api}: {what} of micro-batch {i} runs at tick {late[i, s]} on logical stage "
+            f"{s + first} "
             f"but needs {needs} at {when} (it runs at tick {early[i, s]})."
         )
 
 
-Schedule: TypeAlias = GPipe | Circular | OneFOneB | ZeroBubble
+Schedule: TypeAlias = GPipe | Circular | OneFOneB | Interleaved1F1B | ZeroBubble
 _BY_NAME = {
-    "gpipe": GPipe, "circular": Circular, "1f1b": OneFOneB, "zerobubble": ZeroBubble,
-    "zb": ZeroBubble,
+    "gpipe": GPipe, "circular": Circular, "1f1b": OneFOneB, "interleaved": Interleaved1F1B,
+    "interleaved1f1b": Interleaved1F1B, "zerobubble": ZeroBubble, "zb": ZeroBubble,
 }  # fmt: skip
 
 
 def get(schedule: Schedule | str) -> Schedule:
     """A schedule object from an instance or a name.
 
-    The names are ``"gpipe"``, ``"circular"``, ``"1f1b"`` and ``"zerobubble"`` (or ``"zb"``).
+    The names are ``"gpipe"``, ``"circular"``, ``"1f1b"``, ``"interleaved"`` (or
+    ``"interleaved1f1b"``) and ``"zerobubble"`` (or ``"zb"``).
 
     >>> get("1f1b")
     OneFOneB()
     """
-    if isinstance(schedule, GPipe | Circular | OneFOneB | ZeroBubble):
+    if isinstance(schedule, GPipe | Circular | OneFOneB | Interleaved1F1B | ZeroBubble):
         return schedule
     if isinstance(schedule, str):
         cls = _BY_NAME.get(schedule.strip().lower())
         if cls is None:
             raise ValueError(
                 f"schedules.get: unknown schedule {schedule!r}; valid names are "
-                f"{', '.join(map(repr, _BY_NAME))} (or pass GPipe(), Circular(repeats=V), OneFOneB(), ZeroBubble())."
+                f"{', '.join(map(repr, _BY_NAME))} (or pass GPipe(), Circular(repeats=V), OneFOneB(), "
+                f"Interleaved1F1B(repeats=V), ZeroBubble())."
             )
         return cls()
     raise TypeError(

@@ -10,8 +10,8 @@ Two times are modelled. ``time`` is lock-step, what the SPMD scan does: every ti
 order of passes but drops the tick barriers: each pass starts as soon as its stage is free and its
 inputs are done, which is what an asynchronous (MPMD) runtime could reach at best.
 
-This module reads a plan's tables only (``fwd``, ``fwd_repeat``, ``bwd``, ``wgt``,
-``num_stages``, ``repeats``); it does not import the schedules, which define
+This module reads a plan's tables only (``fwd``, ``fwd_repeat``, ``bwd``, ``bwd_repeat``,
+``wgt``, ``num_stages``, ``repeats``); it does not import the schedules, which define
 ``Plan.bubble_fraction`` through it.
 """
 
@@ -174,7 +174,7 @@ def columns(plan: Any) -> tuple[np.ndarray, ...]:
     """
     zero = np.zeros_like(plan.fwd)
     if (plan.bwd >= 0).any():
-        return plan.fwd, plan.fwd_repeat, plan.bwd, zero, plan.wgt
+        return plan.fwd, plan.fwd_repeat, plan.bwd, plan.bwd_repeat, plan.wgt
     idle = np.full_like(plan.fwd, -1)
     return (
         np.concatenate([plan.fwd, idle]),
@@ -247,7 +247,7 @@ def _dataflow_time(plan: Any, phase_times: np.ndarray) -> float:
 def step_time(plan: Any, costs: StageCosts | None = None) -> StepTime:
     """The modelled time of one step of ``plan`` on K parallel devices in lock-step.
 
-    Plans with backward ticks (1F1B, ZeroBubble): a tick costs ``max_s`` of the sum of its active
+    Plans with backward ticks (1F1B, Interleaved1F1B, ZeroBubble): a tick costs ``max_s`` of the sum of its active
     phases: F is the forward of logical stage ``fwd_repeat[t, s] * K + s``; B is ``backward``
     (the fused backward) when ``wgt`` is all -1, else ``backward_input``; W is
     ``backward_weight``. GPipe and Circular run their forward ticks, then replay them in reverse
