@@ -31,8 +31,27 @@ split), the batch over ``data``, the state held to its shardings and donated; XL
 the collectives. Its FLOPs, collective bytes and temporaries are read the same way
 (``replicator._src.hlo.analyze``, as ``explain`` does) and set beside ``repl.run``'s.
 
+Part ``pipelines`` reads the same figures for the pipeline schedules, on the GPT that
+``replicator train configs/lm_pipeline.yaml`` trains (the CLI's job, built from shapes by
+``replicator.cli.jobs.abstract_job``) at d_model 256, 8 heads, seq 128, global batch 32,
+M = 8 micro-batches on ``{data: 2, stage: 4}``:
+
+* **FLOPs per device** of each schedule under each remat policy against plain data
+  parallelism's (``{data: 8}``) on the same batch. The 1F1B family skips its idle ticks under
+  ``lax.cond``, so its count is the work it executes; GPipe and Circular compute through their
+  bubbles. With 4 layers for GPipe, 1F1B and ZeroBubble; with 8 layers (K x V = 8) for
+  Interleaved1F1B and Circular beside 1F1B and data parallelism at 8 layers.
+* **Modelled step time** on 4 parallel devices (``rp.pipeline.step_time`` from each stage's
+  compiled passes, in FLOPs, as ``explain`` notes it) and the modelled bubble.
+* **Temporaries** (``memory_analysis``), and for 1F1B without remat at M = 8 to 64 with a fixed
+  micro-batch of 2 sequences per replica (memory flat in M).
+* **bf16 sends**: the bytes of the stage-to-stage ``collective_permute``s in the program the
+  library emits (the lowered StableHLO, before XLA's platform passes), fp32 against
+  ``model.dtype=bfloat16``, and the same read from the compiled program.
+
     python benchmarks/efficiency.py
     python benchmarks/efficiency.py --sizes small --json /tmp/efficiency.json
+    python benchmarks/efficiency.py --part pipelines
 """
 
 # ruff: noqa: E402  (the device count must be set before JAX starts its backend)
@@ -46,6 +65,7 @@ import dataclasses
 import datetime
 import json
 import math
+import re
 import shlex
 import sys
 import time
@@ -81,6 +101,7 @@ LAYOUTS = [  # (name, mesh, zero_stage, variant: "" | "remat" | "kept")
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--part", choices=["zero", "pipelines", "all"], default="all")
     p.add_argument("--sizes", default="small,large", help="comma-separated: small, large")
     p.add_argument("--json", metavar="PATH", help="also write the results here")
     return p.parse_args()
@@ -290,6 +311,17 @@ def mib(x: float) -> str:
 
 def main() -> None:
     args = parse_args()
+    out = []
+    if args.part in ("zero", "all"):
+        out += part_zero(args)
+    if args.part in ("pipelines", "all"):
+        out += part_pipelines()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+def part_zero(args) -> list:
     start = time.perf_counter()
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     rows: list[Row] = []
@@ -348,9 +380,105 @@ def main() -> None:
                 f"**{mine.temp_bytes / ref.temp_bytes:.3f}** | {fmt(mine)} | {fmt(ref)} |"
             )
         print()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([dataclasses.asdict(r) for r in rows + refs], f, indent=2)
+    return [dataclasses.asdict(r) for r in rows + refs]
+
+
+PIPELINE_MODEL = ["model.d_model=256", "model.heads=8", "model.seq_len=128", "global_batch=32"]
+
+
+def pipeline_case(overrides: list) -> dict:
+    """The CLI's lm_pipeline job with ``overrides``, compiled from shapes: its figures."""
+    from replicator.cli import config as cfg_lib
+    from replicator.cli import jobs
+
+    cfg = cfg_lib.load("configs/lm_pipeline.yaml", PIPELINE_MODEL + overrides)
+    repl, step_fn, state, batch = jobs.abstract_job(cfg)
+    t0 = time.perf_counter()
+    report = repl.explain(step_fn, state, batch)
+    seconds = time.perf_counter() - t0
+    lowered = repl.lower(step_fn, state, batch).as_text()
+    sends = 0  # bytes of the stage sends in the emitted program, each op once
+    for shape in re.findall(r"collective_permute.*: \((tensor<[^>]*>)", lowered):
+        dims = shape[len("tensor<") : -1].split("x")
+        itemsize = int(re.sub(r"\D", "", dims[-1])) // 8  # f32, bf16, i32, ...
+        sends += math.prod(int(d) for d in dims[:-1]) * itemsize
+    compiled = report.bytes_by(kind="collective-permute")  # per step, loops per trip
+    note = report.pipelines[0] if report.pipelines else None
+    return {
+        "overrides": overrides,
+        "flops": report.flops,
+        "temp_bytes": report.memory.temporaries,
+        "modelled_time": note.modelled_time if note else None,
+        "modelled_bubble": note.modelled_bubble if note else None,
+        "dataflow_time": note.dataflow_time if note else None,
+        "lowered_send_bytes": sends,
+        "compiled_permute_bytes": compiled,
+        "compile_seconds": seconds,
+    }
+
+
+def part_pipelines() -> list:
+    start = time.perf_counter()
+    dp = ["mesh.data=8", "mesh.stage=1"]
+    cases = {}
+
+    def case(name, overrides):
+        cases[name] = pipeline_case(overrides)
+        print(f"# {name}: {cases[name]['compile_seconds']:.1f} s", file=sys.stderr)
+
+    m8 = ["pipeline.microbatches=8"]
+    case("DP", dp)
+    case("DP, 8 layers", dp + ["model.layers=8"])
+    for sched in ("gpipe", "1f1b", "zerobubble"):
+        for remat in ("none", "dots", "full"):
+            case(f"{sched} {remat}", m8 + [f"pipeline.schedule={sched}", f"model.remat={remat}"])
+    for sched in ("1f1b", "interleaved", "circular"):
+        for remat in ("none", "full"):
+            case(f"{sched} {remat}, 8 layers", m8 + [
+                f"pipeline.schedule={sched}", f"model.remat={remat}", "model.layers=8",
+                "pipeline.repeats=2",
+            ])  # fmt: skip
+    for remat in ("none", "full"):
+        case(f"1f1b {remat} bf16", m8 + [f"model.remat={remat}", "model.dtype=bfloat16"])
+    for m in (16, 32, 64):
+        case(f"1f1b none M={m}", [f"pipeline.microbatches={m}", "model.remat=none",
+                                 f"global_batch={4 * m}"])  # fmt: skip
+    command = "python " + " ".join(map(shlex.quote, sys.argv))
+    print(f"Command: `{command}` ({datetime.date.today()}, jax {jax.__version__}, "
+          f"{time.perf_counter() - start:.0f} seconds)\n")  # fmt: skip
+    print("### Pipeline schedules: GPT d_model 256, 8 heads, seq 128, batch 32, M = 8, "
+          "{data: 2, stage: 4}\n")  # fmt: skip
+    print("| schedule, remat | FLOPs / DP's | modelled time (GFLOP) | / 1F1B's | modelled "
+          "bubble | temp MiB |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    for name, c in cases.items():
+        if "bf16" in name or "M=" in name or name.startswith("DP"):
+            continue
+        base = cases["DP, 8 layers" if "8 layers" in name else "DP"]
+        one = cases["1f1b none, 8 layers" if "8 layers" in name else "1f1b none"]
+        print(f"| {name} | **{c['flops'] / base['flops']:.3f}** | {c['modelled_time'] / 1e9:.3f} "
+              f"| {c['modelled_time'] / one['modelled_time']:.3f} | {c['modelled_bubble']:.4f} | "
+              f"{mib(c['temp_bytes'])} |")  # fmt: skip
+    print("\nbf16 between stages (1F1B, M = 8): the stage sends as the library emits them "
+          "(lowered) and as XLA:CPU compiled them, and the temporaries:\n")  # fmt: skip
+    print("| remat | lowered send bytes fp32 | bf16 | bf16 / fp32 | compiled permute bytes "
+          "fp32 | bf16 | temp MiB fp32 | bf16 | bf16 / fp32 |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for remat in ("none", "full"):
+        a, b = cases[f"1f1b {remat}"], cases[f"1f1b {remat} bf16"]
+        print(f"| {remat} | {a['lowered_send_bytes']} | {b['lowered_send_bytes']} | "
+              f"**{b['lowered_send_bytes'] / a['lowered_send_bytes']:.3f}** | "
+              f"{a['compiled_permute_bytes']:.0f} | {b['compiled_permute_bytes']:.0f} | "
+              f"{mib(a['temp_bytes'])} | {mib(b['temp_bytes'])} | "
+              f"**{b['temp_bytes'] / a['temp_bytes']:.3f}** |")  # fmt: skip
+    print("\n1F1B without remat, 2 sequences per micro-batch per replica:\n")
+    print("| M | temp MiB | / M = 8 |")
+    print("|---|---|---|")
+    for m in (8, 16, 32, 64):
+        c = cases["1f1b none" if m == 8 else f"1f1b none M={m}"]
+        print(f"| {m} | {mib(c['temp_bytes'])} | **{c['temp_bytes'] / cases['1f1b none']['temp_bytes']:.3f}** |")
+    print()
+    return [{"name": k, **v} for k, v in cases.items()]
 
 
 if __name__ == "__main__":

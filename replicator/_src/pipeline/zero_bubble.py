@@ -214,8 +214,12 @@ class _Stage:
         q``)."""
         t, q = u // (self.phases * self.lv), u % (self.phases * self.lv)
         f = self.forward(c, t, q)
-        bw = self.backward(c, t, q)
-        inbox, stash, grads, inter = self.file(c, t, q, f, bw)
+        # F's residuals go in before B and W read theirs: a phase that writes a real slot is
+        # never the one that reads, and a ring read before it is written would make XLA copy
+        # the whole ring every iteration.
+        stash = _set(c.stash, f.rep, jnp.where(f.on, f.mb % self.ss, self.ss), f.layer, f.res)
+        bw = self.backward(c, t, q, stash)
+        inbox, grads, inter = self.file(c, t, q, f, bw)
         return _Carry(
             f.h, bw.g, inbox, stash, grads, inter, bw.g_params, add(c.g_head, f.g_head),
             bw.g_xs, c.loss + f.loss,
@@ -259,7 +263,7 @@ class _Stage:
             )
         return _F(on, ic, jnp.where(on, r, 0), lf, res, h, loss_made, loss, g_head, dy)
 
-    def backward(self, c: _Carry, t, q) -> _BW:
+    def backward(self, c: _Carry, t, q, stash: list) -> _BW:
         """B (``Lv <= q < 2Lv``: layer ``2Lv-1-q`` of micro-batch ``bwd[t, s]`` through virtual
         stage ``bwd_repeat[t, s]``) and W (``q >= 2Lv``: layer ``q-2Lv`` of ``wgt[t, s]``), each
         from one layer's residuals and output cotangent read from the rings (and W from what B
@@ -271,7 +275,7 @@ class _Stage:
         b_on, w_on = (j >= 0) & in_b, (w >= 0) & in_w
         lb, lw = jnp.clip(2 * lv - 1 - q, 0, lv - 1), jnp.clip(q - 2 * lv, 0, lv - 1)
         read_mb, read_layer = jnp.where(in_w, wc, jc), jnp.where(in_w, lw, lb)
-        res = _get(c.stash, rb, read_mb % self.ss, read_layer)
+        res = _get(stash, rb, read_mb % self.ss, read_layer)
         runs = tracing.runs(self.v * m, self.phases * self.ticks)
         if not self.split:  # the fused backward: the cotangent comes down the layers
             cot = where(q == lv, _get(c.grads, rb, jc % self.gs, 0), c.g)
@@ -309,11 +313,11 @@ class _Stage:
         g_xs = put(c.g_xs, jnp.where(first, jc, m), g_x)  # or the spare row
         return _BW(in_b, b_on, jc, lb, g, inter, g_params, g_xs)
 
-    def file(self, c: _Carry, t, q, f: _F, bw: _BW) -> tuple[PyTree, list, PyTree, list]:
-        """The rings after the iteration: one write to each (idle ones to the spare slot).
+    def file(self, c: _Carry, t, q, f: _F, bw: _BW) -> tuple[PyTree, PyTree, list]:
+        """The other rings after the iteration: one write to each (idle ones to the spare slot).
 
         The inbox gets, at the end of the tick, the activation that arrived from ``s-1``; the
-        stash F's residuals; the cotangents the loss's (last logical stage, last F layer),
+        cotangents the loss's (last logical stage, last F layer),
         ZeroBubble's B output (``li > 0``) and, at the end of the tick, the cotangent that
         arrived from ``s+1``; the last ring what B keeps for W.
         """
@@ -333,7 +337,6 @@ class _Stage:
             c.inbox, jnp.where(x_got, x_rep, 0), jnp.where(x_got, jnp.maximum(x_from, 0) % ss, ss),
             None, x_in,
         )  # fmt: skip
-        stash = _set(c.stash, f.rep, jnp.where(f.on, f.mb % ss, ss), f.layer, f.res)
         inter = c.inter
         if self.split:
             inter = _set(c.inter, 0, jnp.where(bw.b_on, bw.mb % gs, gs), bw.layer, bw.inter)
@@ -353,4 +356,4 @@ class _Stage:
         rep = jnp.where(f.loss_made, v - 1, rep)
         layer = jnp.where(f.loss_made, top, layer)
         value = where(f.loss_made, f.dy, where(end, g_in, bw.g))
-        return inbox, stash, _set(c.grads, rep, slot, layer, value), inter
+        return inbox, _set(c.grads, rep, slot, layer, value), inter
