@@ -75,10 +75,12 @@ def gpt_build(layout: rp.Layout):
 
         return repl, step, repl.abstract(init), batch
     schedule = {
-        "gpipe": pipeline.GPipe(),
-        "1f1b": pipeline.OneFOneB(),
-        "circular": pipeline.Circular(repeats=layout.repeats),
-    }[layout.schedule]
+        "gpipe": pipeline.GPipe,
+        "1f1b": pipeline.OneFOneB,
+        "zerobubble": pipeline.ZeroBubble,
+        "circular": lambda: pipeline.Circular(repeats=layout.repeats),
+        "interleaved": lambda: pipeline.Interleaved1F1B(repeats=layout.repeats),
+    }[layout.schedule]()
     tx = repl.wrap_optimizer(optax.adam(1e-3), zero_stage=layout.zero_stage)
     grad_fn = gpt.pipeline_value_and_grad(
         CONFIG, num_microbatches=layout.microbatches, schedule=schedule

@@ -150,6 +150,27 @@ def test_explain_of_an_impossible_config_says_why_and_exits_2():
     assert "Traceback" not in run.stderr
 
 
+def test_interleaved_with_micro_batches_not_a_multiple_of_the_stages_is_refused_at_once(
+    capsys, tmp_path
+):
+    """train and explain: the library's message and the config keys, exit 2, before anything is
+    traced (so before the first step) and without a traceback."""
+    path = ROOT / "configs" / "lm_pipeline.yaml"
+    overrides = ["pipeline.schedule=interleaved", "model.layers=8", "pipeline.microbatches=6",
+                 "global_batch=24", f"out_dir={tmp_path}"]  # fmt: skip
+    assert config.load(path, overrides).pipeline.schedule == "interleaved"
+    for command in ("train", "explain"):
+        assert cli.main([command, str(path), *overrides]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(
+            f"replicator {command}: Interleaved1F1B.plan: num_microbatches must be a multiple "
+            f"of num_stages"
+        ), err
+        assert "OneFOneB(). In the config: pipeline.microbatches=6 with mesh.stage=4" in err
+        assert err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "lm_pipeline" / "metrics.jsonl").exists()
+
+
 @pytest.mark.parametrize(
     "name, overrides, words",
     [

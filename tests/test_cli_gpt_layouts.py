@@ -67,8 +67,10 @@ def train(config: TrainConfig):
     for _ in range(STEPS):
         state, _ = repl.run(step_fn, state, next(batches))
     params = whole(state["job"]["params"])
-    if "stages" in params:
-        params = dict(params, blocks=pipeline.unstack_stages(params.pop("stages")))
+    if "stages" in params:  # [K, L/K, ...], or [V, K, L/(V K), ...] with virtual stages
+        p = config.pipeline
+        v = p.repeats if p.schedule in ("circular", "interleaved") else 1
+        params = dict(params, blocks=pipeline.unstack_stages(params.pop("stages"), v))
     return state, params
 
 
@@ -138,6 +140,46 @@ def test_the_gpt_job_under_zero_equals_one_device(mesh, zero_stage, opt):
         assert all(sharded_over_data(p.value) or on_model(p.value) for p in params)
 
 
+@pytest.mark.slow
+def test_the_gpt_job_under_interleaved_1f1b_equals_one_device():
+    """Interleaved 1F1B on {data: 2, stage: 4} with V=2 virtual stages per device (8 blocks, one
+    per logical stage; M=4 micro-batches, a multiple of K) and ZeRO-1: three steps equal the
+    8-block GPT on one device, and the stage blocks [V, K, 1, ...] are split over `stage`."""
+    want = build_and_train(gpt_job({"data": 1}, layers=8), devices=1)[1]
+    mesh = {"data": 2, "stage": 4}
+    state, got = build_and_train(gpt_job(mesh, zero_stage=1, schedule="interleaved", layers=8))
+    err = rel_err(got, want)
+    print(f"rel_err {err:.2e}")  # shown with pytest -s
+    assert err <= TOL, err
+    model = gpt.GPTConfig(vocab_size=256, seq_len=16, d_model=32, num_heads=4, num_layers=8)
+    assert rel_err(got, gpt.init(model, jax.random.key(0))) > 1e-2  # training moved them
+    qkv = state["job"]["params"]["stages"]["attn"]["qkv"]
+    assert qkv.shape == (2, 4, 1, 32, 96) and qkv.sharding.spec[:2] == (None, "stage")
+
+
+def test_the_config_takes_interleaved_1f1b_with_its_repeats():
+    """pipeline.schedule=interleaved builds Interleaved1F1B(repeats=pipeline.repeats), whose
+    stage blocks are [V, K, L/(V K), ...]; the job is refused before anything is traced when
+    the micro-batches are not a multiple of the stage axis (the library's message, then the
+    config keys) or the layers do not split into K x V stages."""
+    keys = ["pipeline.schedule=interleaved", "model.layers=16", "pipeline.microbatches=8"]
+    config = config_lib.load(PIPE, [*keys, "pipeline.repeats=4"])
+    assert jobs._schedule(config) == pipeline.Interleaved1F1B(repeats=4)
+    _, _, state, _ = jobs.abstract_job(config)
+    assert state["job"]["params"]["stages"]["attn"]["qkv"].shape == (4, 4, 1, 64, 192)
+    with pytest.raises(
+        ValueError,
+        match=r"^Interleaved1F1B\.plan: num_microbatches must be a multiple of num_stages .*got "
+        r"num_microbatches=6 with num_stages=4\. Use num_microbatches=8, or OneFOneB\(\)\. In "
+        r"the config: pipeline\.microbatches=6 with mesh\.stage=4 and pipeline\.schedule="
+        r"interleaved\.$",
+    ):
+        jobs.abstract_job(config_lib.load(PIPE, [*keys, "pipeline.microbatches=6"]))
+    with pytest.raises(ValueError, match=r"stack_stages: 4 layers do not split into num_stages=4 "
+                       r"x repeats=2 = 8 equal stages; use a multiple of 8 layers"):  # fmt: skip
+        jobs.abstract_job(config_lib.load(PIPE, ["pipeline.schedule=interleaved"]))
+
+
 # -- refused when the config loads --------------------------------------------------------------
 
 
@@ -151,6 +193,12 @@ def test_the_gpt_job_under_zero_equals_one_device(mesh, zero_stage, opt):
          r"model\.vocab=100 is smaller than the data's 256 byte tokens.*use vocab >= 256"),
         (PIPE, ["model.dtype=float16"], r"model\.dtype='float16' is not a compute dtype.*bfloat16"),
         (PIPE, ["model.remat=1"], r"model\.remat: expected bool; got 1"),
+        (PIPE, ["pipeline.schedule=interleaved", "pipeline.repeats=1"],
+         r"pipeline\.repeats=1: schedule='interleaved' needs 2 or more virtual stages per "
+         r"device; use repeats=2 .*or schedule='1f1b'"),
+        (PIPE, ["pipeline.schedule=interleave"],
+         r"pipeline\.schedule='interleave' is not a schedule; use one of .*'interleaved'.* Did "
+         r"you mean 'interleaved'\?"),
         (PIPE, ["mesh.stage=2", "mesh.data=2", "mesh.model=2", "model.d_ff=65"],
          r"model\.d_ff=65 does not split over mesh\.model=2.*\(e\.g\. d_ff=66\)"),
         (MLP, ["model.vocab=512"], r"model\.vocab=512 is for model\.kind='gpt'; model\.kind='mlp'"),
@@ -214,6 +262,7 @@ def test_explain_of_the_job_from_shapes_equals_explain_of_the_built_job(
         ("1f1b", False),
         ("1f1b", "dots"),
         ("zerobubble", "full"),
+        ("interleaved", "dots"),
     ],
 )
 def test_model_remat_is_the_pipeline_engines_for_every_schedule(schedule, remat):

@@ -35,18 +35,66 @@ def test_enumeration_of_8_devices_for_4_layers_and_4_heads():
             (lay.schedule, lay.microbatches, lay.repeats, lay.zero_stage)
         )
     # data=2, stage=4: a replica's 8 examples; M = 2K = 8 (4K = 16 does not divide 8);
-    # circular needs 4 layers to split into K*V = 8 virtual stages: not listed
+    # circular and interleaved need 4 layers to split into K*V = 8 virtual stages: not listed
     assert by_mesh[(2, 4, 1)] == {
         (s, 8, 1, z) for s in ("gpipe", "1f1b", "zerobubble") for z in (0, 1, 3)
     }  # ZeRO-2 is ZeRO-1's program without accumulation: not listed for pipelines
-    # data=4, stage=2: 4 examples a replica: M = 2K = 4; circular V=2 fits 4 layers
+    # data=4, stage=2: 4 examples a replica: M = 2K = 4 (a multiple of K, for interleaved);
+    # circular and interleaved with V=2 fit 4 layers (K*V = 4)
     assert by_mesh[(4, 2, 1)] == {
-        (s, 4, 2 if s == "circular" else 1, z)
-        for s in ("gpipe", "1f1b", "circular", "zerobubble")
+        (s, 4, 2 if s in ("circular", "interleaved") else 1, z)
+        for s in ("gpipe", "1f1b", "circular", "interleaved", "zerobubble")
         for z in (0, 1, 3)
     }
     # no pipeline: ZeRO 0, 1, 3, and ZeRO-2 only with accumulation
     assert by_mesh[(8, 1, 1)] == {(None, 1, 1, z) for z in (0, 1, 2, 3)}
+
+
+def test_interleaved_is_listed_where_its_micro_batches_and_layers_allow():
+    """Interleaved 1F1B needs M a multiple of K (and M >= K) and the layers in K*V pieces.
+    12 layers, 48 examples, model=1: stage 1, 2, 4 divide the layers (8 does not); K*V = 4
+    divides 12 at stage 2, 8 does not at stage 4. stage=2 (data=4): 12 examples a replica, so
+    of M in (2, 3, 4, 6) all divide it; 1F1B takes every M >= 2, interleaved the even ones.
+    stage=4 (data=2): 24 a replica; 1F1B takes 4 and 6 (>= K), interleaved none (layers)."""
+    families = rp.enumerate_layouts(
+        8, global_batch=48, num_layers=12, schedules=("1f1b", "interleaved"), zero_stages=(0,),
+        microbatches=(2, 3, 4, 6), max_model=1, remat=(False,),
+    )  # fmt: skip
+    piped = sorted(
+        (lay.stage, lay.schedule, lay.microbatches, lay.repeats)
+        for f in families for lay in f.layouts if lay.stage > 1
+    )  # fmt: skip
+    assert piped == [
+        (2, "1f1b", 2, 1), (2, "1f1b", 3, 1), (2, "1f1b", 4, 1), (2, "1f1b", 6, 1),
+        (2, "interleaved", 2, 2), (2, "interleaved", 4, 2), (2, "interleaved", 6, 2),
+        (4, "1f1b", 4, 1), (4, "1f1b", 6, 1),
+    ]  # fmt: skip
+    # By default (2K, 4K, else the largest M allowed): 12 examples, 8 layers, V=2. stage=2
+    # (data=4, 3 a replica): 1F1B falls back to M=3; no even M divides 3. stage=4 (data=2, 6
+    # a replica): 1F1B M=6; no multiple of 4 divides 6. stage=8 (data=1, 12 examples): 1F1B
+    # M=12; interleaved needs 16 layers. Interleaved has no layout at all.
+    families = rp.enumerate_layouts(
+        8, global_batch=12, num_layers=8, schedules=("1f1b", "interleaved"), zero_stages=(0,),
+        max_model=1, remat=(False,),
+    )  # fmt: skip
+    piped = sorted((lay.stage, lay.schedule, lay.microbatches)
+                   for f in families for lay in f.layouts if lay.stage > 1)  # fmt: skip
+    assert piped == [(2, "1f1b", 3), (4, "1f1b", 6), (8, "1f1b", 12)]
+    # repeats=4: K*V = 8 layers at stage 2 only (data=4, 4 a replica: M = 2K = 4; 4K = 8 does
+    # not divide 4)
+    families = rp.enumerate_layouts(
+        8, global_batch=16, num_layers=8, schedules=("interleaved",), repeats=4, max_model=1,
+    )  # fmt: skip
+    assert {(lay.stage, lay.microbatches, lay.repeats) for f in families for lay in f.layouts
+            if lay.stage > 1} == {(2, 4, 4)}  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"interleaved schedule needs repeats >= 2.*got "
+        r"repeats=1. Use repeats=2 or more, or leave 'interleaved' out",
+    ):
+        rp.enumerate_layouts(8, global_batch=16, num_layers=8, repeats=1)
+    assert rp.enumerate_layouts(8, global_batch=16, num_layers=8, repeats=1,
+                                schedules=("circular",))  # fmt: skip
 
 
 def test_a_family_is_ordered_fastest_first():
@@ -62,7 +110,7 @@ def test_a_family_is_ordered_fastest_first():
     assert first["data=8 zero=2 accum=2"].layouts == [
         rp.Layout(data=8, zero_stage=2, accumulate_steps=2, remat=r) for r in (False, "dots", True)
     ]
-    for schedule in ("1f1b", "zerobubble"):
+    for schedule in ("1f1b", "interleaved", "zerobubble"):
         fams = [f for f in families if f.layouts[0].schedule == schedule]
         assert fams and all([lay.remat for lay in f.layouts] == [False, "dots", True] for f in fams)
 
@@ -95,6 +143,17 @@ def test_layout_checks_and_names():
         rp.Layout(data=2, stage=2, schedule="gpipe", accumulate_steps=2)
     with pytest.raises(ValueError, match=r"Layout: zero_stage must be 0, 1, 2 or 3"):
         rp.Layout(zero_stage=4)
+    inter = rp.Layout(data=2, stage=4, schedule="interleaved", microbatches=8, repeats=2)
+    assert str(inter) == "data=2 stage=4 interleaved V=2 M=8"
+    assert str(dataclasses.replace(inter, schedule="circular")) == "data=2 stage=4 circular V=2 M=8"
+    with pytest.raises(ValueError, match=r"Layout: the interleaved schedule needs repeats >= 2"):
+        rp.Layout(data=2, stage=4, schedule="interleaved", microbatches=8)
+    with pytest.raises(
+        ValueError,
+        match=r"repeats \(virtual stages\) are for the circular and "
+        r"interleaved schedules; got repeats=2 with schedule='1f1b'",
+    ):
+        rp.Layout(data=2, stage=4, schedule="1f1b", microbatches=8, repeats=2)
 
 
 # -- the time model -------------------------------------------------------------------------------
@@ -170,9 +229,9 @@ def fake_report(flops, pipelines=()):
 
 
 def test_pipeline_idle_time_only_where_the_schedule_skips_its_bubble():
-    """1F1B skips idle ticks: with measured FLOPs the idle time is time x bubble; with equal
-    costs it is the device's FLOPs x b / (1 - b). GPipe computes through its bubble: its
-    FLOPs already hold it."""
+    """1F1B (and interleaved 1F1B, ZeroBubble) skip idle ticks: with measured FLOPs the idle
+    time is time x bubble; with equal costs it is the device's FLOPs x b / (1 - b). GPipe (and
+    circular) compute through their bubble: their FLOPs already hold it."""
     measured = CompiledStep.from_report(
         fake_report(1e9, [note("1f1b", 0.25, time=8e8, unit="flops")])
     )
@@ -181,6 +240,13 @@ def test_pipeline_idle_time_only_where_the_schedule_skips_its_bubble():
     assert equal.idle_flops == pytest.approx(1e9)
     gpipe = CompiledStep.from_report(fake_report(3e9, [note("gpipe", 0.25)]))
     assert gpipe.idle_flops == 0 and gpipe.bubble == 0.25
+    # Interleaved 1F1B and ZeroBubble skip their idle ticks as 1F1B does; circular computes
+    # through its bubble as GPipe does.
+    for skips in ("interleaved", "zerobubble"):
+        step = CompiledStep.from_report(fake_report(3e9, [note(skips, 0.25)]))
+        assert step.idle_flops == pytest.approx(1e9) and step.bubble == 0.25
+    circular = CompiledStep.from_report(fake_report(3e9, [note("circular", 0.25)]))
+    assert circular.idle_flops == 0 and circular.bubble == 0.25
     assert CompiledStep.from_dict(equal.to_dict()) == equal
 
 
@@ -330,6 +396,25 @@ def test_a_real_plan_ranks_the_compiled_gpt():
     assert one_f.time.bubble > 0 and one_f.outcome.compiled.bubble == pytest.approx(3 / 7)
     assert by_name["data=2 stage=4 gpipe M=4"].time.bubble == 0
     assert "best: " in str(report) and report.to_json()
+
+
+def test_a_real_plan_models_interleaved_1f1b_as_1f1b_with_a_smaller_bubble():
+    """K=2, M=4, V=2: interleaved 1F1B's modelled bubble is Megatron-LM's (K-1)/(VM+K-1) = 1/9
+    against 1F1B's (K-1)/(M+K-1) = 1/5, and, as 1F1B, it waits in it (idle time, not FLOPs);
+    the GPT's stages are equal, so its idle FLOPs are about half of 1F1B's."""
+    layouts = [
+        rp.Layout(data=4, stage=2, schedule="interleaved", microbatches=4, repeats=2),
+        rp.Layout(data=4, stage=2, schedule="1f1b", microbatches=4),
+    ]
+    report = rp.plan(plan_jobs.gpt_build, layouts, hardware="tpu-v5e", memory="1GiB", workers=0)
+    by_name = {str(c.layout): c for c in report.ranked}
+    inter = by_name["data=4 stage=2 interleaved V=2 M=4"]
+    one_f = by_name["data=4 stage=2 1f1b M=4"]
+    assert inter.outcome.compiled.bubble == pytest.approx(1 / 9)
+    assert one_f.outcome.compiled.bubble == pytest.approx(1 / 5)
+    assert inter.time.bubble > 0 and one_f.time.bubble > 0
+    ratio = inter.outcome.compiled.idle_flops / one_f.outcome.compiled.idle_flops
+    assert 0.4 < ratio < 0.6, ratio
 
 
 def test_plan_in_worker_processes_with_another_device_count():

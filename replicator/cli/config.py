@@ -88,14 +88,21 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
-    schedule: str = "1f1b"  # "gpipe", "circular", "1f1b" or "zerobubble"
-    microbatches: int = 4
-    repeats: int = 2  # virtual stages per device, for "circular"
+    # "gpipe", "circular", "1f1b", "interleaved" (Megatron-LM's interleaved 1F1B) or "zerobubble"
+    schedule: str = "1f1b"
+    microbatches: int = 4  # interleaved: a multiple of the stage axis
+    repeats: int = 2  # virtual stages per device, for "circular" and "interleaved" (>= 2)
 
     def __post_init__(self) -> None:
         _one_of(self, "schedule", SCHEDULES, what="a schedule")
         _at_least(self, "microbatches", 1)
         _at_least(self, "repeats", 1)
+        if self.schedule == "interleaved" and self.repeats < 2:
+            raise ValueError(
+                f"{_where(self)}repeats={self.repeats}: schedule='interleaved' needs 2 or more "
+                f"virtual stages per device; use repeats=2 (layers a multiple of 2 x the stage "
+                f"axis), or schedule='1f1b' for one stage per device."
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,7 +257,7 @@ REMAT_POLICIES = ("none", "full", "dots")
 BYTE_VOCAB = 256
 GPT_ONLY = {"vocab": BYTE_VOCAB, "d_ff": None, "dtype": "float32", "remat": False}  # defaults
 _OWN_KIND = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
-SCHEDULES = ("gpipe", "circular", "1f1b", "zerobubble")
+SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved", "zerobubble")
 WANDB_MODES = ("offline", "online", "disabled")
 
 

@@ -346,13 +346,31 @@ def _first_step(repl) -> Iterator[list]:
 
 
 def _schedule(config: TrainConfig):
+    """The ``pipeline:`` section's schedule; ``repeats`` is read by circular and interleaved."""
     p = config.pipeline
+    if p.schedule == "circular":
+        return rp.pipeline.Circular(repeats=p.repeats)
+    if p.schedule == "interleaved":
+        return rp.pipeline.Interleaved1F1B(repeats=p.repeats)
     return {
         "gpipe": rp.pipeline.GPipe(),
-        "circular": rp.pipeline.Circular(repeats=p.repeats),
         "1f1b": rp.pipeline.OneFOneB(),
         "zerobubble": rp.pipeline.ZeroBubble(),
     }[p.schedule]
+
+
+def _check_schedule(config: TrainConfig, schedule, num_stages: int) -> None:
+    """Refuses, before anything is traced, micro-batches that the schedule cannot run on
+    ``num_stages`` stages (1F1B, ZeroBubble, circular: M >= K; interleaved: M a multiple of K):
+    the library's message, then the config keys to change."""
+    p = config.pipeline
+    try:
+        schedule.plan(num_stages, p.microbatches)  # NumPy tick tables: the schedule's own rules
+    except ValueError as e:
+        raise ValueError(
+            f"{e} In the config: pipeline.microbatches={p.microbatches} with mesh.stage="
+            f"{num_stages} and pipeline.schedule={p.schedule}."
+        ) from e
 
 
 def gpt_config(config: TrainConfig) -> gpt.GPTConfig:
@@ -410,13 +428,14 @@ def _gpt(config: TrainConfig, repl, make_tx) -> _Job:
         return _Job(step_fn, init, input_fn, batch, tokens, m.vocab)
 
     schedule = _schedule(config)  # the config has a pipeline: section with a stage axis
+    k, v = repl.mesh.shape["stage"], schedule.repeats
+    _check_schedule(config, schedule, k)
     grad_fn = gpt.pipeline_value_and_grad(
         model,
         num_microbatches=config.pipeline.microbatches,
         schedule=schedule,
         remat=m.remat,
     )
-    k, v = repl.mesh.shape["stage"], schedule.repeats
     staged = lambda: gpt.pipeline_params(init_params(), num_stages=k, repeats=v)
     # The stage blocks [V, K, L/(V K), ...] are split over "stage"; ZeRO shards their state
     # (and with zero_stage=3 the blocks themselves, layer by layer) over the replicas too.

@@ -58,8 +58,9 @@ def add_parser(commands) -> None:
     p.add_argument("--overlap", type=float, default=0.0, metavar="F",
                    help="share (0-1) of the data-axis collectives hidden behind compute "
                    "(default 0: every collective exposed)")  # fmt: skip
-    p.add_argument("--schedules", default="gpipe,1f1b,circular,zerobubble",
-                   help="pipeline schedules to try, comma-separated (default: all)")  # fmt: skip
+    p.add_argument("--schedules", default="gpipe,1f1b,circular,interleaved,zerobubble",
+                   help="pipeline schedules to try, comma-separated (default: all; circular "
+                   "and interleaved with 2 virtual stages per device)")  # fmt: skip
     p.add_argument("--max-model", type=int, default=None, metavar="T",
                    help="the largest model (tensor-parallel) axis to try (default: 8)")  # fmt: skip
     p.add_argument("--max-stage", type=int, default=None, metavar="K",

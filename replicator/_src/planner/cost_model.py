@@ -6,7 +6,8 @@ fast a device does each. Nothing else is assumed about the model::
 
     compute       = sum over kernels of max(FLOPs / peak_flops, bytes / hbm_bandwidth)
                                                           (shared devices: all devices')
-    bubble        = idle FLOPs of a pipeline that skips its idle ticks (1F1B) / peak_flops
+    bubble        = idle FLOPs of a pipeline that skips its idle ticks (1F1B, interleaved,
+                    ZeroBubble) / peak_flops
     communication = sum over collectives of  wire bytes / bandwidth of the link it crosses
                                            + executions * collective_latency
     step          = compute + bubble + communication - hidden
@@ -32,6 +33,9 @@ from replicator._src.planner.hardware import Hardware
 
 # Axes whose collectives reduce gradients or gather ZeRO shards: what `overlap` may hide.
 DATA_AXES = frozenset({"data", "dcn_data"})
+# Schedules with explicit backward ticks, which skip their idle passes under lax.cond: their
+# bubble is idle time, not in the FLOPs. GPipe and circular compute through theirs.
+SKIPS_IDLE = frozenset({"1f1b", "interleaved", "zerobubble"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +59,8 @@ class CompiledStep:
       flops: FLOPs per device per step, loops counted per trip.
       collectives: every collective (`CollectiveCost`).
       idle_flops: a pipeline's idle time on each device, in FLOPs at the stages' rate, where the
-        schedule skips its idle ticks (1F1B); 0 where the program computes through them (GPipe,
-        circular: already in ``flops``).
+        schedule skips its idle ticks (1F1B, interleaved 1F1B, ZeroBubble: `SKIPS_IDLE`); 0
+        where the program computes through them (GPipe, circular: already in ``flops``).
       bubble: the pipelines' modelled idle share (0 without a pipeline).
       compile_seconds: time to build, trace and compile.
       bytes_accessed: memory the kernels read and write per step (`StepReport.bytes_accessed`).
@@ -80,7 +84,7 @@ class CompiledStep:
         bubble = 0.0
         for p in report.pipelines:
             bubble = max(bubble, p.modelled_bubble)
-            if p.schedule not in ("1f1b", "zerobubble"):
+            if p.schedule not in SKIPS_IDLE:
                 continue  # GPipe and circular compute through their bubbles: in the FLOPs
             if p.cost_unit == "flops" and p.modelled_time > 0:
                 idle += p.modelled_time * p.modelled_bubble

@@ -19,7 +19,9 @@ from collections.abc import Iterable, Sequence
 from replicator._src.errors import positive_int
 from replicator._src.pipeline import schedules as schedules_lib
 
-SCHEDULES = ("gpipe", "1f1b", "circular", "zerobubble")
+SCHEDULES = ("gpipe", "1f1b", "circular", "interleaved", "zerobubble")
+# The schedules with virtual stages: ``repeats`` per device, the layers split into stage x repeats.
+VIRTUAL = ("circular", "interleaved")
 # What each layer keeps for its backward pass, least recompute first: the pipelines' and the
 # GPT's remat policies ("none", "dots", "full"), as False, "dots", True.
 REMATS = (False, "dots", True)
@@ -35,10 +37,10 @@ class Layout:
       stage: pipeline stages; 1 for no pipeline.
       model: tensor-parallel devices: attention heads and MLP units split over them.
       zero_stage: 0 (replicated optimizer state), 1, 2 or 3 (ZeRO; 3 also shards parameters).
-      schedule: ``"gpipe"``, ``"1f1b"``, ``"circular"`` or ``"zerobubble"`` when ``stage > 1``,
-        else None.
+      schedule: ``"gpipe"``, ``"1f1b"``, ``"circular"``, ``"interleaved"`` or ``"zerobubble"``
+        when ``stage > 1``, else None.
       microbatches: the pipeline's micro-batches per replica batch (``stage > 1``).
-      repeats: virtual stages per device (``"circular"``).
+      repeats: virtual stages per device (``"circular"``; ``"interleaved"``, at least 2).
       accumulate_steps: gradient accumulation micro-steps (no pipeline).
       remat: what each layer keeps for the backward pass: ``False`` (``"none"``) all its
         activations, ``"dots"`` its products' outputs, ``True`` (``"full"``) its input only,
@@ -46,6 +48,8 @@ class Layout:
 
     >>> Layout(data=2, stage=4, schedule="1f1b", microbatches=8, remat=True)
     Layout(data=2 stage=4 1f1b M=8 remat)
+    >>> Layout(data=2, stage=4, schedule="interleaved", microbatches=8, repeats=2)
+    Layout(data=2 stage=4 interleaved V=2 M=8)
     >>> Layout(data=8, remat="dots")
     Layout(data=8 remat=dots)
     >>> Layout(data=8, zero_stage=3).mesh_shape
@@ -82,8 +86,16 @@ class Layout:
                 "Layout: a pipeline splits the batch into its micro-batches; use microbatches, "
                 "not accumulate_steps, with stage > 1."
             )
-        if self.repeats != 1 and self.schedule != "circular":
-            raise ValueError("Layout: repeats (virtual stages) are for the circular schedule.")
+        if self.repeats != 1 and self.schedule not in VIRTUAL:
+            raise ValueError(
+                f"Layout: repeats (virtual stages) are for the circular and interleaved "
+                f"schedules; got repeats={self.repeats} with schedule={self.schedule!r}."
+            )
+        if self.schedule == "interleaved" and self.repeats < 2:
+            raise ValueError(
+                f"Layout: the interleaved schedule needs repeats >= 2 (virtual stages per "
+                f"device); got repeats={self.repeats}. Use repeats=2, or schedule='1f1b'."
+            )
         object.__setattr__(self, "remat", _remat(self.remat, "Layout"))
 
     @property
@@ -162,11 +174,12 @@ def enumerate_layouts(
     """The layouts of ``num_devices`` devices that a model's sizes allow, in families.
 
     Every ``data x stage x model = num_devices`` split is tried where ``model`` divides
-    ``num_heads`` and ``hidden``, ``stage`` (times ``repeats`` for the circular schedule)
-    divides ``num_layers``, and ``data`` divides ``global_batch``. A pipeline's micro-batches
-    must divide the replica's batch and satisfy the schedule (1F1B and circular need at least
-    ``stage`` of them). ZeRO-2 differs from ZeRO-1 only with gradient accumulation, so it is
-    listed only with ``accumulate_steps > 1``.
+    ``num_heads`` and ``hidden``, ``stage`` (times ``repeats`` for the circular and interleaved
+    schedules) divides ``num_layers``, and ``data`` divides ``global_batch``. A pipeline's
+    micro-batches must divide the replica's batch and satisfy the schedule (1F1B, ZeroBubble
+    and circular need at least ``stage`` of them; interleaved a multiple of ``stage``). ZeRO-2
+    differs from ZeRO-1 only with gradient accumulation, so it is listed only with
+    ``accumulate_steps > 1``.
 
     A `Family` holds the layouts of one mesh, ZeRO stage, schedule and micro-batch count that
     trade memory for time, fastest first: without rematerialisation, then recomputing what the
@@ -184,7 +197,8 @@ def enumerate_layouts(
       zero_stages: the ZeRO stages to try.
       microbatches: pipeline micro-batch counts to try; default ``2 stage`` and ``4 stage``
         where the replica batch and the schedule allow them, else the largest that is allowed.
-      repeats: the circular schedule's virtual stages per device.
+      repeats: the circular and interleaved schedules' virtual stages per device
+        (interleaved: at least 2).
       accumulate_steps: accumulation steps to try without a pipeline; default every power of
         2 that divides the replica batch.
       remat: the rematerialisation policies to try, for every schedule: ``False`` (none),
@@ -199,7 +213,7 @@ def enumerate_layouts(
     >>> [str(group[0]) for group in families[0].groups]
     ['data=8', 'data=8 remat=dots', 'data=8 remat']
     >>> len(families), sum(len(f.layouts) for f in families)
-    (99, 360)
+    (114, 405)
     """
     api = "enumerate_layouts"
     n = positive_int(num_devices, api=api, name="num_devices")
@@ -216,6 +230,11 @@ def enumerate_layouts(
                 f"{api}: {name}={list(values)!r}; choose one or more of "
                 f"{', '.join(map(repr, valid))}."
             )
+    if "interleaved" in schedules and repeats < 2:
+        raise ValueError(
+            f"{api}: the interleaved schedule needs repeats >= 2 (virtual stages per device); got "
+            f"repeats={repeats}. Use repeats=2 or more, or leave 'interleaved' out of schedules."
+        )
     asked = {_remat(r, api) for r in remat}
     rematerialise = [r for r in REMATS if r in asked]
     if not rematerialise:
@@ -250,7 +269,7 @@ def enumerate_layouts(
                         families.append(Family(groups))
                 continue
             for schedule in schedules:
-                v = repeats if schedule == "circular" else 1
+                v = repeats if schedule in VIRTUAL else 1
                 if layers % (stage * v):
                     continue
                 for m in _microbatch_options(schedule, stage, per_replica, microbatches, v):
@@ -291,9 +310,10 @@ def _microbatch_options(
     """The micro-batch counts to try: ``microbatches``, or ``2 stage`` and ``4 stage`` (the
     bubble falls with M and, for 1F1B, so does the memory), else the largest M the replica
     batch and the schedule allow; each must divide the replica batch and suit the schedule."""
-    sched = {"gpipe": schedules_lib.GPipe(), "1f1b": schedules_lib.OneFOneB(),
-             "circular": schedules_lib.Circular(repeats=v),
-             "zerobubble": schedules_lib.ZeroBubble()}[schedule]  # fmt: skip
+    make = {"gpipe": schedules_lib.GPipe, "1f1b": schedules_lib.OneFOneB,
+            "circular": schedules_lib.Circular, "interleaved": schedules_lib.Interleaved1F1B,
+            "zerobubble": schedules_lib.ZeroBubble}[schedule]  # fmt: skip
+    sched = make(repeats=v) if schedule in VIRTUAL else make()
 
     def valid(m: int) -> bool:
         if m < 1 or per_replica % m:
