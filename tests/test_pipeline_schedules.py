@@ -164,6 +164,35 @@ def test_plan_is_read_only():
         (lambda: S.OneFOneB().plan(2.0, 4), r"num_stages must be an int >= 1; got 2.0"),
         (lambda: S.Circular().plan(2, -1), r"Circular.plan: num_microbatches must be an int >= 1"),
         (lambda: S.get("pipedream"), r"unknown schedule 'pipedream'.*'gpipe', 'circular', '1f1b'"),
+        (
+            lambda: S.Interleaved1F1B(2).plan(4, 6),
+            r"Interleaved1F1B.plan: num_microbatches must be a multiple of num_stages .*got "
+            r"num_microbatches=6 with num_stages=4. Use num_microbatches=8, or OneFOneB\(\)",
+        ),
+        (
+            lambda: S.Interleaved1F1B(3).plan(4, 2),
+            r"Interleaved1F1B.plan: num_microbatches must be >= num_stages; got "
+            r"num_microbatches=2 with num_stages=4.*num_microbatches >= 4",
+        ),
+        (
+            lambda: S.Interleaved1F1B(repeats=1),
+            r"Interleaved1F1B: repeats must be >= 2 \(virtual stages per device\); got 1. Use "
+            r"OneFOneB\(\) for one stage per device",
+        ),
+        (
+            lambda: S.Interleaved1F1B(0),
+            r"Interleaved1F1B: repeats must be an int.*got 0.*repeats=2\) or more",
+        ),
+        (
+            lambda: S.Interleaved1F1B(2.0),
+            r"Interleaved1F1B: repeats must be an int.*got 2.0.*repeats=2\) or more",
+        ),
+        (lambda: S.Interleaved1F1B(True), r"Interleaved1F1B: repeats must be an int.*got True"),
+        (lambda: S.Interleaved1F1B("2"), r"Interleaved1F1B: repeats must be an int.*got '2'"),
+        (
+            lambda: S.Interleaved1F1B(2).plan(2.0, 4),
+            r"Interleaved1F1B.plan: num_stages must be an int >= 1; got 2.0",
+        ),
         (lambda: S.GPipe().plan(2, 2).bubble_fraction(-1.0), r"costs must be >= 0"),
         (lambda: P.render("gpipe"), r"render: pass num_stages and num_microbatches"),
         (lambda: P.render(S.GPipe().plan(2, 2), 3), r"num_stages=3 does not match"),
@@ -183,6 +212,11 @@ def test_get():
     with pytest.raises(TypeError, match="got int"):
         S.get(3)
     assert [S.get(n).name for n in ("gpipe", "circular", "1f1b")] == ["gpipe", "circular", "1f1b"]
+    assert S.get("interleaved") == S.get(" Interleaved1F1B ") == S.Interleaved1F1B(repeats=2)
+    assert S.get("interleaved").name == "interleaved" and S.get("interleaved").repeats == 2
+    sched = S.Interleaved1F1B(repeats=3)
+    assert S.get(sched) is sched and sched != S.Interleaved1F1B(repeats=2)
+    assert S.Interleaved1F1B(2).plan(np.int64(2), np.int32(2)).num_ticks == 8
 
 
 def _grid(text, k):
@@ -196,7 +230,14 @@ def _grid(text, k):
 
 @pytest.mark.parametrize(
     ("sched", "k", "m", "columns"),
-    [("gpipe", 4, 6, 2 * 9), (S.Circular(2), 2, 4, 2 * 9), ("1f1b", 4, 6, 12), ("gpipe", 1, 1, 2)],
+    [
+        ("gpipe", 4, 6, 2 * 9),
+        (S.Circular(2), 2, 4, 2 * 9),
+        ("1f1b", 4, 6, 12),
+        ("gpipe", 1, 1, 2),
+        ("interleaved", 2, 4, 12),  # V*M + V*K + K - 2 ticks (see the Interleaved1F1B tests)
+        (S.Interleaved1F1B(3), 2, 2, 6 + 6 + 0),
+    ],
 )
 def test_render_ascii(sched, k, m, columns):
     text = P.render(sched, k, m)
@@ -526,3 +567,174 @@ def test_render_png_with_w_and_to_scale(tmp_path):
     path = tmp_path / "c.png"
     P.render(S.Circular(2), 2, 4, path=str(path), costs=T.StageCosts.equal(4, forward=2))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- Interleaved1F1B (Megatron-LM's virtual pipeline) -------------------------------------------
+#
+# Worked by hand for K=2, V=2, M=4 (logical stage j = r*K + s: device 0 runs j=0 "a" and j=2 "b",
+# device 1 runs j=1 "a" and j=3 "b"). Megatron-LM's order per device: forwards in groups of K
+# micro-batches per virtual stage, F0a F1a F0b F1b F2a F3a F2b F3b; backwards likewise with the
+# virtual stages reversed, B0b B1b B0a B1a B2b B3b B2a B3a; device s first runs
+# 2(K-1-s) + (V-1)K + 1 forwards (5 on device 0, 3 on device 1), then one backward, one forward.
+# A pass runs at the first tick its input is there, one F and one B per tick at most:
+#   tick 0: d0 F0a.  1: d0 F1a, d1 F0a.  2: d0 F0b (F0 left j=1 at tick 1), d1 F1a.
+#   3: d0 F1b; d1 F0b and, on the last stage, its backward B0b at once.
+#   4: d0 F2a and B0b (j=2; B0 left j=3 at tick 3); d1 F1b B1b.
+#   5: d0 F3a B1b; d1 F2a B0a.  6: d0 F2b B0a; d1 F3a B1a.  7: d0 F3b B1a; d1 F2b B2b.
+#   8: d0 B2b (no forward left); d1 F3b B3b.  9: d0 B3b; d1 B2a.  10: d0 B2a; d1 B3a.  11: d0 B3a.
+# 12 ticks. With f=1, b=2 in lock-step a tick costs its busiest device: ticks 0-2 cost 1, ticks
+# 3-8 cost 3 (a device runs F and B), ticks 9-11 cost 2: 3 + 18 + 6 = 27, while each device
+# works V*M*(f+b) = 24: the bubble is 3/27 = 1/9 = (K-1)/(V*M+K-1).
+#
+# What the example shows holds in general: every hop takes exactly one tick (F(i, j+1) = F(i, j)
+# + 1, B(i, j-1) = B(i, j) + 1) and the last stage's B runs with its F, so micro-batch i's passes
+# are fixed by F(i, 0); device 0 runs one forward per tick in its order until they run out, so
+# F(i, 0) = (i // K)*V*K + i % K: the forwards are Circular's. With S = V*K the last B is
+# B(M-1, 0) = F(M-1, 0) + 2(S-1), so T = V*M + V*K + K - 2 ticks: V*K - 1 ticks of forwards
+# only, V*M - V*K + K ticks where a device runs F and B, V*K - 1 of backwards only; lock-step
+# time (V*K - 1)(f + b) + (V*M - V*K + K)(f + b) = (V*M + K - 1)(f + b).
+
+IL_GRID = [(k, v) for k in (2, 3, 4, 8) for v in (2, 3, 4)]
+
+
+def _virtual_ticks(table, repeat, k, v, m):
+    """``[M, V*K]``: the tick of micro-batch i's pass on logical stage j; each runs exactly once."""
+    ticks = np.full((m, v * k), -1)
+    for t, s in zip(*np.nonzero(table >= 0)):
+        i, j = int(table[t, s]), int(repeat[t, s]) * k + int(s)
+        assert ticks[i, j] < 0, f"micro-batch {i} runs twice on logical stage {j}"
+        ticks[i, j] = t
+    assert (ticks >= 0).all(), f"never run: {np.argwhere(ticks < 0)[:3].tolist()}"
+    return ticks
+
+
+def _megatron_order(k, m, v):
+    """Megatron-LM's forward order on every device, as ``(micro-batch, virtual stage)``: groups
+    of K micro-batches, each group through virtual stage 0, 1, ..., V-1."""
+    return [(g * k + x, r) for g in range(m // k) for r in range(v) for x in range(k)]
+
+
+@pytest.mark.parametrize(("k", "v"), IL_GRID)
+def test_interleaved_runs_each_pass_once_in_megatrons_order(k, v):
+    for m in range(k, 8 * k + 1, k):
+        plan = S.Interleaved1F1B(repeats=v).plan(k, m)
+        assert (plan.schedule, plan.num_stages, plan.num_microbatches, plan.repeats) == (
+            "interleaved", k, m, v,
+        )  # fmt: skip
+        for table in (plan.fwd, plan.fwd_repeat, plan.bwd, plan.bwd_repeat):
+            assert table.dtype == np.int32 and table.shape == (plan.num_ticks, k)
+        assert (plan.wgt == -1).all()  # the backward is fused
+        assert (plan.fwd_repeat[plan.fwd < 0] == 0).all()
+        assert (plan.bwd_repeat[plan.bwd < 0] == 0).all()
+        S.check_dependencies(plan)
+        # Every (micro-batch, logical stage) runs one F and one B, in dependency order.
+        f = _virtual_ticks(plan.fwd, plan.fwd_repeat, k, v, m)
+        b = _virtual_ticks(plan.bwd, plan.bwd_repeat, k, v, m)
+        assert (f[:, 1:] > f[:, :-1]).all() and (b[:, :-1] > b[:, 1:]).all() and (b >= f).all()
+        assert (plan.fwd[-1] >= 0).any() or (plan.bwd[-1] >= 0).any()  # no idle tick at the end
+        # Each device: forwards and backwards in Megatron-LM's order; its warm-up forwards, then
+        # one backward and one forward (in the tick of the backward at the earliest).
+        forwards = _megatron_order(k, m, v)
+        backwards = [(i, v - 1 - r) for i, r in forwards]
+        for s in range(k):
+            tf = [f[i, r * k + s] for i, r in forwards]
+            tb = [b[i, r * k + s] for i, r in backwards]
+            assert tf == sorted(tf) and tb == sorted(tb), s
+            warm = min(v * m, 2 * (k - 1 - s) + (v - 1) * k + 1)
+            for x, t in enumerate(tb):
+                ran_before = sum(u < t for u in tf)
+                ran_by = sum(u <= t for u in tf)
+                assert ran_before <= min(warm + x, v * m) <= ran_by <= warm + x + 1, (s, x)
+
+
+@pytest.mark.parametrize(("k", "v"), [(1, 2), (1, 3), *IL_GRID])
+def test_interleaved_forwards_are_circulars_and_backwards_mirror_them(k, v):
+    """The closed form worked out above: one tick per hop, the forwards of `Circular`."""
+    n = v * k
+    for m in range(k, 8 * k + 1, k):
+        plan = S.Interleaved1F1B(repeats=v).plan(k, m)
+        f = _virtual_ticks(plan.fwd, plan.fwd_repeat, k, v, m)
+        b = _virtual_ticks(plan.bwd, plan.bwd_repeat, k, v, m)
+        i, j = np.indices((m, n))
+        assert np.array_equal(f, ((i // k) * n + i % k)[:, :1] + j)
+        assert np.array_equal(b, f[:, -1:] + (n - 1 - j))
+        assert plan.num_ticks == v * m + v * k + k - 2
+        circ = S.Circular(repeats=v).plan(k, m)
+        assert np.array_equal(plan.fwd[: circ.num_ticks], circ.fwd)
+        assert np.array_equal(plan.fwd_repeat[: circ.num_ticks], circ.fwd_repeat)
+        assert (plan.fwd[circ.num_ticks :] == -1).all()
+
+
+def test_interleaved_by_hand_at_k2_v2_m4():
+    plan = S.Interleaved1F1B(repeats=2).plan(2, 4)
+    text = P.render(plan)
+    ticks, cells, rest = _grid(text, 2)
+    assert ticks == list(range(12))  # the example worked by hand above
+    assert cells[0] == [
+        "F0a", "F1a", "F0b", "F1b", "F2aB0b", "F3aB1b", "F2bB0a", "F3bB1a", "B2b", "B3b", "B2a", "B3a",
+    ]  # fmt: skip
+    assert cells[1] == [
+        ".", "F0a", "F1a", "F0bB0b", "F1bB1b", "F2aB0a", "F3aB1a", "F2bB2b", "F3bB3b", "B2a", "B3a", ".",
+    ]  # fmt: skip
+    assert "the letter is the repeat (a = virtual stage 0 of the device, b = 1" in rest[0]
+    assert rest[1] == "schedule=interleaved K=2 M=4 V=2 ticks=12 bubble=0.1111 (f=1, b=2)"
+    assert Fraction(plan.bubble_fraction()).limit_denominator(1000) == Fraction(1, 9)
+    st = T.step_time(plan, T.StageCosts.equal(4, forward=1, backward=2))
+    assert st.tick_times.tolist() == [1, 1, 1, 3, 3, 3, 3, 3, 3, 2, 2, 2]
+    assert st.time == 27 and st.work.tolist() == [24, 24]
+    # Three virtual stages: letters a, b, c; each micro-batch's F and B on every logical stage.
+    flat = " ".join(" ".join(row) for row in _grid(P.render(S.Interleaved1F1B(3), 2, 4), 2)[1])
+    for i in range(4):
+        for kind in "FB":
+            assert sorted(re.findall(rf"{kind}{i}([abc])", flat)) == ["a", "a", "b", "b", "c", "c"]
+
+
+def _replay_virtual_rings(plan, stash_slots, grad_slots):
+    """Runs one stash ring and one cotangent ring per logical stage, as the engine does with a
+    fused backward; False if a live entry would be overwritten."""
+    k, n = plan.num_stages, plan.num_stages * plan.repeats
+    stash = [[None] * stash_slots for _ in range(n)]
+    grads = [[None] * grad_slots for _ in range(n)]
+    arrive_x, arrive_g = {}, {}  # (tick, logical stage) -> micro-batch arriving at the tick's start
+    for t in range(plan.num_ticks):
+        f = [(int(plan.fwd[t, s]), int(plan.fwd_repeat[t, s]) * k + s) for s in range(k)]
+        b = [(int(plan.bwd[t, s]), int(plan.bwd_repeat[t, s]) * k + s) for s in range(k)]
+        writes = [(stash, j, i, stash_slots) for i, j in f if i >= 0 and j == 0]
+        writes += [(grads, j, i, grad_slots) for i, j in f if i >= 0 and j == n - 1]  # the loss
+        writes += [(stash, j, i, stash_slots) for (u, j), i in arrive_x.items() if u == t]
+        writes += [(grads, j, i, grad_slots) for (u, j), i in arrive_g.items() if u == t]
+        for ring, j, i, slots in writes:
+            if ring[j][i % slots] is not None:
+                return False
+            ring[j][i % slots] = i
+        for i, j in f:
+            if i >= 0:
+                assert stash[j][i % stash_slots] == i, "read an input that is not there"
+                if j + 1 < n:
+                    arrive_x[t + 1, j + 1] = i
+        for i, j in b:
+            if i >= 0:
+                assert stash[j][i % stash_slots] == i and grads[j][i % grad_slots] == i
+                stash[j][i % stash_slots] = grads[j][i % grad_slots] = None
+                if j > 0:
+                    arrive_g[t + 1, j - 1] = i
+    return all(x is None for ring in (stash, grads) for row in ring for x in row)
+
+
+@pytest.mark.parametrize(("k", "v"), [(1, 2), (2, 2), (3, 3), (4, 2), (4, 4), (8, 3)])
+def test_interleaved_memory_is_flat_in_m(k, v):
+    """Logical stage 0 keeps micro-batch i's input from F(i, 0) to B(i, 0) = F(i, 0) + 2(V*K - 1),
+    2*V*K - 1 ticks, while the inputs arrive K per V*K ticks (F(i, 0) above): 2K at most are live
+    (micro-batches 0..2K-1 at tick 2*V*K - 2). A cotangent arrives in the tick of its backward
+    (one tick per hop; the last stage's from the loss, with its F): one slot. So the rings hold
+    min(M, 2K) and 1 micro-batches per virtual stage, whatever M."""
+    slots = set()
+    for m in (k, 2 * k, 4 * k, 16 * k):
+        plan = S.Interleaved1F1B(repeats=v).plan(k, m)
+        assert (plan.stash_slots, plan.grad_slots) == (min(m, 2 * k), 1), m
+        assert _replay_virtual_rings(plan, plan.stash_slots, plan.grad_slots), m
+        if plan.stash_slots > 1:
+            assert not _replay_virtual_rings(plan, plan.stash_slots - 1, plan.grad_slots), m
+        if m >= 2 * k:
+            slots.add((plan.stash_slots, plan.grad_slots))
+    assert len(slots) == 1  # the same at M = 2K, 4K and 16K

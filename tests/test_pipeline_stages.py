@@ -180,10 +180,14 @@ def test_apply_on_the_mesh_returns_the_last_stages_output():
     assert rel_err(np.asarray(out["y"])[0].reshape(16, 10), CNN.run(params, x)) <= TOL
 
 
-# -- stages of any width under Circular: 8 logical stages on 4 devices -------------------------
+# -- 8 logical stages on 4 devices: Circular and Interleaved1F1B ------------------------------
+
+VIRTUAL = {"circular": pipeline.Circular(repeats=2), "interleaved": pipeline.Interleaved1F1B(2)}
+VIRTUAL_CASES = [("circular", "full"), *(("interleaved", r) for r in ("none", "full", "dots"))]
 
 
-def test_circular_runs_eight_stages_of_different_widths():
+@pytest.mark.parametrize("name, remat", VIRTUAL_CASES)
+def test_eight_stages_of_different_widths_on_four_devices(name, remat):
     widths = [5, 7, 3, 9, 4, 6, 8, 2, 3]
     r = np.random.default_rng(3)
     params = [
@@ -200,9 +204,7 @@ def test_circular_runs_eight_stages_of_different_widths():
     def mse(_, y, t):
         return jnp.mean((y - t) ** 2)
 
-    f = pipeline.value_and_grad(
-        model, mse, num_microbatches=4, schedule=pipeline.Circular(repeats=2)
-    )
+    f = pipeline.value_and_grad(model, mse, num_microbatches=4, schedule=VIRTUAL[name], remat=remat)
 
     repl = make_repl()
     packed = repl.place(model.pack(params), pipeline.stage_spec(2))
@@ -210,6 +212,57 @@ def test_circular_runs_eight_stages_of_different_widths():
     want_loss, want = jax.value_and_grad(lambda p: mse(None, model.run(p, x), t))(params)
     assert rel_err(out["loss"], np.full(2, want_loss)) <= TOL
     assert rel_err(model.unpack(jax.tree.map(np.asarray, state["grads"])), want) <= TOL
+
+
+def mix(p, x):  # [b, 4, 4, 16] -> [b, 4, 4, 16]
+    return x + jnp.tanh(conv(x, p["w"])) * p["scale"]
+
+
+def dense(p, x):  # [b, 32] -> [b, 32]
+    return jnp.tanh(x @ p["w"] + p["b"])
+
+
+def cnn8_params(seed=2):
+    """The CNN's four stages with two more of each shape: 8 stages, 2 per device. Device 0 runs
+    the stem (virtual stage 0) and pool_mlp (1), device 3 a conv block and the head."""
+    r = np.random.default_rng(seed)
+
+    def n(*shape):
+        return (r.normal(size=shape) / np.sqrt(np.prod(shape[:-1]))).astype(np.float32)
+
+    stem_p, down_p, pool_p, head_p = cnn_params(seed)
+    mixes = [{"w": n(3, 3, 16, 16), "scale": np.float32(0.7 - 0.2 * i)} for i in range(2)]
+    denses = [{"w": n(32, 32), "b": n(32)} for _ in range(2)]
+    return [stem_p, down_p, *mixes, pool_p, *denses, head_p]
+
+
+CNN8 = pipeline.sequential(
+    [stem, down, mix, mix, pool_mlp, dense, dense, head], cnn8_params(), repeats=2
+)
+
+
+@pytest.mark.parametrize("name, remat", VIRTUAL_CASES)
+def test_cnn_of_eight_stages_loss_and_every_gradient_equal_the_model_on_one_device(name, remat):
+    """Eight stages of different functions, parameters and shapes, two per device, each device's
+    two of different shapes: the loss, every stage's gradient and the input gradient equal the
+    model on one device under each remat policy."""
+    repl = make_repl()
+    params = cnn8_params()
+    x, t = cnn_batch()
+
+    def oracle(params, x):
+        return cross_entropy(None, CNN8.run(params, x), t)
+
+    want_loss, (want, want_x) = jax.value_and_grad(oracle, argnums=(0, 1))(params, x)
+    packed = repl.place(CNN8.pack(params), pipeline.stage_spec(2))
+    state = {"params": packed, "grads": jax.tree.map(jnp.zeros_like, packed)}
+    state, out = repl.run(pipeline_step(CNN8, VIRTUAL[name], 4, remat), state, x, t)
+    got = CNN8.unpack(jax.tree.map(np.asarray, state["grads"]))
+    assert rel_err(out["loss"], np.full(2, want_loss)) <= TOL
+    for j in range(8):
+        assert rel_err(got[j], want[j]) <= TOL, j
+        assert min(np.abs(np.asarray(a)).max() for a in jax.tree.leaves(got[j])) > 0, j
+    assert rel_err(np.asarray(out["g_x"]).reshape(x.shape) / 2, want_x) <= TOL
 
 
 # -- the GPT split 2/1/1/2 by balance, with the embedding and the head as stages ---------------

@@ -1,6 +1,7 @@
 """The modelled step time of pipeline plans: analytic bubbles, hand-computed cases, validation."""
 
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -43,6 +44,43 @@ def test_circular_bubble_is_analytic_when_k_divides_m(k, v):
             st = T.step_time(plan, T.StageCosts.equal(v * k, forward=f, backward=b))
             assert st.bubble_fraction == pytest.approx((k - 1) / (v * m + k - 1))
             assert st.time == pytest.approx((v * m + k - 1) * (f + b))
+
+
+@pytest.mark.parametrize("v", [2, 3, 4])
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 8])
+def test_interleaved_bubble_is_megatrons_when_costs_are_equal(k, v):
+    # Lock-step, each tick costs its busiest device (tests/test_pipeline_schedules.py works the
+    # tables out): V*K - 1 ticks of forwards only, V*M - V*K + K ticks where a device runs a
+    # forward and a backward, V*K - 1 of backwards only: (V*M + K - 1)(f + b) in all, while each
+    # device works V*M*(f + b). The bubble is (K-1)/(V*M + K-1): Circular's, and V times
+    # smaller in M than 1F1B's (K-1)/(M + K-1).
+    for m in range(k, 8 * k + 1, k):
+        plan = S.Interleaved1F1B(repeats=v).plan(k, m)
+        for f, b in [(1, 2), (1, 1), (2, 1), (0.5, 3), (1, 0)]:
+            st = T.step_time(plan, T.StageCosts.equal(v * k, forward=f, backward=b))
+            assert st.time == pytest.approx((v * m + k - 1) * (f + b), rel=1e-12), (m, f, b)
+            assert st.work.tolist() == pytest.approx([v * m * (f + b)] * k, rel=1e-12)
+            assert st.bubble_fraction == pytest.approx((k - 1) / (v * m + k - 1), rel=1e-12)
+            assert st.dataflow_time <= st.time + 1e-9
+            assert st.dataflow_time >= max(st.work) - 1e-9
+        # Integer costs: whole numbers, so the bubble is exactly (K-1)/(V*M + K-1).
+        st = T.step_time(plan, T.StageCosts.equal(v * k, forward=1, backward=2))
+        assert st.time == 3 * (v * m + k - 1) and st.work.tolist() == [3 * v * m] * k
+        assert Fraction(int(k * st.time - st.work.sum()), int(k * st.time)) == Fraction(
+            k - 1, v * m + k - 1
+        )
+        circ = S.Circular(repeats=v).plan(k, m).bubble_fraction()
+        assert plan.bubble_fraction() == pytest.approx(circ, rel=1e-12)
+
+
+def test_interleaved_bubble_against_one_f_one_b_at_k4_m8():
+    """Megatron-LM's example: K=4, M=8, two virtual stages: 3/19 = 0.158 against 3/11 = 0.273."""
+    il, one = S.Interleaved1F1B(repeats=2).plan(4, 8), S.OneFOneB().plan(4, 8)
+    assert Fraction(il.bubble_fraction()).limit_denominator(1000) == Fraction(3, 19)
+    assert Fraction(one.bubble_fraction()).limit_denominator(1000) == Fraction(3, 11)
+    assert round(il.bubble_fraction(), 3) == 0.158 and round(one.bubble_fraction(), 3) == 0.273
+    st = T.step_time(il)  # equal costs: F = 1, the fused backward 2
+    assert st.time == 3 * 19 and st.work.tolist() == [48] * 4 and st.dataflow_time <= st.time
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 8])
@@ -111,7 +149,14 @@ def test_zero_bubble_with_a_slow_input_gradient_by_hand():
 
 @pytest.mark.parametrize(
     ("sched", "k", "m"),
-    [(S.GPipe(), 3, 5), (S.Circular(2), 3, 6), (S.OneFOneB(), 4, 7), (S.ZeroBubble(), 4, 7)],
+    [
+        (S.GPipe(), 3, 5),
+        (S.Circular(2), 3, 6),
+        (S.OneFOneB(), 4, 7),
+        (S.ZeroBubble(), 4, 7),
+        (S.Interleaved1F1B(2), 4, 8),
+        (S.Interleaved1F1B(3), 3, 6),
+    ],
 )
 def test_dataflow_is_a_lower_bound_and_work_adds_up(sched, k, m):
     rng = np.random.default_rng(0)
@@ -137,8 +182,9 @@ def test_dataflow_is_a_lower_bound_and_work_adds_up(sched, k, m):
         S.Circular(3).plan(2, 5),
         S.OneFOneB().plan(3, 5),
         S.ZeroBubble().plan(3, 5),
+        S.Interleaved1F1B(2).plan(3, 6),
     ],
-    ids=["gpipe", "circular", "1f1b", "zb"],
+    ids=["gpipe", "circular", "1f1b", "zb", "interleaved"],
 )
 def test_plan_bubble_fraction_is_the_modelled_one(plan):
     n = plan.num_stages * plan.repeats
