@@ -1,5 +1,6 @@
 """Pipeline schedules: the tick tables, their invariants, bubbles, validation and pictures."""
 
+import dataclasses
 import itertools
 import re
 from fractions import Fraction
@@ -310,7 +311,7 @@ def _pass_ticks(table, m):
 
 @pytest.mark.parametrize(("k", "m"), ZB_SIZES)
 def test_zero_bubble_tables_follow_the_engine_contract(k, m):
-    plan = S.ZeroBubble().plan(k, m)
+    plan = S.ZeroBubble(pass_costs=(1, 1, 1)).plan(k, m)
     assert (plan.schedule, plan.num_stages, plan.num_microbatches, plan.repeats) == (
         "zerobubble", k, m, 1,
     )  # fmt: skip
@@ -334,7 +335,7 @@ def test_zero_bubble_tables_follow_the_engine_contract(k, m):
 
 @pytest.mark.parametrize(("k", "m"), ZB_SIZES)
 def test_zero_bubble_ticks_bubble_and_memory(k, m):
-    plan = S.ZeroBubble().plan(k, m)
+    plan = S.ZeroBubble(pass_costs=(1, 1, 1)).plan(k, m)
     assert plan.num_ticks == 3 * m + k - 1  # ZB-H1: one unit of bubble per stage boundary
     assert plan.bubble_fraction() == pytest.approx((k - 1) / (3 * m + k - 1))
     assert plan.bubble_fraction() <= S.OneFOneB().plan(k, m).bubble_fraction()
@@ -343,14 +344,14 @@ def test_zero_bubble_ticks_bubble_and_memory(k, m):
 
 
 def test_zero_bubble_targets_at_k4_m8():
-    zb, one = S.ZeroBubble().plan(4, 8), S.OneFOneB().plan(4, 8)
+    zb, one = S.ZeroBubble(pass_costs=(1, 1, 1)).plan(4, 8), S.OneFOneB().plan(4, 8)
     assert zb.bubble_fraction() <= 0.5 * one.bubble_fraction()
     assert Fraction(zb.bubble_fraction()).limit_denominator(1000) == Fraction(3, 27)
     assert zb.stash_slots + zb.grad_slots <= 1.5 * (2 * 4)
 
 
 def test_zero_bubble_cells_and_wait_rule():
-    plan = S.ZeroBubble().plan(2, 3)
+    plan = S.ZeroBubble(pass_costs=(1, 1, 1)).plan(2, 3)
     cells = _grid(P.render(plan), 2)[1]
     assert cells[0] == ["F0", "F1", ".", "B0", "W0", "F2", "B1", "W1", "B2", "W2"]
     assert cells[1] == [".", "F0", "B0", "F1", "B1", "W0", "F2", "B2", "W1", "W2"]
@@ -411,6 +412,83 @@ def test_ring_slots_are_enough_and_tight(sched, k, m):
         assert not _replay_rings(plan, stash, grad - 1)
 
 
+GPT_PASSES = (4.424, 4.774, 4.036)  # the library's GPT block: F, B, W GFLOP (explain, M=8)
+
+
+def _measured(k, f, b, w):
+    """Equal stages with passes F, B, W (1F1B's fused backward: B + W)."""
+    return T.StageCosts.equal(k, forward=f, backward_input=b, backward_weight=w)
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 8])
+def test_zero_bubble_with_unequal_passes_is_never_slower_than_1f1b(k):
+    """With the GPT's passes (B > F > W), the one-pass table mixes F, B and W across stages in
+    the steady state, so each tick lasts a B: at large M it was slower than 1F1B. The chosen
+    table keeps every stage on F, B and W in the same ticks there."""
+    f, b, w = GPT_PASSES
+    costs = _measured(k, f, b, w)
+    for m in (k, 2 * k, 4 * k, 16 * k):
+        plan = S.ZeroBubble(pass_costs=GPT_PASSES).plan(k, m)
+        S.check_dependencies(plan)
+        one = T.step_time(S.OneFOneB().plan(k, m), costs)  # its fused backward: B + W
+        zb = T.step_time(plan, costs)
+        assert zb.time < one.time, (k, m)
+        f1, b1, w1 = S._zero_bubble_tables(k, m)
+        one_pass = S.Plan("zerobubble", k, m, 1, f1, np.zeros_like(f1), b1, stash_slots=k,
+                          wgt=w1, grad_slots=k)  # fmt: skip
+        assert zb.time <= T.step_time(one_pass, costs).time  # the better of the two
+    one_pass_64 = T.step_time(one_pass, costs).time / one.time
+    assert one_pass_64 > 1  # the defect the choice mends: ZB-H1 slower than 1F1B at M = 16K
+    assert zb.time / one.time < 1
+
+
+def test_zero_bubble_aligned_table_by_hand():
+    """K = 2, M = 4, F = 1, B = 1.2, W = 0.8. 1F1B's F and B ticks (stage 0: F at i, B at
+    i + 2; stage 1: F and B at i + 1). A W joins a tick where its stage ends no later than the
+    tick's busiest stage (more than 2K = 4 waiting never happens here):
+
+    tick 0: s0 F0 (1)                         length 1
+    ticks 1-3: both stages F + B (2.2): no room for a W (3.0 > 2.2)
+    tick 4: s0 B2 (1.2) + W0 = 2.0 <= s1's F3 + B3 = 2.2: W0 joins
+    tick 5: s0 B3 (1.2); s1 idle: its W0 (0.8 <= 1.2) joins
+    ticks 6-8: W1, W2, W3 on both stages (0.8 each)
+    time 1 + 4 x 2.2 + 1.2 + 3 x 0.8 = 13.4; 1F1B (fused backward 2.0): 1 + 4 x 3 + 2 = 15.
+    """
+    f, b, w = S._aligned_tables(2, 4, 1.0, 1.2, 0.8)
+    assert f.T.tolist() == [[0, 1, 2, 3, -1, -1, -1, -1, -1], [-1, 0, 1, 2, 3, -1, -1, -1, -1]]
+    assert b.T.tolist() == [[-1, -1, 0, 1, 2, 3, -1, -1, -1], [-1, 0, 1, 2, 3, -1, -1, -1, -1]]
+    assert w.T.tolist() == [[-1, -1, -1, -1, 0, -1, 1, 2, 3], [-1, -1, -1, -1, -1, 0, 1, 2, 3]]
+    stash, grad = S.ring_slots(f, b, w)
+    plan = S.Plan("zerobubble", 2, 4, 1, f, np.zeros_like(f), b, stash_slots=stash, wgt=w,
+                  grad_slots=grad)  # fmt: skip
+    S.check_dependencies(plan)
+    costs = _measured(2, 1.0, 1.2, 0.8)
+    assert T.step_time(plan, costs).time == pytest.approx(13.4)
+    one = T.step_time(S.OneFOneB().plan(2, 4), dataclasses.replace(costs, backward=(2.0, 2.0)))
+    assert one.time == pytest.approx(15.0)
+
+
+def test_zero_bubble_meets_its_target_at_k4_m8_with_the_gpts_passes():
+    f, b, w = GPT_PASSES
+    costs = _measured(4, f, b, w)
+    zb = T.step_time(S.ZeroBubble().plan(4, 8), costs).time
+    one = T.step_time(S.OneFOneB().plan(4, 8), costs)  # the fused backward: B + W
+    assert zb / one.time <= 0.85  # 0.833: the ZB-H1 optimum with these passes
+
+
+def test_zero_bubble_rings_stay_flat_in_m():
+    for k in (2, 4, 8):
+        slots = {m: S.ZeroBubble().plan(k, m) for m in (4 * k, 8 * k, 16 * k)}
+        assert len({(p.stash_slots, p.grad_slots) for p in slots.values()}) == 1
+        assert slots[4 * k].stash_slots <= 3 * k  # 1F1B's 2K - 1, and at most 2K W's waiting
+
+
+@pytest.mark.parametrize("bad", [(1, 1), (1, 0, 1), (1, -1, 1), "fast", (1, float("nan"), 1)])
+def test_zero_bubble_refuses_bad_pass_costs(bad):
+    with pytest.raises(ValueError, match=r"ZeroBubble: pass_costs must be three numbers > 0"):
+        S.ZeroBubble(pass_costs=bad)
+
+
 def _tables(plan, **change):
     tables = {"fwd": plan.fwd, "bwd": plan.bwd, "wgt": plan.wgt, **change}
     kw = dict(stash_slots=plan.stash_slots, grad_slots=plan.grad_slots)
@@ -422,7 +500,7 @@ def _tables(plan, **change):
 
 
 def test_check_dependencies_refuses_each_broken_rule():
-    plan = S.ZeroBubble().plan(3, 4)
+    plan = S.ZeroBubble(pass_costs=(1, 1, 1)).plan(3, 4)
     for good in (plan, S.OneFOneB().plan(3, 4), S.GPipe().plan(3, 2), S.Circular(2).plan(2, 4)):
         S.check_dependencies(good)
     f, b, w = plan.fwd, plan.bwd, plan.wgt
@@ -478,7 +556,7 @@ def test_zero_bubble_get_and_refusal():
 
 
 def test_render_zero_bubble_shows_w():
-    text = P.render("zb", 4, 8)
+    text = P.render(S.ZeroBubble(pass_costs=(1, 1, 1)).plan(4, 8))
     ticks, cells, rest = _grid(text, 4)
     assert ticks == list(range(27)) and all(len(row) == 27 for row in cells)
     flat = " ".join(" ".join(row) for row in cells)
@@ -532,7 +610,7 @@ def test_render_to_scale_places_each_pass_at_its_modelled_time():
 
 
 def test_render_to_scale_zero_bubble_wraps_and_keeps_ticks():
-    text = P.render("zb", 4, 8, costs=T.StageCosts.equal(4), width=70)
+    text = P.render(S.ZeroBubble(pass_costs=(1, 1, 1)).plan(4, 8), costs=T.StageCosts.equal(4), width=70)
     blocks = text.split("\n\n")
     assert len(blocks) == 2 and all(len(line) <= 70 for b in blocks for line in b.splitlines()[:5])
     rows = ["".join(b.splitlines()[1 + s][len("stage 3  ") :] for b in blocks) for s in range(4)]

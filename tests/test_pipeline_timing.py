@@ -86,7 +86,7 @@ def test_interleaved_bubble_against_one_f_one_b_at_k4_m8():
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 8])
 def test_zero_bubble_bubble_with_equal_passes(k):
     for m in (k, k + 1, 2 * k, 16):
-        plan = S.ZeroBubble().plan(k, m)
+        plan = S.ZeroBubble(pass_costs=(1, 1, 1)).plan(k, m)
         for c in (1.0, 2.5):
             st = T.step_time(
                 plan, T.StageCosts.equal(k, forward=c, backward_input=c, backward_weight=c)
@@ -135,7 +135,7 @@ def test_zero_bubble_with_a_slow_input_gradient_by_hand():
     # K=2, M=2 tables: stage 0: F0 F1 . B0 W0 B1 W1; stage 1: . F0 B0 F1 B1 W0 W1.
     # With B = 2: ticks 1 1 2 2 2 2 1 = 11. Without barriers stage 1 runs F0 1-2, B0 2-4, F1 4-5,
     # B1 5-7, W0 7-8, W1 8-9; stage 0 F0 0-1, F1 1-2, B0 4-6, W0 6-7, B1 7-9, W1 9-10: 10.
-    plan = S.ZeroBubble().plan(2, 2)
+    plan = S.ZeroBubble(pass_costs=(1, 1, 1)).plan(2, 2)
     st = T.step_time(plan, _costs((1, 1), (2, 2), (1, 1), (3, 3)))
     assert st.tick_times.tolist() == [1, 1, 2, 2, 2, 2, 1]
     assert st.time == 11 and st.work.tolist() == [8, 8]
@@ -181,7 +181,7 @@ def test_dataflow_is_a_lower_bound_and_work_adds_up(sched, k, m):
         S.GPipe().plan(3, 4),
         S.Circular(3).plan(2, 5),
         S.OneFOneB().plan(3, 5),
-        S.ZeroBubble().plan(3, 5),
+        S.ZeroBubble(pass_costs=(1, 1, 1)).plan(3, 5),
         S.Interleaved1F1B(2).plan(3, 6),
     ],
     ids=["gpipe", "circular", "1f1b", "zb", "interleaved"],
@@ -219,7 +219,7 @@ def test_stage_costs_equal_and_fields():
         (lambda: T.StageCosts.equal(2, forward=-1), r"forward\[0\] must be a finite number >= 0"),
         (lambda: T.step_time(S.Circular(2).plan(2, 2), T.StageCosts.equal(2)), r"step_time: costs describe 2 logical stages but the plan has 4 \(num_stages=2 x repeats=2\).*StageCosts.equal\(4\)"),
         (lambda: T.step_time(S.GPipe().plan(2, 2), T.StageCosts.equal(2, forward=0, backward=0)), r"step_time: the step takes no time"),
-        (lambda: S.ZeroBubble().plan(2, 2).bubble_fraction(0, 0), r"Plan.bubble_fraction: costs must be >= 0 and not both 0"),
+        (lambda: S.ZeroBubble(pass_costs=(1, 1, 1)).plan(2, 2).bubble_fraction(0, 0), r"Plan.bubble_fraction: costs must be >= 0 and not both 0"),
         (lambda: S.GPipe().plan(2, 2).bubble_fraction(math.nan), r"Plan.bubble_fraction: costs must be >= 0"),
     ],
 )  # fmt: skip

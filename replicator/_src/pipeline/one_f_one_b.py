@@ -25,8 +25,11 @@ from replicator._src.pipeline.residuals import Remat, SavedLayer
 from replicator._src.pipeline.ticks import (
     LossFn,
     add,
+    add_entry,
+    entry,
     mean_loss,
     put,
+    put_entry,
     run_ticks,
     shift,
     take,
@@ -44,7 +47,7 @@ class _Carry(NamedTuple):
     h: PyTree  # the forward's activation after the layer just run
     g: PyTree  # the backward's cotangent after the layer just run
     dy: PyTree  # the loss's cotangent of the last stage's latest output
-    stash: list  # layer residuals [2K-1 + 1, Lv, ...]; slot 2K-1 is a spare for idle halves
+    stash: list  # layer residuals [2K-1, Lv, ...], written only when a forward runs
     g_params: PyTree  # this stage's layer gradients [Lv, ...], accumulated
     g_shared: PyTree  # the gradient of the stage's shared parameters, accumulated
     g_head: PyTree  # the head's gradient, accumulated (nonzero on the last stage)
@@ -56,9 +59,9 @@ def _start(
     x0: PyTree, params: PyTree, shared: PyTree, head_params: PyTree, xs: PyTree, slots: int,
     residuals: list,
 ) -> _Carry:  # fmt: skip
-    """The carry before the first tick: all zeros, with the spare stash slot and ``g_xs`` row."""
+    """The carry before the first tick: all zeros, with the spare ``g_xs`` row."""
     lv = jax.tree.leaves(params)[0].shape[0]
-    stash = [jnp.zeros((slots + 1, lv, *r.shape), r.dtype) for r in residuals]
+    stash = [jnp.zeros((slots, lv, *r.shape), r.dtype) for r in residuals]
     spare = jax.tree.map(lambda a: jnp.zeros((a.shape[0] + 1, *a.shape[1:]), a.dtype), xs)
     return _Carry(
         x0, x0, x0, x0, x0, stash, zeros(params), zeros(shared), zeros(head_params), spare,
@@ -100,7 +103,6 @@ def value_and_grad(
     is_first, is_last = s == 0, s == k - 1
     x0 = zeros(prog.enter(take(call.xs, 0)))
     saved = SavedLayer(layer_fn, remat, take(params, 0), shared, x0, s, jnp.int32(0))
-    no_res = [jnp.zeros(r.shape, r.dtype) for r in saved.residuals]
 
     def grad_loss(head, y, t):
         loss, vjp = vjp_inexact(lambda hp, w: mean_loss(loss_fn, hp, prog.leave(w), t, m), head, y)
@@ -114,14 +116,14 @@ def value_and_grad(
         f_on = (i >= 0) & (q < lv)
         x = where(q == 0, where(is_first, prog.enter(take(call.xs, ic)), c.act), c.h)
         # Each stage is busy in M of the T ticks' forward halves, and in M backward halves.
+
+        def run():  # the layer, its residuals filed in the stash: an idle half writes none
+            h, res = saved.forward(take(params, lf), shared, x, s, lf)
+            slot = ic % slots
+            return h, [put_entry(a, (slot, lf), v) for a, v in zip(c.stash, res, strict=True)]
+
         with tracing.runs(m, 2 * plan.num_ticks):
-            h, res = lax.cond(
-                f_on,
-                lambda: saved.forward(take(params, lf), shared, x, s, lf),
-                lambda: (c.h, no_res),
-            )
-        slot = jnp.where(f_on, ic % slots, slots)  # idle: the spare slot
-        stash = [a.at[slot, lf].set(v) for a, v in zip(c.stash, res, strict=True)]
+            h, stash = lax.cond(f_on, run, lambda: (c.h, c.stash))
         # The last stage turns its output into the loss and the cotangent at once.
         with tracing.runs(m, 2 * lv * plan.num_ticks):  # on the last stage, once per micro-batch
             loss, (g_head, dy) = lax.cond(
@@ -134,11 +136,11 @@ def value_and_grad(
         jc, lb = jnp.maximum(j, 0), jnp.maximum(2 * lv - 1 - q, 0)
         b_on = (j >= 0) & (q >= lv)
         cot = where(q == lv, where(is_last, dy, c.cot), c.g)
-        kept = [a[jc % slots, lb] for a in stash]
+        kept = [entry(a, (jc % slots, lb)) for a in stash]
 
         def backward():  # the layer's gradients added to the carry's, only when B runs
             g_layer, g_sh, g = saved.backward(take(params, lb), shared, kept, cot)
-            own = jax.tree.map(lambda a, d: a.at[lb].add(d), c.g_params, g_layer)
+            own = jax.tree.map(lambda a, d: add_entry(a, (lb,), d), c.g_params, g_layer)
             return own, add(c.g_shared, g_sh), g
 
         with tracing.runs(m, 2 * plan.num_ticks):

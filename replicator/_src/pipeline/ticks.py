@@ -71,3 +71,23 @@ def zeros(tree: PyTree) -> PyTree:
 def add(a: PyTree, b: PyTree) -> PyTree:
     """The leaf-wise sum of two trees of one structure."""
     return jax.tree.map(jnp.add, a, b)
+
+
+def entry(a: jax.Array, lead: tuple) -> jax.Array:
+    """``a[lead]`` for traced integer indices ``lead`` (one per leading axis): a dynamic slice."""
+    starts = (*lead, *([0] * (a.ndim - len(lead))))
+    sizes = (*([1] * len(lead)), *a.shape[len(lead) :])
+    return lax.dynamic_slice(a, starts, sizes).reshape(a.shape[len(lead) :])
+
+
+def put_entry(a: jax.Array, lead: tuple, x: jax.Array) -> jax.Array:
+    """``a`` with ``a[lead] = x``: a dynamic update slice, which XLA runs in place (``a.at[i,
+    j].set(x)`` with traced indices is a scatter, which may rewrite all of ``a``)."""
+    starts = (*lead, *([0] * (a.ndim - len(lead))))
+    update = x.astype(a.dtype).reshape((1,) * len(lead) + tuple(x.shape))
+    return lax.dynamic_update_slice(a, update, starts)
+
+
+def add_entry(a: jax.Array, lead: tuple, x: jax.Array) -> jax.Array:
+    """``a`` with ``x`` added to ``a[lead]``, in place."""
+    return put_entry(a, lead, entry(a, lead) + x)

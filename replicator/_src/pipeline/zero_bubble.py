@@ -18,14 +18,15 @@ Because a pass may run ticks after what it reads arrived, what it reads is kept 
 buffers, one per virtual stage, written when it arrives and read when the tables say:
 
 - the stage inputs ``[V, stash_slots + 1, b, ...]``: from the arrival from ``s-1`` to F;
-- the residuals ``[V, stash_slots + 1, Lv, ...]``: from F to W (or the fused B);
+- the residuals ``[V, stash_slots, Lv, ...]``: from F to W (or the fused B), written inside
+  F's branch, so an idle iteration writes nothing;
 - the output cotangents ``[V, grad_slots + 1, Lv, b, ...]``: entry ``[r, i % grad_slots, li]``
   is the cotangent of layer ``li``'s output, from its arrival from ``s+1`` (or the loss's, on
   the last logical stage) until W; with a fused backward only the stage output's (``Lv = 1``
   in this ring);
 - what B hands to W ``[1, grad_slots + 1, Lv, ...]``: from B to W (ZeroBubble only).
 
-The last slot of each ring is a spare that idle iterations write to.
+The last slot of each other ring is a spare that idle iterations write to.
 """
 
 from __future__ import annotations
@@ -45,8 +46,11 @@ from replicator._src.pipeline.residuals import Remat, SavedLayer
 from replicator._src.pipeline.ticks import (
     LossFn,
     add,
+    add_entry,
+    entry,
     mean_loss,
     put,
+    put_entry,
     run_ticks,
     shift,
     take,
@@ -62,7 +66,7 @@ class _Carry(NamedTuple):
     h: PyTree  # the F phase's activation after the layer just run
     g: PyTree  # the B phase's cotangent after the layer just run
     inbox: PyTree  # stage inputs from s-1 [V, stash_slots + 1, b, ...]; the last slot: a spare
-    stash: list  # layer residuals [V, stash_slots + 1, Lv, ...]; the last slot is a spare
+    stash: list  # layer residuals [V, stash_slots, Lv, ...], written only when F runs
     grads: PyTree  # output cotangents [V, grad_slots + 1, Lv or 1, b, ...]; the last: a spare
     inter: list  # what B keeps for W [1, grad_slots + 1, Lv, ...]; the last: a spare
     g_params: PyTree  # (layer gradients [V, Lv, ...], shared parameters' [V, ...]), from W
@@ -71,19 +75,24 @@ class _Carry(NamedTuple):
     loss: jax.Array  # float32 scalar: this stage's share of the mean loss
 
 
-def _ring(x0: PyTree, v: int, slots: int, lv: int | None = None) -> PyTree:
+def _ring(x0: PyTree, v: int, slots: int, lv: int | None = None, spare: bool = True) -> PyTree:
     layers = () if lv is None else (lv,)
-    return jax.tree.map(lambda a: jnp.zeros((v, slots + 1, *layers, *a.shape), a.dtype), x0)
+    n = slots + 1 if spare else slots
+    return jax.tree.map(lambda a: jnp.zeros((v, n, *layers, *a.shape), a.dtype), x0)
 
 
 def _get(ring: PyTree, r, slot, layer=None) -> PyTree:
-    return jax.tree.map(lambda a: a[r, slot] if layer is None else a[r, slot, layer], ring)
+    """Entry ``[r, slot]`` (or ``[r, slot, layer]``) of every leaf: a dynamic slice."""
+    lead = (r, slot) if layer is None else (r, slot, layer)
+    return jax.tree.map(lambda a: entry(a, lead), ring)
 
 
 def _set(ring: PyTree, r, slot, layer, value: PyTree) -> PyTree:
-    if layer is None:
-        return jax.tree.map(lambda a, x: a.at[r, slot].set(x), ring, value)
-    return jax.tree.map(lambda a, x: a.at[r, slot, layer].set(x), ring, value)
+    """Every leaf with entry ``[r, slot]`` (or ``[r, slot, layer]``) set to ``value``'s leaf:
+    a dynamic update slice, which XLA runs in place (an indexed ``.at[].set`` is a scatter that
+    rewrites the whole ring)."""
+    lead = (r, slot) if layer is None else (r, slot, layer)
+    return jax.tree.map(lambda a, x: put_entry(a, lead, x), ring, value)
 
 
 def value_and_grad(
@@ -138,7 +147,7 @@ def value_and_grad(
     x0, v = st.x0, st.v
     spare = jax.tree.map(lambda a: jnp.zeros((st.m + 1, *a.shape[1:]), a.dtype), call.xs)
     init = _Carry(
-        x0, x0, _ring(x0, v, st.ss), _ring(st.no_res, v, st.ss, st.lv),
+        x0, x0, _ring(x0, v, st.ss), _ring(st.no_res, v, st.ss, st.lv, spare=False),
         _ring(x0, v, st.gs, st.lv if st.split else 1), _ring(st.no_inter, 1, st.gs, st.lv),
         zeros((st.params, st.shared)), zeros(head_params), spare, jnp.zeros((), jnp.float32),
     )  # fmt: skip
@@ -152,9 +161,8 @@ class _F(NamedTuple):
 
     on: jax.Array  # bool: this iteration runs a forward layer
     mb: jax.Array  # its micro-batch (0 when idle)
-    rep: jax.Array  # its virtual stage (0 when idle)
     layer: jax.Array  # its layer
-    res: list  # the layer's residuals (zeros when idle)
+    stash: list  # the residual rings, with the layer's residuals filed (unchanged when idle)
     h: PyTree  # the layer's output (the carry's when idle)
     loss_made: jax.Array  # bool: the last stage made micro-batch mb's loss and cotangent
     loss: jax.Array  # that loss's share of the mean, else 0
@@ -170,7 +178,7 @@ class _BW(NamedTuple):
     mb: jax.Array  # B's micro-batch (0 when idle)
     layer: jax.Array  # B's layer
     g: PyTree  # B's output: the cotangent of the layer's input (the carry's when idle)
-    inter: list  # what B keeps for W (zeros when idle)
+    inter: list  # the ring of what B keeps for W, with this iteration's B written
     g_params: PyTree  # the stage's weight gradients, with W's (or the fused B's) layer added
     g_xs: PyTree  # the inputs' gradients, with stage 0's last B layer put
 
@@ -214,10 +222,9 @@ class _Stage:
         q``)."""
         t, q = u // (self.phases * self.lv), u % (self.phases * self.lv)
         f = self.forward(c, t, q)
-        # F's residuals go in before B and W read theirs: a phase that writes a real slot is
-        # never the one that reads, and a ring read before it is written would make XLA copy
-        # the whole ring every iteration.
-        stash = _set(c.stash, f.rep, jnp.where(f.on, f.mb % self.ss, self.ss), f.layer, f.res)
+        # F files its residuals before B and W read theirs (never in the same iteration): a
+        # ring read before it is written would make XLA copy the whole ring every iteration.
+        stash = f.stash
         bw = self.backward(c, t, q, stash)
         inbox, grads, inter = self.file(c, t, q, f, bw)
         return _Carry(
@@ -239,14 +246,15 @@ class _Stage:
         )
         x = where(q == 0, arrived, c.h)
         # Each stage is busy in V*M of the T ticks' F phases, V*M of the B's (and M of the W's).
-        with tracing.runs(self.v * m, self.phases * self.ticks):
-            h, res = lax.cond(
-                on,
-                lambda: self.saved.forward(
-                    self.layer(r, lf), take(self.shared, r), x, r * k + self.s, lf
-                ),
-                lambda: (c.h, self.no_res),
+
+        def run():  # the layer, its residuals filed in the stash: an idle iteration writes none
+            h, res = self.saved.forward(
+                self.layer(r, lf), take(self.shared, r), x, r * k + self.s, lf
             )
+            return h, _set(c.stash, r, ic % self.ss, lf, res)
+
+        with tracing.runs(self.v * m, self.phases * self.ticks):
+            h, stash = lax.cond(on, run, lambda: (c.h, c.stash))
 
         def grad_loss(head, y, t):
             loss, vjp = vjp_inexact(
@@ -261,7 +269,7 @@ class _Stage:
                 lambda: grad_loss(self.head_params, h, take(call.ts, ic)),
                 lambda: (jnp.zeros((), jnp.float32), (zeros(self.head_params), c.h)),
             )
-        return _F(on, ic, jnp.where(on, r, 0), lf, res, h, loss_made, loss, g_head, dy)
+        return _F(on, ic, lf, stash, h, loss_made, loss, g_head, dy)
 
     def backward(self, c: _Carry, t, q, stash: list) -> _BW:
         """B (``Lv <= q < 2Lv``: layer ``2Lv-1-q`` of micro-batch ``bwd[t, s]`` through virtual
@@ -274,40 +282,48 @@ class _Stage:
         in_b, in_w = (q >= lv) & (q < 2 * lv), q >= 2 * lv
         b_on, w_on = (j >= 0) & in_b, (w >= 0) & in_w
         lb, lw = jnp.clip(2 * lv - 1 - q, 0, lv - 1), jnp.clip(q - 2 * lv, 0, lv - 1)
-        read_mb, read_layer = jnp.where(in_w, wc, jc), jnp.where(in_w, lw, lb)
-        res = _get(stash, rb, read_mb % self.ss, read_layer)
+        # Each pass reads its residuals and cotangent inside its branch: an idle iteration
+        # slices nothing.
+        read = lambda ring, slots, mb, layer, r=0: _get(ring, r, mb % slots, layer)
         runs = tracing.runs(self.v * m, self.phases * self.ticks)
         if not self.split:  # the fused backward: the cotangent comes down the layers
-            cot = where(q == lv, _get(c.grads, rb, jc % self.gs, 0), c.g)
 
             def fused():  # the layer's gradients added to the carry's, only when B runs
+                cot = where(q == lv, read(c.grads, self.gs, jc, 0, rb), c.g)
+                res = read(stash, self.ss, jc, lb, rb)
                 g_p, g_sh, g = self.saved.backward(self.layer(rb, lb), take(self.shared, rb),
                                                    res, cot)  # fmt: skip
-                own = jax.tree.map(lambda a, d: a.at[rb, lb].add(d), c.g_params[0], g_p)
-                sh = jax.tree.map(lambda a, d: a.at[rb].add(d), c.g_params[1], g_sh)
+                own = jax.tree.map(lambda a, d: add_entry(a, (rb, lb), d), c.g_params[0], g_p)
+                sh = jax.tree.map(lambda a, d: add_entry(a, (rb,), d), c.g_params[1], g_sh)
                 return (own, sh), g
 
             with runs:
                 g_params, g = lax.cond(b_on, fused, lambda: (c.g_params, c.g))
-            inter = self.no_inter
+            inter = c.inter
         else:
-            cot = _get(c.grads, 0, read_mb % self.gs, read_layer)
             p_b, p_w, sh = self.layer(0, lb), self.layer(0, lw), take(self.shared, 0)
             with runs:
                 g, inter = lax.cond(
                     b_on,
-                    lambda: self.saved.input_grad(p_b, sh, res, cot),
+                    lambda: self.saved.input_grad(
+                        p_b, sh, read(stash, self.ss, jc, lb), read(c.grads, self.gs, jc, lb)
+                    ),
                     lambda: (c.g, self.no_inter),
                 )
-            kept = _get(c.inter, 0, wc % self.gs, lw)
+            # B's output goes in before W reads (B and W never run in one iteration), so that
+            # XLA updates the ring in place instead of copying it.
+            inter_ring = _set(c.inter, 0, jnp.where(b_on, jc % self.gs, self.gs), lb, inter)
 
             def accumulate():  # W's gradients added to the carry's, only when W runs
+                res, cot = read(stash, self.ss, wc, lw), read(c.grads, self.gs, wc, lw)
+                kept = read(inter_ring, self.gs, wc, lw)
                 g_p, g_sh = self.saved.weight_grad(p_w, sh, res, cot, kept)
-                own = jax.tree.map(lambda a, d: a.at[0, lw].add(d), c.g_params[0], g_p)
-                return own, jax.tree.map(lambda a, d: a.at[0].add(d), c.g_params[1], g_sh)
+                own = jax.tree.map(lambda a, d: add_entry(a, (0, lw), d), c.g_params[0], g_p)
+                return own, jax.tree.map(lambda a, d: add_entry(a, (0,), d), c.g_params[1], g_sh)
 
             with tracing.runs(m, 3 * self.ticks):
                 g_params = lax.cond(w_on, accumulate, lambda: c.g_params)
+            inter = inter_ring
         g_x = self.prog.enter_t(g)
         first = b_on & (lb == 0) & self.is_first & (rb == 0)
         g_xs = put(c.g_xs, jnp.where(first, jc, m), g_x)  # or the spare row
@@ -337,9 +353,7 @@ class _Stage:
             c.inbox, jnp.where(x_got, x_rep, 0), jnp.where(x_got, jnp.maximum(x_from, 0) % ss, ss),
             None, x_in,
         )  # fmt: skip
-        inter = c.inter
-        if self.split:
-            inter = _set(c.inter, 0, jnp.where(bw.b_on, bw.mb % gs, gs), bw.layer, bw.inter)
+        inter = bw.inter  # B wrote its part before W read (`backward`)
         # What arrives from s+1 (around the ring: device K-1 from 0, one virtual stage back).
         nxt = (s + 1) % k
         g_from, g_rep = self.bwd[t, nxt], self.brep[t, nxt] - self.is_last
