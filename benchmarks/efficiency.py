@@ -391,7 +391,7 @@ def pipeline_case(overrides: list) -> dict:
     from replicator.cli import config as cfg_lib
     from replicator.cli import jobs
 
-    cfg = cfg_lib.load("configs/lm_pipeline.yaml", PIPELINE_MODEL + overrides)
+    cfg = cfg_lib.load("configs/lm_pipeline.yaml", [*PIPELINE_MODEL, *overrides])
     repl, step_fn, state, batch = jobs.abstract_job(cfg)
     t0 = time.perf_counter()
     report = repl.explain(step_fn, state, batch)
@@ -404,8 +404,12 @@ def pipeline_case(overrides: list) -> dict:
         sends += math.prod(int(d) for d in dims[:-1]) * itemsize
     compiled = report.bytes_by(kind="collective-permute")  # per step, loops per trip
     note = report.pipelines[0] if report.pipelines else None
+    per_replica = cfg.global_batch // cfg.mesh["data"]
     return {
         "overrides": overrides,
+        # the embedded batch entering the stages and its gradient, fp32: what grows with M at a
+        # fixed micro-batch size whatever the schedule (data parallelism holds them too)
+        "batch_bytes": 2 * per_replica * cfg.model.seq_len * cfg.model.d_model * 4,
         "flops": report.flops,
         "temp_bytes": report.memory.temporaries,
         "modelled_time": note.modelled_time if note else None,
@@ -428,21 +432,27 @@ def part_pipelines() -> list:
 
     m8 = ["pipeline.microbatches=8"]
     case("DP", dp)
-    case("DP, 8 layers", dp + ["model.layers=8"])
+    case("DP, 8 layers", [*dp, "model.layers=8"])
     for sched in ("gpipe", "1f1b", "zerobubble"):
         for remat in ("none", "dots", "full"):
-            case(f"{sched} {remat}", m8 + [f"pipeline.schedule={sched}", f"model.remat={remat}"])
+            case(f"{sched} {remat}", [*m8, f"pipeline.schedule={sched}", f"model.remat={remat}"])
     for sched in ("1f1b", "interleaved", "circular"):
         for remat in ("none", "full"):
-            case(f"{sched} {remat}, 8 layers", m8 + [
-                f"pipeline.schedule={sched}", f"model.remat={remat}", "model.layers=8",
+            case(f"{sched} {remat}, 8 layers", [
+                *m8, f"pipeline.schedule={sched}", f"model.remat={remat}", "model.layers=8",
                 "pipeline.repeats=2",
             ])  # fmt: skip
     for remat in ("none", "full"):
-        case(f"1f1b {remat} bf16", m8 + [f"model.remat={remat}", "model.dtype=bfloat16"])
-    for m in (16, 32, 64):
-        case(f"1f1b none M={m}", [f"pipeline.microbatches={m}", "model.remat=none",
-                                 f"global_batch={4 * m}"])  # fmt: skip
+        case(f"1f1b {remat} bf16", [*m8, f"model.remat={remat}", "model.dtype=bfloat16"])
+    for sched in ("1f1b", "zerobubble", "interleaved"):
+        for m in (8, 16, 32, 64):
+            if sched == "1f1b" and m == 8:
+                continue  # the "1f1b none" row
+            layers = ["model.layers=8", "pipeline.repeats=2"] if sched == "interleaved" else []
+            case(f"{sched} none M={m}", [
+                f"pipeline.microbatches={m}", "model.remat=none", f"global_batch={4 * m}",
+                f"pipeline.schedule={sched}", *layers,
+            ])  # fmt: skip
     command = "python " + " ".join(map(shlex.quote, sys.argv))
     print(f"Command: `{command}` ({datetime.date.today()}, jax {jax.__version__}, "
           f"{time.perf_counter() - start:.0f} seconds)\n")  # fmt: skip
@@ -471,12 +481,25 @@ def part_pipelines() -> list:
               f"{a['compiled_permute_bytes']:.0f} | {b['compiled_permute_bytes']:.0f} | "
               f"{mib(a['temp_bytes'])} | {mib(b['temp_bytes'])} | "
               f"**{b['temp_bytes'] / a['temp_bytes']:.3f}** |")  # fmt: skip
-    print("\n1F1B without remat, 2 sequences per micro-batch per replica:\n")
-    print("| M | temp MiB | / M = 8 |")
-    print("|---|---|---|")
-    for m in (8, 16, 32, 64):
-        c = cases["1f1b none" if m == 8 else f"1f1b none M={m}"]
-        print(f"| {m} | {mib(c['temp_bytes'])} | **{c['temp_bytes'] / cases['1f1b none']['temp_bytes']:.3f}** |")
+    print(
+        "\nWithout remat, 2 sequences per micro-batch per replica (the global batch grows with "
+        "M; interleaved with 8 layers, V = 2); `batch` is the embedded batch entering the "
+        "stages and its gradient (2 x B x S x D x 4 bytes), which every layout holds:\n"
+    )
+    print("| schedule | M | temp MiB | / M = 8 | batch MiB | temp - batch MiB | / M = 8 |")
+    print("|---|---|---|---|---|---|---|")
+    for sched in ("1f1b", "zerobubble", "interleaved"):
+        rows = {m: cases["1f1b none" if (sched, m) == ("1f1b", 8) else f"{sched} none M={m}"]
+                for m in (8, 16, 32, 64)}  # fmt: skip
+        base = rows[8]
+        for m, c in rows.items():
+            rest, rest0 = (
+                c["temp_bytes"] - c["batch_bytes"],
+                base["temp_bytes"] - base["batch_bytes"],
+            )
+            print(f"| {sched} | {m} | {mib(c['temp_bytes'])} | "
+                  f"{c['temp_bytes'] / base['temp_bytes']:.3f} | {mib(c['batch_bytes'])} | "
+                  f"{mib(rest)} | **{rest / rest0:.3f}** |")  # fmt: skip
     print()
     return [{"name": k, **v} for k, v in cases.items()]
 

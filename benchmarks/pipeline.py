@@ -60,6 +60,7 @@ SCHEDULES = {
     "gpipe": pipeline.GPipe(),
     "circular": pipeline.Circular(repeats=2),
     "1f1b": pipeline.OneFOneB(),
+    "interleaved": pipeline.Interleaved1F1B(repeats=2),
     "zerobubble": pipeline.ZeroBubble(),
 }
 
@@ -269,7 +270,8 @@ def part_step(args) -> dict:
         "gpipe": (m + K - 1) / m,
         "circular": (2 * m + K - 1) / (2 * m),
         "1f1b": 1.0,
-        "zerobubble": (f + b + w) / (f + bw),  # B and W each recompute the layer (XLA FLOPs)
+        "interleaved": 1.0,
+        "zerobubble": (f + b + w) / (f + bw),  # B + W against the fused backward (XLA FLOPs)
     }
     print(
         f"(b) step time at K={K}, M={m}, {n_layers} layers, micro-batch {args.microbatch}, "

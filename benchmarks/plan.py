@@ -62,6 +62,27 @@ def rank_layouts():
     ]
 
 
+def fit_layouts():
+    """Layouts kept apart from `rank_layouts`: the time model's constants are fitted on these
+    alone, and checked on the others."""
+    import replicator as rp
+
+    return [
+        rp.Layout(data=8, zero_stage=2),
+        rp.Layout(data=8, accumulate_steps=2),
+        rp.Layout(data=8, remat="dots"),
+        rp.Layout(data=8, zero_stage=3, accumulate_steps=2),
+        rp.Layout(data=4, model=2, zero_stage=3),
+        rp.Layout(data=4, model=2, remat=True),
+        rp.Layout(data=4, stage=2, schedule="1f1b", microbatches=8),
+        rp.Layout(data=2, stage=4, schedule="zerobubble", microbatches=8),
+        rp.Layout(data=4, stage=2, schedule="interleaved", microbatches=4, repeats=2),
+        rp.Layout(data=4, stage=2, schedule="gpipe", microbatches=4, remat=True),
+        rp.Layout(data=2, stage=2, model=2, schedule="zerobubble", microbatches=4),
+        rp.Layout(data=2, stage=4, schedule="1f1b", microbatches=4, remat="dots"),
+    ]
+
+
 def spearman(a: list[float], b: list[float]) -> float:
     """Spearman's rank correlation (ties share their mean rank)."""
     import numpy as np
@@ -109,7 +130,8 @@ def part_rank(results: dict) -> None:
     cpu = rp.hardware("cpu")
     print(
         f"cpu profile, measured on one device: {cpu.peak_flops / 1e9:.1f} GFLOP/s (fp32 matmul), "
-        f"{cpu.ici_bandwidth / 1e9:.2f} GB/s (copy)\n"
+        f"{cpu.ici_bandwidth / 1e9:.2f} GB/s (copy), cache {cpu.cache_bytes / 2**20:.0f} MiB at "
+        f"{cpu.cache_bandwidth / 1e9:.2f} GB/s (copy)\n"
     )
     out = {"cpu_profile": cpu.to_dict(), "sizes": {}}
     for size, keys in SIZES.items():
@@ -121,33 +143,90 @@ def part_rank(results: dict) -> None:
         ]
         cfg = config_lib.load(ROOT / "configs" / "lm_dp.yaml", overrides)
         raw = dataclasses.asdict(cfg)
-        layouts = rank_layouts()
+        sets = {"check": rank_layouts(), "fit": fit_layouts()}
         build = lambda lay, raw=raw: plan_cli.build_layout(raw, lay)
-        report = rp.plan(build, layouts, hardware=cpu, memory="8GiB", workers=0,
-                         model_flops=plan_cli.model_flops(cfg))  # fmt: skip
-        modelled = {str(c.layout): c.time.total for c in report.ranked}
         rows = []
         print(f"GPT {size}: {keys}\n")
-        print("| layout | modelled ms | measured ms | measured / modelled |")
-        print("|---|---|---|---|")
-        for lay in layouts:
-            if str(lay) not in modelled:
-                print(f"| {lay} | not planned | | |")
-                continue
-            cfg_lay = config_lib.from_dict(
-                type(cfg), plan_cli.with_layout(raw, lay), where="benchmark"
-            )
-            seconds = measure(cfg_lay)
-            rows.append({"layout": str(lay), "modelled": modelled[str(lay)], "measured": seconds})
-            print(
-                f"| {lay} | {modelled[str(lay)] * 1e3:.1f} | {seconds * 1e3:.1f} | "
-                f"{seconds / modelled[str(lay)]:.2f} |",
-                flush=True,
-            )
-        rho = spearman([r["modelled"] for r in rows], [r["measured"] for r in rows])
-        print(f"\nSpearman rank correlation, {len(rows)} layouts: {rho:.3f}\n")
-        out["sizes"][size] = {"config": keys, "rows": rows, "spearman": rho}
+        print("| set | layout | modelled ms | measured ms | measured / modelled | temp MiB |")
+        print("|---|---|---|---|---|---|")
+        for which, layouts in sets.items():
+            report = rp.plan(build, layouts, hardware=cpu, memory="8GiB", workers=0,
+                             model_flops=plan_cli.model_flops(cfg))  # fmt: skip
+            planned = {str(c.layout): c for c in report.ranked}
+            for lay in layouts:
+                c = planned.get(str(lay))
+                if c is None:
+                    print(f"| {which} | {lay} | not planned | | | |")
+                    continue
+                cfg_lay = config_lib.from_dict(
+                    type(cfg), plan_cli.with_layout(raw, lay), where="benchmark"
+                )
+                seconds = measure(cfg_lay)
+                rows.append({
+                    "set": which, "layout": str(lay), "modelled": c.time.total,
+                    "measured": seconds, "compiled": c.outcome.compiled.to_dict(),
+                })  # fmt: skip
+                temp = c.outcome.compiled.memory["temporaries"] / 2**20
+                print(
+                    f"| {which} | {lay} | {c.time.total * 1e3:.1f} | {seconds * 1e3:.1f} | "
+                    f"{seconds / c.time.total:.2f} | {temp:.1f} |",
+                    flush=True,
+                )
+        for which in sets:
+            got = [r for r in rows if r["set"] == which]
+            rho = spearman([r["modelled"] for r in got], [r["measured"] for r in got])
+            print(f"\nSpearman rank correlation, {which} set, {len(got)} layouts: {rho:.3f}")
+        print()
+        out["sizes"][size] = {"config": keys, "rows": rows}
+    out["fit"] = refit(cpu, out["sizes"])
     results["rank"] = out
+
+
+def refit(cpu, sizes: dict) -> dict:
+    """The cache term's one constant (``hardware.CACHE_REACH``) fitted on the fit layouts of
+    both sizes alone (the reach that maximises the smaller of their two Spearman
+    correlations), then the check layouts' Spearman with it, with the library's value, and
+    without a cache term."""
+    import dataclasses as dc
+
+    import numpy as np
+
+    from replicator._src.planner import cost_model, hardware
+
+    cache = cpu.cache_bytes / hardware.CACHE_REACH  # the measured last-level cache
+
+    def rho(reach, which):
+        hw = dc.replace(cpu, cache_bytes=None, cache_bandwidth=None) if reach is None else (
+            dc.replace(cpu, cache_bytes=int(reach * cache))
+        )  # fmt: skip
+        out = []
+        for v in sizes.values():
+            got = [r for r in v["rows"] if r["set"] == which]
+            steps = [cost_model.CompiledStep.from_dict(r["compiled"]) for r in got]
+            modelled = [cost_model.model_time(s, hw).total for s in steps]
+            out.append(spearman(modelled, [r["measured"] for r in got]))
+        return out
+
+    grid = [float(x) for x in np.round(np.geomspace(0.25, 32, 43), 2)]
+    best = max(grid, key=lambda reach: (min(rho(reach, "fit")), -abs(np.log(reach))))
+    fit = {
+        "reach": best, "library_reach": hardware.CACHE_REACH,
+        "fit_set": rho(best, "fit"), "check_set": rho(best, "check"),
+        "check_set_library": rho(hardware.CACHE_REACH, "check"),
+        "check_set_no_cache": rho(None, "check"), "fit_set_no_cache": rho(None, "fit"),
+    }  # fmt: skip
+    names = ", ".join(sizes)
+    print(f"Cache term fitted on the fit sets ({names}): reach {best} x the "
+          f"{cache / 2**20:.0f} MiB cache (the library's: {hardware.CACHE_REACH}); Spearman "
+          f"on the fit sets {_fmt(fit['fit_set'])} (no cache term: "
+          f"{_fmt(fit['fit_set_no_cache'])}); on the check sets {_fmt(fit['check_set'])} "
+          f"(the library's reach: {_fmt(fit['check_set_library'])}; no cache term: "
+          f"{_fmt(fit['check_set_no_cache'])})\n")  # fmt: skip
+    return fit
+
+
+def _fmt(values: list) -> str:
+    return " / ".join(f"{v:.3f}" for v in values)
 
 
 def run_plan(args: list[str]) -> tuple[float, dict, str]:

@@ -95,8 +95,16 @@ def make_repl(mesh_shape):
 @pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda m: "x".join(map(str, m.values())))
 @pytest.mark.parametrize(
     "name,m",
-    [("gpipe", 4), ("gpipe", 2), ("circular", 4), ("circular", 8), ("1f1b", 4), ("1f1b", 6),
-     ("interleaved", 4), ("interleaved", 8)],
+    [
+        ("gpipe", 4),
+        ("gpipe", 2),
+        ("circular", 4),
+        ("circular", 8),
+        ("1f1b", 4),
+        ("1f1b", 6),
+        ("interleaved", 4),
+        ("interleaved", 8),
+    ],
 )
 def test_loss_and_every_gradient_equal_the_sequential_model(name, m, mesh_shape):
     schedule, v = SCHEDULES[name]

@@ -4,7 +4,9 @@ The program says what one device does per step: its FLOPs, every collective with
 it spans and the bytes it sends, and each pipeline's idle share. The hardware profile says how
 fast a device does each. Nothing else is assumed about the model::
 
-    compute       = sum over kernels of max(FLOPs / peak_flops, bytes / hbm_bandwidth)
+    compute       = sum over kernels of max(FLOPs / peak_flops, bytes / bandwidth)
+                    bandwidth: the cache's for the share of a step's bytes that its
+                    temporaries' fit in the profile's cache, else hbm_bandwidth
                                                           (shared devices: all devices')
     bubble        = idle FLOPs of a pipeline that skips its idle ticks (1F1B, interleaved,
                     ZeroBubble) / peak_flops
@@ -178,17 +180,31 @@ def crosses_dcn(axes: tuple[str, ...], mesh: dict[str, int], island_size: int) -
 
 def kernel_time(step: CompiledStep, hardware: Hardware) -> float:
     """One device's compute time: each group of kernels of like intensity at the roofline,
-    ``max(FLOPs / peak_flops, bytes / hbm_bandwidth)``; FLOPs at peak alone without the
+    ``max(FLOPs / peak_flops, bytes * seconds_per_byte)``; FLOPs at peak alone without the
     profile's memory bandwidth or the program's kernels.
+
+    A byte costs ``1 / hbm_bandwidth``; with a cache in the profile (``cache_bytes``,
+    ``cache_bandwidth``), the share ``hit = min(1, cache_bytes / temporaries)`` of the bytes
+    moves at the cache's bandwidth instead: a step whose working set (its temporaries) fits in
+    the cache runs at cache speed, one ten times larger mostly at memory speed.
 
     >>> hw = Hardware("toy", 1e12, 2**30, 1e9, 1e8, 4, hbm_bandwidth=1e11)
     >>> step = CompiledStep({"data": 1}, {}, 3e12, (), roofline=((1e12, 1e12), (2e12, 1e9)))
     >>> kernel_time(step, hw)   # 10 s memory-bound + 2 s compute-bound
     12.0
+    >>> cached = Hardware("toy", 1e12, 2**30, 1e9, 1e8, 4, hbm_bandwidth=1e11,
+    ...                   cache_bytes=2**20, cache_bandwidth=1e12)
+    >>> half = CompiledStep({"data": 1}, {"temporaries": 2**21}, 1e12, (), roofline=((1e12, 1e12),))
+    >>> kernel_time(half, cached)   # half the bytes at 1e12 B/s, half at 1e11: 5.5 s
+    5.5
     """
     if hardware.hbm_bandwidth is None or not step.roofline:
         return step.flops / hardware.peak_flops
-    return sum(max(f / hardware.peak_flops, b / hardware.hbm_bandwidth) for f, b in step.roofline)
+    per_byte = 1 / hardware.hbm_bandwidth
+    if hardware.cache_bytes is not None:
+        hit = min(1.0, hardware.cache_bytes / max(step.memory.get("temporaries", 0), 1))
+        per_byte = hit / hardware.cache_bandwidth + (1 - hit) / hardware.hbm_bandwidth
+    return sum(max(f / hardware.peak_flops, b * per_byte) for f, b in step.roofline)
 
 
 def model_time(

@@ -46,6 +46,10 @@ class Hardware:
       shared: the devices are emulated on one machine and share its cores and memory
         bandwidth: a step takes the work of all devices added up (``peak_flops`` and
         ``ici_bandwidth`` are then the machine's).
+      cache_bytes: the last-level cache a step's working set may sit in (None: no cache term).
+        A step whose temporaries fit there moves its bytes at ``cache_bandwidth``; see
+        `cost_model.kernel_time`.
+      cache_bandwidth: bytes per second a device reads and writes data that sits in that cache.
       source: where the figures come from.
 
     >>> HARDWARE["tpu-v5e"].peak_flops
@@ -65,6 +69,8 @@ class Hardware:
     hbm_bandwidth: float | None = None
     shared: bool = False
     source: str = ""
+    cache_bytes: int | None = None
+    cache_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
         for key in ("peak_flops", "ici_bandwidth", "dcn_bandwidth"):
@@ -96,6 +102,21 @@ class Hardware:
                 f"Hardware {self.name!r}: collective_latency must be seconds >= 0; got {latency!r}."
             )
         object.__setattr__(self, "collective_latency", float(latency))
+        if (self.cache_bytes is None) != (self.cache_bandwidth is None):
+            raise ValueError(
+                f"Hardware {self.name!r}: give cache_bytes and cache_bandwidth together, or "
+                f"neither; got cache_bytes={self.cache_bytes!r}, "
+                f"cache_bandwidth={self.cache_bandwidth!r}."
+            )
+        if self.cache_bytes is not None:
+            object.__setattr__(self, "cache_bytes", parse_bytes(self.cache_bytes, "cache_bytes"))
+            bw = self.cache_bandwidth
+            if isinstance(bw, bool) or not isinstance(bw, int | float) or not bw > 0:
+                raise ValueError(
+                    f"Hardware {self.name!r}: cache_bandwidth must be bytes per second > 0; got "
+                    f"{bw!r}."
+                )
+            object.__setattr__(self, "cache_bandwidth", float(bw))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Hardware:
@@ -272,15 +293,40 @@ def calibrate_cpu(*, memory_bytes: int | str = 16 * GiB, size: int = 1024) -> Ha
     copy = jax.jit(lambda x: x * 1.0000001)  # reads and writes every byte once
     rate_flops = _best_rate(matmul, a, work=2 * 2 * size**3)
     rate_bytes = _best_rate(copy, big, work=2 * big.nbytes)
+    cache = _last_level_cache()
+    small = jax.device_put(jnp.ones((cache // 4 // 4,), jnp.float32), device)  # a quarter
+    rate_cached = _best_rate(jax.jit(lambda x: x * 1.0000001), small, work=2 * small.nbytes)
     latency, devices = _collective_latency(jax.devices("cpu"))
     profile = Hardware(
         "cpu", rate_flops, key, rate_bytes, rate_bytes, 2**31, collective_latency=latency,
-        hbm_bandwidth=rate_bytes, shared=True,
-        source=f"measured on this machine: a {size}x{size} fp32 matmul and a 128 MiB copy on "
-        f"one CPU device, and an all-reduce over {devices} emulated devices; best of 5",
+        hbm_bandwidth=rate_bytes, shared=True, cache_bytes=int(CACHE_REACH * cache),
+        cache_bandwidth=max(rate_cached, rate_bytes),
+        source=f"measured on this machine: a {size}x{size} fp32 matmul, a 128 MiB copy and a "
+        f"copy of a quarter of the {cache / 2**20:.0f} MiB last-level cache on one CPU device, "
+        f"and an all-reduce over {devices} emulated devices; best of 5. cache_bytes is "
+        f"{CACHE_REACH} x the cache: fitted (benchmarks/plan.py --part rank)",
     )  # fmt: skip
     _CALIBRATED[key] = profile
     return profile
+
+
+# How many times the last-level cache a step's temporaries may span and still run at cache
+# speed (a step's temporaries are not all live in any one kernel). Fitted by
+# ``python benchmarks/plan.py --part rank`` on its fit layouts alone, which it keeps apart from
+# the layouts it checks the ranking on (BENCHMARKS.md, "Layout planning").
+CACHE_REACH = 5.3
+
+
+def _last_level_cache() -> int:
+    """This machine's last-level cache in bytes (Linux's sysfs; 32 MiB if it cannot be read)."""
+    sizes = []
+    for index in range(8):
+        try:
+            with open(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size") as f:
+                sizes.append(parse_bytes(f.read().strip().replace("K", "KiB").replace("M", "MiB")))
+        except (OSError, ValueError):
+            continue
+    return max(sizes, default=32 * 2**20)
 
 
 def _collective_latency(devices: list, repeats: int = 100) -> tuple[float, int]:
