@@ -610,7 +610,9 @@ def test_render_to_scale_places_each_pass_at_its_modelled_time():
 
 
 def test_render_to_scale_zero_bubble_wraps_and_keeps_ticks():
-    text = P.render(S.ZeroBubble(pass_costs=(1, 1, 1)).plan(4, 8), costs=T.StageCosts.equal(4), width=70)
+    text = P.render(
+        S.ZeroBubble(pass_costs=(1, 1, 1)).plan(4, 8), costs=T.StageCosts.equal(4), width=70
+    )
     blocks = text.split("\n\n")
     assert len(blocks) == 2 and all(len(line) <= 70 for b in blocks for line in b.splitlines()[:5])
     rows = ["".join(b.splitlines()[1 + s][len("stage 3  ") :] for b in blocks) for s in range(4)]
