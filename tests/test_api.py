@@ -66,6 +66,7 @@ def test_public_functions_have_docstrings():
 PIPELINE = [
     "Circular",
     "GPipe",
+    "Interleaved1F1B",
     "OneFOneB",
     "Partition",
     "Plan",

@@ -177,12 +177,12 @@ def test_plan_is_read_only():
         ),
         (
             lambda: S.Interleaved1F1B(repeats=1),
-            r"Interleaved1F1B: repeats must be >= 2 \(virtual stages per device\); got 1. Use "
-            r"OneFOneB\(\) for one stage per device",
+            r"Interleaved1F1B: repeats must be an int >= 2 \(virtual stages per device\); got 1. "
+            r"Use Interleaved1F1B\(repeats=2\) or more, or OneFOneB\(\) for one stage per device",
         ),
         (
             lambda: S.Interleaved1F1B(0),
-            r"Interleaved1F1B: repeats must be an int.*got 0.*repeats=2\) or more",
+            r"Interleaved1F1B: repeats must be an int >= 2 .*got 0\..*repeats=2\) or more",
         ),
         (
             lambda: S.Interleaved1F1B(2.0),

@@ -104,10 +104,8 @@ def grads_in_state(f):
     return step
 
 
-@pytest.mark.parametrize(
-    "name, remat",
-    [*((name, True) for name in SCHEDULES), ("1f1b", "none"), ("zb", "none"), ("gpipe", "dots")],
-)
+@pytest.mark.parametrize("remat", [True, "none", "dots"])
+@pytest.mark.parametrize("name", list(SCHEDULES))
 def test_cnn_stages_loss_and_every_gradient_equal_the_model_on_one_device(name, remat):
     """Stages of different shapes, packed into one buffer per device, under each remat
     policy: what a stage keeps for its backward pass never changes the numbers."""
@@ -131,31 +129,82 @@ def test_cnn_stages_loss_and_every_gradient_equal_the_model_on_one_device(name, 
     assert rel_err(np.asarray(out["g_x"]).reshape(x.shape) / 2, want_x) <= TOL
 
 
-@pytest.mark.parametrize("name", ["1f1b", "zb"])
-def test_cnn_three_sgd_steps_of_dp_x_pp_equal_single_device_training(name):
-    repl = make_repl()
+def two_stage_cnn_params(seed=0):
+    """The CNN's four parts in two stages of different structures: stem + down, pool + head."""
+    p = cnn_params(seed)
+    return [{"stem": p[0], "down": p[1]}, {"pool": p[2], "head": p[3]}]
+
+
+CNN2 = pipeline.sequential(
+    [lambda p, x: down(p["down"], stem(p["stem"], x)),
+     lambda p, x: head(p["head"], pool_mlp(p["pool"], x))],
+    two_stage_cnn_params(),
+)  # fmt: skip
+CNN4_V2 = pipeline.sequential([stem, down, pool_mlp, head], cnn_params(), repeats=2)
+THREE_D = {"data": 2, "stage": 2, "model": 2}
+ALL_SCHEDULES = {**SCHEDULES, "circular": pipeline.Circular(repeats=2),
+                 "interleaved": pipeline.Interleaved1F1B(repeats=2)}  # fmt: skip
+
+
+def _three_sgd_steps(name, remat, mesh):
+    """Three SGD steps of a CNN whose stages differ, on ``mesh``, against one device. One stage
+    per device: the CNN's four stages on a 4-stage mesh, or two stages of different structures
+    (stem + down, pool + head) on a 2-stage mesh. Circular and Interleaved1F1B run the four
+    stages as two virtual stages on each of 2 devices ({"data": 2, "stage": 4} becomes
+    {"data": 2, "stage": 2}; the 8-stage models below cover 4 devices)."""
+    schedule = ALL_SCHEDULES[name]
+    k = mesh["stage"]
+    if schedule.repeats > 1:
+        model, params = CNN4_V2, cnn_params()
+        mesh = {**mesh, "stage": 2} if k == 4 else mesh
+    else:
+        model, params = (CNN, cnn_params()) if k == 4 else (CNN2, two_stage_cnn_params())
+    repl = make_repl(mesh)
     tx = optax.sgd(0.1)
     wrapped = repl.wrap_optimizer(tx)
-    f = pipeline.value_and_grad(CNN, cross_entropy, num_microbatches=4, schedule=SCHEDULES[name])
+    f = pipeline.value_and_grad(
+        model, cross_entropy, num_microbatches=4, schedule=schedule, remat=remat
+    )
 
     def step(state, x, t):
-        _, (g, _, _) = f(state["params"], x, t)
+        loss, (g, _, _) = f(state["params"], x, t)
         updates, opt = wrapped.update(g, state["opt"], state["params"])
-        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {}
+        new = {"params": optax.apply_updates(state["params"], updates), "opt": opt}
+        return new, {"loss": rp.all_reduce(loss, "mean")}
 
-    params = cnn_params()
-    packed = repl.place(CNN.pack(params), pipeline.stage_spec())
+    packed = repl.place(model.pack(params), pipeline.stage_spec(schedule.repeats))
     state = {"params": packed, "opt": wrapped.init(packed)}
     want, opt = params, tx.init(params)
     for i in range(3):
         x, t = cnn_batch(seed=10 + i)
-        state, _ = repl.run(step, state, x, t)
-        g = jax.grad(lambda p, x=x, t=t: cross_entropy(None, CNN.run(p, x), t))(want)
+        state, out = repl.run(step, state, x, t)
+        want_loss, g = jax.value_and_grad(
+            lambda p, x=x, t=t: cross_entropy(None, model.run(p, x), t)
+        )(want)
+        assert rel_err(out["loss"], np.full(repl.num_replicas, want_loss)) <= TOL
         updates, opt = tx.update(g, opt, want)
         want = optax.apply_updates(want, updates)
-    got = CNN.unpack(jax.tree.map(np.asarray, state["params"]))
+    got = model.unpack(jax.tree.map(np.asarray, state["params"]))
     assert rel_err(got, want) <= TOL
     assert rel_err(got, params) > 1e-3  # training moved them
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb"])
+def test_cnn_three_sgd_steps_of_dp_x_pp_equal_single_device_training(name):
+    _three_sgd_steps(name, True, MESH)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", [MESH, THREE_D], ids=["2x4", "2x2x2"])
+@pytest.mark.parametrize("remat", ["none", "full", "dots"])
+@pytest.mark.parametrize("name", list(ALL_SCHEDULES))
+def test_stages_that_differ_train_as_on_one_device_under_every_schedule_and_policy(
+    name, remat, mesh
+):
+    """Stages of different structures and shapes, every schedule and remat policy, on
+    {"data": 2, "stage": 4} and on {"data": 2, "stage": 2, "model": 2} (the stages replicated
+    over ``model``): losses and parameters after 3 SGD steps equal one device's."""
+    _three_sgd_steps(name, remat, mesh)
 
 
 def test_without_a_stage_axis_the_call_is_the_model_run_stage_after_stage():
@@ -183,7 +232,9 @@ def test_apply_on_the_mesh_returns_the_last_stages_output():
 # -- 8 logical stages on 4 devices: Circular and Interleaved1F1B ------------------------------
 
 VIRTUAL = {"circular": pipeline.Circular(repeats=2), "interleaved": pipeline.Interleaved1F1B(2)}
-VIRTUAL_CASES = [("circular", "full"), *(("interleaved", r) for r in ("none", "full", "dots"))]
+VIRTUAL_CASES = [
+    (name, r) for name in ("circular", "interleaved") for r in ("none", "full", "dots")
+]
 
 
 @pytest.mark.parametrize("name, remat", VIRTUAL_CASES)

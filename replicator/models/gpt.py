@@ -466,7 +466,7 @@ def place_pipeline(
     """`init`'s parameters placed on ``repl``'s mesh for `pipeline_value_and_grad`.
 
     The blocks are stacked into ``num_stages`` stages (``repeats`` virtual stages per device, for
-    the circular schedule) and sharded over the ``stage`` axis; inside each stage, and in the
+    the circular and interleaved schedules) and sharded over the ``stage`` axis; inside each stage, and in the
     embedding and head, every leaf is split as `partition_specs` says (heads and MLP units over
     ``model`` when the mesh has it; else replicated).
 

@@ -19,6 +19,12 @@ import numpy as np
 
 from replicator._src.errors import positive_int
 from replicator._src.pipeline import timing
+from replicator._src.pipeline.checks import check_dependencies as check_dependencies
+from replicator._src.pipeline.checks import ring_slots as ring_slots
+from replicator._src.pipeline.tables import aligned_tables as _aligned_tables
+from replicator._src.pipeline.tables import diagonal as _diagonal
+from replicator._src.pipeline.tables import interleaved_tables as _interleaved_tables
+from replicator._src.pipeline.tables import zero_bubble_tables as _zero_bubble_tables
 
 
 def _check_sizes(api: str, num_stages: object, num_microbatches: object) -> tuple[int, int]:
@@ -138,12 +144,6 @@ class Plan:
             backward_weight=b / 2, backward=b,
         )  # fmt: skip
         return timing.step_time(self, costs).bubble_fraction
-
-
-def _diagonal(k: int, m: int, num_ticks: int) -> np.ndarray:
-    """``[T, K]`` with ``t - s`` where that is a micro-batch in ``[0, m)``, else -1."""
-    i = np.arange(num_ticks)[:, None] - np.arange(k)[None, :]
-    return np.where((i >= 0) & (i < m), i, -1).astype(np.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,14 +367,12 @@ class Interleaved1F1B:
     name: ClassVar[str] = "interleaved"
 
     def __post_init__(self) -> None:
-        positive_int(
-            self.repeats, api="Interleaved1F1B", name="repeats",
-            fix="Use Interleaved1F1B(repeats=2) or more, or OneFOneB() for one stage per device.",
-        )  # fmt: skip
-        if self.repeats < 2:
+        v = self.repeats
+        if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 2:
             raise ValueError(
-                f"Interleaved1F1B: repeats must be >= 2 (virtual stages per device); got "
-                f"{self.repeats}. Use OneFOneB() for one stage per device."
+                f"Interleaved1F1B: repeats must be an int >= 2 (virtual stages per device); got "
+                f"{v!r}. Use Interleaved1F1B(repeats=2) or more, or OneFOneB() for one stage "
+                f"per device."
             )
 
     def plan(self, num_stages: int, num_microbatches: int) -> Plan:
@@ -396,279 +394,6 @@ class Interleaved1F1B:
             self.name, k, m, v, fwd, frep, bwd, stash_slots=stash, grad_slots=grad,
             bwd_repeat=brep,
         )  # fmt: skip
-
-
-def _one_f_one_b_order(k: int, m: int, s: int) -> list[tuple[int, int]]:
-    """Stage ``s``'s F (0) and B (1) passes in 1F1B order, as ``(phase, micro-batch)``."""
-    warm = min(k - s, m)
-    order = [(0, i) for i in range(warm)]
-    for i in range(m):
-        order.append((1, i))
-        if warm + i < m:
-            order.append((0, warm + i))
-    return order
-
-
-def _zero_bubble_tables(k: int, m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """ZB-H1's ``fwd``, ``bwd``, ``wgt`` tables (see `ZeroBubble`)."""
-    never = 1 << 30
-    ran = np.full((2, m, k), never)  # the tick of F (0) and B (1) of (i, s)
-    orders = [_one_f_one_b_order(k, m, s) for s in range(k)]
-    nxt, done_w = [0] * k, [0] * k
-    rows = []
-    while min(done_w) < m:
-        t, row = len(rows), np.full((3, k), -1, np.int32)
-        for s in range(k):
-            pending = int((ran[1, :, s] < t).sum()) - done_w[s]
-            ready = False
-            if nxt[s] < len(orders[s]):
-                p, i = orders[s][nxt[s]]
-                if p == 0:
-                    ready = s == 0 or ran[0, i, s - 1] < t
-                else:
-                    ready = ran[0, i, s] < t and (s == k - 1 or ran[1, i, s + 1] < t)
-            if ready and pending <= s:
-                row[p, s], ran[p, i, s] = i, t
-                nxt[s] += 1
-            elif pending:
-                row[2, s] = done_w[s]
-                done_w[s] += 1
-        rows.append(row)
-    fwd, bwd, wgt = np.stack(rows, axis=1)
-    return fwd, bwd, wgt
-
-
-def _interleaved_order(k: int, m: int, v: int, s: int) -> list[tuple[int, int, int]]:
-    """Device ``s``'s passes in Megatron-LM's interleaved order, as ``(phase, mb, repeat)``."""
-    n = v * m
-    chunk = [(x // k) % v for x in range(n)]
-    mb = [(x // (k * v)) * k + x % k for x in range(n)]
-    fwd = [(0, mb[x], chunk[x]) for x in range(n)]
-    bwd = [(1, mb[x], v - 1 - chunk[x]) for x in range(n)]
-    warm = min(n, 2 * (k - 1 - s) + (v - 1) * k + 1)
-    order = fwd[:warm]
-    for x in range(n):
-        order.append(bwd[x])
-        if warm + x < n:
-            order.append(fwd[warm + x])
-    return order
-
-
-def _interleaved_tables(k: int, m: int, v: int) -> tuple[np.ndarray, ...]:
-    """`Interleaved1F1B`'s ``fwd``, ``fwd_repeat``, ``bwd``, ``bwd_repeat`` tables.
-
-    Each tick, each device runs the head of its order if its inputs are there (a forward needs
-    the previous logical stage's forward at an earlier tick; a backward its own forward at this
-    tick or earlier and the next logical stage's backward at an earlier tick), and then the pass
-    after it too if that is of the other kind and ready.
-    """
-    never, last = 1 << 30, v * k - 1
-    ran = np.full((2, m, v * k), never)  # the tick of F (0) and B (1) of (i, j)
-    orders = [_interleaved_order(k, m, v, s) for s in range(k)]
-    nxt = [0] * k
-    rows = []
-    while any(n < len(o) for n, o in zip(nxt, orders, strict=True)):
-        t, row = len(rows), np.full((4, k), -1, np.int32)
-        row[1], row[3] = 0, 0
-        for s in range(k):
-            for _ in range(2):
-                if nxt[s] == len(orders[s]):
-                    break
-                p, i, r = orders[s][nxt[s]]
-                j = r * k + s
-                if row[2 * p, s] >= 0:  # one pass of each kind per tick
-                    break
-                if p == 0:
-                    ready = j == 0 or ran[0, i, j - 1] < t
-                else:
-                    ready = ran[0, i, j] <= t and (j == last or ran[1, i, j + 1] < t)
-                if not ready:
-                    break
-                row[2 * p, s], row[2 * p + 1, s], ran[p, i, j] = i, r, t
-                nxt[s] += 1
-        rows.append(row)
-    return tuple(np.stack(rows, axis=1))
-
-
-def _aligned_tables(
-    k: int, m: int, f: float, b: float, w: float
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`ZeroBubble`'s aligned ``fwd``, ``bwd``, ``wgt`` tables: 1F1B's F and B ticks, each W
-    where it fits in the tick's length (costs ``f``, ``b``, ``w``) or when more than 2K wait."""
-    ticks = m + 2 * k - 2
-    fwd = _diagonal(k, m, ticks)
-    t = np.arange(ticks)[:, None] - 2 * (k - 1) + np.arange(k)[None, :]
-    bwd = np.where((t >= 0) & (t < m), t, -1).astype(np.int32)
-    idle = np.full(k, -1, np.int32)
-    done, rows = np.zeros(k, int), []
-    while done.min() < m:
-        t = len(rows)
-        fr, br = (fwd[t], bwd[t]) if t < ticks else (idle, idle)
-        cost = np.where(fr >= 0, f, 0.0) + np.where(br >= 0, b, 0.0)
-        pending = (bwd[: t + 1] >= 0).sum(axis=0) - done  # W may follow its B in the tick
-        wr = np.where(pending > 2 * k, done, -1).astype(np.int32)  # too many wait: run one
-        cost += np.where(wr >= 0, w, 0.0)
-        length = cost.max() if cost.max() > 0 else w
-        free = (wr < 0) & (pending > 0) & (cost + w <= length * (1 + 1e-9))
-        wr = np.where(free, done, wr).astype(np.int32)
-        done += wr >= 0
-        rows.append((fr, br, wr))
-    out = tuple(np.stack(x) for x in zip(*rows, strict=True))
-    return out[0], out[1], out[2]
-
-
-def _op_ticks(
-    api: str, table: np.ndarray, name: str, m: int, rep: np.ndarray | None = None, v: int = 1
-) -> np.ndarray:
-    """``[M, V*K]``: the tick of micro-batch ``i``'s pass on logical stage ``j`` in ``table``
-    (``j = rep[t, s] * K + s``; ``rep`` all 0 when ``None``).
-
-    Raises a ValueError when a pass runs twice or never, or a logical stage runs them out of
-    order.
-    """
-    k = table.shape[1]
-    rep = np.zeros_like(table) if rep is None else np.asarray(rep)
-    ticks = np.full((m, v * k), -1)
-    for t, s in zip(*np.nonzero(table >= 0), strict=True):
-        i, j = int(table[t, s]), int(rep[t, s]) * k + int(s)
-        if i >= m or ticks[i, j] >= 0:
-            what = "is not a micro-batch" if i >= m else f"already ran at tick {ticks[i, j]}"
-            raise ValueError(
-                f"{api}: {name}[{t}, {s}] = {i} {what}; each micro-batch in [0, {m}) must run "
-                f"once per logical stage in {name}."
-            )
-        ticks[i, j] = t
-    missing = np.argwhere(ticks < 0)
-    if len(missing):
-        i, j = missing[0]
-        raise ValueError(f"{api}: micro-batch {i} never runs on logical stage {j} in {name}.")
-    bad = np.argwhere(np.diff(ticks, axis=0) <= 0)
-    if len(bad):
-        i, j = bad[0]
-        raise ValueError(
-            f"{api}: logical stage {j} runs {name} of micro-batch {i + 1} at tick "
-            f"{ticks[i + 1, j]}, not after micro-batch {i} (tick {ticks[i, j]}); each stage must "
-            f"run them in micro-batch order, so that its ring buffers can be indexed by i % slots."
-        )
-    return ticks
-
-
-def _pass_ticks(
-    api: str, fwd, bwd, wgt, m: int | None = None, fwd_repeat=None, bwd_repeat=None, v: int = 1
-) -> tuple[np.ndarray, ...]:
-    """The ticks ``[M, V*K]`` of F, B and W on each logical stage (W = B when the backward is
-    fused: ``wgt`` all -1)."""
-    fwd, bwd, wgt = (np.asarray(x) for x in (fwd, bwd, wgt))
-    m = int(fwd.max()) + 1 if m is None else m
-    tf = _op_ticks(api, fwd, "fwd", m, fwd_repeat, v)
-    tb = _op_ticks(api, bwd, "bwd", m, bwd_repeat, v)
-    tw = tb if (wgt < 0).all() else _op_ticks(api, wgt, "wgt", m)
-    return tf, tb, tw
-
-
-def ring_slots(
-    fwd: np.ndarray, bwd: np.ndarray, wgt: np.ndarray, fwd_repeat: np.ndarray | None = None,
-    bwd_repeat: np.ndarray | None = None, repeats: int = 1,
-) -> tuple[int, int]:  # fmt: skip
-    """The ring buffer sizes ``(stash_slots, grad_slots)`` that tables with backward ticks need.
-
-    Micro-batch ``i``'s input is live on logical stage ``j`` from its arrival (tick
-    ``F(i,j-1) + 1``; on stage 0 from ``F(i,0)``) through its W (``W = B`` when the backward is
-    fused: ``wgt`` all -1); its output cotangent from its arrival (tick ``B(i,j+1) + 1``; on the
-    last stage from ``F(i,S-1)``, where the loss makes it) through its W. Passes run in
-    micro-batch order on each logical stage, so the live micro-batches form a window; a ring
-    indexed by ``i % slots`` (one ring per virtual stage) needs the widest window over logical
-    stages and ticks: ``max(largest live i - smallest + 1)``.
-
-    Args:
-      fwd: int ``[T, K]``, the forward table.
-      bwd: int ``[T, K]``, the backward (B) table.
-      wgt: int ``[T, K]``, the W table, or all -1.
-      fwd_repeat: int ``[T, K]``, the forwards' virtual stages (all 0 when ``None``).
-      bwd_repeat: int ``[T, K]``, the backwards' virtual stages (all 0 when ``None``).
-      repeats: V, the virtual stages per device.
-
-    Returns:
-      ``(stash_slots, grad_slots)``.
-
-    >>> p = OneFOneB().plan(3, 6)
-    >>> ring_slots(p.fwd, p.bwd, p.wgt)
-    (5, 1)
-    """
-    tf, tb, tw = _pass_ticks(
-        "schedules.ring_slots", fwd, bwd, wgt, None, fwd_repeat, bwd_repeat, repeats
-    )
-    stash_from = np.concatenate([tf[:, :1], tf[:, :-1] + 1], axis=1)
-    grad_from = np.concatenate([tb[:, 1:] + 1, tf[:, -1:]], axis=1)
-    return _window(stash_from, tw), _window(grad_from, tw)
-
-
-def _window(first: np.ndarray, last: np.ndarray) -> int:
-    """The widest ``max - min + 1`` of the live ``i`` (``first[i, s] <= t <= last[i, s]``)."""
-    m = first.shape[0]
-    t = np.arange(int(last.max()) + 1)
-    live = (first[:, :, None] <= t) & (t <= last[:, :, None])  # [M, K, T]
-    i = np.arange(m)[:, None, None]
-    hi, lo = np.where(live, i, -1).max(axis=0), np.where(live, i, m).min(axis=0)
-    return int(np.where(hi >= 0, hi - lo + 1, 0).max())
-
-
-def check_dependencies(plan: Plan) -> None:
-    """Raises a ValueError if ``plan``'s tables break an order the engine relies on.
-
-    In a tick, a stage runs its F phase, then B, then W; at the tick's end it sends its F output
-    to stage ``s+1`` and its B output to ``s-1``. So F of ``(i, j)`` needs F of ``(i, j-1)`` at
-    an earlier tick (``j`` the logical stage); with backward ticks, B of ``(i, s)`` needs F of
-    ``(i, s)`` at the same tick or earlier and B of ``(i, s+1)`` at an earlier tick, and W needs
-    B at the same tick or earlier; each pass runs exactly once, in micro-batch order per stage;
-    ``stash_slots`` and ``grad_slots`` are at least `ring_slots`.
-
-    Args:
-      plan: the plan to check.
-
-    Raises:
-      ValueError: naming the first broken rule.
-
-    >>> check_dependencies(ZeroBubble().plan(4, 8))
-    """
-    api = f"check_dependencies({plan.schedule}, K={plan.num_stages}, M={plan.num_microbatches})"
-    k, m, v = plan.num_stages, plan.num_microbatches, plan.repeats
-    if not (plan.bwd >= 0).any():
-        ticks = np.full((m, v * k), -1)
-        for t, s in zip(*np.nonzero(plan.fwd >= 0), strict=True):
-            ticks[plan.fwd[t, s], plan.fwd_repeat[t, s] * k + s] = t
-        if (ticks < 0).any():
-            i, j = np.argwhere(ticks < 0)[0]
-            raise ValueError(f"{api}: micro-batch {i} never runs logical stage {j} in fwd.")
-        _check_after(api, ticks[:, 1:], ticks[:, :-1], "F", "F of the previous logical stage", 1)
-        return
-    tf, tb, tw = _pass_ticks(
-        api, plan.fwd, plan.bwd, plan.wgt, m, plan.fwd_repeat, plan.bwd_repeat, v
-    )
-    _check_after(api, tf[:, 1:], tf[:, :-1], "F", "F on the previous stage", 1)
-    _check_after(api, tb, tf, "B", "F on the same stage", 0, first=0)
-    _check_after(api, tb[:, :-1], tb[:, 1:], "B", "B on the next stage", 1, first=0)
-    _check_after(api, tw, tb, "W", "B on the same stage", 0, first=0)
-    stash, grad = ring_slots(plan.fwd, plan.bwd, plan.wgt, plan.fwd_repeat, plan.bwd_repeat, v)
-    rings = (plan.wgt >= 0).any() or v > 1  # the engines that keep cotangents in a ring
-    if plan.stash_slots < stash or (rings and plan.grad_slots < grad):
-        raise ValueError(
-            f"{api}: the tables need stash_slots >= {stash} and grad_slots >= "
-            f"{grad if rings else 0}; the plan has {plan.stash_slots} and {plan.grad_slots}."
-        )
-
-
-def _check_after(api: str, late, early, what: str, needs: str, gap: int, first: int = 1):
-    """Refuses ``late[i, s] < early[i, s] + gap``; column ``s`` is stage ``s + first``."""
-    bad = np.argwhere(late < early + gap)
-    if len(bad):
-        i, s = bad[0]
-        when = "an earlier tick" if gap else "the same tick or earlier"
-        raise ValueError(
-            f"{api}: {what} of micro-batch {i} runs at tick {late[i, s]} on logical stage "
-            f"{s + first} "
-            f"but needs {needs} at {when} (it runs at tick {early[i, s]})."
-        )
 
 
 Schedule: TypeAlias = GPipe | Circular | OneFOneB | Interleaved1F1B | ZeroBubble

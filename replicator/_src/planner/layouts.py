@@ -219,26 +219,7 @@ def enumerate_layouts(
     n = positive_int(num_devices, api=api, name="num_devices")
     batch = positive_int(global_batch, api=api, name="global_batch")
     layers = positive_int(num_layers, api=api, name="num_layers")
-    positive_int(repeats, api=api, name="repeats")
-    for name, values, valid in (
-        ("schedules", schedules, SCHEDULES),
-        ("zero_stages", zero_stages, ZERO_STAGES),
-    ):
-        bad = [v for v in values if v not in valid]
-        if bad or not values:
-            raise ValueError(
-                f"{api}: {name}={list(values)!r}; choose one or more of "
-                f"{', '.join(map(repr, valid))}."
-            )
-    if "interleaved" in schedules and repeats < 2:
-        raise ValueError(
-            f"{api}: the interleaved schedule needs repeats >= 2 (virtual stages per device); got "
-            f"repeats={repeats}. Use repeats=2 or more, or leave 'interleaved' out of schedules."
-        )
-    asked = {_remat(r, api) for r in remat}
-    rematerialise = [r for r in REMATS if r in asked]
-    if not rematerialise:
-        raise ValueError(f"{api}: remat must hold False, 'dots' or True; got {list(remat)!r}.")
+    rematerialise = _check_choices(api, schedules, zero_stages, repeats, remat)
     families: list[Family] = []
     for model in divisors(n):
         if max_model is not None and model > max_model:
@@ -283,6 +264,35 @@ def enumerate_layouts(
                         )  # fmt: skip
                         families.append(Family(groups))
     return families
+
+
+def _check_choices(
+    api: str, schedules: Sequence[str], zero_stages: Sequence[int], repeats: int,
+    remat: Sequence[bool | str],
+) -> list[bool | str]:  # fmt: skip
+    """Refuses unknown schedules, ZeRO stages and remat policies, and an interleaved schedule
+    with fewer than 2 repeats; the remat policies asked for, in `REMATS` order."""
+    positive_int(repeats, api=api, name="repeats")
+    for name, values, valid in (
+        ("schedules", schedules, SCHEDULES),
+        ("zero_stages", zero_stages, ZERO_STAGES),
+    ):
+        bad = [v for v in values if v not in valid]
+        if bad or not values:
+            raise ValueError(
+                f"{api}: {name}={list(values)!r}; choose one or more of "
+                f"{', '.join(map(repr, valid))}."
+            )
+    if "interleaved" in schedules and repeats < 2:
+        raise ValueError(
+            f"{api}: the interleaved schedule needs repeats >= 2 (virtual stages per device); got "
+            f"repeats={repeats}. Use repeats=2 or more, or leave 'interleaved' out of schedules."
+        )
+    asked = {_remat(r, api) for r in remat}
+    rematerialise = [r for r in REMATS if r in asked]
+    if not rematerialise:
+        raise ValueError(f"{api}: remat must hold False, 'dots' or True; got {list(remat)!r}.")
+    return rematerialise
 
 
 @dataclasses.dataclass(frozen=True)
