@@ -60,6 +60,7 @@ def nnx_parts(model, tx, loss_of):
 
 
 @pytest.mark.parametrize("lowering", ["shard_map", "pmap"])
+@pytest.mark.slow
 def test_nnx_cross_replica_batchnorm_equals_full_batch(lowering):
     data = image_batches()
     state, step = cnn_parts(optax.sgd(0.1))

@@ -114,6 +114,7 @@ RUNS = {"dp_sgd": (0, "sgd"), "zero1_adam": (1, "adam"), "zero3_sgd": (3, "sgd")
 RUNS["zero3_adam"] = (3, "adam")
 
 
+@pytest.mark.slow
 def test_states_saved_on_8_devices_train_on_from_4_equal_to_the_oracle(tmp_path):
     first = run_worker(8, tmp_path, 3)
     second = run_worker(4, tmp_path, 6)

@@ -70,6 +70,7 @@ def train(repl, step, state, batches):
 @pytest.mark.parametrize(
     "before,after", [(MESH_3D, MESH_2D), (MESH_2D, MESH_3D)], ids=["3d_to_2d", "2d_to_3d"]
 )
+@pytest.mark.slow
 def test_a_3d_adam_state_restores_onto_another_layout_and_trains_on_as_one_device(
     tmp_path, before, after
 ):

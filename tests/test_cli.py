@@ -44,6 +44,7 @@ def test_config_errors_name_the_key_and_list_the_valid_ones(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["lm_pipeline", "lm_dp", "mlp_zero", "lm_3d"])
+@pytest.mark.slow
 def test_shipped_configs_train(name, tmp_path):
     run = subprocess.run(
         [sys.executable, "-m", "replicator.cli", "train", str(ROOT / "configs" / f"{name}.yaml"),
@@ -73,6 +74,7 @@ def _train(config_path, out_dir, *overrides):
     return run
 
 
+@pytest.mark.slow
 def test_cnn_bn_trains_and_resumes_on_the_same_data(tmp_path):
     cfg = ROOT / "configs" / "cnn_bn.yaml"
     args = ("log_every=4", "checkpoint_every=8", "plot=false")
@@ -110,6 +112,7 @@ def _explain(config, *overrides, timeout=300):
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_explain_reports_the_main_job_without_training(tmp_path):
     run = _explain("lm_pipeline.yaml", f"out_dir={tmp_path}", "--json", str(tmp_path / "r.json"))
     assert run.returncode == 0, run.stderr[-3000:]
@@ -126,6 +129,7 @@ def test_explain_reports_the_main_job_without_training(tmp_path):
     assert not (tmp_path / "lm_pipeline").exists()  # nothing trained, nothing written
 
 
+@pytest.mark.slow
 def test_explain_plans_a_64_device_mesh_on_this_machine(tmp_path):
     run = _explain(
         "lm_pipeline.yaml", "mesh.data=8", "mesh.stage=8", "model.layers=16",

@@ -96,6 +96,7 @@ def test_served_batches_resume_at_the_next_batch(tmp_path):
     assert all(np.array_equal(next(resumed)["tokens"], b["tokens"]) for b in first[10:])
 
 
+@pytest.mark.slow
 def test_replicator_train_on_a_text_file_trains_and_resumes_exactly(tmp_path):
     """`replicator train configs/lm_dp.yaml data.path=<a text file>`: the job's first batches
     come from the file, and a run stopped at step 4 resumes with the next batch."""
@@ -339,6 +340,7 @@ def test_arrayrecord_refusals_name_the_key_and_the_fix(tmp_path, grain, monkeypa
         records_of(path)
 
 
+@pytest.mark.slow
 def test_replicator_train_on_arrayrecord_shards_trains_and_resumes_exactly(tmp_path, grain):
     """`replicator train configs/lm_dp.yaml data.path=<a glob of ArrayRecord shards>`: a run
     stopped at step 30 (past two epochs) resumes with the next batch: its losses are those of

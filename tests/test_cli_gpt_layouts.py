@@ -116,6 +116,7 @@ def on_model(x) -> bool:
         ({"data": 4, "model": 2}, 3, "adam"),
     ],
 )
+@pytest.mark.slow
 def test_the_gpt_job_under_zero_equals_one_device(mesh, zero_stage, opt):
     """The pipelines run 1F1B; ZeRO-3 parameters are stored flat (each block's layers one by
     one) and gathered where used, with `model` too. Three steps equal one device, and the
@@ -239,6 +240,7 @@ def figures(report: rp.StepReport) -> dict:
     "mesh, zero_stage, ema_decay",
     [({"data": 8}, 3, 0.9), ({"data": 4, "stage": 2}, 1, None)],
 )
+@pytest.mark.slow
 def test_explain_of_the_job_from_shapes_equals_explain_of_the_built_job(
     mesh, zero_stage, ema_decay
 ):

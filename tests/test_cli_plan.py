@@ -6,6 +6,7 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -19,6 +20,7 @@ def replicator(*args, timeout=600):
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_plan_writes_the_best_layout_as_a_config_that_trains(tmp_path):
     """A small GPT on 8 devices, ZeRO-1 layouts with 1F1B or none, model and stage axes up to
     2: the table ranks the layouts that fit 4 MiB, the written config holds the best layout

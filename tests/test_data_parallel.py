@@ -33,6 +33,7 @@ def train(repl, model, opt, data):
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
 @pytest.mark.parametrize("model", ["mlp", "nnx"])
 @pytest.mark.parametrize("lowering", ["shard_map", "pmap"])
+@pytest.mark.slow
 def test_oracle_ten_steps(lowering, model, opt):
     data = batches()
     expected, expected_losses = single_device(model, OPTIMIZERS[opt](), data)

@@ -5,6 +5,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -16,6 +18,7 @@ def run_example(*args: str) -> subprocess.CompletedProcess:
     return result
 
 
+@pytest.mark.slow
 def test_train_dp_example_learns():
     result = run_example("examples/train_dp.py", "--steps", "60", "--log-every", "20")
     assert "num_replicas=8" in result.stdout
@@ -23,6 +26,7 @@ def test_train_dp_example_learns():
     assert len(losses) == 4 and losses[-1] < 0.8 * losses[0], result.stdout
 
 
+@pytest.mark.slow
 def test_lm_pipeline_example_learns_on_stdlib_text(tmp_path):
     result = run_example("examples/train_lm_pipeline.py", "--steps", "30", "--out", str(tmp_path))
     first, last = map(float, re.search(r"loss (\d+\.\d+) -> (\d+\.\d+)", result.stdout).groups())

@@ -22,6 +22,7 @@ def tokens(batch=4, seed=0):
     return t[:, :-1], t[:, 1:]
 
 
+@pytest.mark.slow
 def test_scanned_blocks_equal_a_loop_of_blocks_with_gradients():
     params = gpt.init(CONFIG, jax.random.key(0))
     x = gpt.embed(params["embed"], tokens()[0])
@@ -47,6 +48,7 @@ def test_stages_in_order_equal_the_blocks(num_stages):
     assert rel_err(h, gpt.blocks(params["blocks"], x, config=CONFIG)) <= 1e-6
 
 
+@pytest.mark.slow
 def test_remat_gives_the_same_loss_and_gradients_for_more_flops():
     """GPTConfig(remat=True) recomputes each block in the backward pass: one SGD step equals the
     step that keeps the activations, and the compiled step does more FLOPs."""
@@ -117,6 +119,7 @@ def test_config_errors():
 
 @pytest.mark.parametrize("lowering", ["shard_map", "local"])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.slow
 def test_gpt_pipeline_equals_the_single_device_model(schedule, lowering):
     """DP x PP on {"data": 2, "stage": 2}: the embedding before the stages, the head in loss_fn.
     The same step and placement run unchanged under the local lowering (the sequential model)."""

@@ -73,6 +73,7 @@ def shard_shapes(x):
 
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
 @pytest.mark.parametrize("mesh_shape", [{"data": 8}, {"data": 2, "model": 4}])
+@pytest.mark.slow
 def test_data_and_tensor_parallel_gpt_trains_as_one_device(mesh_shape, opt):
     """The one-device `gpt.loss`, placed by `gpt.place`: on {"data": 2, "model": 4} each device
     holds 1/4 of the heads and MLP units of every block, and three steps equal one device."""
@@ -137,6 +138,7 @@ def pipeline_training(repl, schedule, repeats, opt):
         ({"data": 2, "stage": 2, "model": 2}, "1f1b"),
     ],
 )
+@pytest.mark.slow
 def test_pipelined_gpt_with_tensor_parallel_stages_trains_as_one_device(mesh_shape, name, opt):
     """DP x PP (x TP): the blocks split over `stage` and, inside each stage, their heads and MLP
     units over `model`; three steps with each schedule equal one device."""
@@ -183,6 +185,7 @@ def test_model_axis_collectives_are_megatrons_four_all_reduces_per_block():
     assert {c.bytes for c in model} == {activation}, model
 
 
+@pytest.mark.slow
 def test_vocab_rule_splits_the_embedding_and_head_and_stays_exact():
     """``{**MEGATRON_RULES, "vocab": "model"}`` also splits the token table by rows and the output
     matrix by columns; the step still equals one device."""

@@ -45,6 +45,7 @@ def host(tree):
 
 
 @pytest.mark.parametrize("optimizer", ["optax.adam(0.01)", "optax.sgd(0.003)"])
+@pytest.mark.slow
 def test_readme_pipeline_example_runs_unchanged_under_local(optimizer):
     local = readme_pipeline('lowering="local"', optimizer)
     assert local["repl"].lowering == "local" and local["repl"].mesh.devices.size == 1
@@ -102,6 +103,7 @@ def gpt_training(repl, schedule):
     return np.array(losses), got, params
 
 
+@pytest.mark.slow
 def test_gpt_pipeline_step_under_local_equals_shard_map_and_one_device():
     """Under local the schedule is not used (every stage runs in order); tests/test_gpt.py
     checks GPipe and 1F1B gradients under both lowerings."""

@@ -36,6 +36,7 @@ def wait_for_checkpoint(tmp, step, proc, timeout=120):
         time.sleep(0.02)
 
 
+@pytest.mark.slow
 def test_a_killed_run_resumes_exactly(tmp_path):
     straight = tmp_path / "straight"
     straight.mkdir()
@@ -67,6 +68,7 @@ def test_a_killed_run_resumes_exactly(tmp_path):
     assert all(r["loss"] == by_step[r["step"]] for r in lines)
 
 
+@pytest.mark.slow
 def test_rerunning_a_finished_run_exits_cleanly_and_says_it_is_complete(tmp_path):
     run = start(tmp_path, "out.npz", 0.0)
     assert run.wait(timeout=300) == 0, run.stdout.read()

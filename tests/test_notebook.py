@@ -10,6 +10,7 @@ import sys
 import time
 
 import nbformat
+import pytest
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 from nbclient import NotebookClient
@@ -57,6 +58,7 @@ def text_of(cell) -> str:
     return "".join(parts)
 
 
+@pytest.mark.slow
 def test_notebook_runs_and_its_checks_pass(tmp_path):
     nb = nbformat.read(NOTEBOOK, as_version=4)
     nb.cells.append(nbformat.v4.new_code_cell("import sys\nprint('kernel:', sys.executable)"))

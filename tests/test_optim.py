@@ -64,6 +64,7 @@ OPTIMIZERS = {"sgd": lambda: optax.sgd(0.1), "adam": lambda: optax.adam(1e-2)}
 
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
 @pytest.mark.parametrize("zero_stage", [0, 1, 2])
+@pytest.mark.slow
 def test_zero_stages_equal_single_device_training(zero_stage, opt):
     data = batches(STEPS, din=SIZES[0], dout=SIZES[-1])
     repl = rp.Replicator()
@@ -165,6 +166,7 @@ def stepped_run(repl, tx, data, **options):
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
 @pytest.mark.parametrize("accumulate_steps", [1, 4])
 @pytest.mark.parametrize("zero_stage", [0, 1, 2])
+@pytest.mark.slow
 def test_accumulation_equals_one_big_batch(zero_stage, accumulate_steps, opt):
     data = batches(STEPS, din=SIZES[0], dout=SIZES[-1])  # 64 examples: 8 per replica
     repl = rp.Replicator()
@@ -262,6 +264,7 @@ def test_bf16_compute_with_fp32_master_params():
 
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
 @pytest.mark.parametrize("accumulate_steps", [1, 4])
+@pytest.mark.slow
 def test_zero3_equals_single_device_training(accumulate_steps, opt):
     data = batches(STEPS, din=SIZES[0], dout=SIZES[-1])
     repl = rp.Replicator()

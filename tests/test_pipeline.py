@@ -106,6 +106,7 @@ def make_repl(mesh_shape):
         ("interleaved", 8),
     ],
 )
+@pytest.mark.slow
 def test_loss_and_every_gradient_equal_the_sequential_model(name, m, mesh_shape):
     schedule, v = SCHEDULES[name]
     repl = make_repl(mesh_shape)
@@ -134,6 +135,7 @@ def test_loss_and_every_gradient_equal_the_sequential_model(name, m, mesh_shape)
 
 @pytest.mark.parametrize("remat", ["none", "full", "dots"])
 @pytest.mark.parametrize("name", [*SCHEDULES, "zerobubble"])
+@pytest.mark.slow
 def test_every_remat_policy_gives_the_sequential_gradients(name, remat):
     """Each schedule under each remat policy on {"data": 2, "stage": 4}: what a layer keeps
     for its backward pass changes the work, never the numbers."""
@@ -160,6 +162,7 @@ def test_every_remat_policy_gives_the_sequential_gradients(name, remat):
 
 @pytest.mark.parametrize("lowering", ["shard_map", "local"])
 @pytest.mark.parametrize("name", list(SCHEDULES))
+@pytest.mark.slow
 def test_three_sgd_steps_of_dp_x_pp_equal_single_device_training(name, lowering):
     """The same step_fn and placement on {"data": 2, "stage": 4}, and unchanged under the local
     lowering (one device, the sequential model)."""
@@ -433,6 +436,7 @@ def test_check_replicas_sees_a_divergence_in_any_stage_block():
 
 
 @pytest.mark.parametrize("name", list(SCHEDULES))
+@pytest.mark.slow
 def test_the_unrolled_debug_loop_runs_the_same_ticks(name):
     schedule, v = SCHEDULES[name]
     repl = make_repl({"data": 1, "stage": 4})

@@ -98,6 +98,7 @@ def test_two_stages_whose_shapes_change():
     assert stage_costs([stage0, stage1], *abstract) == c
 
 
+@pytest.mark.slow
 def test_integer_token_embedding_stage_and_gpt_block():
     config = gpt.GPTConfig(vocab_size=256, seq_len=32, d_model=64, num_heads=4, num_layers=1)
     params = gpt.init(config, jax.random.key(0))
@@ -155,6 +156,7 @@ def test_a_stage_with_a_loop_is_refused_for_flops_and_timed():
     assert stage_costs([unrolled], [sds(3, D, D)], sds(B, D)).forward == (3 * 2 * B * D * D,)
 
 
+@pytest.mark.slow
 def test_stacked_stages_repeat_stage_zero():
     config = gpt.GPTConfig(vocab_size=64, seq_len=8, d_model=16, num_heads=2, num_layers=4)
     params = gpt.init(config, jax.random.key(1))

@@ -106,6 +106,7 @@ def grads_in_state(f):
 
 @pytest.mark.parametrize("remat", [True, "none", "dots"])
 @pytest.mark.parametrize("name", list(SCHEDULES))
+@pytest.mark.slow
 def test_cnn_stages_loss_and_every_gradient_equal_the_model_on_one_device(name, remat):
     """Stages of different shapes, packed into one buffer per device, under each remat
     policy: what a stage keeps for its backward pass never changes the numbers."""
@@ -238,6 +239,7 @@ VIRTUAL_CASES = [
 
 
 @pytest.mark.parametrize("name, remat", VIRTUAL_CASES)
+@pytest.mark.slow
 def test_eight_stages_of_different_widths_on_four_devices(name, remat):
     widths = [5, 7, 3, 9, 4, 6, 8, 2, 3]
     r = np.random.default_rng(3)
@@ -293,6 +295,7 @@ CNN8 = pipeline.sequential(
 
 
 @pytest.mark.parametrize("name, remat", VIRTUAL_CASES)
+@pytest.mark.slow
 def test_cnn_of_eight_stages_loss_and_every_gradient_equal_the_model_on_one_device(name, remat):
     """Eight stages of different functions, parameters and shapes, two per device, each device's
     two of different shapes: the loss, every stage's gradient and the input gradient equal the
@@ -335,6 +338,7 @@ def token_loss(_, logits, targets):
 
 
 @pytest.mark.parametrize("name", ["1f1b", "zb"])  # GPipe: the CNN above
+@pytest.mark.slow
 def test_gpt_split_two_one_one_two_by_balance_equals_one_device(name):
     fns, layer_params = gpt_layers()
     tokens = np.random.default_rng(4).integers(0, 64, size=(16, 16)).astype(np.int32)
@@ -469,6 +473,7 @@ def runs_model():
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb", "none"])
+@pytest.mark.slow
 def test_runs_of_layers_step_one_layer_per_iteration_and_equal_one_device(name):
     stage_fns, stage_params = runs_model()
     model = pipeline.sequential(stage_fns, stage_params)

@@ -251,6 +251,7 @@ def assert_matches_oracle(f, lv):
     ],
     ids=["plain-delay2-none", "scan2-delay3-full", "scan3-random-dots", "scan3-random-none"],
 )
+@pytest.mark.slow
 def test_loss_and_every_gradient_equal_the_sequential_model(lv, plan, remat):
     """The residuals, the cotangents and what B keeps for W wait in their rings for as many
     ticks as the tables say, whatever the remat policy."""
@@ -300,6 +301,7 @@ def test_three_sgd_steps_of_dp_x_pp_equal_single_device_training():
     assert rel_err(unplace(state["params"], lv), params) > 1e-2  # training moved them
 
 
+@pytest.mark.slow
 def test_the_unrolled_debug_loop_runs_the_same_ticks():
     lv, plan = 1, delayed_plan(K, 4, 1)
     results = []

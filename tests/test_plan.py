@@ -373,6 +373,7 @@ def test_plan_refuses_mixed_device_counts_and_bad_workers():
 # -- real plans -----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_real_plan_ranks_the_compiled_gpt():
     """The GPT (4 blocks, d_model 32) on 8 devices, four layouts, compiled from shapes: the
     ranking follows the modelled time; tensor parallelism moves bytes over `model`; 1F1B
@@ -398,6 +399,7 @@ def test_a_real_plan_ranks_the_compiled_gpt():
     assert "best: " in str(report) and report.to_json()
 
 
+@pytest.mark.slow
 def test_a_real_plan_models_interleaved_1f1b_as_1f1b_with_a_smaller_bubble():
     """K=2, M=4, V=2: interleaved 1F1B's modelled bubble is Megatron-LM's (K-1)/(VM+K-1) = 1/9
     against 1F1B's (K-1)/(M+K-1) = 1/5, and, as 1F1B, it waits in it (idle time, not FLOPs);
@@ -417,6 +419,7 @@ def test_a_real_plan_models_interleaved_1f1b_as_1f1b_with_a_smaller_bubble():
     assert 0.4 < ratio < 0.6, ratio
 
 
+@pytest.mark.slow
 def test_plan_in_worker_processes_with_another_device_count():
     """4 devices, planned from this 8-device process by a worker that starts with 4 emulated
     devices; the results equal the same plan made in a process of 4 devices."""

@@ -41,6 +41,7 @@ def zero_state(repl, stage):
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.slow
 def test_explain_from_shapes_equals_explain_of_the_allocated_state_zero(stage):
     repl = rp.Replicator()
     init, step = zero_state(repl, stage)

@@ -50,6 +50,7 @@ def test_bad_profiles_are_refused_naming_the_field():
         rp.Profile.of(3)
 
 
+@pytest.mark.slow
 def test_a_config_with_profile_leaves_a_trace_in_the_run_directory(tmp_path):
     run = subprocess.run(
         [sys.executable, "-m", "replicator.cli", "train", str(ROOT / "configs/lm_dp.yaml"),

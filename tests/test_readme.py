@@ -3,6 +3,8 @@
 import pathlib
 import re
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
@@ -126,6 +128,7 @@ def test_gpt_tensor_parallel_example_splits_the_heads():
     assert namespace["out"]["loss"].shape == (2,)
 
 
+@pytest.mark.slow
 def test_zero_on_3d_meshes_examples_split_over_data_on_top_of_model_and_stage():
     from jax.sharding import PartitionSpec as P
 

@@ -335,6 +335,7 @@ def test_the_wandb_key_is_a_section_or_true(tmp_path):
             config.load(path, [override])
 
 
+@pytest.mark.slow
 def test_a_cli_run_with_wandb_writes_an_offline_run_in_the_run_directory(tmp_path, wandb):
     code = cli.main(["train", str(ROOT / "configs/lm_dp.yaml"), f"out_dir={tmp_path}",
                      "steps=2", "log_every=1", "checkpoint_every=2", "plot=false",

@@ -159,6 +159,7 @@ def rule_bytes(shape, spec, n, *, model=4, lead=0):
 @pytest.mark.parametrize("zero_stage", [1, 2])
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "circular"])
+@pytest.mark.slow
 def test_zero_x_pp_trains_as_one_device_with_1_over_kd_of_the_state(name, opt, zero_stage):
     """{"data": 2, "stage": 4}: the state of each stage block is flattened and split over the
     two replicas (1/(K*D) of the leaf per device), that of the embedding and head over the
@@ -176,6 +177,7 @@ def test_zero_x_pp_trains_as_one_device_with_1_over_kd_of_the_state(name, opt, z
 
 
 @pytest.mark.parametrize("where", ["option", "chain"])
+@pytest.mark.slow
 def test_zero_x_pp_clips_by_the_norm_of_the_whole_gradient(where):
     """Global-norm clipping with ZeRO-1 under a pipeline, as wrap_optimizer's option and inside
     the optax chain (run on the slices): the squares of each stage block's slices are summed
@@ -227,6 +229,7 @@ def test_zero_x_tp_trains_as_one_device_with_1_over_dt_of_the_state(opt):
 
 
 @pytest.mark.parametrize("zero_stage", [1, 3])
+@pytest.mark.slow
 def test_zero_x_pp_x_tp_trains_as_one_device(zero_stage):
     """{"data": 2, "stage": 2, "model": 2}, 1F1B, Adam: stage layers split over `stage` and,
     inside a stage, over `model`; ZeRO-1's state (ZeRO-3's parameters too) of a stage block is
@@ -275,6 +278,7 @@ def test_zero3_x_tp_trains_as_one_device_with_1_over_dt_of_the_parameters():
 
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "circular"])
+@pytest.mark.slow
 def test_zero3_x_pp_trains_as_one_device_with_1_over_kd_of_the_parameters(name, opt):
     """{"data": 2, "stage": 4}, ZeRO-3: each stage's layers stored flat layer by layer over the
     replicas (1/(K*D) of a stage leaf per device), gathered one layer at a time inside the
@@ -336,6 +340,7 @@ def test_a_transformation_with_no_rule_on_parts_gathers_stage_blocks_too():
 
 
 @pytest.mark.parametrize("zero_stage", [1, 3])
+@pytest.mark.slow
 def test_factored_adafactor_on_stage_blocks_trains_as_one_device(zero_stage):
     """Adafactor factoring each stage layer's [8, 8] matrix: its row and column statistics
     are per layer, so a stage block's are the block of the whole leaf's; on the parts, with

@@ -108,6 +108,7 @@ def zero_run(repl, tx, data, zero_stage):
 
 @pytest.mark.parametrize("zero_stage", [1, 2])
 @pytest.mark.parametrize("name", list(TRANSFORMS))
+@pytest.mark.slow
 def test_zero_1_2_with_any_transformation_equal_one_device(name, zero_stage):
     make, on_shards = TRANSFORMS[name]
     data = batches(STEPS, din=SIZES[0], dout=SIZES[-1])
@@ -166,6 +167,7 @@ def test_an_element_wise_run_of_a_non_element_wise_transformation_is_wrong():
     "name",
     ["clip_chain", "lamb", "adafactor_factored", "leaf_mean", "normalize_rows", "clip_by_quantile"],
 )
+@pytest.mark.slow
 def test_zero_3_with_any_transformation_equals_one_device(name):
     make, _ = TRANSFORMS[name]
     data = batches(STEPS, din=16, dout=4)

@@ -216,6 +216,7 @@ def _fit(ckpt_dir, metrics_path, job=None):
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_second_run_into_a_directory_is_refused_and_a_killed_run_does_not_block(tmp_path):
     from oracle import OPTIMIZERS, mlp_state
 

@@ -68,6 +68,7 @@ def test_a_killed_rank_gives_128_plus_9_and_is_named(tmp_path):
     assert_gone(tmp_path)
 
 
+@pytest.mark.slow
 def test_a_stuck_rank_is_ended_by_the_watchdog_and_named(tmp_path):
     code, out, after = launch_fault(tmp_path, "stuck", extra=["--watchdog", "3"])
     assert code == 124, out[-3000:]
@@ -93,6 +94,7 @@ def start_idle_job(tmp_path, *extra):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.slow
 def test_a_signal_to_the_launcher_reaches_the_workers_and_leaves_no_orphan(tmp_path, sig):
     proc, _ = start_idle_job(tmp_path, "--grace", "2")
     try:
@@ -167,6 +169,7 @@ def test_the_coordinator_listens_on_loopback_only(tmp_path):
         (["-n", "2", "--bogus", "--", "true"], r"unrecognized arguments: --bogus"),
     ],
 )
+@pytest.mark.slow
 def test_bad_launcher_inputs_are_one_line_and_exit_2(args, message):
     run = subprocess.run([*LAUNCH, *args], capture_output=True, text=True, timeout=60)
     assert run.returncode == 2, run.stdout + run.stderr

@@ -22,6 +22,7 @@ LAUNCH = [sys.executable, "-m", "replicator.launch", "-n", "2", "--devices-per-p
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
+@pytest.mark.slow
 def test_two_processes_train_like_one_device_and_like_one_process(opt, tmp_path):
     out = tmp_path / "params.npz"
     run = subprocess.run(
@@ -83,6 +84,7 @@ def test_a_killed_process_ends_the_job_with_its_rank(tmp_path):
             os.kill(pid, 0)
 
 
+@pytest.mark.slow
 def test_dp_x_pp_spanning_two_processes_equals_single_device_training(tmp_path):
     import test_pipeline as tp
 
@@ -105,6 +107,7 @@ def test_dp_x_pp_spanning_two_processes_equals_single_device_training(tmp_path):
     assert rel_err(got, jax.tree.leaves(tp.init_params())) > 1e-2
 
 
+@pytest.mark.slow
 def test_without_the_launcher_a_dead_peer_ends_the_job_by_heartbeat(tmp_path):
     """JAX's coordination service notices the dead process (heartbeat timeout 30 s, set by
     rp.distributed.initialize) and ends the survivor: an error in bounded time, not a hang."""

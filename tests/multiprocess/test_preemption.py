@@ -11,6 +11,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from oracle import OPTIMIZERS, mlp_state, mlp_step, rel_err
@@ -25,6 +26,7 @@ def _results(directory: Path) -> list[dict]:
     return [json.loads((directory / f"result{r}.json").read_text()) for r in (0, 1)]
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_process_stops_both_after_the_same_step_and_resume_is_exact(tmp_path):
     worker = [sys.executable, str(HERE / "worker_preempt.py"), str(tmp_path)]
     proc = subprocess.Popen(
