@@ -4,7 +4,9 @@ Write ``input_fn`` and a one-replica ``step_fn``; ``Replicator`` runs the step o
 one compiled program. See ``README.md``.
 """
 
+from replicator import attention as attention
 from replicator import distributed as distributed
+from replicator import moe as moe
 from replicator import pipeline as pipeline
 from replicator._src.binding import replica_axis_name as replica_axis_name
 from replicator._src.checkpoint import Checkpoints as Checkpoints

@@ -98,3 +98,26 @@ def test_pipeline_public_names():
     assert names == PIPELINE
     for name in PIPELINE:
         assert getattr(pipeline, name).__doc__, name
+
+
+ATTENTION = [
+    "IMPLS",
+    "LAYOUTS",
+    "attention",
+    "constrain_tokens",
+    "context_size",
+    "reference",
+    "zigzag_order",
+]
+MOE = ["LOGICAL_AXES", "Routing", "Stats", "apply", "init", "partition_specs"]
+
+
+def test_attention_and_moe_public_names():
+    from replicator import attention, moe
+
+    for module, want in ((attention, ATTENTION), (moe, MOE)):
+        names = sorted(n for n in dir(module) if not n.startswith("_"))
+        assert names == sorted(want), module.__name__
+        for name in want:
+            if callable(getattr(module, name)):
+                assert getattr(module, name).__doc__, name

@@ -93,7 +93,7 @@ def test_fit_spec_drops_known_axes_the_mesh_lacks_and_refuses_typos():
         ValueError,
         match=r"Replicator.place: spec P\('stag',\) names axis 'stag', which is not an axis of "
         r"this mesh \(\{'data': 8\}; axes 'data'\) nor one replicator knows \('dcn_data', "
-        r"'data', 'stage', 'model'\)",
+        r"'data', 'stage', 'expert', 'context', 'model'\)",
     ):
         mesh_lib.fit_spec(P("stag"), mesh, api="Replicator.place")
     with pytest.raises(TypeError, match=r"Replicator.place: spec must be a PartitionSpec"):

@@ -18,6 +18,9 @@ becomes is decided when ``step_fn`` is traced, by the innermost `Binding`:
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -47,8 +50,8 @@ def all_reduce(x: PyTree, op: str) -> PyTree:
             f"{', '.join(map(repr, _REDUCTIONS))} (e.g. rp.all_reduce(loss, 'mean'))."
         )
     binding = current_binding()
-    if binding.is_local:
-        return x
+    if binding.is_local or binding.num_replicas == 1:  # nothing to reduce (and XLA refuses a
+        return x  # cross-partition all-reduce over a size-1 axis of values it partitions)
     reduce = _REDUCTIONS[op]
     return jax.tree.map(lambda v: reduce(v, binding.axes), x)
 
@@ -254,3 +257,94 @@ def _over_auto(f, x: jax.Array, auto: tuple) -> jax.Array:
         return f(x)
     spec = jax.sharding.PartitionSpec(*spec)
     return jax.shard_map(f, in_specs=spec, out_specs=spec, axis_names=axes, check_vma=False)(x)
+
+
+# -- the axes XLA partitions inside a step: layers that map over them by hand -------------------
+
+
+def auto_axis_size(name: str) -> int:
+    """The size of mesh axis ``name`` where it is left to XLA in the current trace (``context``,
+    ``expert``, ``model`` inside ``Replicator.run``), else 1: outside any mesh, on a mesh
+    without it, or where it is already mapped by hand.
+
+    >>> auto_axis_size("context")
+    1
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or name not in mesh.axis_names or name in getattr(mesh, "manual_axes", ()):
+        return 1
+    return dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))[name]
+
+
+def map_over(f, *, in_specs, out_specs, axes: tuple[str, ...]):
+    """``f`` mapped by hand (``jax.shard_map``) over ``axes``, axes that XLA partitions
+    elsewhere in the step, so that ``f`` sees each device's part and may call `ring_shift` and
+    `all_to_all` over them; the other axes stay as they were (manual or left to XLA).
+
+    ``axes`` of size 1 (or absent) are dropped from the specs; with none left, ``f`` runs as it
+    is, on whole values: the same program on one device."""
+    axes = tuple(a for a in axes if auto_axis_size(a) > 1)
+    if not axes:
+        return f
+
+    def keep(spec):
+        def entry(e):
+            names = tuple(n for n in (e if isinstance(e, tuple) else (e,)) if n in axes)
+            return None if not names else names[0] if len(names) == 1 else names
+
+        return jax.sharding.PartitionSpec(*(entry(e) for e in spec))
+
+    is_spec = lambda s: isinstance(s, jax.sharding.PartitionSpec)
+    return jax.shard_map(
+        f,
+        in_specs=jax.tree.map(keep, in_specs, is_leaf=is_spec),
+        out_specs=jax.tree.map(keep, out_specs, is_leaf=is_spec),
+        axis_names=set(axes),
+        check_vma=False,
+    )
+
+
+_DIVERGENT = threading.local()
+
+
+@contextlib.contextmanager
+def divergent(what: str):
+    """While tracing code that devices run or skip on their own (a pipeline schedule's work
+    under a per-stage ``lax.cond``): `ring_shift` refuses there, with ``what`` in its error. A
+    ``collective-permute`` that only some devices reach waits for all of them (XLA:CPU's
+    rendezvous names every device of the program), or pairs the wrong sends."""
+    stack = _DIVERGENT.__dict__.setdefault("stack", [])
+    stack.append(what)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def ring_shift(x: PyTree, axis: str, offset: int = 1) -> PyTree:
+    """Inside `map_over` ``axis``: every device sends ``x`` to the device ``offset`` places on
+    along ``axis`` (cyclically), and gets its own from ``offset`` places back (one
+    ``collective-permute``). Identity when ``axis`` has one device."""
+    n = lax.axis_size(axis)
+    if n == 1:
+        return x
+    stack = getattr(_DIVERGENT, "stack", [])
+    if stack:
+        raise ValueError(
+            f"replicator: a ring over {axis!r} (ring attention's key/value blocks) cannot run "
+            f"inside {stack[-1]}, whose work each stage runs or skips on its own: a "
+            f"collective-permute must be reached by every device. Use attention "
+            f"impl='all_to_all' (GPTConfig(attention='all_to_all'), model.attention: "
+            f"all_to_all), or the 'gpipe' or 'circular' schedule."
+        )
+    perm = [(i, (i + offset) % n) for i in range(n)]
+    return jax.tree.map(lambda v: lax.ppermute(v, axis, perm), x)
+
+
+def all_to_all(x: jax.Array, axis: str, *, split: int, concat: int) -> jax.Array:
+    """Inside `map_over` ``axis``: dimension ``split`` of ``x`` is cut in as many parts as
+    ``axis`` has devices, part ``i`` goes to device ``i``, and the parts received are laid side
+    by side along ``concat``, in device order (one ``all-to-all``)."""
+    if lax.axis_size(axis) == 1:
+        return x
+    return lax.all_to_all(x, axis, split, concat, tiled=True)

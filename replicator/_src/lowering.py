@@ -307,8 +307,8 @@ def check_pmap_mesh(mesh: Mesh) -> None:
     if others:
         raise ValueError(
             f"Replicator(lowering='pmap'): pmap maps over replicas only, but mesh_shape has "
-            f"{others}. Use lowering='shard_map' (the default) for meshes with stage or model "
-            f"axes."
+            f"{others}. Use lowering='shard_map' (the default) for meshes with stage, "
+            f"expert, context or model axes."
         )
 
 

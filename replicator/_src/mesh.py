@@ -20,14 +20,28 @@ MODEL_AXIS = "model"
 """The tensor-parallel axis. Inside a step it is left to XLA's sharding propagation (GSPMD):
 ``step_fn`` sees whole parameters however they are split over ``model``."""
 
+CONTEXT_AXIS = "context"
+"""The context (sequence) axis: activations are split along their sequence dimension over it,
+and attention is exact across the split (`replicator.attention`). Like ``model``, XLA partitions
+it inside a step: ``step_fn`` sees whole sequences."""
+
+EXPERT_AXIS = "expert"
+"""The expert axis: mixture-of-experts weights are split over it by expert, and tokens travel to
+their experts by ``all_to_all`` (`replicator.moe`); elsewhere it splits the tokens of each data
+replica like a data axis. XLA partitions it inside a step, as ``model``."""
+
 DCN_AXIS = "dcn_data"
 """The one axis laid out across slices (over the data-centre network) on multi-slice devices."""
 
-KNOWN_AXES: tuple[str, ...] = (DCN_AXIS, "data", STAGE_AXIS, MODEL_AXIS)
+KNOWN_AXES: tuple[str, ...] = (DCN_AXIS, "data", STAGE_AXIS, EXPERT_AXIS, CONTEXT_AXIS, MODEL_AXIS)
 """Mesh axes replicator knows, in the order they are laid out (outermost first)."""
 
 DATA_AXES: tuple[str, ...] = (DCN_AXIS, "data")
 """Axes over which replicas are laid out; collectives in ``step_fn`` reduce over these only."""
+
+AUTO_AXES: tuple[str, ...] = (EXPERT_AXIS, CONTEXT_AXIS, MODEL_AXIS)
+"""The axes XLA partitions inside a step (GSPMD), so that ``step_fn`` sees whole values along
+them; layers map over them by hand where they need to (ring attention, expert all-to-all)."""
 
 
 def build_mesh(
@@ -201,13 +215,14 @@ def spec_axes(spec: PartitionSpec) -> frozenset[str]:
 
 
 def manual_axes(mesh: Mesh) -> tuple[str, ...]:
-    """The axes a step is mapped over by hand (``shard_map``): all but ``model``, which XLA
-    partitions by itself (GSPMD), so ``step_fn`` sees whole values along it.
+    """The axes a step is mapped over by hand (``shard_map``): all but `AUTO_AXES` (``model``,
+    ``context``, ``expert``), which XLA partitions by itself (GSPMD), so ``step_fn`` sees whole
+    values along them.
 
     >>> manual_axes(build_mesh({"data": 2, "model": 2}, devices=jax.devices()[:4]))
     ('data',)
     """
-    return tuple(a for a in mesh.axis_names if a != MODEL_AXIS)
+    return tuple(a for a in mesh.axis_names if a not in AUTO_AXES)
 
 
 def manual_spec(spec: PartitionSpec) -> PartitionSpec:
@@ -219,7 +234,7 @@ def manual_spec(spec: PartitionSpec) -> PartitionSpec:
     """
 
     def keep(entry):
-        kept = tuple(n for n in entry_axes(entry) if n != MODEL_AXIS)
+        kept = tuple(n for n in entry_axes(entry) if n not in AUTO_AXES)
         return None if not kept else kept[0] if len(kept) == 1 else kept
 
     return PartitionSpec(*(keep(e) for e in spec))

@@ -88,7 +88,7 @@ def auto_entries(spec: Any, ndim: int, *, keep: int | None = None) -> tuple:
     entries += [None] * (ndim - len(entries))
 
     def auto(entry):
-        names = tuple(a for a in mesh_lib.entry_axes(entry) if a == mesh_lib.MODEL_AXIS)
+        names = tuple(a for a in mesh_lib.entry_axes(entry) if a in mesh_lib.AUTO_AXES)
         return None if not names else names[0] if len(names) == 1 else names
 
     out = tuple(auto(e) for e in entries)

@@ -38,9 +38,10 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import replicator as rp
-from replicator import pipeline
+from replicator import moe, pipeline
+from replicator._src import attention as attention_lib
 from replicator._src.errors import positive_int
-from replicator._src.mesh import MODEL_AXIS
+from replicator._src.mesh import EXPERT_AXIS, MODEL_AXIS
 from replicator._src.pipeline.residuals import as_remat, never_gathered
 
 PyTree = Any
@@ -63,11 +64,31 @@ class GPTConfig:
     d_ff: int | None = None
     dtype: Any = jnp.float32
     remat: bool | str = False
+    attention: str = "ring"
+    zigzag: bool = True
+    num_experts: int = 0
+    moe_every: int = 1
+    top_k: int = 1
+    capacity_factor: float | None = 1.25
+    aux_weight: float = 0.01
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "seq_len", "d_model", "num_heads", "num_layers"):
+        for name in ("vocab_size", "seq_len", "d_model", "num_heads", "num_layers", "moe_every"):
             positive_int(getattr(self, name), api="GPTConfig", name=name)
         positive_int(self.d_ff, api="GPTConfig", name="d_ff", none=" or None")
+        if self.attention not in attention_lib.IMPLS:
+            raise ValueError(
+                f"GPTConfig: attention={self.attention!r}; use 'ring' (K/V blocks round the "
+                f"context axis) or 'all_to_all' (heads over it, DeepSpeed-Ulysses)."
+            )
+        if self.num_experts:
+            self.routing  # noqa: B018 -- validates num_experts, top_k and capacity_factor
+            if self.num_layers % self.moe_every:
+                raise ValueError(
+                    f"GPTConfig: num_layers={self.num_layers} must divide by moe_every="
+                    f"{self.moe_every} (every moe_every-th block is a mixture of experts); use "
+                    f"num_layers={self.moe_every * math.ceil(self.num_layers / self.moe_every)}."
+                )
         if not isinstance(self.remat, (bool, str)):
             raise ValueError(
                 f"GPTConfig: remat must be True, False, 'none', 'full' or 'dots'; got "
@@ -84,17 +105,28 @@ class GPTConfig:
     def hidden(self) -> int:
         return self.d_ff or 4 * self.d_model
 
+    @property
+    def routing(self) -> moe.Routing:
+        """The mixture-of-experts blocks' routing (``num_experts > 0``)."""
+        return moe.Routing(
+            num_experts=self.num_experts, top_k=self.top_k, capacity_factor=self.capacity_factor
+        )
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers // self.moe_every if self.num_experts else 0
+
 
 def _layer_norm_params(d: int) -> dict:
     return {"scale": jnp.ones((d,), jnp.float32), "bias": jnp.zeros((d,), jnp.float32)}
 
 
-def _block_params(config: GPTConfig, key) -> dict:
+def _block_params(config: GPTConfig, key, *, experts: bool = False) -> dict:
     d, h = config.d_model, config.hidden
     k = jax.random.split(key, 4)
     normal = lambda key, shape, std=0.02: std * jax.random.normal(key, shape, jnp.float32)
     out_std = 0.02 / math.sqrt(2 * config.num_layers)  # GPT-2: scaled residual projections
-    return {
+    params = {
         "ln1": _layer_norm_params(d),
         "attn": {
             "qkv": normal(k[0], (d, 3 * d)),
@@ -103,26 +135,51 @@ def _block_params(config: GPTConfig, key) -> dict:
             "out_bias": jnp.zeros((d,), jnp.float32),
         },
         "ln2": _layer_norm_params(d),
-        "mlp": {
-            "up": normal(k[2], (d, h)),
-            "up_bias": jnp.zeros((h,), jnp.float32),
-            "down": normal(k[3], (h, d), out_std),
-            "down_bias": jnp.zeros((d,), jnp.float32),
-        },
     }
+    if experts:
+        params["moe"] = moe.init(
+            k[2], d_model=d, hidden=h, num_experts=config.num_experts, out_std=out_std
+        )
+        return params
+    params["mlp"] = {
+        "up": normal(k[2], (d, h)),
+        "up_bias": jnp.zeros((h,), jnp.float32),
+        "down": normal(k[3], (h, d), out_std),
+        "down_bias": jnp.zeros((d,), jnp.float32),
+    }
+    return params
 
 
 def init(config: GPTConfig, key: jax.Array) -> dict:
-    """Parameters: ``{"embed": {...}, "blocks": <stacked over num_layers>, "head": {...}}``."""
+    """Parameters: ``{"embed": {...}, "blocks": <stacked over num_layers>, "head": {...}}``.
+
+    With ``num_experts`` the blocks come in groups of ``moe_every``, stacked over the
+    ``num_layers / moe_every`` groups: ``{"moe": <the group's mixture-of-experts block>}`` and,
+    when ``moe_every > 1``, ``"dense"``: its ``moe_every - 1`` dense blocks, stacked again."""
     k_tok, k_pos, k_head, k_blocks = jax.random.split(key, 4)
     d = config.d_model
-    blocks = [_block_params(config, k) for k in jax.random.split(k_blocks, config.num_layers)]
+    keys = jax.random.split(k_blocks, config.num_layers)
+    stack = lambda trees: jax.tree.map(lambda *a: jnp.stack(a), *trees)
+    if config.num_experts:
+        n = config.moe_every
+        groups = [
+            {"moe": _block_params(config, keys[g * n + n - 1], experts=True)}
+            | (
+                {"dense": stack([_block_params(config, k) for k in keys[g * n : g * n + n - 1]])}
+                if n > 1
+                else {}
+            )
+            for g in range(config.num_layers // n)
+        ]
+        blocks = stack(groups)
+    else:
+        blocks = stack([_block_params(config, k) for k in keys])
     return {
         "embed": {
             "tokens": 0.02 * jax.random.normal(k_tok, (config.vocab_size, d), jnp.float32),
             "positions": 0.01 * jax.random.normal(k_pos, (config.seq_len, d), jnp.float32),
         },
-        "blocks": jax.tree.map(lambda *a: jnp.stack(a), *blocks),
+        "blocks": blocks,
         "head": {
             "norm": _layer_norm_params(d),
             "w": 0.02 * jax.random.normal(k_head, (d, config.vocab_size), jnp.float32),
@@ -138,53 +195,115 @@ def _layer_norm(p: dict, x: jax.Array) -> jax.Array:
     return y.astype(x.dtype)
 
 
-def embed(embed_params: dict, tokens: jax.Array) -> jax.Array:
-    """Token plus position embeddings: ``[B, S]`` int tokens to ``[B, S, D]``.
+def sequence_order(config: GPTConfig, seq_len: int) -> np.ndarray | None:
+    """The order the model lays its sequence out in inside a step: ``None`` (natural) unless
+    causal ring attention runs over a ``context`` axis of ``C > 1`` devices with ``zigzag``,
+    where it is `replicator.attention.zigzag_order` ``(seq_len, C)`` (each device then does the
+    same work). `loss`, `apply` and `pipeline_value_and_grad` reorder tokens and targets by it
+    (the loss, a mean over tokens, is the same) and `apply` puts the logits back."""
+    c = attention_lib.context_size()
+    if c == 1 or config.attention != "ring" or not config.zigzag:
+        return None
+    return attention_lib.zigzag_order(seq_len, c)
+
+
+def _layout(config: GPTConfig, seq_len: int) -> str:
+    return "contiguous" if sequence_order(config, seq_len) is None else "zigzag"
+
+
+def embed(embed_params: dict, tokens: jax.Array, order: np.ndarray | None = None) -> jax.Array:
+    """Token plus position embeddings: ``[B, S]`` int tokens to ``[B, S, D]``; with ``order``
+    (`sequence_order`) the tokens are taken, and their positions given, in that order.
 
     ZeRO-3 parameters (`rp.ShardedParam`) are gathered here, where they are used; plain arrays
     pass through (so are `block`'s and `head_logits`')."""
     embed_params = rp.gather_params(embed_params)
     s = tokens.shape[-1]
-    return embed_params["tokens"][tokens] + embed_params["positions"][:s]
+    positions = embed_params["positions"][:s]
+    if order is not None:
+        tokens, positions = tokens[..., order], positions[order]
+    return attention_lib.constrain_tokens(embed_params["tokens"][tokens] + positions)
 
 
-def block(layer_params: dict, x: jax.Array, *, config: GPTConfig) -> jax.Array:
-    """One pre-LayerNorm decoder block: causal self-attention, then an MLP, each residual.
-
-    ``layer_params`` may be one layer of ZeRO-3 parameters: they are gathered here, inside the
-    layer scan, one layer at a time."""
-    dtype = config.dtype
-    p = jax.tree.map(lambda a: a.astype(dtype), rp.gather_params(layer_params))
-    x = x.astype(dtype)
+def _attend(p: dict, x: jax.Array, config: GPTConfig) -> jax.Array:
+    """``x`` plus causal self-attention of its LayerNorm (``p``: one block, in ``x.dtype``)."""
     b, s, d = x.shape
     nh = config.num_heads
     qkv = _layer_norm(p["ln1"], x) @ p["attn"]["qkv"] + p["attn"]["qkv_bias"]
     # Columns grouped by head, [head, (q, k, v), head_dim] (Megatron's order): a contiguous
     # split of them over devices gives each device whole heads.
     q, k, v = jnp.split(qkv.reshape(b, s, nh, 3 * (d // nh)), 3, axis=-1)  # no transpose
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / math.sqrt(d // nh)
-    causal = jnp.tril(jnp.ones((s, s), bool))
-    logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(logits, axis=-1).astype(dtype)
-    attn = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, s, d)
-    x = x + attn @ p["attn"]["out"] + p["attn"]["out_bias"]
+    layout = _layout(config, s)
+    attn = attention_lib.attention(q, k, v, causal=True, impl=config.attention, layout=layout)
+    return x + attn.reshape(b, s, d) @ p["attn"]["out"] + p["attn"]["out_bias"]
+
+
+def _cast(layer_params: dict, config: GPTConfig) -> dict:
+    return jax.tree.map(lambda a: a.astype(config.dtype), rp.gather_params(layer_params))
+
+
+def block(layer_params: dict, x: jax.Array, *, config: GPTConfig) -> jax.Array:
+    """One pre-LayerNorm decoder block: causal self-attention, then an MLP, each residual.
+
+    ``layer_params`` may be one layer of ZeRO-3 parameters: they are gathered here, inside the
+    layer scan, one layer at a time. Over a ``context`` axis the block holds each device's
+    chunk of the sequence, and attention is `replicator.attention.attention` (``config.attention``)."""
+    p = _cast(layer_params, config)
+    x = _attend(p, attention_lib.constrain_tokens(x.astype(config.dtype)), config)
     h = jax.nn.gelu(_layer_norm(p["ln2"], x) @ p["mlp"]["up"] + p["mlp"]["up_bias"])
-    return x + h @ p["mlp"]["down"] + p["mlp"]["down_bias"]
+    return attention_lib.constrain_tokens(x + h @ p["mlp"]["down"] + p["mlp"]["down_bias"])
 
 
-def blocks(stacked_params: dict, x: jax.Array, *, config: GPTConfig) -> jax.Array:
-    """Every block in order, as a ``lax.scan`` over the leading layer axis; with
+def moe_block(layer_params: dict, x: jax.Array, *, config: GPTConfig) -> tuple[jax.Array, Any]:
+    """A block whose MLP is a mixture of experts (`replicator.moe.apply`, each sequence one
+    routing group): ``(x, stats)``, ``stats`` a `replicator.moe.Stats` of per-sequence values."""
+    p = _cast(layer_params, config)
+    x = _attend(p, attention_lib.constrain_tokens(x.astype(config.dtype)), config)
+    y, stats = moe.apply(p["moe"], _layer_norm(p["ln2"], x), routing=config.routing)
+    return attention_lib.constrain_tokens(x + y), stats
+
+
+def _group(params: dict, x: jax.Array, config: GPTConfig) -> tuple[jax.Array, Any]:
+    """One group of `init`'s MoE layout: its dense blocks, then its mixture-of-experts block."""
+    for i in range(config.moe_every - 1):
+        x = block(jax.tree.map(lambda a, i=i: a[i], params["dense"]), x, config=config)
+    return moe_block(params["moe"], x, config=config)
+
+
+def blocks_and_stats(
+    stacked_params: dict, x: jax.Array, *, config: GPTConfig
+) -> tuple[jax.Array, Any]:
+    """Every block in order, as a ``lax.scan`` over the leading layer (group) axis, and the
+    mixture-of-experts statistics summed over its blocks (None for a dense model); with
     ``config.remat`` each block keeps what its policy says for the backward pass
     (``jax.checkpoint``), and ZeRO-3 parameters are gathered again there
-    (`rp.regather_policy`) rather than kept.
-
-    Equivalent to: ``for p in stacked_params: x = block(p, x, config=config)``.
-    """
-    step = lambda h, p: (block(p, h, config=config), None)
+    (`rp.regather_policy`) rather than kept."""
+    if config.num_experts:
+        step = lambda carry, p: _summed(carry, _group(p, carry[0], config))
+        b = x.shape[0]
+        zeros = moe.Stats(jnp.zeros((b,), jnp.float32), *(jnp.zeros((b,), jnp.int32),) * 2)
+        carry = (x, zeros)
+    else:
+        step = lambda h, p: (block(p, h, config=config), None)
+        carry = x
     remat = as_remat(config.remat, "GPTConfig")
     if remat.recomputes or _stored_sharded(stacked_params):  # ZeRO-3: gathered again backward
         step = jax.checkpoint(step, policy=never_gathered(remat), prevent_cse=False)
-    return jax.lax.scan(step, x, stacked_params)[0]
+    out = jax.lax.scan(step, carry, stacked_params)[0]
+    return out if config.num_experts else (out, None)
+
+
+def _summed(carry, result):
+    (_, total), (x, stats) = carry, result
+    return (x, jax.tree.map(jnp.add, total, stats)), None
+
+
+def blocks(stacked_params: dict, x: jax.Array, *, config: GPTConfig) -> jax.Array:
+    """Every block in order (`blocks_and_stats` without the statistics).
+
+    Equivalent to: ``for p in stacked_params: x = block(p, x, config=config)``.
+    """
+    return blocks_and_stats(stacked_params, x, config=config)[0]
 
 
 def _stored_sharded(tree: PyTree) -> bool:
@@ -213,14 +332,37 @@ def head_loss(head_params: dict, x: jax.Array, targets: jax.Array) -> jax.Array:
 
 def apply(params: dict, tokens: jax.Array, *, config: GPTConfig) -> jax.Array:
     """The whole model: fp32 logits ``[B, S, V]``."""
-    x = embed(params["embed"], tokens).astype(config.dtype)
-    return head_logits(params["head"], blocks(params["blocks"], x, config=config))
+    order = sequence_order(config, tokens.shape[-1])
+    x = embed(params["embed"], tokens, order).astype(config.dtype)
+    logits = head_logits(params["head"], blocks(params["blocks"], x, config=config))
+    return logits if order is None else logits[:, np.argsort(order)]
+
+
+def loss_and_stats(
+    params: dict, tokens: jax.Array, targets: jax.Array, *, config: GPTConfig
+) -> tuple[jax.Array, dict]:
+    """`loss`, and what the mixture-of-experts blocks did: ``{"cross_entropy", "aux_loss",
+    "dropped", "routed"}`` (the counts summed over the batch and the MoE blocks; ``aux_loss``
+    the mean over sequences and MoE blocks; empty for a dense model). The loss is the
+    cross-entropy plus ``aux_weight * aux_loss``."""
+    order = sequence_order(config, tokens.shape[-1])
+    if order is not None:  # a mean over tokens: the same in any order (`embed` takes its own)
+        targets = targets[..., order]
+    x = embed(params["embed"], tokens, order).astype(config.dtype)
+    x, stats = blocks_and_stats(params["blocks"], x, config=config)
+    ce = head_loss(params["head"], x, targets)
+    if stats is None:
+        return ce, {}
+    aux = jnp.mean(stats.aux_loss) / config.num_moe_layers
+    out = {"cross_entropy": ce, "aux_loss": aux}
+    out |= {"dropped": jnp.sum(stats.dropped), "routed": jnp.sum(stats.routed)}
+    return ce + config.aux_weight * aux, out
 
 
 def loss(params: dict, tokens: jax.Array, targets: jax.Array, *, config: GPTConfig) -> jax.Array:
-    """The whole model's mean cross-entropy on one device: the oracle for the pipeline."""
-    x = embed(params["embed"], tokens).astype(config.dtype)
-    return head_loss(params["head"], blocks(params["blocks"], x, config=config), targets)
+    """The whole model's mean cross-entropy on one device: the oracle for the pipeline (plus
+    ``aux_weight`` times the load-balancing loss with ``num_experts``)."""
+    return loss_and_stats(params, tokens, targets, config=config)[0]
 
 
 def pipeline_value_and_grad(
@@ -282,12 +424,23 @@ def pipeline_value_and_grad(
         remat=remat,
     )
 
+    if config.num_experts:
+        raise ValueError(
+            f"gpt.pipeline_value_and_grad: the mixture-of-experts GPT (num_experts="
+            f"{config.num_experts}) has no pipeline layout: its load-balancing loss and routing "
+            f"statistics do not travel between stages. Train it without a 'stage' axis (e.g. "
+            f"mesh {{data: 2, expert: 4}}), or set num_experts=0."
+        )
+
     def value_and_grad(params: dict, batch: dict) -> tuple[jax.Array, dict]:
-        tokens = batch["tokens"]
+        tokens, targets = batch["tokens"], batch["targets"]
+        order = sequence_order(config, tokens.shape[-1])
+        if order is not None:  # a mean over tokens: the same in any order (`embed` takes its own)
+            targets = targets[..., order]
         wire = _stage_dtype(config)
-        x, embed_vjp = jax.vjp(lambda e: embed(e, tokens).astype(wire), params["embed"])
+        x, embed_vjp = jax.vjp(lambda e: embed(e, tokens, order).astype(wire), params["embed"])
         head, head_vjp = jax.vjp(rp.gather_params, params["head"])  # ZeRO-3: gathered once
-        loss, (g_stages, g_x, g_head) = grad_fn(params["stages"], x, batch["targets"], head)
+        loss, (g_stages, g_x, g_head) = grad_fn(params["stages"], x, targets, head)
         grads = {"embed": embed_vjp(g_x)[0], "stages": g_stages, "head": head_vjp(g_head)[0]}
         return loss, grads
 
@@ -341,6 +494,29 @@ LOGICAL_AXES: dict = {
 each ``d_model / num_heads`` wide), ``"mlp"`` (the MLP's hidden units), ``"embed"`` (the model
 width), ``"vocab"``, ``"seq"`` (positions) and ``"layers"`` (the stacked blocks)."""
 
+
+def logical_axes(config: GPTConfig | None = None) -> dict:
+    """`LOGICAL_AXES` for ``config``'s parameters: the dense model's, or with ``num_experts``
+    the grouped layout of `init` (``"layers"`` for the group axis and the dense blocks' own,
+    ``"experts"`` for the experts of `replicator.moe.LOGICAL_AXES`)."""
+    if config is None or not config.num_experts:
+        return LOGICAL_AXES
+    is_axes = lambda a: isinstance(a, tuple)
+    moe_block = {k: v for k, v in _BLOCK_AXES.items() if k != "mlp"} | {"moe": moe.LOGICAL_AXES}
+    group = {"moe": moe_block}
+    if config.moe_every > 1:
+        group["dense"] = jax.tree.map(lambda a: ("layers", *a), _BLOCK_AXES, is_leaf=is_axes)
+    blocks = jax.tree.map(lambda a: ("layers", *a), group, is_leaf=is_axes)
+    return {**LOGICAL_AXES, "blocks": blocks}
+
+
+def zero_stacked(config: GPTConfig) -> dict[str, int]:
+    """The ``stacked`` argument of ZeRO-3's ``shard_params`` for `init`'s parameters: the blocks'
+    leading layer axes, which a layer scan slices (two with ``moe_every > 1``: groups, then each
+    group's dense blocks)."""
+    return {"blocks": 2 if config.num_experts and config.moe_every > 1 else 1}
+
+
 MEGATRON_RULES: Mapping[str, str | None] = types.MappingProxyType(
     {"heads": MODEL_AXIS, "mlp": MODEL_AXIS}
 )
@@ -349,10 +525,18 @@ MEGATRON_RULES: Mapping[str, str | None] = types.MappingProxyType(
 second MLP matrices by rows; every other role is whole. ``{**MEGATRON_RULES, "vocab": "model"}``
 also splits the embedding table by rows and the output matrix by columns."""
 
-_ROLE_SIZES = {"heads": "num_heads", "mlp": "hidden", "vocab": "vocab_size", "embed": "d_model"}
+_ROLE_SIZES = {
+    "heads": "num_heads",
+    "mlp": "hidden",
+    "vocab": "vocab_size",
+    "embed": "d_model",
+    "experts": "num_experts",
+}
 
 
-def partition_specs(*, rules: Mapping[str, str | None] = MEGATRON_RULES) -> dict:
+def partition_specs(
+    *, rules: Mapping[str, str | None] = MEGATRON_RULES, config: GPTConfig | None = None
+) -> dict:
     """The ``PartitionSpec`` of every leaf of `init`'s parameters: `LOGICAL_AXES` mapped to mesh
     axes by ``rules`` (roles not in ``rules`` are whole). On a mesh without the axes they name,
     ``Replicator.place`` drops them: the same specs place a replicated model on ``{"data": 8}``.
@@ -364,19 +548,24 @@ def partition_specs(*, rules: Mapping[str, str | None] = MEGATRON_RULES) -> dict
 
     Args:
       rules: role to mesh axis; the roles are those of `LOGICAL_AXES` and the axis ``"model"``
-        (the one axis XLA partitions inside a step, so that ``step_fn`` sees whole parameters).
+        (an axis XLA partitions inside a step, so that ``step_fn`` sees whole parameters);
+        ``"experts"`` (the mixture-of-experts blocks' experts) goes to ``"expert"`` unless
+        ``rules`` says otherwise.
+      config: the model's sizes, for a mixture-of-experts model's layout (`logical_axes`).
 
     Raises:
-      ValueError: for a role `LOGICAL_AXES` does not use, or an axis other than ``"model"``.
+      ValueError: for a role `LOGICAL_AXES` does not use, or an axis other than ``"model"``
+        (and ``"expert"`` for ``"experts"``).
     """
-    roles = ("heads", "mlp", "vocab", "embed", "seq", "layers")
+    rules = {"experts": EXPERT_AXIS, **rules}
+    roles = ("heads", "mlp", "vocab", "embed", "seq", "layers", "experts")
     for role, axis in rules.items():
         if role not in roles:
             raise ValueError(
                 f"gpt.partition_specs: rules name role {role!r}, which no parameter has; the "
                 f"roles are {', '.join(map(repr, roles))}, e.g. rules={{'heads': 'model'}}."
             )
-        if axis not in (MODEL_AXIS, None):
+        if axis not in (MODEL_AXIS, None) and (role, axis) != ("experts", EXPERT_AXIS):
             raise ValueError(
                 f"gpt.partition_specs: rules map {role!r} to {axis!r}; only {MODEL_AXIS!r} (or "
                 f"None, whole) can split parameters that step_fn sees whole. Shard over data with "
@@ -384,7 +573,7 @@ def partition_specs(*, rules: Mapping[str, str | None] = MEGATRON_RULES) -> dict
             )
     return jax.tree.map(
         lambda axes: P(*(rules.get(a) for a in axes)),
-        LOGICAL_AXES,
+        logical_axes(config),
         is_leaf=lambda a: isinstance(a, tuple),
     )
 
@@ -449,8 +638,8 @@ def place(
       ValueError: if a role split over ``model`` (``num_heads``, the hidden units) does not
         divide by its size, or ``config`` is missing for that check.
     """
-    specs = partition_specs(rules=rules)
-    _check_split(repl.mesh, config, rules, "gpt.place")
+    specs = partition_specs(rules=rules, config=config)
+    _check_split(repl.mesh, config, {"experts": EXPERT_AXIS, **rules}, "gpt.place")
     return repl.place(params, specs)
 
 
@@ -492,7 +681,7 @@ def place_pipeline(
     >>> placed["stages"]["attn"]["qkv"].shape       # [stages, layers per stage, ...]
     (2, 2, 16, 48)
     """
-    specs = partition_specs(rules=rules)
+    specs = partition_specs(rules=rules, config=config)
     _check_split(repl.mesh, config, rules, "gpt.place_pipeline")
     lead = tuple(pipeline.stage_spec(repeats))  # the stage axes, then the layers' own specs
     staged = pipeline_params(params, num_stages=num_stages, repeats=repeats)

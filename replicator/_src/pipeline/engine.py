@@ -25,13 +25,14 @@ another.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from replicator._src.collectives import sum_over_axes
+from replicator._src.collectives import divergent, sum_over_axes
 from replicator._src.errors import positive_int
 from replicator._src.mesh import STAGE_AXIS
 from replicator._src.pipeline import gpipe, one_f_one_b, sequential, zero_bubble
@@ -133,7 +134,9 @@ def value_and_grad(
             run = zero_bubble.value_and_grad
         else:
             run = gpipe.value_and_grad
-        loss, g_rows, g_xs, g_head = run(call, loss_fn, head_params, policy)
+        gated = run is not gpipe.value_and_grad  # each stage's work under its own lax.cond
+        with divergent(f"the {sched.name!r} pipeline schedule") if gated else nullcontext():
+            loss, g_rows, g_xs, g_head = run(call, loss_fn, head_params, policy)
         loss, g_xs, g_head = sum_over_axes((loss, g_xs, g_head), (STAGE_AXIS,))
         g_xs = _no_int_grads(call.merge_batch(g_xs))
         return loss, (call.from_rows(g_rows), g_xs, g_head)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from replicator._src.collectives import divergent
 from replicator._src.pipeline.layers import Program, _ScanLayers
 from replicator._src.pipeline.packing import Packing, unpack_leaves
 from replicator._src.typing import PyTree
@@ -199,7 +200,8 @@ class StageLayout:
         def layer_fn(lp, sp, x, j, li):
             if len(branches) == 1:
                 return branches[0](lp, sp, x)
-            return lax.switch(jnp.asarray(table)[j, li], branches, lp, sp, x)
+            with divergent("a pipeline of stages that differ (each device its own branch)"):
+                return lax.switch(jnp.asarray(table)[j, li], branches, lp, sp, x)
 
         last = len(wire) - 1
         return Program(
