@@ -1,6 +1,9 @@
 """Jobs for rp.plan's tests, importable by its worker processes: fake compiled programs with
-chosen peaks (to test the search), and the GPT built from shapes for any layout."""
+chosen peaks (to test the search), and the GPT built from shapes for any layout (a long-sequence
+GPT for context axes, a mixture-of-experts GPT for expert axes)."""
 
+import dataclasses
+import functools
 import types
 
 import jax
@@ -47,13 +50,22 @@ def refusing_build(layout: rp.Layout):
 
 CONFIG = gpt.GPTConfig(vocab_size=256, seq_len=16, d_model=32, num_heads=4, num_layers=4)
 BATCH = 16
+# For context layouts given by hand (128 tokens: shorter than enumerate_layouts would split,
+# and twice as quick to compile as 512).
+CONTEXT = gpt.GPTConfig(vocab_size=256, seq_len=128, d_model=32, num_heads=4, num_layers=2)
+CONTEXT_BATCH = 8
+MOE = gpt.GPTConfig(vocab_size=256, seq_len=16, d_model=32, num_heads=4, num_layers=2,
+                    num_experts=4)  # fmt: skip
 
 
-def gpt_build(layout: rp.Layout):
-    """The GPT's Adam step for ``layout`` (data, model, ZeRO, accumulation; pipelines with
-    their schedule), its state from shapes and its batch as shapes."""
+def gpt_build(layout: rp.Layout, config: gpt.GPTConfig = CONFIG, batch_size: int = BATCH):
+    """The GPT's Adam step for ``layout`` (data, model, context with its attention, expert,
+    ZeRO, accumulation; pipelines with their schedule), its state from shapes and its batch as
+    shapes."""
+    if layout.attention is not None:
+        config = dataclasses.replace(config, attention=layout.attention)
     repl = rp.Replicator(mesh_shape=layout.mesh_shape)
-    batch = jax.ShapeDtypeStruct((BATCH, CONFIG.seq_len), jnp.int32)
+    batch = jax.ShapeDtypeStruct((batch_size, config.seq_len), jnp.int32)
     batch = {"tokens": batch, "targets": batch}
     if layout.stage == 1:
         opt = repl.wrap_optimizer(
@@ -61,13 +73,13 @@ def gpt_build(layout: rp.Layout):
         )
 
         def init():
-            params = gpt.place(repl, gpt.init(CONFIG, jax.random.key(0)), config=CONFIG)
+            params = gpt.place(repl, gpt.init(config, jax.random.key(0)), config=config)
             if layout.zero_stage == 3:  # stored sharded, gathered layer by layer
                 params = opt.shard_params(params, stacked=["blocks"])
             return {"params": params, "opt": opt.init(params)}
 
         def loss_fn(params, b):
-            return gpt.loss(params, b["tokens"], b["targets"], config=CONFIG)
+            return gpt.loss(params, b["tokens"], b["targets"], config=config)
 
         def step(state, b):
             params, opt_state, metrics = opt.step(loss_fn, state["params"], state["opt"], b)
@@ -83,13 +95,13 @@ def gpt_build(layout: rp.Layout):
     }[layout.schedule]()
     tx = repl.wrap_optimizer(optax.adam(1e-3), zero_stage=layout.zero_stage)
     grad_fn = gpt.pipeline_value_and_grad(
-        CONFIG, num_microbatches=layout.microbatches, schedule=schedule
+        config, num_microbatches=layout.microbatches, schedule=schedule
     )
 
     def init():
-        params = gpt.init(CONFIG, jax.random.key(0))
+        params = gpt.init(config, jax.random.key(0))
         placed = gpt.place_pipeline(
-            repl, params, num_stages=layout.stage, repeats=schedule.repeats, config=CONFIG
+            repl, params, num_stages=layout.stage, repeats=schedule.repeats, config=config
         )
         if layout.zero_stage == 3:
             placed = tx.shard_params(placed)
@@ -102,6 +114,10 @@ def gpt_build(layout: rp.Layout):
         return {"params": params, "opt": opt_state}, {"loss": rp.all_reduce(loss, "mean")}
 
     return repl, pipeline_step, repl.abstract(init), batch
+
+
+context_gpt_build = functools.partial(gpt_build, config=CONTEXT, batch_size=CONTEXT_BATCH)
+moe_gpt_build = functools.partial(gpt_build, config=MOE, batch_size=BATCH)
 
 
 def crashing_build(layout: rp.Layout):

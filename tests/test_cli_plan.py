@@ -1,6 +1,7 @@
 """`replicator plan CONFIG --devices N --memory M --hardware H`: the ranked table, the written
 config that `replicator train` runs, and the refusals."""
 
+import dataclasses
 import json
 import pathlib
 import subprocess
@@ -8,6 +9,8 @@ import sys
 
 import pytest
 import yaml
+
+import replicator as rp
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMALL = ["model.d_model=32", "model.layers=2", "model.seq_len=16", "global_batch=16"]
@@ -59,3 +62,73 @@ def test_plan_refusals_exit_2_with_the_message():
     assert run.returncode == 2 and "--devices must be 1 or more; got 0" in run.stderr
     run = replicator("plan", "configs/lm_dp.yaml", "--devices", 8, "--memory", "lots")
     assert run.returncode == 2 and "memory='lots' is not a size" in run.stderr
+
+
+# -- context and expert axes ----------------------------------------------------------------------
+
+LONG = ["model.d_model=32", "model.layers=2", "model.seq_len=512", "global_batch=8"]
+
+
+def plan_args(*argv):
+    from replicator.cli import _parser
+
+    return _parser().parse_args(["plan", "configs/lm_dp.yaml", "--devices", "8", *argv])
+
+
+def test_a_long_sequence_config_gets_context_layouts_written_into_mesh():
+    """Enumeration only (nothing compiled): model.seq_len=512 gets context axes (ring, and
+    all-to-all where the config can say so), 64 does not; the written config puts the context
+    axis in mesh: and, over it, the attention in model:."""
+    from replicator.cli import config as config_lib
+    from replicator.cli import plan
+
+    args = plan_args("--max-model", "1", "--max-stage", "1", "--zero-stages", "1")
+    cfg = config_lib.load(str(ROOT / "configs/lm_dp.yaml"), LONG)
+    families = plan.layouts_for(cfg, 8, args)
+    contexts = {(f.layouts[0].context, f.layouts[0].attention) for f in families}
+    attention = {"ring", "all_to_all"} if "attention" in plan._model_keys() else {"ring"}
+    assert contexts == {(1, None)} | {(c, a) for c in (2, 4, 8) for a in attention
+                                      if a == "ring" or 4 % c == 0}  # fmt: skip
+    short = config_lib.load(str(ROOT / "configs/lm_dp.yaml"), [*LONG[:2], "model.seq_len=64"])
+    assert {f.layouts[0].context for f in plan.layouts_for(short, 8, args)} == {1}
+    assert {f.layouts[0].context for f in plan.layouts_for(
+        cfg, 8, plan_args("--max-context", "2", "--attention", "ring", "--max-model", "1",
+                          "--max-stage", "1"))} == {1, 2}  # fmt: skip
+    raw = dataclasses.asdict(cfg)
+    raw.pop("learning_rate")
+    written = plan.with_layout(raw, rp.Layout(data=2, context=4, zero_stage=1))
+    assert written["mesh"] == {"data": 2, "context": 4} and written["cpu_devices"] == 8
+    assert written["model"].get("attention", "ring") == "ring"
+    config_lib.from_dict(config_lib.TrainConfig, written, where="plan")  # a valid config
+    if "experts" in plan._model_keys():  # once the config has the mixture-of-experts keys
+        moe = config_lib.load(str(ROOT / "configs/lm_dp.yaml"), [*LONG, "model.experts=4"])
+        experts = {f.layouts[0].expert for f in plan.layouts_for(moe, 8, args)}
+        assert experts == {1, 2, 4}
+        assert all(f.layouts[0].context == 1 for f in plan.layouts_for(moe, 8, args))
+
+
+@pytest.mark.slow
+def test_plan_lists_context_layouts_for_a_long_sequence(tmp_path):
+    """`replicator plan` on configs/lm_dp.yaml with 512-token sequences: the table lists the
+    context layouts (compiled: the ring's and the all-to-all's bytes in the JSON) beside data
+    parallelism, and writes the best."""
+    out, report = tmp_path / "best.yaml", tmp_path / "plan.json"
+    run = replicator(
+        "plan", "configs/lm_dp.yaml", *LONG, "--devices", 8, "--memory", "1GiB",
+        "--hardware", "tpu-v5e", "--max-model", 1, "--max-stage", 1, "--zero-stages", 1,
+        "--max-context", 4, "--out", out, "--json", report,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "data=2 context=4 ring zero=1" in run.stdout, run.stdout
+    plan = json.loads(report.read_text())
+    ranked = {(c["layout"]["context"], c["layout"]["attention"]): c for c in plan["ranked"]}
+    assert {(2, "ring"), (4, "ring"), (1, None)} <= set(ranked)
+    kinds = {(c["kind"], tuple(c["axes"])) for c in ranked[4, "ring"]["compiled"]["collectives"]}
+    assert ("collective-permute", ("context",)) in kinds
+    for key, cand in ranked.items():
+        if key[1] == "all_to_all":
+            kinds = {(c["kind"], tuple(c["axes"])) for c in cand["compiled"]["collectives"]}
+            assert ("all-to-all", ("context",)) in kinds
+    written = yaml.safe_load(out.read_text())
+    best = plan["best"]
+    assert written["mesh"].get("context", 1) == best["context"]

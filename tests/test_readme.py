@@ -193,3 +193,23 @@ def test_plan_example_builds_the_layouts_it_plans():
     report = rp.plan(namespace["build"], layouts, hardware="h100", memory="80GB", workers=0)
     assert {str(c.layout) for c in report.ranked} == {"data=8", "data=4 model=2 remat"}
     assert 'if __name__ == "__main__":' in code and "rp.enumerate_layouts(" in code
+
+
+def _run_block(heading):
+    block = README.split(heading, 1)[1]
+    code = re.search(r"```python\n(.*?)```", block, re.S).group(1)
+    namespace = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    return namespace
+
+
+def test_long_context_example_equals_one_device():
+    ns = _run_block("## Long context: the `context` axis")
+    got, want = float(ns["out"]["out_sum"][0]), float(ns["want"])
+    assert abs(got - want) <= 1e-5 * abs(want) + 1e-4
+
+
+def test_mixture_of_experts_example_counts_its_tokens():
+    ns = _run_block("## Mixture of experts: the `expert` axis")
+    assert ns["y"].shape == (2, 8, 16)
+    assert [int(r) for r in ns["stats"].routed] == [16, 16]  # 8 tokens x top-2 per sequence

@@ -46,6 +46,9 @@ from replicator._src.mesh import CONTEXT_AXIS, EXPERT_AXIS, MODEL_AXIS
 IMPLS = ("ring", "all_to_all")
 LAYOUTS = ("contiguous", "zigzag")
 _NEG = -1e30  # a finite "minus infinity": exp() of it is 0, and max() of it stays finite
+TILE = 128
+"""Keys per tile of the blockwise (online-softmax) attention: a device holds ``queries x TILE``
+scores at a time, so its attention memory is linear in its part of the sequence."""
 
 
 def zigzag_order(seq_len: int, parts: int) -> np.ndarray:
@@ -137,7 +140,9 @@ def attention(
         )
     c, s, heads = context_size(), q.shape[1], q.shape[2]
     positions = zigzag_order(s, c) if layout == "zigzag" else np.arange(s)
-    if c == 1:
+    if c == 1:  # one device: plain attention, or blockwise where a sequence spans tiles
+        if s > TILE:
+            return _ring(q, k, v, causal=causal, zigzag=False, positions=positions, ring=False)
         return reference(q, k, v, causal=causal, positions=positions)
     if s % c:
         raise ValueError(
@@ -170,13 +175,17 @@ def attention(
 def _all_to_all(q, k, v, *, causal: bool, positions) -> jax.Array:
     """Ulysses: ``[B, S/C, H, D]`` to ``[B, S, H/C, D]``, attention, and back."""
     to_heads = lambda x: collectives.all_to_all(x, CONTEXT_AXIS, split=2, concat=1)
-    out = reference(to_heads(q), to_heads(k), to_heads(v), causal=causal, positions=positions)
+    q, k, v = to_heads(q), to_heads(k), to_heads(v)
+    if q.shape[1] > TILE:  # the whole sequence: blockwise, a tile of keys at a time
+        out = _ring(q, k, v, causal=causal, zigzag=False, positions=positions, ring=False)
+    else:
+        out = reference(q, k, v, causal=causal, positions=positions)
     return collectives.all_to_all(out, CONTEXT_AXIS, split=1, concat=2)
 
 
-def _ring(q, k, v, *, causal: bool, zigzag: bool, positions) -> jax.Array:
+def _ring(q, k, v, *, causal: bool, zigzag: bool, positions, ring: bool = True) -> jax.Array:
     """One device's part of ring attention: its queries against every key/value block."""
-    return _ring_attention(q, k, v, causal, zigzag, tuple(int(p) for p in positions))
+    return _ring_attention(q, k, v, causal, zigzag, tuple(int(p) for p in positions), ring)
 
 
 # -- ring attention: an online softmax over blocks that travel round the ring --------------------
@@ -194,16 +203,34 @@ def _branches(causal: bool, zigzag: bool, sc: int) -> tuple:
     return ((whole, whole), None)
 
 
-def _scores(q, k, mask):
+def _tile(n: int) -> int:
+    """The key/value tile a block is folded in: `TILE` or the largest divisor of ``n`` below it,
+    so that the scores held at once are ``queries x tile``, linear in the block."""
+    return max(t for t in range(1, min(n, TILE) + 1) if n % t == 0)
+
+
+def _tiles(x: jax.Array, tile: int) -> jax.Array:
+    """``[B, S, ...]`` as ``[S / tile, B, tile, ...]``: the scan's order."""
+    b, s = x.shape[:2]
+    return jnp.moveaxis(x.reshape(b, s // tile, tile, *x.shape[2:]), 1, 0)
+
+
+def _untile(x: jax.Array) -> jax.Array:
+    n, b, tile = x.shape[:3]
+    return jnp.moveaxis(x, 0, 1).reshape(b, n * tile, *x.shape[3:])
+
+
+def _scores(q, k, qpos, kpos):
     s = jnp.einsum("bqhd,bkhd->bqhk", q, k, preferred_element_type=jnp.float32)
     s = s * (1.0 / math.sqrt(q.shape[-1]))
-    return s if mask is None else jnp.where(mask[:, None, :], s, _NEG)
+    if qpos is None:
+        return s
+    return jnp.where((qpos[:, None] >= kpos[None, :])[:, None, :], s, _NEG)
 
 
-def _fold(acc, q, k, v, mask):
-    """Folds one key/value block into the running ``(o, m, l)`` of an online softmax."""
+def _fold_tile(acc, q, k, v, qpos, kpos):
     o, m, total = acc  # unnormalised output, row maximum, sum of exp(score - maximum)
-    s = _scores(q, k, mask)
+    s = _scores(q, k, qpos, kpos)
     m_new = jnp.maximum(m, s.max(-1))
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(s - m_new[..., None])
@@ -213,9 +240,23 @@ def _fold(acc, q, k, v, mask):
     return o, m_new, total * alpha + p.sum(-1)
 
 
-def _block_grads(q, k, v, do, lse, delta, mask):
-    """Gradients of one block: ``(dq, dk, dv)`` from the saved log-sum-exp."""
-    p = jnp.exp(_scores(q, k, mask) - lse[..., None])
+def _fold(acc, q, k, v, qpos=None, kpos=None):
+    """Folds one key/value block into the running ``(o, m, l)`` of an online softmax, a tile
+    of keys at a time; ``qpos``/``kpos`` (positions) mask it causally, None not at all."""
+    tile = _tile(k.shape[1])
+    if tile == k.shape[1]:
+        return _fold_tile(acc, q, k, v, qpos, kpos)
+    kp = None if kpos is None else kpos.reshape(-1, tile)
+
+    def body(acc, xs):
+        kt, vt, kpt = xs
+        return _fold_tile(acc, q, kt, vt, qpos, kpt), None
+
+    return lax.scan(body, acc, (_tiles(k, tile), _tiles(v, tile), kp))[0]
+
+
+def _grads_tile(q, k, v, do, lse, delta, qpos, kpos):
+    p = jnp.exp(_scores(q, k, qpos, kpos) - lse[..., None])
     f32 = dict(preferred_element_type=jnp.float32)
     dv = jnp.einsum("bqhk,bqhd->bkhd", p.astype(do.dtype), do, **f32)
     dp = jnp.einsum("bqhd,bkhd->bqhk", do, v, **f32)
@@ -225,12 +266,32 @@ def _block_grads(q, k, v, do, lse, delta, mask):
     return dq, dk, dv
 
 
-def _diagonal_mask(causal: bool, positions: tuple, sc: int):
+def _block_grads(q, k, v, do, lse, delta, qpos=None, kpos=None):
+    """Gradients of one block from the saved log-sum-exp, ``(dq, dk, dv)``, a tile of keys at
+    a time (as `_fold`)."""
+    tile = _tile(k.shape[1])
+    if tile == k.shape[1]:
+        return _grads_tile(q, k, v, do, lse, delta, qpos, kpos)
+    kp = None if kpos is None else kpos.reshape(-1, tile)
+
+    def body(dq, xs):
+        kt, vt, kpt = xs
+        g = _grads_tile(q, kt, vt, do, lse, delta, qpos, kpt)
+        return dq + g[0], g[1:]
+
+    dq = jnp.zeros(q.shape, jnp.float32)
+    dq, (dk, dv) = lax.scan(body, dq, (_tiles(k, tile), _tiles(v, tile), kp))
+    return dq, _untile(dk), _untile(dv)
+
+
+def _own_positions(causal: bool, positions: tuple, sc: int, ring: bool):
+    """The positions of this device's tokens (None without a causal mask)."""
     if not causal:
         return None
-    c = lax.axis_index(CONTEXT_AXIS)
-    pos = lax.dynamic_slice_in_dim(jnp.asarray(positions, jnp.int32), c * sc, sc)
-    return pos[:, None] >= pos[None, :]
+    pos = jnp.asarray(positions, jnp.int32)
+    if not ring:
+        return pos
+    return lax.dynamic_slice_in_dim(pos, lax.axis_index(CONTEXT_AXIS) * sc, sc)
 
 
 def _ring_steps(step, carry, causal: bool, zigzag: bool, sc: int):
@@ -250,16 +311,20 @@ def _ring_steps(step, carry, causal: bool, zigzag: bool, sc: int):
     return lax.scan(body, carry, jnp.arange(1, n))[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _ring_attention(q, k, v, causal: bool, zigzag: bool, positions: tuple):
-    return _ring_forward(q, k, v, causal, zigzag, positions)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _ring_attention(q, k, v, causal: bool, zigzag: bool, positions: tuple, ring: bool):
+    """Blockwise attention with an online softmax: this device's block, then (``ring``) every
+    other device's, sent round the ``context`` axis. Without ``ring``, memory-efficient
+    attention on one device (scores held a tile of keys at a time)."""
+    return _ring_forward(q, k, v, causal, zigzag, positions, ring)[0]
 
 
-def _ring_forward(q, k, v, causal, zigzag, positions):
+def _ring_forward(q, k, v, causal, zigzag, positions, ring):
     b, sc, h, d = q.shape
     o = jnp.zeros((b, sc, h, d), jnp.float32)
     m = jnp.full((b, sc, h), _NEG, jnp.float32)
-    acc = _fold((o, m, jnp.zeros_like(m)), q, k, v, _diagonal_mask(causal, positions, sc))
+    pos = _own_positions(causal, positions, sc, ring)
+    acc = _fold((o, m, jnp.zeros_like(m)), q, k, v, pos, pos)
 
     def step(carry, branch=None):
         acc, kv = carry
@@ -267,38 +332,36 @@ def _ring_forward(q, k, v, causal, zigzag, positions):
             return acc, collectives.ring_shift(kv, CONTEXT_AXIS)
         qs, ks = branch
         part = tuple(a[:, qs] for a in acc)
-        part = _fold(part, q[:, qs], kv[0][:, ks], kv[1][:, ks], None)
+        part = _fold(part, q[:, qs], kv[0][:, ks], kv[1][:, ks])
         return tuple(a.at[:, qs].set(p) for a, p in zip(acc, part, strict=True)), kv
 
-    (o, m, total), _ = _ring_steps(step, (acc, (k, v)), causal, zigzag, sc)
+    if ring:
+        acc, _ = _ring_steps(step, (acc, (k, v)), causal, zigzag, sc)
+    o, m, total = acc
     out = (o / total[..., None]).astype(v.dtype)
     return out, (q, k, v, out, m + jnp.log(total))
 
 
-def _ring_fwd(q, k, v, causal, zigzag, positions):
-    return _ring_forward(q, k, v, causal, zigzag, positions)
-
-
-def _ring_bwd(causal, zigzag, positions, residuals, do):
+def _ring_bwd(causal, zigzag, positions, ring, residuals, do):
     q, k, v, out, lse = residuals
     sc = q.shape[1]
     delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), -1)
-    dq, dk, dv = _block_grads(q, k, v, do, lse, delta, _diagonal_mask(causal, positions, sc))
+    pos = _own_positions(causal, positions, sc, ring)
+    dq, dk, dv = _block_grads(q, k, v, do, lse, delta, pos, pos)
 
     def step(carry, branch=None):
         dq, kv, dkv = carry
         if branch is None:  # K, V and the gradients gathered for them travel on together
             return dq, *collectives.ring_shift((kv, dkv), CONTEXT_AXIS)
         qs, ks = branch
-        g = _block_grads(
-            q[:, qs], kv[0][:, ks], kv[1][:, ks], do[:, qs], lse[:, qs], delta[:, qs], None
-        )
+        g = _block_grads(q[:, qs], kv[0][:, ks], kv[1][:, ks], do[:, qs], lse[:, qs], delta[:, qs])
         dkv = tuple(a.at[:, ks].add(x) for a, x in zip(dkv, g[1:], strict=True))
         return dq.at[:, qs].add(g[0]), kv, dkv
 
-    dq, _, dkv = _ring_steps(step, (dq, (k, v), (dk, dv)), causal, zigzag, sc)
-    dk, dv = collectives.ring_shift(dkv, CONTEXT_AXIS)  # home: each block's owner
+    if ring:
+        dq, _, dkv = _ring_steps(step, (dq, (k, v), (dk, dv)), causal, zigzag, sc)
+        dk, dv = collectives.ring_shift(dkv, CONTEXT_AXIS)  # home: each block's owner
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-_ring_attention.defvjp(_ring_fwd, _ring_bwd)
+_ring_attention.defvjp(_ring_forward, _ring_bwd)

@@ -49,6 +49,21 @@ class ModelConfig:
     # outputs of its linear layers, recomputing attention's scores (Megatron-LM's selective
     # recomputation). In a pipeline it is the engine's remat, for every schedule.
     remat: bool | str = False
+    # gpt: attention over a `context` axis (the sequence split over it): ring (each device's
+    # keys and values passed round the axis) or all_to_all (DeepSpeed-Ulysses: the heads split
+    # over it instead, heads / mesh.model a multiple of mesh.context); the same numbers.
+    attention: str = "ring"
+    zigzag: bool = True  # gpt, ring: chunks in zigzag order, the causal work even over `context`
+    # gpt: a mixture of experts: experts per MoE block (0: dense MLPs; the keys below are then
+    # unused), split over an `expert` axis; every moe_every-th block is one (layers a multiple
+    # of it); each token goes to its top_k experts, each taking at most capacity_factor x its
+    # share of a sequence's token-choices (the rest dropped: the token keeps its residual only;
+    # null: none dropped); aux_weight x the load-balancing loss is added to the loss.
+    experts: int = 0
+    moe_every: int = 1
+    top_k: int = 1
+    capacity_factor: float | None = 1.25
+    aux_weight: float = 0.01
 
     def __post_init__(self) -> None:
         if not _OWN_KIND.fullmatch(str(self.kind)):  # else "module:function", your own model
@@ -78,11 +93,46 @@ class ModelConfig:
                 f"tokens (the built-in text and text files are bytes, ids 0-255); use vocab >= "
                 f"{BYTE_VOCAB} (e.g. vocab={BYTE_VOCAB})."
             )
+        self._check_attention_and_experts()
         if self.kind == "gpt" and self.d_model % self.heads:
             raise ValueError(
                 f"{_where(self)}heads={self.heads} does not divide d_model={self.d_model}; use a "
                 f"d_model that is a multiple of heads (e.g. "
                 f"d_model={self.heads * math.ceil(self.d_model / self.heads)})."
+            )
+
+    def _check_attention_and_experts(self) -> None:
+        """The attention and mixture-of-experts keys, each on its own."""
+        _one_of(self, "attention", ATTENTIONS, what="an attention over the context axis")
+        _at_least(self, "experts", 0)
+        _at_least(self, "moe_every", 1)
+        _at_least(self, "top_k", 1)
+        if self.capacity_factor is not None:
+            _finite_positive(self, "capacity_factor", example="capacity_factor=1.25", none=True)
+        value = self.aux_weight
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not (math.isfinite(value) and value >= 0)
+        ):
+            raise ValueError(
+                f"{_where(self)}aux_weight must be a finite number >= 0; got {value!r} (e.g. "
+                f"aux_weight=0.01, or 0 for no load-balancing loss)."
+            )
+        if not self.experts:
+            return
+        if self.top_k > self.experts:
+            raise ValueError(
+                f"{_where(self)}top_k={self.top_k} is more than experts={self.experts} (each "
+                f"token goes to top_k different experts); use top_k <= {self.experts} (e.g. "
+                f"top_k={min(2, self.experts)}), or more experts."
+            )
+        if self.layers % self.moe_every:
+            raise ValueError(
+                f"{_where(self)}moe_every={self.moe_every} does not divide layers={self.layers} "
+                f"(every moe_every-th block is a mixture of experts); use layers a multiple of "
+                f"{self.moe_every} (e.g. layers="
+                f"{self.moe_every * math.ceil(self.layers / self.moe_every)}), or moe_every=1."
             )
 
 
@@ -249,13 +299,127 @@ class TrainConfig:
                 f"(its BatchNorm takes statistics over the whole batch); got zero_stage="
                 f"{self.zero_stage}, accumulate_steps={self.accumulate_steps}."
             )
+        self._check_context_and_experts()
+
+    def _check_context_and_experts(self) -> None:
+        """What the ``context`` and ``expert`` axes ask of the model, the batch and the schedule.
+
+        A size of -1 (the remaining devices) is not known here: what needs it is left to the
+        library, which refuses it before the first step."""
+        where, m, mesh = _where(self), self.model, self.mesh
+        c, e, kind = mesh.get("context", 1), mesh.get("expert", 1), m.kind
+        for axis in ("context", "expert"):
+            if kind in ("mlp", "cnn") and axis in mesh:
+                what = "the sequence" if axis == "context" else "a mixture of experts"
+                raise ValueError(
+                    f"{where}mesh.{axis}: model.kind={kind!r} has no {axis} axis (it splits "
+                    f"{what} of model.kind='gpt'); use a mesh without {axis!r} (e.g. mesh: "
+                    f"{{data: -1}}), or model.kind='gpt'."
+                )
+        if kind != "gpt":
+            return
+        if m.experts and "stage" in mesh:
+            raise ValueError(
+                f"{where}model.experts={m.experts}: the mixture-of-experts GPT has no pipeline "
+                f"layout (its load-balancing loss and routing counts do not travel between "
+                f"stages); use a mesh without 'stage' (e.g. mesh: {{data: 2, expert: 4}}), or "
+                f"model.experts=0."
+            )
+        if e != 1 and not m.experts:
+            raise ValueError(
+                f"{where}mesh.expert={e} with model.experts=0: a dense GPT has no experts to "
+                f"split, and the axis would only split each replica's sequences as data does; "
+                f"use mesh.data for that (e.g. mesh: {{data: -1}}), or set model.experts (a "
+                f"multiple of mesh.expert, e.g. model.experts={8 if e == -1 else 2 * e})."
+            )
+        if c != 1 and e != 1:
+            raise ValueError(
+                f"{where}mesh.context={c} with mesh.expert={e}: a context axis and an expert "
+                f"axis together are not supported yet; use one of them (e.g. mesh: {{data: 2, "
+                f"context: 4}} or mesh: {{data: 2, expert: 4}})."
+            )
+        schedule = self.pipeline.schedule if self.pipeline and "stage" in mesh else None
+        if c != 1 and m.attention == "ring" and schedule in RING_IN_ONE_COND:
+            raise ValueError(
+                f"{where}model.attention='ring' with mesh.context={c} cannot run under "
+                f"pipeline.schedule={schedule!r} (it runs each stage's work under a condition, "
+                f"which the ring's collectives cannot be in); use model.attention=all_to_all, "
+                f"or pipeline.schedule gpipe or circular."
+            )
+        if c > 1:
+            self._check_context_axis(c)
+        if e > 1:
+            self._check_expert_axis(e)
+
+    def _check_context_axis(self, c: int) -> None:
+        where, m, t = _where(self), self.model, self.mesh.get("model", 1)
+        if m.attention == "all_to_all" and t > 0 and (m.heads // t) % c:
+            per = f"heads / mesh.model = {m.heads // t}" if t > 1 else f"heads={m.heads}"
+            raise ValueError(
+                f"{where}model.attention='all_to_all' splits the heads over mesh.context={c}, "
+                f"but {per} do not split {c} ways; use model.heads a multiple of {c * t} (e.g. "
+                f"model.heads={c * t * math.ceil(m.heads / (c * t))}), or model.attention=ring."
+            )
+        zigzag = m.attention == "ring" and m.zigzag
+        parts = 2 * c if zigzag else c
+        if m.seq_len % parts:
+            why = (
+                f"2 x mesh.context = {parts} chunks (the zigzag layout of a ring)"
+                if zigzag
+                else f"mesh.context={c} chunks"
+            )
+            raise ValueError(
+                f"{where}model.seq_len={m.seq_len} does not split into {why}; use seq_len a "
+                f"multiple of {parts} (e.g. model.seq_len={parts * math.ceil(m.seq_len / parts)})"
+                f"{', or model.zigzag=false' if zigzag and m.seq_len % c == 0 else ''}."
+            )
+
+    def _check_expert_axis(self, e: int) -> None:
+        where, m, k = _where(self), self.model, self.accumulate_steps
+        if m.experts % e:
+            raise ValueError(
+                f"{where}model.experts={m.experts} does not split over mesh.expert={e} (each "
+                f"device holds experts / {e} of them); use model.experts a multiple of {e} (e.g. "
+                f"model.experts={e * math.ceil(m.experts / e)}), or a smaller expert axis."
+            )
+        data = [self.mesh.get(axis, 1) for axis in DATA_AXES]
+        if min(data) < 1:
+            return  # a -1 data axis: the library checks the batch against the devices
+        replicas = math.prod(data)
+        if self.global_batch % (replicas * k * e):
+            over = f"{replicas} data replica{'s' * (replicas > 1)}"
+            if k > 1:
+                over += f" and accumulate_steps={k} micro-batches"
+            unit = replicas * k * e
+            raise ValueError(
+                f"{where}global_batch={self.global_batch} over {over} gives "
+                f"{self.global_batch / replicas / k:g} sequences a step, which do not split over "
+                f"mesh.expert={e} (each expert device routes whole sequences); use global_batch "
+                f"a multiple of {unit} (e.g. global_batch="
+                f"{unit * math.ceil(self.global_batch / unit)}), or a smaller expert axis."
+            )
 
 
 MODEL_KINDS = ("gpt", "mlp", "cnn")
 DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots")
 BYTE_VOCAB = 256
-GPT_ONLY = {"vocab": BYTE_VOCAB, "d_ff": None, "dtype": "float32", "remat": False}  # defaults
+GPT_ONLY = {  # the gpt-only keys' defaults
+    "vocab": BYTE_VOCAB,
+    "d_ff": None,
+    "dtype": "float32",
+    "remat": False,
+    "attention": "ring",
+    "zigzag": True,
+    "experts": 0,
+    "moe_every": 1,
+    "top_k": 1,
+    "capacity_factor": 1.25,
+    "aux_weight": 0.01,
+}
+ATTENTIONS = ("ring", "all_to_all")
+DATA_AXES = ("dcn_data", "data")  # the replicas: the batch is split over these
+RING_IN_ONE_COND = ("1f1b", "interleaved", "zerobubble")  # schedules that cannot run a ring
 _OWN_KIND = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved", "zerobubble")
 WANDB_MODES = ("offline", "online", "disabled")

@@ -385,12 +385,20 @@ def gpt_config(config: TrainConfig) -> gpt.GPTConfig:
         d_ff=m.d_ff,
         dtype=jnp.dtype(m.dtype),
         remat=m.remat,
+        attention=m.attention,
+        zigzag=m.zigzag,
+        num_experts=m.experts,
+        moe_every=m.moe_every,
+        top_k=m.top_k,
+        capacity_factor=m.capacity_factor,
+        aux_weight=m.aux_weight,
     )
 
 
 def _gpt(config: TrainConfig, repl, make_tx) -> _Job:
     """The GPT on any mesh a config can give: data parallel (ZeRO 0-3, accumulation), tensor
-    parallel over ``model``, and pipelined over ``stage`` (ZeRO 0-3, with ``model`` too)."""
+    parallel over ``model``, the sequence over ``context``, the experts of a mixture of experts
+    over ``expert``, and pipelined over ``stage`` (ZeRO 0-3, with ``model`` and ``context``)."""
     m, model = config.model, gpt_config(config)
     init_params = lambda: gpt.init(model, jax.random.key(0))
     text = functools.cache(lambda: gpt.stdlib_text(2_000_000))  # read when first iterated
@@ -419,10 +427,13 @@ def _gpt(config: TrainConfig, repl, make_tx) -> _Job:
             p, o, metrics = opt.step(loss_fn, state["params"], state["opt"], batch)
             return {"params": p, "opt": o}, metrics
 
+        if model.num_experts:
+            step_fn = _moe_step(model, opt, config.accumulate_steps)
+
         def init():
             placed = gpt.place(repl, init_params(), config=model)  # heads, MLP over "model"
             if zero3:  # split over the replicas, each block's layer gathered on its own
-                placed = opt.shard_params(placed, stacked=["blocks"])
+                placed = opt.shard_params(placed, stacked=gpt.zero_stacked(model))
             return {"params": placed, "opt": opt.init(placed)}
 
         return _Job(step_fn, init, input_fn, batch, tokens, m.vocab)
@@ -458,6 +469,51 @@ def _gpt(config: TrainConfig, repl, make_tx) -> _Job:
         return {"params": placed, "opt": tx.init(placed)}
 
     return _Job(pipeline_step_fn, pipeline_init, input_fn, batch, tokens, m.vocab)
+
+
+def _moe_step(model: gpt.GPTConfig, opt, accumulate_steps: int) -> Callable:
+    """The mixture-of-experts GPT's ``step_fn``: `DistributedOptimizer.step`'s update, and
+    what the routing did: ``loss`` (the mean over replicas of the loss optimized, cross-entropy
+    plus ``aux_weight`` x ``aux_loss``, as ``opt.step`` logs it), ``cross_entropy``,
+    ``aux_loss`` (the load-balancing loss, mean over sequences and MoE blocks) and
+    ``dropped_fraction`` (token-choices over capacity / all token-choices, over the whole
+    global batch). ``opt.step`` takes a scalar loss only, so the gradients are taken here
+    (``has_aux``), with ``accumulate_steps`` micro-batches summed in a ``lax.scan`` as
+    ``opt.step`` does, and reduced by ``opt.update``; ``grad_norm`` is not reported."""
+
+    def loss_and_stats(params, batch):
+        return gpt.loss_and_stats(params, batch["tokens"], batch["targets"], config=model)
+
+    grad_fn = jax.value_and_grad(loss_and_stats, has_aux=True)
+
+    def step_fn(state, batch):
+        params = state["params"]
+        if accumulate_steps == 1:
+            (loss, stats), grads = grad_fn(params, batch)
+        else:  # the mean of the micro-batches' losses and gradients, the sums of their counts
+            micro = jax.tree.map(lambda a: a.reshape(accumulate_steps, -1, *a.shape[1:]), batch)
+
+            def add(total, mb):
+                return jax.tree.map(jnp.add, total, grad_fn(params, mb)), None
+
+            zeros = jax.tree.map(
+                jnp.zeros_like,
+                jax.eval_shape(grad_fn, params, jax.tree.map(lambda a: a[0], micro)),
+            )
+            (loss, stats), grads = jax.lax.scan(add, zeros, micro)[0]
+            mean = lambda a: a / accumulate_steps
+            loss, grads = mean(loss), jax.tree.map(mean, grads)
+            stats |= {k: mean(stats[k]) for k in ("cross_entropy", "aux_loss")}  # counts: sums
+        updates, opt_state = opt.update(grads, state["opt"], params)
+        params = optax.apply_updates(params, updates)
+        means = {"loss": loss} | {k: stats[k] for k in ("cross_entropy", "aux_loss")}
+        counts = rp.all_reduce({k: stats[k] for k in ("dropped", "routed")}, "sum")
+        metrics = rp.all_reduce(means, "mean") | {
+            "dropped_fraction": counts["dropped"] / jnp.maximum(counts["routed"], 1)
+        }
+        return {"params": params, "opt": opt_state}, metrics
+
+    return step_fn
 
 
 def _mlp(config: TrainConfig, repl, make_tx) -> _Job:

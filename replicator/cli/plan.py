@@ -2,10 +2,12 @@
 config's model on N devices, ranked by modelled step time, written as a config that
 ``replicator train`` runs.
 
-The layouts come from the config's model sizes (`rp.enumerate_layouts`); each is the config with
-its ``mesh``, ``zero_stage``, ``pipeline``, ``accumulate_steps`` and ``model.remat`` replaced,
-built from shapes by `jobs.abstract_job` and compiled by `rp.plan` in worker processes with N
-emulated CPU devices.
+The layouts come from the config's model sizes (`rp.enumerate_layouts`): for a GPT of long
+sequences (``model.seq_len`` at least ``--min-context-seq`` and ``model.d_model``) context axes
+too, and for a mixture of experts (``model.experts`` > 0) expert axes. Each is the config with
+its ``mesh``, ``zero_stage``, ``pipeline``, ``accumulate_steps``, ``model.remat`` and, over a
+context axis, ``model.attention`` replaced, built from shapes by `jobs.abstract_job` and
+compiled by `rp.plan` in worker processes with N emulated CPU devices.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ def add_parser(commands) -> None:
     p = commands.add_parser(
         "plan",
         help="the fastest layout of a config's model for N devices and a memory budget",
-        description="Lists the layouts of CONFIG's model on N devices (data x stage x model, "
-        "ZeRO stage, pipeline schedule and micro-batches, accumulation, rematerialisation), "
+        description="Lists the layouts of CONFIG's model on N devices (data x stage x expert x "
+        "context x model, attention over a context axis, ZeRO stage, pipeline schedule and "
+        "micro-batches, accumulation, rematerialisation), "
         "rejects those whose state alone cannot fit, compiles the others from shapes on N "
         "emulated CPU devices, models each step's time on the hardware profile (compute at "
         "peak, collective bytes at the bandwidth of the link they cross, pipeline bubble), "
@@ -65,6 +68,17 @@ def add_parser(commands) -> None:
                    help="the largest model (tensor-parallel) axis to try (default: 8)")  # fmt: skip
     p.add_argument("--max-stage", type=int, default=None, metavar="K",
                    help="the largest stage (pipeline) axis to try (default: any)")  # fmt: skip
+    p.add_argument("--max-context", type=int, default=8, metavar="C",
+                   help="the largest context (sequence) axis to try (default: 8)")  # fmt: skip
+    p.add_argument("--min-context-seq", type=int, default=None, metavar="S",
+                   help="try context axes for a GPT of seq_len >= S tokens, and >= model.d_model "
+                   "(default: 512)")  # fmt: skip
+    p.add_argument("--attention", default="ring,all_to_all",
+                   help="attention across a context axis to try, comma-separated (default: "
+                   "ring,all_to_all)")  # fmt: skip
+    p.add_argument("--max-expert", type=int, default=None, metavar="E",
+                   help="the largest expert axis to try, for model.experts > 0 (default: "
+                   "any)")  # fmt: skip
     p.add_argument("--zero-stages", default="0,1,2,3",
                    help="ZeRO stages to try, comma-separated (default: 0,1,2,3)")  # fmt: skip
     p.add_argument("--top", type=int, default=20, help="rows of each table to print")
@@ -123,7 +137,7 @@ def layouts_for(cfg: TrainConfig, n: int, args: argparse.Namespace):
         return rp.enumerate_layouts(
             n, num_layers=m.layers, num_heads=m.heads, hidden=m.d_ff or 4 * m.d_model,
             zero_stages=zero, max_model=8 if args.max_model is None else args.max_model,
-            **common,
+            **_token_options(m, args), **common,
         )  # fmt: skip
     if m.kind == "mlp":  # data parallel with ZeRO; its layers are always rematerialised
         return rp.enumerate_layouts(
@@ -141,6 +155,35 @@ def layouts_for(cfg: TrainConfig, n: int, args: argparse.Namespace):
     )
 
 
+def _model_keys() -> set[str]:
+    """The keys the config's ``model:`` section knows (``attention``, ``experts`` and the rest
+    of the context and expert keys where this version of the config has them)."""
+    return {f.name for f in dataclasses.fields(config_lib.ModelConfig)}
+
+
+def _token_options(m, args: argparse.Namespace) -> dict:
+    """`rp.enumerate_layouts`' context and expert options for the GPT section ``m``: its
+    sequence, its experts (``model.experts``, 0 if the config has no such key), its zigzag, and
+    the attentions asked for that the config can say (``ring`` alone, the GPT's default,
+    without a ``model.attention`` key)."""
+    attention = tuple(a for a in args.attention.split(",") if a)
+    bad = [a for a in attention if a not in ("ring", "all_to_all")]
+    if bad or not attention:
+        raise ValueError(
+            f"--attention={args.attention!r}: give ring, all_to_all or both, comma-separated."
+        )
+    if "attention" not in _model_keys():
+        attention = tuple(a for a in attention if a == "ring") or ("ring",)
+    options = dict(
+        seq_len=m.seq_len, d_model=m.d_model, attention=attention,
+        zigzag=bool(getattr(m, "zigzag", True)), max_context=args.max_context,
+        num_experts=int(getattr(m, "experts", 0) or 0), max_expert=args.max_expert,
+    )  # fmt: skip
+    if args.min_context_seq is not None:  # else the library's rule (512 tokens)
+        options["min_context_seq"] = args.min_context_seq
+    return options
+
+
 def with_layout(raw: dict, layout: rp.Layout) -> dict:
     """The config ``raw`` (``dataclasses.asdict`` of a `TrainConfig`) with ``layout``'s keys."""
     out = dict(raw)
@@ -155,6 +198,8 @@ def with_layout(raw: dict, layout: rp.Layout) -> dict:
         out["pipeline"] = None
     if raw["model"]["kind"] == "gpt":
         out["model"] = {**raw["model"], "remat": layout.remat}
+        if layout.context > 1 and ("attention" in raw["model"] or layout.attention != "ring"):
+            out["model"]["attention"] = layout.attention
     return out
 
 

@@ -200,9 +200,12 @@ def sequence_order(config: GPTConfig, seq_len: int) -> np.ndarray | None:
     causal ring attention runs over a ``context`` axis of ``C > 1`` devices with ``zigzag``,
     where it is `replicator.attention.zigzag_order` ``(seq_len, C)`` (each device then does the
     same work). `loss`, `apply` and `pipeline_value_and_grad` reorder tokens and targets by it
-    (the loss, a mean over tokens, is the same) and `apply` puts the logits back."""
+    (the loss, a mean over tokens, is the same) and `apply` puts the logits back.
+
+    A mixture-of-experts model keeps the natural order: its routing gives priority by position
+    in the sequence, so with a capacity the dropped tokens would depend on the order."""
     c = attention_lib.context_size()
-    if c == 1 or config.attention != "ring" or not config.zigzag:
+    if c == 1 or config.attention != "ring" or not config.zigzag or config.num_experts:
         return None
     return attention_lib.zigzag_order(seq_len, c)
 

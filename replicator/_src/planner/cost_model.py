@@ -16,9 +16,18 @@ fast a device does each. Nothing else is assumed about the model::
 
 A collective crosses the DCN when the device groups of one of its axes span more devices than
 an island holds (the mesh is laid out with its last axis fastest, as ``jax.make_mesh`` does),
-else it runs over ICI/NVLink. ``hidden`` is the share ``overlap`` of the data-axis collectives
-(gradient reduction and ZeRO's gathers), at most the compute time, that runs behind compute;
-collectives over ``model`` and ``stage`` sit on the critical path and are always exposed.
+else it runs over ICI/NVLink. That holds for every axis alike: the ``context`` axis's ring
+(collective-permutes of K/V blocks and, backward, of their gradients) and all-to-alls, and the
+``expert`` axis's all-to-alls (tokens to their experts and back) are priced from the compiled
+program's bytes at the bandwidth of the link their groups cross, as ``model``'s all-reduces are.
+
+``hidden`` is the share ``overlap`` of the gradient reductions, at most the compute time, that
+runs behind compute: every collective over the data axes (gradient reduction and ZeRO's
+gathers), and the all-reduces and reduce-scatters over the token axes (``context``,
+``expert``, which split each replica's tokens as a data axis does: their reductions sum the
+parameters' gradients). Collectives over ``model`` and ``stage``, and the token axes'
+all-to-alls, collective-permutes and all-gathers (activations), sit on the critical path and
+are always exposed.
 
 What the model leaves out is said in the README ("What the time model includes"): kernel
 efficiency below peak, memory-bound operations at HBM speed, host input, and launch overheads
@@ -35,6 +44,10 @@ from replicator._src.planner.hardware import Hardware
 
 # Axes whose collectives reduce gradients or gather ZeRO shards: what `overlap` may hide.
 DATA_AXES = frozenset({"data", "dcn_data"})
+# Axes that split a replica's tokens: their reductions (with the data axes') are gradient sums,
+# which `overlap` may hide too; their other collectives move activations.
+TOKEN_AXES = frozenset({"context", "expert"})
+REDUCTIONS = frozenset({"all-reduce", "reduce-scatter"})
 # Schedules with explicit backward ticks, which skip their idle passes under lax.cond: their
 # bubble is idle time, not in the FLOPs. GPipe and circular compute through theirs.
 SKIPS_IDLE = frozenset({"1f1b", "interleaved", "zerobubble"})
@@ -178,6 +191,21 @@ def crosses_dcn(axes: tuple[str, ...], mesh: dict[str, int], island_size: int) -
     return False
 
 
+def hideable(c: CollectiveCost) -> bool:
+    """Whether ``c`` is a gradient reduction that `model_time`'s ``overlap`` may hide: any
+    collective over the data axes only, or a reduction over data and token axes.
+
+    >>> hideable(CollectiveCost("all-reduce", ("context",), 1.0, 1))
+    True
+    >>> hideable(CollectiveCost("all-to-all", ("expert",), 1.0, 1))
+    False
+    """
+    axes = set(c.axes)
+    if not axes:
+        return False
+    return axes <= DATA_AXES or (c.kind in REDUCTIONS and axes <= DATA_AXES | TOKEN_AXES)
+
+
 def kernel_time(step: CompiledStep, hardware: Hardware) -> float:
     """One device's compute time: each group of kernels of like intensity at the roofline,
     ``max(FLOPs / peak_flops, bytes * seconds_per_byte)``; FLOPs at peak alone without the
@@ -219,7 +247,8 @@ def model_time(
     Args:
       step: the compiled layout's figures.
       hardware: the profile.
-      overlap: the share (0 to 1) of the data-axis collectives' time that hides behind compute.
+      overlap: the share (0 to 1) of the gradient reductions' time (`hideable`: the data-axis
+        collectives, and reductions over the token axes) that hides behind compute.
       model_flops: the model's own FLOPs per step over all devices (e.g. ``6 * params *
         tokens``), for the MFU.
 
@@ -246,7 +275,7 @@ def model_time(
             dcn += seconds
         else:
             ici += seconds
-        if c.axes and set(c.axes) <= DATA_AXES:
+        if hideable(c):
             data_axes += seconds
     hidden = min(overlap * data_axes, compute)
     total = compute + bubble + ici + dcn - hidden

@@ -61,7 +61,8 @@ class PlanReport:
       num_devices: N.
       memory_budget: bytes per device a layout's peak must stay within.
       hardware: the profile the times are modelled on.
-      overlap: the share of data-axis collectives assumed hidden behind compute.
+      overlap: the share of data-axis collectives (and gradient reductions over the context
+        and expert axes: `cost_model.hideable`) assumed hidden behind compute.
       model_flops: the model's FLOPs per step (for the MFU), or None.
       ranked: the layouts that fit, fastest first.
       rejected: the others: too big (compiled or from the state alone), refused, or skipped
@@ -156,7 +157,8 @@ def plan(
 
     Args:
       build: ``build(layout) -> (repl, step_fn, state, *args)``: the training step of the model
-        on ``rp.Replicator(mesh_shape=layout.mesh_shape)`` with the layout's options, its state
+        on ``rp.Replicator(mesh_shape=layout.mesh_shape)`` with the layout's options (over a
+        ``context`` axis, its ``attention``: ``GPTConfig(attention=layout.attention)``), its state
         (``repl.abstract(init)``: shapes with shardings, nothing allocated) and its arguments
         (shapes). A module-level function, or ``"module:function"``, so that worker processes
         can import it; ``functools.partial`` of one works too.
@@ -165,7 +167,8 @@ def plan(
         ``"cpu"``: this machine, measured) or a YAML/JSON file.
       memory: the budget per device (``"16GiB"`` or bytes); default the profile's memory.
       model_flops: the model's FLOPs per step over all devices, for the MFU column.
-      overlap: the share (0 to 1) of the data-axis collectives assumed to run behind compute.
+      overlap: the share (0 to 1) of the data-axis collectives (and gradient reductions over
+        the context and expert axes) assumed to run behind compute.
       workers: processes that compile, each with N emulated CPU devices; 0 compiles here
         (this process must have exactly N devices). Default: here if this process has N
         devices, else ``min(2, cpu_count)``.

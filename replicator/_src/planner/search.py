@@ -210,7 +210,8 @@ def sibling_key(family: Family) -> tuple:
     """Families with one key differ only in their ZeRO stage: `search_siblings` takes them
     together."""
     lay = family.layouts[0]
-    return (lay.data, lay.stage, lay.model, lay.schedule, lay.microbatches, lay.repeats)
+    return (lay.data, lay.stage, lay.model, lay.context, lay.expert, lay.attention, lay.schedule,
+            lay.microbatches, lay.repeats)  # fmt: skip
 
 
 def search_siblings(build: Callable, families: list[Family], budget: int) -> list[list[Outcome]]:

@@ -1,0 +1,412 @@
+"""Attention across a sequence split over `context` (`replicator.attention`): a one-layer model
+(qkv projection, attention, output projection) trained three SGD steps on {"data": 2,
+"context": 4} with each impl, mask and layout against one device with the full batch; the zigzag
+layout against `reference` at its positions; the errors; the ring refused inside 1F1B; and the
+collectives of the compiled step against the ring's and Ulysses' formulas."""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from oracle import rel_err
+
+import replicator as rp
+from replicator import attention as att
+from replicator import pipeline
+
+TOL = 1e-5
+B, S, H, DH = 8, 16, 4, 8  # global batch 8; per device: 4 sequences, 4 of the 16 tokens
+DM = H * DH
+MESH = {"data": 2, "context": 4}
+C = MESH["context"]
+
+
+def make_repl(mesh_shape):
+    n = math.prod(mesh_shape.values())
+    return rp.Replicator(mesh_shape=mesh_shape, devices=jax.devices()[:n])
+
+
+def params0():
+    k = jax.random.split(jax.random.key(0), 4)
+    normal = lambda key, shape: jax.random.normal(key, shape, jnp.float32) / math.sqrt(shape[0])
+    return {
+        "qkv": normal(k[0], (DM, 3 * DM)),
+        "qkv_bias": 0.1 * jax.random.normal(k[1], (3 * DM,), jnp.float32),
+        "out": normal(k[2], (DM, DM)),
+        "out_bias": 0.1 * jax.random.normal(k[3], (DM,), jnp.float32),
+    }
+
+
+def batches(n=3, seed=0):
+    rng = np.random.default_rng(seed)
+    make = lambda: rng.normal(size=(B, S, DM)).astype(np.float32)
+    return [(make(), make()) for _ in range(n)]
+
+
+def loss_fn(params, x, y, *, causal, impl, layout):
+    """``mean((attention(x) - y)^2)``, written once for the mesh and for one device.
+
+    The zigzag layout is a promise about the order of the sequence dimension: ``attention``
+    then masks by the positions ``zigzag_order(S, C)``. So, as `gpt.loss` does, the model lays
+    its inputs and targets out in that order first (the loss is a mean over tokens, the same in
+    any order). On one device ``C = 1``, the order is the natural one and ``attention`` is plain
+    `reference` attention: the oracle below is natural-order attention, written without any ring
+    or zigzag, and the mesh's zigzag ring must equal it. (Comparing a zigzag mesh with the same
+    code on one device *without* the permutation would not test the mask: there ``layout`` is
+    natural order. `test_zigzag_layout_is_reference_at_its_positions` checks the positions
+    themselves.)"""
+    order = att.zigzag_order(S, att.context_size()) if layout == "zigzag" else None
+    if order is not None:
+        x, y = x[:, order], y[:, order]
+    x = att.constrain_tokens(x)
+    b = x.shape[0]
+    qkv = (x @ params["qkv"] + params["qkv_bias"]).reshape(b, S, H, 3 * DH)
+    q, k, v = jnp.split(qkv, 3, axis=-1)
+    out = att.attention(q, k, v, causal=causal, impl=impl, layout=layout)
+    out = att.constrain_tokens(out.reshape(b, S, DM) @ params["out"] + params["out_bias"])
+    return jnp.mean((out - y) ** 2)
+
+
+@functools.cache
+def oracle(causal):
+    """Three SGD steps on one device with the full batch. Outside a mesh ``attention`` is
+    `reference` in natural order whatever ``impl`` and ``layout`` say (see
+    `test_one_device_is_reference_attention`), so one oracle per mask serves every impl and
+    layout."""
+    params, tx = params0(), optax.sgd(0.1)
+    loss = functools.partial(loss_fn, causal=causal, impl="ring", layout="contiguous")
+
+    @jax.jit
+    def step(params, opt, x, y):
+        value, g = jax.value_and_grad(loss)(params, x, y)
+        updates, opt = tx.update(g, opt, params)
+        return optax.apply_updates(params, updates), opt, value
+
+    opt, losses = tx.init(params), []
+    for x, y in batches():
+        params, opt, value = step(params, opt, x, y)
+        losses.append(float(value))
+    return params, np.array(losses)
+
+
+def train_step(tx, **how):
+    def step(state, x, y):
+        value, g = jax.value_and_grad(functools.partial(loss_fn, **how))(state["params"], x, y)
+        updates, opt = tx.update(g, state["opt"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        return {"params": params, "opt": opt}, {"loss": rp.all_reduce(value, "mean")}
+
+    return step
+
+
+def initial_state(repl, tx):
+    placed = repl.replicate(params0())
+    return {"params": placed, "opt": tx.init(placed)}
+
+
+slow = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "impl, causal, layout",
+    [  # the fast lane: the ring's causal skip and its zigzag halves, Ulysses' positions
+        ("ring", True, "contiguous"),
+        ("ring", True, "zigzag"),
+        ("all_to_all", True, "zigzag"),
+        pytest.param("ring", False, "contiguous", marks=slow),
+        pytest.param("ring", False, "zigzag", marks=slow),
+        pytest.param("all_to_all", True, "contiguous", marks=slow),
+        pytest.param("all_to_all", False, "contiguous", marks=slow),
+        pytest.param("all_to_all", False, "zigzag", marks=slow),
+    ],
+    ids=lambda v: {True: "causal", False: "full"}.get(v, v) if isinstance(v, bool) else v,
+)
+def test_context_parallel_attention_trains_as_one_device(impl, causal, layout):
+    """{"data": 2, "context": 4}: each device holds 4 sequences' 4 of 16 tokens; three SGD
+    steps give one device's losses and parameters."""
+    repl = make_repl(MESH)
+    tx = repl.wrap_optimizer(optax.sgd(0.1))
+    step = train_step(tx, causal=causal, impl=impl, layout=layout)
+    state, losses = initial_state(repl, tx), []
+    for x, y in batches():
+        state, out = repl.run(step, state, x, y)
+        losses.append(float(np.asarray(out["loss"])[0]))
+    want, want_losses = oracle(causal)
+    got = jax.tree.map(np.asarray, state["params"])
+    assert rel_err(got, want) <= TOL, rel_err(got, want)
+    assert rel_err(np.array(losses), want_losses) <= TOL
+    assert rel_err(got, params0()) > 1e-3  # training moved them
+
+
+def qkv_inputs(batch=B, seq=S, heads=H, seed=3):
+    rng = np.random.default_rng(seed)
+    make = lambda: rng.normal(size=(batch, seq, heads, DH)).astype(np.float32)
+    return make(), make(), make()
+
+
+def test_one_device_is_reference_attention():
+    q, k, v = qkv_inputs()
+    for causal in (True, False):
+        want = att.reference(q, k, v, causal=causal)
+        for impl in att.IMPLS:
+            for layout in att.LAYOUTS:
+                got = att.attention(q, k, v, causal=causal, impl=impl, layout=layout)
+                assert rel_err(np.asarray(got), want) <= 1e-6, (impl, layout)
+    assert att.context_size() == 1
+
+
+@pytest.mark.parametrize("impl", att.IMPLS)
+def test_zigzag_layout_is_reference_at_its_positions(impl):
+    """Inputs given in zigzag order, no permutation: on {"data": 2, "context": 4} the causal
+    output is `reference` masked by ``zigzag_order(S, 4)``, and that mask is not the natural
+    one (so a ring that ignored the layout would fail here)."""
+    repl = make_repl(MESH)
+
+    def step(state, q, k, v):
+        assert att.context_size() == C
+        out = att.attention(q, k, v, causal=True, impl=impl, layout="zigzag")
+        return state, {"out": out}
+
+    q, k, v = qkv_inputs()
+    _, out = repl.run(step, repl.replicate({}), q, k, v)
+    got = np.asarray(out["out"]).reshape(B, S, H, DH)  # replica-major: the global order
+    order = att.zigzag_order(S, C)
+    want = att.reference(q, k, v, causal=True, positions=order)
+    assert rel_err(got, want) <= TOL
+    assert rel_err(got, att.reference(q, k, v, causal=True)) > 0.1
+    # The same tokens in natural order are natural-order causal attention.
+    inverse = np.argsort(order)
+    natural = att.reference(*(a[:, inverse] for a in (q, k, v)), causal=True)
+    assert rel_err(got[:, inverse], natural) <= TOL
+
+
+def test_zigzag_order():
+    assert att.zigzag_order(8, 2).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+    assert att.zigzag_order(8, 4).tolist() == [0, 7, 1, 6, 2, 5, 3, 4]
+    assert att.zigzag_order(6, 1).tolist() == list(range(6))  # one device: natural order
+    order = att.zigzag_order(16, 4)
+    assert sorted(order.tolist()) == list(range(16))  # a permutation
+    chunks = order.reshape(4, 2, 2)[:, :, 0] // 2  # device c holds chunks c and 2C - 1 - c
+    assert chunks.tolist() == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    # Under a causal mask every device's queries see the same number of keys.
+    live = order[:, None] >= order[None, :]
+    per_device = live.reshape(4, 4, 16).sum(axis=(1, 2))
+    assert per_device.tolist() == [per_device[0]] * 4
+    with pytest.raises(
+        ValueError,
+        match=r"^zigzag_order: seq_len=12 must divide into 2 \* context = 8 chunks for the "
+        r"zigzag layout; use seq_len a multiple of 8, or layout='contiguous'\.$",
+    ):
+        att.zigzag_order(12, 4)
+
+
+def run_attention(seq=S, heads=H, **how):
+    repl = make_repl(MESH)
+
+    def step(state, q, k, v):
+        return state, {"out": att.attention(q, k, v, **how)}
+
+    return repl.run(step, repl.replicate({}), *qkv_inputs(seq=seq, heads=heads))
+
+
+def test_splits_that_do_not_fit_are_refused_with_the_fix():
+    with pytest.raises(
+        ValueError,
+        match=r"^attention: the sequence of 6 tokens does not split over the 4 devices of "
+        r"'context'; use a seq_len that divides by 4, or a smaller context axis\.",
+    ):
+        run_attention(seq=6, causal=True, impl="ring")
+    with pytest.raises(ValueError, match=r"^zigzag_order: seq_len=12 must divide into 2 \*"):
+        run_attention(seq=12, causal=True, impl="ring", layout="zigzag")
+    run_attention(seq=12, causal=True, impl="ring")  # 12 splits over 4 contiguously
+    with pytest.raises(
+        ValueError,
+        match=r"^attention\(impl='all_to_all'\): 2 heads per 'model' device do not split over "
+        r"the 4 devices of 'context'; use impl='ring', or num_heads a multiple of 4\.",
+    ):
+        run_attention(heads=2, causal=False, impl="all_to_all")
+    run_attention(heads=2, causal=False, impl="ring")  # the ring splits no heads
+
+
+def test_unknown_impl_and_layout_are_refused():
+    q, k, v = qkv_inputs(batch=1)
+    with pytest.raises(
+        ValueError, match=r"^attention: impl='flash'; use one of 'ring', 'all_to_all'\.$"
+    ):
+        att.attention(q, k, v, impl="flash")
+    with pytest.raises(
+        ValueError, match=r"^attention: layout='striped'; use one of 'contiguous', 'zigzag'\.$"
+    ):
+        att.attention(q, k, v, layout="striped")
+
+
+# -- inside a pipeline ---------------------------------------------------------------------------
+
+
+def attention_stage(impl):
+    def stage(p, h):
+        b = h.shape[0]
+        qkv = (att.constrain_tokens(h) @ p["qkv"]).reshape(b, S, H, 3 * DH)
+        out = att.attention(*jnp.split(qkv, 3, axis=-1), causal=True, impl=impl)
+        return h + out.reshape(b, S, DM) @ p["out"]
+
+    return pipeline.scan_layers(stage)
+
+
+def pipeline_step(impl, schedule):
+    f = pipeline.value_and_grad(
+        attention_stage(impl),
+        lambda head, y, t: jnp.mean((y - t) ** 2),
+        num_microbatches=2,
+        schedule=schedule,
+    )
+
+    def step(stages, x, y):  # the stages' gradients as the new state: laid out as the stages
+        loss, (g, _, _) = f(stages, x, y)
+        return rp.all_reduce(g, "mean"), {"loss": rp.all_reduce(loss, "mean")}
+
+    return step
+
+
+def staged_params(repl, repeats=1):
+    """Four layers (scaled copies of one) in two stages of ``repeats`` virtual stages."""
+    p = {k: params0()[k] for k in ("qkv", "out")}
+    stacked = jax.tree.map(lambda a: jnp.stack([s * a for s in (1.0, 0.5, -0.5, 0.25)]), p)
+    stages = pipeline.stack_stages(stacked, num_stages=2, repeats=repeats)
+    return repl.place(stages, pipeline.stage_spec(repeats))
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [pipeline.OneFOneB(), pipeline.ZeroBubble(), pipeline.Interleaved1F1B(repeats=2)],
+    ids=lambda s: s.name,
+)
+def test_ring_inside_a_gated_schedule_is_refused_with_the_fix(schedule):
+    """1F1B, ZeroBubble and interleaved 1F1B run each stage's work under its own
+    ``lax.cond``; a collective-permute there is reached by some devices only, so the ring
+    refuses at trace time (before anything runs) and names the fixes."""
+    repl = make_repl({"data": 2, "stage": 2, "context": 2})
+    stages = staged_params(repl, schedule.repeats)
+    with pytest.raises(
+        ValueError,
+        match=rf"^replicator: a ring over 'context' \(ring attention's key/value blocks\) cannot "
+        rf"run inside the '{schedule.name}' pipeline schedule, whose work each stage runs or "
+        r"skips on its own: .* Use attention impl='all_to_all' .*, or the 'gpipe' or "
+        r"'circular' schedule\.",
+    ):
+        repl.run(pipeline_step("ring", schedule), stages, *batches(1)[0])
+
+
+@pytest.mark.slow
+def test_pipelined_attention_gradients_equal_one_device():
+    """The fixes the refusal names work: the ring under GPipe and Circular, all-to-all under
+    1F1B, on {"data": 2, "stage": 2, "context": 2}: the same loss and stage gradients as one
+    device."""
+    repl = make_repl({"data": 2, "stage": 2, "context": 2})
+    x, y = batches(1)[0]
+    for impl, schedule in [
+        ("ring", pipeline.GPipe()),
+        ("ring", pipeline.Circular(repeats=2)),
+        ("all_to_all", pipeline.OneFOneB()),
+    ]:
+        host = jax.tree.map(np.asarray, staged_params(repl, schedule.repeats))
+        want, want_loss = jax.jit(pipeline_step(impl, schedule))(host, x, y)  # sequential
+        stages = staged_params(repl, schedule.repeats)
+        got, out = repl.run(pipeline_step(impl, schedule), stages, x, y)
+        assert rel_err(float(np.asarray(out["loss"])[0]), float(want_loss["loss"])) <= TOL
+        assert rel_err(jax.tree.map(np.asarray, got), want) <= TOL, (impl, schedule.name)
+
+
+# -- what the compiled step moves over `context` ---------------------------------------------
+
+
+def context_collectives(impl, causal=True, layout="contiguous"):
+    """The `context` collectives of one training step (one attention call, forward and
+    backward), split into the forward pass's and the backward pass's (``transpose`` in the
+    JAX operation they come from)."""
+    repl = make_repl(MESH)
+    tx = repl.wrap_optimizer(optax.sgd(0.1))
+    step = train_step(tx, causal=causal, impl=impl, layout=layout)
+    report = repl.explain(step, initial_state(repl, tx), *batches(1)[0])
+    kind = "collective-permute" if impl == "ring" else "all-to-all"
+    ours = [c for c in report.collectives if c.kind == kind]
+    assert all(c.axes == ("context",) and c.dtype == "f32" for c in ours), ours
+    backward = [c for c in ours if "transpose(" in c.op_name]
+    forward = [c for c in ours if "transpose(" not in c.op_name]
+    others = {(c.kind, c.axes) for c in report.collectives if c not in ours}
+    # Besides: the parameters' gradients, summed over the tokens of `context`, then `data`.
+    assert others == {("all-reduce", ("context",)), ("all-reduce", ("data",))}, others
+    return forward, backward
+
+
+BLOCK = B // MESH["data"] * S // C * H * DH * 4  # one device's K (or V, Q, ...) block, fp32
+
+
+@pytest.mark.parametrize("layout", att.LAYOUTS)
+def test_ring_sends_k_and_v_round_forward_and_their_gradients_home_backward(layout):
+    """Per attention call and device: forward, K and V each travel ``C - 1`` hops (2 (C - 1)
+    block sends); backward, K and V again ``C - 1`` hops and dK, dV ``C`` hops (``C - 1``
+    alongside them, one more to their owner). The causal skip and the zigzag balance change
+    the work, never the sends."""
+    forward, backward = context_collectives("ring", layout=layout)
+    assert {c.bytes for c in forward + backward} == {BLOCK}  # 4 * 4 * 4 * 8 * 4 = 2048
+    assert not any(c.conditional for c in forward + backward)  # every device sends every hop
+    assert sum(c.count for c in forward) == 2 * (C - 1)  # 6
+    assert sum(c.count for c in backward) == 2 * (C - 1) + 2 * C  # 14
+    assert sum(c.wire_bytes for c in forward) == 2 * (C - 1) * BLOCK
+    assert sum(c.wire_bytes for c in backward) == (4 * C - 2) * BLOCK
+
+
+def test_all_to_all_moves_q_k_v_there_and_the_output_back():
+    """Ulysses: forward, Q, K and V to the heads' layout and the output back (4 all-to-alls of
+    one device's activation block); backward, their transposes (4 more). Each sends
+    ``(C - 1) / C`` of its block off the device."""
+    forward, backward = context_collectives("all_to_all")
+    assert {(c.bytes, c.count) for c in forward + backward} == {(BLOCK, 1)}
+    assert len(forward) == 4 and len(backward) == 4
+    assert sum(c.wire_bytes for c in forward) == 4 * (C - 1) / C * BLOCK
+
+
+@pytest.mark.parametrize("impl", ["ring", "all_to_all"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_tiled_blockwise_attention_equals_reference_values_and_gradients(impl, causal, monkeypatch):
+    """Blocks longer than a tile are folded a tile of keys at a time (the memory-efficient
+    path: on one device for a sequence longer than `TILE`, on each device of the ring for its
+    block, on each device of all-to-all for the whole sequence). With tiles of 3 keys, the
+    values and the gradients of q, k, v equal plain attention, on one device and on
+    {"data": 2, "context": 4} (the ring's half blocks tiled too: 12 tokens a device)."""
+    from replicator._src import attention as impl_module
+
+    monkeypatch.setattr(impl_module, "TILE", 3)
+    q, k, v, w = jax.random.normal(jax.random.key(5), (4, 4, 48, H, DH))
+    order = att.zigzag_order(48, C) if causal and impl == "ring" else np.arange(48)
+    layout = "zigzag" if causal and impl == "ring" else "contiguous"
+
+    def want(q, k, v, w):
+        return jnp.sum(att.reference(q, k, v, causal=causal, positions=order) * w)
+
+    def got(q, k, v, w):
+        return jnp.sum(att.attention(q, k, v, causal=causal, impl=impl, layout=layout) * w)
+
+    grad = lambda f: jax.value_and_grad(f, argnums=(0, 1, 2))
+    ref_loss, ref_grads = grad(want)(q, k, v, w)
+    # one device: natural positions (C = 1), the tiled kernel for 48 > 3 keys
+    one = grad(lambda *a: jnp.sum(att.attention(*a[:3], causal=causal, impl=impl) * a[3]))
+    plain = jax.value_and_grad(
+        lambda q, k, v: jnp.sum(att.reference(q, k, v, causal=causal) * w), argnums=(0, 1, 2)
+    )
+    assert rel_err(one(q, k, v, w), plain(q, k, v)) <= TOL
+    repl = make_repl(MESH)
+
+    def step(state, q, k, v, w):
+        loss, grads = grad(got)(q, k, v, w)
+        return state, {"loss": rp.all_reduce(loss, "sum"), "grads": grads}
+
+    _, out = repl.run(step, {}, q, k, v, w)
+    assert rel_err(float(np.asarray(out["loss"])[0]), float(ref_loss)) <= TOL
+    grads = jax.tree.map(lambda g: np.concatenate(list(np.asarray(g)), 0), out["grads"])
+    assert rel_err(grads, ref_grads) <= TOL
