@@ -156,6 +156,23 @@ def test_expert_parallel_gpt_trains_as_one_device(moe_every, top_k, capacity_fac
         assert experts["up"].sharding.spec == P(None, "expert")
 
 
+@pytest.mark.slow
+def test_expert_and_model_axes_together_train_as_one_device():
+    """{"data": 2, "expert": 2, "model": 2}: each device holds 2 of the 4 experts, each with
+    half its hidden units (the experts' "mlp" role over `model`, as the dense MLP's); three SGD
+    steps with drops equal one device, the dropped counts exactly."""
+    config = config_for(1, 2, 0.5)
+    got, losses, stats, stored = train(make_repl({"data": 2, "expert": 2, "model": 2}), config)
+    want, want_losses, want_stats = oracle(config)
+    assert rel_err(got, want) <= TOL, rel_err(got, want)
+    assert rel_err(losses, want_losses) <= TOL, (losses, want_losses)
+    assert [s["dropped"] for s in stats] == [s["dropped"] for s in want_stats]
+    up = stored["blocks"]["moe"]["moe"]["up"]
+    assert up.sharding.spec == P(None, "expert", None, "model")
+    groups, e, d, f = config.num_moe_layers, config.num_experts, config.d_model, config.hidden
+    assert shard_shapes(up) == {(groups, e // 2, d, f // 2)}
+
+
 def test_dense_blocks_between_moe_blocks_are_zero3_stacked_twice():
     """With ``moe_every=2`` the dense blocks of each group are stacked again, ``[groups,
     moe_every - 1, ...]``: `gpt.zero_stacked` keeps both layer axes whole, so the layer scans
