@@ -46,9 +46,10 @@ from replicator._src.mesh import CONTEXT_AXIS, EXPERT_AXIS, MODEL_AXIS
 IMPLS = ("ring", "all_to_all")
 LAYOUTS = ("contiguous", "zigzag")
 _NEG = -1e30  # a finite "minus infinity": exp() of it is 0, and max() of it stays finite
-TILE = 128
-"""Keys per tile of the blockwise (online-softmax) attention: a device holds ``queries x TILE``
-scores at a time, so its attention memory is linear in its part of the sequence."""
+TILE = 64
+"""Queries and keys per tile of the blockwise (online-softmax) attention: a device holds
+``TILE x TILE`` scores per sequence and head at a time, so its attention memory is linear in its
+part of the sequence, and a causal block skips the tile pairs its mask covers whole."""
 
 
 def zigzag_order(seq_len: int, parts: int) -> np.ndarray:
@@ -209,17 +210,6 @@ def _tile(n: int) -> int:
     return max(t for t in range(1, min(n, TILE) + 1) if n % t == 0)
 
 
-def _tiles(x: jax.Array, tile: int) -> jax.Array:
-    """``[B, S, ...]`` as ``[S / tile, B, tile, ...]``: the scan's order."""
-    b, s = x.shape[:2]
-    return jnp.moveaxis(x.reshape(b, s // tile, tile, *x.shape[2:]), 1, 0)
-
-
-def _untile(x: jax.Array) -> jax.Array:
-    n, b, tile = x.shape[:3]
-    return jnp.moveaxis(x, 0, 1).reshape(b, n * tile, *x.shape[3:])
-
-
 def _scores(q, k, qpos, kpos):
     s = jnp.einsum("bqhd,bkhd->bqhk", q, k, preferred_element_type=jnp.float32)
     s = s * (1.0 / math.sqrt(q.shape[-1]))
@@ -240,21 +230,6 @@ def _fold_tile(acc, q, k, v, qpos, kpos):
     return o, m_new, total * alpha + p.sum(-1)
 
 
-def _fold(acc, q, k, v, qpos=None, kpos=None):
-    """Folds one key/value block into the running ``(o, m, l)`` of an online softmax, a tile
-    of keys at a time; ``qpos``/``kpos`` (positions) mask it causally, None not at all."""
-    tile = _tile(k.shape[1])
-    if tile == k.shape[1]:
-        return _fold_tile(acc, q, k, v, qpos, kpos)
-    kp = None if kpos is None else kpos.reshape(-1, tile)
-
-    def body(acc, xs):
-        kt, vt, kpt = xs
-        return _fold_tile(acc, q, kt, vt, qpos, kpt), None
-
-    return lax.scan(body, acc, (_tiles(k, tile), _tiles(v, tile), kp))[0]
-
-
 def _grads_tile(q, k, v, do, lse, delta, qpos, kpos):
     p = jnp.exp(_scores(q, k, qpos, kpos) - lse[..., None])
     f32 = dict(preferred_element_type=jnp.float32)
@@ -266,22 +241,72 @@ def _grads_tile(q, k, v, do, lse, delta, qpos, kpos):
     return dq, dk, dv
 
 
-def _block_grads(q, k, v, do, lse, delta, qpos=None, kpos=None):
-    """Gradients of one block from the saved log-sum-exp, ``(dq, dk, dv)``, a tile of keys at
-    a time (as `_fold`)."""
-    tile = _tile(k.shape[1])
-    if tile == k.shape[1]:
+def _live_pairs(positions: tuple, sc: int, ring: bool) -> list[tuple[int, int]] | None:
+    """The (query tile, key tile) pairs of a device's own causal block that are not all
+    masked, or None when every pair is live (one tile, or no pair masked). A device's own
+    positions increase in both layouts (zigzag's second chunk comes after its first), so on a
+    ring the pattern is the same on every device; one device's comes from its positions."""
+    tile = _tile(sc)
+    n = sc // tile
+    pos = np.asarray(positions[:sc] if ring else positions)
+    if ring:
+        assert np.all(np.diff(pos) > 0), "a device's own positions increase"
+    tiles = pos.reshape(n, tile)
+    pairs = [(i, j) for i in range(n) for j in range(n) if tiles[i].max() >= tiles[j].min()]
+    return None if len(pairs) == n * n else pairs
+
+
+def _all_pairs(sq: int, sk: int) -> list[tuple[int, int]]:
+    return [(i, j) for i in range(sq // _tile(sq)) for j in range(sk // _tile(sk))]
+
+
+def _fold(acc, q, k, v, qpos=None, kpos=None, pairs=None):
+    """Folds one key/value block into the running ``(o, m, l)`` of an online softmax, a
+    (query tile, key tile) pair at a time, so that at most `TILE` x `TILE` scores are held;
+    ``pairs`` (`_live_pairs`) leaves out those a causal mask covers whole. ``qpos``/``kpos``
+    (positions) mask it causally, None not at all."""
+    tq, tk = _tile(q.shape[1]), _tile(k.shape[1])
+    pairs = _all_pairs(q.shape[1], k.shape[1]) if pairs is None else pairs
+    if len(pairs) == 1:
+        return _fold_tile(acc, q, k, v, qpos, kpos)
+    take = lambda x, i, t: lax.dynamic_slice_in_dim(x, i * t, t, 1)
+    put = lambda x, y, i: lax.dynamic_update_slice_in_dim(x, y, i * tq, 1)
+    qp = None if qpos is None else qpos.reshape(-1, tq)
+    kp = None if kpos is None else kpos.reshape(-1, tk)
+
+    def body(acc, ij):
+        i, j = ij[0], ij[1]
+        part = tuple(take(a, i, tq) for a in acc)
+        masks = (None, None) if qp is None else (qp[i], kp[j])
+        part = _fold_tile(part, take(q, i, tq), take(k, j, tk), take(v, j, tk), *masks)
+        return tuple(put(a, p, i) for a, p in zip(acc, part, strict=True)), None
+
+    return lax.scan(body, acc, jnp.asarray(pairs, jnp.int32))[0]
+
+
+def _block_grads(q, k, v, do, lse, delta, qpos=None, kpos=None, pairs=None):
+    """Gradients of one block from the saved log-sum-exp, ``(dq, dk, dv)`` in fp32, over the
+    same (query tile, key tile) pairs as `_fold`."""
+    tq, tk = _tile(q.shape[1]), _tile(k.shape[1])
+    pairs = _all_pairs(q.shape[1], k.shape[1]) if pairs is None else pairs
+    if len(pairs) == 1:
         return _grads_tile(q, k, v, do, lse, delta, qpos, kpos)
-    kp = None if kpos is None else kpos.reshape(-1, tile)
+    take = lambda x, i, t: lax.dynamic_slice_in_dim(x, i * t, t, 1)
+    add = lambda x, y, i, t: lax.dynamic_update_slice_in_dim(x, take(x, i, t) + y, i * t, 1)
+    qp = None if qpos is None else qpos.reshape(-1, tq)
+    kp = None if kpos is None else kpos.reshape(-1, tk)
 
-    def body(dq, xs):
-        kt, vt, kpt = xs
-        g = _grads_tile(q, kt, vt, do, lse, delta, qpos, kpt)
-        return dq + g[0], g[1:]
+    def body(carry, ij):
+        (dq, dk, dv), i, j = carry, ij[0], ij[1]
+        masks = (None, None) if qp is None else (qp[i], kp[j])
+        g = _grads_tile(
+            take(q, i, tq), take(k, j, tk), take(v, j, tk), take(do, i, tq), take(lse, i, tq),
+            take(delta, i, tq), *masks,
+        )  # fmt: skip
+        return (add(dq, g[0], i, tq), add(dk, g[1], j, tk), add(dv, g[2], j, tk)), None
 
-    dq = jnp.zeros(q.shape, jnp.float32)
-    dq, (dk, dv) = lax.scan(body, dq, (_tiles(k, tile), _tiles(v, tile), kp))
-    return dq, _untile(dk), _untile(dv)
+    zeros = tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
+    return lax.scan(body, zeros, jnp.asarray(pairs, jnp.int32))[0]
 
 
 def _own_positions(causal: bool, positions: tuple, sc: int, ring: bool):
@@ -324,7 +349,8 @@ def _ring_forward(q, k, v, causal, zigzag, positions, ring):
     o = jnp.zeros((b, sc, h, d), jnp.float32)
     m = jnp.full((b, sc, h), _NEG, jnp.float32)
     pos = _own_positions(causal, positions, sc, ring)
-    acc = _fold((o, m, jnp.zeros_like(m)), q, k, v, pos, pos)
+    pairs = _live_pairs(positions, sc, ring) if causal else None
+    acc = _fold((o, m, jnp.zeros_like(m)), q, k, v, pos, pos, pairs)
 
     def step(carry, branch=None):
         acc, kv = carry
@@ -347,7 +373,8 @@ def _ring_bwd(causal, zigzag, positions, ring, residuals, do):
     sc = q.shape[1]
     delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), -1)
     pos = _own_positions(causal, positions, sc, ring)
-    dq, dk, dv = _block_grads(q, k, v, do, lse, delta, pos, pos)
+    pairs = _live_pairs(positions, sc, ring) if causal else None
+    dq, dk, dv = _block_grads(q, k, v, do, lse, delta, pos, pos, pairs)
 
     def step(carry, branch=None):
         dq, kv, dkv = carry

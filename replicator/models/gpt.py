@@ -225,6 +225,7 @@ def embed(embed_params: dict, tokens: jax.Array, order: np.ndarray | None = None
     positions = embed_params["positions"][:s]
     if order is not None:
         tokens, positions = tokens[..., order], positions[order]
+    tokens = attention_lib.constrain_tokens(tokens)  # each device looks up its own chunk
     return attention_lib.constrain_tokens(embed_params["tokens"][tokens] + positions)
 
 
