@@ -209,6 +209,7 @@ def test_long_context_example_equals_one_device():
     assert abs(got - want) <= 1e-5 * abs(want) + 1e-4
 
 
+@pytest.mark.slow  # its first MoE compile; tests/test_moe.py covers the layer in the fast lane
 def test_mixture_of_experts_example_counts_its_tokens():
     ns = _run_block("## Mixture of experts: the `expert` axis")
     assert ns["y"].shape == (2, 8, 16)
