@@ -123,7 +123,7 @@ def shard_shapes(x):
         (2, 1, 0.5, 3),  # ZeRO-3 with the blocks stacked twice
     ],
 )
-@pytest.mark.slow  # 10-12 s each; the fast lane runs the forward pass on {data, expert, context}
+@pytest.mark.slow  # 10-12 s each; the fast lane has tests/test_moe.py's layer oracles
 def test_expert_parallel_gpt_trains_as_one_device(moe_every, top_k, capacity_factor, zero_stage):
     """{"data": 2, "expert": 4}: each device holds 1 of the 4 experts of every MoE block and
     routes 1 of its replica's 4 sequences (the rest of the block runs on its sequence too);
