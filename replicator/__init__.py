@@ -24,6 +24,7 @@ from replicator._src.data import Batches as Batches
 from replicator._src.data import DistributedIterator as DistributedIterator
 from replicator._src.data import InputContext as InputContext
 from replicator._src.errors import ReplicasDivergedError as ReplicasDivergedError
+from replicator._src.full_disk import CheckpointWriteError as CheckpointWriteError
 from replicator._src.loop import FitResult as FitResult
 from replicator._src.loop import NonFiniteError as NonFiniteError
 from replicator._src.loop import fit as fit

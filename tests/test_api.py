@@ -7,6 +7,7 @@ import replicator as rp
 PUBLIC = [
     "Batches",
     "Candidate",  # rp.plan: one layout's outcome and modelled time
+    "CheckpointWriteError",  # a checkpoint save that found its disk full; partial step removed
     "Checkpoints",
     "DistributedIterator",
     "DistributedOptimizer",

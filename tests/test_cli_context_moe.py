@@ -109,7 +109,9 @@ def test_the_shipped_configs_learn(path, tmp_path):
 @pytest.mark.parametrize(
     "path, overrides, words",
     [
-        (LONG, ["model.layers=2"], "collective-permute"),  # the ring's K/V blocks
+        pytest.param(  # the ring's K/V blocks
+            LONG, ["model.layers=2"], "collective-permute", marks=pytest.mark.slow
+        ),
         pytest.param(
             LONG,
             ["model.layers=2", "model.attention=all_to_all"],

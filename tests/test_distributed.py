@@ -34,7 +34,7 @@ def test_launch_prefixes_ranks_and_passes_exit_codes():
     assert "[0] hello from 0" in out and "[1] hello from 1" in out
     code = "import os, sys, time; r = os.environ['REPLICATOR_PROCESS_ID']; r == '1' and sys.exit(3); time.sleep(60)"
     rc, out = run_launch(code)
-    assert rc == 3 and "rank 1 exited with 3; stopped the other 1 process(es)" in out
+    assert rc == 3 and "rank 1 exited with 3; stopped the other 1 process(es)" in out, out
 
 
 def test_launch_checks_its_arguments():
@@ -45,25 +45,27 @@ def test_launch_checks_its_arguments():
 
 
 def test_heartbeat_is_a_no_op_alone_and_writes_the_launchers_file(tmp_path, monkeypatch):
-    import struct
     import time
 
-    from replicator._src import distributed
+    from replicator._src import beat
 
-    monkeypatch.setattr(distributed, "_beat", [])
+    monkeypatch.setattr(beat, "_page", [])
     monkeypatch.delenv("REPLICATOR_HEARTBEAT_FILE", raising=False)
     rp.distributed.heartbeat()  # no launcher: nothing to write, nothing raised
-    assert distributed._beat == [None]
+    assert beat._page == [None]
     path = tmp_path / "rank0.beat"
-    path.write_bytes(struct.pack("<ddq", 0.0, 0.0, 0))
-    monkeypatch.setattr(distributed, "_beat", [])
-    monkeypatch.setattr(distributed, "_beats", [0])
+    beat.create(str(path))
+    assert beat.read_beat(str(path)) == beat.EMPTY
+    monkeypatch.setattr(beat, "_page", [])
+    monkeypatch.setattr(beat, "_mine", dict(beat.EMPTY._asdict()))
     monkeypatch.setenv("REPLICATOR_HEARTBEAT_FILE", str(path))
     before = time.monotonic()
-    rp.distributed.heartbeat()
-    rp.distributed.heartbeat()
-    t, exiting, count = distributed.read_beat(str(path))
-    assert before <= t <= time.monotonic() and not exiting and count == 2
+    rp.distributed.heartbeat(7)
+    rp.distributed.heartbeat()  # no step: the last one stays
+    beat.checkpointed(5)
+    got = beat.read_beat(str(path))
+    assert before <= got.time <= time.monotonic() and got.how == beat.RUNNING
+    assert (got.reports, got.step, got.checkpoint, got.ready) == (2, 7, 5, 0.0)
 
 
 def test_the_coordinator_binds_to_loopback_only_for_a_loopback_address():
@@ -90,25 +92,28 @@ def test_replicator_launch_takes_the_launchers_options(capsys):
 def test_the_first_failure_is_named_even_when_a_peer_is_seen_to_end_first(tmp_path):
     """Rank 1 is SIGKILLed; rank 0's all-reduce then fails, and the launcher happens to see rank
     0 end first: rank 1 is still the one named. An own failure comes before either."""
-    import queue
-    import struct
+    import threading
 
-    from replicator._src import distributed, launcher
+    from replicator._src import beat, distributed, rounds
 
-    files = [str(tmp_path / f"rank{r}.beat") for r in range(3)]
-    marks = [(10.0, distributed.FAILED_IN_RUNTIME), (0.0, distributed.RUNNING), (0.0, 0.0)]
-    for path, (t, how) in zip(files, marks):
-        with open(path, "wb") as f:
-            f.write(struct.pack("<ddq", t, how, 3))
-    exits = queue.Queue()
-    exits.put((1, -9, 10.2))  # seen after rank 0's exit, though it failed first
-    got = launcher._first_failure({0: (1, 10.1)}, {1, 2}, exits, files)
-    assert got == (1, -9)
-    with open(files[2], "wb") as f:
-        f.write(struct.pack("<ddq", 10.3, distributed.FAILED, 3))  # rank 2: sys.exit(3)
-    exits.put((1, -9, 10.2))
-    exits.put((2, 3, 10.4))
-    assert launcher._first_failure({0: (1, 10.1)}, {1, 2}, exits, files) == (2, 3)
+    job = rounds.Job(("true",), 3, None, 1.0, None, sys.stdout, threading.Lock(), 0)
+    rnd = rounds.Round(job, [0, 1, 2])
+
+    def mark(rank, t, how):
+        beat.create(rnd.beat_files[rank])
+        with open(rnd.beat_files[rank], "r+b") as f:
+            f.write(beat.BEAT.pack(t, how, 3, 0, 0, 1.0))
+
+    for rank, (t, how) in enumerate([(10.0, beat.FAILED_IN_RUNTIME), (0.0, beat.RUNNING)]):
+        mark(rank, t, how)
+    mark(2, 0.0, beat.RUNNING)
+    rnd.exits.put((1, -9, 10.2))  # seen after rank 0's exit, though it failed first
+    assert rnd._first_failure({0: (1, 10.1)}, {1, 2}) == (1, -9)
+    mark(2, 10.3, beat.FAILED)  # rank 2: sys.exit(3)
+    rnd.exits.put((1, -9, 10.2))
+    rnd.exits.put((2, 3, 10.4))
+    assert rnd._first_failure({0: (1, 10.1)}, {1, 2}) == (2, 3)
+    rnd.close()
     assert distributed._runtime_error(ValueError("UNKNOWN: Gloo all-reduce failed: reset"))
     assert not distributed._runtime_error(ValueError("bad batch"))
 

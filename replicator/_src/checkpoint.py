@@ -17,10 +17,14 @@ sharding that does not divide a leaf is refused before any step is read (a Value
 the leaf), not taken for a broken checkpoint.
 Anything else that differs (a leaf added or removed, another shape or dtype) is the caller's
 state having changed, not a broken checkpoint: `StateMismatchError`, with no fallback.
+A save that fails for lack of space is one `CheckpointWriteError` (`full_disk`), its partial
+directory removed and the complete steps untouched.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import time
 import warnings
@@ -30,7 +34,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from replicator._src import errors, flat_layout
+from replicator._src import errors, flat_layout, full_disk
 from replicator._src.mesh import indivisible_split, replicated_sharding
 from replicator._src.sharded_params import ShardedParam, is_sharded_param, values
 from replicator._src.typing import PyTree
@@ -38,6 +42,14 @@ from replicator._src.typing import PyTree
 
 class StateMismatchError(ValueError):
     """The state to restore into does not have the checkpoint's structure, shapes or dtypes."""
+
+
+class NoReadableCheckpointError(FileNotFoundError):
+    """No step of the directory restores; ``unreadable`` holds each ``(step, exception)``."""
+
+    def __init__(self, message: str, unreadable: list[tuple[int, Exception]]) -> None:
+        super().__init__(message)
+        self.unreadable = unreadable
 
 
 STRUCTURE = """\
@@ -88,8 +100,11 @@ class Checkpoints:
             raise TypeError(
                 f"rp.Checkpoints: async_save must be True or False; got {async_save!r}."
             )
-        self.async_save = async_save
+        self.async_save, self.keep = async_save, keep
+        self._writing: int | None = None  # the step of an asynchronous save in progress
+        self._failed: int | None = None  # the step of a save that found the disk full
         self._ocp = ocp
+        full_disk.quiet_failed_writes()
         self.directory = os.path.abspath(os.fspath(directory))
         os.makedirs(self.directory, exist_ok=True)
         options = ocp.CheckpointManagerOptions(
@@ -110,8 +125,11 @@ class Checkpoints:
         return sorted(self._manager.all_steps())
 
     def wait(self) -> None:
-        """Waits for an asynchronous save in progress to be written; raises its error if any."""
-        self._manager.wait_until_finished()
+        """Waits for an asynchronous save in progress to be written; raises its error if any
+        (`CheckpointWriteError` if the disk is full)."""
+        step, self._writing = self._writing, None
+        with self._out_of_space(step):
+            self._manager.wait_until_finished()
 
     def latest_step(self) -> int | None:
         steps = self.steps()
@@ -124,18 +142,24 @@ class Checkpoints:
         Raises:
           ValueError: before anything is written, if a leaf of ``state`` was donated to
             ``repl.run`` (its buffer is deleted): save the state that ``run`` returned.
+          CheckpointWriteError: (an OSError) if the filesystem is full or over quota: the
+            partial step is removed, the complete ones are kept, and the message says what
+            to do. With ``async_save``, raised by ``wait`` (or the next ``save``, ``close``).
         """
         ocp = self._ocp
         _check_alive(state)
         state = values(state)  # a ZeRO-3 ShardedParam is saved as the parameter it stores
         record = {"step": int(step), **record}
-        self._manager.save(
-            int(step),
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), record=ocp.args.JsonSave(record)
-            ),
-            force=True,
-        )
+        self.wait()  # the save in progress (orbax's save would wait for it too): its error
+        with self._out_of_space(int(step)):
+            self._manager.save(
+                int(step),
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state), record=ocp.args.JsonSave(record)
+                ),
+                force=True,
+            )
+        self._writing = int(step)
         if not self.async_save:
             self.wait()
 
@@ -160,7 +184,8 @@ class Checkpoints:
 
         Raises:
           FileNotFoundError: if there is no readable checkpoint (then nothing is moved: when
-            no step restores, ``like`` may be what is wrong).
+            no step restores, ``like`` may be what is wrong; ``rp.fit``'s
+            ``start_over_if_unreadable=True`` moves them aside and starts over).
           StateMismatchError: (a ValueError) if ``like`` has leaves the checkpoint does not
             (or lacks some it has), or a leaf of another dtype or shape (a leaf in ZeRO's earlier
             flat layout is converted to its own shape instead). Raised for the newest readable
@@ -195,34 +220,42 @@ class Checkpoints:
                 self._move_aside(broken, restored_step=s)
             state, record = restored
             return _as_like(like, state), record
-        raise FileNotFoundError(
+        raise NoReadableCheckpointError(
             f"rp.Checkpoints: no readable checkpoint in {self.directory}: "
             + "; ".join(f"step {s}: {_described(e)}" for s, e in broken)
             + ". None was moved or deleted: as no step restores, the state to restore into "
-            "(`like`) may be what is wrong. If the checkpoints are indeed broken, move them out "
-            "of the directory to start the run over."
+            "(`like`) may be what is wrong. If the checkpoints are indeed broken, start the run "
+            "over with rp.fit(..., start_over_if_unreadable=True) (replicator train: "
+            "start_over_if_unreadable=true), which moves them aside (renamed "
+            "<step>.broken-<time>, not deleted) and trains from step 0.",
+            broken,
         )
 
-    def _move_aside(self, broken: list[tuple[int, Exception]], *, restored_step: int) -> None:
-        """Renames the directories of the ``broken`` steps (newer than ``restored_step``, which
-        restored into the same ``like``: so they are broken, not the caller's state) to
-        ``<step>.broken-<time>``, never deleting them, so that the run can save those steps
-        again. Only process 0 renames (as orbax, which has process 0 alone change the
-        directory); every process then reloads the list of steps."""
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        for s, e in broken:
+    def _move_aside(
+        self, broken: list[tuple[int, Exception]], *, restored_step: int | None
+    ) -> None:
+        """Renames the directories of the ``broken`` steps to ``<step>.broken-<time>``, never
+        deleting them, so that the run can save those steps again: the steps newer than
+        ``restored_step``, which restored into the same ``like`` (so they are broken, not the
+        caller's state), or every step when the run starts over (``restored_step`` None). Only
+        process 0 renames (as orbax, which has process 0 alone change the directory), to names
+        that every process reports alike; every process then reloads the list of steps."""
+        first = jax.process_index() == 0
+        targets = _from_process_0([self._aside_name(s) for s, _ in broken] if first else None)
+        for (s, e), target in zip(broken, targets):
             source = os.path.join(self.directory, str(s))
-            target = f"{source}.broken-{stamp}"
-            n = 1
-            while os.path.exists(target):
-                n += 1
-                target = f"{source}.broken-{stamp}-{n}"
-            if jax.process_index() == 0 and os.path.lexists(source):
+            if first and os.path.lexists(source):
                 os.rename(source, target)
+            if restored_step is None:
+                then = "and no step restores"
+                goes = "The run starts over from step 0 (start_over_if_unreadable=True)."
+            else:
+                then = f"while step {restored_step} restores"
+                goes = f"The run goes on from step {restored_step}."
             warnings.warn(
                 f"rp.Checkpoints.restore: checkpoint step {s} in {self.directory} is broken "
-                f"({_described(e)}), while step {restored_step} restores: moved it aside to "
-                f"{target} (kept, not deleted). The run goes on from step {restored_step}.",
+                f"({_described(e)}), {then}: moved it aside to {target} (kept, not deleted). "
+                f"{goes}",
                 stacklevel=3,
             )
         if jax.process_count() > 1:
@@ -230,6 +263,32 @@ class Checkpoints:
 
             multihost_utils.sync_global_devices("rp.Checkpoints: broken steps moved aside")
         self._manager.reload()
+
+    def _aside_name(self, step: int) -> str:
+        """A free ``<directory>/<step>.broken-<time>`` (``-2``, ``-3``, ... appended if taken)."""
+        target = os.path.join(self.directory, f"{step}.broken-{time.strftime('%Y%m%d-%H%M%S')}")
+        n, base = 1, target
+        while os.path.exists(target):
+            n += 1
+            target = f"{base}-{n}"
+        return target
+
+    @contextlib.contextmanager
+    def _out_of_space(self, step: int | None):
+        """Turns a write of ``step`` that failed for lack of space into one
+        `CheckpointWriteError`, once process 0 has removed the partial step directory."""
+        try:
+            yield
+        except Exception as e:
+            code = full_disk.no_space(e)
+            if code is None or step is None:
+                raise
+            self._failed = step
+            if jax.process_index() == 0:
+                full_disk.remove_partial(self.directory, step)
+            self._manager.reload()
+            steps = sorted(self._manager.all_steps())
+            raise full_disk.error(code, step, self.directory, steps, keep=self.keep) from None
 
     def _restore(self, step: int, abstract: PyTree, *, cast: bool = False) -> tuple[PyTree, dict]:
         """Reads one step. A leaf saved in ZeRO's earlier flat layout is read as saved and
@@ -314,6 +373,20 @@ class Checkpoints:
         """Waits for a write in progress, then releases orbax's threads."""
         self.wait()
         self._manager.close()
+        if self._failed is not None and jax.process_index() == 0:  # once every write has ended
+            full_disk.remove_partial(self.directory, self._failed)
+
+
+def _from_process_0(value: Any) -> Any:
+    """Process 0's ``value`` (a JSON value) on every process."""
+    if jax.process_count() == 1:
+        return value
+    from jax.experimental import multihost_utils
+
+    raw = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    size = int(multihost_utils.broadcast_one_to_all(np.array(raw.size, np.int32)))
+    buffer = raw.copy() if jax.process_index() == 0 else np.zeros(size, np.uint8)
+    return json.loads(bytes(multihost_utils.broadcast_one_to_all(buffer)))
 
 
 def _described(e: BaseException) -> str:

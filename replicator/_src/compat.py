@@ -129,3 +129,15 @@ def coordination_client():
     from jax._src.distributed import global_state  # no public API gives it (jax 0.10.2)
 
     return global_state.client
+
+
+def weakly_typed(x: jax.Array) -> jax.Array:
+    """``x`` with its dtype, weakly typed, as a Python scalar would be inside ``jax.jit``.
+
+    ``jax.pmap`` on several processes loses an input's weak type on its way in (its host-local to
+    global conversion, jax 0.10.2); a weak scalar then promotes a ``bfloat16`` operand to
+    ``float32``. No public API makes a traced value weak again.
+    """
+    from jax._src.lax.lax import _convert_element_type
+
+    return _convert_element_type(x, x.dtype, weak_type=True)

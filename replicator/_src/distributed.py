@@ -11,32 +11,34 @@ Under the launcher, `initialize` also makes each worker easy to end: SIGTERM end
 (JAX's runtime would otherwise hold it), a worker that fails (an uncaught exception, or
 ``sys.exit`` with a non-zero code) exits at once instead of waiting up to ``shutdown_timeout``
 for its peers in JAX's shutdown barrier, and `heartbeat` reports progress to the launcher's
-watchdog through a small file whose format (`BEAT`, `read_beat`) is defined here.
+watchdog through a small file (``beat.py``). Every worker also dies with its launcher.
 """
 
 from __future__ import annotations
 
 import atexit
+import builtins
 import dataclasses
-import mmap
 import os
 import re
 import signal
-import struct
 import sys
 import threading
-import time
 from collections.abc import Sequence
 
 import jax
 
-from replicator._src import compat
+from replicator._src import beat, compat
+from replicator._src.beat import ENV_HEARTBEAT as ENV_HEARTBEAT
 
 ENV_COORDINATOR = "REPLICATOR_COORDINATOR"
 ENV_NUM_PROCESSES = "REPLICATOR_NUM_PROCESSES"
 ENV_PROCESS_ID = "REPLICATOR_PROCESS_ID"
 ENV_CPU_DEVICES = "REPLICATOR_CPU_DEVICES"
-ENV_HEARTBEAT = "REPLICATOR_HEARTBEAT_FILE"
+ENV_PLANNED = "REPLICATOR_PLANNED_PROCESSES"  # the job's size before the launcher shrank it
+ENV_SLOT = "REPLICATOR_SLOT"  # which of the launcher's hosts this process runs on
+ENV_PROBE = "REPLICATOR_PROBE"  # set: the launcher only asks whether this host is up
+ENV_LAUNCHER_FD = "REPLICATOR_LAUNCHER_FD"  # a pipe's read end: end of file when it is gone
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +50,25 @@ class ProcessInfo:
     process_count: int
     source: str  # "arguments", "launcher", "cluster" or "single"
     cluster: str | None = None  # JAX's ClusterEnv class, e.g. "SlurmCluster"; None unless "cluster"
+    # The processes the job was started with: more than process_count when `replicator launch
+    # --min-processes` has shrunk it after a host was lost (see `elastic_factor`).
+    planned_count: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.planned_count is None:
+            object.__setattr__(self, "planned_count", self.process_count)
+
+    @property
+    def elastic_factor(self) -> int:
+        """``planned_count // process_count``: by how much the launcher shrank the job (1: not).
+
+        A job that keeps its global batch on fewer processes accumulates this many times more
+        micro-batches per step (``replicator train`` does, by its config's ``elastic_batch``)::
+
+            info = rp.distributed.initialize()
+            accumulate_steps = base_accumulate_steps * info.elastic_factor
+        """
+        return max(1, self.planned_count // self.process_count)
 
 
 def initialize(
@@ -113,6 +134,9 @@ def initialize(
         repl = rp.Replicator()               # every device of every process
     """
     env = os.environ
+    if env.get(ENV_PROBE):  # the launcher only asks whether this host is up: it is
+        beat.mark_ready()
+        os._exit(0)
     cluster = detection = None
     if coordinator_address is not None or num_processes is not None or process_id is not None:
         source = "arguments"
@@ -122,6 +146,7 @@ def initialize(
         num_processes = int(env[ENV_NUM_PROCESSES])
         process_id = int(env[ENV_PROCESS_ID])
         detection = "deactivate"  # every argument is given: nothing for JAX to detect
+        _up_under_launcher(env)
     else:
         found = compat.detect_cluster()
         if found is not None and found.process_count != 1:
@@ -136,7 +161,9 @@ def initialize(
         if source == "single" and (not cpu_devices or cpu_devices == jax.local_device_count()):
             return ProcessInfo(jax.process_index(), jax.process_count(), source)  # nothing to do
         if source != "single" and jax.distributed.is_initialized():  # joined already
-            return ProcessInfo(jax.process_index(), jax.process_count(), source, cluster)
+            planned = int(env.get(ENV_PLANNED) or 0) if source == "launcher" else 0
+            n = jax.process_count()
+            return ProcessInfo(jax.process_index(), n, source, cluster, planned or n)
         raise RuntimeError(
             "rp.distributed.initialize: JAX's backend is already initialised, so this process "
             "can no longer join a multi-process job. Call rp.distributed.initialize() at the top "
@@ -161,9 +188,11 @@ def initialize(
         shutdown_timeout_seconds=shutdown_timeout,
         coordinator_bind_address=bind,
     )
+    planned = None
     if source == "launcher":
         _end_fast_under_launcher()
-    return ProcessInfo(jax.process_index(), jax.process_count(), source, cluster)
+        planned = int(env.get(ENV_PLANNED) or num_processes)
+    return ProcessInfo(jax.process_index(), jax.process_count(), source, cluster, planned)
 
 
 def _refuse_undetected_mpi(env) -> None:
@@ -189,7 +218,56 @@ def _is_loopback(address: str) -> bool:
 
 # -- a worker under the launcher ----------------------------------------------------------------
 
-_exit_code: list = []  # the code given to sys.exit, if any
+_exit_code: list = []  # the code given to sys.exit or SystemExit, if any
+
+
+def _up_under_launcher(env) -> None:
+    """This process reached ``initialize``: it tells the launcher it is up, and from now on dies
+    with the launcher."""
+    beat.mark_ready()
+    fd = env.get(ENV_LAUNCHER_FD)
+    if fd and not _watching:
+        _watching.append(int(fd))
+        threading.Thread(target=_die_with_launcher, args=(int(fd),), daemon=True).start()
+
+
+_watching: list = []
+
+
+def _die_with_launcher(fd: int) -> None:
+    """Waits on the pipe whose other end only the launcher holds: at its end of file (the
+    launcher is gone, even by SIGKILL) ends this process's group, children included. On Linux the
+    launcher's ``PR_SET_PDEATHSIG`` ends its own child already; this covers the rest (another
+    OS, or a worker started through a shell)."""
+    while True:
+        try:
+            if not os.read(fd, 1):
+                break
+        except InterruptedError:
+            continue
+        except OSError:
+            return
+    try:
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+    finally:
+        os._exit(128 + signal.SIGKILL)
+
+
+class _SystemExit(SystemExit):
+    """``SystemExit``, recording its code: ``raise SystemExit(3)`` at the top of a script never
+    reaches a handler that could see it (not ``sys.excepthook``, not ``atexit``)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        _record_exit(self.code)
+
+
+def _record_exit(status) -> None:
+    _exit_code[:] = [status]
+    # Run first at exit, before handlers registered since (such as XLA's collectives
+    # finalizer, which would let the peers fail before this process is seen to).
+    atexit.unregister(_exit_now_if_failed)
+    atexit.register(_exit_now_if_failed)
 
 
 def _end_fast_under_launcher() -> None:
@@ -201,16 +279,14 @@ def _end_fast_under_launcher() -> None:
     real_exit, real_hook = sys.exit, sys.excepthook
 
     def exit(status=None):  # sys.exit, recording its code
-        _exit_code[:] = [status]
-        # Run first at exit, before handlers registered since (such as XLA's collectives
-        # finalizer, which would let the peers fail before this process is seen to).
-        atexit.unregister(_exit_now_if_failed)
-        atexit.register(_exit_now_if_failed)
+        _record_exit(status)
         real_exit(status)
+
+    builtins.SystemExit = _SystemExit  # `raise SystemExit(3)` records its code too
 
     def excepthook(kind, value, tb):  # an uncaught exception: print it, then exit 1 now
         real_hook(kind, value, tb)
-        _exit_now(1, FAILED_IN_RUNTIME if _runtime_error(value) else FAILED)
+        _exit_now(1, beat.FAILED_IN_RUNTIME if _runtime_error(value) else beat.FAILED)
 
     exit._replicator = True
     sys.exit, sys.excepthook = exit, excepthook
@@ -237,11 +313,11 @@ def _exit_now_if_failed() -> None:
         status = _exit_code[0]
         code = status if isinstance(status, int) else (0 if status is None else 1)
     if code != 0:
-        _exit_now(code, FAILED)
+        _exit_now(code, beat.FAILED)
 
 
 def _exit_now(code: int, how: float) -> None:
-    _mark_exiting(how)
+    beat.mark_exiting(how)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -252,62 +328,23 @@ def _exit_now(code: int, how: float) -> None:
 
 # -- progress reports for the launcher's watchdog -----------------------------------------------
 
-# The heartbeat file: the time.monotonic() of the last report, or of the start of the exit (0.0:
-# none yet); how the process exits (RUNNING, EXITING, FAILED, FAILED_IN_RUNTIME); the number of
-# reports. CLOCK_MONOTONIC is shared by every process of the machine, so the launcher compares it
-# with its own clock, and the times at which processes failed with each other.
-BEAT = struct.Struct("<ddq")
-_beat: list = []  # [mmap] once opened; [None] without a launcher watchdog
-_beats = [0]  # reports so far
-RUNNING, EXITING, FAILED, FAILED_IN_RUNTIME = 0.0, 1.0, 2.0, 3.0
 
+def heartbeat(step: int | None = None) -> None:
+    """Reports progress to ``replicator launch``; a no-op without the launcher.
 
-def heartbeat() -> None:
-    """Reports progress to ``replicator launch --watchdog``; a no-op without the launcher.
-
-    Call it once per step, at the start of the step (``rp.fit`` does). It costs a clock read and
-    a 24-byte store into a page shared with the launcher, with no system call. The launcher's
-    watchdog ends the job when a process goes ``--watchdog`` seconds without a report, once the
-    first report of any process has armed it. It names the process the others wait for: the one
-    with the fewest reports, then the one whose last report is oldest.
+    Call it once per step, at the start of the step (``rp.fit`` does), with the number of the
+    step it starts if there is one. It costs a clock read and a 48-byte store into a page shared
+    with the launcher, with no system call. The launcher's watchdog (``--watchdog``) ends the
+    job when a process goes that many seconds without a report, once the first report of any
+    process has armed it; with ``--max-restarts``, the step is how the launcher says where a
+    rank failed, and tells a failure that repeats at the same step (which it does not restart
+    again) from one that does not.
 
     Example, in a training loop of one's own::
 
-        for batch in batches:
-            rp.distributed.heartbeat()
+        for step, batch in enumerate(batches, start=1):
+            rp.distributed.heartbeat(step)
             state, outputs = repl.run(step_fn, state, batch)
     """
-    page = _beat[0] if _beat else _open_beat()
-    if page is not None:
-        _beats[0] += 1
-        BEAT.pack_into(page, 0, time.monotonic(), RUNNING, _beats[0])
-
-
-def _open_beat():
-    path = os.environ.get(ENV_HEARTBEAT)
-    page = None
-    if path:
-        try:
-            with open(path, "r+b") as f:
-                page = mmap.mmap(f.fileno(), BEAT.size)
-        except (OSError, ValueError):
-            page = None
-    _beat[:] = [page]
-    if page is not None:
-        atexit.register(_mark_exiting)  # a process at its end is not stuck: stop watching it
-    return page
-
-
-def _mark_exiting(how: float = EXITING) -> None:
-    page = _beat[0] if _beat else _open_beat()
-    if page is not None:
-        BEAT.pack_into(page, 0, time.monotonic(), how, _beats[0])
-
-
-def read_beat(path: str) -> tuple[float, float, int]:
-    """(time of the last report or of the exit, or 0.0; how it exits; reports so far)."""
-    try:
-        with open(path, "rb") as f:
-            return BEAT.unpack(f.read(BEAT.size))
-    except (OSError, struct.error):
-        return 0.0, RUNNING, 0
+    if beat.report(step):
+        _exit_code.clear()  # a sys.exit or SystemExit caught by the script: it goes on

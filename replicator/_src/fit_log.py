@@ -24,7 +24,9 @@ def drop_lines_after(path: str | os.PathLike, step: int) -> None:
     """Rewrites the JSONL file ``path`` without the lines of steps after ``step`` (logged by a
     run that stopped after its last checkpoint, and about to be logged again) and without a
     line cut short by a kill: through a new file and a rename, so that a kill meanwhile
-    leaves the old file or the new one."""
+    leaves the old file or the new one. Process 0 alone, which alone writes it."""
+    if jax.process_index() != 0:
+        return
     try:
         with open(path) as f:
             lines = f.readlines()
@@ -84,8 +86,8 @@ class Report:
         self._examples, self._tokens = examples, tokens
         self._t_start = self._t_log = time.perf_counter()
         self._last_log_step = start
-        self._jsonl = open(metrics_path, "a") if metrics_path is not None else None
-        first = jax.process_index() == 0
+        first = jax.process_index() == 0  # one process writes the run's files
+        self._jsonl = open(metrics_path, "a") if metrics_path is not None and first else None
         self._tb = _tensorboard(tensorboard_dir) if first else None
         self._writers = [*([self._tb] if self._tb else []), *writers] if first else []
         self._bar = _bar(steps, start) if self._show else None

@@ -1,11 +1,16 @@
-"""The local launcher: N processes of one job on this machine (``replicator launch``).
+"""The local launcher: N processes of one job on this machine (``replicator launch``), restarted
+when one fails, resized when a host is gone.
 
-`launch` is like ``horovodrun``: it starts N processes with a coordinator on 127.0.0.1 and the
-``REPLICATOR_*`` variables that `replicator._src.distributed.initialize` reads, prefixes their
-output with their rank, and if one fails (an exit code, a signal, or no `heartbeat` for
-``watchdog`` seconds) it stops the others and reports which rank failed first. SIGTERM and
-SIGINT to the launcher are passed on to every process group. The command line around it
-(``replicator launch -n 2 -- python train.py``) is ``replicator/cli/launch.py``.
+`launch` is like ``horovodrun`` and ``torchrun``: it runs the job in rounds (``rounds.py``: the
+processes, their output prefixed with their rank, their heartbeats). A round ends at its first
+failure (an exit code, a signal, or no `heartbeat` for ``watchdog`` seconds): the launcher stops
+the others and names the rank that failed first. With ``max_restarts``, it then starts the job
+again, which resumes from its newest checkpoint through ``rp.fit``; a failure that repeats at the
+same step is not restarted again. With ``min_processes``, a restart on which a host does not come
+up goes on with fewer processes, and grows back at a checkpoint once the host answers again.
+SIGTERM and SIGINT to the launcher are passed on to every process group, and no process outlives
+the launcher, even when it is killed by SIGKILL. The command line around it (``replicator launch
+-n 2 -- python train.py``) is ``replicator/cli/launch.py``.
 """
 
 from __future__ import annotations
@@ -14,7 +19,6 @@ import os
 import queue
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,29 +26,21 @@ import threading
 import time
 from collections.abc import Sequence
 
-from replicator._src import errors
-from replicator._src.distributed import (
-    BEAT,
-    ENV_COORDINATOR,
-    ENV_CPU_DEVICES,
-    ENV_HEARTBEAT,
-    ENV_NUM_PROCESSES,
-    ENV_PROCESS_ID,
-    FAILED,
-    FAILED_IN_RUNTIME,
-    RUNNING,
-    read_beat,
+from replicator._src import beat, errors
+from replicator._src.rounds import (
+    FAILURE_GRACE,
+    WATCHDOG_EXIT_CODE,
+    Job,
+    Round,
+    Verdict,
+    free_port,
+    spawn,
+    worker_env,
 )
 
-WATCHDOG_EXIT_CODE = 124  # as timeout(1): the watchdog ended the job
-FAILURE_GRACE = 2.0  # seconds between SIGTERM and SIGKILL when a rank has failed
+__all__ = ["launch", "free_port", "WATCHDOG_EXIT_CODE", "elastic_size"]
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+BACKOFF_LIMIT = 60.0  # seconds: the backoff doubles after each restart, up to this
 
 
 def launch(
@@ -55,6 +51,11 @@ def launch(
     port: int | None = None,
     grace: float = 10.0,
     watchdog: float | None = None,
+    max_restarts: int = 0,
+    min_processes: int | None = None,
+    restart_backoff: float = 1.0,
+    join_timeout: float = 60.0,
+    rejoin_interval: float = 60.0,
     out=None,
 ) -> int:
     """Runs ``command`` as ``num_processes`` local processes of one job; returns its exit code.
@@ -62,109 +63,310 @@ def launch(
     Each process gets ``REPLICATOR_COORDINATOR=127.0.0.1:<port>``, its
     ``REPLICATOR_PROCESS_ID`` and ``REPLICATOR_NUM_PROCESSES`` (and ``REPLICATOR_CPU_DEVICES``),
     which `initialize` reads, and runs in a process group of its own. Every line they print comes
-    out prefixed with ``[rank]``. The job ends at its first failure:
+    out prefixed with ``[rank]``. A round of the job ends at its first failure:
 
     * A process that exits non-zero or is killed: the launcher names the rank that failed first
-      (later deaths are the teardown's doing), sends the others' process groups SIGTERM, then
-      SIGKILL after ``min(grace, 2)`` seconds, and returns that rank's code (128 + signal if it
-      was killed, as shells do).
+      (later deaths are the teardown's doing) and the step it was in, sends the others' process
+      groups SIGTERM, then SIGKILL after ``min(grace, 2)`` seconds.
     * ``watchdog``: when a process goes ``watchdog`` seconds without a `heartbeat` (``rp.fit``
-      reports one per step), the launcher names it and ends the job with code 124. The watchdog
-      is armed by the first report of any process; a process that is exiting is not watched.
-    * SIGTERM or SIGINT to the launcher: passed on to every process group; after ``grace``
-      seconds (time for ``rp.fit`` to save a checkpoint) the rest get SIGKILL, and the launcher
-      returns 128 + the signal. No process outlives the launcher.
+      reports one per step), the launcher names it and stops the round (code 124). The
+      watchdog is armed by the first report of any process; a process that is exiting is not
+      watched. When several ranks stopped in the same step, it names them all.
+
+    Then, while restarts are left (``max_restarts``), it waits ``restart_backoff`` seconds
+    (doubled after each restart, up to 60) and starts every process again: ``rp.fit`` resumes
+    from the newest good checkpoint. Each restart is logged with the failing rank, its cause and
+    its step. A rank that fails at a step where a rank failed before ends the job with "failed
+    twice at step N": a deterministic crash is not retried forever.
+
+    Elastic resizing (``min_processes`` < ``num_processes``): on a restart, a process that exits
+    before it reaches ``initialize``, or has not within ``join_timeout`` seconds, is a host that
+    is gone. The job goes on with the largest count ``p`` of the hosts that are up with
+    ``min_processes <= p`` and ``p`` dividing ``num_processes`` (so the data axes shrink by a
+    whole factor: ``ProcessInfo.elastic_factor`` says by how much, for the job to keep its global
+    batch). Every ``rejoin_interval`` seconds the launcher asks a lost host whether it is back
+    (it runs the command with ``REPLICATOR_PROBE=1``, and ``initialize`` exits at once); once the
+    job can grow, it stops it after its next checkpoint and restarts it on more processes. This
+    is neither a failure nor a restart counted against ``max_restarts``.
+
+    SIGTERM or SIGINT to the launcher is passed on to every process group; after ``grace``
+    seconds (time for ``rp.fit`` to save a checkpoint) the rest get SIGKILL, and the launcher
+    returns 128 + the signal. No process outlives the launcher: on Linux each is started with
+    ``PR_SET_PDEATHSIG`` (SIGKILL), and everywhere ``initialize`` ends its process group when a
+    pipe only the launcher holds reaches its end (the launcher is gone, even by SIGKILL).
 
     Args:
       command: the program and its arguments.
       num_processes: how many processes (>= 1).
       devices_per_process: emulated CPU devices per process, or None for the platform's own.
-      port: the coordinator's port on 127.0.0.1 (default: a free one).
+      port: the coordinator's port on 127.0.0.1 for the first round (default: a free one;
+        each restart takes a free one).
       grace: seconds between the SIGTERM passed on from the launcher and SIGKILL.
       watchdog: seconds without progress after which a process counts as stuck (None: off).
+      max_restarts: how many times the job is started again after a failure (0: never).
+      min_processes: the fewest processes the job may go on with when hosts are lost (default
+        ``num_processes``: no resizing). Needs ``max_restarts >= 1``.
+      restart_backoff: seconds before the first restart (doubled for each next one).
+      join_timeout: seconds for a process of a restart to reach ``initialize`` before its host
+        counts as gone (with ``min_processes`` only).
+      rejoin_interval: seconds between the probes of a lost host.
       out: where the output goes (default: sys.stdout).
 
     Returns:
-      0 if every process exited 0, else the code of the first failure as above.
+      0 if every process of a round exited 0, else the code of the failure that ended the job
+      (128 + signal if it was killed, as shells do; 124 for the watchdog).
 
     Raises:
       ValueError: for a bad argument, or a command that cannot be found.
+
+    Example, as ``replicator launch -n 4 --max-restarts 3 --min-processes 2 -- python train.py``::
+
+        code = rp.distributed.launch(["python", "train.py"], num_processes=4,
+                                     max_restarts=3, min_processes=2)
     """
     _check_launch_args(command, num_processes, devices_per_process, port, grace, watchdog)
-    out = out or sys.stdout
-    port = port or free_port()
-    lock = threading.Lock()
-    procs: list[subprocess.Popen] = []
-    pumps = []
-    exits: queue.Queue = queue.Queue()  # (rank, returncode, time) in the order they ended
-    beats_dir = tempfile.mkdtemp(prefix="replicator-launch-")
-    beat_files = [os.path.join(beats_dir, f"rank{r}.beat") for r in range(num_processes)]
+    _check_restart_args(
+        num_processes, max_restarts, min_processes, restart_backoff, join_timeout, rejoin_interval
+    )
+    read_end, write_end = os.pipe()  # the launcher's lifeline: its end closes with the launcher
+    job = Job(
+        tuple(command), num_processes, devices_per_process, grace, watchdog,
+        out or sys.stdout, threading.Lock(), read_end,
+    )  # fmt: skip
     signals: queue.Queue = queue.Queue()
     previous = _install_forwarding(signals)
-    verdict = None
     try:
-        for rank in range(num_processes):
-            env = _worker_env(rank, num_processes, port, devices_per_process, beat_files[rank])
-            try:
-                proc = subprocess.Popen(
-                    list(command),
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,  # its own process group: we end its children too
-                )
-            except OSError as e:
-                _stop(procs, 0.0)
-                raise ValueError(f"replicator launch: cannot start {command[0]!r}: {e}") from e
-            procs.append(proc)
-            pump = threading.Thread(target=_pump, args=(proc, rank, out, lock), daemon=True)
-            pump.start()
-            pumps.append(pump)
-            threading.Thread(target=_reap, args=(proc, rank, exits), daemon=True).start()
-        verdict = _watch(procs, exits, signals, beat_files, watchdog)
-        if verdict is not None:
-            _stop(procs, grace if verdict[0] == "signal" else min(grace, FAILURE_GRACE))
+        policy = _Policy(job, max_restarts, min_processes or num_processes, restart_backoff)
+        return policy.run(signals, port, join_timeout, rejoin_interval)
     finally:
         _restore_signals(previous)
-        _stop(procs, 0.0)  # nothing outlives the launcher, whatever happened above
-        shutil.rmtree(beats_dir, ignore_errors=True)
-    for pump in pumps:
-        pump.join(timeout=5)
-    if verdict is None:
-        return 0
-    message, code = _outcome(*verdict, num_processes=num_processes, watchdog=watchdog)
-    with lock:
-        print(f"replicator launch: {message}", file=out, flush=True)
-    return code
+        os.close(read_end)
+        os.close(write_end)
 
 
-def _worker_env(rank, num_processes, port, devices_per_process, beat_file) -> dict:
-    """The environment of process ``rank``: this one's, plus what `initialize` reads; creates
-    its heartbeat file (no report yet)."""
-    with open(beat_file, "wb") as f:
-        f.write(BEAT.pack(0.0, RUNNING, 0))
-    env = dict(os.environ)
-    env |= {
-        ENV_COORDINATOR: f"127.0.0.1:{port}",
-        ENV_NUM_PROCESSES: str(num_processes),
-        ENV_PROCESS_ID: str(rank),
-        ENV_HEARTBEAT: beat_file,
-        "PYTHONUNBUFFERED": "1",
-    }
-    if devices_per_process:
-        env[ENV_CPU_DEVICES] = str(devices_per_process)
-    return env
+def elastic_size(available: int, planned: int, minimum: int) -> int | None:
+    """The processes a job of ``planned`` goes on with when ``available`` hosts are up: the
+    largest ``p <= available`` with ``p >= minimum`` that divides ``planned``, or None.
+
+    >>> elastic_size(3, 4, 2), elastic_size(4, 4, 2), elastic_size(1, 4, 2), elastic_size(5, 6, 2)
+    (2, 4, None, 3)
+    """
+    for p in range(min(available, planned), minimum - 1, -1):
+        if p >= 1 and planned % p == 0:
+            return p
+    return None
 
 
-def _outcome(kind, rank, value, *, num_processes, watchdog) -> tuple[str, int]:
-    """The launcher's last line and its exit code, for a verdict of `_watch`."""
-    others = num_processes - 1
-    if kind == "signal":
-        message = f"got {signal.Signals(value).name}; passed it to the {num_processes} process(es)"
+class _Policy:
+    """Rounds until the job is done: restarts, the same-step rule, resizing, growing back."""
+
+    def __init__(self, job: Job, max_restarts: int, minimum: int, backoff: float) -> None:
+        self.job, self.max_restarts, self.minimum = job, max_restarts, minimum
+        self.backoff = backoff
+        self.restarts = 0
+        self.failed_steps: dict[int, int] = {}  # step -> the rank that failed there
+        self.up = list(range(job.planned))  # the slots that came up last time
+        self.lost: list[int] = []
+        self.rejoin: _Rejoin | None = None
+
+    def run(self, signals: queue.Queue, port, join_timeout: float, rejoin_interval: float) -> int:
+        resizing = self.minimum < self.job.planned
+        first = True
+        while True:
+            size = elastic_size(len(self.up), self.job.planned, self.minimum)
+            if size is None:
+                self.job.say(
+                    f"only {len(self.up)} of the {self.job.planned} process(es) came up, fewer "
+                    f"than --min-processes {self.minimum} (or no count that divides "
+                    f"{self.job.planned}); stopping. Lost process slots: {self.lost}."
+                )
+                return 1
+            self.rejoin = None
+            if self.lost:
+                self.rejoin = _Rejoin(self.job, self.lost, rejoin_interval, join_timeout)
+            rnd = Round(self.job, self.up[:size], port=port if first else None)
+            try:
+                rnd.start()
+                verdict = rnd.watch(
+                    signals,
+                    join_timeout=join_timeout if resizing and not first else None,
+                    stop_when=self._can_grow if self.rejoin else None,
+                )
+                code = self._after(rnd, verdict)
+            finally:
+                if self.rejoin is not None:
+                    self.rejoin.close()
+                rnd.close()
+            if code is not None:
+                return code
+            first = False
+            if verdict.kind == "exit" or verdict.kind == "watchdog":
+                if not self._wait(signals):
+                    return 128 + signal.SIGTERM
+
+    def _after(self, rnd: Round, verdict: Verdict) -> int | None:
+        """Ends ``rnd`` as ``verdict`` says; the job's exit code, or None to run another round."""
+        job = self.job
+        if verdict.kind == "done":
+            return 0
+        if verdict.kind == "signal":
+            rnd.stop(job.grace)
+            message, code = _outcome(verdict, rnd)
+            job.say(message)
+            return code
+        if verdict.kind == "lost":
+            rnd.stop(min(job.grace, FAILURE_GRACE))
+            self.lost = sorted(set(self.lost) | set(verdict.lost))
+            self.up = [s for s in self.up if s not in verdict.lost]
+            size = elastic_size(len(self.up), job.planned, self.minimum)
+            going = f"going on with {size}" if size else "too few to go on"
+            job.say(
+                f"process slot(s) {list(verdict.lost)} did not come up (exited, or not at "
+                f"rp.distributed.initialize within --join-timeout); {len(self.up)} of "
+                f"{job.planned} up, {going} (--min-processes {self.minimum})."
+            )
+            return None
+        if verdict.kind == "stop":  # a lost host is back: grow at this checkpoint
+            rnd.stop(job.grace)
+            back = self.rejoin.back
+            self.up = sorted(set(self.up) | set(back))
+            self.lost = [s for s in self.lost if s not in back]
+            size = elastic_size(len(self.up), job.planned, self.minimum)
+            job.say(
+                f"process slot(s) {back} are back: stopped the job after its checkpoint of step "
+                f"{rnd.newest_checkpoint()} to go on with {size} process(es)."
+            )
+            return None
+        rnd.stop(min(job.grace, FAILURE_GRACE))
+        return self._failed(rnd, verdict)
+
+    def _failed(self, rnd: Round, verdict: Verdict) -> int | None:
+        message, code = _outcome(verdict, rnd)
+        b = rnd.beat(verdict.rank)
+        step, at = _where(b)
+        if at:
+            message = message.replace("; stopped", f" {at}; stopped", 1)
+        at = at or "before any heartbeat"
+        if step in self.failed_steps:
+            self.job.say(
+                f"{message} Rank {verdict.rank} failed twice {at} (rank "
+                f"{self.failed_steps[step]} failed there before): a failure that repeats at the "
+                f"same step is not restarted again."
+            )
+            return code
+        if self.restarts >= self.max_restarts:
+            spent = f" No restart left (--max-restarts {self.max_restarts})." * bool(
+                self.max_restarts
+            )
+            self.job.say(message + spent)
+            return code
+        self.failed_steps[step] = verdict.rank
+        self.restarts += 1
+        saved = rnd.newest_checkpoint()
+        since = f"the checkpoint of step {saved}" if saved else "its newest checkpoint, if any"
+        self.job.say(
+            f"{message} Restart {self.restarts} of {self.max_restarts} in {self.backoff:g} s, "
+            f"resuming from {since}."
+        )
+        return None
+
+    def _wait(self, signals: queue.Queue) -> bool:
+        """The backoff before a restart; False if the launcher got a signal meanwhile."""
+        try:
+            sig = signals.get(timeout=self.backoff)
+        except queue.Empty:
+            self.backoff = min(self.backoff * 2, BACKOFF_LIMIT)
+            return True
+        self.job.say(f"got {signal.Signals(sig).name} while waiting to restart; stopped.")
+        return False
+
+    def _can_grow(self, rnd: Round) -> bool:
+        rejoin = self.rejoin
+        rejoin.poll()
+        if not rejoin.back:
+            return False
+        size = elastic_size(len(self.up) + len(rejoin.back), self.job.planned, self.minimum)
+        if size is None or size <= len(rnd.slots):
+            return False
+        if rejoin.checkpoint_then is None:
+            rejoin.checkpoint_then = rnd.newest_checkpoint()
+        return rnd.newest_checkpoint() > rejoin.checkpoint_then
+
+
+class _Rejoin:
+    """Probes of the lost slots, one at a time, every ``interval`` seconds; a probe that has not
+    reached ``initialize`` within ``timeout`` seconds finds its host still gone."""
+
+    def __init__(self, job: Job, lost: list[int], interval: float, timeout: float) -> None:
+        self.job, self.lost, self.interval, self.timeout = job, list(lost), interval, timeout
+        self.back: list[int] = []
+        self.checkpoint_then: int | None = None  # the newest checkpoint when a slot came back
+        self.next_at = time.monotonic() + interval
+        self.probe: tuple | None = None  # (slot, process, beat file, started)
+        self.dir = tempfile.mkdtemp(prefix="replicator-probe-")
+
+    def poll(self) -> None:
+        now = time.monotonic()
+        if self.probe is not None:
+            slot, proc, path, started = self.probe
+            code = proc.poll()
+            if code is None and now - started < self.timeout:
+                return
+            if code == 0 and beat.read_beat(path).ready:
+                self.back.append(slot)
+                self.lost.remove(slot)
+            elif code is None:
+                proc.kill()
+                proc.wait()
+            self.probe = None
+        pending = [s for s in self.lost if s not in self.back]
+        if pending and now >= self.next_at:
+            slot = pending[0]
+            self.lost.append(self.lost.pop(self.lost.index(slot)))  # the next probe: another
+            path = os.path.join(self.dir, f"slot{slot}.beat")
+            beat.create(path)
+            proc = spawn(self.job, worker_env(self.job, slot, path, probe=True), quiet=True)
+            self.probe = (slot, proc, path, now)
+            self.next_at = now + self.interval
+
+    def close(self) -> None:
+        if self.probe is not None and self.probe[1].poll() is None:
+            self.probe[1].kill()
+            try:
+                self.probe[1].wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _where(b: beat.Beat) -> tuple[int, str]:
+    """Where a rank failed, from its last `Beat`: a key (the same key twice is the same step)
+    and the words for it."""
+    if b.step:
+        return b.step, f"at step {b.step}"
+    if b.reports:  # a loop that reports no step: its heartbeats count them
+        return -b.reports, f"after {b.reports} heartbeat(s)"
+    return 0, ""  # no report: before its first step, or a script that reports none
+
+
+def _outcome(verdict: Verdict, rnd: Round) -> tuple[str, int]:
+    """The launcher's line for a verdict that ends a round, and its exit code."""
+    n, rank, value = len(rnd.slots), verdict.rank, verdict.value
+    others = n - 1
+    if verdict.kind == "signal":
+        message = f"got {signal.Signals(value).name}; passed it to the {n} process(es)"
         return message + " and waited for them to end.", 128 + value
-    if kind == "watchdog":
+    if verdict.kind == "watchdog":
+        watchdog = rnd.job.watchdog
+        tied = verdict.tied
+        who = f"rank {rank}"
+        if tied:
+            who = (
+                f"ranks {sorted([rank, *tied])} (each stopped in the same step, so the one the "
+                f"others wait for cannot be told apart; rank {rank} reported last the longest ago)"
+            )
         message = (
-            f"rank {rank} made no progress for more than {watchdog:g} s (--watchdog {watchdog:g}: no "
+            f"{who} made no progress for more than {watchdog:g} s (--watchdog {watchdog:g}: no "
             f"rp.distributed.heartbeat(), which rp.fit reports each step); stopped it and the "
             f"other {others} process(es)."
         )
@@ -172,85 +374,6 @@ def _outcome(kind, rank, value, *, num_processes, watchdog) -> tuple[str, int]:
     how = f"was killed by {signal.Signals(-value).name}" if value < 0 else f"exited with {value}"
     message = f"rank {rank} {how}; stopped the other {others} process(es)."
     return message, 128 - value if value < 0 else value
-
-
-def _watch(procs, exits, signals, beat_files, watchdog):
-    """Waits for the end of the job: None when every process exited 0, else
-    ``("exit", rank, returncode)``, ``("watchdog", rank, None)`` or ``("signal", None, signum)``
-    for the first failure."""
-    live = set(range(len(procs)))
-    armed_at = None
-    while live:
-        try:
-            sig = signals.get_nowait()
-            return "signal", None, sig
-        except queue.Empty:
-            pass
-        try:
-            rank, code, when = exits.get(timeout=0.05)
-        except queue.Empty:
-            pass
-        else:
-            live.discard(rank)
-            if code != 0:
-                rank, code = _first_failure({rank: (code, when)}, live, exits, beat_files)
-                return "exit", rank, code
-            continue
-        if watchdog:
-            now = time.monotonic()
-            beats = {r: read_beat(beat_files[r]) for r in live}
-            if armed_at is None and any(t > 0 for t, _, _ in beats.values()):
-                armed_at = now
-            if armed_at is not None:
-                last = {r: (t or armed_at, n) for r, (t, how, n) in beats.items() if how == RUNNING}
-                if last and now - min(t for t, _ in last.values()) > watchdog:
-                    # The stuck rank is the one the others wait for: fewest reports, then oldest.
-                    stuck = min(last, key=lambda r: (last[r][1], last[r][0]))
-                    return "watchdog", stuck, None
-    return None
-
-
-SETTLE = 0.5  # seconds to wait, after a failure, for the failures it causes at once
-
-
-def _first_failure(failed: dict, live: set, exits: queue.Queue, beat_files) -> tuple[int, int]:
-    """``(rank, returncode)`` of the failure that came first, among ``failed`` and those that
-    follow within `SETTLE` seconds.
-
-    The order in which the launcher sees processes end is not always the order in which they
-    failed: a rank killed by SIGKILL is seen to end only once the kernel has torn it down, and by
-    then a peer may have seen its connections close, failed in a collective and exited. So the
-    failures are ranked: first a process's own failure (an exception that is not JAX's runtime
-    error, or a non-zero ``sys.exit``), by the time it decided to exit; then a death by a signal
-    or an exit that did not go through `initialize`'s handlers, by the time the launcher saw it;
-    last a failure in JAX's runtime (the error a collective raises when its peer is gone), by time.
-    """
-    deadline = time.monotonic() + SETTLE
-    while live and time.monotonic() < deadline:
-        try:
-            rank, code, when = exits.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            break
-        live.discard(rank)
-        if code != 0:
-            failed[rank] = (code, when)
-
-    def order(rank):
-        code, seen = failed[rank]
-        t, how, _ = read_beat(beat_files[rank])
-        if how == FAILED and code > 0:
-            return (0, t, rank)
-        if how == FAILED_IN_RUNTIME and code > 0:
-            return (2, t, rank)
-        return (1, seen, rank)
-
-    first = min(failed, key=order)
-    return first, failed[first][0]
-
-
-def _reap(proc: subprocess.Popen, rank: int, exits: queue.Queue) -> None:
-    code = proc.wait()
-    exits.put((rank, code, time.monotonic()))
 
 
 def _install_forwarding(signals: queue.Queue) -> dict:
@@ -268,10 +391,11 @@ def _restore_signals(previous: dict) -> None:
         signal.signal(sig, handler)
 
 
-def _check_launch_args(command, num_processes, devices_per_process, port, grace, watchdog):
-    def seconds(x):
-        return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x and x != x + 1
+def _seconds(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x and x != x + 1
 
+
+def _check_launch_args(command, num_processes, devices_per_process, port, grace, watchdog):
     api = "replicator launch"
     errors.positive_int(num_processes, api=api, name="-n")
     errors.positive_int(
@@ -283,11 +407,11 @@ def _check_launch_args(command, num_processes, devices_per_process, port, grace,
             f"replicator launch: --port must be an int in 1..65535 (or left out for a free "
             f"one); got {port!r}."
         )
-    if not seconds(grace) or grace < 0:
+    if not _seconds(grace) or grace < 0:
         raise ValueError(
             f"replicator launch: --grace must be a number of seconds >= 0; got {grace!r}."
         )
-    if watchdog is not None and (not seconds(watchdog) or watchdog <= 0):
+    if watchdog is not None and (not _seconds(watchdog) or watchdog <= 0):
         raise ValueError(
             f"replicator launch: --watchdog must be a number of seconds > 0 (or left out for "
             f"no watchdog); got {watchdog!r}."
@@ -304,26 +428,27 @@ def _check_launch_args(command, num_processes, devices_per_process, port, grace,
         )
 
 
-def _pump(proc: subprocess.Popen, rank: int, out, lock) -> None:
-    for raw in iter(proc.stdout.readline, b""):
-        line = raw.decode(errors="replace").rstrip("\n")
-        with lock:
-            print(f"[{rank}] {line}", file=out, flush=True)
-    proc.stdout.close()
-
-
-def _stop(procs: Sequence[subprocess.Popen], grace: float) -> None:
-    """SIGTERM to every live process group, SIGKILL to those still there after ``grace``."""
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-        live = [p for p in procs if p.poll() is None]
-        for p in live:
-            try:
-                os.killpg(p.pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + wait
-        for p in live:
-            try:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
+def _check_restart_args(n, max_restarts, min_processes, backoff, join_timeout, rejoin_interval):
+    api = "replicator launch"
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"{api}: --max-restarts must be an int >= 0; got {max_restarts!r}.")
+    if min_processes is not None:
+        errors.positive_int(min_processes, api=api, name="--min-processes")
+        if min_processes > n:
+            raise ValueError(
+                f"{api}: --min-processes {min_processes} is more than -n {n}; give at most {n}."
+            )
+        if min_processes < n and max_restarts < 1:
+            raise ValueError(
+                f"{api}: --min-processes {min_processes} resizes the job on a restart, and "
+                f"--max-restarts is {max_restarts}; give --max-restarts 1 or more."
+            )
+    for name, value in (
+        ("--restart-backoff", backoff),
+        ("--join-timeout", join_timeout),
+        ("--rejoin-interval", rejoin_interval),
+    ):
+        least = 0 if name == "--restart-backoff" else 1e-9
+        if not _seconds(value) or value < least:
+            bound = ">= 0" if least == 0 else "> 0"
+            raise ValueError(f"{api}: {name} must be a number of seconds {bound}; got {value!r}.")

@@ -18,8 +18,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from replicator._src import distributed, errors
-from replicator._src.checkpoint import Checkpoints
+from replicator._src import beat, distributed, errors
+from replicator._src.checkpoint import Checkpoints, NoReadableCheckpointError
 from replicator._src.context import Replicator, local_row
 from replicator._src.fit_log import Report, drop_lines_after, notice
 from replicator._src.nonfinite import FiniteGuard
@@ -38,7 +38,7 @@ class FitResult:
     state: PyTree
     step: int  # the number of steps done, over all runs of this checkpoint directory
     history: list[dict]  # the logged metrics of this run
-    preempted: bool  # stopped by SIGTERM/SIGINT, after saving a checkpoint
+    preempted: bool  # stopped by SIGTERM/SIGINT (a checkpoint saved as emergency_after says)
     resumed_from: int | None  # the checkpoint step this run started from
 
 
@@ -65,6 +65,8 @@ def fit(
     profile: Profile | dict | None = None,
     writers: list[MetricWriter] | tuple[MetricWriter, ...] = (),
     async_checkpoints: bool = False,
+    emergency_after: int | None = 1,
+    start_over_if_unreadable: bool = False,
 ) -> FitResult:
     """Trains for ``steps`` steps, resuming from ``checkpoint_dir`` if it holds a checkpoint.
 
@@ -101,12 +103,16 @@ def fit(
         use ``result.state`` afterwards.
       steps: the total number of steps of the run (resumed runs count from where they were).
       checkpoint_dir: where checkpoints go; None: no checkpoints, no resume.
-      checkpoint_every: save every this many steps (and at the end, and on SIGTERM/SIGINT).
+      checkpoint_every: save every this many steps (and at the end, and on SIGTERM/SIGINT as
+        ``emergency_after`` says).
       keep: checkpoints to keep.
       log_every: steps between metric logs (each log reads the outputs: a host sync).
-      metrics_path: a JSONL file that gets one line per log and per evaluation (appended, so a
-        resumed run continues it; on resume, the lines of steps after the restored checkpoint,
-        logged before the run stopped, are dropped first, so that each step appears once).
+      metrics_path: a JSONL file that gets one line per log and per evaluation, written by
+        process 0 (appended, so a resumed run continues it). The lines of steps after the one the run starts from, logged
+        by an earlier run that stopped later, are dropped first, so that each step appears
+        once: on resume, those after the restored checkpoint; in a run that starts at step 0
+        (no checkpoint yet, e.g. the first was killed before its first save, or no
+        ``checkpoint_dir``), those of every step.
       tensorboard_dir: also write the metrics as TensorBoard scalars there (needs
         ``tensorboardX``: ``pip install "replicator[tensorboard]"``); the same as
         ``writers=[rp.TensorBoardWriter(tensorboard_dir)]``.
@@ -131,12 +137,32 @@ def fit(
         on while the files are written. A step is still complete or absent on disk (written
         aside, renamed when done); the next save, and fit's return (or its error), wait for
         the write in progress.
+      emergency_after: on SIGTERM or SIGINT (a preemption; `rp.fit` stops every process after
+        the same step), save a checkpoint of the step reached only if the newest checkpoint is
+        at least this many steps older (none yet counts from step 0); None: never save on a
+        stop signal (a rerun resumes from the newest checkpoint). The default, 1, saves unless
+        the stop comes right after a save. It applies to those signals only: after a *peer's*
+        failure in a multi-process job (a process that crashed or was killed) no emergency
+        save is made, because orbax's multi-process save waits for every process at its
+        barriers and, when the state is split over processes (ZeRO, ``model``, ``stage``
+        axes), the dead peer's shards are gone; the job restarts from the newest checkpoint.
+      start_over_if_unreadable: if ``checkpoint_dir`` holds checkpoints and none of them is
+        readable, move them all aside (renamed ``<step>.broken-<time>``, never deleted, as a
+        broken newest step is when an older one restores) and train from step 0, with a
+        warning per step. By default (False) that is a FileNotFoundError and nothing is moved:
+        when no step restores, ``state`` (the template they restore into) may be what is wrong,
+        so set it only once the checkpoints are known to be broken.
 
     Returns:
       A `FitResult`; ``history`` holds this run's logged metrics.
 
     Raises:
       NonFiniteError: (a FloatingPointError) if a checked output or the state is not finite.
+      CheckpointWriteError: (an OSError) if a checkpoint cannot be written because its
+        filesystem is full or over quota; its partial directory is removed and the complete
+        checkpoints are kept, so running again (with space) resumes from the newest.
+      FileNotFoundError: if no checkpoint of ``checkpoint_dir`` is readable and not
+        ``start_over_if_unreadable``.
       TypeError: if ``writers`` is not a list of objects with ``write`` and ``close``.
 
     Example (one epoch of a regression, on whatever devices there are)::
@@ -148,16 +174,15 @@ def fit(
                         checkpoint_dir="/tmp/run", checkpoint_every=100)
     """
     _check_arguments(steps, checkpoint_dir, checkpoint_every, eval_every, log_every)
+    _check_options(emergency_after, async_checkpoints, start_over_if_unreadable)
     tracer = Tracer(Profile.of(profile))
-    if not isinstance(async_checkpoints, bool):
-        raise TypeError(
-            f"rp.fit: async_checkpoints must be True or False; got {async_checkpoints!r}."
-        )
     ckpt = None
     if checkpoint_dir is not None:
         ckpt = Checkpoints(checkpoint_dir, keep=keep, async_save=async_checkpoints)
     try:
-        state, start, resumed_from, input_state = _resume(ckpt, state, metrics_path)
+        state, start, resumed_from, input_state = _resume(
+            ckpt, state, metrics_path, start_over=start_over_if_unreadable
+        )
         if start >= steps:
             notice(
                 f"rp.fit: the run is complete at step {start} (steps={steps}); its checkpoint is in "
@@ -189,6 +214,7 @@ def fit(
             eval_every=eval_every,
             report=report,
             tracer=tracer,
+            emergency_after=emergency_after,
         )
         try:
             run.train(input_fn, input_state)
@@ -218,17 +244,37 @@ def _check_arguments(steps, checkpoint_dir, checkpoint_every, eval_every, log_ev
         )
 
 
-def _resume(ckpt: Checkpoints | None, state: PyTree, metrics_path) -> tuple:
+def _check_options(emergency_after, async_checkpoints, start_over_if_unreadable) -> None:
+    """Refuses `fit`'s checkpoint options of the wrong type."""
+    errors.positive_int(emergency_after, api="rp.fit", name="emergency_after", none=" or None")
+    flags = {
+        "async_checkpoints": async_checkpoints,
+        "start_over_if_unreadable": start_over_if_unreadable,
+    }
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise TypeError(f"rp.fit: {name} must be True or False; got {flag!r}.")
+
+
+def _resume(ckpt: Checkpoints | None, state: PyTree, metrics_path, *, start_over: bool) -> tuple:
     """Where `fit` starts: ``(state, start, resumed_from, input_state)``, from the newest
-    checkpoint if there is one (the JSONL lines of later steps dropped), else from ``state``."""
-    if ckpt is None or ckpt.latest_step() is None:
-        return state, 0, None, None
-    state, record = ckpt.restore(state)
-    start = int(record["step"])
-    input_state = _my_input_state(record.get("input_state"))
+    readable checkpoint if there is one, else from ``state`` at step 0; the JSONL lines of the
+    steps after the start are dropped. With ``start_over``, checkpoints of which none is
+    readable are moved aside, and the run starts at step 0."""
+    start, resumed_from, input_state = 0, None, None
+    if ckpt is not None and ckpt.latest_step() is not None:
+        try:
+            state, record = ckpt.restore(state)
+        except NoReadableCheckpointError as e:
+            if not start_over:
+                raise
+            ckpt._move_aside(e.unreadable, restored_step=None)
+        else:
+            start = resumed_from = int(record["step"])
+            input_state = _my_input_state(record.get("input_state"))
     if metrics_path is not None:
         drop_lines_after(metrics_path, start)
-    return state, start, start, input_state
+    return state, start, resumed_from, input_state
 
 
 class _Training:
@@ -249,8 +295,10 @@ class _Training:
         eval_every: int | None,
         report: Report,
         tracer: Tracer,
+        emergency_after: int | None = 1,
     ) -> None:
         self.repl, self.step_fn, self.state = repl, step_fn, state
+        self.emergency_after = emergency_after  # see fit
         self.start = self.step = start
         self.steps, self.log_every = steps, log_every
         self.ckpt, self.checkpoint_every = ckpt, checkpoint_every
@@ -269,12 +317,27 @@ class _Training:
             self.repl.distribute(input_fn, skip=skip, state=input_state) as batches,
         ):
             for batch in batches:
-                distributed.heartbeat()  # progress, for replicator launch --watchdog
+                distributed.heartbeat(self.step + 1)  # for replicator launch's watchdog
                 if self.step >= self.steps or not self._step(batch, batches):
                     break
-            ckpt = self.ckpt
-            if ckpt is not None and self.step > self.start and ckpt.latest_step() != self.step:
+            if self._saves_where_it_stopped():
                 self._save(batches)  # at the end, on SIGTERM/SIGINT, or where the input ended
+
+    def _saves_where_it_stopped(self) -> bool:
+        """Whether `train` saves the step it stopped at: at ``steps`` or where the input ended
+        (unless just saved); on SIGTERM/SIGINT, if the newest checkpoint is at least
+        ``emergency_after`` steps older (every process decides alike: the same step, the same
+        directory)."""
+        ckpt = self.ckpt
+        if ckpt is None or self.step <= self.start:
+            return False
+        newest = ckpt.latest_step()
+        if newest == self.step:
+            return False
+        if not self.preempted:
+            return True
+        after = self.emergency_after
+        return after is not None and self.step - (newest or 0) >= after
 
     def _step(self, batch: PyTree, batches) -> bool:
         """One step, then its logs, checks, evaluation and checkpoint; whether to go on."""
@@ -311,13 +374,27 @@ class _Training:
         if position is not None:
             extra["input_state"] = _gather(position)
         self.ckpt.save(self.step, self.state, **extra)
+        beat.checkpointed(self.step)  # for replicator launch: where a restart resumes
+
+    def _kept(self) -> str:
+        """What a stop signal left: the checkpoint saved, or why none was (emergency_after)."""
+        newest = self.ckpt.latest_step() if self.ckpt is not None else None
+        if newest == self.step:
+            return "checkpoint saved"
+        if self.ckpt is None:
+            return "no checkpoint_dir, nothing saved"
+        since = f"step {newest}" if newest is not None else "none"
+        return (
+            f"no checkpoint saved (emergency_after={self.emergency_after}; newest: {since}): "
+            f"running again resumes from step {newest or 0}"
+        )
 
     def conclude(self) -> None:
         """Says how the run ended, unless at ``steps``, and sums it up."""
         step, ckpt, report = self.step, self.ckpt, self.report
         if self.preempted:
             report.notice(
-                f"rp.fit: stopped by {self.stop.stopped_by} at step {step}; checkpoint saved"
+                f"rp.fit: stopped by {self.stop.stopped_by} at step {step}; {self._kept()}"
             )
         elif step < self.steps:
             saved = f"; checkpoint of step {step} saved in {ckpt.directory}" if ckpt else ""

@@ -6,7 +6,8 @@ in how that body is mapped over the devices:
 
 * ``local``: called eagerly, once, on the whole batch; collectives are identities.
 * ``shard_map``: ``jax.jit(jax.shard_map(body, check_vma=False))`` over the whole mesh.
-* ``pmap``: ``jax.jit`` around ``jax.pmap(body)`` over the replica devices.
+* ``pmap``: ``jax.jit`` around ``jax.pmap(body)`` over the replica devices; on several
+  processes, ``jax.pmap`` outside ``jax.jit`` on each process's part of the inputs.
 
 ``check_vma=False`` gives per-replica gradient semantics: ``jax.grad`` inside ``step_fn`` with
 respect to a replicated parameter is the *local* gradient, exactly as on one device (with
@@ -35,9 +36,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from replicator._src import errors, variance
+from replicator._src import compat, errors, leaf_specs, variance
 from replicator._src import mesh as mesh_lib
 from replicator._src.binding import LOCAL, Binding, bind
 from replicator._src.collectives import max_over_axes, min_over_axes
@@ -208,36 +210,32 @@ def _as_bits(x: jax.Array) -> jax.Array:
 
 
 def _build_pmap(step_fn, mesh, state_def, args_def, state_specs, arg_specs, donate, check):
-    """``jax.jit(jax.pmap(body))``: leaves split over replicas get a leading replica axis."""
+    """``jax.jit(jax.pmap(body))``: leaves split over replicas get a leading replica axis.
+
+    On several processes, ``jax.pmap`` is called outside ``jax.jit``: `_pmap_across_processes`.
+    """
     n = mesh_lib.num_replicas(mesh)
-    state_axes = [_pmap_axis(s, mesh, "state") for s in state_specs]
-    arg_axes = [_pmap_axis(s, mesh, "argument") for s in arg_specs]
+    # Tuples: pmap hashes its in_axes and out_axes, which must match the leaves' containers.
+    state_axes = tuple(_pmap_axis(s, mesh, "state") for s in state_specs)
+    arg_axes = tuple(_pmap_axis(s, mesh, "argument") for s in arg_specs)
     binding = Binding("pmap", ("data",), n, (("data", n),))
     body = _per_replica(step_fn, binding, state_def, args_def, check)
-    mapped = jax.pmap(
-        lambda s, a: _unstack_outputs(*body(s, a)),
+    mapped = jax.pmap(  # weak: which input leaves are weakly typed (several processes)
+        lambda s, a, weak: _unstack_outputs(*body(*map(_weak_again, (s, a), weak))),
         axis_name="data",
         in_axes=(state_axes, arg_axes),
         out_axes=(state_axes, 0, None),
+        static_broadcasted_argnums=(2,),
         devices=list(mesh.devices.flat),
     )
-
-    def split(leaves, leaf_axes):  # axis a of n parts becomes (n, part) at a: pmap maps it
-        return [
-            x if a is None else x.reshape((*x.shape[:a], n, -1, *x.shape[a + 1 :]))
-            for x, a in zip(leaves, leaf_axes)
-        ]
+    if jax.process_count() > 1:
+        return _pmap_across_processes(mapped, mesh, state_specs, arg_specs, state_axes, arg_axes)
 
     def program(state_leaves, arg_leaves):
-        new, outputs, extras = mapped(split(state_leaves, state_axes), split(arg_leaves, arg_axes))
-        return (
-            [
-                x if a is None else x.reshape((*x.shape[:a], -1, *x.shape[a + 2 :]))
-                for x, a in zip(new, state_axes)
-            ],
-            outputs,
-            extras,
+        new, outputs, extras = mapped(
+            _split(state_leaves, state_axes, n), _split(arg_leaves, arg_axes, n), ((), ())
         )
+        return _merge(new, state_axes), outputs, extras
 
     out_shardings = (
         [NamedSharding(mesh, s) for s in state_specs],
@@ -247,8 +245,76 @@ def _build_pmap(step_fn, mesh, state_def, args_def, state_specs, arg_specs, dona
     return jax.jit(program, donate_argnums=(0,) if donate else (), out_shardings=out_shardings)
 
 
+def _split(leaves, leaf_axes, n):
+    """Axis a of n parts becomes (n, part) at a, the axis pmap maps."""
+    return tuple(
+        x if a is None else x.reshape((*x.shape[:a], n, -1, *x.shape[a + 1 :]))
+        for x, a in zip(leaves, leaf_axes, strict=True)
+    )
+
+
+def _merge(leaves, leaf_axes):
+    """The inverse of `_split`: (n, part) at a becomes axis a again."""
+    return [
+        x if a is None else x.reshape((*x.shape[:a], -1, *x.shape[a + 2 :]))
+        for x, a in zip(leaves, leaf_axes, strict=True)
+    ]
+
+
+def _pmap_across_processes(mapped, mesh, state_specs, arg_specs, state_axes, arg_axes):
+    """The pmap program on several processes: pmap called outside ``jax.jit``.
+
+    Traced inside ``jax.jit``, ``jax.pmap`` maps over this process's devices only, so it would
+    split a global array over too few devices. Called outside, it maps over the devices of every
+    process, with each process passing its host-local part of every input (leading axis: its
+    own replicas) and getting back its part of every result. The program converts the global
+    arrays to those parts and the results back to global arrays with the state's shardings.
+    The state's buffers are not donated: the inputs stay alive until they are dropped.
+    """
+    n_local = mesh_lib.num_local_replicas(mesh)
+    state_specs, arg_specs = list(state_specs), list(arg_specs)
+    out_specs = (state_specs, mesh_lib.batch_spec(mesh), PartitionSpec())
+
+    def placed(leaves, specs):
+        # A leaf not on the mesh (NumPy, a scalar, an array of this process) is the global
+        # value: placed first, as jax.jit would, it is not mistaken for a host-local part.
+        return [
+            x
+            if leaf_specs.spec_of(mesh, x) is not None
+            else jax.device_put(x, NamedSharding(mesh, s))
+            for x, s in zip(leaves, specs, strict=True)
+        ]
+
+    def local_parts(state_leaves, arg_leaves):
+        state_leaves, arg_leaves = placed(state_leaves, state_specs), placed(arg_leaves, arg_specs)
+        local = multihost_utils.global_array_to_host_local_array
+        return (
+            _split(local(state_leaves, mesh, state_specs), state_axes, n_local),
+            _split(local(arg_leaves, mesh, arg_specs), arg_axes, n_local),
+            tuple(tuple(x.weak_type for x in leaves) for leaves in (state_leaves, arg_leaves)),
+        )
+
+    def program(state_leaves, arg_leaves):
+        new, outputs, extras = mapped(*local_parts(state_leaves, arg_leaves))
+        result = (_merge(new, state_axes), outputs, extras)
+        return multihost_utils.host_local_array_to_global_array(result, mesh, out_specs)
+
+    program.lower = lambda state_leaves, arg_leaves: mapped.lower(
+        *local_parts(state_leaves, arg_leaves)
+    )
+    return program
+
+
+def _weak_again(leaves, weak):
+    """The leaves flagged in ``weak`` (empty: none) weakly typed again: pmap's conversion of
+    host-local inputs to global arrays drops the weak type a Python scalar has under jit."""
+    return (
+        tuple(compat.weakly_typed(x) if w else x for x, w in zip(leaves, weak)) if weak else leaves
+    )
+
+
 def _unstack_outputs(state_leaves, outputs, extras):
-    return state_leaves, jax.tree.map(lambda v: v[0], outputs), extras
+    return tuple(state_leaves), jax.tree.map(lambda v: v[0], outputs), extras
 
 
 def _pmap_axis(spec: PartitionSpec, mesh: Mesh, what: str) -> int | None:

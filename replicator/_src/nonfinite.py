@@ -1,8 +1,10 @@
 """`fit`'s non-finite checks: `NonFiniteError` and the `FiniteGuard` that raises it.
 
 The guard reads the scalar outputs of the steps `fit` logs or saves, and the whole state right
-before each checkpoint, so that a run stops before anything non-finite is saved; every process
-stops together.
+before each checkpoint, so that a run stops before anything non-finite is saved. Every process
+stops together, at the same step, with the same message: what each process found is gathered
+(`first_anywhere`), since a process sees only its own rows of the outputs, and its own copies of
+the state (which may differ across processes if replicas drifted apart).
 """
 
 from __future__ import annotations
@@ -44,16 +46,24 @@ class FiniteGuard:
             self._skipped = skipped[0]
             if handled:  # the optimizer skipped this step: its state did not change
                 bad = []
-        if anywhere(bool(bad)):
-            name = bad[0] if bad else "(on another process)"
-            value = metrics.get(name, float("nan"))
-            raise NonFiniteError(self._message(f"the training output {name!r} is {value}", step))
+        names = list(metrics)  # the same on every process: the outputs' structure
+        mine = (names.index(bad[0]), metrics[bad[0]]) if bad else (None, 0.0)
+        found = first_anywhere(*mine)
+        if found is not None:
+            process, index, value = found
+            what = f"the training output {names[index]!r} is {value}{_on(process)}"
+            raise NonFiniteError(self._message(what, step))
 
     def check_state(self, step: int, state: PyTree) -> None:
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
         leaf = nonfinite_leaf(state)
-        if leaf is not None:
+        found = first_anywhere(paths.index(leaf) if leaf is not None else None)
+        if found is not None:
+            process, index, _ = found
             raise NonFiniteError(
-                self._message(f"state leaf {leaf} is not finite (nan or inf)", step)
+                self._message(
+                    f"state leaf {paths[index]} is not finite (nan or inf){_on(process)}", step
+                )
             )
 
     def _message(self, what: str, step: int) -> str:
@@ -70,13 +80,24 @@ class FiniteGuard:
         return NONFINITE.format(what=what, step=step, kept=kept, resume=resume)
 
 
-def anywhere(flag: bool) -> bool:
-    """Whether ``flag`` is true on any process (so that every process stops together)."""
+def first_anywhere(index: int | None, value: float = 0.0) -> tuple[int, int, float] | None:
+    """``(process, index, value)`` of the first process whose ``index`` is not None, or None if
+    every process's is: the same answer on every process."""
     if jax.process_count() == 1:
-        return flag
+        return None if index is None else (0, index, value)
     from jax.experimental import multihost_utils
 
-    return bool(np.any(multihost_utils.process_allgather(np.array([flag]))))
+    mine = np.array([-1 if index is None else index, value], np.float32)
+    rows = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 2)
+    for process, (i, v) in enumerate(rows):
+        if i >= 0:
+            return process, int(i), float(v)
+    return None
+
+
+def _on(process: int) -> str:
+    """`` on process N`` with several processes (each sees its own rows), else nothing."""
+    return f" on process {process}" if jax.process_count() > 1 else ""
 
 
 @jax.jit

@@ -58,7 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     A config the CLI or the library refuses before the first step is one line on stderr,
     ``replicator train: ...`` (or ``explain``), and exit code 2; a failure during training keeps
-    its traceback.
+    its traceback, except a checkpoint that could not be written for lack of space (one line,
+    exit code 1).
 
     Args:
       argv: the arguments after ``replicator`` (default: ``sys.argv[1:]``).
@@ -86,6 +87,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             jobs.run(cfg)
         except jobs.SetupError as e:  # refused before the first step; later: a traceback
             return _user_error(where, e)
+        except jobs.RUN_ERRORS as e:  # e.g. a full disk: the message says it all; exit 1
+            print(f"{where}: {e}", file=sys.stderr)
+            return 1
         return 0
     print(report)
     if args.json:

@@ -201,6 +201,14 @@ class TrainConfig:
     log_every: int = 10
     checkpoint_every: int = 50
     async_checkpoints: bool = False  # write checkpoints in the background (rp.fit's)
+    keep: int = 3  # checkpoints kept (rp.fit's)
+    # on SIGTERM/SIGINT, save if the newest checkpoint is this many steps old; null: never
+    emergency_after: int | None = 1
+    # when no checkpoint is readable: move them aside (not deleted) and train from step 0
+    start_over_if_unreadable: bool = False
+    # on fewer processes than launched (replicator launch --min-processes): "keep" the global
+    # batch (more micro-batches per step), or "shrink" it with the data axes
+    elastic_batch: str = "keep"
     out_dir: str = "runs"
     plot: bool = True
     tensorboard: bool = False  # also write the metrics to out_dir/name/tensorboard
@@ -230,6 +238,14 @@ class TrainConfig:
         _at_least(self, "cpu_devices", 0)
         for name in ("steps", "global_batch", "accumulate_steps", "log_every", "checkpoint_every"):
             _at_least(self, name, 1)
+        _at_least(self, "keep", 1)
+        if self.elastic_batch not in ("keep", "shrink"):
+            raise ValueError(
+                f"{where}elastic_batch must be 'keep' (the global batch, in more micro-batches "
+                f"per step) or 'shrink' (with the data axes); got {self.elastic_batch!r}."
+            )
+        if self.emergency_after is not None:
+            _at_least(self, "emergency_after", 1)
         if isinstance(self.optimizer, str):  # optimizer: adam, short for {name: adam}
             try:
                 object.__setattr__(self, "optimizer", OptimizerConfig(name=self.optimizer))
@@ -472,6 +488,44 @@ def _finite_positive(obj, name: str, *, example: str, none: bool = False) -> Non
         )
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    """A YAML mapping that gives one key twice; the message names the key and both lines."""
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.safe_load``'s loader, except that a mapping giving a key twice is an error.
+
+    Plain YAML keeps the last of two equal keys, so ``steps: 5`` then ``steps: 7`` would train 7
+    steps without a word. Keys brought in by a merge (``<<: *base``) may still be overridden.
+    """
+
+    def __init__(self, stream) -> None:
+        super().__init__(stream)
+        self._paths: dict[int, str] = {}  # a mapping node's dotted path: "model."
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            paths = self._paths
+            prefix, seen = paths.get(id(node), ""), {}
+            for key_node, value_node in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.setdefault(key, key_node.start_mark)
+                except TypeError:  # an unhashable key: the base class refuses it
+                    continue
+                paths[id(value_node)] = f"{prefix}{key}."
+                if first is not key_node.start_mark:
+                    a, b = first.line + 1, key_node.start_mark.line + 1
+                    where = f"on line {a}" if a == b else f"on lines {a} and {b}"
+                    raise DuplicateKeyError(
+                        f"key {prefix}{key} appears twice, {where}; YAML would silently keep "
+                        f"the second. Keep one of them."
+                    )
+        return super().construct_mapping(node, deep=deep)
+
+
 def load(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> TrainConfig:
     """Reads a YAML config and applies ``key=value`` overrides (dotted keys for nested fields).
 
@@ -482,12 +536,14 @@ def load(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> Train
     """
     try:
         with open(path) as f:
-            raw = yaml.safe_load(f) or {}
+            raw = yaml.load(f, Loader=UniqueKeyLoader) or {}
     except FileNotFoundError:
         raise FileNotFoundError(
             f"config {path}: no config file there; give the path of a YAML file, e.g. "
             f"configs/lm_dp.yaml."
         ) from None
+    except DuplicateKeyError as e:
+        raise ValueError(f"config {path}: {e}") from None
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise ValueError(f"config {path} is not YAML: {_one_line(e)}") from None
     if not isinstance(raw, dict):
@@ -512,7 +568,9 @@ def load(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> Train
             if not isinstance(target, dict):
                 raise ValueError(f"override {item!r}: {part} is not a section.")
         try:
-            target[leaf] = yaml.safe_load(value)
+            target[leaf] = yaml.load(value, Loader=UniqueKeyLoader)
+        except DuplicateKeyError as e:
+            raise ValueError(f"override {item!r}: {e}") from None
         except yaml.YAMLError as e:
             raise ValueError(f"override {item!r} is not YAML: {_one_line(e)}") from None
     # An override of the rate replaces it in whichever form the file gives it.

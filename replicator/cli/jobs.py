@@ -35,6 +35,8 @@ from replicator.models import cnn, gpt, mlp
 
 # What the library raises for a config, a mesh, a run directory or a checkpoint it refuses.
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, rp.RunDirLockedError)
+# What it raises during training that its message says all of (what failed, what to do).
+RUN_ERRORS = (rp.CheckpointWriteError,)
 
 
 class SetupError(Exception):
@@ -239,7 +241,7 @@ def run(config: TrainConfig) -> dict:
     Raises:
       SetupError: if the library refuses the job before the first step (see `SetupError`).
     """
-    _devices(config, cpu_only=False)
+    config = _joined(config)
     out = os.path.join(config.out_dir, config.name)
     try:
         os.makedirs(out, exist_ok=True)
@@ -260,6 +262,9 @@ def run(config: TrainConfig) -> dict:
                 checkpoint_dir=os.path.abspath(os.path.join(out, "checkpoints")),
                 checkpoint_every=config.checkpoint_every,
                 async_checkpoints=config.async_checkpoints,
+                keep=config.keep,
+                emergency_after=config.emergency_after,
+                start_over_if_unreadable=config.start_over_if_unreadable,
                 log_every=config.log_every,
                 metrics_path=os.path.join(out, "metrics.jsonl"),
                 examples_per_step=config.global_batch,
@@ -281,9 +286,9 @@ def run(config: TrainConfig) -> dict:
         "last_loss": losses[-1][1] if losses else None,
         "preempted": result.preempted,
     }
-    if config.plot and losses:
+    if config.plot and losses and jax.process_index() == 0:
         _plot(losses, os.path.join(out, "loss.png"), config)
-    if config.pipeline is not None:
+    if config.pipeline is not None and jax.process_index() == 0:
         _draw_schedule(config, repl.mesh.shape["stage"], out)
     if losses:
         done = (
@@ -295,6 +300,77 @@ def run(config: TrainConfig) -> dict:
         f"replicator train {config.name}: {done} in {seconds:.1f} s; outputs in {out}", flush=True
     )
     return summary
+
+
+def _joined(config: TrainConfig) -> TrainConfig:
+    """Joins the job's other processes, if any (under ``replicator launch``, or a cluster JAX
+    detects), after setting the emulated devices (unless the launcher sets them); returns
+    ``config`` as a job shrunk by ``replicator launch --min-processes`` runs it."""
+    if not os.environ.get("REPLICATOR_CPU_DEVICES"):
+        _devices(config, cpu_only=False)
+    try:
+        info = rp.distributed.initialize()
+    except RuntimeError as e:
+        raise SetupError(str(e)) from e
+    if info.elastic_factor == 1:
+        return config
+    return elastic(config, info.elastic_factor, info.planned_count)
+
+
+def elastic(config: TrainConfig, factor: int, planned: int) -> TrainConfig:
+    """``config`` on ``1 / factor`` of its processes: the data axes shrink by ``factor``, and
+    ``elastic_batch: keep`` keeps the global batch in ``factor`` times more micro-batches
+    (accumulation, or a pipeline's micro-batches; a CNN, whose BatchNorm takes statistics over
+    the whole batch, takes a larger batch per replica instead), ``shrink`` shrinks it.
+
+    >>> c = elastic(TrainConfig(mesh={"data": 8}, accumulate_steps=2), 2, 4)  # doctest: +ELLIPSIS
+    replicator train run: on 1/2 of the 4 processes (elastic_batch: keep): ...
+    >>> c.mesh, c.accumulate_steps, c.global_batch
+    ({'data': 4}, 4, 32)
+    """
+    mesh, left = dict(config.mesh), factor
+    for axis in ("data", "dcn_data"):
+        if mesh.get(axis, 0) > 0:
+            g = math.gcd(mesh[axis], left)
+            mesh[axis], left = mesh[axis] // g, left // g
+    if left != 1 and -1 not in mesh.values():
+        raise SetupError(
+            f"{config.name}: the job runs on 1/{factor} of its {planned} processes (a host is "
+            f"lost), and mesh {config.mesh} has no data axis that shrinks by {factor}; use "
+            f"mesh.data: -1 (the remaining devices)."
+        )
+    changes: dict[str, Any] = {"mesh": mesh}
+    if config.elastic_batch == "shrink":
+        if config.global_batch % factor:
+            raise SetupError(
+                f"{config.name}: elastic_batch: shrink on 1/{factor} of the processes needs "
+                f"global_batch={config.global_batch} to divide by {factor}; use elastic_batch: "
+                f"keep, or a global_batch that does."
+            )
+        changes["global_batch"] = config.global_batch // factor
+    elif "stage" in mesh:
+        pipeline = config.pipeline
+        changes["pipeline"] = dataclasses.replace(
+            pipeline, microbatches=pipeline.microbatches * factor
+        )
+    elif config.model.kind != "cnn":
+        changes["accumulate_steps"] = config.accumulate_steps * factor
+    print(
+        f"replicator train {config.name}: on 1/{factor} of the {planned} processes "
+        f"(elastic_batch: {config.elastic_batch}): {changes}",
+        flush=True,
+    )
+    return dataclasses.replace(config, **changes)
+
+
+def _sliced(make: Callable[[int], Iterator[dict]], ctx, global_batch: int) -> Iterator[dict]:
+    """This input pipeline's rows of the global batches ``make(global_batch)`` yields: the data
+    does not depend on how many processes read it (a job resized by the launcher sees the same
+    batches)."""
+    per = ctx.per_pipeline_batch_size(global_batch)
+    lo = ctx.input_pipeline_id * per
+    for batch in make(global_batch):
+        yield {k: v[lo : lo + per] for k, v in batch.items()}
 
 
 def _profile(config: TrainConfig, out: str) -> rp.Profile | None:
@@ -404,10 +480,8 @@ def _gpt(config: TrainConfig, repl, make_tx) -> _Job:
     text = functools.cache(lambda: gpt.stdlib_text(2_000_000))  # read when first iterated
 
     def input_fn(ctx):
-        per = ctx.per_pipeline_batch_size(config.global_batch)
-        yield from gpt.token_batches(
-            text(), batch_size=per, seq_len=m.seq_len, seed=ctx.input_pipeline_id
-        )
+        make = lambda n: gpt.token_batches(text(), batch_size=n, seq_len=m.seq_len, seed=0)
+        yield from _sliced(make, ctx, config.global_batch)
 
     def batch():
         shape = jax.ShapeDtypeStruct((config.global_batch, m.seq_len), jnp.int32)
@@ -554,8 +628,8 @@ def _mlp(config: TrainConfig, repl, make_tx) -> _Job:
         return {"params": placed, "opt": opt.init(placed)}
 
     def input_fn(ctx):
-        per = ctx.per_pipeline_batch_size(config.global_batch)
-        yield from mlp.regression_batches(per, seed=1 + ctx.input_pipeline_id)
+        make = lambda n: mlp.regression_batches(n, seed=1)
+        yield from _sliced(make, ctx, config.global_batch)
 
     def step_fn(state, batch):
         p, o, metrics = opt.step(loss_fn, state["params"], state["opt"], batch)
@@ -579,8 +653,7 @@ def _cnn(config: TrainConfig, repl, make_tx) -> _Job:
     )
 
     def input_fn(ctx):
-        per = ctx.per_pipeline_batch_size(config.global_batch)
-        yield from cnn.shape_batches(per, seed=1000 + ctx.input_pipeline_id)
+        yield from _sliced(lambda n: cnn.shape_batches(n, seed=1000), ctx, config.global_batch)
 
     def step_fn(state, batch):
         (loss, (stats, accuracy)), grads = cnn.value_and_grad(

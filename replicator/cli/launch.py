@@ -1,7 +1,7 @@
 """``replicator launch``: the command line of the local launcher, `rp.distributed.launch`.
 
-``replicator launch -n 2 [--devices-per-process 4] [--port P] [--grace S] [--watchdog S] --
-python train.py`` (or ``python -m replicator.launch ...``) parses its options here and runs
+``replicator launch -n 2 [--devices-per-process 4] [--port P] [--grace S] [--watchdog S]
+[--max-restarts N] [--min-processes M] -- python train.py`` (or ``python -m replicator.launch ...``) parses its options here and runs
 ``rp.distributed.launch``; a bad option is one line on stderr and exit code 2.
 """
 
@@ -33,8 +33,9 @@ def parser() -> argparse.ArgumentParser:
         description="Runs CMD as N local processes of one JAX distributed job, with a "
         "coordinator on 127.0.0.1. Each line of output is prefixed with its rank. The job ends "
         "at its first failure (an exit code, a signal, or --watchdog), naming the rank, with "
-        "that rank's exit code (128 + signal if killed; 124 for the watchdog). SIGTERM or "
-        "SIGINT to the launcher is passed on to every process. In the script, call "
+        "that rank's exit code (128 + signal if killed; 124 for the watchdog), unless "
+        "--max-restarts starts it again. SIGTERM or SIGINT to the launcher is passed on to every "
+        "process, and no process outlives the launcher. In the script, call "
         "rp.distributed.initialize() first.",
     )
     p.add_argument("-n", "--num-processes", type=int, required=True, help="processes")
@@ -60,6 +61,45 @@ def parser() -> argparse.ArgumentParser:
         help="end the job when a process goes SECONDS without progress "
         "(rp.distributed.heartbeat(), which rp.fit reports each step); default: off",
     )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after a failure, stop the others and start the job again, up to N times; rp.fit "
+        "resumes from the newest checkpoint. A failure that repeats at the same step is not "
+        "restarted again (default 0)",
+    )
+    p.add_argument(
+        "--min-processes",
+        type=int,
+        default=None,
+        metavar="M",
+        help="on a restart, go on with fewer processes (at least M, a divisor of -n) when some "
+        "do not come up; grow back at a checkpoint when they do (default: -n, no resizing)",
+    )
+    p.add_argument(
+        "--restart-backoff",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="wait before the first restart, doubled for each next one up to 60 (default 1)",
+    )
+    p.add_argument(
+        "--join-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="with --min-processes: a process of a restart that has not reached "
+        "rp.distributed.initialize by then counts as a lost host (default 60)",
+    )
+    p.add_argument(
+        "--rejoin-interval",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="with --min-processes: how often to ask a lost host whether it is back (default 60)",
+    )
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command to run")
     return p
 
@@ -84,6 +124,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             port=args.port,
             grace=args.grace,
             watchdog=args.watchdog,
+            max_restarts=args.max_restarts,
+            min_processes=args.min_processes,
+            restart_backoff=args.restart_backoff,
+            join_timeout=args.join_timeout,
+            rejoin_interval=args.rejoin_interval,
         )
     except ValueError as e:
         print(str(e).splitlines()[0], file=sys.stderr)

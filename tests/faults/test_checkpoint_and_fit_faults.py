@@ -1,8 +1,12 @@
 """Faults injected into checkpoints and rp.fit runs, each with its expected outcome: an exact
 resume, a clear error, or a safe stop with nothing good lost."""
 
+import errno
 import json
 import os
+import signal
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -13,8 +17,11 @@ import optax
 import pytest
 
 import replicator as rp
+from replicator import cli
+from replicator.cli import config
 
 LIKE = {"w": np.zeros((3, 1), np.float32)}
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def linear_data(n=40, seed=0):
@@ -354,3 +361,298 @@ def test_an_input_with_no_batch_saves_nothing_and_says_so(tmp_path, capsys):
     result = fit(tmp_path, 4, [])
     assert result.step == 0 and rp.Checkpoints(tmp_path).steps() == []
     assert "ended at step 0 of 4" in capsys.readouterr().err
+
+
+# -- a full disk ----------------------------------------------------------------------------
+
+# tensorstore's error for a checkpoint array written into a full filesystem, word for word as on
+# a full tmpfs (orbax-checkpoint 0.12, tensorstore 0.1.86): a ValueError out of the array write,
+# after orbax made the step's temporary directory. (RLIMIT_FSIZE would give EFBIG instead.)
+NO_SPACE = (
+    'RESOURCE_EXHAUSTED: Error writing "w/0" in OCDBT database at local file "{tmp}/state.orbax-'
+    'checkpoint-tmp/ocdbt.process_0/": Failed writing: "{tmp}/state.orbax-checkpoint-tmp/'
+    'ocdbt.process_0/d/c06e6124f6029d3020c83113f95eed7e": Failed to write 3365248 bytes to file '
+    "7: No space left on device [os_error_code='28']"
+)
+
+
+@pytest.fixture
+def full_disk(monkeypatch):
+    """``full_disk(directory, step)``: tensorstore's writes of checkpoint steps >= ``step`` into
+    ``directory`` fail as on a full filesystem; ``full_disk(None)``: space again."""
+    import tensorstore as ts
+
+    write, full = ts.TensorStore.write, {}
+
+    def failing_write(self, *args, **kwargs):
+        for tmp in Path(full["dir"]).glob("*.orbax-checkpoint-tmp*") if full else ():
+            if int(tmp.name.split(".")[0]) >= full["step"]:
+
+                async def no_space(tmp=tmp):
+                    raise ValueError(NO_SPACE.format(tmp=tmp))
+
+                return no_space()
+        return write(self, *args, **kwargs)
+
+    def fill(directory, step=0):
+        full.clear()
+        if directory is not None:
+            full.update(dir=directory, step=step)
+
+    monkeypatch.setattr(ts.TensorStore, "write", failing_write)
+    return fill
+
+
+def leftovers(directory):
+    return [p.name for p in Path(directory).iterdir() if ".orbax-checkpoint-tmp" in p.name]
+
+
+@pytest.mark.parametrize("async_checkpoints", [False, True])
+def test_a_full_disk_is_one_clear_error_and_the_good_checkpoints_resume(
+    tmp_path, full_disk, async_checkpoints, caplog
+):
+    data = batches(8)
+    ckpt = tmp_path / "ckpt"
+    full_disk(ckpt, 6)
+    with pytest.raises(rp.CheckpointWriteError) as caught:
+        fit(ckpt, 8, data, async_checkpoints=async_checkpoints)
+    e = caught.value
+    assert isinstance(e, OSError) and e.errno == errno.ENOSPC and e.step == 6
+    assert str(e) == (
+        f"rp.Checkpoints.save: checkpoint step 6 could not be written to {ckpt}: no space left "
+        f"on device (ENOSPC). Its partial directory was removed; the complete checkpoints there "
+        f"are untouched (newest: step 4), so running again resumes from step 4. Make room on "
+        f"that filesystem: free space (or quota), keep fewer checkpoints (keep=3 now; a save "
+        f"needs room for one checkpoint more before the oldest beyond keep is deleted), or give "
+        f"checkpoint_dir a larger disk."
+    )
+    assert e.__cause__ is None and e.__suppress_context__  # no chain of orbax's tracebacks
+    assert not [r for r in caplog.records if "No space left" in r.getMessage()]  # orbax's logs
+    assert leftovers(ckpt) == [] and rp.Checkpoints(ckpt).steps() == [2, 4]
+    full_disk(None)  # space again: the rerun resumes from step 4, exactly
+    resumed = fit(ckpt, 8, data, async_checkpoints=async_checkpoints)
+    straight = fit(tmp_path / "straight", 8, data)
+    assert resumed.resumed_from == 4 and rp.Checkpoints(ckpt).steps() == [4, 6, 8]
+    np.testing.assert_array_equal(np.asarray(resumed.state["w"]), np.asarray(straight.state["w"]))
+
+
+def test_a_full_disk_before_any_checkpoint_says_none_and_step_0(tmp_path, full_disk):
+    full_disk(tmp_path)
+    ckpt = rp.Checkpoints(tmp_path, async_save=True)
+    ckpt.save(1, {"w": np.ones((3, 1), np.float32)})  # returns; the write fails meanwhile
+    with pytest.raises(
+        rp.CheckpointWriteError,
+        match=r"step 1 .*\(newest: none\), so running "
+        r"again resumes from step 0\.",
+    ):
+        ckpt.wait()
+    assert leftovers(tmp_path) == [] and ckpt.steps() == []
+    ckpt.close()
+
+
+def test_a_full_disk_in_replicator_train_is_one_line(capsys, tmp_path, full_disk):
+    full_disk(tmp_path / "mlp_zero" / "checkpoints", 4)
+    argv = ["train", str(CONFIGS / "mlp_zero.yaml"), f"out_dir={tmp_path}", "plot=false",
+            "steps=6", "checkpoint_every=2", "model.layers=2", "keep=2"]  # fmt: skip
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "replicator train: rp.Checkpoints.save: checkpoint step 4 could not be written to "
+    ), err
+    assert "(newest: step 2)" in err and "keep=2 now" in err and err.count("\n") == 1, err
+
+
+def _can_mount_a_tmpfs():
+    probe = "mount -t tmpfs -o size=64k tmpfs /mnt"
+    try:
+        return subprocess.run(["unshare", "-rm", "sh", "-c", probe], timeout=30).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+@pytest.mark.slow  # a real full disk: replicator train in a subprocess, on a 1.5 MB tmpfs
+@pytest.mark.skipif(not _can_mount_a_tmpfs(), reason="needs unshare -rm and a tmpfs mount")
+def test_a_really_full_disk_in_replicator_train_is_one_line(tmp_path):
+    train = (
+        f"mount -t tmpfs -o size=1500k tmpfs /mnt && {sys.executable} -m replicator.cli train "
+        f"{CONFIGS / 'mlp_zero.yaml'} out_dir=/mnt steps=30 checkpoint_every=10 log_every=1000 "
+        f"plot=false async_checkpoints=true; echo exit=$?; ls -a /mnt/mlp_zero/checkpoints"
+    )
+    run = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", train], capture_output=True, text=True, timeout=300
+    )
+    err = run.stderr
+    assert "Traceback" not in err and "ERROR" not in err, err[-3000:]
+    assert err.count("\n") == 1 and err.startswith("replicator train: rp.Checkpoints.save: "), err
+    assert "no space left on device (ENOSPC)" in err and "keep=3 now" in err, err
+    assert "exit=1" in run.stdout, run.stdout
+    left = run.stdout.split("exit=1")[1].split()
+    assert not [n for n in left if "tmp" in n], left  # the partial step was removed
+
+
+# -- metrics of a run that starts over ------------------------------------------------------
+
+
+@pytest.mark.parametrize("checkpoints", [True, False])
+def test_a_run_killed_before_its_first_checkpoint_leaves_each_step_once(tmp_path, checkpoints):
+    data = batches(8)
+    metrics = tmp_path / "metrics.jsonl"
+    directory = tmp_path / "ckpt" if checkpoints else None
+
+    def killed(ctx):
+        yield from data[:3]
+        raise RuntimeError("killed")  # after step 3, before checkpoint 5
+
+    repl = rp.Replicator()
+    with pytest.raises(RuntimeError, match="killed"):
+        rp.fit(
+            repl,
+            linear_step(),
+            repl.replicate(LIKE),
+            killed,
+            steps=8,
+            log_every=1,
+            checkpoint_dir=directory,
+            checkpoint_every=5 if checkpoints else None,
+            metrics_path=metrics,
+            progress=False,
+        )
+    assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == [1, 2, 3]
+    again = fit(
+        directory, 8, data, checkpoint_every=5 if checkpoints else None, metrics_path=metrics
+    )
+    lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert again.resumed_from is None and [r["step"] for r in lines] == list(range(1, 9))
+    assert [r["loss"] for r in lines] == [r["loss"] for r in again.history]
+
+
+# -- checkpoints none of which is readable ---------------------------------------------------
+
+
+def test_unreadable_checkpoints_stop_fit_and_the_error_names_the_way_out(tmp_path):
+    fit(tmp_path, 4, batches(4))  # checkpoints 2 and 4
+    for step in (2, 4):
+        corrupt_array_file(tmp_path / str(step))
+    with (
+        pytest.warns(UserWarning, match=r"is unreadable"),
+        pytest.raises(
+            FileNotFoundError,
+            match=r"None was moved .*rp\.fit\(\.\.\., "
+            r"start_over_if_unreadable=True\) \(replicator train: "
+            r"start_over_if_unreadable=true\)",
+        ),
+    ):
+        fit(tmp_path, 8, batches(8))
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["2", "4"]
+
+
+def test_start_over_if_unreadable_moves_them_aside_and_trains_from_step_0(tmp_path):
+    data = batches(8)
+    fit(tmp_path, 4, data)
+    for step in (2, 4):
+        corrupt_array_file(tmp_path / str(step))
+    with pytest.warns(UserWarning) as caught:
+        result = fit(tmp_path, 8, data, start_over_if_unreadable=True)
+    text = "\n".join(str(w.message) for w in caught)
+    for step in (2, 4):
+        aside = [p for p in tmp_path.iterdir() if p.name.startswith(f"{step}.broken-")]
+        assert len(aside) == 1 and f"moved it aside to {aside[0]}" in text, text
+        assert (aside[0] / "state").is_dir()  # kept, not deleted
+    assert "no step restores" in text and "starts over from step 0" in text
+    straight = fit(tmp_path / "straight", 8, data)
+    assert result.resumed_from is None and result.step == 8
+    np.testing.assert_array_equal(np.asarray(result.state["w"]), np.asarray(straight.state["w"]))
+    assert rp.Checkpoints(tmp_path).steps() == [4, 6, 8]
+
+
+def test_start_over_if_unreadable_leaves_readable_checkpoints_alone(tmp_path):
+    data = batches(8)
+    fit(tmp_path, 4, data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = fit(tmp_path, 8, data, start_over_if_unreadable=True)
+    assert result.resumed_from == 4 and not [p for p in tmp_path.iterdir() if "broken" in p.name]
+
+
+@pytest.mark.slow  # three short replicator train runs
+def test_replicator_train_names_and_takes_start_over_if_unreadable(capsys, tmp_path):
+    argv = ["train", str(CONFIGS / "mlp_zero.yaml"), f"out_dir={tmp_path}", "plot=false",
+            "steps=2", "checkpoint_every=2", "model.layers=2"]  # fmt: skip
+    assert cli.main(argv) == 0
+    corrupt_array_file(tmp_path / "mlp_zero" / "checkpoints" / "2")
+    capsys.readouterr()
+    with pytest.warns(UserWarning, match="is unreadable"):
+        assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "start_over_if_unreadable=true" in err, err
+    with pytest.warns(UserWarning) as caught:
+        assert cli.main([*argv, "start_over_if_unreadable=true"]) == 0
+    assert any("moved it aside" in str(w.message) for w in caught)
+    names = os.listdir(tmp_path / "mlp_zero" / "checkpoints")
+    assert "2" in names and [n for n in names if n.startswith("2.broken-")], names
+
+
+# -- emergency checkpoints on SIGTERM -------------------------------------------------------
+
+
+class SigtermAt:
+    """A metric writer that sends this process SIGTERM when ``step`` is logged."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def write(self, step, metrics):
+        if step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize(
+    ("emergency_after", "saved"), [(1, [4, 6]), (2, [4, 6]), (3, [4]), (None, [4])]
+)
+def test_emergency_after_decides_the_save_on_sigterm(tmp_path, capsys, emergency_after, saved):
+    data = batches(12)
+    result = fit(
+        tmp_path,
+        12,
+        data,
+        checkpoint_every=4,
+        writers=[SigtermAt(5)],
+        emergency_after=emergency_after,
+    )
+    assert result.preempted and result.step == 6  # the signal at step 5's log: stops after 6
+    assert rp.Checkpoints(tmp_path).steps() == saved
+    err = capsys.readouterr().err
+    if saved[-1] == 6:
+        assert "rp.fit: stopped by SIGTERM at step 6; checkpoint saved" in err, err
+    else:
+        assert (
+            f"rp.fit: stopped by SIGTERM at step 6; no checkpoint saved (emergency_after="
+            f"{emergency_after}; newest: step 4): running again resumes from step 4" in err
+        ), err
+    resumed = fit(tmp_path, 12, data, checkpoint_every=4)
+    straight = fit(tmp_path / "straight", 12, data, checkpoint_every=4)
+    assert resumed.resumed_from == saved[-1]
+    np.testing.assert_array_equal(np.asarray(resumed.state["w"]), np.asarray(straight.state["w"]))
+
+
+def test_emergency_after_is_checked_in_fit_and_in_configs(tmp_path):
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(
+            ValueError,
+            match=r"rp\.fit: emergency_after must be an int >= 1 or "
+            r"None",
+        ):
+            fit(tmp_path, 2, batches(2), emergency_after=bad)
+    with pytest.raises(TypeError, match=r"start_over_if_unreadable must be True or False"):
+        fit(tmp_path, 2, batches(2), start_over_if_unreadable="yes")
+    path = tmp_path / "c.yaml"
+    path.write_text("name: x\nemergency_after: null\nstart_over_if_unreadable: true\nkeep: 2\n")
+    cfg = config.load(path)
+    assert (cfg.emergency_after, cfg.start_over_if_unreadable, cfg.keep) == (None, True, 2)
+    assert config.load(path, ["emergency_after=5"]).emergency_after == 5
+    for bad in ("emergency_after=0", "keep=0"):
+        with pytest.raises(ValueError, match=rf"{bad.split('=')[0]} must be an int >= 1"):
+            config.load(path, [bad])

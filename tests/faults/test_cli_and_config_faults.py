@@ -102,6 +102,46 @@ def test_bad_config_files_are_one_line(text, words, capsys, tmp_path):
     assert err.count("\n") == 1, err
 
 
+# A key given twice in one mapping: plain YAML would keep the second without a word.
+DUPLICATES = {
+    "top-level key": ("name: x\nsteps: 5\nsteps: 7\n", "key steps", "lines 2 and 3"),
+    "two sections": (
+        "name: x\nmodel:\n  kind: mlp\nsteps: 2\nmodel:\n  d_model: 8\n",
+        "key model",
+        "lines 2 and 5",
+    ),
+    "key in a section": (
+        "name: x\nmodel:\n  kind: mlp\n  d_model: 8\n  layers: 2\n  d_model: 16\n",
+        "key model.d_model",
+        "lines 4 and 6",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(DUPLICATES))
+def test_a_key_given_twice_in_a_config_file_is_refused(case, capsys, tmp_path):
+    text, key, lines = DUPLICATES[case]
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    code, err = train(capsys, tmp_path, path)
+    assert_user_error(code, err, str(path), f"{key} appears twice", lines, "Keep one")
+    assert err.count("\n") == 1, err
+    assert not (tmp_path / "x").exists()  # refused before anything was written
+
+
+def test_a_key_given_twice_in_an_override_is_refused(capsys, tmp_path):
+    code, err = train(capsys, tmp_path, CONFIGS / "mlp_zero.yaml", "mesh={data: 2, data: 4}")
+    assert_user_error(code, err, "mesh={data: 2, data: 4}", "key data appears twice")
+    assert err.count("\n") == 1, err
+
+
+def test_keys_merged_from_an_anchor_may_still_be_overridden(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("name: x\nmodel:\n  <<: {kind: mlp, d_model: 8, layers: 2}\n  layers: 3\n")
+    cfg = config.load(path)
+    assert (cfg.model.kind, cfg.model.d_model, cfg.model.layers) == ("mlp", 8, 3)
+
+
 def test_missing_config_file(capsys, tmp_path):
     code, err = train(capsys, tmp_path, tmp_path / "nope.yaml")
     assert_user_error(code, err, "nope.yaml", "no config file")

@@ -69,6 +69,28 @@ def test_a_killed_rank_gives_128_plus_9_and_is_named(tmp_path):
 
 
 @pytest.mark.slow
+def test_raise_system_exit_3_ends_the_job_as_fast_as_sys_exit(tmp_path):
+    """A bare ``raise SystemExit(3)`` reaches no handler that could see its code; the launcher's
+    workers record it when the exception is made, and leave without JAX's shutdown barrier (which
+    held the job 31 s and blamed rank 0's abort)."""
+    code, out, after = launch_fault(tmp_path, "raise_exit3")
+    assert code == 3, out[-3000:]
+    assert "replicator launch: rank 1 exited with 3" in out, out[-3000:]
+    assert after < 5, f"the job ended {after:.1f} s after the failure"
+
+
+@pytest.mark.slow
+def test_a_rank_stuck_inside_a_step_is_named_with_the_ranks_it_cannot_be_told_from(tmp_path):
+    """Every rank made the same reports: the one that holds the others cannot be told from those
+    that wait for it, and the launcher says so instead of blaming one of them alone."""
+    code, out, after = launch_fault(tmp_path, "stuck_in_step", extra=["--watchdog", "3"])
+    assert code == 124, out[-3000:]
+    assert "replicator launch: ranks [0, 1] (each stopped in the same step" in out, out[-3000:]
+    assert after < 3 + 5, f"the job ended {after:.1f} s after the failure"
+    assert_gone(tmp_path)
+
+
+@pytest.mark.slow
 def test_a_stuck_rank_is_ended_by_the_watchdog_and_named(tmp_path):
     code, out, after = launch_fault(tmp_path, "stuck", extra=["--watchdog", "3"])
     assert code == 124, out[-3000:]

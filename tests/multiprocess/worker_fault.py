@@ -4,8 +4,10 @@
 reporting progress with ``rp.distributed.heartbeat()``; after 5 steps, process RANK fails as MODE
 says, right after writing the time of failure (``time.time()``) to ``DIR/failed_at``:
 
-- ``raise``: raises RuntimeError; ``exit3``: ``sys.exit(3)``; ``kill``: SIGKILLs itself;
+- ``raise``: raises RuntimeError; ``exit3``: ``sys.exit(3)``; ``raise_exit3``:
+  ``raise SystemExit(3)``; ``kill``: SIGKILLs itself;
 - ``stuck``: sleeps for an hour while its peers wait for it in the next all-reduce;
+- ``stuck_in_step``: the same, after its heartbeat of step 5 (as its peers);
 - ``idle``: every process writes ``DIR/rank<r>.pid`` and sleeps, without failing.
 """
 
@@ -49,10 +51,15 @@ for i in range(1_000_000):
             raise RuntimeError(f"rank {me} fails on purpose")
         if mode == "exit3":
             sys.exit(3)
+        if mode == "raise_exit3":
+            raise SystemExit(3)
         if mode == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if mode == "stuck":  # e.g. in its input pipeline, before it starts step 5
             time.sleep(3600)
     rp.distributed.heartbeat()  # at the start of each step, as rp.fit does
+    if i == 5 and me == failing and mode == "stuck_in_step":  # e.g. in a host callback
+        mark("failed_at", repr(time.time()))
+        time.sleep(3600)
     state, outputs = repl.run(step, state, x)
     float(rp.local_row(outputs)["s"])  # wait for the step: the peers meet in every all-reduce
