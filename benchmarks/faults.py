@@ -14,7 +14,7 @@ Part ``restarts`` (``replicator launch --max-restarts``): tests/faults/worker_he
 with Adam under ZeRO-1, 2 emulated devices per process, checkpoints every 5 steps) runs 40 steps
 while a random rank is SIGKILLed at a random step, ``--kills`` times in one run (seeded; at
 distinct steps). For each failure: the seconds from the kill to the first step after the restart
-(the last rank to start it), with ``--restart-backoff 0`` (the default backoff adds 1 s, then
+(the last rank to start it, and to end it: compiled and run), with ``--restart-backoff 0`` (the default backoff adds 1 s, then
 2 s, ...), and the steps lost (run again: from the checkpoint to the failed step). The last row
 loses a host for good with ``-n 4 --min-processes 2``. Each run's final parameters are compared
 with an uninterrupted run's: bitwise on the same processes, to 1e-5 after the resize.
@@ -81,17 +81,23 @@ def heal(directory: Path, n: int, faults: list[dict], extra=()) -> tuple[int, st
     return run.returncode, run.stdout + run.stderr
 
 
-def recoveries(directory: Path) -> list[tuple[int, int, float, int]]:
-    """(failed step, rank, seconds to the first step after the restart, steps lost) per fault."""
+def recoveries(directory: Path) -> list[tuple]:
+    """(failed step, rank, seconds to the start of the first step after the restart, seconds
+    to its end, steps lost) per fault."""
     lines = (directory / "events.jsonl").read_text().splitlines()
     events = [json.loads(line) for line in lines]
     out = []
     for fault in (e for e in events if e["kind"] == "fault"):
-        starts = [e for e in events if e["kind"] == "first_step" and e["time"] > fault["time"]]
-        first = [e for e in starts if e["step"] == starts[0]["step"]] if starts else []
-        if first:
-            seconds = max(e["time"] for e in first) - fault["time"]
-            out.append((fault["step"], fault["rank"], seconds, fault["step"] - first[0]["step"]))
+        later = [e for e in events if e["time"] > fault["time"]]
+        starts = [e for e in later if e["kind"] == "first_step"]
+        ends = [e for e in later if e["kind"] == "first_step_done"]
+        if not starts or not ends:
+            continue
+        first = [e for e in starts if e["step"] == starts[0]["step"]]
+        done = [e for e in ends if e["step"] == ends[0]["step"]]
+        start = max(e["time"] for e in first) - fault["time"]
+        end = max(e["time"] for e in done) - fault["time"]
+        out.append((fault["step"], fault["rank"], start, end, fault["step"] - first[0]["step"]))
     return out
 
 
@@ -103,8 +109,11 @@ def same(a: Path, b: Path, exact: bool) -> bool:
 
 
 def restarts(processes: list[int], kills: int, seed: int) -> None:
-    print("| processes | failure | seconds to the first step after the restart | steps lost |")
-    print("|---|---|---|---|")
+    print(
+        "| processes | failure | seconds to the first step after the restart: its start | "
+        "its end (compiled and run) | steps lost |"
+    )
+    print("|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         verdicts = []
@@ -113,8 +122,9 @@ def restarts(processes: list[int], kills: int, seed: int) -> None:
             faults = random_faults(seed + n, n, kills)
             code, out = heal(tmp / f"healed{n}", n, faults, ["--max-restarts", str(kills)])
             assert code == 0, out[-3000:]
-            for step, rank, seconds, lost in recoveries(tmp / f"healed{n}"):
-                print(f"| {n} | SIGKILL rank {rank} at step {step} | {seconds:.2f} | {lost} |")
+            for step, rank, start, end, lost in recoveries(tmp / f"healed{n}"):
+                failure = f"SIGKILL rank {rank} at step {step}"
+                print(f"| {n} | {failure} | {start:.2f} | {end:.2f} | {lost} |", flush=True)
             verdicts.append(
                 f"{n} processes, {kills} kills: bitwise equal to the uninterrupted run: "
                 f"{'yes' if same(tmp / f'plain{n}', tmp / f'healed{n}', True) else 'NO'}"
@@ -123,8 +133,9 @@ def restarts(processes: list[int], kills: int, seed: int) -> None:
         extra = ["--max-restarts", "1", "--min-processes", "2"]
         code, out = heal(tmp / "shrunk", 4, lose, extra)
         assert code == 0, out[-3000:]
-        for step, rank, seconds, lost in recoveries(tmp / "shrunk"):
-            print(f"| 4 -> 2 | host of rank {rank} lost at step {step} | {seconds:.2f} | {lost} |")
+        for step, rank, start, end, lost in recoveries(tmp / "shrunk"):
+            failure = f"host of rank {rank} lost at step {step}"
+            print(f"| 4 -> 2 | {failure} | {start:.2f} | {end:.2f} | {lost} |", flush=True)
         ok = "yes" if same(tmp / "plain4", tmp / "shrunk", False) else "NO"
         verdicts.append(f"4 -> 2 processes: equal to the uninterrupted 4-process run to 1e-5: {ok}")
     print()

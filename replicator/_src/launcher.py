@@ -67,7 +67,7 @@ def launch(
 
     * A process that exits non-zero or is killed: the launcher names the rank that failed first
       (later deaths are the teardown's doing) and the step it was in, sends the others' process
-      groups SIGTERM, then SIGKILL after ``min(grace, 2)`` seconds.
+      groups SIGTERM, then SIGKILL after ``min(grace, 0.5)`` seconds.
     * ``watchdog``: when a process goes ``watchdog`` seconds without a `heartbeat` (``rp.fit``
       reports one per step), the launcher names it and stops the round (code 124). The
       watchdog is armed by the first report of any process; a process that is exiting is not
@@ -201,8 +201,9 @@ class _Policy:
                 return code
             first = False
             if verdict.kind == "exit" or verdict.kind == "watchdog":
-                if not self._wait(signals):
-                    return 128 + signal.SIGTERM
+                sig = self._wait(signals)
+                if sig is not None:
+                    return 128 + sig
 
     def _after(self, rnd: Round, verdict: Verdict) -> int | None:
         """Ends ``rnd`` as ``verdict`` says; the job's exit code, or None to run another round."""
@@ -270,15 +271,15 @@ class _Policy:
         )
         return None
 
-    def _wait(self, signals: queue.Queue) -> bool:
-        """The backoff before a restart; False if the launcher got a signal meanwhile."""
+    def _wait(self, signals: queue.Queue) -> int | None:
+        """The backoff before a restart; the signal the launcher got meanwhile, if any."""
         try:
             sig = signals.get(timeout=self.backoff)
         except queue.Empty:
             self.backoff = min(self.backoff * 2, BACKOFF_LIMIT)
-            return True
+            return None
         self.job.say(f"got {signal.Signals(sig).name} while waiting to restart; stopped.")
-        return False
+        return sig
 
     def _can_grow(self, rnd: Round) -> bool:
         rejoin = self.rejoin

@@ -42,7 +42,10 @@ from replicator._src.distributed import (
 )
 
 WATCHDOG_EXIT_CODE = 124  # as timeout(1): the watchdog ended the job
-FAILURE_GRACE = 2.0  # seconds between SIGTERM and SIGKILL when a rank has failed
+# Seconds between SIGTERM and SIGKILL when a rank has failed: a survivor cannot save anything
+# with a peer gone, and one that is not killed by SIGTERM at once is inside rp.fit's stop,
+# waiting for that peer.
+FAILURE_GRACE = 0.5
 SETTLE = 0.5  # seconds to wait, after a failure, for the failures it causes at once
 
 

@@ -9,6 +9,7 @@ same global batch, accumulated in more micro-batches).
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -114,6 +115,24 @@ def test_two_kills_are_healed_by_restarts_bitwise(tmp_path):
 
 
 @pytest.mark.slow
+def test_random_kills_of_random_ranks_are_healed_bitwise(tmp_path):
+    """The fault-injection harness: 3 SIGKILLs of random ranks at distinct random steps of one
+    run (seeded by ``REPLICATOR_FAULT_SEED``, default 0: rerun with another seed to explore)."""
+    rng = random.Random(int(os.environ.get("REPLICATOR_FAULT_SEED", "0")))
+    faults = [
+        {"step": s, "rank": rng.randrange(2), "how": "kill"} for s in rng.sample(range(3, 24), 3)
+    ]
+    code, out = heal(tmp_path / "plain", 2, 24)
+    assert code == 0, out[-3000:]
+    code, out = heal(tmp_path / "healed", 2, 24, faults, extra=["--max-restarts", "3"])
+    assert code == 0, out[-3000:]
+    assert last_lines(out).count("Restart ") == 3, last_lines(out)
+    plain, healed = params(tmp_path / "plain"), params(tmp_path / "healed")
+    for k in plain:
+        np.testing.assert_array_equal(healed[k], plain[k], err_msg=k)
+
+
+@pytest.mark.slow
 def test_a_failure_at_the_same_step_is_restarted_once_then_ends_the_job(tmp_path):
     faults = [{"step": 9, "rank": 1, "how": "raise", "always": True}]
     code, out = heal(tmp_path, 2, 20, faults, extra=["--max-restarts", "3"])
@@ -187,3 +206,45 @@ def test_a_lost_host_that_comes_back_grows_the_job_at_a_checkpoint(tmp_path):
     plain, grown = params(tmp_path / "plain"), params(directory)
     for k in plain:
         np.testing.assert_allclose(grown[k], plain[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+@pytest.mark.slow
+def test_sigterm_while_waiting_to_restart_stops_the_launcher(tmp_path):
+    cmd = [*LAUNCH, "-n", "2", "--devices-per-process", "1", "--max-restarts", "3"]
+    cmd += ["--restart-backoff", "60", "--"]
+    cmd += [sys.executable, str(FAULT_WORKER), "exit3", "1", str(tmp_path)]
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in launcher.stdout:
+            lines.append(line)
+            if "Restart 1 of 3 in 60 s" in line:
+                break
+        asked = time.monotonic()
+        launcher.send_signal(signal.SIGTERM)
+        out = launcher.communicate(timeout=30)[0]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 128 + signal.SIGTERM, "".join(lines) + out
+    assert "got SIGTERM while waiting to restart; stopped." in out
+    assert time.monotonic() - asked < 5
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--max-restarts", "-1"], "--max-restarts must be an int >= 0; got -1"),
+        (["--min-processes", "3"], "--min-processes 3 is more than -n 2; give at most 2"),
+        (["--min-processes", "1"], "--min-processes 1 resizes the job on a restart, and "),
+        (["--max-restarts", "1", "--join-timeout", "0"], "--join-timeout must be a number of"),
+        (["--restart-backoff", "-1"], "--restart-backoff must be a number of seconds >= 0"),
+    ],
+)
+def test_restart_options_are_checked_before_anything_starts(options, message, capsys):
+    from replicator.cli import main
+
+    assert main(["launch", "-n", "2", *options, "--", sys.executable, "-c", "1"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.splitlines()) == 1, err

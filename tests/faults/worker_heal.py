@@ -12,8 +12,8 @@ of step S, rank R fails as H says (``kill``: SIGKILL; ``raise``: RuntimeError; `
 ``sys.exit(3)``), once (the first process to fire a fault claims it with an ``O_EXCL`` file),
 or at every pass with ``"always": true``. ``"lose": true`` also takes its host away for good:
 the slot's process then exits before it joins, until ``DIR/lost<slot>`` is removed. Each fault
-appends ``time.time()`` and its step to ``DIR/events.jsonl``; each process appends the time of
-its first step after a start to the same file.
+appends ``time.time()`` and its step to ``DIR/events.jsonl``; each process appends the times at
+which its first step after a start begins and ends to the same file.
 """
 
 import json
@@ -52,7 +52,7 @@ from worker_preempt_data import global_batch  # noqa: E402
 faults_path = os.path.join(out_dir, "faults.json")
 faults = json.load(open(faults_path)) if os.path.exists(faults_path) else []
 report = distributed.heartbeat
-first = [True]
+first = [True, True]
 
 
 def claim(i: int) -> bool:
@@ -70,6 +70,9 @@ def heartbeat(step=None):  # rp.fit's report at the start of each step: the faul
     if first[0]:
         first[0] = False
         event(kind="first_step", step=step, rank=info.process_index, n=info.process_count)
+    elif first[1]:  # the first step is done (compiled and run): the second one starts
+        first[1] = False
+        event(kind="first_step_done", step=step, rank=info.process_index)
     for i, fault in enumerate(faults):
         if step != fault["step"] or info.process_index != fault["rank"]:
             continue
