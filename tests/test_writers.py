@@ -206,12 +206,25 @@ def items(update):
     return {i.key or ".".join(i.nested_key): json.loads(i.value_json) for i in update}
 
 
-def offline_runs(directory):
-    """{run directory: (run record, [history rows])} of the offline runs under ``directory``."""
+def offline_runs(directory, wait: float = 10.0):
+    """{run directory: (run record, [history rows])} of the offline runs under ``directory``;
+    read again, for up to ``wait`` seconds, while a run's file holds no run record yet (W&B's
+    service may still be writing it when a loaded machine returns from ``finish``)."""
+    deadline = time.monotonic() + wait
+    runs = _offline_runs(directory)
+    while any(run is None for run, _ in runs.values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        runs = _offline_runs(directory)
+    return runs
+
+
+def _offline_runs(directory):
     runs = {}
     for run_dir in sorted(pathlib.Path(directory).glob("wandb/offline-run-*")):
         (path,) = run_dir.glob("run-*.wandb")
-        assert path.stat().st_size > 0
+        if path.stat().st_size < 7:  # not written yet
+            runs[run_dir.name] = (None, [])
+            continue
         run, rows = None, []
         for record in wandb_records(path):
             kind = record.WhichOneof("record_type")
