@@ -9,7 +9,10 @@ trains on (the shapes and dtypes of a batch of its built-in data), and serves th
 run goes on with the next batch.
 
 - ``gpt``: a text file, or a directory of them (every file whose suffix is in ``extensions``,
-  in sorted order), read as bytes: token ids 0-255, the byte-level vocabulary. Or a ``.npy``
+  in sorted order), read as bytes: token ids 0-255, the byte-level vocabulary. With
+  ``tokenizer`` (a Hugging Face ``tokenizer.json`` or a SentencePiece ``.model``), each file is
+  one document, encoded by the tokenizer, its end-of-document token (EOS) appended; the
+  documents are packed one after another into one stream (`encode`). Or a ``.npy``
   of token ids: 1-D (one stream) or 2-D ``[N, seq_len + 1]`` (windows). A stream is cut into
   ``N = (len - 1) // seq_len`` windows of ``seq_len + 1`` tokens, one after another; each
   example is ``tokens = window[:-1]``, ``targets = window[1:]``.
@@ -31,6 +34,7 @@ import bisect
 import dataclasses
 import glob
 import io
+import json
 import os
 import re
 import sys
@@ -40,6 +44,10 @@ from typing import Any
 import numpy as np
 
 FORMATS = ("auto", "text", "npy", "npz", "arrayrecord")
+# data.tokenizer's suffixes: a Hugging Face tokenizer.json, a SentencePiece model.
+TOKENIZER_SUFFIXES = (".json", ".model")
+# The end-of-document tokens looked for in a tokenizer.json that does not say which is its EOS.
+EOS_NAMES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eos|>", "[EOS]")
 # An ArrayRecord file's name: "train.array_record", or a shard "train.array_record-00003-of-00016".
 ARRAY_RECORD_NAME = re.compile(r"\.array_record(-\d+-of-\d+)?$")
 
@@ -55,6 +63,13 @@ class DataConfig:
     extensions: str = ".txt,.md,.py,.rst"  # text directories: the suffixes read
     shuffle: bool = True  # a new order of the examples each epoch
     seed: int = 0
+    # Text through a tokenizer: a Hugging Face tokenizer.json or a SentencePiece .model; each
+    # file one document, its EOS appended. None: the text's bytes are the token ids.
+    tokenizer: str | None = None
+    # The tokenizer's end-of-document token, e.g. "</s>"; None: the tokenizer's own (the
+    # SentencePiece eos_id, the eos_token of a tokenizer_config.json beside the tokenizer.json,
+    # or the one of EOS_NAMES it has).
+    eos: str | None = None
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -67,6 +82,38 @@ class DataConfig:
                 "DataConfig: path must be a file, a directory or a glob of ArrayRecord shards, "
                 "or null."
             )
+        self._check_tokenizer()
+
+    def _check_tokenizer(self) -> None:
+        if self.tokenizer is None:
+            if self.eos is not None:
+                raise ValueError(
+                    f"DataConfig: eos={self.eos!r} names a tokenizer's end-of-document token; "
+                    f"set data.tokenizer too, or remove data.eos (bytes have no EOS)."
+                )
+            return
+        if os.path.splitext(self.tokenizer)[1] not in TOKENIZER_SUFFIXES:
+            raise ValueError(
+                f"DataConfig: tokenizer={self.tokenizer!r} is not a tokenizer file replicator "
+                f"reads; give a Hugging Face tokenizer.json (a name ending in .json) or a "
+                f"SentencePiece model (.model)."
+            )
+        if self.path is None:
+            raise ValueError(
+                f"DataConfig: tokenizer={self.tokenizer!r} encodes the text of data.path, which "
+                f"is not set; set data.path to a text file or a directory of them."
+            )
+        if self.format not in ("auto", "text"):
+            raise ValueError(
+                f"DataConfig: tokenizer={self.tokenizer!r} encodes text, and data.format="
+                f"{self.format!r} holds token ids or arrays already; set data.format=text (or "
+                f"auto), or remove data.tokenizer."
+            )
+        if self.eos is not None and not self.eos:
+            raise ValueError(
+                "DataConfig: eos must name one of the tokenizer's tokens (e.g. eos='</s>'), or "
+                "be null (the tokenizer's own)."
+            )
 
 
 def examples(data: DataConfig, *, kind: str, seq_len: int) -> dict[str, np.ndarray] | Records:
@@ -77,6 +124,8 @@ def examples(data: DataConfig, *, kind: str, seq_len: int) -> dict[str, np.ndarr
       FileNotFoundError: if the path does not exist, or a directory holds no file to read.
       ValueError: if the file cannot be read as the format says, or holds too few tokens.
     """
+    if data.tokenizer is not None:
+        return encode(data, kind=kind, seq_len=seq_len)
     path = os.path.expanduser(data.path)
     pattern = not os.path.exists(path) and glob.has_magic(path)
     if pattern and data.format in ("auto", "arrayrecord"):
@@ -142,8 +191,15 @@ def check(found: Mapping[str, np.ndarray] | Records, like: Mapping[str, np.ndarr
     at least one global batch.
 
     `Records` are not read whole: their first and last records are checked here, and every
-    record against the same rules as batches read it (`Records.expect`).
+    record against the same rules as batches read it (`Records.expect`). `Tokenized` examples
+    are checked against the tokenizer's whole vocabulary, not only the ids the text gave.
     """
+    if isinstance(found, Tokenized) and vocab is not None and found.vocab_size > vocab:
+        raise ValueError(
+            f"data.tokenizer={found.tokenizer!r} has {found.vocab_size} token ids (0-"
+            f"{found.vocab_size - 1}), more than model.vocab={vocab}; set model.vocab="
+            f"{found.vocab_size} (or more), so that the model has an embedding for each."
+        )
     if isinstance(found, Records):
         found.expect(like, vocab=vocab)
         with found.source() as source:
@@ -194,8 +250,10 @@ def input_fn(found: dict[str, np.ndarray] | Records, data: DataConfig,
 
     import replicator as rp  # configs are read before JAX is imported
 
+    arrays = dict(found)  # a plain dict (a pytree), also of `Tokenized` examples
+
     def make(ctx):
-        return rp.Batches(found, global_batch, ctx=ctx, shuffle=data.shuffle, seed=data.seed)
+        return rp.Batches(arrays, global_batch, ctx=ctx, shuffle=data.shuffle, seed=data.seed)
 
     return make
 
@@ -213,9 +271,18 @@ def _format_of(path: str) -> str:
 
 
 def _read_text(path: str, extensions: str) -> bytes:
+    chunks = []
+    for name in _text_files(path, extensions):
+        with open(name, "rb") as f:
+            chunks.append(f.read())
+    return b"".join(chunks)
+
+
+def _text_files(path: str, extensions: str) -> list[str]:
+    """The text files of ``path``: the file, or the directory's files ending in one of
+    ``extensions`` (recursively, sorted; hidden directories skipped). Each is one document."""
     if os.path.isfile(path):
-        with open(path, "rb") as f:
-            return f.read()
+        return [path]
     suffixes = tuple(s.strip() for s in extensions.split(",") if s.strip())
     files = []
     for root, dirs, names in os.walk(path):
@@ -226,11 +293,230 @@ def _read_text(path: str, extensions: str) -> bytes:
             f"data.path={path!r} is a directory with no file ending in {', '.join(suffixes)}; "
             f"set data.extensions (e.g. data.extensions=.txt,.json) or give a file."
         )
-    chunks = []
-    for name in files:
-        with open(name, "rb") as f:
-            chunks.append(f.read())
-    return b"".join(chunks)
+    return files
+
+
+# Text through a tokenizer (data.tokenizer): documents encoded, then packed with EOS after each.
+
+# Files are encoded in groups of about this many characters (a list of documents at a time), so
+# that the tokenizer's objects for the tokens of the whole corpus never exist at once.
+ENCODE_CHARS = 1 << 24
+
+
+class Tokenized(dict):
+    """The examples (``tokens``, ``targets``) of text encoded by ``data.tokenizer``: a dict
+    that also holds the tokenizer's vocabulary size, which `check` holds against the model's."""
+
+    def __init__(self, arrays: Mapping[str, np.ndarray], *, tokenizer: str, vocab_size: int):
+        super().__init__(arrays)
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokenizer:
+    """``data.tokenizer``, read: a Hugging Face tokenizer.json or a SentencePiece model.
+
+    Attributes:
+      name: ``data.tokenizer`` as the config gave it.
+      vocab_size: the token ids are 0 to ``vocab_size - 1``.
+      eos: the end-of-document token put after each document; ``eos_id`` its id.
+      encode: documents (a list of str) to their ids (lists of int), no special token added.
+    """
+
+    name: str
+    vocab_size: int
+    eos: str
+    eos_id: int
+    encode: Callable[[list[str]], list[list[int]]]
+
+    @classmethod
+    def open(cls, data: DataConfig) -> Tokenizer:
+        """``data.tokenizer``, by its suffix: ``.json`` with the ``tokenizers`` package,
+        ``.model`` with ``sentencepiece``; its EOS is ``data.eos``, or its own.
+
+        Raises:
+          FileNotFoundError: if there is no such file.
+          ValueError: if its package is not installed or cannot read it, or no EOS is found.
+        """
+        path = os.path.expanduser(data.tokenizer)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"data.tokenizer={data.tokenizer!r}: no such file; give a Hugging Face "
+                f"tokenizer.json or a SentencePiece .model (to train one on your text first, "
+                f"see the README's Tokenizers)."
+            )
+        if path.endswith(".model"):
+            return _sentencepiece(data, path)
+        return _huggingface(data, path)
+
+
+def encode(data: DataConfig, *, kind: str, seq_len: int) -> Tokenized:
+    """The examples of ``data.path``'s text encoded by ``data.tokenizer``.
+
+    Each file is one document, as the byte path reads them (a file, or a directory's files
+    ending in ``data.extensions``, sorted). Each document is encoded whole, without the special
+    tokens the tokenizer may add (no BOS), then its EOS is appended; empty files are skipped.
+    The documents follow one another in one stream, cut into windows as `windows` cuts bytes::
+
+        ids = []
+        for text in documents:
+            ids += tokenizer.encode(text) + [eos_id]
+        examples = windows(ids, seq_len)
+
+    Raises:
+      FileNotFoundError: if ``data.path`` or ``data.tokenizer`` does not exist.
+      ValueError: if ``kind`` is not ``gpt``, the data is not text, a file is not UTF-8, the
+        tokenizer cannot be read or has no EOS, or the stream is shorter than one window.
+    """
+    if kind != "gpt":
+        raise ValueError(
+            f"data.tokenizer={data.tokenizer!r} encodes text, which only model.kind='gpt' "
+            f"trains on; remove data.tokenizer (model.kind={kind!r} trains on a .npz with "
+            f"arrays x and y)."
+        )
+    path = os.path.expanduser(data.path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"data.path={data.path!r}: no such file or directory; give a text file or a "
+            f"directory of text files for data.tokenizer to encode."
+        )
+    fmt = data.format if data.format != "auto" else _format_of(path)
+    if fmt != "text":
+        raise ValueError(
+            f"data.path={data.path!r} is {fmt} data (token ids or arrays), and data.tokenizer "
+            f"encodes text; give a text file or directory, or remove data.tokenizer."
+        )
+    tokenizer = Tokenizer.open(data)
+    eos = np.array([tokenizer.eos_id], np.int32)
+    files, pieces, group, chars = _text_files(path, data.extensions), [], [], 0
+    for i, name in enumerate(files):
+        text = _document(data.path, name)
+        if text:
+            group.append(text)
+            chars += len(text)
+        if group and (chars >= ENCODE_CHARS or i == len(files) - 1):
+            for ids in tokenizer.encode(group):
+                pieces += [np.asarray(ids, np.int32), eos]
+            group, chars = [], 0
+    stream = np.concatenate(pieces) if pieces else np.zeros(0, np.int32)
+    examples = windows(stream, seq_len, data.path)
+    return Tokenized(examples, tokenizer=data.tokenizer, vocab_size=tokenizer.vocab_size)
+
+
+def _document(path: str, name: str) -> str:
+    with open(name, "rb") as f:
+        raw = f.read()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"data.path={path!r}: {name} is not UTF-8 text ({e.reason} at byte {e.start}), "
+            f"which data.tokenizer encodes; convert it to UTF-8, or leave it out of the files "
+            f"read (data.extensions)."
+        ) from e
+
+
+def _huggingface(data: DataConfig, path: str) -> Tokenizer:
+    try:
+        import tokenizers
+    except ImportError as e:
+        raise ValueError(
+            f"data.tokenizer={data.tokenizer!r} is read with the tokenizers package, which is "
+            f"not installed ({e}); pip install tokenizers."
+        ) from e
+    try:
+        tok = tokenizers.Tokenizer.from_file(path)
+    except Exception as e:  # the package raises Exception itself for what it cannot read
+        raise ValueError(
+            f"data.tokenizer={data.tokenizer!r} is not a tokenizer.json the tokenizers package "
+            f"reads ({_one_line(e)}); give the file Tokenizer.save(path) writes."
+        ) from e
+    vocab = tok.get_vocab(with_added_tokens=True)
+    eos, where = data.eos, "data.eos"
+    if eos is None:
+        eos, where = _configured_eos(path)
+    if eos is None:
+        found = [name for name in EOS_NAMES if name in vocab]
+        if len(found) != 1:
+            what = f"several: {', '.join(found)}" if found else f"none of {', '.join(EOS_NAMES)}"
+            raise ValueError(
+                f"data.tokenizer={data.tokenizer!r} has not one end-of-document token to put "
+                f"after each document ({what}); name one of its tokens in data.eos (e.g. "
+                f"data.eos={(found or ['<|endoftext|>'])[0]!r}), or train it with one as a "
+                f"special token."
+            )
+        eos = found[0]
+    if eos not in vocab:
+        added = tok.get_added_tokens_decoder().values()
+        special = sorted(t.content for t in added if t.special)
+        raise ValueError(
+            f"{where}={eos!r} is not a token of data.tokenizer={data.tokenizer!r}; name one of "
+            f"its tokens in data.eos{f' (its special tokens: {special})' if special else ''}."
+        )
+    batch = getattr(tok, "encode_batch_fast", tok.encode_batch)  # fast: no offsets
+    return Tokenizer(
+        data.tokenizer,
+        max(vocab.values()) + 1,
+        eos,
+        vocab[eos],
+        lambda docs: [e.ids for e in batch(docs, add_special_tokens=False)],
+    )
+
+
+def _configured_eos(path: str) -> tuple[str | None, str]:
+    """The ``eos_token`` of a ``tokenizer_config.json`` beside the tokenizer.json, if any."""
+    config = os.path.join(os.path.dirname(path), "tokenizer_config.json")
+    try:
+        with open(config) as f:
+            eos = json.load(f).get("eos_token")
+    except (OSError, ValueError, AttributeError):
+        return None, "data.eos"
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    if isinstance(eos, str) and eos:
+        return eos, f"the eos_token of {config}"
+    return None, "data.eos"
+
+
+def _sentencepiece(data: DataConfig, path: str) -> Tokenizer:
+    try:
+        import sentencepiece
+    except ImportError as e:
+        raise ValueError(
+            f"data.tokenizer={data.tokenizer!r} is read with the sentencepiece package, which "
+            f"is not installed ({e}); pip install sentencepiece."
+        ) from e
+    sp = sentencepiece.SentencePieceProcessor()
+    try:
+        sp.Load(path)
+    except (OSError, RuntimeError) as e:
+        raise ValueError(
+            f"data.tokenizer={data.tokenizer!r} is not a SentencePiece model sentencepiece "
+            f"reads ({_one_line(e)}); give the .model SentencePieceTrainer.train writes."
+        ) from e
+    size = sp.get_piece_size()
+    if data.eos is not None:
+        eos_id = sp.piece_to_id(data.eos)
+        if sp.id_to_piece(eos_id) != data.eos:  # a piece it does not have: the unknown's id
+            controls = [sp.id_to_piece(i) for i in range(size) if sp.is_control(i)]
+            raise ValueError(
+                f"data.eos={data.eos!r} is not a piece of data.tokenizer={data.tokenizer!r}; "
+                f"name one of its pieces in data.eos (its control pieces: {controls[:10]})."
+            )
+    elif sp.eos_id() < 0:
+        raise ValueError(
+            f"data.tokenizer={data.tokenizer!r} is a SentencePiece model without an "
+            f"end-of-document piece to put after each document (its eos_id is -1); name one of "
+            f"its pieces in data.eos, or train it with eos_id >= 0 (the default, 2)."
+        )
+    else:
+        eos_id = sp.eos_id()
+    encode = lambda docs: sp.encode(docs, out_type=int)
+    return Tokenizer(data.tokenizer, size, sp.id_to_piece(eos_id), eos_id, encode)
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
 
 
 @dataclasses.dataclass(frozen=True)
