@@ -52,6 +52,7 @@ class ModelConfig:
     # gpt: attention over a `context` axis (the sequence split over it): ring (each device's
     # keys and values passed round the axis) or all_to_all (DeepSpeed-Ulysses: the heads split
     # over it instead, heads / mesh.model a multiple of mesh.context); the same numbers.
+    # dot_product: jax.nn.dot_product_attention (the platform's own; no context axis).
     attention: str = "ring"
     zigzag: bool = True  # gpt, ring: chunks in zigzag order, the causal work even over `context`
     # gpt: a mixture of experts: experts per MoE block (0: dense MLPs; the keys below are then
@@ -64,8 +65,35 @@ class ModelConfig:
     top_k: int = 1
     capacity_factor: float | None = 1.25
     aux_weight: float = 0.01
+    # gpt: the decoder's family: gpt (LayerNorm, learned positions, GELU MLP, biases) or llama
+    # (RMSNorm, rotary positions, SwiGLU, no biases, grouped-query attention); kind: llama is
+    # short for kind: gpt with family: llama. The llama-only keys: kv_heads (key/value heads;
+    # null: heads), rope_theta, norm_eps, tie_embeddings (the head is the token table).
+    family: str = "gpt"
+    kv_heads: int | None = None
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
+        if self.kind == "llama":  # short for kind: gpt, family: llama
+            object.__setattr__(self, "kind", "gpt")
+            object.__setattr__(self, "family", "llama")
+        _one_of(self, "family", FAMILIES, what="a decoder family")
+        if self.family != "llama":
+            for name, default in LLAMA_ONLY.items():
+                if getattr(self, name) != default:
+                    raise ValueError(
+                        f"{_where(self)}{name}={getattr(self, name)!r} is for model.kind='llama' "
+                        f"(or family: llama); remove the key, or use kind: llama."
+                    )
+        if self.kv_heads is not None:
+            _at_least(self, "kv_heads", 1)
+            if self.heads % self.kv_heads:
+                raise ValueError(
+                    f"{_where(self)}kv_heads={self.kv_heads} must divide heads={self.heads} (each "
+                    f"key/value head serves heads / kv_heads query heads)."
+                )
         if not _OWN_KIND.fullmatch(str(self.kind)):  # else "module:function", your own model
             _one_of(self, "kind", MODEL_KINDS, what="a model kind (or 'module:function')")
         for name in ("d_model", "layers", "heads", "seq_len", "width"):
@@ -209,6 +237,9 @@ class TrainConfig:
     # on fewer processes than launched (replicator launch --min-processes): "keep" the global
     # batch (more micro-batches per step), or "shrink" it with the data axes
     elastic_batch: str = "keep"
+    # a Hugging Face Llama directory (config.json, *.safetensors) to start from: its sizes are
+    # the model's (model.kind becomes llama), its weights the initial parameters
+    init_from: str | None = None
     out_dir: str = "runs"
     plot: bool = True
     tensorboard: bool = False  # also write the metrics to out_dir/name/tensorboard
@@ -239,6 +270,8 @@ class TrainConfig:
         for name in ("steps", "global_batch", "accumulate_steps", "log_every", "checkpoint_every"):
             _at_least(self, name, 1)
         _at_least(self, "keep", 1)
+        if self.init_from is not None:
+            object.__setattr__(self, "model", _checkpoint_model(self))
         if self.elastic_batch not in ("keep", "shrink"):
             raise ValueError(
                 f"{where}elastic_batch must be 'keep' (the global batch, in more micro-batches "
@@ -416,11 +449,56 @@ class TrainConfig:
             )
 
 
-MODEL_KINDS = ("gpt", "mlp", "cnn")
+# model: keys that init_from's config.json sets, and where they come from
+CHECKPOINT_SIZES = {
+    "vocab": "vocab_size",
+    "d_model": "hidden_size",
+    "layers": "num_hidden_layers",
+    "heads": "num_attention_heads",
+    "kv_heads": "num_key_value_heads",
+    "d_ff": "intermediate_size",
+    "rope_theta": "rope_theta",
+    "norm_eps": "rms_norm_eps",
+    "tie_embeddings": "tie_word_embeddings",
+}
+
+
+def _checkpoint_model(config) -> ModelConfig:
+    """``config.model`` with the sizes of ``init_from``'s Llama (kind gpt, family llama); a size
+    the config sets to another value than the checkpoint's is refused."""
+    from replicator.models import hf
+
+    where = f"{_where(config)}init_from={config.init_from!r}"
+    if not isinstance(config.init_from, str) or not config.init_from:
+        raise ValueError(f"{where} must be a directory (a Hugging Face Llama checkpoint).")
+    try:
+        hf_config = hf.read_config(config.init_from)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{where}: {str(e).splitlines()[0]}") from None
+    model, defaults = config.model, ModelConfig()
+    sizes = {key: hf_config.get(name) for key, name in CHECKPOINT_SIZES.items()}
+    sizes = {key: value for key, value in sizes.items() if value is not None}
+    for key, value in sizes.items():
+        mine = getattr(model, key)
+        if mine != getattr(defaults, key) and mine != value:
+            raise ValueError(
+                f"{where}: model.{key}={mine!r}, but the checkpoint's config.json has "
+                f"{CHECKPOINT_SIZES[key]}={value!r}; remove model.{key} (the checkpoint sets it)."
+            )
+    if model.kind not in ("gpt", "llama"):
+        raise ValueError(
+            f"{where}: model.kind={model.kind!r}; init_from loads a Llama (kind: llama)."
+        )
+    fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)}
+    return ModelConfig(**(fields | sizes | {"kind": "gpt", "family": "llama"}))
+
+
+MODEL_KINDS = ("gpt", "llama", "mlp", "cnn")
 DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots")
 BYTE_VOCAB = 256
 GPT_ONLY = {  # the gpt-only keys' defaults
+    "family": "gpt",
     "vocab": BYTE_VOCAB,
     "d_ff": None,
     "dtype": "float32",
@@ -433,7 +511,9 @@ GPT_ONLY = {  # the gpt-only keys' defaults
     "capacity_factor": 1.25,
     "aux_weight": 0.01,
 }
-ATTENTIONS = ("ring", "all_to_all")
+ATTENTIONS = ("ring", "all_to_all", "dot_product")
+FAMILIES = ("gpt", "llama")
+LLAMA_ONLY = {"kv_heads": None, "rope_theta": 10000.0, "norm_eps": 1e-5, "tie_embeddings": False}
 DATA_AXES = ("dcn_data", "data")  # the replicas: the batch is split over these
 RING_IN_ONE_COND = ("1f1b", "interleaved", "zerobubble")  # schedules that cannot run a ring
 _OWN_KIND = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")

@@ -31,7 +31,7 @@ import replicator as rp
 from replicator.cli import data as data_lib
 from replicator.cli import optimizers
 from replicator.cli.config import MODEL_KINDS, TrainConfig
-from replicator.models import cnn, gpt, mlp
+from replicator.models import cnn, gpt, hf, llama, mlp
 
 # What the library raises for a config, a mesh, a run directory or a checkpoint it refuses.
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, rp.RunDirLockedError)
@@ -220,13 +220,18 @@ def own_model(kind: str):
 
 def explain(config: TrainConfig, *, json_path: str | None = None):
     """Compiles the config's training step for its mesh on emulated CPU devices and returns its
-    `StepReport` (also written to ``json_path``), without training."""
+    `StepReport` (also written to ``json_path``), without training. A built-in model on its
+    built-in data is built from shapes (`abstract_job`): nothing is allocated, so a model too
+    big for this machine (configs/llama3_8b.yaml) is explained too."""
     _devices(config, cpu_only=True)
-    repl, step_fn, state, input_fn, _ = build(config)
-    batches = input_fn(repl.input_context())
-    batch = next(iter(batches))  # the first global batch (this process's part of it)
-    if hasattr(batches, "close"):
-        batches.close()
+    if _builtin(config) is not None and config.data.path is None:  # from shapes: a model
+        repl, step_fn, state, batch = abstract_job(config)  # too big to build here explains too
+    else:  # your own job or data: built, and its first batch read
+        repl, step_fn, state, input_fn, _ = build(config)
+        batches = input_fn(repl.input_context())
+        batch = next(iter(batches))  # the first global batch (this process's part of it)
+        if hasattr(batches, "close"):
+            batches.close()
     report = repl.explain(step_fn, state, batch)
     report = dataclasses.replace(report, step=f"{config.name} ({config.model.kind})")
     if json_path:
@@ -452,13 +457,8 @@ def _check_schedule(config: TrainConfig, schedule, num_stages: int) -> None:
 def gpt_config(config: TrainConfig) -> gpt.GPTConfig:
     """The `gpt.GPTConfig` of a ``kind: gpt`` config's ``model:`` section."""
     m = config.model
-    return gpt.GPTConfig(
-        vocab_size=m.vocab,
+    options = dict(
         seq_len=m.seq_len,
-        d_model=m.d_model,
-        num_heads=m.heads,
-        num_layers=m.layers,
-        d_ff=m.d_ff,
         dtype=jnp.dtype(m.dtype),
         remat=m.remat,
         attention=m.attention,
@@ -469,6 +469,23 @@ def gpt_config(config: TrainConfig) -> gpt.GPTConfig:
         capacity_factor=m.capacity_factor,
         aux_weight=m.aux_weight,
     )
+    if config.init_from is not None:  # the checkpoint's sizes, rotary scaling included
+        return llama.from_hf_config(hf.read_config(config.init_from), **options)
+    if m.family == "llama":
+        return llama.config(
+            vocab_size=m.vocab,
+            d_model=m.d_model,
+            num_layers=m.layers,
+            num_heads=m.heads,
+            d_ff=m.d_ff or 4 * m.d_model,
+            num_kv_heads=m.kv_heads,
+            rope_theta=m.rope_theta,
+            norm_eps=m.norm_eps,
+            tie_embeddings=m.tie_embeddings,
+            **options,
+        )
+    sizes = dict(vocab_size=m.vocab, d_model=m.d_model, num_heads=m.heads, num_layers=m.layers)
+    return gpt.GPTConfig(**sizes, d_ff=m.d_ff, **options)
 
 
 def _gpt(config: TrainConfig, repl, make_tx) -> _Job:
@@ -505,7 +522,8 @@ def _gpt(config: TrainConfig, repl, make_tx) -> _Job:
             step_fn = _moe_step(model, opt, config.accumulate_steps)
 
         def init():
-            placed = gpt.place(repl, init_params(), config=model)  # heads, MLP over "model"
+            place = lambda: gpt.place(repl, init_params(), config=model)  # heads, MLP: "model"
+            placed = _from_checkpoint(config, repl, place) if config.init_from else place()
             if zero3:  # split over the replicas, each block's layer gathered on its own
                 placed = opt.shard_params(placed, stacked=gpt.zero_stacked(model))
             return {"params": placed, "opt": opt.init(placed)}
@@ -537,12 +555,24 @@ def _gpt(config: TrainConfig, repl, make_tx) -> _Job:
         return {"params": params, "opt": opt}, {"loss": rp.all_reduce(loss, "mean")}
 
     def pipeline_init():
-        placed = gpt.place_pipeline(repl, init_params(), num_stages=k, repeats=v, config=model)
+        place = lambda: gpt.place_pipeline(
+            repl, init_params(), num_stages=k, repeats=v, config=model
+        )
+        placed = _from_checkpoint(config, repl, place) if config.init_from else place()
         if zero3:
             placed = tx.shard_params(placed)
         return {"params": placed, "opt": tx.init(placed)}
 
     return _Job(pipeline_step_fn, pipeline_init, input_fn, batch, tokens, m.vocab)
+
+
+def _from_checkpoint(config: TrainConfig, repl, place: Callable[[], dict]) -> dict:
+    """The parameters of ``config.init_from`` (a Hugging Face Llama), placed as ``place()``
+    places fresh ones: each process reads only the slices its devices hold. Under
+    ``repl.abstract`` (explain, plan) nothing is read: the shapes are those of ``place``."""
+    if isinstance(jnp.zeros(()), jax.core.Tracer):  # under repl.abstract: shapes only
+        return place()
+    return hf.load(config.init_from, repl.abstract(place))
 
 
 def _moe_step(model: gpt.GPTConfig, opt, accumulate_steps: int) -> Callable:

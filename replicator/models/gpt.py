@@ -12,6 +12,11 @@ For tensor parallelism each dimension of each parameter has a role (`LOGICAL_AXE
 table maps roles to mesh axes (`MEGATRON_RULES`: attention heads and MLP hidden units over
 ``model``); `place` and `place_pipeline` put the parameters on a mesh by it.
 
+The same machinery runs the Llama family (`replicator.models.llama`): `GPTConfig`'s ``norm``,
+``position``, ``mlp``, ``num_kv_heads``, ``bias`` and ``tie_embeddings`` choose RMSNorm, rotary
+positions, a SwiGLU MLP, grouped-query attention (separate ``q``, ``k``, ``v`` matrices), no
+biases and a head tied to the token table; the defaults are GPT-2's.
+
 >>> import jax, replicator as rp
 >>> from replicator.models import gpt
 >>> config = gpt.GPTConfig(vocab_size=256, seq_len=16, d_model=32, num_heads=4, num_layers=4)
@@ -26,6 +31,7 @@ table maps roles to mesh axes (`MEGATRON_RULES`: attention heads and MLP hidden 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import types
@@ -45,6 +51,40 @@ from replicator._src.mesh import EXPERT_AXIS, MODEL_AXIS
 from replicator._src.pipeline.residuals import as_remat, never_gathered
 
 PyTree = Any
+NORMS = ("layer", "rms")
+POSITIONS = ("learned", "rope")
+MLPS = ("gelu", "swiglu")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3's rescaled rotary frequencies (``rope_type="llama3"``, transformers'
+    ``rope_scaling``): wavelengths longer than ``original_max_position_embeddings /
+    low_freq_factor`` are stretched by ``factor``, those shorter than ``... / high_freq_factor``
+    kept, and those between interpolated smoothly. Frozen, so that `GPTConfig` stays hashable.
+
+    >>> RopeScaling(factor=8.0).rope_type
+    'llama3'
+    """
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    rope_type: str = "llama3"
+
+    def __post_init__(self) -> None:
+        if self.rope_type != "llama3":
+            raise ValueError(
+                f"RopeScaling: rope_type={self.rope_type!r}; only 'llama3' is implemented (use "
+                f"rope_scaling=None for plain rotary positions)."
+            )
+        if not self.high_freq_factor > self.low_freq_factor > 0 or self.factor <= 0:
+            raise ValueError(
+                f"RopeScaling: needs factor > 0 and high_freq_factor > low_freq_factor > 0; got "
+                f"factor={self.factor}, low_freq_factor={self.low_freq_factor}, "
+                f"high_freq_factor={self.high_freq_factor}."
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +94,34 @@ class GPTConfig:
     block of `blocks` keeps for the backward pass: ``"none"`` (``False``) all its activations,
     ``"full"`` (``True``) its input only, recomputing the block, ``"dots"`` the outputs of its
     linear layers, recomputing attention's scores and the element-wise rest (the same numbers,
-    less memory, more FLOPs). Pipelines take their own ``remat`` (`pipeline_value_and_grad`)."""
+    less memory, more FLOPs). Pipelines take their own ``remat`` (`pipeline_value_and_grad`).
+    ``attention`` is how attention runs over a ``context`` axis (`replicator.attention`:
+    ``"ring"``, ``"all_to_all"``), or ``"dot_product"``: ``jax.nn.dot_product_attention``
+    (cuDNN's fused kernel where XLA picks it, key/value heads grouped without copies), for
+    meshes without a ``context`` axis.
+
+    The architecture (defaults: GPT-2's; `replicator.models.llama.config` sets Llama's):
+
+    * ``norm``: ``"layer"`` (LayerNorm) or ``"rms"`` (RMSNorm, ``x * rsqrt(mean(x^2) + eps) *
+      scale``, no bias), both computed in fp32, with ``norm_eps``;
+    * ``position``: ``"learned"`` (a ``[seq_len, d_model]`` table added to the token embeddings)
+      or ``"rope"`` (rotary positions applied to each head's queries and keys, as transformers'
+      Llama does: the two halves of a head rotated, frequencies ``rope_theta ** (-2i / head_dim)``,
+      rescaled by ``rope_scaling``, a `RopeScaling`, or not with None);
+    * ``mlp``: ``"gelu"`` (``down(gelu(up(x)))``) or ``"swiglu"`` (``down(silu(gate(x)) * up(x))``);
+    * ``num_kv_heads``: None keeps GPT-2's fused ``qkv`` matrix (as many key/value heads as
+      query heads); a number (a divisor of ``num_heads``; equal to it for multi-head attention)
+      gives separate ``q``, ``k`` and ``v`` matrices and grouped-query attention, query head
+      ``h`` attending with key/value head ``h // (num_heads / num_kv_heads)``;
+    * ``bias``: biases in the linear layers and LayerNorms (RMSNorm has none);
+    * ``tie_embeddings``: the output matrix is the token table, transposed (the head has no
+      ``"w"``; `output_head` gives it).
+
+    >>> llama_like = GPTConfig(d_model=32, num_heads=4, num_kv_heads=2, norm="rms",
+    ...                        position="rope", mlp="swiglu", bias=False)
+    >>> llama_like.head_dim, llama_like.kv_heads
+    (8, 2)
+    """
 
     vocab_size: int = 256
     seq_len: int = 64
@@ -71,15 +138,25 @@ class GPTConfig:
     top_k: int = 1
     capacity_factor: float | None = 1.25
     aux_weight: float = 0.01
+    norm: str = "layer"
+    norm_eps: float = 1e-5
+    position: str = "learned"
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    mlp: str = "gelu"
+    num_kv_heads: int | None = None
+    bias: bool = True
+    tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "d_model", "num_heads", "num_layers", "moe_every"):
             positive_int(getattr(self, name), api="GPTConfig", name=name)
         positive_int(self.d_ff, api="GPTConfig", name="d_ff", none=" or None")
-        if self.attention not in attention_lib.IMPLS:
+        if self.attention not in (*attention_lib.IMPLS, "dot_product"):
             raise ValueError(
                 f"GPTConfig: attention={self.attention!r}; use 'ring' (K/V blocks round the "
-                f"context axis) or 'all_to_all' (heads over it, DeepSpeed-Ulysses)."
+                f"context axis), 'all_to_all' (heads over it, DeepSpeed-Ulysses) or "
+                f"'dot_product' (jax.nn.dot_product_attention, without a context axis)."
             )
         if self.num_experts:
             self.routing  # noqa: B018 -- validates num_experts, top_k and capacity_factor
@@ -100,10 +177,20 @@ class GPTConfig:
                 f"GPTConfig: d_model={self.d_model} must divide by num_heads={self.num_heads}; "
                 f"use e.g. d_model={self.num_heads * math.ceil(self.d_model / self.num_heads)}."
             )
+        _check_architecture(self)
 
     @property
     def hidden(self) -> int:
         return self.d_ff or 4 * self.d_model
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: ``num_kv_heads``, or ``num_heads`` when it is None."""
+        return self.num_kv_heads or self.num_heads
 
     @property
     def routing(self) -> moe.Routing:
@@ -117,41 +204,133 @@ class GPTConfig:
         return self.num_layers // self.moe_every if self.num_experts else 0
 
 
-def _layer_norm_params(d: int) -> dict:
+def _check_architecture(config: GPTConfig) -> None:
+    """`GPTConfig`'s checks of the architecture's options (norm, positions, MLP, heads)."""
+    for name, allowed in (("norm", NORMS), ("position", POSITIONS), ("mlp", MLPS)):
+        if getattr(config, name) not in allowed:
+            raise ValueError(
+                f"GPTConfig: {name}={getattr(config, name)!r}; use one of "
+                f"{', '.join(map(repr, allowed))}."
+            )
+    if config.num_kv_heads is not None:
+        positive_int(config.num_kv_heads, api="GPTConfig", name="num_kv_heads", none=" or None")
+        if config.num_heads % config.num_kv_heads:
+            raise ValueError(
+                f"GPTConfig: num_heads={config.num_heads} must divide by num_kv_heads="
+                f"{config.num_kv_heads} (each key/value head serves a group of query heads); "
+                f"use num_kv_heads a divisor of {config.num_heads}."
+            )
+    if config.rope_scaling is not None and not isinstance(config.rope_scaling, RopeScaling):
+        raise ValueError(
+            f"GPTConfig: rope_scaling={config.rope_scaling!r}; pass a gpt.RopeScaling (hashable, "
+            f"unlike a dict), e.g. rope_scaling=gpt.RopeScaling(factor=8.0, low_freq_factor=1.0, "
+            f"high_freq_factor=4.0, original_max_position_embeddings=8192), or None."
+        )
+    if config.position == "rope" and config.head_dim % 2:
+        raise ValueError(
+            f"GPTConfig: rotary positions rotate the two halves of each head, so head_dim = "
+            f"d_model / num_heads = {config.head_dim} must be even."
+        )
+    if config.position != "rope" and config.rope_scaling is not None:
+        raise ValueError("GPTConfig: rope_scaling applies to position='rope' only.")
+    if config.num_experts and config.mlp != "gelu":
+        raise ValueError(
+            f"GPTConfig: mlp={config.mlp!r} with num_experts={config.num_experts}: the experts "
+            f"of replicator.moe are GELU MLPs; use mlp='gelu', or num_experts=0."
+        )
+
+
+_DEFAULT = GPTConfig()
+
+
+def _norm_has_bias(config: GPTConfig) -> bool:
+    return config.norm == "layer" and config.bias
+
+
+def _norm_params(config: GPTConfig) -> dict:
+    d = config.d_model
+    if not _norm_has_bias(config):
+        return {"scale": jnp.ones((d,), jnp.float32)}
     return {"scale": jnp.ones((d,), jnp.float32), "bias": jnp.zeros((d,), jnp.float32)}
+
+
+def _normal(key, shape, std=0.02):
+    return std * jax.random.normal(key, shape, jnp.float32)
+
+
+def _linears(config: GPTConfig, weights: dict) -> dict:
+    """``{name: weight}`` and, with ``config.bias``, ``{name}_bias`` zeros after each."""
+    out = {}
+    for name, w in weights.items():
+        out[name] = w
+        if config.bias:
+            out[f"{name}_bias"] = jnp.zeros(w.shape[-1:], jnp.float32)
+    return out
+
+
+def _attn_params(config: GPTConfig, key, out_key, out_std: float) -> dict:
+    d, hd = config.d_model, config.head_dim
+    if config.num_kv_heads is None:  # GPT-2's fused [q | k | v] columns, grouped by head
+        weights = {"qkv": _normal(key, (d, 3 * d))}
+    else:
+        kq, kk, kv = jax.random.split(key, 3)
+        kv_width = config.kv_heads * hd
+        weights = {
+            "q": _normal(kq, (d, config.num_heads * hd)),
+            "k": _normal(kk, (d, kv_width)),
+            "v": _normal(kv, (d, kv_width)),
+        }
+    return _linears(config, weights | {"out": _normal(out_key, (d, d), out_std)})
+
+
+def _mlp_params(config: GPTConfig, key, out_key, out_std: float) -> dict:
+    d, h = config.d_model, config.hidden
+    if config.mlp == "swiglu":
+        k_gate, k_up = jax.random.split(key)
+        weights = {"gate": _normal(k_gate, (d, h)), "up": _normal(k_up, (d, h))}
+    else:
+        weights = {"up": _normal(key, (d, h))}
+    return _linears(config, weights | {"down": _normal(out_key, (h, d), out_std)})
 
 
 def _block_params(config: GPTConfig, key, *, experts: bool = False) -> dict:
     d, h = config.d_model, config.hidden
     k = jax.random.split(key, 4)
-    normal = lambda key, shape, std=0.02: std * jax.random.normal(key, shape, jnp.float32)
     out_std = 0.02 / math.sqrt(2 * config.num_layers)  # GPT-2: scaled residual projections
     params = {
-        "ln1": _layer_norm_params(d),
-        "attn": {
-            "qkv": normal(k[0], (d, 3 * d)),
-            "qkv_bias": jnp.zeros((3 * d,), jnp.float32),
-            "out": normal(k[1], (d, d), out_std),
-            "out_bias": jnp.zeros((d,), jnp.float32),
-        },
-        "ln2": _layer_norm_params(d),
+        "ln1": _norm_params(config),
+        "attn": _attn_params(config, k[0], k[1], out_std),
+        "ln2": _norm_params(config),
     }
     if experts:
         params["moe"] = moe.init(
             k[2], d_model=d, hidden=h, num_experts=config.num_experts, out_std=out_std
         )
         return params
-    params["mlp"] = {
-        "up": normal(k[2], (d, h)),
-        "up_bias": jnp.zeros((h,), jnp.float32),
-        "down": normal(k[3], (h, d), out_std),
-        "down_bias": jnp.zeros((d,), jnp.float32),
-    }
+    params["mlp"] = _mlp_params(config, k[2], k[3], out_std)
     return params
 
 
 def init(config: GPTConfig, key: jax.Array) -> dict:
     """Parameters: ``{"embed": {...}, "blocks": <stacked over num_layers>, "head": {...}}``.
+
+    The leaves of one block (`LOGICAL_AXES`, `logical_axes`): ``ln1`` and ``ln2`` (``scale``,
+    and ``bias`` for a LayerNorm with biases), ``attn`` (``qkv`` ``[D, 3 D]``, or with
+    ``num_kv_heads`` ``q`` ``[D, H hd]``, ``k`` and ``v`` ``[D, KV hd]``, their columns
+    head-major; then ``out`` ``[H hd, D]``) and ``mlp`` (``gate`` for SwiGLU, ``up`` ``[D, F]``,
+    ``down`` ``[F, D]``), each linear layer followed by its ``*_bias`` when ``config.bias``.
+    ``embed`` holds ``tokens`` ``[V, D]`` (and ``positions`` ``[seq_len, D]`` with learned
+    positions), ``head`` its ``norm`` and ``w`` ``[D, V]`` (none when ``tie_embeddings``).
+
+    >>> import jax
+    >>> config = GPTConfig(d_model=32, num_heads=4, num_kv_heads=2, num_layers=2, d_ff=48,
+    ...                    norm="rms", position="rope", mlp="swiglu", bias=False,
+    ...                    tie_embeddings=True)
+    >>> params = jax.eval_shape(lambda: init(config, jax.random.key(0)))
+    >>> jax.tree.map(lambda a: a.shape, params["blocks"]["attn"])
+    {'k': (2, 32, 16), 'out': (2, 32, 32), 'q': (2, 32, 32), 'v': (2, 32, 16)}
+    >>> sorted(params["embed"]), sorted(params["head"]), sorted(params["blocks"]["mlp"])
+    (['tokens'], ['norm'], ['down', 'gate', 'up'])
 
     With ``num_experts`` the blocks come in groups of ``moe_every``, stacked over the
     ``num_layers / moe_every`` groups: ``{"moe": <the group's mixture-of-experts block>}`` and,
@@ -174,25 +353,84 @@ def init(config: GPTConfig, key: jax.Array) -> dict:
         blocks = stack(groups)
     else:
         blocks = stack([_block_params(config, k) for k in keys])
-    return {
-        "embed": {
-            "tokens": 0.02 * jax.random.normal(k_tok, (config.vocab_size, d), jnp.float32),
-            "positions": 0.01 * jax.random.normal(k_pos, (config.seq_len, d), jnp.float32),
-        },
-        "blocks": blocks,
-        "head": {
-            "norm": _layer_norm_params(d),
-            "w": 0.02 * jax.random.normal(k_head, (d, config.vocab_size), jnp.float32),
-        },
-    }
+    embed = {"tokens": 0.02 * jax.random.normal(k_tok, (config.vocab_size, d), jnp.float32)}
+    if config.position == "learned":
+        embed["positions"] = 0.01 * jax.random.normal(k_pos, (config.seq_len, d), jnp.float32)
+    head = {"norm": _norm_params(config)}
+    if not config.tie_embeddings:
+        head["w"] = 0.02 * jax.random.normal(k_head, (d, config.vocab_size), jnp.float32)
+    return {"embed": embed, "blocks": blocks, "head": head}
 
 
-def _layer_norm(p: dict, x: jax.Array) -> jax.Array:
+def _norm(p: dict, x: jax.Array, config: GPTConfig) -> jax.Array:
+    """LayerNorm or RMSNorm (``config.norm``) of the last axis, in fp32, back in ``x.dtype``."""
     x32 = x.astype(jnp.float32)
+    if config.norm == "rms":
+        ms = jnp.mean(x32 * x32, -1, keepdims=True)
+        return (x32 * jax.lax.rsqrt(ms + config.norm_eps) * p["scale"]).astype(x.dtype)
     mean = x32.mean(-1, keepdims=True)
     var = jnp.mean((x32 - mean) ** 2, -1, keepdims=True)
-    y = (x32 - mean) * jax.lax.rsqrt(var + 1e-5) * p["scale"] + p["bias"]
+    y = (x32 - mean) * jax.lax.rsqrt(var + config.norm_eps) * p["scale"]
+    if "bias" in p:
+        y = y + p["bias"]
     return y.astype(x.dtype)
+
+
+def _linear(p: dict, name: str, x: jax.Array) -> jax.Array:
+    """``x @ p[name]``, plus ``p[name + "_bias"]`` when the layer has one."""
+    y = x @ p[name]
+    return y + p[f"{name}_bias"] if f"{name}_bias" in p else y
+
+
+def _residual(x: jax.Array, p: dict, name: str, h: jax.Array) -> jax.Array:
+    """``x + h @ p[name]`` (plus its bias): a residual branch's output projection."""
+    y = x + h @ p[name]
+    return y + p[f"{name}_bias"] if f"{name}_bias" in p else y
+
+
+def rope_frequencies(config: GPTConfig) -> np.ndarray:
+    """The rotary inverse frequencies of one head, ``[head_dim / 2]`` fp32:
+    ``rope_theta ** (-2 i / head_dim)``, rescaled by ``config.rope_scaling`` (Llama 3's
+    formula, as transformers computes it).
+
+    >>> rope_frequencies(GPTConfig(d_model=8, num_heads=1, position="rope")).tolist()
+    [1.0, 0.10000000149011612, 0.009999999776482582, 0.0010000000474974513]
+    """
+    hd = config.head_dim
+    inv = 1.0 / config.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd)
+    scaling = config.rope_scaling
+    if scaling is not None:
+        old = scaling.original_max_position_embeddings
+        low_wavelen, high_wavelen = old / scaling.low_freq_factor, old / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / scaling.factor, inv)
+        smooth = (old / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = np.where(medium, smoothed, scaled)
+    return inv.astype(np.float32)
+
+
+def _positions(config: GPTConfig, seq_len: int) -> jax.Array:
+    """Each place's position in the sequence as the model lays it out (`sequence_order`)."""
+    order = sequence_order(config, seq_len)
+    return jnp.arange(seq_len) if order is None else jnp.asarray(order)
+
+
+def _rope(x: jax.Array, positions: jax.Array, config: GPTConfig) -> jax.Array:
+    """Rotary positions on ``[B, S, heads, head_dim]`` queries or keys, as transformers' Llama
+    applies them: ``x * cos + rotate_half(x) * sin``, where ``rotate_half`` of a head's halves
+    ``[x1, x2]`` is ``[-x2, x1]``, and ``cos`` and ``sin`` are of ``position * frequency``
+    (`rope_frequencies`, each twice), all in fp32."""
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_frequencies(config))
+    angles = jnp.concatenate([freqs, freqs], -1)[:, None]  # [S, 1, head_dim]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
 def sequence_order(config: GPTConfig, seq_len: int) -> np.ndarray | None:
@@ -216,30 +454,64 @@ def _layout(config: GPTConfig, seq_len: int) -> str:
 
 def embed(embed_params: dict, tokens: jax.Array, order: np.ndarray | None = None) -> jax.Array:
     """Token plus position embeddings: ``[B, S]`` int tokens to ``[B, S, D]``; with ``order``
-    (`sequence_order`) the tokens are taken, and their positions given, in that order.
+    (`sequence_order`) the tokens are taken, and their positions given, in that order. With
+    rotary positions (no ``"positions"`` table) the tokens' embeddings only: the blocks rotate
+    queries and keys by the positions of that same order.
 
     ZeRO-3 parameters (`rp.ShardedParam`) are gathered here, where they are used; plain arrays
     pass through (so are `block`'s and `head_logits`')."""
     embed_params = rp.gather_params(embed_params)
     s = tokens.shape[-1]
-    positions = embed_params["positions"][:s]
+    positions = embed_params["positions"][:s] if "positions" in embed_params else None
     if order is not None:
-        tokens, positions = tokens[..., order], positions[order]
+        tokens = tokens[..., order]
+        positions = None if positions is None else positions[order]
     tokens = attention_lib.constrain_tokens(tokens)  # each device looks up its own chunk
-    return attention_lib.constrain_tokens(embed_params["tokens"][tokens] + positions)
+    x = embed_params["tokens"][tokens]
+    return attention_lib.constrain_tokens(x if positions is None else x + positions)
+
+
+def _qkv(p: dict, x: jax.Array, config: GPTConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Queries ``[B, S, H, hd]``, keys and values ``[B, S, KV, hd]`` of the normalised ``x``."""
+    b, s, _ = x.shape
+    nh, hd = config.num_heads, config.head_dim
+    if config.num_kv_heads is None:
+        qkv = _linear(p, "qkv", x)
+        # Columns grouped by head, [head, (q, k, v), head_dim] (Megatron's order): a contiguous
+        # split of them over devices gives each device whole heads.
+        return jnp.split(qkv.reshape(b, s, nh, 3 * hd), 3, axis=-1)  # no transpose
+    heads = lambda name, n: _linear(p, name, x).reshape(b, s, n, hd)  # head-major columns
+    return heads("q", nh), heads("k", config.kv_heads), heads("v", config.kv_heads)
 
 
 def _attend(p: dict, x: jax.Array, config: GPTConfig) -> jax.Array:
-    """``x`` plus causal self-attention of its LayerNorm (``p``: one block, in ``x.dtype``)."""
+    """``x`` plus causal self-attention of its norm (``p``: one block, in ``x.dtype``)."""
     b, s, d = x.shape
-    nh = config.num_heads
-    qkv = _layer_norm(p["ln1"], x) @ p["attn"]["qkv"] + p["attn"]["qkv_bias"]
-    # Columns grouped by head, [head, (q, k, v), head_dim] (Megatron's order): a contiguous
-    # split of them over devices gives each device whole heads.
-    q, k, v = jnp.split(qkv.reshape(b, s, nh, 3 * (d // nh)), 3, axis=-1)  # no transpose
-    layout = _layout(config, s)
-    attn = attention_lib.attention(q, k, v, causal=True, impl=config.attention, layout=layout)
-    return x + attn.reshape(b, s, d) @ p["attn"]["out"] + p["attn"]["out_bias"]
+    q, k, v = _qkv(p["attn"], _norm(p["ln1"], x, config), config)
+    if config.position == "rope":  # by position in the sequence's layout (zigzag or not)
+        positions = _positions(config, s)
+        q, k = _rope(q, positions, config), _rope(k, positions, config)
+    if config.attention == "dot_product":
+        attn = _dot_product_attention(q, k, v)
+    else:
+        group = config.num_heads // config.kv_heads
+        if group > 1:  # grouped-query attention: key/value head j serves query heads j*g ...
+            k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+        layout = _layout(config, s)
+        attn = attention_lib.attention(q, k, v, causal=True, impl=config.attention, layout=layout)
+    return _residual(x, p["attn"], "out", attn.reshape(b, s, d))
+
+
+def _dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """``jax.nn.dot_product_attention``, causal, with fewer key/value heads as they are."""
+    c = attention_lib.context_size()
+    if c > 1:
+        raise ValueError(
+            f"GPTConfig(attention='dot_product') attends over whole sequences, but the mesh "
+            f"splits them over the {c} devices of 'context'; use attention='ring' or "
+            f"'all_to_all' there."
+        )
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
 
 
 def _cast(layer_params: dict, config: GPTConfig) -> dict:
@@ -247,15 +519,19 @@ def _cast(layer_params: dict, config: GPTConfig) -> dict:
 
 
 def block(layer_params: dict, x: jax.Array, *, config: GPTConfig) -> jax.Array:
-    """One pre-LayerNorm decoder block: causal self-attention, then an MLP, each residual.
+    """One pre-norm decoder block: causal self-attention, then an MLP, each residual.
 
     ``layer_params`` may be one layer of ZeRO-3 parameters: they are gathered here, inside the
     layer scan, one layer at a time. Over a ``context`` axis the block holds each device's
     chunk of the sequence, and attention is `replicator.attention.attention` (``config.attention``)."""
     p = _cast(layer_params, config)
     x = _attend(p, attention_lib.constrain_tokens(x.astype(config.dtype)), config)
-    h = jax.nn.gelu(_layer_norm(p["ln2"], x) @ p["mlp"]["up"] + p["mlp"]["up_bias"])
-    return attention_lib.constrain_tokens(x + h @ p["mlp"]["down"] + p["mlp"]["down_bias"])
+    y, mlp = _norm(p["ln2"], x, config), p["mlp"]
+    if config.mlp == "swiglu":
+        h = jax.nn.silu(_linear(mlp, "gate", y)) * _linear(mlp, "up", y)
+    else:
+        h = jax.nn.gelu(_linear(mlp, "up", y))
+    return attention_lib.constrain_tokens(_residual(x, mlp, "down", h))
 
 
 def moe_block(layer_params: dict, x: jax.Array, *, config: GPTConfig) -> tuple[jax.Array, Any]:
@@ -263,7 +539,7 @@ def moe_block(layer_params: dict, x: jax.Array, *, config: GPTConfig) -> tuple[j
     routing group): ``(x, stats)``, ``stats`` a `replicator.moe.Stats` of per-sequence values."""
     p = _cast(layer_params, config)
     x = _attend(p, attention_lib.constrain_tokens(x.astype(config.dtype)), config)
-    y, stats = moe.apply(p["moe"], _layer_norm(p["ln2"], x), routing=config.routing)
+    y, stats = moe.apply(p["moe"], _norm(p["ln2"], x, config), routing=config.routing)
     return attention_lib.constrain_tokens(x + y), stats
 
 
@@ -321,16 +597,42 @@ def stage_fn(config: GPTConfig) -> Callable[[dict, jax.Array], jax.Array]:
     return pipeline.scan_layers(lambda p, x: block(p, x, config=config).astype(x.dtype))
 
 
-def head_logits(head_params: dict, x: jax.Array) -> jax.Array:
-    """Final LayerNorm and output matrix: ``[B, S, D]`` to fp32 logits ``[B, S, V]``."""
+def output_head(params: dict, *, config: GPTConfig) -> dict:
+    """The head's parameters with its output matrix: ``params["head"]``, and with
+    ``tie_embeddings`` ``"w"``, the token table transposed (gathered, for ZeRO-3). What
+    `head_logits` and `head_loss` take.
+
+    >>> import jax
+    >>> config = GPTConfig(d_model=16, num_heads=2, num_layers=1, tie_embeddings=True)
+    >>> head = jax.eval_shape(lambda: output_head(init(config, jax.random.key(0)), config=config))
+    >>> head["w"].shape
+    (16, 256)
+    """
+    if not config.tie_embeddings:
+        return params["head"]
+    tokens = rp.gather_params(params["embed"]["tokens"])
+    return {**params["head"], "w": tokens.T}
+
+
+def head_logits(head_params: dict, x: jax.Array, *, config: GPTConfig | None = None) -> jax.Array:
+    """Final norm and output matrix: ``[B, S, D]`` to fp32 logits ``[B, S, V]``.
+    ``head_params`` is `output_head`'s; ``config`` (default: `GPTConfig`'s) gives the norm."""
+    config = _DEFAULT if config is None else config
     head_params = rp.gather_params(head_params)
-    x = _layer_norm(head_params["norm"], x.astype(jnp.float32))
+    if "w" not in head_params:
+        raise ValueError(
+            "gpt.head_logits: the head has no output matrix 'w' (a model with "
+            "tie_embeddings=True); pass gpt.output_head(params, config=config)."
+        )
+    x = _norm(head_params["norm"], x.astype(jnp.float32), config)
     return x @ head_params["w"]
 
 
-def head_loss(head_params: dict, x: jax.Array, targets: jax.Array) -> jax.Array:
+def head_loss(
+    head_params: dict, x: jax.Array, targets: jax.Array, *, config: GPTConfig | None = None
+) -> jax.Array:
     """Mean token cross-entropy of the head on ``x``, in fp32: the pipeline's ``loss_fn``."""
-    logp = jax.nn.log_softmax(head_logits(head_params, x), axis=-1)
+    logp = jax.nn.log_softmax(head_logits(head_params, x, config=config), axis=-1)
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
 
 
@@ -338,7 +640,8 @@ def apply(params: dict, tokens: jax.Array, *, config: GPTConfig) -> jax.Array:
     """The whole model: fp32 logits ``[B, S, V]``."""
     order = sequence_order(config, tokens.shape[-1])
     x = embed(params["embed"], tokens, order).astype(config.dtype)
-    logits = head_logits(params["head"], blocks(params["blocks"], x, config=config))
+    x = blocks(params["blocks"], x, config=config)
+    logits = head_logits(output_head(params, config=config), x, config=config)
     return logits if order is None else logits[:, np.argsort(order)]
 
 
@@ -354,7 +657,7 @@ def loss_and_stats(
         targets = targets[..., order]
     x = embed(params["embed"], tokens, order).astype(config.dtype)
     x, stats = blocks_and_stats(params["blocks"], x, config=config)
-    ce = head_loss(params["head"], x, targets)
+    ce = head_loss(output_head(params, config=config), x, targets, config=config)
     if stats is None:
         return ce, {}
     aux = jnp.mean(stats.aux_loss) / config.num_moe_layers
@@ -422,7 +725,7 @@ def pipeline_value_and_grad(
     """
     grad_fn = pipeline.value_and_grad(
         stage_fn(config),
-        head_loss,
+        functools.partial(head_loss, config=config),
         num_microbatches=num_microbatches,
         schedule=schedule,
         remat=remat,
@@ -443,10 +746,17 @@ def pipeline_value_and_grad(
             targets = targets[..., order]
         wire = _stage_dtype(config)
         x, embed_vjp = jax.vjp(lambda e: embed(e, tokens, order).astype(wire), params["embed"])
-        head, head_vjp = jax.vjp(rp.gather_params, params["head"])  # ZeRO-3: gathered once
+        if not config.tie_embeddings:
+            head, head_vjp = jax.vjp(rp.gather_params, params["head"])  # ZeRO-3: gathered once
+            loss, (g_stages, g_x, g_head) = grad_fn(params["stages"], x, targets, head)
+            grads = {"embed": embed_vjp(g_x)[0], "stages": g_stages, "head": head_vjp(g_head)[0]}
+            return loss, grads
+        tied = lambda h, e: rp.gather_params(output_head({"head": h, "embed": e}, config=config))
+        head, head_vjp = jax.vjp(tied, params["head"], params["embed"])
         loss, (g_stages, g_x, g_head) = grad_fn(params["stages"], x, targets, head)
-        grads = {"embed": embed_vjp(g_x)[0], "stages": g_stages, "head": head_vjp(g_head)[0]}
-        return loss, grads
+        g_head, g_embed = head_vjp(g_head)  # the token table: used by the embedding and head
+        g_embed = jax.tree.map(jnp.add, embed_vjp(g_x)[0], g_embed)
+        return loss, {"embed": g_embed, "stages": g_stages, "head": g_head}
 
     return value_and_grad
 
@@ -470,48 +780,73 @@ def _stage_dtype(config: GPTConfig) -> Any:
 
 # -- placement: sharding by role -----------------------------------------------------------------
 
-_LN = {"scale": ("embed",), "bias": ("embed",)}
-_BLOCK_AXES = {
-    "ln1": _LN,
-    "attn": {
-        "qkv": ("embed", "heads"),  # columns grouped by head (see `block`)
-        "qkv_bias": ("heads",),
-        "out": ("heads", "embed"),  # rows: the heads' outputs, in the same order
-        "out_bias": ("embed",),
-    },
-    "ln2": _LN,
-    "mlp": {
-        "up": ("embed", "mlp"),
-        "up_bias": ("mlp",),
-        "down": ("mlp", "embed"),
-        "down_bias": ("embed",),
-    },
-}
-LOGICAL_AXES: dict = {
-    "embed": {"tokens": ("vocab", "embed"), "positions": ("seq", "embed")},
-    "blocks": jax.tree.map(
-        lambda a: ("layers", *a), _BLOCK_AXES, is_leaf=lambda a: isinstance(a, tuple)
-    ),
-    "head": {"norm": _LN, "w": ("embed", "vocab")},
-}
-"""The role of each dimension of each leaf of `init`'s parameters: ``"heads"`` (attention heads,
-each ``d_model / num_heads`` wide), ``"mlp"`` (the MLP's hidden units), ``"embed"`` (the model
-width), ``"vocab"``, ``"seq"`` (positions) and ``"layers"`` (the stacked blocks)."""
+
+def _with_biases(config: GPTConfig, weights: dict) -> dict:
+    """``{name: axes}`` of linear layers and, with ``config.bias``, their biases' (the last)."""
+    out = {}
+    for name, axes in weights.items():
+        out[name] = axes
+        if config.bias:
+            out[f"{name}_bias"] = axes[-1:]
+    return out
+
+
+def _block_axes(config: GPTConfig) -> dict:
+    norm = {"scale": ("embed",)}
+    if _norm_has_bias(config):
+        norm["bias"] = ("embed",)
+    if config.num_kv_heads is None:
+        attn = {"qkv": ("embed", "heads")}  # columns grouped by head (see `_qkv`)
+    else:
+        attn = {"q": ("embed", "heads"), "k": ("embed", "kv_heads"), "v": ("embed", "kv_heads")}
+    attn["out"] = ("heads", "embed")  # rows: the heads' outputs, in the same order
+    mlp = {"gate": ("embed", "mlp")} if config.mlp == "swiglu" else {}
+    mlp |= {"up": ("embed", "mlp"), "down": ("mlp", "embed")}
+    return {
+        "ln1": norm,
+        "attn": _with_biases(config, attn),
+        "ln2": norm,
+        "mlp": _with_biases(config, mlp),
+    }
+
+
+def _axes(config: GPTConfig) -> dict:
+    is_axes = lambda a: isinstance(a, tuple)
+    block = _block_axes(config)
+    embed = {"tokens": ("vocab", "embed")}
+    if config.position == "learned":
+        embed["positions"] = ("seq", "embed")
+    head = {"norm": block["ln1"]} | ({} if config.tie_embeddings else {"w": ("embed", "vocab")})
+    if not config.num_experts:
+        blocks = jax.tree.map(lambda a: ("layers", *a), block, is_leaf=is_axes)
+        return {"embed": embed, "blocks": blocks, "head": head}
+    moe_block = {k: v for k, v in block.items() if k != "mlp"} | {"moe": moe.LOGICAL_AXES}
+    group = {"moe": moe_block}
+    if config.moe_every > 1:
+        group["dense"] = jax.tree.map(lambda a: ("layers", *a), block, is_leaf=is_axes)
+    blocks = jax.tree.map(lambda a: ("layers", *a), group, is_leaf=is_axes)
+    return {"embed": embed, "blocks": blocks, "head": head}
+
+
+LOGICAL_AXES: dict = _axes(_DEFAULT)
+"""The role of each dimension of each leaf of `init`'s parameters (for the default `GPTConfig`;
+`logical_axes` gives any config's): ``"heads"`` (attention heads, each ``head_dim`` wide),
+``"kv_heads"`` (key/value heads, with ``num_kv_heads``), ``"mlp"`` (the MLP's hidden units),
+``"embed"`` (the model width), ``"vocab"``, ``"seq"`` (positions) and ``"layers"`` (the stacked
+blocks)."""
 
 
 def logical_axes(config: GPTConfig | None = None) -> dict:
-    """`LOGICAL_AXES` for ``config``'s parameters: the dense model's, or with ``num_experts``
-    the grouped layout of `init` (``"layers"`` for the group axis and the dense blocks' own,
-    ``"experts"`` for the experts of `replicator.moe.LOGICAL_AXES`)."""
-    if config is None or not config.num_experts:
-        return LOGICAL_AXES
-    is_axes = lambda a: isinstance(a, tuple)
-    moe_block = {k: v for k, v in _BLOCK_AXES.items() if k != "mlp"} | {"moe": moe.LOGICAL_AXES}
-    group = {"moe": moe_block}
-    if config.moe_every > 1:
-        group["dense"] = jax.tree.map(lambda a: ("layers", *a), _BLOCK_AXES, is_leaf=is_axes)
-    blocks = jax.tree.map(lambda a: ("layers", *a), group, is_leaf=is_axes)
-    return {**LOGICAL_AXES, "blocks": blocks}
+    """`LOGICAL_AXES` for ``config``'s parameters (`init`'s leaves: the architecture's norms,
+    attention and MLP matrices, biases, positions and output matrix); with ``num_experts`` the
+    grouped layout of `init` (``"layers"`` for the group axis and the dense blocks' own,
+    ``"experts"`` for the experts of `replicator.moe.LOGICAL_AXES`).
+
+    >>> config = GPTConfig(num_heads=4, num_kv_heads=2, mlp="swiglu", bias=False)
+    >>> logical_axes(config)["blocks"]["attn"]["k"], logical_axes(config)["blocks"]["mlp"]["gate"]
+    (('layers', 'embed', 'kv_heads'), ('layers', 'embed', 'mlp'))
+    """
+    return LOGICAL_AXES if config is None else _axes(config)
 
 
 def zero_stacked(config: GPTConfig) -> dict[str, int]:
@@ -522,15 +857,18 @@ def zero_stacked(config: GPTConfig) -> dict[str, int]:
 
 
 MEGATRON_RULES: Mapping[str, str | None] = types.MappingProxyType(
-    {"heads": MODEL_AXIS, "mlp": MODEL_AXIS}
+    {"heads": MODEL_AXIS, "mlp": MODEL_AXIS, "kv_heads": MODEL_AXIS}
 )
-"""Role to mesh axis, Megatron-LM's layout: attention heads and MLP hidden units split over
-``model``, so the qkv and first MLP matrices are split by columns and the attention output and
-second MLP matrices by rows; every other role is whole. ``{**MEGATRON_RULES, "vocab": "model"}``
-also splits the embedding table by rows and the output matrix by columns."""
+"""Role to mesh axis, Megatron-LM's layout: attention heads (query and key/value heads alike)
+and MLP hidden units split over ``model``, so the q/k/v (or qkv) and first MLP (gate, up)
+matrices are split by columns and the attention output and second MLP matrices by rows; every
+other role is whole. ``{**MEGATRON_RULES, "vocab": "model"}`` also splits the embedding table by
+rows and the output matrix by columns; ``{**MEGATRON_RULES, "kv_heads": None}`` keeps the keys
+and values whole on every device (for fewer key/value heads than ``model`` devices)."""
 
 _ROLE_SIZES = {
     "heads": "num_heads",
+    "kv_heads": "kv_heads",
     "mlp": "hidden",
     "vocab": "vocab_size",
     "embed": "d_model",
@@ -562,7 +900,7 @@ def partition_specs(
         (and ``"expert"`` for ``"experts"``).
     """
     rules = {"experts": EXPERT_AXIS, **rules}
-    roles = ("heads", "mlp", "vocab", "embed", "seq", "layers", "experts")
+    roles = ("heads", "kv_heads", "mlp", "vocab", "embed", "seq", "layers", "experts")
     for role, axis in rules.items():
         if role not in roles:
             raise ValueError(
@@ -582,9 +920,23 @@ def partition_specs(
     )
 
 
+def _check_layout(params: dict, config: GPTConfig | None, api: str) -> None:
+    """Refuses parameters whose leaves are not those of ``config``'s `init`."""
+    axes = jax.tree.structure(logical_axes(config), is_leaf=lambda a: isinstance(a, tuple))
+    if jax.tree.structure(params) != axes:
+        made = "the default GPTConfig" if config is None else "config"
+        raise ValueError(
+            f"{api}: params do not have the leaves of {made}'s parameters (gpt.init(config, "
+            f"key)); pass the config they were made with, e.g. {api}(repl, params, "
+            f"config=config)."
+        )
+
+
 def _check_split(mesh, config: GPTConfig | None, rules: Mapping, api: str) -> None:
     """Refuses a split of a role that does not give each device whole heads (units, rows)."""
     split = {r: a for r, a in rules.items() if a in mesh.shape and mesh.shape[a] > 1}
+    if config is None or config.num_kv_heads is None:
+        split.pop("kv_heads", None)  # the fused qkv: key/value heads are the heads
     if not split:
         return
     if config is None:
@@ -598,11 +950,17 @@ def _check_split(mesh, config: GPTConfig | None, rules: Mapping, api: str) -> No
         if name is None or getattr(config, name) % t == 0:
             continue
         n = getattr(config, name)
-        field = "d_ff" if name == "hidden" else name
+        field = {"hidden": "d_ff", "kv_heads": "num_kv_heads"}.get(name, name)
+        whole = (
+            ", or rules={**gpt.MEGATRON_RULES, 'kv_heads': None} to keep keys and values whole "
+            "on every device"
+            if role == "kv_heads"
+            else ""
+        )
         raise ValueError(
             f"{api}: {field}={n} does not split over the {t} devices of {axis!r} (rules map "
             f"{role!r} to {axis!r}); use {field} a multiple of {t} (e.g. {t * math.ceil(n / t)}), "
-            f"or a smaller {axis!r} axis."
+            f"or a smaller {axis!r} axis{whole}."
         )
 
 
@@ -615,10 +973,12 @@ def place(
 ) -> dict:
     """`init`'s parameters placed on ``repl``'s mesh for `loss`, split by `partition_specs`.
 
-    On ``{"data": D, "model": T}`` each device holds ``num_heads / T`` heads and ``hidden / T``
-    MLP units of every block; ``step_fn`` still sees whole parameters (XLA partitions the
-    ``model`` axis and adds its all-reduces: two per block forward, two backward). On a mesh
-    without ``model`` every leaf is replicated, as ``repl.replicate(params)``.
+    On ``{"data": D, "model": T}`` each device holds ``num_heads / T`` heads (and with
+    ``num_kv_heads``, ``num_kv_heads / T`` key/value heads: those its query heads use) and
+    ``hidden / T`` MLP units of every block; ``step_fn`` still sees whole parameters (XLA
+    partitions the ``model`` axis and adds its all-reduces: two per block forward, two
+    backward). On a mesh without ``model`` every leaf is replicated, as
+    ``repl.replicate(params)``.
 
     >>> import jax, replicator as rp
     >>> from replicator.models import gpt
@@ -632,17 +992,20 @@ def place(
     Args:
       repl: the Replicator whose mesh holds the parameters.
       params: `init`'s ``{"embed", "blocks", "head"}``.
-      config: the model's sizes; needed when the mesh splits a role (to check whole heads).
+      config: the model's sizes and architecture; needed when the mesh splits a role (to
+        check whole heads) and for any but the default architecture (its leaves).
       rules: role to mesh axis (`partition_specs`).
 
     Returns:
       ``params``, placed.
 
     Raises:
-      ValueError: if a role split over ``model`` (``num_heads``, the hidden units) does not
-        divide by its size, or ``config`` is missing for that check.
+      ValueError: if a role split over ``model`` (``num_heads``, ``num_kv_heads``, the hidden
+        units) does not divide by its size, or ``config`` is missing for that check, or
+        ``params`` do not have ``config``'s leaves.
     """
     specs = partition_specs(rules=rules, config=config)
+    _check_layout(params, config, "gpt.place")
     _check_split(repl.mesh, config, {"experts": EXPERT_AXIS, **rules}, "gpt.place")
     return repl.place(params, specs)
 
@@ -668,7 +1031,7 @@ def place_pipeline(
       params: `init`'s ``{"embed", "blocks", "head"}``.
       num_stages: the size of the mesh's ``stage`` axis.
       repeats: virtual stages per device.
-      config: the model's sizes; needed when the mesh splits a role (to check whole heads).
+      config: the model's sizes and architecture (as for `place`).
       rules: role to mesh axis (`partition_specs`).
 
     Returns:
@@ -686,6 +1049,7 @@ def place_pipeline(
     (2, 2, 16, 48)
     """
     specs = partition_specs(rules=rules, config=config)
+    _check_layout(params, config, "gpt.place_pipeline")
     _check_split(repl.mesh, config, rules, "gpt.place_pipeline")
     lead = tuple(pipeline.stage_spec(repeats))  # the stage axes, then the layers' own specs
     staged = pipeline_params(params, num_stages=num_stages, repeats=repeats)
@@ -721,9 +1085,16 @@ def num_params(params: PyTree) -> int:
 
 def flops_per_token(config: GPTConfig) -> float:
     """Training FLOPs per token, ``6 N + 6 L S D`` (Kaplan et al.): N non-embedding parameters
-    (``L (4 D^2 + 2 D F)`` plus the ``D V`` head), and attention over ``S`` positions."""
+    (``L (2 D^2 + 2 D KV hd + 2 D F)``, ``3 D F`` for SwiGLU, plus the ``D V`` head, tied or
+    not), and attention over ``S`` positions.
+
+    >>> flops_per_token(GPTConfig(d_model=64, num_layers=4, seq_len=64, vocab_size=256))
+    1376256.0
+    """
     d, f, n_layers = config.d_model, config.hidden, config.num_layers
-    n = n_layers * (4 * d * d + 2 * d * f) + d * config.vocab_size
+    attn = 2 * d * d + 2 * d * config.kv_heads * config.head_dim
+    mlp = (3 if config.mlp == "swiglu" else 2) * d * f
+    n = n_layers * (attn + mlp) + d * config.vocab_size
     return float(6 * n + 6 * n_layers * config.seq_len * d)
 
 

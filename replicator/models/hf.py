@@ -1,0 +1,895 @@
+"""Hugging Face Llama checkpoints in and out, one device's slice at a time.
+
+`load` builds every parameter as a global ``jax.Array`` whose devices each read only the slice
+they hold, straight from the checkpoint's ``*.safetensors`` files (fp32, fp16 or bf16): no host
+holds the whole model, and a slice that several devices replicate is read once per process.
+`save` writes a directory that ``transformers.LlamaForCausalLM.from_pretrained`` reads, gathering
+one tensor at a time to the host.
+
+The parameter tree (`replicator.models.gpt` with its Llama options) and the Hugging Face names.
+Hugging Face stores a linear layer as ``[out, in]``; ours is ``[in, out]``, its transpose (T):
+
+=========================  =====================  =============================================
+ours                       shape                  Hugging Face
+=========================  =====================  =============================================
+``embed.tokens``           ``[V, d]``             ``model.embed_tokens.weight``
+``blocks.ln1.scale``       ``[L, d]``             ``model.layers.{i}.input_layernorm.weight``
+``blocks.attn.q``          ``[L, d, H*hd]``       ``model.layers.{i}.self_attn.q_proj`` T
+``blocks.attn.k|v``        ``[L, d, KV*hd]``      ``model.layers.{i}.self_attn.{k,v}_proj`` T
+``blocks.attn.out``        ``[L, H*hd, d]``       ``model.layers.{i}.self_attn.o_proj`` T
+``blocks.ln2.scale``       ``[L, d]``             ``model.layers.{i}.post_attention_layernorm``
+``blocks.mlp.gate|up``     ``[L, d, F]``          ``model.layers.{i}.mlp.{gate,up}_proj`` T
+``blocks.mlp.down``        ``[L, F, d]``          ``model.layers.{i}.mlp.down_proj`` T
+``head.norm.scale``        ``[d]``                ``model.norm.weight``
+``head.w``                 ``[d, V]``             ``lm_head.weight`` T (none when tied)
+=========================  =====================  =============================================
+
+(``.weight`` left out of the names, T for transposed). With ``attention_bias`` and
+``mlp_bias``, each linear leaf ``x`` has an ``x_bias`` leaf ``[L, out]`` (``..._proj.bias``).
+The blocks may also be a pipeline's ``stages`` (`gpt.pipeline_params`): leading axes
+``[K, L/K]`` or ``[V, K, L/K]`` hold the layers in row-major order. ZeRO-3's `ShardedParam`
+leaves load and save as the arrays they wrap.
+
+To train a checkpoint, read its sizes with `read_config` (``llama.from_hf_config`` turns them
+into a `gpt.GPTConfig`) and load it into the layout training uses:
+``hf.load(path, repl.abstract(lambda: gpt.place(repl, gpt.init(config, key), config=config)))``
+(``repl.abstract`` allocates nothing), or ``hf.load(path, hf.abstract(hf_config, repl, specs))``.
+
+>>> import pathlib, tempfile, jax, numpy as np
+>>> from replicator.models import hf
+>>> config = {"model_type": "llama", "vocab_size": 16, "hidden_size": 8,
+...           "intermediate_size": 12, "num_attention_heads": 2, "num_hidden_layers": 2}
+>>> rng = np.random.default_rng(0)
+>>> params = jax.tree.map(lambda s: rng.standard_normal(s.shape, np.float32), hf.shapes(config))
+>>> directory = pathlib.Path(tempfile.mkdtemp()) / "tiny-llama"
+>>> _ = hf.save(directory, params, config)
+>>> sorted(p.name for p in directory.iterdir())
+['config.json', 'model.safetensors']
+>>> mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+>>> loaded = hf.load(directory, hf.abstract(hf.read_config(directory), mesh))
+>>> bool(np.array_equal(loaded["blocks"]["attn"]["q"], params["blocks"]["attn"]["q"]))
+True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import math
+import os
+import pathlib
+import shutil
+import struct
+import uuid
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from replicator._src import leaf_specs
+
+PyTree = Any
+
+_DTYPES = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+}
+_CODES = {dtype: code for code, dtype in _DTYPES.items()}
+
+_TOP = {
+    ("embed", "tokens"): ("model.embed_tokens.weight", False),
+    ("head", "norm", "scale"): ("model.norm.weight", False),
+    ("head", "w"): ("lm_head.weight", True),
+}
+"""Our leaves outside the blocks: the Hugging Face tensor and whether ours is its transpose."""
+
+_LAYER = {
+    ("ln1", "scale"): ("input_layernorm.weight", False),
+    ("attn", "q"): ("self_attn.q_proj.weight", True),
+    ("attn", "k"): ("self_attn.k_proj.weight", True),
+    ("attn", "v"): ("self_attn.v_proj.weight", True),
+    ("attn", "out"): ("self_attn.o_proj.weight", True),
+    ("ln2", "scale"): ("post_attention_layernorm.weight", False),
+    ("mlp", "gate"): ("mlp.gate_proj.weight", True),
+    ("mlp", "up"): ("mlp.up_proj.weight", True),
+    ("mlp", "down"): ("mlp.down_proj.weight", True),
+}
+_LAYER |= {  # with attention_bias and mlp_bias (`gpt.GPTConfig`'s bias=True)
+    (group, f"{leaf}_bias"): (name.removesuffix("weight") + "bias", False)
+    for (group, leaf), (name, transposed) in list(_LAYER.items())
+    if transposed
+}
+"""Our leaves of one block: the tensor's name after ``model.layers.{i}.``, transposed or not."""
+
+_STACKED = ("blocks", "stages")
+_REPLICATED = P()
+_REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_hidden_layers",
+)
+_DROPPED = {"rope_parameters", "dtype", "transformers_version", "_name_or_path"}
+_DEFAULTS = {
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "rope_scaling": None,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+}
+
+
+# -- the configuration ---------------------------------------------------------------------------
+
+
+def read_config(directory: str | os.PathLike) -> dict:
+    """The checkpoint's ``config.json``, checked to be a Llama model, with Llama's defaults
+    filled in: ``num_key_value_heads``, ``head_dim``, ``tie_word_embeddings``,
+    ``attention_bias``, ``mlp_bias``, ``rms_norm_eps``, ``rope_theta``, ``rope_scaling`` and
+    ``max_position_embeddings`` are always there (``rope_theta`` and ``rope_scaling`` taken from a newer file's
+    ``rope_parameters`` too).
+
+    >>> import json, pathlib, tempfile
+    >>> from replicator.models import hf
+    >>> directory = pathlib.Path(tempfile.mkdtemp())
+    >>> _ = (directory / "config.json").write_text(json.dumps({"model_type": "llama",
+    ...     "vocab_size": 16, "hidden_size": 8, "intermediate_size": 12,
+    ...     "num_attention_heads": 2, "num_hidden_layers": 2}))
+    >>> config = hf.read_config(directory)
+    >>> config["num_key_value_heads"], config["head_dim"], config["rope_theta"]
+    (2, 4, 10000.0)
+
+    Raises:
+      FileNotFoundError: if ``directory`` has no ``config.json``.
+      ValueError: for a model other than Llama (``model_type`` not ``"llama"``), an activation
+        other than SiLU, or a missing size.
+    """
+    path = pathlib.Path(directory) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"hf.read_config: {path} does not exist; a Hugging Face checkpoint is a directory "
+            f"with config.json next to its *.safetensors files (save_pretrained writes both)."
+        )
+    return _llama(json.loads(path.read_text()), f"hf.read_config: {path}")
+
+
+def _llama(config: dict, where: str) -> dict:
+    """``config`` checked to be a Llama we can hold, with its defaults filled in."""
+    kind = config.get("model_type")
+    if kind != "llama":
+        extra = {
+            "mixtral": " (a mixture of experts, whose expert weights have no place in this tree "
+            "yet)",
+            "mistral": " (Llama's layout with sliding-window attention, not supported yet)",
+        }.get(kind, "")
+        raise ValueError(
+            f"{where}: model_type={kind!r}{extra}; only 'llama' checkpoints "
+            f"(LlamaForCausalLM) map onto replicator's Llama parameters. Use a Llama checkpoint, "
+            f"or set model_type to 'llama' if the model truly is one."
+        )
+    missing = [k for k in _REQUIRED if config.get(k) is None]
+    if missing:
+        raise ValueError(
+            f"{where}: the config lacks {', '.join(missing)}; a Llama config.json gives every "
+            f"size ({', '.join(_REQUIRED)})."
+        )
+    if config.get("hidden_act", "silu") != "silu":
+        raise ValueError(
+            f"{where}: hidden_act={config['hidden_act']!r}; the Llama MLP here is SiLU-gated "
+            f"(hidden_act 'silu')."
+        )
+    out = {k: v for k, v in config.items() if v is not None or k == "rope_scaling"}
+    out.setdefault("num_key_value_heads", config["num_attention_heads"])
+    out.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    rope = dict(config.get("rope_parameters") or {})
+    if "rope_theta" in rope:
+        out.setdefault("rope_theta", rope.pop("rope_theta"))
+    if out.get("rope_scaling") is None and rope.get("rope_type", "default") != "default":
+        out["rope_scaling"] = rope
+    if "dtype" in config and "torch_dtype" not in config:
+        out["torch_dtype"] = config["dtype"]
+    return _DEFAULTS | out
+
+
+def shapes(config: dict, *, dtype: Any = jnp.float32) -> dict:
+    """The parameter tree of a Llama ``config`` (a ``config.json`` dict) as
+    ``jax.ShapeDtypeStruct`` leaves without shardings (`abstract` adds them).
+
+    >>> from replicator.models import hf
+    >>> tree = hf.shapes({"model_type": "llama", "vocab_size": 16, "hidden_size": 8,
+    ...     "intermediate_size": 12, "num_attention_heads": 2, "num_key_value_heads": 1,
+    ...     "num_hidden_layers": 3})
+    >>> tree["blocks"]["attn"]["k"].shape, tree["head"]["w"].shape
+    ((3, 8, 4), (8, 16))
+    """
+    c = _llama(config, "hf.shapes: config")
+    v, d, f, n = c["vocab_size"], c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    s = lambda *shape: jax.ShapeDtypeStruct(shape, dtype)
+
+    def linears(weights: dict, bias: bool) -> dict:  # with bias, "{name}_bias" after each
+        out = {}
+        for name, w in weights.items():
+            out |= {name: w} | ({f"{name}_bias": s(*w.shape[:1], w.shape[-1])} if bias else {})
+        return out
+
+    attn = {"q": s(n, d, q), "k": s(n, d, kv), "v": s(n, d, kv), "out": s(n, q, d)}
+    mlp = {"gate": s(n, d, f), "up": s(n, d, f), "down": s(n, f, d)}
+    return {
+        "embed": {"tokens": s(v, d)},
+        "blocks": {
+            "ln1": {"scale": s(n, d)},
+            "attn": linears(attn, c["attention_bias"]),
+            "ln2": {"scale": s(n, d)},
+            "mlp": linears(mlp, c["mlp_bias"]),
+        },
+        "head": {"norm": {"scale": s(d)}} | ({} if c["tie_word_embeddings"] else {"w": s(d, v)}),
+    }
+
+
+def abstract(
+    config: dict, mesh: Any, specs: P | PyTree = _REPLICATED, *, dtype: Any = jnp.float32
+) -> dict:
+    """`shapes` with the ``NamedSharding`` on ``mesh`` that ``repl.place(params, specs)``
+    would give each leaf: the ``target`` of `load` for a model placed that way.
+
+    >>> import jax
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from replicator.models import hf
+    >>> config = {"model_type": "llama", "vocab_size": 16, "hidden_size": 8,
+    ...     "intermediate_size": 12, "num_attention_heads": 2, "num_hidden_layers": 2}
+    >>> mesh = jax.make_mesh((1,), ("model",), devices=jax.devices()[:1])
+    >>> columns = P(None, None, "model")           # heads over "model"
+    >>> specs = {"embed": P(), "head": P(), "blocks": {"ln1": P(), "ln2": P(),
+    ...     "attn": {"q": columns, "k": columns, "v": columns, "out": P(None, "model")},
+    ...     "mlp": {"gate": columns, "up": columns, "down": P(None, "model")}}}
+    >>> tree = hf.abstract(config, mesh, specs)
+    >>> tree["blocks"]["attn"]["q"].sharding.spec
+    P(None, None, 'model')
+
+    Args:
+      config: the ``config.json`` dict (`read_config`).
+      mesh: a ``jax.sharding.Mesh`` or a ``Replicator`` (its ``mesh``).
+      specs: one ``PartitionSpec`` for every leaf, or a tree of them that is a prefix of
+        `shapes`' tree, as ``Replicator.place`` takes (e.g. ``gpt.partition_specs(...)``).
+      dtype: the parameters' dtype (the checkpoint's values are cast to it).
+
+    Raises:
+      ValueError: as ``Replicator.place`` does for specs that do not fit the tree or mesh.
+    """
+    mesh = getattr(mesh, "mesh", mesh)
+    tree = shapes(config, dtype=dtype)
+    shardings = leaf_specs.leaf_shardings(mesh, tree, specs, api="hf.abstract")
+    return jax.tree.map(
+        lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+        tree,
+        shardings,
+    )
+
+
+# -- the files -----------------------------------------------------------------------------------
+
+
+class _Tensor(NamedTuple):
+    file: pathlib.Path
+    code: str  # the safetensors dtype, e.g. "BF16"
+    shape: tuple[int, ...]
+    offset: int  # where its bytes start in the file
+
+    @property
+    def dtype(self) -> np.dtype:
+        return _DTYPES[self.code]
+
+
+def _header(path: pathlib.Path) -> dict[str, _Tensor]:
+    """The tensors of one ``.safetensors`` file, from its JSON header."""
+    with open(path, "rb") as f:
+        size = f.read(8)
+        if len(size) < 8:
+            raise ValueError(f"hf.load: {path} is not a safetensors file (under 8 bytes).")
+        header = json.loads(f.read(struct.unpack("<Q", size)[0]))
+    start = 8 + struct.unpack("<Q", size)[0]
+    return {
+        name: _Tensor(path, info["dtype"], tuple(info["shape"]), start + info["data_offsets"][0])
+        for name, info in header.items()
+        if name != "__metadata__"
+    }
+
+
+def _tensors(directory: pathlib.Path) -> dict[str, _Tensor]:
+    """Every tensor of the checkpoint in ``directory``: the files its index names, else every
+    ``*.safetensors`` file there."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"hf.load: {directory} holds no *.safetensors file; save the model with "
+            f"save_pretrained (safetensors is its default) or with hf.save."
+        )
+    tensors: dict[str, _Tensor] = {}
+    for name in files:
+        tensors.update(_header(directory / name))
+    return tensors
+
+
+def _pread_into(fd: int, offset: int, buffer: memoryview) -> None:
+    """Fills ``buffer`` with the file's bytes from ``offset``: every byte `load` reads."""
+    done = 0
+    while done < len(buffer):
+        n = os.preadv(fd, [buffer[done:]], offset + done)
+        if n == 0:
+            raise EOFError(f"hf.load: a safetensors file ends before byte {offset + len(buffer)}.")
+        done += n
+
+
+class _Reader:
+    """Reads blocks of the checkpoint's tensors with positioned reads (no mapping of whole
+    files, so the host's memory holds only what was asked for)."""
+
+    def __init__(self, tensors: dict[str, _Tensor]) -> None:
+        self.tensors = tensors
+        self._fds: dict[pathlib.Path, int] = {}
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def read(self, name: str, box: tuple[tuple[int, int], ...]) -> np.ndarray:
+        """Tensor ``name``'s block ``box`` (a ``(start, stop)`` per dimension), in its dtype."""
+        t = self.tensors[name]
+        if t.file not in self._fds:
+            self._fds[t.file] = os.open(t.file, os.O_RDONLY)
+        out = np.empty([stop - start for start, stop in box], t.dtype)
+        if out.size == 0:
+            return out
+        # The innermost dimensions the box covers whole, and the one before them, make one
+        # contiguous run of bytes; the outer dimensions index the runs.
+        k = len(t.shape)
+        while k > 0 and box[k - 1] == (0, t.shape[k - 1]):
+            k -= 1
+        outer = max(k - 1, 0)
+        strides = [math.prod(t.shape[i + 1 :]) for i in range(len(t.shape))]
+        runs = out.view(np.uint8).reshape(math.prod(out.shape[:outer]), -1)
+        first = box[outer][0] * strides[outer] if outer < len(t.shape) else 0
+        for row, position in enumerate(np.ndindex(*out.shape[:outer])):
+            element = first + sum((box[i][0] + p) * strides[i] for i, p in enumerate(position))
+            _pread_into(
+                self._fds[t.file], t.offset + element * t.dtype.itemsize, memoryview(runs[row])
+            )
+        return out
+
+
+# -- load ----------------------------------------------------------------------------------------
+
+
+class _Leaf(NamedTuple):
+    where: str  # "params['blocks']['attn']['q']", for messages
+    name: str  # the Hugging Face tensor; with "{i}" for the layer in the blocks
+    lead: int  # the number of leading layer axes (0 outside the blocks)
+    transposed: bool
+
+    def names(self, num_layers: int) -> list[str]:
+        """The Hugging Face tensor of each layer (the one tensor outside the blocks)."""
+        return [self.name.format(i=i) for i in range(num_layers)] if self.lead else [self.name]
+
+
+def _keys(path: tuple) -> tuple[str, ...]:
+    """A leaf's dict keys (a `ShardedParam`'s ``.value`` is not one)."""
+    return tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+
+
+def _describe(path: tuple, ndim: int | None, api: str) -> _Leaf:
+    """Which Hugging Face tensors hold the leaf at ``path`` (``ndim`` dimensions, or None for
+    a bare sharding)."""
+    keys, where = _keys(path), "params" + jax.tree_util.keystr(path)
+    if keys in _TOP:
+        name, transposed = _TOP[keys]
+        return _Leaf(where, name, 0, transposed)
+    if keys[:1] and keys[0] in _STACKED and keys[1:] in _LAYER:
+        suffix, transposed = _LAYER[keys[1:]]
+        if ndim is None and keys[0] != "blocks":
+            raise ValueError(
+                f"{api}: {where} is a bare Sharding, so its pipeline layout is unknown; give "
+                f"a jax.ShapeDtypeStruct(shape, dtype, sharding=...) for the stages' leaves."
+            )
+        lead = 1 if ndim is None else ndim - (2 if transposed else 1)
+        if lead < 1:
+            raise ValueError(
+                f"{api}: {where} has {ndim} dimensions; a block's leaf has leading layer axes "
+                f"before its {'2' if transposed else '1'} own (e.g. [layers, d_in, d_out])."
+            )
+        return _Leaf(where, "model.layers.{i}." + suffix, lead, transposed)
+    known = [".".join(k) for k in _TOP] + [f"blocks.{'.'.join(k)}" for k in _LAYER]
+    raise ValueError(
+        f"{api}: {where} has no Hugging Face Llama tensor; the leaves are {', '.join(known)} "
+        f"(or stages.* in a pipeline's layout). Load the other parameters another way."
+    )
+
+
+class _Plan(NamedTuple):
+    leaf: _Leaf
+    names: list[str]  # the Hugging Face tensor of each layer, in row-major order of the layers
+    shape: tuple[int, ...]  # ours
+    dtype: Any
+    sharding: jax.sharding.Sharding
+
+
+def _plan(tensors: dict[str, _Tensor], config: dict, path: tuple, like: Any, dtype: Any) -> _Plan:
+    """The leaf at ``path``: its tensors, shape, dtype and sharding, checked against the files."""
+    bare = isinstance(like, jax.sharding.Sharding)
+    leaf = _describe(path, None if bare else len(like.shape), "hf.load")
+    names = leaf.names(config["num_hidden_layers"])
+    if names == ["lm_head.weight"] and "lm_head.weight" not in tensors:
+        if config["tie_word_embeddings"]:  # tied: the output matrix is the embedding's transpose
+            names = ["model.embed_tokens.weight"]
+    for name in names:
+        if name not in tensors:
+            raise ValueError(
+                f"hf.load: no file of the checkpoint holds {name!r}, which {leaf.where} needs; "
+                f"the checkpoint and the tree do not match (is it a Llama checkpoint of "
+                f"{config['num_hidden_layers']} layers? Without head.w when tie_word_embeddings)."
+            )
+    first = tensors[names[0]]
+    own = first.shape[::-1] if leaf.transposed else first.shape
+    shape = (len(names), *own) if bare and leaf.lead else own if bare else tuple(like.shape)
+    lead = shape[: leaf.lead]
+    if math.prod(lead) != len(names):
+        raise ValueError(
+            f"hf.load: {leaf.where} has shape {list(shape)}, whose leading layer axes "
+            f"{list(lead)} hold {math.prod(lead)} layers; the checkpoint has {len(names)}. "
+            f"Make the tree from its config: hf.abstract(hf.read_config(directory), ...)."
+        )
+    want = shape[leaf.lead :][::-1] if leaf.transposed else shape[leaf.lead :]
+    for name in names:
+        t = tensors[name]
+        if t.shape != tuple(want) or t.code not in _DTYPES:
+            turned = " (our layout, transposed)" if leaf.transposed else ""
+            raise ValueError(
+                f"hf.load: {t.file}: tensor {name!r} has shape {list(t.shape)} and dtype "
+                f"{t.code}, but {leaf.where} of shape {list(shape)} needs shape {list(want)}"
+                f"{turned} in one of {', '.join(_DTYPES)}. Make the tree from this checkpoint's "
+                f"config: hf.abstract(hf.read_config(directory), ...)."
+            )
+    sharding = like if bare else getattr(like, "sharding", None)
+    if not isinstance(sharding, jax.sharding.Sharding):
+        raise ValueError(
+            f"hf.load: {leaf.where} has no sharding; give each leaf of target a Sharding or a "
+            f"jax.ShapeDtypeStruct(shape, dtype, sharding=...), e.g. from hf.abstract or "
+            f"repl.abstract(lambda: gpt.place(repl, ...))."
+        )
+    return _Plan(leaf, names, shape, dtype if bare else like.dtype, sharding)
+
+
+def _block(reader: _Reader, plan: _Plan, box: tuple) -> np.ndarray:
+    """Our leaf's block ``box`` (a ``(start, stop)`` per dimension), read from the files."""
+    n, transposed = plan.leaf.lead, plan.leaf.transposed
+    inner = tuple(box[n:])
+    hf_box = inner[::-1] if transposed else inner
+    if not n:
+        part = reader.read(plan.names[0], hf_box)
+        return np.asarray(part.T if transposed else part, dtype=plan.dtype, order="C")
+    out = np.empty([stop - start for start, stop in box], plan.dtype)
+    for position in np.ndindex(*out.shape[:n]):
+        index = [box[i][0] + p for i, p in enumerate(position)]
+        part = reader.read(plan.names[np.ravel_multi_index(index, plan.shape[:n])], hf_box)
+        out[position] = part.T if transposed else part
+    return out
+
+
+def _build(reader: _Reader, plan: _Plan) -> jax.Array:
+    """One global array. Each distinct block this process's devices hold is read once, put on
+    the devices that hold it (replicas share the read) and let go before the next block is
+    read: the host holds one device's block at a time, not the leaf."""
+    shape, groups = plan.shape, {}
+    for device, index in plan.sharding.addressable_devices_indices_map(shape).items():
+        index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+        box = tuple(s.indices(size)[:2] for s, size in zip(index, shape, strict=True))
+        groups.setdefault(box, []).append(device)
+    arrays = []
+    for box, devices in groups.items():
+        block = _block(reader, plan, box)
+        arrays += [jax.device_put(block, device) for device in devices]
+        del block
+    return jax.make_array_from_single_device_arrays(shape, plan.sharding, arrays)
+
+
+def load(directory: str | os.PathLike, target: PyTree, *, dtype: Any = jnp.float32) -> PyTree:
+    """A Hugging Face Llama checkpoint as global ``jax.Array`` parameters placed as ``target``.
+
+    Each leaf is a global array of its device's blocks: for every distinct block this process's
+    devices hold, the block is read from the ``*.safetensors`` files (one tensor per layer for
+    the stacked blocks, transposing Hugging Face's ``[out, in]``, with positioned reads of just
+    its bytes), put on the devices that hold it (replicas share one read) and let go. The host
+    thus holds one device's block at a time besides what it placed, and reads each byte of
+    the checkpoint at most once. Values are cast to each leaf's dtype after the read (bf16
+    files load exactly into fp32). With several processes, each reads its own devices' blocks.
+
+    >>> import pathlib, tempfile, jax, numpy as np
+    >>> from replicator.models import hf
+    >>> config = {"model_type": "llama", "vocab_size": 16, "hidden_size": 8,
+    ...     "intermediate_size": 12, "num_attention_heads": 2, "num_hidden_layers": 2}
+    >>> ones = jax.tree.map(lambda s: np.ones(s.shape, s.dtype), hf.shapes(config))
+    >>> path = hf.save(pathlib.Path(tempfile.mkdtemp()) / "llama", ones, config)
+    >>> mesh = jax.make_mesh((1,), ("model",), devices=jax.devices()[:1])
+    >>> shardings = jax.tree.map(lambda s: s.sharding, hf.abstract(hf.read_config(path), mesh))
+    >>> params = hf.load(path, shardings)          # bare shardings: shapes from the files
+    >>> down = params["blocks"]["mlp"]["down"]     # [layers, F, d]
+    >>> down.shape, down.dtype, float(down.sum())
+    ((2, 12, 8), dtype('float32'), 192.0)
+
+    On a mesh, ``target`` is the layout training uses, e.g. ``hf.abstract(hf.read_config(path),
+    repl, gpt.partition_specs(config=config))`` or ``repl.abstract(lambda: gpt.place(repl,
+    gpt.init(config, key), config=config))``.
+
+    Args:
+      directory: the checkpoint: ``config.json`` and one or more ``*.safetensors`` files
+        (with ``model.safetensors.index.json`` when sharded).
+      target: the tree to fill, the module docstring's layout: leaves that are
+        ``jax.ShapeDtypeStruct`` (or arrays) with a sharding, as `abstract` or
+        ``repl.abstract(lambda: gpt.place(repl, ...))`` gives, or bare
+        ``jax.sharding.Sharding`` leaves (shapes then from the files, dtype ``dtype``).
+      dtype: the dtype of the leaves given as a bare ``Sharding``.
+
+    Returns:
+      ``target``'s tree of ``jax.Array`` leaves with ``target``'s shardings, usable wherever
+      ``gpt.place``'s output is.
+
+    Raises:
+      ValueError: for a model other than Llama, a leaf with no Hugging Face tensor or no
+        sharding, or a tensor that is missing or of another shape (naming file and tensor).
+      FileNotFoundError: if ``directory`` lacks ``config.json`` or ``*.safetensors`` files.
+    """
+    directory = pathlib.Path(directory)
+    config = read_config(directory)
+    tensors = _tensors(directory)
+    is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=is_sharding)
+    plans = [_plan(tensors, config, path, like, dtype) for path, like in flat]
+    reader = _Reader(tensors)
+    try:
+        leaves = [_build(reader, plan) for plan in plans]
+    finally:
+        reader.close()
+    return jax.tree.unflatten(treedef, leaves)
+
+
+# -- save ----------------------------------------------------------------------------------------
+
+
+class _Entry(NamedTuple):
+    name: str  # the Hugging Face tensor
+    value: Any  # our leaf
+    layer: tuple[int, ...]  # its position on the leaf's leading layer axes
+    transposed: bool
+    dtype: np.dtype  # written as
+    shape: tuple[int, ...]  # written as
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _entries(params: PyTree, dtype: Any) -> list[_Entry]:
+    """Every Hugging Face tensor of ``params``, in Hugging Face's order."""
+    found: dict[str, _Entry] = {}
+    layer_counts = set()
+    for path, value in jax.tree_util.tree_flatten_with_path(params)[0]:
+        shape = tuple(np.shape(value))
+        leaf = _describe(path, len(shape), "hf.save")
+        lead, own = shape[: leaf.lead], shape[leaf.lead :]
+        out = jnp.dtype(dtype if dtype is not None else value.dtype)
+        if out not in _CODES:
+            raise ValueError(
+                f"hf.save: {leaf.where} would be written as {out}; pass dtype= one of "
+                f"float32, bfloat16, float16, float64."
+            )
+        if lead:
+            layer_counts.add(math.prod(lead))
+        for i, name in enumerate(leaf.names(math.prod(lead))):
+            layer = tuple(int(j) for j in np.unravel_index(i, lead)) if lead else ()
+            own_hf = own[::-1] if leaf.transposed else own
+            found[name] = _Entry(name, value, layer, leaf.transposed, out, own_hf)
+    if len(layer_counts) > 1:
+        raise ValueError(
+            f"hf.save: the blocks' leaves hold different numbers of layers "
+            f"({sorted(layer_counts)}); every leaf of params['blocks'] stacks the same layers."
+        )
+    layers = layer_counts.pop() if layer_counts else 0
+    order = ["model.embed_tokens.weight"]
+    biases = {  # all of a group's biases or none, as Llama's attention_bias and mlp_bias
+        "self_attn": "model.layers.0.self_attn.q_proj.bias" in found,
+        "mlp": "model.layers.0.mlp.up_proj.bias" in found,
+    }
+    order += [
+        f"model.layers.{i}.{suffix}"
+        for i in range(layers)
+        for suffix, _ in _LAYER.values()
+        if not suffix.endswith(".bias") or biases[suffix.split(".")[0]]
+    ]
+    order += ["model.norm.weight"] + ["lm_head.weight"] * ("lm_head.weight" in found)
+    missing = [name for name in order if name not in found]
+    extra = sorted(set(found) - set(order))
+    if extra:
+        raise ValueError(
+            f"hf.save: params have {extra[0]} but not the q_proj (or up_proj) bias; Llama has "
+            f"biases in all of attention's linears (q, k, v, out) or none, and the same for the "
+            f"MLP's (gate, up, down)."
+        )
+    if missing or not layers:
+        raise ValueError(
+            f"hf.save: params lack the leaves for {', '.join(missing[:4]) or 'the blocks'}"
+            f"{' and more' * (len(missing) > 4)}; a Llama tree has embed.tokens, blocks "
+            f"(ln1, attn q/k/v/out, ln2, mlp gate/up/down) and head.norm (module docstring)."
+        )
+    return [found[name] for name in order]
+
+
+def _llama_json(config: dict, entries: list[_Entry]) -> dict:
+    """The ``config.json`` of ``params``: their sizes, and ``config``'s other settings."""
+    by_name = {e.name: e for e in entries}
+    v, d = by_name["model.embed_tokens.weight"].shape
+    q, k = (by_name[f"model.layers.0.self_attn.{x}_proj.weight"].shape[0] for x in "qk")
+    heads = config.get("num_attention_heads")
+    if not heads:
+        raise ValueError(
+            "hf.save: config lacks num_attention_heads, which the shapes cannot tell (they give "
+            "heads * head_dim); pass config={'num_attention_heads': ..., ...}."
+        )
+    head_dim = config.get("head_dim") or q // heads
+    sizes = {
+        "vocab_size": v,
+        "hidden_size": d,
+        "intermediate_size": by_name["model.layers.0.mlp.up_proj.weight"].shape[0],
+        "num_hidden_layers": sum(e.name.endswith("input_layernorm.weight") for e in entries),
+        "num_attention_heads": heads,
+        "num_key_value_heads": k // head_dim,
+        "head_dim": head_dim,
+        "tie_word_embeddings": "lm_head.weight" not in by_name,
+    }
+    wrong = {key: (config[key], value) for key, value in sizes.items() if key in config}
+    wrong = {key: pair for key, pair in wrong.items() if pair[0] is not None and pair[0] != pair[1]}
+    if q != heads * head_dim or k % head_dim or wrong:
+        raise ValueError(
+            f"hf.save: config does not match params: q has {q} columns and k {k} for "
+            f"num_attention_heads={heads}, head_dim={head_dim}; config (given, from params): "
+            f"{wrong}. Pass the config of the model these parameters belong to."
+        )
+    dtypes: dict[np.dtype, int] = {}
+    for e in entries:  # the dtype of most of the bytes, for a mixed tree
+        dtypes[e.dtype] = dtypes.get(e.dtype, 0) + e.nbytes
+    kept = {key: value for key, value in config.items() if key not in _DROPPED}
+    return (
+        _DEFAULTS
+        | kept
+        | sizes
+        | {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_act": "silu",
+            "attention_bias": "model.layers.0.self_attn.q_proj.bias" in by_name,
+            "mlp_bias": "model.layers.0.mlp.up_proj.bias" in by_name,
+            "torch_dtype": str(max(dtypes, key=dtypes.__getitem__)),
+        }
+    )
+
+
+def _take(value: jax.Array, layer: jax.Array, transposed: bool, dtype: Any) -> jax.Array:
+    """One layer of a leaf (by traced indices: one compile per leaf), Hugging Face's way up."""
+    x = value[tuple(layer[i] for i in range(layer.shape[0]))] if layer.shape[0] else value
+    return (x.T if transposed else x).astype(dtype)
+
+
+_piece = jax.jit(_take, static_argnames=("transposed", "dtype"))
+
+
+@functools.cache
+def _auto_piece(mesh: Any, transposed: bool, dtype: Any) -> Callable:
+    """`_piece` for a leaf on a mesh with explicit axes, which it takes as automatic ones."""
+    take = functools.partial(_take, transposed=transposed, dtype=dtype)
+    return jax.jit(jax.sharding.auto_axes(take, out_sharding=NamedSharding(mesh, P())))
+
+
+def _local_piece(value: jax.Array, entry: _Entry) -> np.ndarray:
+    """``entry``'s tensor from the blocks of a fully addressable ``value``: each distinct block's
+    layer sliced on its device and copied into place on the host (no collective)."""
+    n = len(entry.layer)
+    out = np.empty(entry.shape, entry.dtype)
+    done = set()
+    for shard in value.addressable_shards:
+        index = tuple(shard.index) + (slice(None),) * (value.ndim - len(shard.index))
+        box = tuple(s.indices(size)[:2] for s, size in zip(index, value.shape, strict=True))
+        if box[n:] in done or any(not a <= i < b for i, (a, b) in zip(entry.layer, box)):
+            continue
+        done.add(box[n:])
+        local = np.asarray([i - a for i, (a, _) in zip(entry.layer, box)], np.int32)
+        part = _piece(shard.data, local, transposed=False, dtype=value.dtype) if n else shard.data
+        part = np.asarray(part)
+        region = box[n:][::-1] if entry.transposed else box[n:]
+        out[tuple(slice(a, b) for a, b in region)] = part.T if entry.transposed else part
+    return out
+
+
+def _fetch(entry: _Entry) -> np.ndarray:
+    """``entry``'s tensor on this host (gathered from every process's devices)."""
+    value = entry.value
+    if not isinstance(value, jax.Array):  # a host array: sliced on the host
+        x = np.asarray(value)[entry.layer]
+        return np.asarray(x.T if entry.transposed else x, dtype=entry.dtype, order="C")
+    if value.is_fully_addressable:
+        return _local_piece(value, entry)
+    layer = np.asarray(entry.layer, np.int32)
+    mesh = getattr(value.sharding, "mesh", None)
+    if mesh is not None and jax.sharding.AxisType.Explicit in mesh.axis_types:
+        with jax.set_mesh(mesh):
+            x = _auto_piece(mesh, entry.transposed, entry.dtype)(value, layer)
+    else:
+        x = _piece(value, layer, transposed=entry.transposed, dtype=entry.dtype)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _shards(entries: list[_Entry], max_shard_bytes: int) -> list[list[_Entry]]:
+    """``entries`` in files of at most ``max_shard_bytes`` (a bigger tensor gets its own)."""
+    files: list[list[_Entry]] = [[]]
+    size = 0
+    for entry in entries:
+        if files[-1] and size + entry.nbytes > max_shard_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(entry)
+        size += entry.nbytes
+    return files
+
+
+def _write(path: pathlib.Path | None, entries: list[_Entry]) -> None:
+    """One safetensors file of ``entries``, each gathered just before it is written; every
+    process gathers (the gathers are collective), the one given a ``path`` writes."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    start = 0
+    for e in entries:
+        header[e.name] = {
+            "dtype": _CODES[e.dtype],
+            "shape": list(e.shape),
+            "data_offsets": [start, start + e.nbytes],
+        }
+        start += e.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") if path is not None else contextlib.nullcontext() as f:
+        if f is not None:
+            f.write(struct.pack("<Q", len(text)) + text)
+        for e in entries:
+            data = np.ascontiguousarray(_fetch(e))
+            if f is not None:
+                f.write(memoryview(data.view(np.uint8).reshape(-1)))
+        if f is not None:
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename makes the checkpoint visible
+
+
+def _check_free(directory: pathlib.Path, overwrite: bool) -> None:
+    """Refuses a non-empty ``directory`` without ``overwrite``: process 0 looks, and every
+    process raises (before any of them starts a collective gather)."""
+    free = overwrite or not (directory.exists() and any(directory.iterdir()))
+    if jax.process_count() > 1:
+        free = bool(multihost_utils.broadcast_one_to_all(np.asarray(free)))
+    if not free:
+        raise FileExistsError(
+            f"hf.save: {directory} exists and is not empty; pass overwrite=True to replace it, "
+            f"or choose a new directory."
+        )
+
+
+def _swap(tmp: pathlib.Path, directory: pathlib.Path) -> None:
+    """Makes the written ``tmp`` ``directory`` in one rename (an old one, which `_check_free`
+    let through, moved aside first and deleted after)."""
+    if not (directory.exists() and any(directory.iterdir())):
+        os.replace(tmp, directory)  # onto nothing, or an empty directory
+        return
+    old = directory.with_name(f".{directory.name}.old-{uuid.uuid4().hex[:8]}")
+    os.rename(directory, old)
+    os.rename(tmp, directory)
+    shutil.rmtree(old)
+
+
+def save(
+    directory: str | os.PathLike,
+    params: PyTree,
+    config: dict,
+    *,
+    dtype: Any = None,
+    max_shard_bytes: int = 5 * 2**30,
+    overwrite: bool = False,
+) -> pathlib.Path:
+    """Writes ``params`` as a Hugging Face Llama checkpoint that
+    ``transformers.LlamaForCausalLM.from_pretrained(directory)`` loads.
+
+    The directory gets ``config.json`` and ``model.safetensors`` (or, past ``max_shard_bytes``,
+    ``model-0000k-of-0000n.safetensors`` files and ``model.safetensors.index.json``). One tensor
+    at a time is gathered to the host (a layer of a stacked leaf, transposed to ``[out, in]``
+    and cast on the devices), so the host holds one tensor, not the model. Every process must
+    call this (the gathers are collective); process 0 writes, into a temporary directory that
+    one rename makes ``directory``, so a reader never sees half a checkpoint.
+
+    >>> import pathlib, tempfile, numpy as np, jax
+    >>> from replicator.models import hf
+    >>> config = {"model_type": "llama", "vocab_size": 16, "hidden_size": 8,
+    ...     "intermediate_size": 12, "num_attention_heads": 2, "num_hidden_layers": 2,
+    ...     "rope_theta": 500000.0}
+    >>> params = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), hf.shapes(config))
+    >>> out = hf.save(pathlib.Path(tempfile.mkdtemp()) / "llama", params, config,
+    ...     dtype="bfloat16")
+    >>> saved = hf.read_config(out)
+    >>> saved["torch_dtype"], saved["rope_theta"], saved["num_key_value_heads"]
+    ('bfloat16', 500000.0, 2)
+
+    Args:
+      directory: where to write; it must not exist or be empty, unless ``overwrite``.
+      params: the tree of the module docstring (placed arrays, host arrays, ZeRO-3
+        `ShardedParam` leaves, or a pipeline's ``stages``).
+      config: the model's Llama settings as ``config.json`` keys: ``num_attention_heads`` at
+        least (``rms_norm_eps``, ``rope_theta``, ``rope_scaling``, ``max_position_embeddings``,
+        token ids... are written as given, else Llama's defaults); sizes it gives must match
+        ``params``'.
+      dtype: write every tensor in this dtype (e.g. ``"bfloat16"``); default: each leaf's.
+      max_shard_bytes: the largest file; Hugging Face's default is 5 GiB.
+      overwrite: replace a non-empty ``directory``.
+
+    Returns:
+      ``directory``, as a ``pathlib.Path``.
+
+    Raises:
+      ValueError: if ``params`` lack a Llama leaf, have one that is not, or disagree with
+        ``config``.
+      FileExistsError: if ``directory`` is not empty and not ``overwrite``.
+    """
+    directory = pathlib.Path(directory)
+    entries = _entries(params, dtype)
+    text = json.dumps(_llama_json(dict(config), entries), indent=2)
+    files = _shards(entries, max_shard_bytes)
+    names = ["model.safetensors"] if len(files) == 1 else []
+    names = names or [
+        f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" for k in range(len(files))
+    ]
+    writing = jax.process_index() == 0
+    tmp = directory.with_name(f".{directory.name}.tmp-{uuid.uuid4().hex[:8]}")
+    _check_free(directory, overwrite)  # before any work
+    if writing:
+        tmp.mkdir(parents=True)
+    try:
+        for name, group in zip(names, files, strict=True):
+            _write(tmp / name if writing else None, group)
+        if writing:
+            (tmp / "config.json").write_text(text + "\n")
+            if len(files) > 1:
+                _write_index(tmp, names, files)
+            _swap(tmp, directory)
+    finally:
+        if writing and tmp.exists():
+            shutil.rmtree(tmp)
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("replicator.models.hf.save")
+    return directory
+
+
+def _write_index(tmp: pathlib.Path, names: list[str], files: list[list[_Entry]]) -> None:
+    index = {
+        "metadata": {"total_size": sum(e.nbytes for group in files for e in group)},
+        "weight_map": {e.name: name for name, group in zip(names, files) for e in group},
+    }
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

@@ -1,0 +1,82 @@
+"""Fine-tuning a Hugging Face Llama with `replicator train`: ``init_from`` points at a directory
+that transformers wrote (config.json, safetensors, and a tokenizer.json trained here on local
+text). The first step's loss is the reference's loss on the same batch, and the run trains."""
+
+import json
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from test_tokenizers import documents, train_bpe, write_documents  # noqa: E402
+
+from replicator.cli import config as config_lib  # noqa: E402
+from replicator.cli import jobs  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def llama_dir(tmp_path):
+    """A transformers Llama of llama_tiny's sizes, with a BPE tokenizer of its vocabulary."""
+    corpus = write_documents(tmp_path / "docs", n=40)
+    directory = tmp_path / "hf"
+    directory.mkdir()
+    tokenizer = train_bpe(directory / "tokenizer.json", documents(corpus), vocab_size=300)
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=176,
+        num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4,
+        max_position_embeddings=128, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory, corpus, model
+
+
+def reference_loss(model, batch) -> float:
+    with torch.no_grad():
+        logits = model(torch.from_numpy(np.asarray(batch["tokens"], np.int64))).logits
+    logp = torch.log_softmax(logits.double(), -1)
+    targets = torch.from_numpy(np.asarray(batch["targets"], np.int64))
+    return float(-logp.gather(-1, targets[..., None]).mean())
+
+
+@pytest.mark.slow
+def test_replicator_train_init_from_starts_at_the_references_loss_and_trains(tmp_path, llama_dir):
+    directory, corpus, model = llama_dir
+    overrides = [
+        f"init_from={directory}", f"data.path={corpus}", f"data.tokenizer={directory}/tokenizer.json",
+        "data.extensions=.txt", "model.seq_len=32", "global_batch=8", "steps=12", "log_every=1",
+        "learning_rate=0.01", "plot=false", f"out_dir={tmp_path / 'runs'}",
+    ]  # fmt: skip
+    config = config_lib.load(ROOT / "configs" / "llama_tiny.yaml", overrides)
+    assert (config.model.family, config.model.vocab) == ("llama", model.config.vocab_size)
+    repl, _, _, input_fn, _ = jobs.build(config)  # FSDP (ZeRO-3) x TP, as llama_tiny.yaml says
+    first = next(iter(input_fn(repl.input_context())))
+    want = reference_loss(model, first)
+    jobs.run(config)
+    lines = (tmp_path / "runs" / "llama_tiny" / "metrics.jsonl").read_text().splitlines()
+    losses = [json.loads(line)["loss"] for line in lines]
+    assert abs(losses[0] - want) <= 1e-5 * want, (losses[0], want)
+    assert np.mean(losses[-3:]) < losses[0] - 0.3, losses
+
+
+def test_init_from_takes_the_checkpoints_sizes_and_refuses_others(tmp_path, llama_dir):
+    directory = llama_dir[0]
+    config = config_lib.load(ROOT / "configs" / "llama_tiny.yaml", [f"init_from={directory}"])
+    m = config.model
+    assert (m.kind, m.family, m.d_model, m.layers, m.heads, m.kv_heads, m.d_ff) == (
+        "gpt", "llama", 64, 4, 4, 2, 176,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"model.d_model=128, but the checkpoint's config.json has "
+                       r"hidden_size=64; remove model.d_model"):  # fmt: skip
+        config_lib.load(
+            ROOT / "configs" / "llama_tiny.yaml", [f"init_from={directory}", "model.d_model=128"]
+        )
+    with pytest.raises(ValueError, match=r"init_from='.*nowhere'"):
+        config_lib.load(ROOT / "configs" / "llama_tiny.yaml", [f"init_from={tmp_path}/nowhere"])
