@@ -121,8 +121,8 @@ class _FullDiskRecords(logging.Filter):
     to hundreds of lines); `rp.Checkpoints` raises that failure as one `CheckpointWriteError`."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if f"{os.sep}orbax{os.sep}" not in record.pathname:
-            return True
+        if f"{os.sep}orbax{os.sep}" not in record.pathname and record.name != "asyncio":
+            return True  # asyncio: "exception was never retrieved" of the writes cut short
         failure = record.exc_info[1] if record.exc_info else None
         if failure is not None and no_space(failure) is not None:
             return False
@@ -152,6 +152,7 @@ def quiet_failed_writes() -> None:
     logs through) and the late completions of the writes it cut short (a ``sys.unraisablehook``
     that passes everything else on); installed once."""
     logging.getLogger("absl").addFilter(_FILTER)  # a no-op if it is there already
+    logging.getLogger("asyncio").addFilter(_FILTER)
     if sys.unraisablehook is not _unraisable_hook:
         _unraisable_hook.previous = sys.unraisablehook
         sys.unraisablehook = _unraisable_hook
