@@ -74,6 +74,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from replicator._src import leaf_specs
+from replicator.models import llama
 
 PyTree = Any
 
@@ -85,30 +86,8 @@ _DTYPES = {
 }
 _CODES = {dtype: code for code, dtype in _DTYPES.items()}
 
-_TOP = {
-    ("embed", "tokens"): ("model.embed_tokens.weight", False),
-    ("head", "norm", "scale"): ("model.norm.weight", False),
-    ("head", "w"): ("lm_head.weight", True),
-}
-"""Our leaves outside the blocks: the Hugging Face tensor and whether ours is its transpose."""
-
-_LAYER = {
-    ("ln1", "scale"): ("input_layernorm.weight", False),
-    ("attn", "q"): ("self_attn.q_proj.weight", True),
-    ("attn", "k"): ("self_attn.k_proj.weight", True),
-    ("attn", "v"): ("self_attn.v_proj.weight", True),
-    ("attn", "out"): ("self_attn.o_proj.weight", True),
-    ("ln2", "scale"): ("post_attention_layernorm.weight", False),
-    ("mlp", "gate"): ("mlp.gate_proj.weight", True),
-    ("mlp", "up"): ("mlp.up_proj.weight", True),
-    ("mlp", "down"): ("mlp.down_proj.weight", True),
-}
-_LAYER |= {  # with attention_bias and mlp_bias (`gpt.GPTConfig`'s bias=True)
-    (group, f"{leaf}_bias"): (name.removesuffix("weight") + "bias", False)
-    for (group, leaf), (name, transposed) in list(_LAYER.items())
-    if transposed
-}
-"""Our leaves of one block: the tensor's name after ``model.layers.{i}.``, transposed or not."""
+_TOP = llama.OUTER_NAMES  # our leaves outside the blocks: the tensor, and whether transposed
+_LAYER = llama.LAYER_NAMES | llama.BIAS_NAMES  # one block's: the name after model.layers.{i}.
 
 _STACKED = ("blocks", "stages")
 _REPLICATED = P()

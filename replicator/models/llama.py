@@ -35,7 +35,7 @@ from replicator.models import gpt
 
 PyTree = Any
 
-_LAYER = {  # (our block's leaf) -> (transformers' name in a layer, transposed)
+LAYER_NAMES = {  # (our block's leaf) -> (transformers' name in a layer, transposed)
     ("ln1", "scale"): ("input_layernorm.weight", False),
     ("attn", "q"): ("self_attn.q_proj.weight", True),
     ("attn", "k"): ("self_attn.k_proj.weight", True),
@@ -46,12 +46,12 @@ _LAYER = {  # (our block's leaf) -> (transformers' name in a layer, transposed)
     ("mlp", "up"): ("mlp.up_proj.weight", True),
     ("mlp", "down"): ("mlp.down_proj.weight", True),
 }
-_BIASES = {  # with bias=True (transformers' attention_bias and mlp_bias)
+BIAS_NAMES = {  # with bias=True (transformers' attention_bias and mlp_bias)
     (group, f"{leaf}_bias"): (name.removesuffix("weight") + "bias", False)
-    for (group, leaf), (name, transposed) in _LAYER.items()
+    for (group, leaf), (name, transposed) in LAYER_NAMES.items()
     if transposed
 }
-_OUTER = {  # outside the blocks
+OUTER_NAMES = {  # outside the blocks
     ("embed", "tokens"): ("model.embed_tokens.weight", False),
     ("head", "norm", "scale"): ("model.norm.weight", False),
     ("head", "w"): ("lm_head.weight", True),
@@ -185,13 +185,15 @@ def _check(config: gpt.GPTConfig, api: str) -> None:
 
 def _names(config: gpt.GPTConfig) -> dict[tuple, tuple[str, bool]]:
     """Our leaf path (``("blocks", layer, group, leaf)`` for a block's) -> transformers' name."""
-    layer = _LAYER | (_BIASES if config.bias else {})
+    layer = LAYER_NAMES | (BIAS_NAMES if config.bias else {})
     names = {
         ("blocks", i, *path): (f"model.layers.{i}.{name}", t)
         for i in range(config.num_layers)
         for path, (name, t) in layer.items()
     }
-    outer = {p: v for p, v in _OUTER.items() if p != ("head", "w") or not config.tie_embeddings}
+    outer = {
+        p: v for p, v in OUTER_NAMES.items() if p != ("head", "w") or not config.tie_embeddings
+    }
     return names | outer
 
 
