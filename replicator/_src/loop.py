@@ -108,11 +108,11 @@ def fit(
       keep: checkpoints to keep.
       log_every: steps between metric logs (each log reads the outputs: a host sync).
       metrics_path: a JSONL file that gets one line per log and per evaluation, written by
-        process 0 (appended, so a resumed run continues it). The lines of steps after the one the run starts from, logged
-        by an earlier run that stopped later, are dropped first, so that each step appears
-        once: on resume, those after the restored checkpoint; in a run that starts at step 0
-        (no checkpoint yet, e.g. the first was killed before its first save, or no
-        ``checkpoint_dir``), those of every step.
+        process 0 (appended, so a resumed run continues it). The lines of steps after the one
+        the run starts from, logged by an earlier run that stopped later, are dropped first, so
+        that each step appears once: on resume, those after the restored checkpoint; in a run
+        that starts at step 0 (no checkpoint yet, e.g. the first was killed before its first
+        save, or no ``checkpoint_dir``), those of every step.
       tensorboard_dir: also write the metrics as TensorBoard scalars there (needs
         ``tensorboardX``: ``pip install "replicator[tensorboard]"``); the same as
         ``writers=[rp.TensorBoardWriter(tensorboard_dir)]``.

@@ -9,8 +9,9 @@ round's `Verdict`: the job ended well, a rank failed (an exit code, a signal, or
 stop. The policy around rounds (restarts, resizing) is ``launcher.py``'s.
 
 Every process dies with the launcher, even when the launcher is killed by SIGKILL: on Linux
-each one is started through a tiny program that sets ``PR_SET_PDEATHSIG`` and execs it, and everywhere ``initialize`` watches a pipe whose
-other end only the launcher holds (``distributed._die_with_launcher``).
+each one is started through a tiny program that sets ``PR_SET_PDEATHSIG`` and execs the
+command, and everywhere ``initialize`` watches a pipe whose other end only the launcher holds
+(``distributed._die_with_launcher``).
 """
 
 from __future__ import annotations
