@@ -14,6 +14,7 @@ balanced as on one device (see `replicator._src.experts`).
 from replicator._src.experts import LOGICAL_AXES as LOGICAL_AXES
 from replicator._src.experts import apply as apply
 from replicator._src.experts import init as init
+from replicator._src.experts import logical_axes as logical_axes
 from replicator._src.experts import partition_specs as partition_specs
 from replicator._src.routing import Routing as Routing
 from replicator._src.routing import Stats as Stats

@@ -110,7 +110,7 @@ ATTENTION = [
     "reference",
     "zigzag_order",
 ]
-MOE = ["LOGICAL_AXES", "Routing", "Stats", "apply", "init", "partition_specs"]
+MOE = ["LOGICAL_AXES", "Routing", "Stats", "apply", "init", "logical_axes", "partition_specs"]
 
 
 def test_attention_and_moe_public_names():

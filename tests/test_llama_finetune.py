@@ -80,3 +80,55 @@ def test_init_from_takes_the_checkpoints_sizes_and_refuses_others(tmp_path, llam
         )
     with pytest.raises(ValueError, match=r"init_from='.*nowhere'"):
         config_lib.load(ROOT / "configs" / "llama_tiny.yaml", [f"init_from={tmp_path}/nowhere"])
+
+
+@pytest.fixture
+def mixtral_dir(tmp_path):
+    """A transformers Mixtral of mixtral_tiny's sizes (4 experts, top-2), with a BPE tokenizer."""
+    corpus = write_documents(tmp_path / "docs", n=40)
+    directory = tmp_path / "hf-mixtral"
+    directory.mkdir()
+    tokenizer = train_bpe(directory / "tokenizer.json", documents(corpus), vocab_size=300)
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(
+        vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=96,
+        num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
+        num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128,
+        initializer_range=0.1,
+    )  # fmt: skip
+    model = transformers.MixtralForCausalLM(cfg).eval()
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory, corpus, model
+
+
+@pytest.mark.slow
+def test_a_mixtral_fine_tunes_on_expert_and_model_axes_from_the_references_loss(
+    tmp_path, mixtral_dir
+):
+    """``init_from`` a Mixtral: the checkpoint sets the experts, top-2 and dropless routing
+    without a load-balancing loss (the reference's loss is the cross-entropy alone), the
+    experts load onto ``{data: 2, expert: 2, model: 2}``; the first loss is transformers'."""
+    directory, corpus, model = mixtral_dir
+    overrides = [
+        f"init_from={directory}", f"data.path={corpus}", f"data.tokenizer={directory}/tokenizer.json",
+        "data.extensions=.txt", "model.seq_len=32", "global_batch=8", "steps=12", "log_every=1",
+        "learning_rate=0.01", "plot=false", f"out_dir={tmp_path / 'runs'}",
+    ]  # fmt: skip
+    load = lambda *more: config_lib.load(
+        ROOT / "configs" / "mixtral_tiny.yaml", [*overrides, *more]
+    )
+    config = load()
+    m = config.model
+    assert (m.experts, m.top_k, m.layers, m.d_ff) == (4, 2, 3, 96)  # the file says 4 layers
+    model_config = jobs.gpt_config(config)
+    assert (model_config.capacity_factor, model_config.aux_weight) == (None, 0.0)
+    chosen = jobs.gpt_config(load("model.capacity_factor=1.5", "model.aux_weight=0.1"))
+    assert (chosen.capacity_factor, chosen.aux_weight) == (1.5, 0.1)  # set: kept
+    repl, _, _, input_fn, _ = jobs.build(config)
+    first = next(iter(input_fn(repl.input_context())))
+    want = reference_loss(model, first)
+    jobs.run(config)
+    lines = (tmp_path / "runs" / "mixtral_tiny" / "metrics.jsonl").read_text().splitlines()
+    losses = [json.loads(line)["loss"] for line in lines]
+    assert abs(losses[0] - want) <= 1e-5 * want, (losses[0], want)
+    assert np.mean(losses[-3:]) < losses[0] - 0.3, losses

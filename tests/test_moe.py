@@ -188,6 +188,11 @@ def loop_moe(params, x, routing):
                     drops += 1
                     continue
                 used[e] += 1
+                if "gate" in p:  # SwiGLU, no biases
+                    g_in = x[g, s] @ p["gate"][e]
+                    h = g_in / (1 + np.exp(-g_in)) * (x[g, s] @ p["up"][e])
+                    y[g, s] += gates[s, j] * (h @ p["down"][e])
+                    continue
                 h = gelu(x[g, s] @ p["up"][e] + p["up_bias"][e])
                 y[g, s] += gates[s, j] * (h @ p["down"][e] + p["down_bias"][e])
         dropped.append(drops)
@@ -211,6 +216,23 @@ def test_apply_is_the_loop_by_hand(top_k, capacity_factor):
         assert not dropped.any()
     elif top_k > 1:
         assert dropped.any()
+
+
+@pytest.mark.parametrize("capacity_factor", [0.5, None])
+def test_gated_experts_are_the_loop_by_hand(capacity_factor):
+    """Mixtral's experts: ``down(silu(x @ gate) * (x @ up))``, no biases, top-2."""
+    routing = moe.Routing(num_experts=4, top_k=2, capacity_factor=capacity_factor)
+    params = moe.init(jax.random.key(3), d_model=8, hidden=16, num_experts=4, gated=True,
+                      bias=False)  # fmt: skip
+    params = {k: 10 * v for k, v in params.items()}  # far from linear: silu(x) is not x / 2
+    x = jax.random.normal(jax.random.key(6), (3, 12, 8))
+    y, stats = apply(params, x, routing=routing, activation=jax.nn.silu)
+    want, dropped = loop_moe(params, x, routing)
+    assert rel_err(np.asarray(y), want) <= TOL
+    np.testing.assert_array_equal(stats.dropped, dropped)
+    assert dropped.any() == (capacity_factor is not None)
+    wrong, _ = apply(params, x, routing=routing)  # GELU: another function
+    assert rel_err(np.asarray(wrong), want) > 1e-2
 
 
 def test_gates_priority_and_aux_loss_by_hand():
@@ -309,9 +331,16 @@ def test_specs_by_role():
         "down_bias": P("expert", None),
     }
     params = moe.init(jax.random.key(0), d_model=8, hidden=16, num_experts=4, out_std=0.5)
-    assert {k: len(a) for k, a in moe.LOGICAL_AXES.items()} == {
+    assert {k: len(a) for k, a in moe.logical_axes().items()} == {
         k: v.ndim for k, v in params.items()
     }
+    gated = moe.init(jax.random.key(0), d_model=8, hidden=16, num_experts=4, gated=True,
+                     bias=False)  # fmt: skip
+    assert sorted(gated) == sorted(moe.partition_specs(gated=True, bias=False))
+    assert {k: v.shape for k, v in gated.items()} == {
+        "router": (8, 4), "gate": (4, 8, 16), "up": (4, 8, 16), "down": (4, 16, 8)
+    }  # fmt: skip
+    assert moe.partition_specs(gated=True)["gate"] == P("expert", None, None)
     assert {k: v.dtype for k, v in params.items()} == {k: jnp.float32 for k in params}
     assert float(jnp.std(params["down"])) > 0.3 > 0.1 > float(jnp.std(params["up"]))
     assert not params["up_bias"].any() and not params["down_bias"].any()

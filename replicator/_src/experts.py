@@ -57,35 +57,59 @@ from replicator._src.sharded_params import gather_params
 
 LOGICAL_AXES: dict = {
     "router": ("embed", None),
+    "gate": ("experts", "embed", "mlp"),
     "up": ("experts", "embed", "mlp"),
     "up_bias": ("experts", "mlp"),
     "down": ("experts", "mlp", "embed"),
     "down_bias": ("experts", "embed"),
 }
-"""The role of each dimension of `init`'s parameters: ``"experts"`` (one entry per expert),
-``"embed"`` (the model width) and ``"mlp"`` (each expert's hidden units)."""
+"""The role of each dimension of `init`'s parameters (``gate`` with ``gated=True`` only, the
+biases with ``bias=True`` only): ``"experts"`` (one entry per expert), ``"embed"`` (the model
+width) and ``"mlp"`` (each expert's hidden units)."""
 
-_EXPERT_LEAVES = ("up", "up_bias", "down", "down_bias")
+_EXPERT_LEAVES = ("gate", "up", "up_bias", "down", "down_bias")
 
 
-def partition_specs() -> dict:
-    """The ``PartitionSpec`` of each of `init`'s parameters: the experts split over ``expert``,
-    everything else whole. On a mesh without ``expert``, ``Replicator.place`` drops the axis.
+def logical_axes(*, gated: bool = False, bias: bool = True) -> dict:
+    """`LOGICAL_AXES` of the leaves `init` makes with these options.
+
+    >>> from replicator import moe
+    >>> sorted(moe.logical_axes(gated=True, bias=False))
+    ['down', 'gate', 'router', 'up']
+    """
+    drop = (set() if gated else {"gate"}) | (set() if bias else {"up_bias", "down_bias"})
+    return {name: axes for name, axes in LOGICAL_AXES.items() if name not in drop}
+
+
+def partition_specs(*, gated: bool = False, bias: bool = True) -> dict:
+    """The ``PartitionSpec`` of each of `init`'s parameters (made with these options): the
+    experts split over ``expert``, everything else whole. On a mesh without ``expert``,
+    ``Replicator.place`` drops the axis.
 
     >>> from replicator import moe
     >>> moe.partition_specs()["up"], moe.partition_specs()["router"]
     (P('expert', None, None), P(None, None))
     """
     entry = lambda role: EXPERT_AXIS if role == "experts" else None
-    return {name: P(*map(entry, axes)) for name, axes in LOGICAL_AXES.items()}
+    axes = logical_axes(gated=gated, bias=bias)
+    return {name: P(*map(entry, roles)) for name, roles in axes.items()}
 
 
 def init(
-    key: jax.Array, *, d_model: int, hidden: int, num_experts: int, out_std: float = 0.02
+    key: jax.Array,
+    *,
+    d_model: int,
+    hidden: int,
+    num_experts: int,
+    out_std: float = 0.02,
+    gated: bool = False,
+    bias: bool = True,
 ) -> dict:
     """fp32 parameters of `apply`: ``{"router": [D, E], "up": [E, D, F], "up_bias": [E, F],
     "down": [E, F, D], "down_bias": [E, D]}``, weights normal with standard deviation 0.02
     (``out_std`` for ``down``; GPT-2 scales it by ``1 / sqrt(2 * num_layers)``), biases zero.
+    ``gated=True`` adds ``"gate": [E, D, F]`` (SwiGLU experts, as Mixtral's); ``bias=False``
+    leaves the biases out.
 
     >>> import jax
     >>> from replicator import moe
@@ -97,15 +121,18 @@ def init(
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"moe.init: {name} must be an int >= 1; got {value!r}.")
     d, f, e = d_model, hidden, num_experts
-    k = jax.random.split(key, 3)
+    k = jax.random.split(key, 4 if gated else 3)
     normal = lambda key, shape, std=0.02: std * jax.random.normal(key, shape, jnp.float32)
-    return {
+    params = {
         "router": normal(k[0], (d, e)),
         "up": normal(k[1], (e, d, f)),
         "up_bias": jnp.zeros((e, f), jnp.float32),
         "down": normal(k[2], (e, f, d), out_std),
         "down_bias": jnp.zeros((e, d), jnp.float32),
     }
+    if gated:
+        params["gate"] = normal(k[3], (e, d, f))
+    return {name: params[name] for name in logical_axes(gated=gated, bias=bias)}
 
 
 def apply(
@@ -118,7 +145,10 @@ def apply(
 ) -> tuple[jax.Array, Stats]:
     """The mixture of experts on ``x`` (``[B, S, D]``, each sequence one routing group).
 
-    Each expert is ``down(activation(x @ up + up_bias)) + down_bias``. Each token's output is
+    Each expert is ``down(activation(x @ up + up_bias)) + down_bias``, or with a ``gate`` leaf
+    (``init(gated=True)``) ``down(activation(x @ gate) * (x @ up))`` (SwiGLU with
+    ``activation=jax.nn.silu``, as Mixtral's experts); biases are added where ``params`` have
+    them. Each token's output is
     the sum over its kept token-choices of the gate times the chosen expert's output: zero for
     a token whose every choice was dropped (add the residual yourself). The router's logits and
     softmax are fp32; the experts run in ``dtype`` (default ``x.dtype``), which the result has.
@@ -156,11 +186,11 @@ def apply(
     params = gather_params(params)
     _check_shapes(params, x, routing)
     dtype = jnp.dtype(dtype or x.dtype)
-    experts = {k: params[k].astype(dtype) for k in _EXPERT_LEAVES}
+    experts = {k: params[k].astype(dtype) for k in _EXPERT_LEAVES if k in params}
     n = collectives.auto_axis_size(EXPERT_AXIS)
     _check_split(x.shape[0], routing.num_experts, n)
     local = functools.partial(_local, routing=routing, activation=activation, dtype=dtype, n=n)
-    groups, by_expert = P(EXPERT_AXIS), {k: P(EXPERT_AXIS) for k in _EXPERT_LEAVES}
+    groups, by_expert = P(EXPERT_AXIS), {k: P(EXPERT_AXIS) for k in experts}
     mapped = collectives.map_over(
         local,
         in_specs=(P(), by_expert, groups),
@@ -202,9 +232,16 @@ def _dispatch(x: jax.Array, choices: Choices, num_experts: int, capacity: int) -
 
 def _ffn(experts: dict, buffer: jax.Array, activation) -> jax.Array:
     """Each expert's MLP on its rows of ``buffer`` (``[G, E, C, D]``)."""
-    h = jnp.einsum("gecd,edf->gecf", buffer, experts["up"]) + experts["up_bias"][:, None]
-    h = activation(h)
-    return jnp.einsum("gecf,efd->gecd", h, experts["down"]) + experts["down_bias"][:, None]
+    linear = lambda x, name, spec: (
+        jnp.einsum(spec, x, experts[name])
+        + (experts[f"{name}_bias"][:, None] if f"{name}_bias" in experts else 0)
+    )
+    h = linear(buffer, "up", "gecd,edf->gecf")
+    if "gate" in experts:
+        h = activation(jnp.einsum("gecd,edf->gecf", buffer, experts["gate"])) * h
+    else:
+        h = activation(h)
+    return linear(h, "down", "gecf,efd->gecd")
 
 
 def _combine(out: jax.Array, choices: Choices, capacity: int, s: int) -> jax.Array:
@@ -234,9 +271,16 @@ def _check_shapes(params: dict, x: jax.Array, routing: Routing) -> None:
             f"with moe.init(key, d_model={d}, hidden=..., num_experts={e})."
         )
     f = params["up"].shape[-1]
-    want = {"up": (e, d, f), "up_bias": (e, f), "down": (e, f, d), "down_bias": (e, d)}
+    want = {"gate": (e, d, f), "up": (e, d, f), "up_bias": (e, f), "down": (e, f, d)}
+    want["down_bias"] = (e, d)
+    if ("up_bias" in params) != ("down_bias" in params) or "down" not in params:
+        raise ValueError(
+            f"moe.apply: params have {sorted(params)}; expected router, up, down, with gate "
+            f"(gated experts) or not, and both up_bias and down_bias or neither, as moe.init "
+            f"makes."
+        )
     for name, shape in want.items():
-        if tuple(params[name].shape) != shape:
+        if name in params and tuple(params[name].shape) != shape:
             raise ValueError(
                 f"moe.apply: params[{name!r}] has shape {tuple(params[name].shape)}; expected "
                 f"{shape} (num_experts={e}, d_model={d}, hidden={f}), as moe.init makes."

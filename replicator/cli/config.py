@@ -237,8 +237,11 @@ class TrainConfig:
     # on fewer processes than launched (replicator launch --min-processes): "keep" the global
     # batch (more micro-batches per step), or "shrink" it with the data axes
     elastic_batch: str = "keep"
-    # a Hugging Face Llama directory (config.json, *.safetensors) to start from: its sizes are
-    # the model's (model.kind becomes llama), its weights the initial parameters
+    # a Hugging Face Llama or Mixtral directory (config.json, *.safetensors) to start from: its
+    # sizes are the model's (model.kind becomes llama; a Mixtral's experts and top_k too, its
+    # routing dropless and its aux_weight 0 as in transformers, unless model: sets them), its
+    # weights the initial parameters. Given on the command line, it replaces the file's model
+    # sizes; a size given there too, or beside init_from in the file, must agree.
     init_from: str | None = None
     out_dir: str = "runs"
     plot: bool = True
@@ -460,12 +463,14 @@ CHECKPOINT_SIZES = {
     "rope_theta": "rope_theta",
     "norm_eps": "rms_norm_eps",
     "tie_embeddings": "tie_word_embeddings",
+    "experts": "num_local_experts",
+    "top_k": "num_experts_per_tok",
 }
 
 
 def _checkpoint_model(config) -> ModelConfig:
-    """``config.model`` with the sizes of ``init_from``'s Llama (kind gpt, family llama); a size
-    the config sets to another value than the checkpoint's is refused."""
+    """``config.model`` with the sizes of ``init_from``'s Llama or Mixtral (kind gpt, family
+    llama); a size the config sets to another value than the checkpoint's is refused."""
     from replicator.models import hf
 
     where = f"{_where(config)}init_from={config.init_from!r}"
@@ -488,6 +493,12 @@ def _checkpoint_model(config) -> ModelConfig:
     if model.kind not in ("gpt", "llama"):
         raise ValueError(
             f"{where}: model.kind={model.kind!r}; init_from loads a Llama (kind: llama)."
+        )
+    if model.experts and "experts" not in sizes:
+        raise ValueError(
+            f"{where}: model.experts={model.experts}, but the checkpoint is a dense Llama (its "
+            f"config.json has no num_local_experts); remove model.experts, or start from a "
+            f"Mixtral checkpoint."
         )
     fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)}
     return ModelConfig(**(fields | sizes | {"kind": "gpt", "family": "llama"}))
@@ -653,6 +664,12 @@ def load(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> Train
             raise ValueError(f"override {item!r}: {e}") from None
         except yaml.YAMLError as e:
             raise ValueError(f"override {item!r} is not YAML: {_one_line(e)}") from None
+    if "init_from" in overridden and isinstance(raw.get("model"), dict):
+        # The file's sizes describe the model it trains from scratch; the checkpoint's replace
+        # them (a size also given on the command line must agree with the checkpoint).
+        for key in CHECKPOINT_SIZES:
+            if f"model.{key}" not in overridden:
+                raw["model"].pop(key, None)
     # An override of the rate replaces it in whichever form the file gives it.
     section = raw.get("optimizer")
     if {"learning_rate", "optimizer.learning_rate"} <= overridden:

@@ -30,7 +30,7 @@ from flax import nnx
 import replicator as rp
 from replicator.cli import data as data_lib
 from replicator.cli import optimizers
-from replicator.cli.config import MODEL_KINDS, TrainConfig
+from replicator.cli.config import MODEL_KINDS, ModelConfig, TrainConfig
 from replicator.models import cnn, gpt, hf, llama, mlp
 
 # What the library raises for a config, a mesh, a run directory or a checkpoint it refuses.
@@ -469,8 +469,8 @@ def gpt_config(config: TrainConfig) -> gpt.GPTConfig:
         capacity_factor=m.capacity_factor,
         aux_weight=m.aux_weight,
     )
-    if config.init_from is not None:  # the checkpoint's sizes, rotary scaling included
-        return llama.from_hf_config(hf.read_config(config.init_from), **options)
+    if config.init_from is not None:  # the checkpoint's sizes, rotary scaling and experts
+        return llama.from_hf_config(hf.read_config(config.init_from), **_own(m, options))
     if m.family == "llama":
         return llama.config(
             vocab_size=m.vocab,
@@ -486,6 +486,19 @@ def gpt_config(config: TrainConfig) -> gpt.GPTConfig:
         )
     sizes = dict(vocab_size=m.vocab, d_model=m.d_model, num_heads=m.heads, num_layers=m.layers)
     return gpt.GPTConfig(**sizes, d_ff=m.d_ff, **options)
+
+
+def _own(m, options: dict) -> dict:
+    """``options`` without what a checkpoint sets: its experts, and a Mixtral's dropless
+    routing without load-balancing loss unless the config sets ``capacity_factor`` or
+    ``aux_weight``."""
+    defaults, out = ModelConfig(), dict(options)
+    for key in ("num_experts", "top_k"):
+        out.pop(key)
+    for key in ("capacity_factor", "aux_weight"):
+        if getattr(m, key) == getattr(defaults, key):
+            out.pop(key)
+    return out
 
 
 def _gpt(config: TrainConfig, repl, make_tx) -> _Job:

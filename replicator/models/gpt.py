@@ -108,7 +108,8 @@ class GPTConfig:
       or ``"rope"`` (rotary positions applied to each head's queries and keys, as transformers'
       Llama does: the two halves of a head rotated, frequencies ``rope_theta ** (-2i / head_dim)``,
       rescaled by ``rope_scaling``, a `RopeScaling`, or not with None);
-    * ``mlp``: ``"gelu"`` (``down(gelu(up(x)))``) or ``"swiglu"`` (``down(silu(gate(x)) * up(x))``);
+    * ``mlp``: ``"gelu"`` (``down(gelu(up(x)))``) or ``"swiglu"`` (``down(silu(gate(x)) * up(x))``),
+      for the experts of a mixture too (Mixtral's experts are SwiGLU MLPs without biases);
     * ``num_kv_heads``: None keeps GPT-2's fused ``qkv`` matrix (as many key/value heads as
       query heads); a number (a divisor of ``num_heads``; equal to it for multi-head attention)
       gives separate ``q``, ``k`` and ``v`` matrices and grouped-query attention, query head
@@ -233,11 +234,6 @@ def _check_architecture(config: GPTConfig) -> None:
         )
     if config.position != "rope" and config.rope_scaling is not None:
         raise ValueError("GPTConfig: rope_scaling applies to position='rope' only.")
-    if config.num_experts and config.mlp != "gelu":
-        raise ValueError(
-            f"GPTConfig: mlp={config.mlp!r} with num_experts={config.num_experts}: the experts "
-            f"of replicator.moe are GELU MLPs; use mlp='gelu', or num_experts=0."
-        )
 
 
 _DEFAULT = GPTConfig()
@@ -293,6 +289,12 @@ def _mlp_params(config: GPTConfig, key, out_key, out_std: float) -> dict:
     return _linears(config, weights | {"down": _normal(out_key, (h, d), out_std)})
 
 
+def _experts(config: GPTConfig) -> dict:
+    """`moe.init`'s options for ``config``'s experts: SwiGLU experts with ``mlp="swiglu"``
+    (Mixtral's), biases with ``bias``."""
+    return dict(num_experts=config.num_experts, gated=config.mlp == "swiglu", bias=config.bias)
+
+
 def _block_params(config: GPTConfig, key, *, experts: bool = False) -> dict:
     d, h = config.d_model, config.hidden
     k = jax.random.split(key, 4)
@@ -303,9 +305,7 @@ def _block_params(config: GPTConfig, key, *, experts: bool = False) -> dict:
         "ln2": _norm_params(config),
     }
     if experts:
-        params["moe"] = moe.init(
-            k[2], d_model=d, hidden=h, num_experts=config.num_experts, out_std=out_std
-        )
+        params["moe"] = moe.init(k[2], d_model=d, hidden=h, out_std=out_std, **_experts(config))
         return params
     params["mlp"] = _mlp_params(config, k[2], k[3], out_std)
     return params
@@ -539,7 +539,10 @@ def moe_block(layer_params: dict, x: jax.Array, *, config: GPTConfig) -> tuple[j
     routing group): ``(x, stats)``, ``stats`` a `replicator.moe.Stats` of per-sequence values."""
     p = _cast(layer_params, config)
     x = _attend(p, attention_lib.constrain_tokens(x.astype(config.dtype)), config)
-    y, stats = moe.apply(p["moe"], _norm(p["ln2"], x, config), routing=config.routing)
+    act = jax.nn.silu if config.mlp == "swiglu" else jax.nn.gelu
+    y, stats = moe.apply(
+        p["moe"], _norm(p["ln2"], x, config), routing=config.routing, activation=act
+    )
     return attention_lib.constrain_tokens(x + y), stats
 
 
@@ -820,7 +823,8 @@ def _axes(config: GPTConfig) -> dict:
     if not config.num_experts:
         blocks = jax.tree.map(lambda a: ("layers", *a), block, is_leaf=is_axes)
         return {"embed": embed, "blocks": blocks, "head": head}
-    moe_block = {k: v for k, v in block.items() if k != "mlp"} | {"moe": moe.LOGICAL_AXES}
+    experts = moe.logical_axes(gated=config.mlp == "swiglu", bias=config.bias)
+    moe_block = {k: v for k, v in block.items() if k != "mlp"} | {"moe": experts}
     group = {"moe": moe_block}
     if config.moe_every > 1:
         group["dense"] = jax.tree.map(lambda a: ("layers", *a), block, is_leaf=is_axes)

@@ -1,10 +1,10 @@
-"""Hugging Face Llama checkpoints in and out, one device's slice at a time.
+"""Hugging Face Llama and Mixtral checkpoints in and out, one device's slice at a time.
 
 `load` builds every parameter as a global ``jax.Array`` whose devices each read only the slice
 they hold, straight from the checkpoint's ``*.safetensors`` files (fp32, fp16 or bf16): no host
 holds the whole model, and a slice that several devices replicate is read once per process.
-`save` writes a directory that ``transformers.LlamaForCausalLM.from_pretrained`` reads, gathering
-one tensor at a time to the host.
+`save` writes a directory that ``transformers.LlamaForCausalLM.from_pretrained`` (or
+``MixtralForCausalLM``'s) reads, gathering one tensor at a time to the host.
 
 The parameter tree (`replicator.models.gpt` with its Llama options) and the Hugging Face names.
 Hugging Face stores a linear layer as ``[out, in]``; ours is ``[in, out]``, its transpose (T):
@@ -26,9 +26,24 @@ ours                       shape                  Hugging Face
 
 (``.weight`` left out of the names, T for transposed). With ``attention_bias`` and
 ``mlp_bias``, each linear leaf ``x`` has an ``x_bias`` leaf ``[L, out]`` (``..._proj.bias``).
+
+A Mixtral (``model_type: "mixtral"``, E experts; the GPT's Llama options with
+``num_experts=E``) has the same ``embed`` and ``head``; its blocks are ``blocks.moe``:
+``ln1``, ``attn`` and ``ln2`` named as above, and ``moe`` in place of ``mlp``, whose expert
+leaves have an expert axis after the layers' (``[i, j]``: layer i, expert j; the names are in
+``model.layers.{i}.block_sparse_moe.``):
+
+=========================  =====================  =============================================
+``blocks.moe.moe.router``  ``[L, d, E]``          ``gate`` T (``[E, d]``)
+``blocks.moe.moe.gate``    ``[L, E, d, F]``       ``experts.{j}.w1`` T
+``blocks.moe.moe.up``      ``[L, E, d, F]``       ``experts.{j}.w3`` T
+``blocks.moe.moe.down``    ``[L, E, F, d]``       ``experts.{j}.w2`` T
+=========================  =====================  =============================================
+
 The blocks may also be a pipeline's ``stages`` (`gpt.pipeline_params`): leading axes
-``[K, L/K]`` or ``[V, K, L/K]`` hold the layers in row-major order. ZeRO-3's `ShardedParam`
-leaves load and save as the arrays they wrap.
+``[K, L/K]`` or ``[V, K, L/K]`` hold the layers in row-major order (then the expert axis, as
+``[K, L/K, E, d, F]``). Mixtral has no biases. ZeRO-3's `ShardedParam` leaves load and save as
+the arrays they wrap.
 
 To train a checkpoint, read its sizes with `read_config` (``llama.from_hf_config`` turns them
 into a `gpt.GPTConfig`) and load it into the layout training uses:
@@ -88,6 +103,10 @@ _CODES = {dtype: code for code, dtype in _DTYPES.items()}
 
 _TOP = llama.OUTER_NAMES  # our leaves outside the blocks: the tensor, and whether transposed
 _LAYER = llama.LAYER_NAMES | llama.BIAS_NAMES  # one block's: the name after model.layers.{i}.
+# a Mixtral block's (under blocks.moe): Llama's attention and norms, the router, and each
+# expert's matrices ({j}: expert j)
+_MIXTRAL = llama.MIXTRAL_LAYER_NAMES | llama.EXPERT_NAMES
+_ROUTER = "model.layers.0.block_sparse_moe.gate.weight"  # a Mixtral's, in its first layer
 
 _STACKED = ("blocks", "stages")
 _REPLICATED = P()
@@ -98,6 +117,8 @@ _REQUIRED = (
     "num_attention_heads",
     "num_hidden_layers",
 )
+_FAMILIES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}  # model_type's
+_MOE_REQUIRED = ("num_local_experts", "num_experts_per_tok")
 _DROPPED = {"rope_parameters", "dtype", "transformers_version", "_name_or_path"}
 _DEFAULTS = {
     "rms_norm_eps": 1e-6,
@@ -108,17 +129,32 @@ _DEFAULTS = {
     "attention_bias": False,
     "mlp_bias": False,
 }
+_MIXTRAL_DEFAULTS = {  # transformers' MixtralConfig's
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 1e6,
+    "rope_scaling": None,
+    "max_position_embeddings": 4096 * 32,
+    "tie_word_embeddings": False,
+    "sliding_window": None,
+    "router_aux_loss_coef": 0.001,
+    "output_router_logits": False,
+    "router_jitter_noise": 0.0,
+}
 
 
 # -- the configuration ---------------------------------------------------------------------------
 
 
 def read_config(directory: str | os.PathLike) -> dict:
-    """The checkpoint's ``config.json``, checked to be a Llama model, with Llama's defaults
-    filled in: ``num_key_value_heads``, ``head_dim``, ``tie_word_embeddings``,
-    ``attention_bias``, ``mlp_bias``, ``rms_norm_eps``, ``rope_theta``, ``rope_scaling`` and
-    ``max_position_embeddings`` are always there (``rope_theta`` and ``rope_scaling`` taken from a newer file's
-    ``rope_parameters`` too).
+    """The checkpoint's ``config.json``, checked to be a Llama or a Mixtral, with its family's
+    defaults filled in (transformers' ``LlamaConfig``'s or ``MixtralConfig``'s):
+    ``num_key_value_heads``, ``head_dim``, ``tie_word_embeddings``, ``rms_norm_eps``,
+    ``rope_theta``, ``rope_scaling`` and ``max_position_embeddings`` are always there
+    (``rope_theta`` and ``rope_scaling`` taken from a newer file's ``rope_parameters`` too); so
+    are ``attention_bias`` and ``mlp_bias`` for a Llama, and ``sliding_window``,
+    ``router_aux_loss_coef``, ``output_router_logits`` and ``router_jitter_noise`` for a
+    Mixtral, whose ``num_local_experts`` and ``num_experts_per_tok`` are required.
 
     >>> import json, pathlib, tempfile
     >>> from replicator.models import hf
@@ -132,8 +168,8 @@ def read_config(directory: str | os.PathLike) -> dict:
 
     Raises:
       FileNotFoundError: if ``directory`` has no ``config.json``.
-      ValueError: for a model other than Llama (``model_type`` not ``"llama"``), an activation
-        other than SiLU, or a missing size.
+      ValueError: for a model other than Llama or Mixtral (``model_type`` not ``"llama"`` or
+        ``"mixtral"``), an activation other than SiLU, or a missing size.
     """
     path = pathlib.Path(directory) / "config.json"
     if not path.is_file():
@@ -145,32 +181,36 @@ def read_config(directory: str | os.PathLike) -> dict:
 
 
 def _llama(config: dict, where: str) -> dict:
-    """``config`` checked to be a Llama we can hold, with its defaults filled in."""
+    """``config`` checked to be a Llama or a Mixtral we can hold, with its defaults filled in."""
     kind = config.get("model_type")
-    if kind != "llama":
+    if kind not in _FAMILIES:
         extra = {
-            "mixtral": " (a mixture of experts, whose expert weights have no place in this tree "
-            "yet)",
             "mistral": " (Llama's layout with sliding-window attention, not supported yet)",
         }.get(kind, "")
         raise ValueError(
-            f"{where}: model_type={kind!r}{extra}; only 'llama' checkpoints "
-            f"(LlamaForCausalLM) map onto replicator's Llama parameters. Use a Llama checkpoint, "
-            f"or set model_type to 'llama' if the model truly is one."
+            f"{where}: model_type={kind!r}{extra}; only 'llama' (LlamaForCausalLM) and 'mixtral' "
+            f"(MixtralForCausalLM) checkpoints map onto replicator's parameters. Use one of "
+            f"those, or set model_type to 'llama' if the model truly is one."
         )
-    missing = [k for k in _REQUIRED if config.get(k) is None]
+    mixtral = kind == "mixtral"
+    required = _REQUIRED + _MOE_REQUIRED * mixtral
+    missing = [k for k in required if config.get(k) is None]
     if missing:
+        what = "model_type='mixtral' (a mixture of experts), but the config" if mixtral else ""
         raise ValueError(
-            f"{where}: the config lacks {', '.join(missing)}; a Llama config.json gives every "
-            f"size ({', '.join(_REQUIRED)})."
+            f"{where}: {what or 'the config'} lacks {', '.join(missing)}; a "
+            f"{_FAMILIES[kind].removesuffix('ForCausalLM')} config.json gives every size "
+            f"({', '.join(required)})."
         )
     if config.get("hidden_act", "silu") != "silu":
         raise ValueError(
             f"{where}: hidden_act={config['hidden_act']!r}; the Llama MLP here is SiLU-gated "
             f"(hidden_act 'silu')."
         )
+    defaults = _MIXTRAL_DEFAULTS if mixtral else _DEFAULTS
     out = {k: v for k, v in config.items() if v is not None or k == "rope_scaling"}
-    out.setdefault("num_key_value_heads", config["num_attention_heads"])
+    kv_heads = config.get("num_key_value_heads", defaults.get("num_key_value_heads"))
+    out["num_key_value_heads"] = kv_heads or config["num_attention_heads"]  # null: as many as q
     out.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
     rope = dict(config.get("rope_parameters") or {})
     if "rope_theta" in rope:
@@ -179,11 +219,11 @@ def _llama(config: dict, where: str) -> dict:
         out["rope_scaling"] = rope
     if "dtype" in config and "torch_dtype" not in config:
         out["torch_dtype"] = config["dtype"]
-    return _DEFAULTS | out
+    return defaults | out
 
 
 def shapes(config: dict, *, dtype: Any = jnp.float32) -> dict:
-    """The parameter tree of a Llama ``config`` (a ``config.json`` dict) as
+    """The parameter tree of a Llama or Mixtral ``config`` (a ``config.json`` dict) as
     ``jax.ShapeDtypeStruct`` leaves without shardings (`abstract` adds them).
 
     >>> from replicator.models import hf
@@ -192,6 +232,11 @@ def shapes(config: dict, *, dtype: Any = jnp.float32) -> dict:
     ...     "num_hidden_layers": 3})
     >>> tree["blocks"]["attn"]["k"].shape, tree["head"]["w"].shape
     ((3, 8, 4), (8, 16))
+    >>> tree = hf.shapes({"model_type": "mixtral", "vocab_size": 16, "hidden_size": 8,
+    ...     "intermediate_size": 12, "num_attention_heads": 2, "num_key_value_heads": 1,
+    ...     "num_hidden_layers": 3, "num_local_experts": 4, "num_experts_per_tok": 2})
+    >>> tree["blocks"]["moe"]["moe"]["gate"].shape, tree["blocks"]["moe"]["moe"]["router"].shape
+    ((3, 4, 8, 12), (3, 8, 4))
     """
     c = _llama(config, "hf.shapes: config")
     v, d, f, n = c["vocab_size"], c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
@@ -205,6 +250,13 @@ def shapes(config: dict, *, dtype: Any = jnp.float32) -> dict:
         return out
 
     attn = {"q": s(n, d, q), "k": s(n, d, kv), "v": s(n, d, kv), "out": s(n, q, d)}
+    head = {"norm": {"scale": s(d)}} | ({} if c["tie_word_embeddings"] else {"w": s(d, v)})
+    if c["model_type"] == "mixtral":
+        e = c["num_local_experts"]
+        moe = {"router": s(n, d, e), "gate": s(n, e, d, f), "up": s(n, e, d, f)}
+        block = {"ln1": {"scale": s(n, d)}, "attn": attn, "ln2": {"scale": s(n, d)}}
+        block["moe"] = moe | {"down": s(n, e, f, d)}
+        return {"embed": {"tokens": s(v, d)}, "blocks": {"moe": block}, "head": head}
     mlp = {"gate": s(n, d, f), "up": s(n, d, f), "down": s(n, f, d)}
     return {
         "embed": {"tokens": s(v, d)},
@@ -214,7 +266,7 @@ def shapes(config: dict, *, dtype: Any = jnp.float32) -> dict:
             "ln2": {"scale": s(n, d)},
             "mlp": linears(mlp, c["mlp_bias"]),
         },
-        "head": {"norm": {"scale": s(d)}} | ({} if c["tie_word_embeddings"] else {"w": s(d, v)}),
+        "head": head,
     }
 
 
@@ -359,13 +411,22 @@ class _Reader:
 
 class _Leaf(NamedTuple):
     where: str  # "params['blocks']['attn']['q']", for messages
-    name: str  # the Hugging Face tensor; with "{i}" for the layer in the blocks
-    lead: int  # the number of leading layer axes (0 outside the blocks)
+    name: str  # the Hugging Face tensor; with "{i}" for the layer in the blocks, "{j}" the expert
+    lead: int  # the number of leading axes: the layers', then the expert's (0 outside the blocks)
     transposed: bool
 
-    def names(self, num_layers: int) -> list[str]:
-        """The Hugging Face tensor of each layer (the one tensor outside the blocks)."""
-        return [self.name.format(i=i) for i in range(num_layers)] if self.lead else [self.name]
+    @property
+    def experts(self) -> bool:
+        """Whether the last leading axis is the experts' (one tensor per layer and expert)."""
+        return "{j}" in self.name
+
+    def names(self, num_layers: int, num_experts: int = 1) -> list[str]:
+        """The Hugging Face tensor of each layer (and expert), in row-major order of the leading
+        axes (the one tensor outside the blocks)."""
+        if not self.lead:
+            return [self.name]
+        experts = range(num_experts if self.experts else 1)
+        return [self.name.format(i=i, j=j) for i in range(num_layers) for j in experts]
 
 
 def _keys(path: tuple) -> tuple[str, ...]:
@@ -380,30 +441,35 @@ def _describe(path: tuple, ndim: int | None, api: str) -> _Leaf:
     if keys in _TOP:
         name, transposed = _TOP[keys]
         return _Leaf(where, name, 0, transposed)
-    if keys[:1] and keys[0] in _STACKED and keys[1:] in _LAYER:
-        suffix, transposed = _LAYER[keys[1:]]
+    if keys[:1] and keys[0] in _STACKED and keys[1:] in _LAYER | _MIXTRAL:
+        suffix, transposed = (_LAYER | _MIXTRAL)[keys[1:]]
         if ndim is None and keys[0] != "blocks":
             raise ValueError(
                 f"{api}: {where} is a bare Sharding, so its pipeline layout is unknown; give "
                 f"a jax.ShapeDtypeStruct(shape, dtype, sharding=...) for the stages' leaves."
             )
-        lead = 1 if ndim is None else ndim - (2 if transposed else 1)
-        if lead < 1:
+        leaf = _Leaf(where, "model.layers.{i}." + suffix, 0, transposed)
+        axes = 1 + leaf.experts  # at least: [layers] or [layers, experts]
+        lead = axes if ndim is None else ndim - (2 if transposed else 1)
+        if lead < axes:
+            example = "[layers, experts, d_in, d_out]" if leaf.experts else "[layers, d_in, d_out]"
             raise ValueError(
                 f"{api}: {where} has {ndim} dimensions; a block's leaf has leading layer axes "
-                f"before its {'2' if transposed else '1'} own (e.g. [layers, d_in, d_out])."
+                f"{'and an expert axis ' * leaf.experts}before its {'2' if transposed else '1'} "
+                f"own (e.g. {example})."
             )
-        return _Leaf(where, "model.layers.{i}." + suffix, lead, transposed)
-    known = [".".join(k) for k in _TOP] + [f"blocks.{'.'.join(k)}" for k in _LAYER]
+        return leaf._replace(lead=lead)
+    known = [".".join(k) for k in _TOP] + [f"blocks.{'.'.join(k)}" for k in _LAYER | _MIXTRAL]
     raise ValueError(
-        f"{api}: {where} has no Hugging Face Llama tensor; the leaves are {', '.join(known)} "
-        f"(or stages.* in a pipeline's layout). Load the other parameters another way."
+        f"{api}: {where} has no Hugging Face Llama or Mixtral tensor; the leaves are "
+        f"{', '.join(known)} (or stages.* in a pipeline's layout). Load the other parameters "
+        f"another way."
     )
 
 
 class _Plan(NamedTuple):
     leaf: _Leaf
-    names: list[str]  # the Hugging Face tensor of each layer, in row-major order of the layers
+    names: list[str]  # the Hugging Face tensor at each position of the leading axes, row-major
     shape: tuple[int, ...]  # ours
     dtype: Any
     sharding: jax.sharding.Sharding
@@ -413,27 +479,33 @@ def _plan(tensors: dict[str, _Tensor], config: dict, path: tuple, like: Any, dty
     """The leaf at ``path``: its tensors, shape, dtype and sharding, checked against the files."""
     bare = isinstance(like, jax.sharding.Sharding)
     leaf = _describe(path, None if bare else len(like.shape), "hf.load")
-    names = leaf.names(config["num_hidden_layers"])
+    family = _FAMILIES[config["model_type"]].removesuffix("ForCausalLM")
+    layers, experts = config["num_hidden_layers"], config.get("num_local_experts")
+    if leaf.experts and not experts:
+        raise ValueError(
+            f"hf.load: {leaf.where} holds experts, but the checkpoint is a {family} (its config "
+            f"has no num_local_experts). Make the tree from its config: "
+            f"hf.abstract(hf.read_config(directory), ...)."
+        )
+    counts = (layers, experts) if leaf.experts else (layers,)
+    names = leaf.names(*counts)
     if names == ["lm_head.weight"] and "lm_head.weight" not in tensors:
         if config["tie_word_embeddings"]:  # tied: the output matrix is the embedding's transpose
             names = ["model.embed_tokens.weight"]
     for name in names:
         if name not in tensors:
+            of = f"{layers} layers" + f" and {experts} experts" * bool(experts)
             raise ValueError(
                 f"hf.load: no file of the checkpoint holds {name!r}, which {leaf.where} needs; "
-                f"the checkpoint and the tree do not match (is it a Llama checkpoint of "
-                f"{config['num_hidden_layers']} layers? Without head.w when tie_word_embeddings)."
+                f"the checkpoint and the tree do not match (is it a {family} checkpoint of "
+                f"{of}? Without head.w when tie_word_embeddings). Make the tree from its "
+                f"config: hf.abstract(hf.read_config(directory), ...)."
             )
     first = tensors[names[0]]
     own = first.shape[::-1] if leaf.transposed else first.shape
-    shape = (len(names), *own) if bare and leaf.lead else own if bare else tuple(like.shape)
-    lead = shape[: leaf.lead]
-    if math.prod(lead) != len(names):
-        raise ValueError(
-            f"hf.load: {leaf.where} has shape {list(shape)}, whose leading layer axes "
-            f"{list(lead)} hold {math.prod(lead)} layers; the checkpoint has {len(names)}. "
-            f"Make the tree from its config: hf.abstract(hf.read_config(directory), ...)."
-        )
+    shape = (*counts, *own) if bare and leaf.lead else own if bare else tuple(like.shape)
+    if leaf.lead:
+        _check_lead(leaf, shape, counts)
     want = shape[leaf.lead :][::-1] if leaf.transposed else shape[leaf.lead :]
     for name in names:
         t = tensors[name]
@@ -455,8 +527,30 @@ def _plan(tensors: dict[str, _Tensor], config: dict, path: tuple, like: Any, dty
     return _Plan(leaf, names, shape, dtype if bare else like.dtype, sharding)
 
 
+def _check_lead(leaf: _Leaf, shape: tuple[int, ...], counts: tuple[int, ...]) -> None:
+    """Refuses a leaf whose leading axes do not hold the checkpoint's ``counts``: its layers
+    (any number of axes, row-major), and its experts (the last axis) for an expert leaf."""
+    lead = shape[: leaf.lead]
+    if leaf.experts and lead[-1] != counts[1]:
+        raise ValueError(
+            f"hf.load: {leaf.where} has shape {list(shape)}, whose expert axis (axis "
+            f"{leaf.lead - 1}) holds {lead[-1]} experts; the checkpoint has "
+            f"num_local_experts={counts[1]}. Make the tree from its config: "
+            f"hf.abstract(hf.read_config(directory), ...)."
+        )
+    layer_axes = lead[:-1] if leaf.experts else lead
+    if math.prod(layer_axes) != counts[0]:
+        raise ValueError(
+            f"hf.load: {leaf.where} has shape {list(shape)}, whose leading layer axes "
+            f"{list(layer_axes)} hold {math.prod(layer_axes)} layers; the checkpoint has "
+            f"{counts[0]}. Make the tree from its config: "
+            f"hf.abstract(hf.read_config(directory), ...)."
+        )
+
+
 def _block(reader: _Reader, plan: _Plan, box: tuple) -> np.ndarray:
-    """Our leaf's block ``box`` (a ``(start, stop)`` per dimension), read from the files."""
+    """Our leaf's block ``box`` (a ``(start, stop)`` per dimension), read from the files: one
+    tensor's block per position of the leading axes (layer, or layer and expert) in the box."""
     n, transposed = plan.leaf.lead, plan.leaf.transposed
     inner = tuple(box[n:])
     hf_box = inner[::-1] if transposed else inner
@@ -489,15 +583,17 @@ def _build(reader: _Reader, plan: _Plan) -> jax.Array:
 
 
 def load(directory: str | os.PathLike, target: PyTree, *, dtype: Any = jnp.float32) -> PyTree:
-    """A Hugging Face Llama checkpoint as global ``jax.Array`` parameters placed as ``target``.
+    """A Hugging Face Llama or Mixtral checkpoint as global ``jax.Array`` parameters placed as
+    ``target``.
 
     Each leaf is a global array of its device's blocks: for every distinct block this process's
     devices hold, the block is read from the ``*.safetensors`` files (one tensor per layer for
-    the stacked blocks, transposing Hugging Face's ``[out, in]``, with positioned reads of just
-    its bytes), put on the devices that hold it (replicas share one read) and let go. The host
-    thus holds one device's block at a time besides what it placed, and reads each byte of
-    the checkpoint at most once. Values are cast to each leaf's dtype after the read (bf16
-    files load exactly into fp32). With several processes, each reads its own devices' blocks.
+    the stacked blocks, per layer and expert for a Mixtral's experts, transposing Hugging
+    Face's ``[out, in]``, with positioned reads of just its bytes), put on the devices that
+    hold it (replicas share one read) and let go. The host thus holds one device's block at a
+    time besides what it placed, and reads each byte of the checkpoint at most once. Values
+    are cast to each leaf's dtype after the read (bf16 files load exactly into fp32). With
+    several processes, each reads its own devices' blocks.
 
     >>> import pathlib, tempfile, jax, numpy as np
     >>> from replicator.models import hf
@@ -530,8 +626,9 @@ def load(directory: str | os.PathLike, target: PyTree, *, dtype: Any = jnp.float
       ``gpt.place``'s output is.
 
     Raises:
-      ValueError: for a model other than Llama, a leaf with no Hugging Face tensor or no
-        sharding, or a tensor that is missing or of another shape (naming file and tensor).
+      ValueError: for a model other than Llama or Mixtral, a leaf with no Hugging Face tensor
+        or no sharding, a leaf of another number of layers or experts, or a tensor that is
+        missing or of another shape (naming file and tensor).
       FileNotFoundError: if ``directory`` lacks ``config.json`` or ``*.safetensors`` files.
     """
     directory = pathlib.Path(directory)
@@ -554,23 +651,27 @@ def load(directory: str | os.PathLike, target: PyTree, *, dtype: Any = jnp.float
 class _Entry(NamedTuple):
     name: str  # the Hugging Face tensor
     value: Any  # our leaf
-    layer: tuple[int, ...]  # its position on the leaf's leading layer axes
+    layer: tuple[int, ...]  # its position on the leaf's leading axes (layers, then expert)
     transposed: bool
     dtype: np.dtype  # written as
     shape: tuple[int, ...]  # written as
+    where: str  # our leaf, for messages
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def _entries(params: PyTree, dtype: Any) -> list[_Entry]:
-    """Every Hugging Face tensor of ``params``, in Hugging Face's order."""
+def _found(params: PyTree, dtype: Any) -> tuple[dict[str, _Entry], int, int, bool]:
+    """Every Hugging Face tensor of ``params`` by name, the number of layers and of experts
+    (0 without) their leaves hold, and whether they are a Mixtral's (a leaf in ``blocks.moe``)."""
     found: dict[str, _Entry] = {}
-    layer_counts = set()
+    mixtral = False
+    layer_counts, expert_counts = set(), {}  # experts: each number -> a leaf that holds it
     for path, value in jax.tree_util.tree_flatten_with_path(params)[0]:
         shape = tuple(np.shape(value))
         leaf = _describe(path, len(shape), "hf.save")
+        mixtral |= _keys(path)[1:] in _MIXTRAL
         lead, own = shape[: leaf.lead], shape[leaf.lead :]
         out = jnp.dtype(dtype if dtype is not None else value.dtype)
         if out not in _CODES:
@@ -578,32 +679,62 @@ def _entries(params: PyTree, dtype: Any) -> list[_Entry]:
                 f"hf.save: {leaf.where} would be written as {out}; pass dtype= one of "
                 f"float32, bfloat16, float16, float64."
             )
+        layers = math.prod(lead[:-1] if leaf.experts else lead)
         if lead:
-            layer_counts.add(math.prod(lead))
-        for i, name in enumerate(leaf.names(math.prod(lead))):
+            layer_counts.add(layers)
+        if leaf.experts or leaf.name.endswith(_ROUTER.removeprefix("model.layers.0")):
+            expert_counts.setdefault(lead[-1] if leaf.experts else own[-1], leaf.where)
+        for i, name in enumerate(leaf.names(layers, lead[-1] if leaf.experts else 1)):
             layer = tuple(int(j) for j in np.unravel_index(i, lead)) if lead else ()
             own_hf = own[::-1] if leaf.transposed else own
-            found[name] = _Entry(name, value, layer, leaf.transposed, out, own_hf)
+            found[name] = _Entry(name, value, layer, leaf.transposed, out, own_hf, leaf.where)
     if len(layer_counts) > 1:
         raise ValueError(
             f"hf.save: the blocks' leaves hold different numbers of layers "
             f"({sorted(layer_counts)}); every leaf of params['blocks'] stacks the same layers."
         )
+    if len(expert_counts) > 1:
+        held = ", ".join(f"{where} {n}" for n, where in expert_counts.items())
+        raise ValueError(
+            f"hf.save: the Mixtral leaves hold different numbers of experts ({held}); the "
+            f"router [layers, d, E] and the experts' gate, up and down [layers, E, ...] hold "
+            f"the same E."
+        )
     layers = layer_counts.pop() if layer_counts else 0
+    return found, layers, next(iter(expert_counts), 0), mixtral
+
+
+def _entries(params: PyTree, dtype: Any) -> list[_Entry]:
+    """Every Hugging Face tensor of ``params``, in Hugging Face's order; a Llama's, or a
+    Mixtral's if ``params`` have a Mixtral leaf (``blocks.moe``)."""
+    found, layers, experts, mixtral = _found(params, dtype)
+    if mixtral:
+        suffixes = [
+            suffix.format(j=j)
+            for suffix, _ in _MIXTRAL.values()
+            for j in range(experts if "{j}" in suffix else 1)
+        ]
+    else:
+        biases = {  # all of a group's biases or none, as Llama's attention_bias and mlp_bias
+            "self_attn": "model.layers.0.self_attn.q_proj.bias" in found,
+            "mlp": "model.layers.0.mlp.up_proj.bias" in found,
+        }
+        suffixes = [
+            suffix
+            for suffix, _ in _LAYER.values()
+            if not suffix.endswith(".bias") or biases[suffix.split(".")[0]]
+        ]
     order = ["model.embed_tokens.weight"]
-    biases = {  # all of a group's biases or none, as Llama's attention_bias and mlp_bias
-        "self_attn": "model.layers.0.self_attn.q_proj.bias" in found,
-        "mlp": "model.layers.0.mlp.up_proj.bias" in found,
-    }
-    order += [
-        f"model.layers.{i}.{suffix}"
-        for i in range(layers)
-        for suffix, _ in _LAYER.values()
-        if not suffix.endswith(".bias") or biases[suffix.split(".")[0]]
-    ]
+    order += [f"model.layers.{i}.{suffix}" for i in range(layers) for suffix in suffixes]
     order += ["model.norm.weight"] + ["lm_head.weight"] * ("lm_head.weight" in found)
     missing = [name for name in order if name not in found]
     extra = sorted(set(found) - set(order))
+    if extra and mixtral:
+        raise ValueError(
+            f"hf.save: params have {extra[0]}, which a Mixtral does not: its blocks are "
+            f"blocks.moe (ln1, attn q/k/v/out, ln2, moe router/gate/up/down), without biases "
+            f"or a Llama MLP."
+        )
     if extra:
         raise ValueError(
             f"hf.save: params have {extra[0]} but not the q_proj (or up_proj) bias; Llama has "
@@ -611,17 +742,19 @@ def _entries(params: PyTree, dtype: Any) -> list[_Entry]:
             f"MLP's (gate, up, down)."
         )
     if missing or not layers:
+        tree = "blocks.moe (ln1, attn q/k/v/out, ln2, moe router/gate/up/down)" * mixtral
         raise ValueError(
             f"hf.save: params lack the leaves for {', '.join(missing[:4]) or 'the blocks'}"
-            f"{' and more' * (len(missing) > 4)}; a Llama tree has embed.tokens, blocks "
-            f"(ln1, attn q/k/v/out, ln2, mlp gate/up/down) and head.norm (module docstring)."
+            f"{' and more' * (len(missing) > 4)}; a {'Mixtral' if mixtral else 'Llama'} tree has "
+            f"embed.tokens, {tree or 'blocks (ln1, attn q/k/v/out, ln2, mlp gate/up/down)'} "
+            f"and head.norm (module docstring)."
         )
     return [found[name] for name in order]
 
 
-def _llama_json(config: dict, entries: list[_Entry]) -> dict:
-    """The ``config.json`` of ``params``: their sizes, and ``config``'s other settings."""
-    by_name = {e.name: e for e in entries}
+def _sizes(config: dict, by_name: dict[str, _Entry], mixtral: bool) -> dict:
+    """The sizes ``config.json`` gives, from the tensors ``by_name`` (and ``config``'s numbers
+    of heads and of experts per token, which they cannot tell), checked against ``config``."""
     v, d = by_name["model.embed_tokens.weight"].shape
     q, k = (by_name[f"model.layers.0.self_attn.{x}_proj.weight"].shape[0] for x in "qk")
     heads = config.get("num_attention_heads")
@@ -631,16 +764,21 @@ def _llama_json(config: dict, entries: list[_Entry]) -> dict:
             "heads * head_dim); pass config={'num_attention_heads': ..., ...}."
         )
     head_dim = config.get("head_dim") or q // heads
+    mlp = "block_sparse_moe.experts.0.w1" if mixtral else "mlp.up_proj"
     sizes = {
         "vocab_size": v,
         "hidden_size": d,
-        "intermediate_size": by_name["model.layers.0.mlp.up_proj.weight"].shape[0],
-        "num_hidden_layers": sum(e.name.endswith("input_layernorm.weight") for e in entries),
+        "intermediate_size": by_name[f"model.layers.0.{mlp}.weight"].shape[0],
+        "num_hidden_layers": sum(
+            e.name.endswith("input_layernorm.weight") for e in by_name.values()
+        ),
         "num_attention_heads": heads,
         "num_key_value_heads": k // head_dim,
         "head_dim": head_dim,
         "tie_word_embeddings": "lm_head.weight" not in by_name,
     }
+    if mixtral:
+        sizes |= _expert_sizes(config, by_name)
     wrong = {key: (config[key], value) for key, value in sizes.items() if key in config}
     wrong = {key: pair for key, pair in wrong.items() if pair[0] is not None and pair[0] != pair[1]}
     if q != heads * head_dim or k % head_dim or wrong:
@@ -649,23 +787,53 @@ def _llama_json(config: dict, entries: list[_Entry]) -> dict:
             f"num_attention_heads={heads}, head_dim={head_dim}; config (given, from params): "
             f"{wrong}. Pass the config of the model these parameters belong to."
         )
+    return sizes
+
+
+def _expert_sizes(config: dict, by_name: dict[str, _Entry]) -> dict:
+    """A Mixtral's ``num_local_experts`` (the params') and ``num_experts_per_tok`` (the
+    config's), checked against each other and the config."""
+    experts, given = by_name[_ROUTER].shape[0], config.get("num_local_experts")
+    if given is not None and given != experts:
+        leaf = by_name["model.layers.0.block_sparse_moe.experts.0.w1.weight"].where
+        raise ValueError(
+            f"hf.save: {leaf} holds {experts} experts (as does {by_name[_ROUTER].where}), but "
+            f"config has num_local_experts={given}. Pass the config of the model these "
+            f"parameters belong to."
+        )
+    top_k = config.get("num_experts_per_tok")
+    if not top_k or not 0 < top_k <= experts:
+        raise ValueError(
+            f"hf.save: config has num_experts_per_tok={top_k!r}, which the shapes cannot tell "
+            f"(each token's experts, at most the {experts} experts); pass "
+            f"config={{'num_experts_per_tok': ..., ...}}, e.g. 2 as Mixtral 8x7B."
+        )
+    return {"num_local_experts": experts, "num_experts_per_tok": top_k}
+
+
+def _config_json(config: dict, entries: list[_Entry]) -> dict:
+    """The ``config.json`` of ``params``: their family and sizes, and ``config``'s other
+    settings."""
+    by_name = {e.name: e for e in entries}
+    mixtral = _ROUTER in by_name
+    kind = "mixtral" if mixtral else "llama"
+    if config.get("model_type") not in (None, kind):
+        raise ValueError(
+            f"hf.save: config has model_type={config['model_type']!r}, but params are a "
+            f"{kind.title()}'s tree ({'blocks.moe' if mixtral else 'blocks.mlp'}). Pass the "
+            f"config of the model these parameters belong to."
+        )
+    sizes = _sizes(config, by_name, mixtral)
     dtypes: dict[np.dtype, int] = {}
     for e in entries:  # the dtype of most of the bytes, for a mixed tree
         dtypes[e.dtype] = dtypes.get(e.dtype, 0) + e.nbytes
     kept = {key: value for key, value in config.items() if key not in _DROPPED}
-    return (
-        _DEFAULTS
-        | kept
-        | sizes
-        | {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "hidden_act": "silu",
-            "attention_bias": "model.layers.0.self_attn.q_proj.bias" in by_name,
-            "mlp_bias": "model.layers.0.mlp.up_proj.bias" in by_name,
-            "torch_dtype": str(max(dtypes, key=dtypes.__getitem__)),
-        }
-    )
+    family = {"architectures": [_FAMILIES[kind]], "model_type": kind, "hidden_act": "silu"}
+    if not mixtral:
+        family["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in by_name
+        family["mlp_bias"] = "model.layers.0.mlp.up_proj.bias" in by_name
+    torch_dtype = {"torch_dtype": str(max(dtypes, key=dtypes.__getitem__))}
+    return (_MIXTRAL_DEFAULTS if mixtral else _DEFAULTS) | kept | sizes | family | torch_dtype
 
 
 def _take(value: jax.Array, layer: jax.Array, transposed: bool, dtype: Any) -> jax.Array:
@@ -796,14 +964,17 @@ def save(
     overwrite: bool = False,
 ) -> pathlib.Path:
     """Writes ``params`` as a Hugging Face Llama checkpoint that
-    ``transformers.LlamaForCausalLM.from_pretrained(directory)`` loads.
+    ``transformers.LlamaForCausalLM.from_pretrained(directory)`` loads, or as a Mixtral's
+    (``MixtralForCausalLM``, one tensor per expert) when they are a Mixtral's tree
+    (``blocks.moe``).
 
     The directory gets ``config.json`` and ``model.safetensors`` (or, past ``max_shard_bytes``,
     ``model-0000k-of-0000n.safetensors`` files and ``model.safetensors.index.json``). One tensor
-    at a time is gathered to the host (a layer of a stacked leaf, transposed to ``[out, in]``
-    and cast on the devices), so the host holds one tensor, not the model. Every process must
-    call this (the gathers are collective); process 0 writes, into a temporary directory that
-    one rename makes ``directory``, so a reader never sees half a checkpoint.
+    at a time is gathered to the host (a layer, or a layer's expert, of a stacked leaf,
+    transposed to ``[out, in]`` and cast on the devices), so the host holds one tensor, not the
+    model. Every process must call this (the gathers are collective); process 0 writes, into a
+    temporary directory that one rename makes ``directory``, so a reader never sees half a
+    checkpoint.
 
     >>> import pathlib, tempfile, numpy as np, jax
     >>> from replicator.models import hf
@@ -821,10 +992,11 @@ def save(
       directory: where to write; it must not exist or be empty, unless ``overwrite``.
       params: the tree of the module docstring (placed arrays, host arrays, ZeRO-3
         `ShardedParam` leaves, or a pipeline's ``stages``).
-      config: the model's Llama settings as ``config.json`` keys: ``num_attention_heads`` at
-        least (``rms_norm_eps``, ``rope_theta``, ``rope_scaling``, ``max_position_embeddings``,
-        token ids... are written as given, else Llama's defaults); sizes it gives must match
-        ``params``'.
+      config: the model's settings as ``config.json`` keys: ``num_attention_heads`` at least,
+        and ``num_experts_per_tok`` for a Mixtral (``rms_norm_eps``, ``rope_theta``,
+        ``rope_scaling``, ``max_position_embeddings``, token ids... are written as given, else
+        the family's defaults); sizes it gives (``num_local_experts`` too) must match
+        ``params``', and a ``model_type`` it gives their family.
       dtype: write every tensor in this dtype (e.g. ``"bfloat16"``); default: each leaf's.
       max_shard_bytes: the largest file; Hugging Face's default is 5 GiB.
       overwrite: replace a non-empty ``directory``.
@@ -833,13 +1005,13 @@ def save(
       ``directory``, as a ``pathlib.Path``.
 
     Raises:
-      ValueError: if ``params`` lack a Llama leaf, have one that is not, or disagree with
-        ``config``.
+      ValueError: if ``params`` lack a Llama (or Mixtral) leaf, have one that is not, hold
+        different numbers of layers or experts, or disagree with ``config``.
       FileExistsError: if ``directory`` is not empty and not ``overwrite``.
     """
     directory = pathlib.Path(directory)
     entries = _entries(params, dtype)
-    text = json.dumps(_llama_json(dict(config), entries), indent=2)
+    text = json.dumps(_config_json(dict(config), entries), indent=2)
     files = _shards(entries, max_shard_bytes)
     names = ["model.safetensors"] if len(files) == 1 else []
     names = names or [

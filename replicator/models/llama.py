@@ -26,7 +26,7 @@ stacked).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -50,6 +50,15 @@ BIAS_NAMES = {  # with bias=True (transformers' attention_bias and mlp_bias)
     (group, f"{leaf}_bias"): (name.removesuffix("weight") + "bias", False)
     for (group, leaf), (name, transposed) in LAYER_NAMES.items()
     if transposed
+}
+MIXTRAL_LAYER_NAMES = {  # a Mixtral block (gpt.init's mixture-of-experts layout, moe_every=1)
+    **{("moe", *keys): value for keys, value in LAYER_NAMES.items() if keys[0] != "mlp"},
+    ("moe", "moe", "router"): ("block_sparse_moe.gate.weight", True),
+}
+EXPERT_NAMES = {  # one tensor per expert j of a Mixtral block
+    ("moe", "moe", "gate"): ("block_sparse_moe.experts.{j}.w1.weight", True),
+    ("moe", "moe", "up"): ("block_sparse_moe.experts.{j}.w3.weight", True),
+    ("moe", "moe", "down"): ("block_sparse_moe.experts.{j}.w2.weight", True),
 }
 OUTER_NAMES = {  # outside the blocks
     ("embed", "tokens"): ("model.embed_tokens.weight", False),
@@ -103,11 +112,11 @@ def _refuse(what: str) -> ValueError:
     return ValueError(f"llama.from_hf_config: {what}")
 
 
-def _rope(hf: Mapping[str, Any]) -> tuple[float, gpt.RopeScaling | None]:
+def _rope(hf: Mapping[str, Any], default: float) -> tuple[float, gpt.RopeScaling | None]:
     """``rope_theta`` and the scaling of transformers' ``rope_parameters`` (v5) or
     ``rope_theta`` and ``rope_scaling`` (v4, most ``config.json`` files)."""
     rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
-    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    theta = float(rope.get("rope_theta", hf.get("rope_theta", default)))
     kind = rope.get("rope_type", rope.get("type", "default"))
     if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
         raise _refuse("partial_rotary_factor != 1 (rotary positions on part of a head).")
@@ -123,11 +132,22 @@ def _rope(hf: Mapping[str, Any]) -> tuple[float, gpt.RopeScaling | None]:
 
 
 def from_hf_config(hf: Mapping[str, Any], **options: Any) -> gpt.GPTConfig:
-    """The `gpt.GPTConfig` of transformers' ``LlamaConfig`` (its ``to_dict()``, or a checkpoint's
-    ``config.json``): sizes, ``rms_norm_eps``, rotary positions (``rope_theta``, Llama 3's
-    ``rope_scaling``), ``tie_word_embeddings``, and biases when ``attention_bias`` and
-    ``mlp_bias`` both say so. ``seq_len`` defaults to ``max_position_embeddings``; ``options``
-    are other `gpt.GPTConfig` fields (``seq_len``, ``dtype``, ...).
+    """The `gpt.GPTConfig` of transformers' ``LlamaConfig`` or ``MixtralConfig`` (its
+    ``to_dict()``, or a checkpoint's ``config.json``): sizes, ``rms_norm_eps``, rotary positions
+    (``rope_theta``, Llama 3's ``rope_scaling``), ``tie_word_embeddings``, and biases when
+    ``attention_bias`` and ``mlp_bias`` both say so. ``seq_len`` defaults to
+    ``max_position_embeddings``; ``options`` are other `gpt.GPTConfig` fields (``seq_len``,
+    ``dtype``, ...).
+
+    A Mixtral (``model_type: "mixtral"``) is a Llama whose every MLP is a mixture of
+    ``num_local_experts`` SwiGLU experts, each token going to its ``num_experts_per_tok`` most
+    probable ones: ``num_experts``, ``top_k``, and ``capacity_factor=None``, so that no token
+    is dropped, as in transformers (every expert then runs on every token's row of its buffer:
+    ``num_experts / top_k`` times the experts' ideal FLOPs; pass ``capacity_factor=1.25`` to
+    train at ``1.25 x`` the ideal, dropping what overflows). ``aux_weight`` defaults to 0, as
+    transformers' loss has no load-balancing term unless ``output_router_logits``; with
+    ``aux_weight > 0`` the term is `replicator.moe`'s (per sequence, first choices), not
+    transformers' (pooled over the batch and the layers).
 
     >>> from replicator.models import llama
     >>> c = llama.from_hf_config({"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96,
@@ -135,14 +155,21 @@ def from_hf_config(hf: Mapping[str, Any], **options: Any) -> gpt.GPTConfig:
     ...     "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}, seq_len=32)
     >>> c.num_kv_heads, c.rope_theta, c.seq_len, c.norm_eps
     (1, 500000.0, 32, 1e-06)
+    >>> m = llama.from_hf_config({"model_type": "mixtral", "vocab_size": 128, "hidden_size": 64,
+    ...     "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+    ...     "num_key_value_heads": 2, "num_local_experts": 8, "num_experts_per_tok": 2})
+    >>> m.num_experts, m.top_k, m.capacity_factor, m.rope_theta, m.norm_eps
+    (8, 2, None, 1000000.0, 1e-05)
 
     Raises:
       ValueError: for what the GPT does not compute: another ``model_type`` or ``hidden_act``
         than Llama's, a ``head_dim`` other than ``hidden_size / num_attention_heads``, biases in
-        attention but not the MLP (or the reverse), or a rotary scaling other than Llama 3's.
+        attention but not the MLP (or the reverse), a rotary scaling other than Llama 3's, or
+        for a Mixtral a sliding window shorter than ``seq_len`` or router jitter.
     """
-    if hf.get("model_type", "llama") != "llama":
-        raise _refuse(f"model_type={hf['model_type']!r}; this reads Llama configs ('llama').")
+    kind = hf.get("model_type", "llama")
+    if kind not in ("llama", "mixtral"):
+        raise _refuse(f"model_type={kind!r}; this reads Llama and Mixtral configs.")
     if hf.get("hidden_act", "silu") != "silu":
         raise _refuse(f"hidden_act={hf['hidden_act']!r}; the SwiGLU MLP uses 'silu'.")
     d, heads = hf["hidden_size"], hf["num_attention_heads"]
@@ -158,43 +185,87 @@ def from_hf_config(hf: Mapping[str, Any], **options: Any) -> gpt.GPTConfig:
             f"attention_bias={bias} but mlp_bias={hf.get('mlp_bias', False)}; the GPT has "
             f"biases in every linear layer or none (bias=True or False)."
         )
-    theta, scaling = _rope(hf)
+    defaults = {"bias": bias, "seq_len": hf.get("max_position_embeddings", 2048)}
+    if kind == "mixtral":
+        defaults |= _mixtral(hf, options.get("seq_len", defaults["seq_len"]))
+    theta, scaling = _rope(hf, 1e6 if kind == "mixtral" else 10000.0)
     return config(
         vocab_size=hf["vocab_size"],
         d_model=d,
         num_layers=hf["num_hidden_layers"],
         num_heads=heads,
         d_ff=hf["intermediate_size"],
-        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        num_kv_heads=hf.get("num_key_value_heads", 8 if kind == "mixtral" else heads) or heads,
         rope_theta=theta,
         rope_scaling=scaling,
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-5 if kind == "mixtral" else 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        **{"bias": bias, "seq_len": hf.get("max_position_embeddings", 2048)} | options,
+        **defaults | options,
+    )
+
+
+def _mixtral(hf: Mapping[str, Any], seq_len: int) -> dict:
+    """The `gpt.GPTConfig` fields of a Mixtral's experts, refusing what they do not compute."""
+    window = hf.get("sliding_window")
+    if window is not None and window < seq_len:
+        raise _refuse(
+            f"sliding_window={window} is shorter than seq_len={seq_len}; the GPT's attention is "
+            f"causal over the whole sequence. Train with seq_len <= {window}."
+        )
+    if hf.get("router_jitter_noise", 0.0):
+        raise _refuse(
+            f"router_jitter_noise={hf['router_jitter_noise']}: the router's multiplicative "
+            f"noise is not implemented; set it to 0 in config.json."
+        )
+    return dict(
+        num_experts=hf["num_local_experts"],
+        top_k=hf.get("num_experts_per_tok", 2),
+        capacity_factor=None,
+        aux_weight=0.0,
     )
 
 
 def _check(config: gpt.GPTConfig, api: str) -> None:
     llama = (config.norm, config.position, config.mlp) == ("rms", "rope", "swiglu")
-    if not llama or config.num_kv_heads is None or config.num_experts:
+    if not llama or config.num_kv_heads is None or config.moe_every != 1:
         raise ValueError(
-            f"{api}: config is not a Llama's (norm='rms', position='rope', mlp='swiglu', "
-            f"num_kv_heads set, no experts); build it with llama.config or llama.from_hf_config."
+            f"{api}: config is not a Llama's or a Mixtral's (norm='rms', position='rope', "
+            f"mlp='swiglu', num_kv_heads set, and with experts moe_every=1); build it with "
+            f"llama.config or llama.from_hf_config."
         )
 
 
-def _names(config: gpt.GPTConfig) -> dict[tuple, tuple[str, bool]]:
-    """Our leaf path (``("blocks", layer, group, leaf)`` for a block's) -> transformers' name."""
+class _Name(NamedTuple):
+    keys: tuple[str, ...]  # our leaf's dict keys from the root
+    index: tuple[int, ...]  # its entry on the leaf's leading axes (layer, expert)
+    name: str  # transformers' tensor
+    transposed: bool
+
+
+def _names(config: gpt.GPTConfig) -> list[_Name]:
+    """Every transformers tensor of ``config``'s model and where it sits in `gpt.init`'s tree
+    (the names of the files: per-expert ``block_sparse_moe.experts.{j}`` for a Mixtral)."""
     layer = LAYER_NAMES | (BIAS_NAMES if config.bias else {})
-    names = {
-        ("blocks", i, *path): (f"model.layers.{i}.{name}", t)
+    if config.num_experts:
+        layer, experts = MIXTRAL_LAYER_NAMES, EXPERT_NAMES
+    else:
+        experts = {}
+    out = [
+        _Name(("blocks", *keys), (i,), f"model.layers.{i}.{name}", t)
         for i in range(config.num_layers)
-        for path, (name, t) in layer.items()
-    }
-    outer = {
-        p: v for p, v in OUTER_NAMES.items() if p != ("head", "w") or not config.tie_embeddings
-    }
-    return names | outer
+        for keys, (name, t) in layer.items()
+    ]
+    out += [
+        _Name(("blocks", *keys), (i, j), f"model.layers.{i}.{name.format(j=j)}", t)
+        for i in range(config.num_layers)
+        for keys, (name, t) in experts.items()
+        for j in range(config.num_experts)
+    ]
+    tied = config.tie_embeddings
+    out += [
+        _Name(k, (), n, t) for k, (n, t) in OUTER_NAMES.items() if k != ("head", "w") or not tied
+    ]
+    return out
 
 
 def _numpy(x: Any) -> np.ndarray:
@@ -203,70 +274,77 @@ def _numpy(x: Any) -> np.ndarray:
     return np.asarray(x, np.float32)
 
 
+def _unfused(state_dict: Mapping[str, Any], config: gpt.GPTConfig) -> Mapping[str, Any]:
+    """transformers 5's in-memory Mixtral experts (``mlp.experts.gate_up_proj`` ``[E, 2F, D]``,
+    ``mlp.experts.down_proj`` ``[E, D, F]``, ``mlp.gate.weight``) as the files' per-expert
+    ``block_sparse_moe`` tensors; any other state dict as it is."""
+    if not config.num_experts or "model.layers.0.mlp.experts.gate_up_proj" not in state_dict:
+        return state_dict
+    out, f = dict(state_dict), config.hidden
+    for i in range(config.num_layers):
+        old, new = f"model.layers.{i}.mlp.", f"model.layers.{i}.block_sparse_moe."
+        gate_up, down = (
+            _numpy(out.pop(old + f"experts.{x}")) for x in ("gate_up_proj", "down_proj")
+        )
+        out[new + "gate.weight"] = out.pop(old + "gate.weight")
+        for j in range(config.num_experts):
+            w = {"w1": gate_up[j, :f], "w3": gate_up[j, f:], "w2": down[j]}
+            out |= {f"{new}experts.{j}.{k}.weight": v for k, v in w.items()}
+    return out
+
+
 def params_from_state_dict(state_dict: Mapping[str, Any], *, config: gpt.GPTConfig) -> dict:
-    """`gpt.init`'s tree (fp32 NumPy) from transformers' Llama parameters (``LlamaForCausalLM.
-    state_dict()``, torch tensors, or a safetensors file's arrays): weights transposed to
-    ``[in, out]`` (``q``'s columns stay head-major), the layers stacked.
+    """`gpt.init`'s tree (fp32 NumPy) from transformers' Llama or Mixtral parameters
+    (``LlamaForCausalLM.state_dict()``, torch tensors, or a safetensors file's arrays): weights
+    transposed to ``[in, out]`` (``q``'s columns stay head-major), the layers (and a Mixtral's
+    experts) stacked. A Mixtral's experts may come as the files hold them (``block_sparse_moe.
+    experts.{j}.w1``, ``w2``, ``w3``) or as transformers 5 holds them in memory (``mlp.experts.
+    gate_up_proj``, ``down_proj``).
 
     Raises:
-      ValueError: if ``config`` is not a Llama's, or a name is missing, or left over (except
-        ``lm_head.weight`` for a tied head, which is the token table).
+      ValueError: if ``config`` is not a Llama's or a Mixtral's, or a name is missing, or left
+        over (except ``lm_head.weight`` for a tied head, which is the token table).
     """
     _check(config, "llama.params_from_state_dict")
-    names = _names(config)
-    missing = sorted(name for name, _ in names.values() if name not in state_dict)
-    extra = set(state_dict) - {name for name, _ in names.values()}
+    state_dict, names = _unfused(state_dict, config), _names(config)
+    missing = sorted(n.name for n in names if n.name not in state_dict)
+    extra = set(state_dict) - {n.name for n in names}
     extra -= {"lm_head.weight"} if config.tie_embeddings else set()
     if missing or extra:
         raise ValueError(
             f"llama.params_from_state_dict: the state dict does not match config (a "
-            f"{config.num_layers}-layer Llama, bias={config.bias}, tie_embeddings="
-            f"{config.tie_embeddings}): missing {missing[:4]}, unexpected {sorted(extra)[:4]}."
+            f"{config.num_layers}-layer {'Mixtral' if config.num_experts else 'Llama'}, bias="
+            f"{config.bias}, tie_embeddings={config.tie_embeddings}): missing {missing[:4]}, "
+            f"unexpected {sorted(extra)[:4]}."
         )
     shapes = jax.eval_shape(lambda: gpt.init(config, jax.random.key(0)))
-    params: dict = {}
-    for path, (name, transposed) in names.items():
-        value = _numpy(state_dict[name])
-        want = _at(shapes, path).shape
-        want = want[::-1] if transposed else want
+    params = jax.tree.map(lambda s: np.empty(s.shape, np.float32), shapes)
+    for n in names:
+        value, leaf = _numpy(state_dict[n.name]), _at(params, n.keys)
+        want = leaf.shape[len(n.index) :][:: -1 if n.transposed else 1]
         if value.shape != want:
             raise ValueError(
-                f"llama.params_from_state_dict: {name} is {list(value.shape)}; config's sizes "
+                f"llama.params_from_state_dict: {n.name} is {list(value.shape)}; config's sizes "
                 f"give {list(want)} (transformers' [out, in] layout)."
             )
-        node = params
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = value.T if transposed else value
-    blocks = params.pop("blocks")
-    stacked = {
-        group: {leaf: np.stack([blocks[i][group][leaf] for i in range(config.num_layers)])
-                for leaf in blocks[0][group]}
-        for group in blocks[0]
-    }  # fmt: skip
-    return {**params, "blocks": stacked}
+        leaf[n.index] = value.T if n.transposed else value
+    return params
 
 
 def state_dict_from_params(params: PyTree, *, config: gpt.GPTConfig) -> dict[str, np.ndarray]:
-    """transformers' Llama names and ``[out, in]`` layout of `gpt.init`'s tree (or of its
-    gradients): the inverse of `params_from_state_dict`, fp32 NumPy, without ``lm_head.weight``
-    for a tied head."""
+    """transformers' names and ``[out, in]`` layout of `gpt.init`'s tree (or of its gradients):
+    the inverse of `params_from_state_dict`, fp32 NumPy, without ``lm_head.weight`` for a tied
+    head, and a Mixtral's experts named as its files name them (``block_sparse_moe.experts.{j}.
+    w1``...; ``MixtralForCausalLM.from_pretrained`` reads those)."""
     _check(config, "llama.state_dict_from_params")
     out = {}
-    for path, (name, transposed) in _names(config).items():
-        value = _numpy(_at(params, path))
-        out[name] = value.T if transposed else value
+    for n in _names(config):
+        value = _numpy(_at(params, n.keys))[n.index]
+        out[n.name] = value.T if n.transposed else value
     return out
 
 
-def _at(tree: PyTree, path: tuple) -> Any:
-    """The leaf of `_names`' ``path`` (a block's: layer ``path[1]`` of its stacked leaf; of
-    ``jax.eval_shape``'s tree, its shape and dtype)."""
-    if path[0] != "blocks":
-        for key in path:
-            tree = tree[key]
-        return tree
-    leaf = tree["blocks"][path[2]][path[3]]
-    if isinstance(leaf, jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype)
-    return leaf[path[1]]
+def _at(tree: PyTree, keys: tuple) -> Any:
+    for key in keys:
+        tree = tree[key]
+    return tree
