@@ -410,3 +410,50 @@ def test_tiled_blockwise_attention_equals_reference_values_and_gradients(impl, c
     assert rel_err(float(np.asarray(out["loss"])[0]), float(ref_loss)) <= TOL
     grads = jax.tree.map(lambda g: np.concatenate(list(np.asarray(g)), 0), out["grads"])
     assert rel_err(grads, ref_grads) <= TOL
+
+
+@pytest.mark.parametrize(
+    "impl, kv", [("ring", 2), ("ring", 1), ("all_to_all", 4), ("all_to_all", 2)]
+)
+def test_grouped_query_attention_sends_kv_heads_and_equals_repeated_heads(impl, kv):
+    """8 query heads, ``kv`` key/value heads: on {"data": 2, "context": 4} the values and the
+    gradients of q, k, v equal plain attention with each key/value head repeated for its group
+    (the k, v gradients summed over it), and what travels is K and V with their ``kv`` heads:
+    the ring's sends, and Ulysses' all-to-alls where ``kv`` splits over the 4 devices (2 does
+    not: K and V are then repeated first, as before)."""
+    h = 8
+    keys = jax.random.split(jax.random.key(9), 4)
+    q, w = (jax.random.normal(key, (B, S, h, DH)) for key in keys[:2])
+    k, v = (jax.random.normal(key, (B, S, kv, DH)) for key in keys[2:])
+    order = att.zigzag_order(S, C) if impl == "ring" else np.arange(S)
+    layout = "zigzag" if impl == "ring" else "contiguous"
+    wide = lambda x: jnp.repeat(x, h // kv, axis=2)
+
+    def want(q, k, v):
+        out = att.reference(q, wide(k), wide(v), causal=True, positions=order)
+        return jnp.sum(out * w), out
+
+    def got(q, k, v, w):
+        out = att.attention(q, k, v, causal=True, impl=impl, layout=layout)
+        return jnp.sum(out * w), out
+
+    (_, ref_out), ref_grads = jax.value_and_grad(want, (0, 1, 2), has_aux=True)(q, k, v)
+    repl = make_repl(MESH)
+
+    def step(state, q, k, v, w):
+        (_, out), grads = jax.value_and_grad(got, (0, 1, 2), has_aux=True)(q, k, v, w)
+        return state, {"out": out, "grads": grads}
+
+    _, out = repl.run(step, {}, q, k, v, w)
+    assert rel_err(np.asarray(out["out"]).reshape(ref_out.shape), ref_out) <= TOL
+    grads = jax.tree.map(lambda g: np.concatenate(list(np.asarray(g)), 0), out["grads"])
+    assert [g.shape for g in grads] == [(B, S, h, DH), (B, S, kv, DH), (B, S, kv, DH)]
+    assert rel_err(grads, ref_grads) <= TOL
+    kind = "collective-permute" if impl == "ring" else "all-to-all"
+    report = repl.explain(step, {}, q, k, v, w)
+    sizes = sorted({c.bytes for c in report.collectives if c.kind == kind})
+    block = B // MESH["data"] * S // C * DH * 4  # one device's block, per head
+    if impl == "ring":  # K, V, dK, dV: kv heads, never repeated
+        assert sizes == [block * kv], (sizes, block)
+    else:  # Q and the output at 8 heads; K and V at theirs where they split over 4 devices
+        assert sizes == sorted({block * h, block * (kv if kv % C == 0 else h)}), (sizes, block)

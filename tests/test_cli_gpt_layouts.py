@@ -191,7 +191,8 @@ def test_the_config_takes_interleaved_1f1b_with_its_repeats():
          r"accumulate_steps=2 does not apply to a pipeline .*use pipeline\.microbatches instead "
          r"\(e\.g\. pipeline\.microbatches=8\)"),
         (PIPE, ["model.vocab=100"],
-         r"model\.vocab=100 is smaller than the data's 256 byte tokens.*use vocab >= 256"),
+         r"model\.vocab=100 is smaller than the built-in text's 256 byte tokens.*use "
+         r"model\.vocab >= 256, or data\.path with data\.tokenizer"),
         (PIPE, ["model.dtype=float16"], r"model\.dtype='float16' is not a compute dtype.*bfloat16"),
         (PIPE, ["model.remat=1"], r"model\.remat: expected bool; got 1"),
         (PIPE, ["pipeline.schedule=interleaved", "pipeline.repeats=1"],
@@ -307,3 +308,30 @@ def test_an_own_job_is_not_built_from_shapes():
     config = TrainConfig(model=ModelConfig(kind="my_models:job"))
     with pytest.raises(ValueError, match=r"abstract_job: model\.kind='my_models:job' is your own"):
         jobs.abstract_job(config)
+
+
+@pytest.mark.slow  # 3 compiles, 5-8 s
+def test_vocab_parallel_computes_each_logit_once():
+    """``model.vocab_parallel`` (the default) splits the token table by rows and the output
+    matrix by columns over ``model``: {data: 4, model: 2} then does the matmul FLOPs of
+    {data: 8} per device (each logit computed once), where keeping them whole computes every
+    logit on both ``model`` devices. On a ``context`` axis they stay whole (XLA's partitioner
+    aborts on that split there)."""
+
+    def compiled(mesh, **model):
+        repl, step_fn, state, batch = jobs.abstract_job(gpt_job(mesh, **model))
+        params = state["job"]["params"]
+        specs = (params["embed"]["tokens"].sharding.spec, params["head"]["w"].sharding.spec)
+        return specs, repl.explain(step_fn, state, batch).matmul_flops
+
+    tp = {"data": 4, "model": 2}
+    (split, flops), (whole_specs, whole_flops) = compiled(tp), compiled(tp, vocab_parallel=False)
+    assert split == (P("model"), P(None, "model")), split
+    assert whole_specs == (P(), P()), whole_specs
+    ideal = compiled({"data": 8})[1]
+    assert flops == ideal < whole_flops, (flops, ideal, whole_flops)
+    head = 16 // 4 * 16 * 2 * 32 * 256 * 3  # tokens x (forward + 2 backward) x D x V, per device
+    assert whole_flops - flops == head // 2, (whole_flops - flops, head)
+    config = gpt_job({"data": 2, "context": 2, "model": 2}, attention="all_to_all")
+    state = jobs.abstract_job(config)[2]
+    assert state["job"]["params"]["embed"]["tokens"].sharding.spec == P()

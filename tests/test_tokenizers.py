@@ -352,3 +352,22 @@ def test_the_tokenizer_example_trains_a_bpe_tokenizer_then_the_gpt_through_it(tm
     assert last < 0.9 * first, run.stdout
     assert (tmp_path / "tokenizer.json").exists()
     assert (tmp_path / "lm_tokenizer" / "metrics.jsonl").read_text().count("\n") == 4
+
+
+def test_a_vocabulary_below_256_takes_a_small_tokenizer_and_refuses_bytes(tmp_path, corpus):
+    """``model.vocab`` below 256 is the model of a small tokenizer (a 60-piece SentencePiece
+    here): the config loads and the data check passes. The built-in text (bytes) is refused
+    when the config loads, and untokenized text when its bytes are checked against the model."""
+    train_sentencepiece(tmp_path / "sp", documents(corpus))
+    raw = {"model": {"kind": "gpt", "vocab": 60, "seq_len": 8}, "global_batch": 8}
+    data = {"path": str(corpus), "tokenizer": str(tmp_path / "sp.model")}
+    config = config_lib.from_dict(config_lib.TrainConfig, raw | {"data": data}, where="run.yaml")
+    found = data_lib.examples(config.data, kind="gpt", seq_len=8)
+    data_lib.check(found, LIKE_GPT, path=config.data.path, global_batch=8, vocab=60)
+    with pytest.raises(ValueError, match=r"^run.yaml: model.vocab=60 is smaller than the built-in"):
+        config_lib.from_dict(config_lib.TrainConfig, raw, where="run.yaml")
+    text = config_lib.from_dict(config_lib.TrainConfig, raw | {"data": {"path": str(corpus)}})
+    found = data_lib.examples(text.data, kind="gpt", seq_len=8)
+    with pytest.raises(ValueError, match=r"tokens has ids from \d+ to \d+, outside the model's "
+                       r"vocabulary 0-59"):  # fmt: skip
+        data_lib.check(found, LIKE_GPT, path=text.data.path, global_batch=8, vocab=60)

@@ -22,6 +22,12 @@ gets them one of two ways, mapped by hand over ``context`` (`collectives.map_ove
 
 Without a ``context`` axis (or one of size 1) both are plain attention: the one-device oracle.
 
+**Grouped-query attention.** Keys and values may have fewer heads than the queries (``KV``
+dividing ``H``: key/value head ``j`` serves query heads ``j G .. j G + G - 1``, ``G = H / KV``).
+They travel (round the ring, or through the all-to-alls) with their ``KV`` heads, ``G`` times
+fewer bytes than repeated ones, and are repeated one tile at a time where the scores are made;
+their gradients are summed over each group before they travel back.
+
 >>> import jax, jax.numpy as jnp
 >>> q = k = v = jax.random.normal(jax.random.key(0), (2, 8, 4, 16))   # [batch, seq, heads, dim]
 >>> out = attention(q, k, v, causal=True, impl="ring")
@@ -93,9 +99,24 @@ def constrain_tokens(x: jax.Array) -> jax.Array:
     return x if not any(spec) else lax.with_sharding_constraint(x, P(*spec))
 
 
+def _widen(x: jax.Array, heads: int) -> jax.Array:
+    """Keys or values ``[B, S, KV, D]`` with each head repeated for its ``heads / KV`` query
+    heads (grouped-query attention); ``x`` itself when it has ``heads`` heads."""
+    group = heads // x.shape[2]
+    return x if group == 1 else jnp.repeat(x, group, axis=2)
+
+
+def _narrow(dx: jax.Array, kv_heads: int) -> jax.Array:
+    """The gradient of `_widen`: each group of query heads' gradients summed."""
+    b, s, h, d = dx.shape
+    return dx if h == kv_heads else dx.reshape(b, s, kv_heads, h // kv_heads, d).sum(3)
+
+
 def reference(q, k, v, *, causal: bool, positions=None) -> jax.Array:
     """Plain softmax attention over ``[B, S, H, D]`` (fp32 scores): the oracle. ``positions``
-    (``[S]``, default ``arange(S)``) gives each token's place for the causal mask."""
+    (``[S]``, default ``arange(S)``) gives each token's place for the causal mask; ``k`` and
+    ``v`` may have fewer heads (grouped-query attention, module docstring)."""
+    k, v = _widen(k, q.shape[2]), _widen(v, q.shape[2])
     scale = 1.0 / math.sqrt(q.shape[-1])
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * scale
     if causal:
@@ -118,7 +139,8 @@ def attention(
     over the ``context`` axis; exact, whatever the split.
 
     Args:
-      q, k, v: ``[batch, seq, heads, head_dim]``, as ``step_fn`` sees them (whole).
+      q, k, v: ``[batch, seq, heads, head_dim]``, as ``step_fn`` sees them (whole); ``k`` and
+        ``v`` may have fewer heads, a divisor of ``q``'s (grouped-query attention).
       causal: each token attends to itself and the tokens before it.
       impl: ``"ring"`` or ``"all_to_all"`` (see the module's docstring for when each wins).
       layout: the order of the sequence dimension: ``"contiguous"`` (natural order) or
@@ -140,6 +162,11 @@ def attention(
             f"attention: layout={layout!r}; use one of {', '.join(map(repr, LAYOUTS))}."
         )
     c, s, heads = context_size(), q.shape[1], q.shape[2]
+    if k.shape != v.shape or heads % k.shape[2]:
+        raise ValueError(
+            f"attention: k {tuple(k.shape)} and v {tuple(v.shape)} must have one shape, with a "
+            f"number of heads that divides q's {heads} (grouped-query attention)."
+        )
     positions = zigzag_order(s, c) if layout == "zigzag" else np.arange(s)
     if c == 1:  # one device: plain attention, or blockwise where a sequence spans tiles
         if s > TILE:
@@ -157,6 +184,9 @@ def attention(
     )
     head_axis = MODEL_AXIS if t > 1 else None
     spec = P(None, CONTEXT_AXIS, head_axis, None)
+    kv = k.shape[2]
+    if kv % t or (impl == "all_to_all" and (kv // t) % c):  # K/V heads that cannot split
+        k, v = _widen(k, heads), _widen(v, heads)
     if impl == "all_to_all":
         if (heads // t) % c:
             raise ValueError(
@@ -220,6 +250,7 @@ def _scores(q, k, qpos, kpos):
 
 def _fold_tile(acc, q, k, v, qpos, kpos):
     o, m, total = acc  # unnormalised output, row maximum, sum of exp(score - maximum)
+    k, v = _widen(k, q.shape[2]), _widen(v, q.shape[2])
     s = _scores(q, k, qpos, kpos)
     m_new = jnp.maximum(m, s.max(-1))
     alpha = jnp.exp(m - m_new)
@@ -231,6 +262,8 @@ def _fold_tile(acc, q, k, v, qpos, kpos):
 
 
 def _grads_tile(q, k, v, do, lse, delta, qpos, kpos):
+    kv = k.shape[2]
+    k, v = _widen(k, q.shape[2]), _widen(v, q.shape[2])
     p = jnp.exp(_scores(q, k, qpos, kpos) - lse[..., None])
     f32 = dict(preferred_element_type=jnp.float32)
     dv = jnp.einsum("bqhk,bqhd->bkhd", p.astype(do.dtype), do, **f32)
@@ -238,7 +271,7 @@ def _grads_tile(q, k, v, do, lse, delta, qpos, kpos):
     ds = p * (dp - delta[..., None]) * (1.0 / math.sqrt(q.shape[-1]))
     dq = jnp.einsum("bqhk,bkhd->bqhd", ds.astype(k.dtype), k, **f32)
     dk = jnp.einsum("bqhk,bqhd->bkhd", ds.astype(q.dtype), q, **f32)
-    return dq, dk, dv
+    return dq, _narrow(dk, kv), _narrow(dv, kv)
 
 
 def _live_pairs(positions: tuple, sc: int, ring: bool) -> list[tuple[int, int]] | None:

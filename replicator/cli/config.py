@@ -41,7 +41,7 @@ class ModelConfig:
     heads: int = 4
     seq_len: int = 64
     width: int = 16  # cnn: channels of the first conv block (the second has twice as many)
-    vocab: int = 256  # gpt: token ids, >= 256 (the built-in text is bytes; .npy ids < vocab)
+    vocab: int = 256  # gpt: token ids (the built-in text and untokenized text are bytes, 0-255)
     d_ff: int | None = None  # gpt: the MLP's hidden units; null: 4 * d_model
     dtype: str = "float32"  # gpt: the compute dtype, "float32" or "bfloat16" (params stay fp32)
     # gpt: what each block keeps for its backward pass (the same numbers whatever it is):
@@ -55,6 +55,12 @@ class ModelConfig:
     # dot_product: jax.nn.dot_product_attention (the platform's own; no context axis).
     attention: str = "ring"
     zigzag: bool = True  # gpt, ring: chunks in zigzag order, the causal work even over `context`
+    # gpt: the vocabulary split over `model` too (the token table by rows, the output matrix by
+    # columns: each device computes its share of the logits, as Megatron-LM's vocab-parallel
+    # embedding and cross-entropy), when the vocabulary divides by mesh.model and the mesh has
+    # no context or expert axis (XLA's partitioner aborts there); false keeps them whole on
+    # every device (each then computes every logit). The same numbers either way.
+    vocab_parallel: bool = True
     # gpt: a mixture of experts: experts per MoE block (0: dense MLPs; the keys below are then
     # unused), split over an `expert` axis; every moe_every-th block is one (layers a multiple
     # of it); each token goes to its top_k experts, each taking at most capacity_factor x its
@@ -114,12 +120,6 @@ class ModelConfig:
             raise ValueError(
                 f"{_where(self)}remat must be one of none, full, dots (or false = none, true = "
                 f"full); got {self.remat!r}."
-            )
-        if self.kind == "gpt" and self.vocab < BYTE_VOCAB:
-            raise ValueError(
-                f"{_where(self)}vocab={self.vocab} is smaller than the data's {BYTE_VOCAB} byte "
-                f"tokens (the built-in text and text files are bytes, ids 0-255); use vocab >= "
-                f"{BYTE_VOCAB} (e.g. vocab={BYTE_VOCAB})."
             )
         self._check_attention_and_experts()
         if self.kind == "gpt" and self.d_model % self.heads:
@@ -275,6 +275,13 @@ class TrainConfig:
         _at_least(self, "keep", 1)
         if self.init_from is not None:
             object.__setattr__(self, "model", _checkpoint_model(self))
+        m = self.model
+        if m.kind == "gpt" and m.vocab < BYTE_VOCAB and self.data.path is None:
+            raise ValueError(
+                f"{where}model.vocab={m.vocab} is smaller than the built-in text's {BYTE_VOCAB} "
+                f"byte tokens (ids 0-255); use model.vocab >= {BYTE_VOCAB}, or data.path with "
+                f"data.tokenizer (or token ids) below {m.vocab}."
+            )
         if self.elastic_batch not in ("keep", "shrink"):
             raise ValueError(
                 f"{where}elastic_batch must be 'keep' (the global batch, in more micro-batches "
@@ -516,6 +523,7 @@ GPT_ONLY = {  # the gpt-only keys' defaults
     "remat": False,
     "attention": "ring",
     "zigzag": True,
+    "vocab_parallel": True,
     "experts": 0,
     "moe_every": 1,
     "top_k": 1,

@@ -535,7 +535,8 @@ def _gpt(config: TrainConfig, repl, make_tx) -> _Job:
             step_fn = _moe_step(model, opt, config.accumulate_steps)
 
         def init():
-            place = lambda: gpt.place(repl, init_params(), config=model)  # heads, MLP: "model"
+            rules = _rules(config, repl, model)  # heads, MLP (and the vocabulary): "model"
+            place = lambda: gpt.place(repl, init_params(), config=model, rules=rules)
             placed = _from_checkpoint(config, repl, place) if config.init_from else place()
             if zero3:  # split over the replicas, each block's layer gathered on its own
                 placed = opt.shard_params(placed, stacked=gpt.zero_stacked(model))
@@ -569,14 +570,29 @@ def _gpt(config: TrainConfig, repl, make_tx) -> _Job:
 
     def pipeline_init():
         place = lambda: gpt.place_pipeline(
-            repl, init_params(), num_stages=k, repeats=v, config=model
-        )
+            repl, init_params(), num_stages=k, repeats=v, config=model,
+            rules=_rules(config, repl, model),
+        )  # fmt: skip
         placed = _from_checkpoint(config, repl, place) if config.init_from else place()
         if zero3:
             placed = tx.shard_params(placed)
         return {"params": placed, "opt": tx.init(placed)}
 
     return _Job(pipeline_step_fn, pipeline_init, input_fn, batch, tokens, m.vocab)
+
+
+def _rules(config: TrainConfig, repl, model: gpt.GPTConfig) -> dict:
+    """Megatron's layout (`gpt.MEGATRON_RULES`), with the vocabulary over ``model`` too when
+    ``model.vocab_parallel`` and it divides by the axis (on a mesh without ``context`` and
+    ``expert`` axes):
+    each device then computes its share of the logits rather than all of them."""
+    shape = dict(repl.mesh.shape)
+    t = shape.get("model", 1)
+    split = config.model.vocab_parallel and t > 1 and model.vocab_size % t == 0
+    # XLA 0.10.2's SPMD partitioner aborts (a check failure in ExpandDeviceGroupsWithIota) on
+    # the vocabulary over `model` with the tokens over `data` and `context` (or `expert`).
+    split = split and shape.get("expert", 1) == shape.get("context", 1) == 1
+    return {**gpt.MEGATRON_RULES, "vocab": "model"} if split else dict(gpt.MEGATRON_RULES)
 
 
 def _from_checkpoint(config: TrainConfig, repl, place: Callable[[], dict]) -> dict:

@@ -16,7 +16,6 @@ import argparse
 import dataclasses
 import functools
 import os
-import sys
 
 import yaml
 
@@ -106,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     report = rp.plan(
         build, families, hardware=profile, memory=budget, model_flops=model_flops(cfg),
         overlap=args.overlap, workers=args.workers or min(2, os.cpu_count() or 1),
-        progress=sys.stderr.isatty(),
+        progress=True,
     )  # fmt: skip
     print(report.table(top=args.top))
     if args.json:

@@ -493,10 +493,7 @@ def _attend(p: dict, x: jax.Array, config: GPTConfig) -> jax.Array:
         q, k = _rope(q, positions, config), _rope(k, positions, config)
     if config.attention == "dot_product":
         attn = _dot_product_attention(q, k, v)
-    else:
-        group = config.num_heads // config.kv_heads
-        if group > 1:  # grouped-query attention: key/value head j serves query heads j*g ...
-            k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    else:  # grouped-query attention: K/V travel with their own heads (replicator.attention)
         layout = _layout(config, s)
         attn = attention_lib.attention(q, k, v, causal=True, impl=config.attention, layout=layout)
     return _residual(x, p["attn"], "out", attn.reshape(b, s, d))

@@ -17,6 +17,7 @@ import json
 import multiprocessing
 import multiprocessing.connection
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 
@@ -172,7 +173,7 @@ def plan(
       workers: processes that compile, each with N emulated CPU devices; 0 compiles here
         (this process must have exactly N devices). Default: here if this process has N
         devices, else ``min(2, cpu_count)``.
-      progress: show a progress bar.
+      progress: show a progress bar (on a terminal; elsewhere a line per family planned).
 
     Returns:
       A `PlanReport`: print it for the ranked table; ``.best`` is the fastest layout that fits.
@@ -347,18 +348,30 @@ this process with workers=0, if it has the layouts' number of devices."""
 
 
 class _Progress:
+    """A bar on a terminal; elsewhere (a log file, a notebook's captured stderr) one line per
+    family planned, with the count and the time so far."""
+
     def __init__(self, total: int, show: bool):
-        self.bar = None
-        if show:
+        self.bar, self.lines, self.total, self.done = None, False, total, 0
+        self.start = time.perf_counter()
+        if show and sys.stderr.isatty():
             from rich.progress import Progress
 
             self.bar = Progress(transient=True)
             self.task = self.bar.add_task("planning: compiling layout families", total=total)
             self.bar.start()
+        elif show:
+            self.lines = True
+            print(f"planning: {total} layout families to compile", file=sys.stderr, flush=True)
 
     def advance(self, family: Family) -> None:
+        self.done += 1
         if self.bar is not None:
             self.bar.update(self.task, advance=1, description=f"planned {family}")
+        elif self.lines:
+            took = time.perf_counter() - self.start
+            line = f"planned {self.done}/{self.total} ({took:.0f} s): {family}"
+            print(line, file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
