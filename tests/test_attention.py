@@ -415,6 +415,7 @@ def test_tiled_blockwise_attention_equals_reference_values_and_gradients(impl, c
 @pytest.mark.parametrize(
     "impl, kv", [("ring", 2), ("ring", 1), ("all_to_all", 4), ("all_to_all", 2)]
 )
+@pytest.mark.slow  # 8 s
 def test_grouped_query_attention_sends_kv_heads_and_equals_repeated_heads(impl, kv):
     """8 query heads, ``kv`` key/value heads: on {"data": 2, "context": 4} the values and the
     gradients of q, k, v equal plain attention with each key/value head repeated for its group

@@ -184,6 +184,7 @@ ADAMW = ("optimizer.name=adamw", "optimizer.learning_rate=0.05", "optimizer.sche
          "optimizer.warmup_steps=1")  # fmt: skip
 
 
+@pytest.mark.slow  # 4.3 s
 def test_adamw_with_mask_and_warmup_cosine_is_exact_under_every_zero_stage(monkeypatch):
     with monkeypatch.context() as m:  # the oracle: the same job on one device
         replicator = rp.Replicator

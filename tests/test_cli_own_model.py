@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 JOB = textwrap.dedent(
@@ -41,6 +43,7 @@ def train(cwd, *overrides):
     )  # fmt: skip
 
 
+@pytest.mark.slow  # 4.4 s
 def test_a_function_named_by_model_kind_is_the_job(tmp_path):
     (tmp_path / "linear.py").write_text(JOB)
     run = train(

@@ -54,6 +54,7 @@ def test_plan_writes_the_best_layout_as_a_config_that_trains(tmp_path):
     assert [json.loads(line)["step"] for line in metrics] == [1, 2]
 
 
+@pytest.mark.slow  # 4.5 s
 def test_plan_refusals_exit_2_with_the_message():
     run = replicator("plan", "configs/lm_dp.yaml", "--devices", 8, "--hardware", "tpu-v9")
     assert run.returncode == 2

@@ -34,6 +34,7 @@ def test_lm_pipeline_example_learns_on_stdlib_text(tmp_path):
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 3
 
 
+@pytest.mark.slow  # 3.4 s
 def test_train_zero_example_shards_memory_and_learns():
     result = run_example("examples/train_zero.py", "--steps", "60", "--log-every", "20")
     assert "num_replicas=8" in result.stdout and "ZeRO stage 3" in result.stdout

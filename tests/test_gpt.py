@@ -80,6 +80,7 @@ def test_causal():
     assert np.abs(a[0, 5:] - b[0, 5:]).max() > 1e-4
 
 
+@pytest.mark.slow  # 4.6 s
 def test_fresh_loss_is_log_vocab_and_training_on_stdlib_text_lowers_it():
     config = gpt.GPTConfig(vocab_size=256, seq_len=32, d_model=32, num_heads=4, num_layers=2)
     params = gpt.init(config, jax.random.key(0))

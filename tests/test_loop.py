@@ -82,6 +82,7 @@ def test_rerunning_a_finished_run_exits_cleanly_and_says_it_is_complete(tmp_path
         np.testing.assert_array_equal(got[key], want[key])
 
 
+@pytest.mark.slow  # 4.2 s
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     proc = start(tmp_path, "out.npz", 0.15)
     wait_for_checkpoint(tmp_path, 5, proc)
@@ -157,6 +158,7 @@ def test_a_stateful_input_resumes_from_its_saved_position_without_replaying(tmp_
     assert [h["loss"] for h in resumed.history] == [h["loss"] for h in straight.history[4:]]
 
 
+@pytest.mark.slow  # 3.8 s
 def test_a_grain_iterator_is_checkpointed_and_resumed(tmp_path):
     grain = pytest.importorskip("grain")
     data = linear_data()

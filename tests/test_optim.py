@@ -87,6 +87,7 @@ def test_zero_stages_equal_single_device_training(zero_stage, opt):
 
 
 @pytest.mark.parametrize("zero_stage", [0, 1])
+@pytest.mark.slow  # 4.4 s
 def test_clipping_is_by_the_global_norm_of_the_whole_gradient(zero_stage):
     data = batches(STEPS, din=SIZES[0], dout=SIZES[-1])
     max_norm = 0.05
@@ -308,6 +309,7 @@ def test_zero3_errors():
         repl.wrap_optimizer(optax.sgd(0.1), zero_stage=3, grad_dtype=jnp.bfloat16)
 
 
+@pytest.mark.slow  # 4.2 s
 def test_zero3_with_clipping_loss_scaling_and_accumulation_equals_optax_on_one_device():
     data = batches(STEPS, din=SIZES[0], dout=SIZES[-1])
     repl = rp.Replicator()

@@ -29,6 +29,7 @@ DP_PP = {"data": 2, "stage": 4}
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.slow  # 3.2 s
 def test_stage_gradients_and_stage_params_come_back_whole(name):
     schedule, v = SCHEDULES[name]
     repl = make_repl(DP_PP)

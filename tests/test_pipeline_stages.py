@@ -191,6 +191,7 @@ def _three_sgd_steps(name, remat, mesh):
 
 
 @pytest.mark.parametrize("name", ["1f1b", "zb"])
+@pytest.mark.slow  # 6.6 s
 def test_cnn_three_sgd_steps_of_dp_x_pp_equal_single_device_training(name):
     _three_sgd_steps(name, True, MESH)
 

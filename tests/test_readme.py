@@ -121,6 +121,7 @@ def run_block(after: str, index: int = 0) -> dict:
     return namespace
 
 
+@pytest.mark.slow  # 3.3 s
 def test_gpt_tensor_parallel_example_splits_the_heads():
     namespace = run_block("### The GPT with tensor parallelism")
     qkv = namespace["qkv"]
@@ -149,6 +150,7 @@ def test_checkpoint_3d_example_restores_onto_another_layout():
     assert namespace["state"]["params"]["w"].sharding.spec == namespace["P"]("stage")
 
 
+@pytest.mark.slow  # 4.2 s
 def test_pipelines_of_any_model_example_runs_and_learns():
     block = README.split("## Pipelines of any model", 1)[1]
     code = re.search(r"```python\n(.*?)```", block, re.S).group(1)
@@ -180,6 +182,7 @@ def test_zero_bubble_picture_and_modelled_times_in_the_readme_are_current():
     assert "\n".join(lines) == printed
 
 
+@pytest.mark.slow  # 5.5 s
 def test_plan_example_builds_the_layouts_it_plans():
     """The README's rp.plan example: its build(layout) compiles two layouts in this 8-device
     process, and the plan ranks them (the enumeration itself runs in the example)."""

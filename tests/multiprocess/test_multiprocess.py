@@ -44,6 +44,7 @@ def test_two_processes_train_like_one_device_and_like_one_process(opt, tmp_path)
     assert rel_err(got, jax.tree.leaves(state.params)) <= 1e-5
 
 
+@pytest.mark.slow  # 4.3 s
 def test_a_killed_process_ends_the_job_with_its_rank(tmp_path):
     start = time.monotonic()
     proc = subprocess.Popen(
