@@ -1,4 +1,4 @@
-"""Multi-process jobs on JAX's distributed runtime: `initialize`, and the local `launch`er
+"""Multi-process jobs on JAX's distributed runtime: `initialize`, and `launch`, the local launcher
 (restarts, elastic resizing)."""
 
 from replicator._src.distributed import ProcessInfo as ProcessInfo

@@ -170,8 +170,8 @@ class Checkpoints:
 
         Args:
           like: a tree with the state's structure whose leaves are arrays or
-            ``jax.ShapeDtypeStruct``s; their shardings say where the restored arrays go (another
-            mesh than the one that saved them is fine).
+            ``jax.ShapeDtypeStruct`` values; their shardings say where the restored arrays go
+            (another mesh than the one that saved them is fine).
           step: a specific step; then no fallback, and nothing is moved.
           cast: restore a leaf saved in another dtype by casting it to ``like``'s dtype
             (e.g. an fp32 checkpoint into a bf16 state); without it that is an error.

@@ -86,7 +86,7 @@ class _Failure:
 
 
 class DistributedIterator(Iterator[PyTree]):
-    """Iterates ``input_fn``'s batches as global ``jax.Array``s split over the replicas.
+    """Iterates ``input_fn``'s batches as global ``jax.Array`` values split over the replicas.
 
     Made by ``Replicator.distribute``. With ``prefetch > 0`` a background thread pulls from
     ``input_fn``, checks each batch and starts its host-to-device copy, keeping up to

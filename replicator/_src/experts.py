@@ -167,7 +167,7 @@ def apply(
     ((2, 6, 8), [12, 12])
 
     Args:
-      params: `init`'s parameters (or ZeRO-3's `rp.ShardedParam`s of them).
+      params: `init`'s parameters (or ZeRO-3's `rp.ShardedParam` versions of them).
       x: ``[B, S, D]``, B groups of S tokens.
       routing: the `Routing` (its ``num_experts`` is that of ``params``).
       activation: the experts' nonlinearity.

@@ -304,8 +304,8 @@ def stage_costs(
     Args:
       fns: one callable per logical stage, ``fn(p, x) -> y``, in pipeline order.
       params: one pytree per stage, ``params[j]`` for ``fns[j]`` (arrays or
-        ``ShapeDtypeStruct``s; only shapes and dtypes are read).
-      example_input: one micro-batch's input to stage 0 (arrays or ``ShapeDtypeStruct``s),
+        ``ShapeDtypeStruct`` values; only shapes and dtypes are read).
+      example_input: one micro-batch's input to stage 0 (arrays or ``ShapeDtypeStruct`` values),
         every leaf with the same leading batch axis.
       method: ``"flops"``: XLA's ``cost_analysis`` of each compiled pass, nothing runs;
         ``"time"``: the median wall time of ``repeats`` runs on ones-filled arrays after a
@@ -355,7 +355,7 @@ def stage_costs_stacked(
       stage_fn: ``f(stage_params, x) -> x``, the same for every stage (e.g. a `scan_layers`).
       stacked_params: the stages' parameters as `stack_stages` builds them: every leaf
         ``[K, ...]``, or ``[V, K, ...]`` with ``virtual_stages=V``.
-      example_input: one micro-batch's input to a stage (arrays or ``ShapeDtypeStruct``s).
+      example_input: one micro-batch's input to a stage (arrays or ``ShapeDtypeStruct`` values).
       virtual_stages: V, as in ``stack_stages(..., repeats=V)``; 1 unless the stack is for
         ``Circular(repeats=V)``.
       method, repeats, remat: as in `stage_costs`.

@@ -32,7 +32,7 @@ class StageCosts:
     """The cost of one micro-batch's passes through each logical stage, as the engine runs them.
 
     Each field has one entry per logical stage ``j`` (``S = V * K``; logical stage ``r*K + s`` is
-    device ``s``'s virtual stage ``r``), in ``unit``s.
+    device ``s``'s virtual stage ``r``), in units of ``unit``.
 
     Attributes:
       forward: F, the forward pass.

@@ -163,7 +163,7 @@ def plan(
         (``repl.abstract(init)``: shapes with shardings, nothing allocated) and its arguments
         (shapes). A module-level function, or ``"module:function"``, so that worker processes
         can import it; ``functools.partial`` of one works too.
-      layouts: families from `enumerate_layouts`, or single `Layout`s (each tried alone).
+      layouts: families from `enumerate_layouts`, or single `Layout` objects (each tried alone).
       hardware: a profile (`Hardware`), a built-in name (``"tpu-v5e"``, ``"h100"``, ...,
         ``"cpu"``: this machine, measured) or a YAML/JSON file.
       memory: the budget per device (``"16GiB"`` or bytes); default the profile's memory.
