@@ -186,3 +186,15 @@ def test_mixtral_on_expert_model_and_zero3_meshes_trains_as_one_device(mesh, zer
         assert shard_shapes(gate) == {(2, 2, 32, 24)}
     else:
         assert shard_shapes(gate.value) == {(2, 1, 16, 48)}
+
+
+def test_a_mixture_of_experts_with_biases_is_refused_by_the_conversion():
+    """transformers' Mixtral has no biases: with ``bias=True`` the attention biases would have
+    no name, so converting them is refused rather than left out (or left uninitialised)."""
+    config = llama.config(vocab_size=32, d_model=16, num_layers=1, num_heads=4, num_kv_heads=2,
+                          d_ff=24, num_experts=2, top_k=2, bias=True)  # fmt: skip
+    params = jax.eval_shape(lambda: gpt.init(config, jax.random.key(0)))
+    with pytest.raises(ValueError, match=r"bias=False: a Mixtral has no biases"):
+        llama.state_dict_from_params(params, config=config)
+    with pytest.raises(ValueError, match=r"bias=False: a Mixtral has no biases"):
+        llama.params_from_state_dict({}, config=config)

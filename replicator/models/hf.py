@@ -120,27 +120,8 @@ _REQUIRED = (
 _FAMILIES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}  # model_type's
 _MOE_REQUIRED = ("num_local_experts", "num_experts_per_tok")
 _DROPPED = {"rope_parameters", "dtype", "transformers_version", "_name_or_path"}
-_DEFAULTS = {
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "rope_scaling": None,
-    "max_position_embeddings": 2048,
-    "tie_word_embeddings": False,
-    "attention_bias": False,
-    "mlp_bias": False,
-}
-_MIXTRAL_DEFAULTS = {  # transformers' MixtralConfig's
-    "num_key_value_heads": 8,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 1e6,
-    "rope_scaling": None,
-    "max_position_embeddings": 4096 * 32,
-    "tie_word_embeddings": False,
-    "sliding_window": None,
-    "router_aux_loss_coef": 0.001,
-    "output_router_logits": False,
-    "router_jitter_noise": 0.0,
-}
+_DEFAULTS = llama.HF_DEFAULTS["llama"]
+_MIXTRAL_DEFAULTS = llama.HF_DEFAULTS["mixtral"]
 
 
 # -- the configuration ---------------------------------------------------------------------------

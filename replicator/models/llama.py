@@ -25,6 +25,7 @@ stacked).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -59,6 +60,29 @@ EXPERT_NAMES = {  # one tensor per expert j of a Mixtral block
     ("moe", "moe", "gate"): ("block_sparse_moe.experts.{j}.w1.weight", True),
     ("moe", "moe", "up"): ("block_sparse_moe.experts.{j}.w3.weight", True),
     ("moe", "moe", "down"): ("block_sparse_moe.experts.{j}.w2.weight", True),
+}
+HF_DEFAULTS = {  # transformers' LlamaConfig's and MixtralConfig's, for keys a config.json omits
+    "llama": {
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+    },
+    "mixtral": {
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1e6,
+        "rope_scaling": None,
+        "max_position_embeddings": 4096 * 32,
+        "tie_word_embeddings": False,
+        "sliding_window": None,
+        "router_aux_loss_coef": 0.001,
+        "output_router_logits": False,
+        "router_jitter_noise": 0.0,
+    },
 }
 OUTER_NAMES = {  # outside the blocks
     ("embed", "tokens"): ("model.embed_tokens.weight", False),
@@ -185,20 +209,24 @@ def from_hf_config(hf: Mapping[str, Any], **options: Any) -> gpt.GPTConfig:
             f"attention_bias={bias} but mlp_bias={hf.get('mlp_bias', False)}; the GPT has "
             f"biases in every linear layer or none (bias=True or False)."
         )
-    defaults = {"bias": bias, "seq_len": hf.get("max_position_embeddings", 2048)}
+    unset = HF_DEFAULTS[kind]
+    defaults = {
+        "bias": bias,
+        "seq_len": hf.get("max_position_embeddings", unset["max_position_embeddings"]),
+    }
     if kind == "mixtral":
         defaults |= _mixtral(hf, options.get("seq_len", defaults["seq_len"]))
-    theta, scaling = _rope(hf, 1e6 if kind == "mixtral" else 10000.0)
+    theta, scaling = _rope(hf, unset["rope_theta"])
     return config(
         vocab_size=hf["vocab_size"],
         d_model=d,
         num_layers=hf["num_hidden_layers"],
         num_heads=heads,
         d_ff=hf["intermediate_size"],
-        num_kv_heads=hf.get("num_key_value_heads", 8 if kind == "mixtral" else heads) or heads,
+        num_kv_heads=hf.get("num_key_value_heads", unset.get("num_key_value_heads")) or heads,
         rope_theta=theta,
         rope_scaling=scaling,
-        norm_eps=float(hf.get("rms_norm_eps", 1e-5 if kind == "mixtral" else 1e-6)),
+        norm_eps=float(hf.get("rms_norm_eps", unset["rms_norm_eps"])),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         **defaults | options,
     )
@@ -227,11 +255,12 @@ def _mixtral(hf: Mapping[str, Any], seq_len: int) -> dict:
 
 def _check(config: gpt.GPTConfig, api: str) -> None:
     llama = (config.norm, config.position, config.mlp) == ("rms", "rope", "swiglu")
-    if not llama or config.num_kv_heads is None or config.moe_every != 1:
+    biased_experts = config.num_experts and config.bias
+    if not llama or config.num_kv_heads is None or config.moe_every != 1 or biased_experts:
         raise ValueError(
             f"{api}: config is not a Llama's or a Mixtral's (norm='rms', position='rope', "
-            f"mlp='swiglu', num_kv_heads set, and with experts moe_every=1); build it with "
-            f"llama.config or llama.from_hf_config."
+            f"mlp='swiglu', num_kv_heads set, and with experts moe_every=1 and bias=False: a "
+            f"Mixtral has no biases); build it with llama.config or llama.from_hf_config."
         )
 
 
@@ -328,6 +357,13 @@ def params_from_state_dict(state_dict: Mapping[str, Any], *, config: gpt.GPTConf
                 f"give {list(want)} (transformers' [out, in] layout)."
             )
         leaf[n.index] = value.T if n.transposed else value
+    filled = {n.keys: (len(n.index), 0) for n in names}
+    for n in names:
+        filled[n.keys] = (len(n.index), filled[n.keys][1] + 1)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:  # none uninitialised
+        keys = tuple(k.key for k in path)
+        lead, count = filled.get(keys, (0, 0))
+        assert count == math.prod(leaf.shape[:lead]) > 0, f"{'.'.join(keys)} is not filled"
     return params
 
 
