@@ -40,7 +40,7 @@ import numpy as np
 import optax
 
 import replicator as rp
-from replicator._src import attention as attention_lib
+from replicator._src.layers import attention as attention_lib
 from replicator.models import gpt
 
 CONTEXTS = (1, 2, 4, 8)

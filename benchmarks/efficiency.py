@@ -29,7 +29,7 @@ gradient and ``optax.adam``'s update with every parameter and its Adam moments p
 ``NamedSharding`` (the same axes ZeRO splits, over ``data``, on top of Megatron's ``model``
 split), the batch over ``data``, the state held to its shardings and donated; XLA (GSPMD) adds
 the collectives. Its FLOPs, collective bytes and temporaries are read the same way
-(``replicator._src.hlo.analyze``, as ``explain`` does) and set beside ``repl.run``'s.
+(``replicator._src.report.hlo.analyze``, as ``explain`` does) and set beside ``repl.run``'s.
 
 Part ``pipelines`` reads the same figures for the pipeline schedules, on the GPT that
 ``replicator train configs/lm_pipeline.yaml`` trains (the CLI's job, built from shapes by
@@ -76,7 +76,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import replicator as rp
-from replicator._src import hlo, zero_layout
+from replicator._src.optim import zero_layout
+from replicator._src.report import hlo
 from replicator.models import gpt
 
 SIZES = {

@@ -30,7 +30,7 @@ the embeddings and the head replicated. The global batch is fixed (``--batch``),
    calling ``f`` (identity forward, ``psum`` over ``model`` backward) before each column-split
    product and ``g`` (``psum`` forward, identity backward) after each row-split one, with
    ``jax.custom_vjp``. Each program's collectives and temporary bytes are read from its
-   optimized HLO (``replicator._src.hlo.analyze``, as ``explain`` does).
+   optimized HLO (``replicator._src.report.hlo.analyze``, as ``explain`` does).
 
 Parts 3 and 4 run on ``{"data": 8/T, "model": T}`` with ``T = --tp``. Exactness first, with
 errors the largest over parameters of ``max|x - y| / max|y|`` after 3 steps against one device
@@ -73,7 +73,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import replicator as rp
-from replicator._src import hlo
+from replicator._src.report import hlo
 from replicator.models import gpt
 
 TARGET = 1.05

@@ -1,9 +1,9 @@
 """Multi-process jobs on JAX's distributed runtime: `initialize`, and `launch`, the local launcher
 (restarts, elastic resizing)."""
 
-from replicator._src.distributed import ProcessInfo as ProcessInfo
-from replicator._src.distributed import heartbeat as heartbeat
-from replicator._src.distributed import initialize as initialize
-from replicator._src.launcher import elastic_size as elastic_size
-from replicator._src.launcher import free_port as free_port
-from replicator._src.launcher import launch as launch
+from replicator._src.distributed.initialize import ProcessInfo as ProcessInfo
+from replicator._src.distributed.initialize import heartbeat as heartbeat
+from replicator._src.distributed.initialize import initialize as initialize
+from replicator._src.distributed.launcher import elastic_size as elastic_size
+from replicator._src.distributed.launcher import free_port as free_port
+from replicator._src.distributed.launcher import launch as launch

@@ -1,7 +1,7 @@
 """Mixture of experts with expert parallelism: tokens routed per sequence (group) to their
 ``top_k`` experts within a capacity, the experts split over the mesh's ``expert`` axis and the
 tokens carried to them by ``all_to_all``. Exact on every mesh: each group is routed, dropped and
-balanced as on one device (see `replicator._src.experts`).
+balanced as on one device (see `replicator._src.layers.experts`).
 
 >>> import jax
 >>> from replicator import moe
@@ -11,10 +11,10 @@ balanced as on one device (see `replicator._src.experts`).
 ((2, 4, 8), (2,))
 """
 
-from replicator._src.experts import LOGICAL_AXES as LOGICAL_AXES
-from replicator._src.experts import apply as apply
-from replicator._src.experts import init as init
-from replicator._src.experts import logical_axes as logical_axes
-from replicator._src.experts import partition_specs as partition_specs
-from replicator._src.routing import Routing as Routing
-from replicator._src.routing import Stats as Stats
+from replicator._src.layers.experts import LOGICAL_AXES as LOGICAL_AXES
+from replicator._src.layers.experts import apply as apply
+from replicator._src.layers.experts import init as init
+from replicator._src.layers.experts import logical_axes as logical_axes
+from replicator._src.layers.experts import partition_specs as partition_specs
+from replicator._src.layers.routing import Routing as Routing
+from replicator._src.layers.routing import Stats as Stats

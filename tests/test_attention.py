@@ -379,7 +379,7 @@ def test_tiled_blockwise_attention_equals_reference_values_and_gradients(impl, c
     block, on each device of all-to-all for the whole sequence). With tiles of 3 keys, the
     values and the gradients of q, k, v equal plain attention, on one device and on
     {"data": 2, "context": 4} (the ring's half blocks tiled too: 12 tokens a device)."""
-    from replicator._src import attention as impl_module
+    from replicator._src.layers import attention as impl_module
 
     monkeypatch.setattr(impl_module, "TILE", 3)
     q, k, v, w = jax.random.normal(jax.random.key(5), (4, 4, 48, H, DH))

@@ -107,7 +107,7 @@ def test_max_and_min_over_named_mesh_axes():
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
-    from replicator._src import collectives
+    from replicator._src.core import collectives
 
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "stage"))
     x = np.random.default_rng(1).normal(size=(8, 3)).astype(np.float32)  # one row per device

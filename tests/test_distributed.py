@@ -47,7 +47,7 @@ def test_launch_checks_its_arguments():
 def test_heartbeat_is_a_no_op_alone_and_writes_the_launchers_file(tmp_path, monkeypatch):
     import time
 
-    from replicator._src import beat
+    from replicator._src.distributed import beat
 
     monkeypatch.setattr(beat, "_page", [])
     monkeypatch.delenv("REPLICATOR_HEARTBEAT_FILE", raising=False)
@@ -69,7 +69,7 @@ def test_heartbeat_is_a_no_op_alone_and_writes_the_launchers_file(tmp_path, monk
 
 
 def test_the_coordinator_binds_to_loopback_only_for_a_loopback_address():
-    from replicator._src.distributed import _is_loopback
+    from replicator._src.distributed.initialize import _is_loopback
 
     assert (
         _is_loopback("127.0.0.1:1234") and _is_loopback("localhost:1") and _is_loopback("[::1]:5")
@@ -94,7 +94,8 @@ def test_the_first_failure_is_named_even_when_a_peer_is_seen_to_end_first(tmp_pa
     0 end first: rank 1 is still the one named. An own failure comes before either."""
     import threading
 
-    from replicator._src import beat, distributed, rounds
+    from replicator._src.distributed import beat, rounds
+    from replicator._src.distributed import initialize as distributed
 
     job = rounds.Job(("true",), 3, None, 1.0, None, sys.stdout, threading.Lock(), 0)
     rnd = rounds.Round(job, [0, 1, 2])
@@ -137,7 +138,7 @@ def joins(monkeypatch):
     import os
     import socket
 
-    from replicator._src import compat
+    from replicator._src.core import compat
 
     for name in list(os.environ):
         if name.startswith(CLUSTER_PREFIXES) or name == "JOB_COMPLETION_INDEX":
@@ -289,7 +290,7 @@ def test_the_launcher_turns_jax_detection_off(joins, monkeypatch):
     monkeypatch.setenv("REPLICATOR_PROCESS_ID", "1")
     monkeypatch.setenv("OMPI_MCA_orte_hnp_uri", "1531576320.0;tcp://10.96.0.1:34911")
     monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "3")  # would restrict the devices to [3]
-    from replicator._src import distributed
+    from replicator._src.distributed import initialize as distributed
 
     monkeypatch.setattr(distributed, "_end_fast_under_launcher", lambda: None)
     info = rp.distributed.initialize()
@@ -301,7 +302,7 @@ def test_the_launcher_turns_jax_detection_off(joins, monkeypatch):
 
 
 def test_a_second_call_after_joining_returns_what_jax_sees(joins, monkeypatch):
-    from replicator._src import compat
+    from replicator._src.core import compat
 
     monkeypatch.setattr(compat, "backends_initialized", lambda: True)
     monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)

@@ -5,10 +5,15 @@ These read the source, not the behaviour. They keep the README's "Layout" map tr
 * no ``_src`` module imports the public face (``replicator``, ``replicator.models``, ...);
 * the import graph of the whole package (``_src``, the public face, the CLI), function-local
   imports included, has no cycle, so every module sits on a floor above everything it imports;
+* ``_src``'s packages (``core``, ``optim``, ``report``, ``layers``, ``distributed``,
+  ``pipeline``, ``planner``, ``run``, and the ``context`` module that holds the Replicator) sit
+  on floors too (`PACKAGE_FLOORS`): a module imports from another package only on a lower floor;
 * a replica collective (``lax.psum`` and kin) is written only in ``collectives.py``; the pipeline
   engine writes its stage transfers (``lax.ppermute``) itself;
 * no ``_src`` module is over 500 lines, and no function in the package over 80 lines, its
   docstring aside.
+
+An import under ``if TYPE_CHECKING:`` runs no code and makes no edge (annotations only).
 """
 
 from __future__ import annotations
@@ -22,6 +27,17 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "replicator"
 MODULE_LINES = 500
 FUNCTION_LINES = 80
+PACKAGE_FLOORS = {  # _src's packages (and its root module), each above what it imports
+    "core": 0,  # the Binding, mesh, leaf specs, collectives, lowering, step cache, tracing notes
+    "optim": 1,  # wrap_optimizer's chain and ZeRO
+    "report": 1,  # compiled programs read: hlo, StepReport
+    "layers": 1,  # attention over `context`, experts over `expert`
+    "distributed": 1,  # initialize, heartbeat, the launcher
+    "pipeline": 2,  # schedules and the scanned engine
+    "context": 2,  # the Replicator
+    "planner": 3,  # rp.plan
+    "run": 3,  # rp.fit, checkpoints, logs
+}
 COLLECTIVE = re.compile(r"lax\.(psum|pmean|all_gather|psum_scatter|ppermute|all_to_all)\b")
 
 
@@ -41,7 +57,17 @@ MODULES = _modules()
 def _imports(path: pathlib.Path) -> set[str]:
     """Every ``replicator`` module that ``path`` imports, at any depth of its code."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    typing_only = {  # the nodes inside `if TYPE_CHECKING:` blocks
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for statement in node.body
+        for inner in ast.walk(statement)
+    }
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -101,12 +127,40 @@ def test_src_imports_form_floors_without_a_cycle():
     assert floors()
 
 
+def _package(name: str) -> str:
+    """The part of ``_src`` a module belongs to: its package, or itself at ``_src``'s root."""
+    return name.split(".")[2]
+
+
+def test_src_packages_import_only_lower_floors():
+    src = [name for name in GRAPH if name.count(".") >= 2 and name.startswith("replicator._src.")]
+    unplaced = sorted({_package(name) for name in src} - set(PACKAGE_FLOORS))
+    assert not unplaced, f"packages of _src without a floor in PACKAGE_FLOORS: {unplaced}"
+    wrong = []
+    for name in src:
+        for dep in GRAPH[name]:
+            if not dep.startswith("replicator._src.") or name.startswith(dep + "."):
+                continue
+            here, there = _package(name), _package(dep)
+            if here != there and PACKAGE_FLOORS[there] >= PACKAGE_FLOORS[here]:
+                wrong.append(
+                    f"{name} (floor {PACKAGE_FLOORS[here]}) imports {dep} ({there}, "
+                    f"floor {PACKAGE_FLOORS[there]})"
+                )
+    assert not wrong, "imports that do not go down a floor:\n" + "\n".join(wrong)
+
+
+def test_src_root_holds_packages_and_the_replicator_only():
+    root = sorted(p.name for p in (PACKAGE / "_src").glob("*.py"))
+    assert root == ["__init__.py", "context.py"], root
+
+
 def test_replica_collectives_are_written_only_in_the_collectives_layer():
     wrong = []
     for name, path in MODULES.items():
         for number, line in enumerate(path.read_text().splitlines(), 1):
             for match in COLLECTIVE.finditer(line):
-                if name == "replicator._src.collectives":
+                if name == "replicator._src.core.collectives":
                     continue
                 if name.startswith("replicator._src.pipeline") and match[1] == "ppermute":
                     continue  # the engine's stage transfers

@@ -5,7 +5,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import replicator as rp
-from replicator._src import mesh as mesh_lib
+from replicator._src.core import mesh as mesh_lib
 
 
 def test_fill_and_axis_order():

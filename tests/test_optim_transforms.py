@@ -13,7 +13,7 @@ from flax.training import train_state
 from oracle import batches, rel_err
 
 import replicator as rp
-from replicator._src import accumulation, clipping, loss_scaling, replica_mean, zero
+from replicator._src.optim import accumulation, clipping, loss_scaling, replica_mean, zero
 
 EMPTY = optax.EmptyState()
 

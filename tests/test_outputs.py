@@ -22,7 +22,7 @@ from test_pipeline import (
 
 import replicator as rp
 from replicator import pipeline
-from replicator._src import variance
+from replicator._src.core import variance
 
 TOL = 1e-5
 DP_PP = {"data": 2, "stage": 4}

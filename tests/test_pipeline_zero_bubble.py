@@ -15,7 +15,7 @@ from test_pipeline import D_IN, D_OUT, D, layer_fn, loss_fn, make_batch
 
 import replicator as rp
 from replicator import pipeline
-from replicator._src.collectives import sum_over_axes
+from replicator._src.core.collectives import sum_over_axes
 from replicator._src.pipeline import schedules as S
 from replicator._src.pipeline import zero_bubble
 from replicator._src.pipeline.call import PipelineCall

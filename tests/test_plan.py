@@ -439,7 +439,7 @@ def test_bytes_accessed_per_kernel_worked_by_hand():
     multiplies it by a [8] vector, and whose in-place update writes one row back: per trip the
     fusion reads 32 + 32 bytes and writes 32, the update reads and writes 32; the slice is
     counted as the slice and the update in place, not the whole [4,8] buffer."""
-    from replicator._src import hlo
+    from replicator._src.report import hlo
 
     text = """
 %fused (param_0: f32[4,8], param_1: f32[8], param_2: s32[]) -> f32[1,8] {

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 
 import replicator as rp
 from replicator import pipeline
-from replicator._src import hlo
+from replicator._src.report import hlo
 
 D_IN, HIDDEN, D_OUT, BATCH = 16, 64, 4, 64
 

@@ -13,13 +13,14 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, PartitionSpec
 
-from replicator._src import binding as binding_lib
-from replicator._src import data as data_lib
-from replicator._src import drift, errors, leaf_specs, optim, scoped, step_cache, tracing
-from replicator._src import lowering as lowering_lib
-from replicator._src import mesh as mesh_lib
-from replicator._src import report as report_lib
-from replicator._src.typing import PyTree, StepFn
+from replicator._src.core import binding as binding_lib
+from replicator._src.core import data as data_lib
+from replicator._src.core import drift, errors, leaf_specs, scoped, step_cache, tracing
+from replicator._src.core import lowering as lowering_lib
+from replicator._src.core import mesh as mesh_lib
+from replicator._src.core.typing import PyTree, StepFn
+from replicator._src.optim import optimizer as optim
+from replicator._src.report import step_report as report_lib
 
 
 class Replicator:
@@ -214,7 +215,7 @@ class Replicator:
             the scale; double it after ``loss_scale_period`` finite steps). Use ``opt.step``,
             which scales the loss, or multiply the loss by ``state.loss_scale.scale`` yourself.
 
-        See `replicator._src.optim.wrap_optimizer`.
+        See `replicator._src.optim.optimizer.wrap_optimizer`.
         """
         return optim.wrap_optimizer(
             tx,

@@ -45,9 +45,9 @@ from jax.sharding import PartitionSpec as P
 
 import replicator as rp
 from replicator import moe, pipeline
-from replicator._src import attention as attention_lib
-from replicator._src.errors import positive_int
-from replicator._src.mesh import EXPERT_AXIS, MODEL_AXIS
+from replicator._src.core.errors import positive_int
+from replicator._src.core.mesh import EXPERT_AXIS, MODEL_AXIS
+from replicator._src.layers import attention as attention_lib
 from replicator._src.pipeline.residuals import as_remat, never_gathered
 
 PyTree = Any

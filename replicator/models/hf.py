@@ -88,7 +88,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from replicator._src import leaf_specs
+from replicator._src.core import leaf_specs
 from replicator.models import llama
 
 PyTree = Any

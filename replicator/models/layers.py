@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from flax import nnx
 
-from replicator._src.binding import replica_axis_name
+from replicator._src.core.binding import replica_axis_name
 
 
 class CrossReplicaBatchNorm(nnx.BatchNorm):

@@ -16,7 +16,7 @@ import pytest
 
 import replicator as rp
 from replicator import cli
-from replicator._src import rundir
+from replicator._src.run import rundir
 from replicator.cli import config, jobs
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

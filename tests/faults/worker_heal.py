@@ -44,7 +44,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from replicator._src import distributed  # noqa: E402
+from replicator._src.distributed import initialize as distributed  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "multiprocess"))
 from worker_preempt_data import global_batch  # noqa: E402

@@ -16,9 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from replicator._src import tracing
-from replicator._src.binding import current_binding
-from replicator._src.mesh import STAGE_AXIS
+from replicator._src.core import tracing
+from replicator._src.core.binding import current_binding
+from replicator._src.core.mesh import STAGE_AXIS
+from replicator._src.core.typing import PyTree
 from replicator._src.pipeline import costs as costs_lib
 from replicator._src.pipeline import pictures, timing
 from replicator._src.pipeline import schedules as schedules_lib
@@ -34,7 +35,6 @@ from replicator._src.pipeline.packing import Packing
 from replicator._src.pipeline.residuals import Remat
 from replicator._src.pipeline.stages import Sequential
 from replicator._src.pipeline.ticks import take
-from replicator._src.typing import PyTree
 
 
 @dataclasses.dataclass(frozen=True)

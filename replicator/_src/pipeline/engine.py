@@ -32,16 +32,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from replicator._src.collectives import divergent, sum_over_axes
-from replicator._src.errors import positive_int
-from replicator._src.mesh import STAGE_AXIS
+from replicator._src.core.collectives import divergent, sum_over_axes
+from replicator._src.core.errors import positive_int
+from replicator._src.core.mesh import STAGE_AXIS
+from replicator._src.core.typing import PyTree
 from replicator._src.pipeline import gpipe, one_f_one_b, sequential, zero_bubble
 from replicator._src.pipeline import schedules as schedules_lib
 from replicator._src.pipeline.call import PipelineCall
 from replicator._src.pipeline.layers import StageFn
 from replicator._src.pipeline.residuals import as_remat
 from replicator._src.pipeline.ticks import LossFn
-from replicator._src.typing import PyTree
 
 
 def value_and_grad(

@@ -15,8 +15,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from replicator._src import tracing
-from replicator._src.mesh import STAGE_AXIS
+from replicator._src.core import tracing
+from replicator._src.core.mesh import STAGE_AXIS
+from replicator._src.core.typing import PyTree
 from replicator._src.pipeline.call import PipelineCall
 from replicator._src.pipeline.layers import vjp_inexact
 from replicator._src.pipeline.residuals import Remat, never_gathered
@@ -30,7 +31,6 @@ from replicator._src.pipeline.ticks import (
     where,
     zeros,
 )
-from replicator._src.typing import PyTree
 
 _PARAMS = "rp_pipeline_layer_params"
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from replicator._src.typing import PyTree
+from replicator._src.core.typing import PyTree
 
 StageFn = Callable[[PyTree, PyTree], PyTree]
 

@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from replicator._src import tracing
-from replicator._src.mesh import STAGE_AXIS
+from replicator._src.core import tracing
+from replicator._src.core.mesh import STAGE_AXIS
+from replicator._src.core.typing import PyTree
 from replicator._src.pipeline.call import PipelineCall
 from replicator._src.pipeline.layers import vjp_inexact
 from replicator._src.pipeline.residuals import Remat, SavedLayer
@@ -36,7 +37,6 @@ from replicator._src.pipeline.ticks import (
     where,
     zeros,
 )
-from replicator._src.typing import PyTree
 
 
 class _Carry(NamedTuple):

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from replicator._src.typing import PyTree
+from replicator._src.core.typing import PyTree
 
 _INT = "int32"
 

@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from replicator._src.errors import positive_int
-from replicator._src.mesh import STAGE_AXIS
-from replicator._src.typing import PyTree
+from replicator._src.core.errors import positive_int
+from replicator._src.core.mesh import STAGE_AXIS
+from replicator._src.core.typing import PyTree
 
 
 def _as_stacked(layers) -> PyTree:

@@ -29,9 +29,9 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
+from replicator._src.core.sharded_params import regather_policy
+from replicator._src.core.typing import PyTree
 from replicator._src.pipeline.layers import _inexact
-from replicator._src.sharded_params import regather_policy
-from replicator._src.typing import PyTree
 
 _POLICIES = {
     "none": None,

@@ -17,7 +17,7 @@ from typing import ClassVar, TypeAlias
 
 import numpy as np
 
-from replicator._src.errors import positive_int
+from replicator._src.core.errors import positive_int
 from replicator._src.pipeline import timing
 from replicator._src.pipeline.checks import check_dependencies as check_dependencies
 from replicator._src.pipeline.checks import ring_slots as ring_slots

@@ -11,11 +11,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from replicator._src.core.typing import PyTree
 from replicator._src.pipeline.call import PipelineCall
 from replicator._src.pipeline.layers import Program, vjp_inexact
 from replicator._src.pipeline.residuals import Remat
 from replicator._src.pipeline.ticks import LossFn, mean_loss, take
-from replicator._src.typing import PyTree
 
 
 def _run(prog: Program, layer_fn, x: PyTree) -> PyTree:

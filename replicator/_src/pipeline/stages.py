@@ -18,11 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from replicator._src.errors import positive_int
+from replicator._src.core.errors import positive_int
+from replicator._src.core.typing import PyTree
 from replicator._src.pipeline.layers import Program, describe, scan_layers
 from replicator._src.pipeline.packing import Packing
 from replicator._src.pipeline.steps import Chain, StageLayout
-from replicator._src.typing import PyTree
 
 _API = "rp.pipeline.sequential"
 

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from replicator._src.mesh import STAGE_AXIS
-from replicator._src.typing import PyTree
+from replicator._src.core.mesh import STAGE_AXIS
+from replicator._src.core.typing import PyTree
 
 LossFn = Callable[[PyTree, PyTree, PyTree], jax.Array]
 

@@ -37,8 +37,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from replicator._src import tracing
-from replicator._src.mesh import STAGE_AXIS
+from replicator._src.core import tracing
+from replicator._src.core.mesh import STAGE_AXIS
+from replicator._src.core.typing import PyTree
 from replicator._src.pipeline import schedules as schedules_lib
 from replicator._src.pipeline.call import PipelineCall
 from replicator._src.pipeline.layers import vjp_inexact
@@ -57,7 +58,6 @@ from replicator._src.pipeline.ticks import (
     where,
     zeros,
 )
-from replicator._src.typing import PyTree
 
 
 class _Carry(NamedTuple):

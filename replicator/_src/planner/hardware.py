@@ -22,7 +22,7 @@ import re
 import time
 from typing import Any
 
-from replicator._src import collectives
+from replicator._src.core import collectives
 
 GiB = 2**30
 

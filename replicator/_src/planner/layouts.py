@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 
-from replicator._src.errors import positive_int
+from replicator._src.core.errors import positive_int
 from replicator._src.pipeline import schedules as schedules_lib
 from replicator._src.planner.token_axes import ATTENTIONS, MIN_CONTEXT_SEQ, token_splits
 

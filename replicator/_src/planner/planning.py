@@ -26,7 +26,7 @@ from replicator._src.planner.cost_model import ModelledTime, model_time
 from replicator._src.planner.hardware import Hardware, parse_bytes
 from replicator._src.planner.hardware import hardware as hardware_lib
 from replicator._src.planner.layouts import Family, Layout
-from replicator._src.report import format_bytes
+from replicator._src.report.step_report import format_bytes
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import Any
 
 from replicator._src.planner.cost_model import CompiledStep
 from replicator._src.planner.layouts import Family, Layout
-from replicator._src.report import format_bytes
+from replicator._src.report.step_report import format_bytes
 
 FITS, TOO_BIG, STATE_TOO_BIG, SKIPPED, ERROR = (
     "fits",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from replicator._src.errors import positive_int
+from replicator._src.core.errors import positive_int
 
 # Attention over a context axis: K/V blocks round a ring, or all-to-alls over the heads.
 ATTENTIONS = ("ring", "all_to_all")

@@ -1,0 +1,196 @@
+"""ZeRO-3's stored parameters: `ShardedParam`, and `gather_params`, which makes them whole.
+
+A `ShardedParam` is one parameter in its own shape, one of its axes split over the replicas on
+top of whatever split it has over ``stage`` or ``model`` (``zero.Zero.shard_params`` makes them;
+`zero_layout.split_dim` chooses the axis). ``step_fn`` gathers them with `gather_params` in the
+forward pass, as late as possible, and autodiff turns that all-gather into a reduce-scatter of
+the gradients. Both run over the data axes only: on a mesh with ``model``, each device gathers
+its own ``model`` part, so the product that uses the weight stays split over ``model``. Used as
+an array without being gathered, a `ShardedParam` raises a ``TypeError`` that says to gather it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.ad_checkpoint import checkpoint_name
+
+from replicator._src.core import collectives
+from replicator._src.core.typing import PyTree
+
+_NOT_GATHERED = """\
+rp.ShardedParam: parameter of shape {shape} is stored sharded (ZeRO-3) and must be gathered \
+before it is used ({what}). Call rp.gather_params in the forward pass, as late as possible \
+(per layer, inside the layer scan):
+
+    def loss_fn(params, batch):
+        params = rp.gather_params(params)      # full parameters, all-gathered over the replicas
+        return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)"""
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class ShardedParam:
+    """A parameter stored ZeRO-3 style: in its own shape, axis ``dim`` split over the replicas.
+
+    Attributes:
+      value: the parameter. Outside a step it is the global array, of the parameter's shape,
+        with axis ``dim`` split over the data axes besides its split over ``stage`` and
+        ``model``; inside ``step_fn`` it is this replica's part (``dim`` 1/N as long).
+      dim: the split axis, counted from the end (``-2`` is the second to last), so that it
+        still names the same axis once a layer scan has sliced off leading (stacked) axes; None
+        for a parameter with no axis that divides by the replicas, kept whole on each.
+      auto: the ``PartitionSpec`` entries of the last ``len(auto)`` axes over the axes XLA
+        partitions inside a step (``model``): `gather_params` gathers each device's own part.
+
+    As a pytree node its only child is ``value`` (key ``.value``), so ``jax.grad``, optax and
+    ``lax.scan`` see a plain array. Used as an array without `gather_params` (``x @ w``,
+    ``w + 1``, ``jnp.dot``), it raises a ``TypeError`` that says to gather it.
+    """
+
+    def __init__(self, value: Any, dim: int | None, auto: tuple = ()) -> None:
+        if dim is not None and dim >= 0:
+            raise ValueError(f"ShardedParam: dim counts from the end (negative); got {dim}.")
+        self.value = value
+        self.dim = dim
+        self.auto = tuple(auto)
+
+    def tree_flatten_with_keys(self):
+        return ((jax.tree_util.GetAttrKey("value"), self.value),), (self.dim, self.auto)
+
+    def tree_flatten(self):
+        return (self.value,), (self.dim, self.auto)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        node = object.__new__(cls)  # no validation: children may be anything jax puts there
+        node.value, (node.dim, node.auto) = children[0], aux
+        return node
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of ``value``: the parameter's outside a step, this replica's part inside."""
+        return tuple(getattr(self.value, "shape", ()))
+
+    def __repr__(self) -> str:
+        return f"ShardedParam(shape={self.shape}, dim={self.dim})"
+
+    def _refuse(self, what: str):
+        shape = list(self.shape)
+        n = collectives.num_replicas()  # inside a step, value is this replica's part
+        if self.dim is not None and shape:
+            shape[self.dim] *= n
+        raise TypeError(_NOT_GATHERED.format(shape=tuple(shape), what=what))
+
+    def __jax_array__(self):
+        self._refuse("converted to an array")
+
+    def __array__(self, *args, **kwargs):
+        self._refuse("converted to an array")
+
+    def __getitem__(self, index):
+        self._refuse("indexed")
+
+    def __getattr__(self, name: str):
+        if name in ("dtype", "ndim", "T", "astype", "reshape", "sum", "mean"):
+            self._refuse(f".{name}")
+        raise AttributeError(name)
+
+
+def _binary(symbol: str):
+    def refuse(self, other):
+        self._refuse(f"the operator {symbol}")
+
+    return refuse
+
+
+for _name, _symbol in [
+    ("matmul", "@"),
+    ("add", "+"),
+    ("sub", "-"),
+    ("mul", "*"),
+    ("truediv", "/"),
+    ("pow", "**"),
+]:
+    setattr(ShardedParam, f"__{_name}__", _binary(_symbol))
+    setattr(ShardedParam, f"__r{_name}__", _binary(_symbol))
+
+
+def is_sharded_param(x) -> bool:
+    """Whether ``x`` is a `ShardedParam` (the ``is_leaf`` of tree maps that stop at them)."""
+    return isinstance(x, ShardedParam)
+
+
+def has_sharded_params(tree: PyTree) -> bool:
+    """Whether any leaf of ``tree`` is a `ShardedParam`."""
+    return any(map(is_sharded_param, jax.tree.leaves(tree, is_leaf=is_sharded_param)))
+
+
+def values(tree: PyTree) -> PyTree:
+    """``tree`` with each `ShardedParam` replaced by its ``value`` (the parameter itself)."""
+    return jax.tree.map(
+        lambda x: x.value if isinstance(x, ShardedParam) else x, tree, is_leaf=is_sharded_param
+    )
+
+
+def gather_params(tree: PyTree) -> PyTree:
+    """The full parameters of the `ShardedParam` leaves of ``tree``, all-gathered over replicas.
+
+    Call it inside ``step_fn``'s forward pass, as late as possible: per layer, inside the layer
+    scan, so that only one layer's full parameters exist at a time (ZeRO-3 / FSDP). Autodiff turns
+    the all-gather into a reduce-scatter of the gradients. Both move data over the replica axes
+    only: a parameter split over ``model`` stays split over it. Other leaves pass through, so
+    the same code runs on one device with plain parameters.
+
+    >>> import jax.numpy as jnp, replicator as rp
+    >>> rp.gather_params({"w": rp.ShardedParam(jnp.arange(3.0), -1)})["w"]   # one replica
+    Array([0., 1., 2.], dtype=float32)
+    """
+
+    def gather(node):
+        if not isinstance(node, ShardedParam):
+            return node
+        if node.dim is None:
+            return node.value
+        whole = collectives.gather_replicas(node.value, node.dim, node.auto)
+        return checkpoint_name(whole, GATHERED)
+
+    return jax.tree.map(gather, tree, is_leaf=is_sharded_param)
+
+
+GATHERED = "replicator_gathered_params"
+"""The ``jax.ad_checkpoint.checkpoint_name`` of every parameter `gather_params` gathers."""
+
+
+def regather_policy():
+    """A ``jax.checkpoint`` policy that saves everything for the backward pass but ZeRO-3's
+    gathered parameters, which are gathered again there: FSDP's ``reshard_after_forward``.
+
+    Without it, the backward pass of a layer scan keeps every layer's gathered weights (the
+    whole model, 1/T of it with ``model``): 2 Psi words on the wire per step. With it, each
+    layer's weights are gathered again in the backward pass instead (3 Psi words, only one
+    layer's weights whole at a time), and nothing else is recomputed. ``gpt.blocks`` applies
+    it; wrap your own layer with it:
+
+        step = jax.checkpoint(layer, policy=rp.regather_policy(), prevent_cse=False)
+        h, _ = jax.lax.scan(step, h, params["layers"])
+
+    >>> import jax, replicator as rp
+    >>> policy = rp.regather_policy()   # a function jax.checkpoint calls on each primitive
+    >>> callable(policy)
+    True
+    """
+    return _save_all_but_gathers
+
+
+def _save_all_but_gathers(prim, *_, **params) -> bool:
+    """Whether ``jax.checkpoint`` may keep an output of ``prim`` for the backward pass: all but
+    all-gathers (and the ``shard_map`` over ``model`` that wraps one, `gather_replicas`)."""
+    if prim.name == "all_gather":
+        return False
+    if prim.name == "shard_map":
+        body = getattr(params.get("jaxpr"), "eqns", None) or getattr(
+            getattr(params.get("jaxpr"), "jaxpr", None), "eqns", ()
+        )
+        return [e.primitive.name for e in body] != ["all_gather"]
+    return not (prim.name == "name" and params.get("name") == GATHERED)

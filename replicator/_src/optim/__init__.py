@@ -1,0 +1,1 @@
+"""The optimizer: wrap_optimizer's chain (accumulation, clipping, loss scaling, the replica mean) and ZeRO (which axis of each leaf it splits, its plan, the update of any optax transformation on the parts)."""

@@ -1,0 +1,459 @@
+"""The wrapped optimizer: cross-replica gradient reduction, then any optax transformation.
+
+Options follow Horovod and DeepSpeed:
+
+* ``zero_stage=1`` or ``2`` (ZeRO): the optimizer state is sharded over the replicas. Each leaf
+  is flattened and padded to ``N * c`` elements; replica r owns elements ``[r c, (r+1) c)`` of
+  every state leaf. ``update`` reduce-scatters the gradients (each replica gets the mean of its
+  slice), runs the inner transformation on its slice, and all-gathers the updates: the same
+  bytes on the wire as an all-reduce, and 1/N of the optimizer state per device. Within one step
+  stages 1 and 2 are the same program; they differ in where accumulated gradients live, which
+  matters with gradient accumulation.
+* ``clip_global_norm``: clip by the norm of the whole mean gradient, summed over the shards, as
+  ``optax.clip_by_global_norm`` on one device.
+* ``grad_dtype``: communicate the gradients in this dtype (e.g. ``jnp.bfloat16``, Horovod's
+  ``Compression.fp16``), then go on in the gradients' own dtype.
+* ``accumulate_steps=k`` (used by `DistributedOptimizer.step`): the batch is split into k
+  micro-batches whose gradients are summed in a ``lax.scan`` inside the one compiled step, equal
+  to one step on the whole batch (Horovod's ``backward_passes_per_step``, DeepSpeed's
+  ``gradient_accumulation_steps``). With ZeRO-2 each micro-batch's gradients are reduce-scattered
+  at once and only this replica's slice is accumulated.
+* ``loss_scale``: a static scale, or ``"dynamic"``: the loss is multiplied by the scale before
+  differentiation; a step whose gradients are not finite is skipped (parameters and optimizer
+  state unchanged), the scale halves, and after ``loss_scale_period`` finite steps it doubles.
+
+The inner transformation must act element by element (SGD, momentum, Adam, AdamW, Lion, ...)
+when the state is sharded: it sees one slice of each leaf.
+
+ZeRO on 3-D meshes: with ``zero_stage=1`` or ``2``, parameters split over ``stage`` (pipeline
+stage blocks) keep 1/(K N) of their state per device, split over the stages and the replicas,
+and every state leaf is also split over ``model`` when the mesh has one (1/(N T) per device;
+``model`` is XLA's, so the step sees each replica's slice whole). ``zero_stage=3`` stores the
+parameters flat over the replicas and ``model``, and a stage block's layers flat layer by layer
+(1/(K N) per device), gathered one layer at a time inside ``rp.pipeline.scan_layers``.
+
+This module checks the options and chains the transformations that do the work, one concern
+each: `replica_mean` (the all-reduce), `zero` (ZeRO's reduce-scatter and sharded update),
+`clipping`, `loss_scaling` and `accumulation`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+
+from replicator._src.core import collectives, errors, placement
+from replicator._src.core.mesh import replicated_sharding
+from replicator._src.core.typing import PyTree
+from replicator._src.optim import accumulation, clipping, loss_scaling, replica_mean, zero
+
+ZERO_STAGES = (0, 1, 2, 3)
+_EMPTY = optax.EmptyState()
+
+
+class Parts(NamedTuple):
+    """The transformations a `DistributedOptimizer` chains, and the options of its `step`."""
+
+    inner: optax.GradientTransformation  # tx, as given to wrap_optimizer
+    reduce: optax.GradientTransformationExtraArgs  # local grads -> mean (ZeRO: replica's slice)
+    clip: optax.GradientTransformationExtraArgs | None  # global-norm clipping, if asked for
+    apply: optax.GradientTransformationExtraArgs  # tx (ZeRO: on the slices), maybe loss-scaled
+    norm: Callable[..., jax.Array | None]  # `clipping.global_norm` of reduced grads
+    layout: zero.Zero | None  # the ZeRO layout; None with zero_stage=0
+    wrapped: bool  # the state is a `loss_scaling.WrappedState` (ZeRO or loss scaling)
+    accumulate_steps: int  # micro-batches per `DistributedOptimizer.step`
+
+
+class DistributedOptimizer(optax.GradientTransformationExtraArgs):
+    """An optax transformation (``init``, ``update``) that also runs a whole training step.
+
+    ``update(grads, state, params)`` reduces local gradients over the replicas, clips them and
+    applies the inner transformation. `step` also computes the gradients: with gradient
+    accumulation and loss scaling, which need to see the loss. Each concern is a transformation
+    of its own, in ``parts`` (a `Parts`); `wrap_optimizer` builds them.
+    """
+
+    # Still a NamedTuple of exactly (init, update), on purpose: optax tells a transformation by
+    # isinstance (optax.with_extra_args_support, which otherwise drops the extra arguments, and
+    # wrap_optimizer's own check), and optax.chain unpacks each one as an (init, update) pair
+    # (`init_fns, update_fns = zip(*transforms)`), so there is no room for a third field. The
+    # two items call the methods below; `parts` is set once, here in the constructor.
+
+    parts: Parts
+
+    def __new__(cls, parts: Parts) -> DistributedOptimizer:
+        def init(params):
+            return self.init(params)
+
+        def update(grads, state, params=None, **extra_args):
+            return self.update(grads, state, params, **extra_args)
+
+        self = super().__new__(cls, init, update)
+        self.parts = parts
+        return self
+
+    def __getnewargs__(self) -> tuple[Parts]:  # for copy.copy: the constructor takes `parts`
+        return (self.parts,)
+
+    def init(self, params: PyTree) -> optax.OptState:
+        """The optimizer state for ``params``.
+
+        Returns:
+          ``tx``'s own state when ``zero_stage == 0`` and there is no loss scaling, else a
+          `loss_scaling.WrappedState`. With ``zero_stage >= 1`` call it outside ``step_fn``: it
+          returns global arrays sharded over the data axes.
+        """
+        return self.parts.apply.init(params)
+
+    def update(
+        self, grads: PyTree, state: optax.OptState, params: PyTree = None, **extra_args
+    ) -> tuple[PyTree, optax.OptState]:
+        """``(updates, state)`` from this replica's local ``grads``; call it inside ``step_fn``.
+
+        Equivalent to::
+
+            grads = rp.all_reduce(grads, "mean")   # ZeRO: this replica's slice of the mean
+            if clip_global_norm: grads = clip_by_global_norm(grads, clip_global_norm)
+            updates, state = tx.update(grads, state, params, **extra_args)
+        """
+        p = self.parts
+        if p.layout is not None:
+            p.layout.check_binding()
+            extra_args = {**extra_args, "local_grads": grads}
+        reduced = self._reduce(grads, params)
+        updates, state, _ = self._apply(reduced, state, params, extra_args, like=grads)
+        return updates, state
+
+    def step(self, loss_fn, params: PyTree, state, batch: PyTree):
+        """One optimizer step on ``batch``: ``(params, state, metrics)``.
+
+        Equivalent to (one replica's view; ``k = accumulate_steps``)::
+
+            grads = mean over the k micro-batches mb of jax.grad(loss_fn)(params, mb)
+            updates, state = self.update(grads, state, params)   # mean over replicas, ...
+            params = optax.apply_updates(params, updates)
+
+        Args:
+          loss_fn: ``loss_fn(params, batch) -> scalar``, the mean loss of a batch.
+          params: the parameters, as ``step_fn`` sees them.
+          state: this optimizer's state.
+          batch: this replica's batch; its leading axis must divide by ``accumulate_steps``.
+
+        Returns:
+          ``metrics`` holds ``loss`` (the mean over replicas), ``grad_norm`` (of the mean
+          gradient, before clipping), and with loss scaling ``loss_scale`` and ``skipped`` (the
+          number of steps skipped so far).
+        """
+        p = self.parts
+        if p.layout is not None:
+            p.layout.check_binding()
+        scale = state.loss_scale.scale if p.wrapped and state.loss_scale is not None else 1.0
+        sliced = p.layout is not None and p.layout.stage >= 2  # accumulate this replica's slice
+        loss, grads = accumulation.accumulated_grads(
+            loss_fn,
+            params,
+            batch,
+            steps=p.accumulate_steps,
+            scale=scale,
+            each=(lambda g: self._reduce(g, params)) if sliced else None,
+            zeros=p.layout.slice_zeros if sliced else None,
+        )
+        reduced = grads if sliced else self._reduce(grads, params)
+        updates, state, metrics = self._apply(reduced, state, params, {}, like=params)
+        params = optax.apply_updates(params, updates)
+        metrics = {"loss": collectives.all_reduce(jnp.asarray(loss, jnp.float32), "mean")} | metrics
+        return params, state, metrics
+
+    def shard_params(self, params: PyTree, *, stacked: Any = ()) -> PyTree:
+        """ZeRO-3: ``params`` stored as `ShardedParam` leaves, 1/N of each on every replica.
+
+        Each parameter keeps its shape; its first axis that divides by the replicas and is
+        not split over ``stage`` or ``model`` already is split over the data axes too
+        (`zero_layout.split_dim`). A parameter with no such axis is kept whole on every replica.
+
+        Args:
+          params: placed (``repl.place``, ``repl.replicate``) or host parameters.
+          stacked: top-level keys of ``params`` whose leaves are stacked layers (a leading
+            layer axis): that axis is never the split one, so that a layer scan can
+            `gather_params` one layer at a time. A dict gives each key's number of leading
+            layer axes, e.g. ``{"stages": 2}`` for a pipeline's ``[K, L/K, ...]`` stages on a
+            mesh without ``stage`` (on a mesh with it, they are known from the placement).
+
+        Inside ``step_fn``, ``loss_fn`` receives these and calls ``rp.gather_params``, which
+        gathers over the data axes only: a parameter split over ``model`` stays split over it,
+        and the product that uses it is computed once.
+
+        A leaf split over ``stage`` (`rp.pipeline.stage_spec`) is a stage block of stacked
+        layers: its stage and layer axes are never split, whether or not its key is in
+        ``stacked``, and the layer function gathers its layer inside the scan,
+        ``rp.pipeline.scan_layers(lambda p, h: layer_fn(rp.gather_params(p), h))``.
+
+        Raises:
+          ValueError: without ``zero_stage=3``.
+        """
+        layout = self.parts.layout
+        if layout is None or layout.stage != 3:
+            raise ValueError(
+                f"shard_params: parameters are stored sharded only with zero_stage=3; this "
+                f"optimizer has zero_stage={0 if layout is None else layout.stage}."
+            )
+        return layout.shard_params(params, stacked)
+
+    def plan(self, params: PyTree) -> zero.ZeroPlan:
+        """Where ZeRO keeps each parameter and state leaf for ``params`` (as ``init`` takes them),
+        and which operations of the update, if any, gather; nothing is allocated.
+
+        >>> import jax, jax.numpy as jnp, optax, replicator as rp
+        >>> repl = rp.Replicator(devices=jax.devices()[:2])
+        >>> opt = repl.wrap_optimizer(optax.adafactor(1e-2, min_dim_size_to_factor=2), zero_stage=1)
+        >>> plan = opt.plan(repl.replicate({"w": jnp.zeros((4, 6))}))
+        >>> plan.params[0].split   # w is split along its 4 rows, 2 on each replica
+        0
+        >>> [(leaf.shape, leaf.split) for leaf in plan.state]  # count, row and column statistics
+        [((), None), ((4,), 0), ((6,), None), ((1,), None)]
+        >>> plan.on_shards   # the row means split like the rows; the column means completed
+        True
+
+        Raises:
+          ValueError: with ``zero_stage=0`` (nothing is sharded), or for parameters ZeRO
+            refuses (as ``init`` would).
+        """
+        layout = self.parts.layout
+        if layout is None:
+            raise ValueError("plan: zero_stage=0 keeps every leaf whole; there is no ZeRO layout.")
+        return layout.layout(optax.with_extra_args_support(self.parts.inner), params)[1]
+
+    def _reduce(self, grads: PyTree, params: PyTree) -> PyTree:
+        """Local gradients -> the mean over replicas: whole (stage 0) or this replica's part."""
+        return self.parts.reduce.update(grads, _EMPTY, params)[0]
+
+    def _apply(self, reduced: PyTree, state, params: PyTree, extra_args: dict, *, like: PyTree):
+        """Reduced gradients -> ``(updates, state, metrics)``: unscale, clip, ``tx``, loss scale.
+
+        The global norm is computed once, for clipping, the dynamic loss scale and the metrics.
+        ``like`` is the gradients (or parameters) as ``step_fn`` holds them: ZeRO reads from
+        them which reduced leaves are this replica's part.
+        """
+        p = self.parts
+        scale = state.loss_scale if p.wrapped else None
+        reduced = loss_scaling.unscale(reduced, scale)
+        split = False if p.layout is None else p.layout.split_flags(params, like)
+        norm = p.norm(reduced, params, over_replicas=split)
+        if p.clip is not None:
+            reduced, _ = p.clip.update(reduced, _EMPTY, params, grad_norm=norm)
+        if p.wrapped:
+            extra_args = {**extra_args, "grad_norm": norm}
+        updates, state = p.apply.update(reduced, state, params, **extra_args)
+        metrics = {} if norm is None else {"grad_norm": norm}
+        if scale is not None:
+            metrics |= {"loss_scale": state.loss_scale.scale, "skipped": state.loss_scale.skipped}
+        return updates, state, metrics
+
+
+def wrap_optimizer(
+    tx: optax.GradientTransformation,
+    /,
+    *,
+    mesh: Mesh | None = None,
+    zero_stage: int = 0,
+    clip_global_norm: float | None = None,
+    grad_dtype: Any = None,
+    accumulate_steps: int = 1,
+    loss_scale: float | str | None = None,
+    loss_scale_period: int = 2000,
+) -> DistributedOptimizer:
+    """Wraps ``tx`` so that it first takes the mean of the gradients over all replicas.
+
+    This is Horovod's ``DistributedOptimizer``: ``step_fn`` computes local gradients, exactly as
+    on one device, and the wrapped optimizer all-reduces them before ``tx`` sees them. Because
+    the mean is a placeholder collective, the same optimizer works unreplicated (one replica:
+    the mean is the identity).
+
+    Equivalent to::
+
+        grads = rp.all_reduce(grads, "mean")
+        if clip_global_norm: grads = clip_by_global_norm(grads, clip_global_norm)
+        updates, state = tx.update(grads, state, params)
+
+    Args:
+      tx: any ``optax.GradientTransformation`` (element-wise when ``zero_stage >= 1``).
+      mesh: the replicator's mesh; needed for ``zero_stage >= 1`` (``init`` places the sharded
+        state on it). ``Replicator.wrap_optimizer`` passes it.
+      zero_stage: 0 (replicated state), 1 and 2 (state sharded over the replicas, and over
+        ``stage`` and ``model`` as the parameters are), or 3 (parameters sharded too).
+      clip_global_norm: clip the mean gradient to this global norm, if given.
+      grad_dtype: the dtype the gradients are communicated in (default: their own).
+      accumulate_steps: micro-batches per `DistributedOptimizer.step`.
+      loss_scale: ``None``, a static scale, or ``"dynamic"``.
+      loss_scale_period: finite steps after which a dynamic scale doubles.
+
+    Returns:
+      A `DistributedOptimizer`. Its state is ``tx``'s own when ``zero_stage == 0`` and there is
+      no loss scaling, else a `loss_scaling.WrappedState`. With ``zero_stage >= 1`` its ``init``
+      must run outside ``step_fn`` (it returns global arrays sharded over the data axes) and
+      ``update`` inside, with the parameters.
+
+    Raises:
+      TypeError: if ``tx`` is not an optax transformation.
+      ValueError: for an unknown ``zero_stage``, a non-positive ``clip_global_norm``, or bad
+        ``accumulate_steps`` or ``loss_scale``.
+
+    >>> import jax.numpy as jnp, optax
+    >>> tx = wrap_optimizer(optax.sgd(0.1))          # public as Replicator.wrap_optimizer
+    >>> params = {"w": jnp.ones(2)}
+    >>> updates, _ = tx.update({"w": jnp.ones(2)}, tx.init(params), params)
+    >>> updates["w"]
+    Array([-0.1, -0.1], dtype=float32)
+    """
+    _check_options(
+        tx, zero_stage, clip_global_norm, accumulate_steps, loss_scale, loss_scale_period
+    )
+    _check_zero_needs(zero_stage, mesh, grad_dtype)
+    grad_dtype = None if grad_dtype is None else jnp.dtype(grad_dtype)
+    inner = optax.with_extra_args_support(tx)
+    layout = zero.Zero(mesh, stage=zero_stage) if zero_stage else None
+    if layout is not None:
+        reduce = zero.scatter_mean(layout, grad_dtype=grad_dtype)
+        apply = zero.sharded_update(inner, layout)
+    else:
+        reduce = replica_mean.mean_over_replicas(grad_dtype=grad_dtype)
+        apply = inner if mesh is None else _placed_on(inner, mesh)
+    wrapped = zero_stage > 0 or loss_scale is not None
+    if wrapped:
+        sharding = None if mesh is None else replicated_sharding(mesh)
+        apply = loss_scaling.with_loss_scale(
+            apply, loss_scale=loss_scale, period=loss_scale_period, sharding=sharding
+        )
+    needs = [
+        *(["clip_global_norm=..."] if clip_global_norm is not None else []),
+        *(["loss_scale='dynamic'"] if loss_scale == "dynamic" else []),
+    ]
+    norm = functools.partial(clipping.global_norm, why=", ".join(needs) or None)
+    clip = None
+    if clip_global_norm is not None:
+        clip = clipping.clip_by_global_norm(clip_global_norm)
+    return DistributedOptimizer(
+        Parts(tx, reduce, clip, apply, norm, layout, wrapped, accumulate_steps)
+    )
+
+
+def _check_options(
+    tx: Any,
+    zero_stage: Any,
+    clip_global_norm: Any,
+    accumulate_steps: Any,
+    loss_scale: Any,
+    loss_scale_period: Any,
+) -> None:
+    """Refuses, with `wrap_optimizer`'s errors, a ``tx`` or option values it does not take."""
+    api = "wrap_optimizer"
+    if not isinstance(tx, optax.GradientTransformation):
+        hint = (
+            f" ({type(tx).__name__} has one: tx.gradient_transformation())"
+            if hasattr(tx, "gradient_transformation")
+            else ""
+        )
+        raise TypeError(
+            f"{api}: tx must be an optax.GradientTransformation (e.g. optax.adam(1e-3)); "
+            f"got {type(tx).__name__}{hint}."
+        )
+    if zero_stage not in ZERO_STAGES:
+        raise ValueError(
+            f"{api}: zero_stage={zero_stage!r} is not supported; use one of {ZERO_STAGES} "
+            f"(0: replicated optimizer state, 1 and 2: state sharded over the replicas, 3: "
+            f"parameters sharded too)."
+        )
+    if clip_global_norm is not None and not clip_global_norm > 0:
+        raise ValueError(f"{api}: clip_global_norm must be > 0 or None; got {clip_global_norm!r}.")
+    errors.positive_int(accumulate_steps, api=api, name="accumulate_steps")
+    if not (
+        loss_scale is None
+        or loss_scale == "dynamic"
+        or (isinstance(loss_scale, int | float) and loss_scale > 0)
+    ):
+        raise ValueError(
+            f"{api}: loss_scale must be None, a positive number or 'dynamic'; got {loss_scale!r}."
+        )
+    errors.positive_int(loss_scale_period, api=api, name="loss_scale_period")
+
+
+def _check_zero_needs(zero_stage: int, mesh: Mesh | None, grad_dtype: Any) -> None:
+    """Refuses, with `wrap_optimizer`'s errors, ZeRO without what it needs."""
+    api = "wrap_optimizer"
+    if zero_stage == 3 and grad_dtype is not None:
+        raise ValueError(
+            f"{api}: grad_dtype is not supported with zero_stage=3 (its gradients are reduced "
+            f"by autodiff's reduce-scatter); cast the parameters before gather_params instead."
+        )
+    if zero_stage and mesh is None:
+        raise ValueError(f"{api}: zero_stage={zero_stage} needs the mesh; use repl.wrap_optimizer.")
+
+
+def _placed_on(tx: optax.GradientTransformationExtraArgs, mesh: Mesh):
+    """``tx`` whose ``init`` replicates on ``mesh`` the state leaves not yet on it (such as
+    Adam's step count), so that the state ``run`` gets has the placement of the state it
+    returns, and the step compiles once."""
+    replicated = replicated_sharding(mesh)
+
+    def place(x):
+        sharding = getattr(x, "sharding", None)
+        if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
+            return x
+        return placement.put(x, replicated)
+
+    def init(params):
+        state = tx.init(params)
+        if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params)):
+            return jax.tree.map(place, state)
+        return _abstract_placed(state, params, mesh, replicated)
+
+    return optax.GradientTransformationExtraArgs(init, tx.update)
+
+
+def _abstract_placed(state: PyTree, params: PyTree, mesh: Mesh, replicated) -> PyTree:
+    """`_placed_on`'s placement of ``tx.init(params)`` when the state is built from shapes
+    (``Replicator.abstract``), where a traced leaf carries no sharding. Eagerly, a state leaf
+    made like a parameter (``zeros_like``: Adam's moments, momentum) has the parameter's
+    sharding; here a subtree with the parameters' structure and shapes gets their shardings,
+    a scalar is replicated, and any other leaf is refused rather than guessed."""
+    shardings = [placement.sharding_of(p) for p in jax.tree.leaves(params)]
+    treedef = jax.tree.structure(params)
+    shapes = [(np.shape(p), None) for p in jax.tree.leaves(params)]
+
+    def like_params(node) -> bool:
+        if jax.tree.structure(node) != treedef:
+            return False
+        return [(np.shape(x), None) for x in jax.tree.leaves(node)] == shapes
+
+    def place_node(node):
+        if placement.sharding_of(node) is not None:  # placed inside tx.init already
+            return node
+        if like_params(node):
+            if any(s is None for s in shardings):
+                raise ValueError(
+                    "wrap_optimizer: building the optimizer state from shapes (repl.abstract), "
+                    "a parameter was not placed by the library (repl.replicate, repl.place), so "
+                    "the placement of the state made like it would be a guess. Place the "
+                    "parameters with repl.place inside the init function."
+                )
+            leaves = jax.tree.leaves(node)
+            placed = [placement.put(x, s) for x, s in zip(leaves, shardings, strict=True)]
+            return jax.tree.unflatten(treedef, placed)
+        if np.ndim(node) == 0:  # a leaf here: every node shaped like the params is above
+            return placement.put(node, replicated)
+        raise ValueError(
+            f"wrap_optimizer: building the optimizer state from shapes (repl.abstract), a "
+            f"state leaf of shape {list(np.shape(node))} is neither a scalar nor part of a tree "
+            f"shaped like the parameters, so its placement on the mesh would be a guess. Build "
+            f"this state from real parameters, or place it yourself inside the init function "
+            f"(repl.place(opt_state, specs))."
+        )
+
+    return jax.tree.map(place_node, state, is_leaf=like_params)

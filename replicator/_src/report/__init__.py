@@ -1,0 +1,1 @@
+"""Reading compiled programs: FLOPs and collective bytes (hlo), and repl.explain's StepReport."""

@@ -1,0 +1,453 @@
+"""Reading an optimized HLO module: its collectives and FLOPs, loops counted by their trips.
+
+XLA's ``cost_analysis()`` counts a while loop's body once, whatever its trip count, so a scanned
+step (pipeline ticks, accumulation, layer scans) looks many times cheaper than it is. This module
+walks the HLO text instead: a loop's body counts ``known_trip_count`` times (nested loops
+multiply), a conditional counts its costliest branch, and fusions and calls count their
+instructions. Collectives are listed one by one, with the device groups they span.
+
+A conditional that runs on a known share of a loop's iterations can say so with
+:func:`runs`: a named scope ``replicator_runs_N_of_D`` that this reader scales by ``N / D``. The
+pipeline engine marks the stage shifts (one tick in ``Lv`` layer iterations) and 1F1B's halves
+(``M`` busy ticks in ``T``) this way, so their counts are exact rather than upper bounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from fractions import Fraction
+
+import numpy as np
+
+from replicator._src.core import tracing
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+
+# Element-wise operations XLA counts as one FLOP per output element, and the transcendental
+# ones it counts apart (as in XLA's HloCostAnalysis).
+_ELEMENTWISE = frozenset(
+    "add subtract multiply divide remainder maximum minimum negate abs sign compare select "
+    "and or xor not clamp floor ceil round-nearest-afz round-nearest-even atan2 power "
+    "shift-left shift-right-logical shift-right-arithmetic".split()
+)
+_TRANSCENDENTAL = frozenset(
+    "exponential exponential-minus-one log log-plus-one tanh logistic sqrt rsqrt cbrt sine "
+    "cosine tan erf".split()
+)
+_DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+    "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5,
+    "s2": 0.25, "u2": 0.25, "token": 0,
+}  # fmt: skip
+_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([\d,]*)\]")
+_CALLS = re.compile(
+    r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective instruction of a compiled program, per device and per step.
+
+    Attributes:
+      kind: ``"all-reduce"``, ``"all-gather"``, ``"reduce-scatter"``, ``"collective-permute"``
+        or ``"all-to-all"``.
+      axes: the mesh axes its device groups span, e.g. ``("data",)``; ``()`` if no device
+        talks to another.
+      dtype: the element type on the wire, as the compiled program has it (``"f32"``).
+      group_size: the devices in each group (2 for a collective-permute).
+      bytes: the payload per execution on one device: the buffer reduced (all-reduce), the
+        gathered result (all-gather), the input scattered (reduce-scatter), the buffer sent
+        (collective-permute, all-to-all).
+      count: executions per step (loop trips included; scaled by ``runs`` marks).
+      wire_bytes: bytes one device sends per step with ring algorithms:
+        ``2 (g-1)/g bytes`` per all-reduce, ``(g-1)/g bytes`` per all-gather, reduce-scatter
+        and all-to-all, ``bytes`` per collective-permute; times ``count``.
+      conditional: it sits in a branch of a conditional (``count`` assumes that branch runs).
+      op_name: the JAX operation it came from (the HLO metadata), e.g. ``".../psum"``.
+    """
+
+    kind: str
+    axes: tuple[str, ...]
+    dtype: str
+    group_size: int
+    bytes: int
+    count: float
+    wire_bytes: float
+    conditional: bool
+    op_name: str
+
+    @property
+    def total_bytes(self) -> float:
+        """``bytes * count``: the payload per device per step."""
+        return self.bytes * self.count
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """What one device executes per step: FLOPs, transcendentals and collectives."""
+
+    flops: float  # every floating-point operation XLA would count, loops per trip
+    matmul_flops: float  # the dot and convolution share of ``flops``
+    transcendentals: float
+    collectives: tuple[Collective, ...]
+    unknown_trip_counts: int  # while loops without a known trip count (counted once)
+    bytes_accessed: float = 0.0  # memory read and written by each kernel, loops per trip
+    roofline: tuple[tuple[float, float], ...] = ()  # (FLOPs, bytes) of kernels of like intensity
+
+
+@dataclasses.dataclass
+class _Inst:
+    name: str
+    shape: str
+    op: str
+    operands: list[str]
+    attrs: str
+    root: bool = False
+
+
+def _split_instruction(line: str) -> _Inst | None:
+    body = line.strip()
+    root = body.startswith("ROOT ")
+    if root:
+        body = body[5:]
+    name, sep, rest = body.partition(" = ")
+    if not sep or " " in name:
+        return None
+    if rest.startswith("("):  # a tuple shape: up to the matching parenthesis
+        end = _closing(rest, 1)
+        shape, rest = rest[: end + 1], rest[end + 1 :].lstrip()
+    else:
+        shape, _, rest = rest.partition(" ")
+    op, paren, rest = rest.partition("(")
+    if not paren:
+        return None
+    end = _closing(rest, 0, depth=1)
+    operands = re.findall(r"%([\w.\-]+)", rest[:end])
+    if op == "parameter":  # its number: which operand of the caller it is
+        operands = [rest[:end].strip()]
+    return _Inst(name.lstrip("%"), shape, op, operands, rest[end + 1 :], root)
+
+
+def _closing(text: str, start: int, depth: int = 1) -> int:
+    """The index of the parenthesis that closes ``depth`` open ones, scanning from ``start``."""
+    for i in range(start, len(text)):
+        depth += (text[i] == "(") - (text[i] == ")")
+        if depth == 0:
+            return i
+    return len(text)
+
+
+def parse_module(text: str) -> tuple[str, dict[str, list[_Inst]]]:
+    """The entry computation's name and every computation's instructions."""
+    comps: dict[str, list[_Inst]] = {}
+    entry, current = None, None
+    for line in text.splitlines():
+        if current is None:
+            head = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+            if head:
+                current = head.group(2)
+                comps[current] = []
+                entry = current if head.group(1) else entry
+            continue
+        if line.startswith("}"):
+            current = None
+            continue
+        inst = _split_instruction(line)
+        if inst is not None:
+            comps[current].append(inst)
+    if entry is None:
+        raise ValueError("hlo: no ENTRY computation in the module text.")
+    return entry, comps
+
+
+def shape_bytes(shape: str) -> int:
+    """Bytes of an HLO shape (a tuple shape adds its elements)."""
+    total = 0.0
+    for dtype, dims in _ARRAY.findall(shape):
+        if dtype not in _DTYPE_BYTES and not dtype.startswith("f8"):
+            raise ValueError(f"hlo: unknown element type {dtype!r} in {shape!r}")
+        total += _DTYPE_BYTES.get(dtype, 1) * _num_elements(dims)
+    return int(total)
+
+
+def _num_elements(dims: str) -> int:
+    return int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64))
+
+
+def _dims(shape: str) -> list[int]:
+    found = _ARRAY.search(shape)
+    return [int(d) for d in found.group(2).split(",") if d] if found else []
+
+
+def _elements(shape: str) -> int:
+    return sum(_num_elements(dims) for _, dims in _ARRAY.findall(shape))
+
+
+def replica_groups(attrs: str, num_devices: int) -> list[list[int]]:
+    """The device groups of a collective, from its explicit or iota ``replica_groups``."""
+    iota = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
+    if iota:
+        shape = [int(d) for d in iota.group(1).split(",")]
+        dims = [int(d) for d in iota.group(2).split(",")]
+        ids = np.arange(int(np.prod(dims))).reshape(dims)
+        if iota.group(3):
+            ids = ids.transpose([int(d) for d in iota.group(3).split(",")])
+        return ids.reshape(shape).tolist()
+    explicit = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", attrs)
+    if explicit and explicit.group(1):
+        return [
+            [int(d) for d in g.split(",") if d]
+            for g in re.findall(r"\{([\d,]*)\}", explicit.group(1))
+        ]
+    return [list(range(num_devices))]  # empty: every device in one group
+
+
+def axes_spanned(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple[str, ...]:
+    """The mesh axes along which members of some group differ (device ids = mesh positions)."""
+    names, sizes = list(mesh_shape), list(mesh_shape.values())
+    varies = np.zeros(len(names), bool)
+    for group in groups:
+        if len(group) > 1:
+            coords = np.array(np.unravel_index(np.asarray(group), sizes)).T
+            varies |= (coords != coords[0]).any(axis=0)
+    return tuple(n for n, v in zip(names, varies) if v)
+
+
+_ZERO = (Fraction(0),) * 3
+_NO_BYTES = frozenset(
+    "parameter constant tuple get-tuple-element bitcast after-all partition-id replica-id "
+    "opt-barrier add-dependency domain".split()
+)
+_SLICES = frozenset({"dynamic-slice", "slice", "gather"})
+
+
+def _bin(flops: Fraction, nbytes: Fraction) -> int:
+    """Kernels of like arithmetic intensity (FLOPs per byte, within a factor of sqrt 2) share a
+    bin: a roofline over the bins is within that factor of one over every kernel."""
+    if nbytes <= 0:
+        return 10**6
+    if flops <= 0:
+        return -(10**6)
+    return int(np.floor(2 * np.log2(float(flops) / float(nbytes))))
+
+
+def _note(kernels: dict | None, flops: Fraction, nbytes: Fraction) -> None:
+    if kernels is None or (flops <= 0 and nbytes <= 0):
+        return
+    f, b = kernels.get(_bin(flops, nbytes), (Fraction(0), Fraction(0)))
+    kernels[_bin(flops, nbytes)] = (f + flops, b + nbytes)
+
+
+def _merge(into: dict | None, other: dict) -> None:
+    if into is None:
+        return
+    for k, (f, b) in other.items():
+        g, c = into.get(k, (Fraction(0), Fraction(0)))
+        into[k] = (g + f, c + b)
+
+
+def _add(a: tuple, b: tuple) -> tuple:
+    return tuple(x + y for x, y in zip(a, b))
+
+
+def _wire(kind: str, payload: int, g: int) -> float:
+    if kind == "collective-permute":
+        return float(payload)
+    share = (g - 1) / g if g else 0.0
+    return (2 if kind == "all-reduce" else 1) * share * payload
+
+
+class _Walker:
+    def __init__(self, comps: dict[str, list[_Inst]], mesh_shape: dict[str, int]):
+        self.comps = comps
+        self.mesh_shape = dict(mesh_shape)
+        self.num_devices = int(np.prod(list(self.mesh_shape.values()), dtype=np.int64))
+        self.shapes = {i.name: i.shape for insts in comps.values() for i in insts}
+        self.unknown_trips = 0
+
+    def visit(self, comp, mult, cond, applied, out, kernels=None, fused=False):
+        """(FLOPs, matmul FLOPs, transcendentals) of ``comp`` run ``mult`` times; its
+        collectives are appended to ``out``, and unless ``fused`` (inside a fusion, where
+        nothing is stored between instructions) each kernel's FLOPs and bytes to ``kernels``."""
+        total = (Fraction(0),) * 3
+        for inst in self.comps[comp]:
+            op_name = re.search(r'op_name="([^"]*)"', inst.attrs)
+            op_name = op_name.group(1) if op_name else ""
+            m, marks = mult, applied
+            for found in tracing.RUNS_MARK.finditer(op_name):
+                key = op_name[: found.end()]
+                if key not in marks:
+                    m, marks = m * Fraction(int(found.group(1)), int(found.group(2))), marks | {key}
+            cost = self.instruction(inst, m, cond, marks, op_name, out, kernels, fused)
+            total = _add(total, cost)
+        return total
+
+    def instruction(self, inst, mult, cond, marks, op_name, out, kernels, fused):
+        op = inst.op.removesuffix("-start")
+        if inst.op.endswith("-done"):
+            return _ZERO
+        if op in COLLECTIVES:
+            out.append(self.collective(inst, op, mult, cond, op_name))
+            return _ZERO
+        called = dict(_CALLS.findall(inst.attrs))
+        if inst.op == "while":
+            trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', inst.attrs)
+            if trips is None:
+                self.unknown_trips += 1
+            n = int(trips.group(1)) if trips else 1
+            body = self.visit(called["body"], mult * n, cond, marks, out, kernels, fused)
+            cond_cost = self.visit(
+                called["condition"], mult * (n + 1), cond, marks, out, kernels, fused
+            )
+            return _add(body, cond_cost)
+        if inst.op == "conditional":
+            branches = re.search(r"branch_computations=\{([^}]*)\}", inst.attrs)
+            names = (
+                re.findall(r"%?([\w.\-]+)", branches.group(1))
+                if branches
+                else [called["true_computation"], called["false_computation"]]
+            )
+            runs = []
+            for name in names:
+                own: dict = {}
+                runs.append((self.visit(name, mult, True, marks, out, own, fused), own))
+            cost, own = max(runs, key=lambda r: r[0][0] + r[0][2])
+            _merge(kernels, own)
+            return cost
+        if inst.op == "fusion" and "calls" in called:
+            cost = self.visit(called["calls"], mult, cond, marks, out, None, True)
+            if not fused:
+                _note(kernels, cost[0], mult * self.fusion_bytes(inst, called["calls"]))
+            return cost
+        if inst.op in ("call", "async-start") and "calls" in called:
+            return self.visit(called["calls"], mult, cond, marks, out, kernels, fused)
+        cost = self.leaf_cost(inst, mult)
+        if not fused:
+            _note(kernels, cost[0], mult * self.leaf_bytes(inst))
+        return cost
+
+    def leaf_bytes(self, inst: _Inst) -> int:
+        """Bytes an unfused instruction reads and writes (none for bookkeeping ones)."""
+        if inst.op in _NO_BYTES:
+            return 0
+        if inst.op == "dynamic-update-slice":  # in place: the update read and written
+            return 2 * shape_bytes(self.shapes.get(inst.operands[1], ""))
+        if inst.op in ("dynamic-slice", "slice"):
+            return 2 * shape_bytes(inst.shape)
+        operands = sum(shape_bytes(self.shapes.get(o, "")) for o in inst.operands)
+        return shape_bytes(inst.shape) + operands
+
+    def fusion_bytes(self, inst: _Inst, comp: str) -> int:
+        """Bytes a fusion reads and writes: its output and operands, where an operand only
+        sliced inside counts its slices, and an in-place update its update."""
+        body = self.comps[comp]
+        params = {i.operands[0]: i for i in body if i.op == "parameter" and i.operands}
+        users: dict[str, list[_Inst]] = {}
+        for i in body:
+            for o in i.operands:
+                users.setdefault(o, []).append(i)
+        root = next((i for i in body if i.root), body[-1] if body else None)
+        written, in_place = shape_bytes(inst.shape), None
+        if root is not None and root.op == "dynamic-update-slice" and len(root.operands) > 1:
+            in_place = root.operands[0]
+            written = shape_bytes(self.shapes.get(root.operands[1], ""))
+        total = written
+        for k, operand in enumerate(inst.operands):
+            param = params.get(str(k))
+            if param is not None and param.name == in_place:
+                continue
+            uses = users.get(param.name, []) if param is not None else []
+            if uses and all(u.op in _SLICES and u.operands[0] == param.name for u in uses):
+                total += sum(shape_bytes(u.shape) for u in uses)
+            else:
+                total += shape_bytes(self.shapes.get(operand, ""))
+        return total
+
+    def leaf_cost(self, inst: _Inst, mult: Fraction) -> tuple[Fraction, Fraction, Fraction]:
+        op = inst.op
+        if op == "dot":
+            lhs = _dims(self.shapes.get(inst.operands[0], ""))
+            contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", inst.attrs)
+            k = (
+                int(np.prod([lhs[int(d)] for d in contracting.group(1).split(",") if d]))
+                if contracting
+                else 1
+            )
+            flops = mult * 2 * _elements(inst.shape) * k
+            return flops, flops, Fraction(0)
+        if op == "convolution":
+            rhs = _dims(self.shapes.get(inst.operands[1], ""))
+            labels = re.search(r"dim_labels=\w+_(\w+)->", inst.attrs)
+            out_features = rhs[labels.group(1).index("o")] if labels and rhs else 1
+            per_output = int(np.prod(rhs)) // max(out_features, 1)
+            flops = mult * 2 * _elements(inst.shape) * per_output
+            return flops, flops, Fraction(0)
+        if op in _ELEMENTWISE:
+            return mult * _elements(inst.shape), Fraction(0), Fraction(0)
+        if op in _TRANSCENDENTAL:
+            return Fraction(0), Fraction(0), mult * _elements(inst.shape)
+        if op in ("reduce", "reduce-window"):
+            return mult * _elements(self.shapes.get(inst.operands[0], "")), Fraction(0), Fraction(0)
+        return _ZERO
+
+    def collective(self, inst: _Inst, kind: str, mult: Fraction, cond: bool, op_name: str):
+        if kind == "collective-permute":
+            pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", inst.attrs)
+            groups = [
+                [int(a), int(b)]
+                for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1) if pairs else "")
+            ]
+            g = 2
+        else:
+            groups = replica_groups(inst.attrs, self.num_devices)
+            g = max(len(x) for x in groups)
+        result = inst.shape
+        if inst.op.endswith("-start") and result.startswith("("):
+            # async forms return (operands..., results...): keep the results half
+            arrays = _ARRAY.findall(result)
+            result = " ".join(f"{d}[{s}]" for d, s in arrays[len(arrays) // 2 :])
+        payload = shape_bytes(result) * (g if kind == "reduce-scatter" else 1)
+        dtypes = sorted({d for d, _ in _ARRAY.findall(result)})
+        return Collective(
+            kind=kind,
+            axes=axes_spanned(groups, self.mesh_shape),
+            dtype="+".join(dtypes),
+            group_size=g,
+            bytes=payload,
+            count=float(mult),
+            wire_bytes=_wire(kind, payload, g) * float(mult),
+            conditional=cond,
+            op_name=op_name,
+        )
+
+
+def analyze(text: str, mesh_shape: dict[str, int]) -> Costs:
+    """FLOPs, transcendentals and collectives per device per step of an optimized HLO module.
+
+    ``mesh_shape`` gives the mesh the program was partitioned over, in the order of its devices
+    (collective device ids are positions in that order).
+
+    >>> hlo = '''
+    ... ENTRY %main (p: f32[4,8], q: f32[8,2]) -> f32[4,2] {
+    ...   %p = f32[4,8]{1,0} parameter(0)
+    ...   %q = f32[8,2]{1,0} parameter(1)
+    ...   %d = f32[4,2]{1,0} dot(%p, %q), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+    ...   ROOT %s = f32[4,2]{1,0} all-reduce(%d), replica_groups={{0,2},{1,3}}, to_apply=%add
+    ... }
+    ... '''
+    >>> costs = analyze(hlo, {"data": 2, "model": 2})
+    >>> costs.flops, costs.collectives[0].axes, costs.collectives[0].bytes
+    (128.0, ('data',), 32)
+    """
+    entry, comps = parse_module(text)
+    walker = _Walker(comps, mesh_shape)
+    out: list[Collective] = []
+    kernels: dict = {}
+    flops, matmul, trans = walker.visit(entry, Fraction(1), False, frozenset(), out, kernels)
+    roofline = tuple((float(f), float(b)) for _, (f, b) in sorted(kernels.items()))
+    return Costs(
+        float(flops), float(matmul), float(trans), tuple(out), walker.unknown_trips,
+        bytes_accessed=float(sum(b for _, b in roofline)), roofline=roofline,
+    )  # fmt: skip

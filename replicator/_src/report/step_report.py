@@ -1,0 +1,324 @@
+"""What a step costs, read from its compiled program: memory, FLOPs, collectives and bubble.
+
+``Replicator.explain(step_fn, state, *args)`` compiles the step for its mesh without running it
+and returns a :class:`StepReport`:
+
+* per-device memory, from ``compiled.memory_analysis()``: arguments, outputs, temporaries;
+* FLOPs and every collective per step, from the optimized HLO (see ``hlo.py``: loops count as
+  many times as they run, which ``cost_analysis()`` does not do);
+* for each pipeline in the step, its schedule, bubble fraction and picture, noted by the
+  pipeline engine while the step is traced, and its step time modelled on K parallel devices
+  from each stage's FLOPs (``timing.step_time``), since emulated devices cannot show a bubble.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import math
+
+from replicator._src.core.tracing import PipelineNote, ZeroNote
+from replicator._src.report import hlo
+
+Collective = hlo.Collective
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """Bytes per device of a compiled step (``memory_analysis``).
+
+    Attributes:
+      arguments: the inputs: this device's shards of the state and of the batch.
+      outputs: the results: the new state's shards and this device's row of the outputs.
+      temporaries: the scratch the program needs while it runs (activations, gradients).
+      aliased: output bytes that reuse donated argument buffers (``Replicator.run`` donates the
+        state, so a step's new state takes the old one's place).
+      generated_code: the compiled code.
+    """
+
+    arguments: int
+    outputs: int
+    temporaries: int
+    aliased: int
+    generated_code: int
+
+    @property
+    def peak(self) -> int:
+        """An upper bound of the bytes live at once: arguments + outputs - aliased + temps."""
+        return self.arguments + self.outputs - self.aliased + self.temporaries
+
+
+@dataclasses.dataclass(frozen=True)
+class StepReport:
+    """What one step costs on its mesh, read from the compiled program; nothing was run.
+
+    Every figure is per device and per step unless its name says otherwise. Print it for a
+    table, or use ``to_json()``.
+
+    Attributes:
+      step: the step function's name.
+      mesh: the mesh's axes and sizes, e.g. ``{"data": 2, "stage": 4}``.
+      lowering: ``"shard_map"`` or ``"pmap"``.
+      platform: the devices compiled for (``"cpu"`` when emulating a mesh).
+      num_devices: the devices of the mesh.
+      compile_seconds: time to trace, lower and compile.
+      memory: per-device bytes (`Memory`).
+      flops: floating-point operations per device per step (loops counted per trip), as XLA
+        counts them: matmuls, and one per element of each element-wise operation.
+      matmul_flops: the dot and convolution part of ``flops``: the model's arithmetic.
+      transcendentals: exp, log, tanh, ... per device per step.
+      xla_flops: ``cost_analysis()["flops"]`` for reference (counts each loop body once).
+      collectives: every collective instruction (`hlo.Collective`).
+      pipelines: the pipelines traced in the step (`PipelineNote`).
+      unknown_trip_counts: loops without a known trip count, counted once (figures are then
+        lower bounds).
+      bytes_accessed: memory each kernel (a fusion, or an unfused instruction) reads and writes
+        per step, loops counted per trip; a slice of an operand counts as the slice, an update
+        in place as the update (as XLA's cost analysis counts them, without its loop-once rule).
+      roofline: ``(FLOPs, bytes)`` of the kernels, grouped by arithmetic intensity (within a
+        factor of sqrt 2): a roofline time ``sum(max(f / peak, b / bandwidth))`` over the groups.
+      zero: the ZeRO updates traced in the step (`ZeroNote`): how many parameters are split
+        over the replicas, how many (and how many bytes) are kept whole because no axis
+        divides by them, and which operations of the optimizer, if any, gather.
+    """
+
+    step: str
+    mesh: dict[str, int]
+    lowering: str
+    platform: str
+    num_devices: int
+    compile_seconds: float
+    memory: Memory
+    flops: float
+    matmul_flops: float
+    transcendentals: float
+    xla_flops: float | None
+    collectives: tuple[Collective, ...]
+    pipelines: tuple[PipelineNote, ...]
+    unknown_trip_counts: int = 0
+    bytes_accessed: float = 0.0
+    roofline: tuple[tuple[float, float], ...] = ()
+    zero: tuple[ZeroNote, ...] = ()
+
+    @property
+    def collective_bytes(self) -> float:
+        """The payload of every collective per device per step (`Collective.total_bytes`)."""
+        return sum(c.total_bytes for c in self.collectives)
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes one device sends per step with ring algorithms (`Collective.wire_bytes`)."""
+        return sum(c.wire_bytes for c in self.collectives)
+
+    def bytes_by(self, *, kind: str | None = None, axes: tuple[str, ...] | None = None) -> float:
+        """Payload per device per step of the collectives of this ``kind`` and/or ``axes``."""
+        return sum(
+            c.total_bytes
+            for c in self.collectives
+            if (kind is None or c.kind == kind) and (axes is None or c.axes == tuple(axes))
+        )
+
+    def collective_summary(self) -> list[dict]:
+        """The collectives grouped by kind, axes and dtype: count, payload and wire bytes."""
+        groups: dict[tuple, dict] = {}
+        for c in self.collectives:
+            g = groups.setdefault(
+                (c.kind, c.axes, c.dtype),
+                {"kind": c.kind, "axes": c.axes, "dtype": c.dtype, "ops": 0, "count": 0.0,
+                 "bytes": 0.0, "wire_bytes": 0.0},
+            )  # fmt: skip
+            g["ops"] += 1
+            g["count"] += c.count
+            g["bytes"] += c.total_bytes
+            g["wire_bytes"] += c.wire_bytes
+        return list(groups.values())
+
+    def to_json(self) -> str:
+        """The whole report as JSON (every collective listed)."""
+        data = dataclasses.asdict(self)
+        data["memory"]["peak"] = self.memory.peak
+        data["collective_bytes"] = self.collective_bytes
+        data["wire_bytes"] = self.wire_bytes
+        data["collective_summary"] = self.collective_summary()
+        return json.dumps(data, indent=2)
+
+    def __rich__(self):
+        return _renderable(self)
+
+    def __str__(self) -> str:
+        from rich.console import Console
+
+        buffer = io.StringIO()
+        Console(file=buffer, width=110, color_system=None, soft_wrap=False).print(self)
+        return buffer.getvalue().rstrip()
+
+    def _repr_pretty_(self, printer, cycle) -> None:  # IPython / Jupyter
+        printer.text(str(self))
+
+
+def format_bytes(n: float) -> str:
+    """``1536`` -> ``"1.50 KiB"``."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _count(x: float) -> str:
+    return f"{x:.0f}" if float(x).is_integer() else f"{x:.2f}"
+
+
+def _modelled(p: PipelineNote) -> str:
+    """The step time modelled on K parallel devices, with the stages' measured FLOPs."""
+    head = f"modelled step on {p.num_stages} parallel devices in lock-step ticks: "
+    if p.stage_costs is None:
+        return (
+            f"{head}{p.equal_time:.4g} units with equal costs (F = B = W = 1 unit), bubble "
+            f"{p.equal_bubble:.1%}; {p.dataflow_time:.4g} units without tick barriers "
+            f"(dataflow). Stage FLOPs not measured: {p.cost_note}"
+        )
+    c, unit = p.stage_costs, "FLOPs" if p.cost_unit == "flops" else p.cost_unit
+
+    def costs(name: str, values: tuple[float, ...]) -> str:
+        return f"{name} " + " ".join(f"{v:.3g}" for v in values)
+
+    passes = [costs("F", c.forward)]
+    if any(c.backward) and p.schedule == "zerobubble":
+        passes += [costs("B", c.backward_input), costs("W", c.backward_weight)]
+    elif any(c.backward):
+        passes.append(costs("backward", c.backward))
+    return (
+        f"{head}{p.modelled_time:.4g} {unit} (each tick as long as its busiest stage), bubble "
+        f"{p.modelled_bubble:.1%} with the stages' measured costs ({p.equal_bubble:.1%} with "
+        f"equal costs); {p.dataflow_time:.4g} {unit} without tick barriers (dataflow)\n"
+        f"{unit} of one micro-batch, stage by stage: " + "; ".join(passes)
+    )
+
+
+def _renderable(r: StepReport):
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    mesh = " x ".join(f"{k}={v}" for k, v in r.mesh.items())
+    head = Text(
+        f"{r.step} on mesh {mesh} ({r.num_devices} {r.platform} devices, {r.lowering})\n"
+        f"compiled in {r.compile_seconds:.1f} s, nothing run; figures per device and per step"
+    )
+    mem = Table(title="memory per device", title_justify="left", show_header=False)
+    mem.add_column("what")
+    mem.add_column("bytes", justify="right")
+    m = r.memory
+    rows = [("arguments (state + batch)", m.arguments), ("outputs", m.outputs),
+            ("aliased (donated state reused)", m.aliased), ("temporaries", m.temporaries),
+            ("peak (arguments + outputs - aliased + temporaries)", m.peak)]  # fmt: skip
+    for what, n in rows:
+        mem.add_row(what, format_bytes(n))
+    compute = Table(title="compute per device", title_justify="left", show_header=False)
+    compute.add_column("what")
+    compute.add_column("value", justify="right")
+    compute.add_row("FLOPs per step", f"{r.flops:.4g}")
+    compute.add_row("of which matmuls (dot, convolution)", f"{r.matmul_flops:.4g}")
+    compute.add_row("transcendentals", f"{r.transcendentals:.4g}")
+    compute.add_row("bytes read and written by the kernels", format_bytes(r.bytes_accessed))
+    if r.xla_flops is not None:
+        compute.add_row("XLA cost_analysis FLOPs (loop bodies once)", f"{r.xla_flops:.4g}")
+    coll = Table(title="collectives per device per step", title_justify="left")
+    for name, justify in (("kind", "left"), ("axes", "left"), ("dtype", "left"),
+                          ("ops", "right"), ("executions", "right"), ("payload", "right"),
+                          ("on the wire (ring)", "right")):  # fmt: skip
+        coll.add_column(name, justify=justify)
+    for g in r.collective_summary():
+        coll.add_row(g["kind"], ",".join(g["axes"]) or "-", g["dtype"], str(g["ops"]),
+                     _count(g["count"]), format_bytes(g["bytes"]),
+                     format_bytes(g["wire_bytes"]))  # fmt: skip
+    coll.add_row("total", "", "", str(len(r.collectives)), "", format_bytes(r.collective_bytes),
+                 format_bytes(r.wire_bytes), style="bold")  # fmt: skip
+    parts = [head, mem, compute, coll]
+    for p in r.pipelines:
+        parts.append(
+            Text(
+                f"pipeline: {p.schedule}, K={p.num_stages} stages, M={p.num_microbatches} "
+                f"micro-batches, V={p.repeats}, T={p.ticks} ticks, bubble "
+                f"{p.bubble_fraction:.1%}; each tick a stage sends "
+                f"{format_bytes(p.activation_bytes)} of activations "
+                f"({p.sends_per_step} sends per step)"
+            )
+        )
+        if p.padding:
+            parts.append(Text(p.padding))
+        if p.equal_time > 0:  # modelled when the plan was noted
+            parts.append(Text(_modelled(p)))
+        parts.append(Text(p.picture))
+    for z in r.zero:
+        parts.append(Text(_zero_line(z)))
+    if r.unknown_trip_counts:
+        parts.append(
+            Text(
+                f"note: {r.unknown_trip_counts} loop(s) without a known trip count were counted "
+                "once; FLOPs and collective bytes are lower bounds.",
+                style="yellow",
+            )
+        )
+    return Group(*parts)
+
+
+def _zero_line(z: ZeroNote) -> str:
+    line = (
+        f"ZeRO-{z.zero_stage}: {z.split_leaves} parameters split over the {z.num_replicas} "
+        f"replicas, each along one axis of its own shape"
+    )
+    if z.whole_leaves:
+        line += (
+            f"; {z.whole_leaves} kept whole on every replica (no axis divides by "
+            f"{z.num_replicas}: {format_bytes(z.whole_bytes)} of parameters per device, their "
+            f"gradients all-reduced and their state whole)"
+        )
+    if z.gathered:
+        line += f"; the optimizer gathers for {len(z.gathered)} operation(s): " + "; ".join(
+            z.gathered
+        )
+    else:
+        line += "; the optimizer's update runs on shards"
+    return line
+
+
+def report(
+    compiled, *, step: str, mesh_shape: dict[str, int], lowering: str, platform: str,
+    compile_seconds: float, pipelines: list[PipelineNote], zero: list[ZeroNote] = (),
+) -> StepReport:  # fmt: skip
+    """A `StepReport` from a compiled program (``jax.stages.Compiled``)."""
+    stats = compiled.memory_analysis()
+    memory = Memory(
+        arguments=int(stats.argument_size_in_bytes),
+        outputs=int(stats.output_size_in_bytes),
+        temporaries=int(stats.temp_size_in_bytes),
+        aliased=int(stats.alias_size_in_bytes),
+        generated_code=int(stats.generated_code_size_in_bytes),
+    )
+    costs = hlo.analyze(compiled.as_text(), mesh_shape)
+    try:
+        analysis = compiled.cost_analysis()
+        xla_flops = float(analysis.get("flops")) if analysis and "flops" in analysis else None
+    except Exception:  # not every backend implements it
+        xla_flops = None
+    return StepReport(
+        step=step,
+        mesh=dict(mesh_shape),
+        lowering=lowering,
+        platform=platform,
+        num_devices=math.prod(mesh_shape.values()),
+        compile_seconds=compile_seconds,
+        memory=memory,
+        flops=costs.flops,
+        matmul_flops=costs.matmul_flops,
+        transcendentals=costs.transcendentals,
+        xla_flops=xla_flops,
+        collectives=costs.collectives,
+        pipelines=tuple(pipelines),
+        unknown_trip_counts=costs.unknown_trip_counts,
+        bytes_accessed=costs.bytes_accessed,
+        roofline=costs.roofline,
+        zero=tuple(zero),
+    )
