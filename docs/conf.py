@@ -12,6 +12,8 @@ sys.path.insert(0, str(DOCS.parent))  # this checkout's replicator, for autodoc
 sys.path.insert(0, str(DOCS / "_ext"))
 # Autodoc imports replicator (and so JAX), and the notebook's kernel inherits this environment.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The benchmarks page draws its figures with benchmarks/plots.py from this checkout.
+os.environ["REPLICATOR_REPOSITORY"] = str(DOCS.parent)
 
 import replicator  # noqa: E402
 

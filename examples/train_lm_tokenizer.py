@@ -5,7 +5,8 @@ No download: the documents are modules of Python's standard library, copied one 
 ``<|endoftext|>`` as a special token, and saves ``OUT/tokenizer.json``. Then
 ``replicator train configs/lm_dp.yaml`` trains on the corpus with ``data.tokenizer`` set: each
 file is encoded, followed by ``<|endoftext|>``, and the stream is cut into windows of
-``seq_len + 1`` tokens (see the README's Tokenizers). ``model.vocab`` is the tokenizer's size.
+``seq_len + 1`` tokens (see Tokenizers in docs/guides/llama_and_hf.md). ``model.vocab`` is the
+tokenizer's size.
 
     pip install tokenizers
     python examples/train_lm_tokenizer.py                # 8 emulated CPU devices

@@ -1,7 +1,7 @@
 """replicator: in-graph replication for JAX.
 
 Write ``input_fn`` and a one-replica ``step_fn``; ``Replicator`` runs the step on every device as
-one compiled program. See ``README.md``.
+one compiled program. See ``README.md`` and the guides in ``docs/guides/``.
 """
 
 from replicator import attention as attention

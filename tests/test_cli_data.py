@@ -135,7 +135,7 @@ def grain():
 
 def write_records(path, examples):
     """An ArrayRecord file of ``examples``: each the bytes np.save (an array) or np.savez (a
-    dict of arrays) writes, as the README says."""
+    dict of arrays) writes, as docs/guides/training_and_cli.md says."""
     from array_record.python.array_record_module import ArrayRecordWriter
 
     writer = ArrayRecordWriter(str(path), "group_size:1")

@@ -1,8 +1,9 @@
 """The documentation site (docs/, Sphinx with MyST and myst-nb) builds without a warning, documents
-every public name, links only to pages and anchors it has, and renders in a real browser.
+every public name, links only to pages and anchors it has, and renders in a real browser; the
+README stays short, and the pages include only README sections it has.
 
-The guides include the README's sections rather than copying them, and tests/test_readme.py
-runs the README's code; here only code written in the docs pages themselves is run.
+The guides hold their own text; tests/test_guides.py runs their code and tests/test_readme.py
+the README's.
 """
 
 import html.parser
@@ -17,10 +18,9 @@ import urllib.parse
 import pytest
 from test_api import ATTENTION, MOE, PIPELINE, PUBLIC
 
-pytestmark = pytest.mark.slow  # the build executes the quickstart notebook
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
+README_LINES = 260  # the README is the front page; the guides hold the rest
 CHROMIUM = pathlib.Path("/usr/bin/chromium")  # Debian's; .ci/run installs it
 API_PAGES = {  # module -> (page, its public names)
     "replicator": ("api/replicator.html", PUBLIC),
@@ -73,6 +73,7 @@ class Page(html.parser.HTMLParser):
                 self.links.append(attrs[key])
 
 
+@pytest.mark.slow  # the build executes the quickstart notebook
 def test_site_builds_without_warnings(site):
     for page in ["index", "getting_started", "coming_from", "design", "benchmarks"]:
         assert (site / f"{page}.html").exists(), page
@@ -82,8 +83,13 @@ def test_site_builds_without_warnings(site):
     assert "data parallel == single device: OK" in notebook  # executed while building
     assert "ZeRO-3 == single device: OK" in notebook
     assert re.search(r'<img [^>]*src="[^"]*\.png"', notebook)  # the loss curve
+    benchmarks = (site / "benchmarks.html").read_text()  # figures drawn while building
+    figures = re.findall(r'<img [^>]*src="(_images/[^"]*\.png)"', benchmarks)
+    assert len(figures) == 6, figures
+    assert all((site / figure).stat().st_size > 20_000 for figure in figures)
 
 
+@pytest.mark.slow  # the build executes the quickstart notebook
 def test_every_public_name_is_in_the_api_reference(site):
     for module, (page, names) in API_PAGES.items():
         ids = Page(site / page).ids
@@ -96,6 +102,7 @@ def test_every_public_name_is_in_the_api_reference(site):
     assert "replicator.distributed.launch" in Page(site / "api" / "distributed.html").ids
 
 
+@pytest.mark.slow  # the build executes the quickstart notebook
 def test_internal_links_resolve(site):
     # The site's pages; _static holds the theme's Jinja templates, copied as they are.
     pages = {p: Page(p) for p in site.rglob("*.html") if "_static" not in p.relative_to(site).parts}
@@ -129,6 +136,7 @@ def chromium(*args: str, tmp_path: pathlib.Path) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", ["index.html", "api/replicator.html"])
 def test_pages_render_in_a_browser(site, page, tmp_path):
     from PIL import Image
@@ -156,41 +164,37 @@ def test_pages_render_in_a_browser(site, page, tmp_path):
         assert 'id="replicator.Replicator"' in dom
 
 
-def own_code_blocks() -> list[tuple[str, str]]:
-    """The python code blocks written in the docs pages themselves (not included)."""
-    blocks = []
-    for path in sorted(DOCS.rglob("*.md")):
-        if "_build" in path.parts:
-            continue
-        for code in re.findall(
-            r"```(?:python|\{code-cell\} ipython3)\n(.*?)```", path.read_text(), re.S
-        ):
-            blocks.append((str(path.relative_to(ROOT)), code))
-    return blocks
+def pages() -> dict[pathlib.Path, str]:
+    return {p: p.read_text() for p in DOCS.rglob("*.md") if "_build" not in p.parts}
 
 
-def test_code_written_in_the_docs_pages_runs():
-    for source, code in own_code_blocks():
-        exec(compile(code, source, "exec"), {})
+def test_readme_is_short():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= README_LINES, f"README.md has {len(lines)} lines (at most {README_LINES})"
 
 
-def test_every_readme_section_is_on_exactly_one_page():
+def test_pages_include_only_readme_sections_it_has():
+    """Each README marker pair is included by exactly one page, and no page includes a section
+    the README no longer has (an include of a missing marker would take the whole file)."""
     readme = (ROOT / "README.md").read_text()
     markers = re.findall(r"<!-- docs:([\w-]+):start -->", readme)
-    assert markers and len(set(markers)) == len(markers)
+    assert len(set(markers)) == len(markers)
     for name in markers:
         assert readme.count(f"<!-- docs:{name}:end -->") == 1, name
-    # The sections cover the README from its first paragraph to its end.
-    outside = re.sub(r"<!-- docs:([\w-]+):start -->.*?<!-- docs:\1:end -->", "", readme, flags=re.S)
-    headings = [line for line in outside.splitlines() if line.strip()]
-    assert headings == [  # the title, and headings whose text a page writes as its own
-        "# replicator",
-        "### Tokenizers",
-        "### Fine-tune a Hugging Face Llama",
-        "### Coming from MaxText, Levanter or DeepSpeed",
-        "## Benchmarks",
-    ]
-    pages = "\n".join(p.read_text() for p in DOCS.rglob("*.md") if "_build" not in p.parts)
-    for name in markers:
-        assert pages.count(f":start-after: <!-- docs:{name}:start -->") == 1, name
-        assert pages.count(f":end-before: <!-- docs:{name}:end -->") == 1, name
+        start, end = (
+            readme.index(f"<!-- docs:{name}:start -->"),
+            readme.index(f"<!-- docs:{name}:end -->"),
+        )
+        assert start < end, name
+    included = []
+    for path, text in pages().items():
+        for m in re.finditer(r"```\{include\} ([^\n]*README\.md)\n(.*?)```", text, re.S):
+            assert (path.parent / m.group(1)).resolve() == ROOT / "README.md", path
+            after = re.search(r":start-after: <!-- docs:([\w-]+):start -->", m.group(2))
+            before = re.search(r":end-before: <!-- docs:([\w-]+):end -->", m.group(2))
+            assert after and before and after.group(1) == before.group(1), (path, m.group(0))
+            assert after.group(1) in markers, (
+                f"{path} includes docs:{after.group(1)}, not in README"
+            )
+            included.append(after.group(1))
+    assert sorted(included) == sorted(markers)

@@ -1,6 +1,6 @@
 """The shape of the house: imports go one way, collectives have one way down, modules stay small.
 
-These read the source, not the behaviour. They keep the README's "Layout" map true:
+These read the source, not the behaviour. They keep the "Layout" map of docs/design.md true:
 
 * no ``_src`` module imports the public face (``replicator``, ``replicator.models``, ...);
 * the import graph of the whole package (``_src``, the public face, the CLI), function-local

@@ -1,4 +1,4 @@
-"""Pipelined steps under the local lowering: the README's and a GPT step run unchanged, as the
+"""Pipelined steps under the local lowering: the pipeline guide's and a GPT step run unchanged, as the
 sequential model, and equal the shard_map lowering on {"data": 2, "stage": 4}; `place` with a
 spec naming a mesh axis the mesh lacks."""
 
@@ -17,16 +17,16 @@ from replicator import pipeline
 from replicator.models import gpt
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
+GUIDE = (ROOT / "docs" / "guides" / "pipelines.md").read_text()
 TOL = 1e-5
 STEPS = 3
 STAGED = {"data": 2, "stage": 4}
 
 
 def readme_pipeline(replicator_args: str, optimizer: str) -> dict:
-    """Runs the README's pipeline example for STEPS steps on another Replicator (and optimizer);
-    returns its namespace. Every replacement must hit, so a README edit cannot hollow this out."""
-    block = README.split("## Pipeline parallelism", 1)[1]
+    """Runs the pipeline guide's example for STEPS steps on another Replicator (and optimizer);
+    returns its namespace. Every replacement must hit, so an edit of the guide cannot hollow this out."""
+    block = GUIDE.split("\n## Pipeline parallelism\n", 1)[1]
     code = re.search(r"```python\n(.*?)```", block, re.S).group(1)
     for old, new in [
         ('rp.Replicator(mesh_shape={"data": 2, "stage": 4})', f"rp.Replicator({replicator_args})"),
@@ -36,7 +36,7 @@ def readme_pipeline(replicator_args: str, optimizer: str) -> dict:
         assert code.count(old) == 1, old
         code = code.replace(old, new)
     namespace = {}
-    exec(compile(code, "README.md", "exec"), namespace)
+    exec(compile(code, "docs/guides/pipelines.md", "exec"), namespace)
     return namespace
 
 

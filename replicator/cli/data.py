@@ -343,7 +343,7 @@ class Tokenizer:
             raise FileNotFoundError(
                 f"data.tokenizer={data.tokenizer!r}: no such file; give a Hugging Face "
                 f"tokenizer.json or a SentencePiece .model (to train one on your text first, "
-                f"see the README's Tokenizers)."
+                f"see Tokenizers in docs/guides/llama_and_hf.md)."
             )
         if path.endswith(".model"):
             return _sentencepiece(data, path)

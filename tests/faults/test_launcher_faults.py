@@ -19,6 +19,8 @@ import replicator as rp
 WORKER = Path(__file__).resolve().parents[1] / "multiprocess" / "worker_fault.py"
 LAUNCH = [sys.executable, "-m", "replicator.launch"]
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 
 def launch_fault(tmp_path, mode, *, failing=1, extra=(), timeout=60):
     """Runs a 2-process job that fails as ``mode`` says; returns (code, output, seconds after

@@ -61,9 +61,8 @@ def _alive(pid: int) -> bool:
         return True
 
 
-@pytest.mark.parametrize(
-    "pdeathsig", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["pdeathsig", "pipe"]
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("pdeathsig", [True, False], ids=["pdeathsig", "pipe"])
 def test_no_worker_outlives_a_launcher_killed_by_sigkill(tmp_path, pdeathsig):
     env = dict(os.environ)
     if not pdeathsig:  # the fallback alone: initialize's watch of the launcher's pipe

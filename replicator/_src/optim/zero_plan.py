@@ -158,7 +158,7 @@ def warn_if_gathered(plan: ZeroPlan) -> None:
         f"operands over the replicas and run on whole arrays, gathered for each step: {ops}. "
         f"This is exact; the state stays sharded, and is whole on every device during those "
         f"operations only. Element-wise operations, reductions and products run on shards; "
-        f"see opt.plan(params) and the README section 'What is exact, and what is refused'.",
+        f"see opt.plan(params) and 'What is exact, and what is refused' in docs/design.md.",
         stacklevel=5,
     )
 

@@ -29,9 +29,9 @@ parameters' gradients). Collectives over ``model`` and ``stage``, and the token 
 all-to-alls, collective-permutes and all-gathers (activations), sit on the critical path and
 are always exposed.
 
-What the model leaves out is said in the README ("What the time model includes"): kernel
-efficiency below peak, memory-bound operations at HBM speed, host input, and launch overheads
-other than the per-collective latency.
+What the model leaves out is said in docs/guides/explain_and_plan.md ("What the time model
+includes"): kernel efficiency below peak, memory-bound operations at HBM speed, host input, and
+launch overheads other than the per-collective latency.
 """
 
 from __future__ import annotations
