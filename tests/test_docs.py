@@ -22,6 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 README_LINES = 260  # the README is the front page; the guides hold the rest
 CHROMIUM = pathlib.Path("/usr/bin/chromium")  # Debian's; .ci/run installs it
+SPHINX_OPTIONS = ["-W", "--keep-going", "-b", "html"]  # the README's build command's
 API_PAGES = {  # module -> (page, its public names)
     "replicator": ("api/replicator.html", PUBLIC),
     "replicator.pipeline": ("api/pipeline.html", PIPELINE),
@@ -44,7 +45,7 @@ def site(tmp_path_factory) -> pathlib.Path:
     """The site, built once with warnings as errors; returns its HTML directory."""
     out = tmp_path_factory.mktemp("docs")
     html_dir, warnings = out / "html", out / "warnings.txt"
-    command = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-b", "html"]
+    command = [sys.executable, "-m", "sphinx", *SPHINX_OPTIONS]
     command += ["-d", str(out / "doctrees"), "-w", str(warnings), str(DOCS), str(html_dir)]
     start = time.perf_counter()
     result = subprocess.run(
@@ -198,3 +199,11 @@ def test_pages_include_only_readme_sections_it_has():
             )
             included.append(after.group(1))
     assert sorted(included) == sorted(markers)
+
+
+def test_the_readme_builds_the_site_as_these_tests_do():
+    readme = (ROOT / "README.md").read_text()
+    command = re.search(r"## Documentation.*?```bash\n(.*?)```", readme, re.S).group(1).strip()
+    install, build = command.split(" && ")
+    assert install == 'pip install -e ".[docs]"'
+    assert build.split() == ["python", "-m", "sphinx", *SPHINX_OPTIONS, "docs", "docs/_build/html"]
