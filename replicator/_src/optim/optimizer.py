@@ -52,7 +52,14 @@ from jax.sharding import Mesh, NamedSharding
 from replicator._src.core import collectives, errors, placement
 from replicator._src.core.mesh import replicated_sharding
 from replicator._src.core.typing import PyTree
-from replicator._src.optim import accumulation, clipping, loss_scaling, replica_mean, zero
+from replicator._src.optim import (
+    accumulation,
+    clipping,
+    loss_scaling,
+    replica_mean,
+    stagewise,
+    zero,
+)
 
 ZERO_STAGES = (0, 1, 2, 3)
 _EMPTY = optax.EmptyState()
@@ -324,7 +331,7 @@ def wrap_optimizer(
         apply = zero.sharded_update(inner, layout)
     else:
         reduce = replica_mean.mean_over_replicas(grad_dtype=grad_dtype)
-        apply = inner if mesh is None else _placed_on(inner, mesh)
+        apply = stagewise.stagewise(inner, mesh, None if mesh is None else _placed_on(inner, mesh))
     wrapped = zero_stage > 0 or loss_scale is not None
     if wrapped:
         sharding = None if mesh is None else replicated_sharding(mesh)

@@ -40,6 +40,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from replicator._src.core import collectives, placement, tracing
 from replicator._src.core import mesh as mesh_lib
 from replicator._src.core.binding import current_binding
+from replicator._src.core.packed import packed_nodes
 from replicator._src.core.sharded_params import ShardedParam, has_sharded_params, is_sharded_param
 from replicator._src.core.typing import PyTree
 from replicator._src.optim import sharded_eval, shards, zero_layout, zero_plan
@@ -361,6 +362,7 @@ class Zero:
 
     def shard_params(self, params: PyTree, stacked) -> PyTree:
         """``params`` stored as `ShardedParam` leaves (see `DistributedOptimizer.shard_params`)."""
+        refuse_packed_stages(self.stage, params)
         leads = zero_layout.stacked_leads(stacked, params)
 
         def shard(x, lead: int):
@@ -395,6 +397,20 @@ def _to(x, have: Split, want: Split, comm: shards.Comm):
     if have == want:
         return x
     return sharded_eval.convert(x, have, want, comm)
+
+
+def refuse_packed_stages(stage: int, params: PyTree) -> None:
+    """Refuses the packed stages of ``rp.pipeline.sequential`` under ZeRO: ZeRO would split
+    each stage's packed row over the replicas, and an optimizer that looks at a leaf as a whole
+    would see parts of rows instead of the stage's leaves."""
+    if params is not None and packed_nodes(params):
+        raise ValueError(
+            f"wrap_optimizer(zero_stage={stage}): the parameters hold the packed stages of a "
+            f"pipeline.sequential model, which ZeRO does not shard yet (it would split each "
+            f"stage's row over the replicas, not its leaves). Use zero_stage=0: each device "
+            f"then keeps the optimizer state of its own stage only, 1/K of the model; or "
+            f"identical stages (pipeline.stack_stages) for ZeRO over the replicas."
+        )
 
 
 # -- as optax transformations -------------------------------------------------------------------
@@ -453,6 +469,7 @@ def sharded_update(
     inner = optax.with_extra_args_support(tx)
 
     def init(params):
+        refuse_packed_stages(zero.stage, params)
         if zero.stage == 3 and not has_sharded_params(params):
             raise ValueError(_PLAIN_PARAMS)
         state, plan = zero.init(inner, params)
@@ -460,6 +477,7 @@ def sharded_update(
         return state
 
     def update(parts, state, params=None, *, local_grads=None, **extra_args):
+        refuse_packed_stages(zero.stage, params if params is not None else local_grads)
         return zero.apply(inner, parts, state, params, extra_args, local_grads)
 
     return optax.GradientTransformationExtraArgs(init, update)

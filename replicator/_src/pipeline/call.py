@@ -19,6 +19,7 @@ import numpy as np
 from replicator._src.core import tracing
 from replicator._src.core.binding import current_binding
 from replicator._src.core.mesh import STAGE_AXIS
+from replicator._src.core.packing import Packing
 from replicator._src.core.typing import PyTree
 from replicator._src.pipeline import costs as costs_lib
 from replicator._src.pipeline import pictures, timing
@@ -31,7 +32,6 @@ from replicator._src.pipeline.layers import (
     layers_as_rows,
     same_shapes,
 )
-from replicator._src.pipeline.packing import Packing
 from replicator._src.pipeline.residuals import Remat
 from replicator._src.pipeline.stages import Sequential
 from replicator._src.pipeline.ticks import take
@@ -47,7 +47,7 @@ class PipelineCall:
     rows: PyTree  # stage params as [rows, ...]: [V, ...] per device, or [S, ...] in order
     xs: PyTree  # inputs as [M, b, ...]
     ts: PyTree  # targets as [M, b, ...], or None
-    param_shapes: PyTree  # the stage params' shapes as passed, to undo `rows`
+    param_shapes: PyTree  # the stage params as passed (ShapeDtypeStructs), to undo `rows`
     batch: int  # the per-replica batch B
     unroll: bool  # ticks as a Python loop instead of lax.scan
     stage_fn: StageFn  # the call's stage_fn, or a `Sequential` model
@@ -113,7 +113,8 @@ class PipelineCall:
         rows = _stage_rows(name, stage_params, schedule.repeats, k)
         call = cls(
             plan, k, m, rows, xs, _microbatch(targets, m),
-            jax.tree.map(jnp.shape, stage_params), batch, unroll, stage_fn, wire,
+            jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), stage_params),
+            batch, unroll, stage_fn, wire,
         )  # fmt: skip
         if wire is None:
             _check_stage_fn(name, stage_fn, call)
@@ -129,7 +130,11 @@ class PipelineCall:
 
     def from_rows(self, g_rows: PyTree) -> PyTree:
         """Stage rows (or their gradients) in the layout of the stage params as passed."""
-        return jax.tree.map(lambda g, shape: g.reshape(shape), g_rows, self.param_shapes)
+        shapes, treedef = jax.tree.flatten(self.param_shapes)
+        rows = jax.tree.leaves(g_rows)
+        return jax.tree.unflatten(
+            treedef, [g.reshape(a.shape) for a, g in zip(shapes, rows, strict=True)]
+        )
 
     def merge_batch(self, tree: PyTree) -> PyTree:
         """Micro-batches ``[M, b, ...]`` back to the batch ``[B, ...]``."""

@@ -19,9 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from replicator._src.core.errors import positive_int
+from replicator._src.core.packed import PackedStages
+from replicator._src.core.packing import Packing
 from replicator._src.core.typing import PyTree
 from replicator._src.pipeline.layers import Program, describe, scan_layers
-from replicator._src.pipeline.packing import Packing
 from replicator._src.pipeline.steps import Chain, StageLayout
 
 _API = "rp.pipeline.sequential"
@@ -48,16 +49,34 @@ class Sequential:
         names = ", ".join(getattr(f, "__name__", repr(f)) for f in self.fns)
         return f"Sequential([{names}], num_stages={self.num_stages}, repeats={self.repeats})"
 
-    def pack(self, params: Sequence[PyTree]) -> dict[str, jax.Array]:
+    def pack(self, params: Sequence[PyTree]) -> PackedStages:
         """The stages' parameters as ``{dtype: [K, n]}`` (``[V, K, n]`` with repeats), padded.
 
         Place the result with ``repl.place(packed, rp.pipeline.stage_spec(repeats))``; each
         device then holds its stage's ``[1, n]``. Row ``[r, s]`` is logical stage ``r*K + s``.
+        The result is a dict (a `PackedStages`) that keeps this model through ``jax.tree.map``,
+        placement and gradients, so that ``repl.wrap_optimizer`` updates each stage's own tree,
+        leaf by leaf, as optax would on one device.
         """
         self._check_params(params, "pack")
         rows = [self.params_layout.pack(j, p) for j, p in enumerate(params)]
         lead = (self.num_stages,) if self.repeats == 1 else (self.repeats, self.num_stages)
-        return {k: jnp.stack([r[k] for r in rows]).reshape((*lead, -1)) for k in rows[0]}
+        packed = {k: jnp.stack([r[k] for r in rows]).reshape((*lead, -1)) for k in rows[0]}
+        return PackedStages(self, packed)
+
+    # -- what the optimizer reads of a stage row (`replicator._src.core.packed.StageRows`) --
+
+    def abstract_stage(self, j: int) -> PyTree:
+        """Logical stage ``j``'s parameter tree as ``ShapeDtypeStruct``s."""
+        return self.params_layout.abstract(j)
+
+    def unpack_row(self, j: int, row: dict[str, jax.Array]) -> PyTree:
+        """Stage ``j``'s parameter tree (or its gradient) from its row ``{dtype: [n]}``."""
+        return self.params_layout.unpack(j, row)
+
+    def pack_row(self, j: int, tree: PyTree) -> dict[str, jax.Array]:
+        """Stage ``j``'s tree (parameters, gradients or updates) as its row ``{dtype: [n]}``."""
+        return self.params_layout.pack(j, tree)
 
     def unpack(self, packed: dict[str, jax.Array]) -> list[PyTree]:
         """Packed parameters (or their gradients) as one tree per stage, in logical order."""

@@ -25,9 +25,9 @@ import numpy as np
 from jax import lax
 
 from replicator._src.core.collectives import divergent
+from replicator._src.core.packing import Packing, unpack_leaves
 from replicator._src.core.typing import PyTree
 from replicator._src.pipeline.layers import Program, _ScanLayers
-from replicator._src.pipeline.packing import Packing, unpack_leaves
 
 
 @dataclasses.dataclass(frozen=True)
