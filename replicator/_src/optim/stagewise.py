@@ -31,17 +31,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from replicator._src.core import collectives, placement
-from replicator._src.core.binding import current_binding
+from replicator._src.core import placement
 from replicator._src.core.mesh import STAGE_AXIS
-from replicator._src.core.packed import PackedStages, is_packed, packed_nodes
+from replicator._src.core.packed import is_packed, packed_nodes
 from replicator._src.core.packing import Packing
 from replicator._src.core.typing import PyTree
 from replicator._src.optim import stage_program as sp
 from replicator._src.optim.stage_program import EVERYWHERE
+from replicator._src.optim.stage_run import StageRun
 
 _API = "wrap_optimizer"
 
@@ -198,221 +197,12 @@ def init(inner, params: PyTree, mesh: Mesh | None) -> StageState:
     return StageState(stacked, shared)
 
 
-# -- update -----------------------------------------------------------------------------------
-
-
-class _Local:
-    """This device's rows of the packed trees: ``[V, K_l, n]`` with ``K_l`` the stages it holds
-    (1 on a 'stage' axis of K, K without one), and the logical stage of each."""
-
-    def __init__(self, model) -> None:
-        binding = current_binding()
-        k_axis = binding.axis_size(STAGE_AXIS) if binding.kind == "shard_map" else 1
-        if k_axis not in (1, model.num_stages):
-            raise ValueError(
-                f"{_API}: the packed stages are {model.num_stages} per repeat, but the mesh's "
-                f"'stage' axis has {k_axis} devices; use the mesh the model runs on."
-            )
-        self.model, self.k_axis = model, k_axis
-        self.v, self.kl = model.repeats, model.num_stages // k_axis
-
-    def rows(self, node: dict) -> dict:
-        return {k: jnp.reshape(a, (self.v, self.kl, a.shape[-1])) for k, a in node.items()}
-
-    def stages(self, si: int) -> list[tuple[int, int, int]]:
-        """``(r, s, j)``: row ``[r, s]`` of device ``si`` holds logical stage ``j``."""
-        k = self.model.num_stages
-        return [(r, s, r * k + si * self.kl + s) for r in range(self.v) for s in range(self.kl)]
-
-    def switch(self, branch):
-        """``branch(si)`` on each device for its stage index ``si``."""
-        if self.k_axis == 1:
-            return branch(0)
-        with collectives.divergent("an optimizer update of stages that differ"):
-            return lax.switch(
-                lax.axis_index(STAGE_AXIS), [lambda si=si: branch(si) for si in range(self.k_axis)]
-            )
-
-    def owner(self, j: int) -> int:
-        """The stage index of the device that holds logical stage ``j``."""
-        return (j % self.model.num_stages) // self.kl
-
-
-def _stage_inputs(lay: _Layout, loc: _Local, r: int, s: int, j: int, g_rows, s_rows, p_rows):
-    """Stage ``j``'s inputs of the program (refs -> values), from rows ``[r, s]``."""
-    prog, env = lay.prog, {}
-    ins_g = prog.ins[: lay.n_g]
-    ins_s = prog.ins[lay.n_g : lay.n_g + len(lay.s_avals)]
-    ins_p = prog.ins[lay.n_g + len(lay.s_avals) :]
-
-    def fill(refs, rows):
-        tree = loc.model.unpack_row(j, {k: a[r, s] for k, a in rows.items()})
-        staged = [x for x, w in zip(refs, lay.g_where, strict=True) if w == j]
-        for ref, v in zip(staged, jax.tree.leaves(tree), strict=True):
-            env[ref] = v
-
-    fill(ins_g, g_rows)
-    if ins_p:
-        fill(ins_p, p_rows)
-    mine = [ref for ref, w in zip(ins_s, lay.s_where, strict=True) if w == j]
-    state = lay.s_pack.unpack(j, {k: a[r, s] for k, a in s_rows.items()})
-    for ref, v in zip(mine, state, strict=True):
-        env[ref] = v
-    return env
-
-
-def update(inner, grads, state: StageState, params, extra_args) -> tuple[PyTree, StageState]:
-    """The updates and new state of ``inner`` on the one-device tree (see the module)."""
-    model = _model(params, grads)
-    lay = _layout(inner, model, grads, params, extra_args)
-    _check_state(lay, state)
-    loc, prog = _Local(model), lay.prog
-    g_rows = loc.rows(packed_nodes(grads)[0])
-    p_rows = None if params is None else loc.rows(packed_nodes(params)[0])
-    s_rows = loc.rows(state.rows)
-    # values known everywhere: unpacked leaves outside the rows, shared state
-    everywhere: dict = {}
-    flat_in = _flat_inputs(lay, grads, state, params)
-    for ref, v in zip(prog.ins, flat_in, strict=True):
-        if v is not None:
-            everywhere[ref] = v
-
-    def staged_pass(targets_of):
-        """Each device computes, for its stages ``j``, ``targets_of(j)``; returns the values
-        of every stage's targets, gathered from their devices."""
-        every = [(j, t) for j in range(_stage_count(model)) for t in targets_of(j)]
-        pack = Packing.of([tuple(_aval(lay, t) for _, t in every)])
-
-        def branch(si):
-            values = {}
-            for r, s, j in loc.stages(si):
-                env = _stage_inputs(lay, loc, r, s, j, g_rows, s_rows, p_rows)
-                sp.run_nodes(prog.staged(targets_of(j)), env, everywhere)
-                for t in targets_of(j):
-                    values[(j, id(t))] = env[t] if t in env else everywhere[t]
-            flat = [values.get((j, id(t)), jnp.zeros(a.shape, a.dtype))
-                    for (j, t), a in zip(every, pack.leaves[0], strict=True)]  # fmt: skip
-            return pack.pack(0, tuple(flat))
-
-        buf = loc.switch(branch)
-        if loc.k_axis > 1:
-            buf = {
-                k: collectives.gather_over_axes(a[None], (STAGE_AXIS,), 0) for k, a in buf.items()
-            }
-        else:
-            buf = {k: a[None] for k, a in buf.items()}
-        out = {}
-        for i, (j, t) in enumerate(every):
-            row = pack.unpack(0, {k: a[loc.owner(j)] for k, a in buf.items()})
-            out[t] = row[i]
-        return out
-
-    for p in range(prog.rounds + 1):
-        if p:
-            exports = prog.exports(p)
-            everywhere.update(
-                staged_pass(lambda j, e=exports: [t for t in e if prog.where[t] == j])
-            )
-        sp.run_nodes(prog.everywhere(p), everywhere)
-    return _outputs(lay, loc, model, grads, state, g_rows, s_rows, p_rows, everywhere)
-
-
-def _aval(lay: _Layout, ref) -> jax.ShapeDtypeStruct:
-    node = lay.prog.producer.get(ref)
-    if node is not None:
-        aval = node.eqn.outvars[node.outs.index(ref)].aval
-    else:
-        aval = lay.prog.in_avals[lay.prog.ins.index(ref)]
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
-
-
-def _flat_inputs(lay: _Layout, grads, state: StageState, params) -> list:
-    """The program's inputs known everywhere (None for a stage's own)."""
-
-    def outside(tree):
-        out = []
-        for x in jax.tree.leaves(tree, is_leaf=is_packed):
-            if is_packed(x):
-                model = x.model
-                out += [None] * sum(
-                    len(jax.tree.leaves(model.abstract_stage(j)))
-                    for j in range(_stage_count(model))
-                )
-            else:
-                out.append(x)
-        return out
-
-    shared = iter(state.shared)
-    s_in = [next(shared) if w == EVERYWHERE else None for w in lay.s_where]
-    return [*outside(grads), *s_in, *([] if params is None else outside(params))]
-
-
 def _check_state(lay: _Layout, state: Any) -> None:
     if not isinstance(state, StageState) or len(state.shared) != lay.s_where.count(EVERYWHERE):
         raise ValueError(
             f"{_API}: the optimizer state does not belong to these packed stages; make it with "
             f"opt.init(params) on the packed parameters (model.pack(params)) that update gets."
         )
-
-
-def _outputs(lay, loc, model, grads, state, g_rows, s_rows, p_rows, everywhere):
-    """The last pass: each stage's updates and state, packed into its rows; the rest."""
-    prog = lay.prog
-    n_u = len(lay.g_where)
-    outs = prog.outs
-
-    def value(env, x):
-        if isinstance(x, sp.Const):
-            return x.value
-        return env[x] if x in env else everywhere[x]
-
-    def branch(si):
-        u_rows, st_rows = [], []
-        for r, s, j in loc.stages(si):
-            u_idx = [i for i in range(n_u) if lay.g_where[i] == j]
-            s_idx = [i for i in range(len(lay.s_where)) if lay.s_where[i] == j]
-            targets = [outs[i] for i in u_idx] + [outs[n_u + i] for i in s_idx]
-            env = _stage_inputs(lay, loc, r, s, j, g_rows, s_rows, p_rows)
-            sp.run_nodes(prog.staged(targets), env, everywhere)
-            like = model.abstract_stage(j)
-            u_tree = jax.tree.unflatten(
-                jax.tree.structure(like),
-                [jnp.asarray(value(env, outs[i])).astype(a.dtype)
-                 for i, a in zip(u_idx, jax.tree.leaves(like), strict=True)],
-            )  # fmt: skip
-            u_rows.append(model.pack_row(j, u_tree))
-            avals = lay.s_pack.leaves[j]
-            st = tuple(jnp.asarray(value(env, outs[n_u + i])).astype(a.dtype)
-                       for i, a in zip(s_idx, avals, strict=True))  # fmt: skip
-            st_rows.append(lay.s_pack.pack(j, st))
-        shape = lambda rows: {
-            k: jnp.stack([row[k] for row in rows]).reshape((loc.v, loc.kl, -1)) for k in rows[0]
-        }
-        return shape(u_rows), shape(st_rows) if lay.s_pack.sizes else {}
-
-    u_rows, new_rows = loc.switch(branch)
-    node = packed_nodes(grads)[0]
-    u_node = PackedStages(model, {k: u_rows[k].reshape(node[k].shape).astype(node[k].dtype)
-                                  for k in node})  # fmt: skip
-    new_rows = {k: new_rows[k].reshape(state.rows[k].shape) for k in state.rows}
-    flat_u = iter(value({}, outs[i]) if lay.g_where[i] == EVERYWHERE else None for i in range(n_u))
-    leaves = []
-    for x in jax.tree.leaves(grads, is_leaf=is_packed):
-        if is_packed(x):
-            for _ in range(sum(len(jax.tree.leaves(model.abstract_stage(j)))
-                               for j in range(_stage_count(model)))):  # fmt: skip
-                next(flat_u)
-            leaves.append(u_node)
-        else:
-            leaves.append(jnp.asarray(next(flat_u)).astype(jnp.result_type(x)))
-    updates = jax.tree.unflatten(jax.tree.structure(grads, is_leaf=is_packed), leaves)
-    shared = tuple(
-        jnp.asarray(value({}, outs[n_u + i])).astype(old.dtype)
-        for i, old in zip(
-            [i for i, w in enumerate(lay.s_where) if w == EVERYWHERE], state.shared, strict=True
-        )
-    )
-    return updates, StageState(new_rows, shared)
 
 
 # -- as an optax transformation ---------------------------------------------------------------
@@ -445,6 +235,9 @@ def stagewise(
                     f"with opt.init(params) on the packed parameters."
                 )
             return other.update(updates, state, params, **extra_args)
-        return update(tx, updates, state, params, extra_args)
+        model = _model(params, updates)
+        lay = _layout(tx, model, updates, params, extra_args)
+        _check_state(lay, state)
+        return StageRun(lay, model, updates, state, params)()
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
