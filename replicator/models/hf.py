@@ -89,7 +89,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from replicator._src.core import leaf_specs
-from replicator.models import llama
+from replicator.models import hf_checks, llama
 
 PyTree = Any
 
@@ -147,27 +147,53 @@ def read_config(directory: str | os.PathLike) -> dict:
     >>> config["num_key_value_heads"], config["head_dim"], config["rope_theta"]
     (2, 4, 10000.0)
 
+    When the directory holds weights (``*.safetensors`` files, or an index), they are checked
+    against the config, from the files' headers only: every tensor the config describes is
+    there with its shape, and no other.
+
     Raises:
       FileNotFoundError: if ``directory`` has no ``config.json``.
       ValueError: for a model other than Llama or Mixtral (``model_type`` not ``"llama"`` or
-        ``"mixtral"``), an activation other than SiLU, or a missing size.
+        ``"mixtral"``), an activation other than SiLU, a missing size or a value of the wrong
+        type or range, a ``config.json``, index or safetensors header that is not JSON, a
+        truncated file, or weights the config does not describe (naming file, key or tensor).
     """
-    path = pathlib.Path(directory) / "config.json"
+    directory = pathlib.Path(directory)
+    config = _config(directory, "hf.read_config")
+    weights = [*directory.glob("*.safetensors"), *directory.glob("model.safetensors.index.json")]
+    if weights:
+        tensors = _tensors(directory, "hf.read_config")
+        hf_checks.check_weights(config, tensors, tuple(_DTYPES), "hf.read_config", directory)
+    return config
+
+
+def _config(directory: pathlib.Path, api: str) -> dict:
+    """``directory``'s ``config.json``, checked as `read_config` says (without the weights)."""
+    path = directory / "config.json"
     if not path.is_file():
+        what = f"{directory} is a file, not a directory" if directory.is_file() else ""
+        what = what or f"{path if directory.is_dir() else directory} does not exist"
         raise FileNotFoundError(
-            f"hf.read_config: {path} does not exist; a Hugging Face checkpoint is a directory "
-            f"with config.json next to its *.safetensors files (save_pretrained writes both)."
+            f"{api}: {what}; a Hugging Face checkpoint is a directory with config.json next to "
+            f"its *.safetensors files (save_pretrained writes both)."
         )
-    return _llama(json.loads(path.read_text()), f"hf.read_config: {path}")
+    fix = "repair it, or use the config.json saved with the model (save_pretrained writes it)"
+    config = hf_checks.read_json(path, api, fix)
+    if not isinstance(config, dict):
+        raise ValueError(
+            f"{api}: {path} holds {hf_checks.json_kind(config) or 'a number'}, not a JSON object "
+            f'of settings such as {{"model_type": "llama", "hidden_size": 4096, ...}}; {fix}.'
+        )
+    return _llama(config, f"{api}: {path}")
 
 
 def _llama(config: dict, where: str) -> dict:
     """``config`` checked to be a Llama or a Mixtral we can hold, with its defaults filled in."""
     kind = config.get("model_type")
-    if kind not in _FAMILIES:
+    if not isinstance(kind, str) or kind not in _FAMILIES:
         extra = {
             "mistral": " (Llama's layout with sliding-window attention, not supported yet)",
-        }.get(kind, "")
+        }.get(kind if isinstance(kind, str) else "", "")
         raise ValueError(
             f"{where}: model_type={kind!r}{extra}; only 'llama' (LlamaForCausalLM) and 'mixtral' "
             f"(MixtralForCausalLM) checkpoints map onto replicator's parameters. Use one of "
@@ -188,6 +214,7 @@ def _llama(config: dict, where: str) -> dict:
             f"{where}: hidden_act={config['hidden_act']!r}; the Llama MLP here is SiLU-gated "
             f"(hidden_act 'silu')."
         )
+    hf_checks.check_config(config, where, required)
     defaults = _MIXTRAL_DEFAULTS if mixtral else _DEFAULTS
     out = {k: v for k, v in config.items() if v is not None or k == "rope_scaling"}
     kv_heads = config.get("num_key_value_heads", defaults.get("num_key_value_heads"))
@@ -305,37 +332,29 @@ class _Tensor(NamedTuple):
         return _DTYPES[self.code]
 
 
-def _header(path: pathlib.Path) -> dict[str, _Tensor]:
-    """The tensors of one ``.safetensors`` file, from its JSON header."""
-    with open(path, "rb") as f:
-        size = f.read(8)
-        if len(size) < 8:
-            raise ValueError(f"hf.load: {path} is not a safetensors file (under 8 bytes).")
-        header = json.loads(f.read(struct.unpack("<Q", size)[0]))
-    start = 8 + struct.unpack("<Q", size)[0]
-    return {
-        name: _Tensor(path, info["dtype"], tuple(info["shape"]), start + info["data_offsets"][0])
-        for name, info in header.items()
-        if name != "__metadata__"
-    }
-
-
-def _tensors(directory: pathlib.Path) -> dict[str, _Tensor]:
+def _tensors(directory: pathlib.Path, api: str = "hf.load") -> dict[str, _Tensor]:
     """Every tensor of the checkpoint in ``directory``: the files its index names, else every
-    ``*.safetensors`` file there."""
+    ``*.safetensors`` file there; each file's header checked (`hf_checks.read_header`), and
+    each tensor in one file only (the one the index names)."""
     index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    weights = hf_checks.read_index(index, api) if index.is_file() else None
+    if weights is not None:
+        files = sorted(set(weights.values()))
     else:
         files = sorted(p.name for p in directory.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(
-            f"hf.load: {directory} holds no *.safetensors file; save the model with "
+            f"{api}: {directory} holds no *.safetensors file; save the model with "
             f"save_pretrained (safetensors is its default) or with hf.save."
         )
     tensors: dict[str, _Tensor] = {}
     for name in files:
-        tensors.update(_header(directory / name))
+        for tensor, found in hf_checks.read_header(directory / name, api).items():
+            if tensor in tensors:
+                raise hf_checks.duplicate(tensor, tensors[tensor].file, directory / name, api)
+            tensors[tensor] = _Tensor(directory / name, *found)
+    if weights is not None:
+        hf_checks.check_index(weights, tensors, index, api)
     return tensors
 
 
@@ -381,9 +400,16 @@ class _Reader:
         first = box[outer][0] * strides[outer] if outer < len(t.shape) else 0
         for row, position in enumerate(np.ndindex(*out.shape[:outer])):
             element = first + sum((box[i][0] + p) * strides[i] for i, p in enumerate(position))
-            _pread_into(
-                self._fds[t.file], t.offset + element * t.dtype.itemsize, memoryview(runs[row])
-            )
+            try:
+                _pread_into(
+                    self._fds[t.file], t.offset + element * t.dtype.itemsize, memoryview(runs[row])
+                )
+            except EOFError:  # cut short since its header was read
+                raise ValueError(
+                    f"hf.load: {t.file} is truncated: it ends inside tensor {name!r}; "
+                    f"{hf_checks.AGAIN}."
+                ) from None
+        hf_checks.check_finite(out, name, t.file, box)
         return out
 
 
@@ -608,12 +634,13 @@ def load(directory: str | os.PathLike, target: PyTree, *, dtype: Any = jnp.float
 
     Raises:
       ValueError: for a model other than Llama or Mixtral, a leaf with no Hugging Face tensor
-        or no sharding, a leaf of another number of layers or experts, or a tensor that is
-        missing or of another shape (naming file and tensor).
+        or no sharding, a leaf of another number of layers or experts, a tensor that is
+        missing or of another shape, a file that is truncated or not safetensors, or a tensor
+        that holds a NaN or an infinity (naming file and tensor).
       FileNotFoundError: if ``directory`` lacks ``config.json`` or ``*.safetensors`` files.
     """
     directory = pathlib.Path(directory)
-    config = read_config(directory)
+    config = _config(directory, "hf.load")
     tensors = _tensors(directory)
     is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)
     flat, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=is_sharding)

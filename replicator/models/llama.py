@@ -152,7 +152,23 @@ def _rope(hf: Mapping[str, Any], default: float) -> tuple[float, gpt.RopeScaling
             f"rotary positions with gpt.RopeScaling)."
         )
     fields = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [f for f in fields if rope.get(f) is None]
+    if missing:  # from_hf_config checked them; a direct call may not have
+        raise _refuse(f"rope_type 'llama3' without {', '.join(missing)}; it needs {fields}.")
     return theta, gpt.RopeScaling(**{f: rope[f] for f in fields})
+
+
+def _kind(hf: Mapping[str, Any]) -> str:
+    """``hf``'s ``model_type``, its values checked as `hf.read_config` checks a config.json's."""
+    from replicator.models import hf_checks  # it reads this module's tables
+
+    kind = hf.get("model_type", "llama")
+    if not isinstance(kind, str) or kind not in ("llama", "mixtral"):
+        raise _refuse(f"model_type={kind!r}; this reads Llama and Mixtral configs.")
+    sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads")
+    sizes += ("num_hidden_layers",) + ("num_local_experts",) * (kind == "mixtral")
+    hf_checks.check_config(dict(hf), "llama.from_hf_config: config", sizes)
+    return kind
 
 
 def from_hf_config(hf: Mapping[str, Any], **options: Any) -> gpt.GPTConfig:
@@ -189,19 +205,22 @@ def from_hf_config(hf: Mapping[str, Any], **options: Any) -> gpt.GPTConfig:
       ValueError: for what the GPT does not compute: another ``model_type`` or ``hidden_act``
         than Llama's, a ``head_dim`` other than ``hidden_size / num_attention_heads``, biases in
         attention but not the MLP (or the reverse), a rotary scaling other than Llama 3's, or
-        for a Mixtral a sliding window shorter than ``seq_len`` or router jitter.
+        for a Mixtral a sliding window shorter than ``seq_len`` or router jitter; and for a
+        size missing or not a whole number >= 1, or a value of the wrong type or range (as
+        ``hf.read_config`` refuses them).
     """
-    kind = hf.get("model_type", "llama")
-    if kind not in ("llama", "mixtral"):
-        raise _refuse(f"model_type={kind!r}; this reads Llama and Mixtral configs.")
+    kind = _kind(hf)
     if hf.get("hidden_act", "silu") != "silu":
         raise _refuse(f"hidden_act={hf['hidden_act']!r}; the SwiGLU MLP uses 'silu'.")
     d, heads = hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or d // heads
     if head_dim * heads != d:
         raise _refuse(
-            f"head_dim={head_dim} with {heads} heads is not hidden_size={d} wide; the GPT's "
-            f"heads are hidden_size / num_attention_heads = {d / heads:g} wide."
+            f"head_dim={head_dim} with {heads} heads is not hidden_size={d} wide (q_proj.weight "
+            f"would be [{head_dim * heads}, {d}]); the GPT's heads are hidden_size / "
+            f"num_attention_heads = {d / heads:g} wide. If the checkpoint's q_proj.weight is "
+            f"[{d}, {d}], head_dim is wrong: remove it from config.json; else the GPT cannot "
+            f"hold this model."
         )
     bias = bool(hf.get("attention_bias", False))
     if bias != bool(hf.get("mlp_bias", False)):
