@@ -51,6 +51,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from replicator._src.core import collectives, errors, placement
 from replicator._src.core.mesh import replicated_sharding
+from replicator._src.core.packed import packed_nodes
 from replicator._src.core.typing import PyTree
 from replicator._src.optim import (
     accumulation,
@@ -117,7 +118,15 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
           `loss_scaling.WrappedState`. With ``zero_stage >= 1`` call it outside ``step_fn``: it
           returns global arrays sharded over the data axes.
         """
-        return self.parts.apply.init(params)
+        p = self.parts
+        if p.layout is not None and packed_nodes(params) and p.norm.keywords.get("why"):
+            raise ValueError(
+                f"wrap_optimizer(zero_stage={p.layout.stage}, {p.norm.keywords['why']}): with "
+                f"the packed stages of pipeline.sequential, ZeRO reduces each stage's gradients "
+                f"inside the update; clip with optax.clip_by_global_norm in the chain instead "
+                f"(exact: the norm is taken over every stage), and use a static loss_scale."
+            )
+        return p.apply.init(params)
 
     def update(
         self, grads: PyTree, state: optax.OptState, params: PyTree = None, **extra_args
@@ -162,7 +171,8 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
         if p.layout is not None:
             p.layout.check_binding()
         scale = state.loss_scale.scale if p.wrapped and state.loss_scale is not None else 1.0
-        sliced = p.layout is not None and p.layout.stage >= 2  # accumulate this replica's slice
+        # accumulate this replica's slice (packed stages: reduced leaf by leaf in the update)
+        sliced = p.layout is not None and p.layout.stage >= 2 and not packed_nodes(params)
         loss, grads = accumulation.accumulated_grads(
             loss_fn,
             params,
@@ -251,8 +261,11 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
         p = self.parts
         scale = state.loss_scale if p.wrapped else None
         reduced = loss_scaling.unscale(reduced, scale)
-        split = False if p.layout is None else p.layout.split_flags(params, like)
-        norm = p.norm(reduced, params, over_replicas=split)
+        if p.layout is not None and packed_nodes(reduced):
+            norm = None  # not reduced yet: ZeRO reduces packed stages inside the update
+        else:
+            split = False if p.layout is None else p.layout.split_flags(params, like)
+            norm = p.norm(reduced, params, over_replicas=split)
         if p.clip is not None:
             reduced, _ = p.clip.update(reduced, _EMPTY, params, grad_norm=norm)
         if p.wrapped:
@@ -328,7 +341,7 @@ def wrap_optimizer(
     layout = zero.Zero(mesh, stage=zero_stage) if zero_stage else None
     if layout is not None:
         reduce = zero.scatter_mean(layout, grad_dtype=grad_dtype)
-        apply = zero.sharded_update(inner, layout)
+        apply = zero.sharded_update(inner, layout, grad_dtype=grad_dtype)
     else:
         reduce = replica_mean.mean_over_replicas(grad_dtype=grad_dtype)
         apply = stagewise.stagewise(inner, mesh, None if mesh is None else _placed_on(inner, mesh))

@@ -24,6 +24,7 @@ equations that mix stages are glue.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,9 +35,10 @@ _CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "custom_jvp_call": "call_jaxpr",
           "custom_vjp_call": "call_jaxpr", "closed_call": "call_jaxpr"}  # fmt: skip
 
 EVERYWHERE = -1  # the location of a value known on every device
+SMALL = 1  # elements: a stage's scalar that meets glue joins it (a running sum)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Const:
     """A constant of the program (a literal or a closed-over array)."""
 
@@ -109,8 +111,13 @@ class StageProgram:
         for node in self.nodes:
             refs = [x for x in node.ins if not isinstance(x, Const)]
             stages = {self.where[r] for r in refs} - {EVERYWHERE}
-            node.glue = len(stages) > 1
-            node.where = next(iter(stages)) if len(stages) == 1 else EVERYWHERE
+            # Small values of one stage meeting glue's output (a running sum of the stages'
+            # squares) join the glue, so that the stages export in one round, not one each.
+            joins = len(stages) == 1 and all(
+                self._small(r) for r in refs if self.where[r] != EVERYWHERE
+            ) and any(self.phase[r] > 0 for r in refs if self.where[r] == EVERYWHERE)
+            node.glue = len(stages) > 1 or joins
+            node.where = next(iter(stages)) if len(stages) == 1 and not joins else EVERYWHERE
             if node.glue:  # its staged inputs arrive in the round after they are computed
                 node.phase = max(
                     [self.phase[r] + (self.where[r] != EVERYWHERE) for r in refs], default=0
@@ -119,6 +126,17 @@ class StageProgram:
                 node.phase = max([self.phase[r] for r in refs], default=0)
             for r in node.outs:
                 self.where[r], self.phase[r], self.producer[r] = node.where, node.phase, node
+
+    def _small(self, ref) -> bool:
+        """A value of at most `SMALL` elements (a norm, a count), cheap to export."""
+        return math.prod(self.aval(ref).shape) <= SMALL
+
+    def aval(self, ref):
+        """A value's shape and dtype."""
+        node = self.producer.get(ref)
+        if node is not None:
+            return node.eqn.outvars[node.outs.index(ref)].aval
+        return self.in_avals[self.ins.index(ref)]
 
     def where_out(self, i: int) -> int:
         """Output ``i``'s location."""

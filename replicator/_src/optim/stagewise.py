@@ -39,6 +39,7 @@ from replicator._src.core.packed import is_packed, packed_nodes
 from replicator._src.core.packing import Packing
 from replicator._src.core.typing import PyTree
 from replicator._src.optim import stage_program as sp
+from replicator._src.optim import stage_zero
 from replicator._src.optim.stage_program import EVERYWHERE
 from replicator._src.optim.stage_run import StageRun
 
@@ -177,12 +178,18 @@ def _row_spec(model, mesh: Mesh | None) -> PartitionSpec:
     return PartitionSpec(STAGE_AXIS) if model.repeats == 1 else PartitionSpec(None, STAGE_AXIS)
 
 
-def init(inner, params: PyTree, mesh: Mesh | None) -> StageState:
-    """``inner.init`` of the one-device tree, each state leaf with the stage that updates it."""
+def init(inner, params: PyTree, mesh: Mesh | None, *, zero_n: int = 0) -> StageState:
+    """``inner.init`` of the one-device tree, each state leaf with the stage that updates it;
+    with ``zero_n`` replicas, each stage's leaves on their ZeRO parts (`stage_zero`)."""
     model = _model(params)
     lay = _layout(inner, model, params, params, {})
     trees, _ = _one_device(params, _unpacked_stages(model))
     leaves = jax.tree.leaves(inner.init(trees))
+    if zero_n:
+        zs = stage_zero.splits(lay, model, zero_n)
+        rows = stage_zero.init_rows(lay, model, zs, leaves, mesh)
+        shared = tuple(x for x, w in zip(leaves, lay.s_where, strict=True) if w == EVERYWHERE)
+        return StageState(rows, placement.put(shared, NamedSharding(mesh, PartitionSpec())))
     s = _stage_count(model)
     rows = [
         lay.s_pack.pack(j, tuple(x for x, w in zip(leaves, lay.s_where, strict=True) if w == j))
@@ -203,6 +210,32 @@ def _check_state(lay: _Layout, state: Any) -> None:
             f"{_API}: the optimizer state does not belong to these packed stages; make it with "
             f"opt.init(params) on the packed parameters (model.pack(params)) that update gets."
         )
+
+
+def update(inner, grads, state, params, extra_args, *, zero_n: int = 0, grad_dtype=None):
+    """The updates and new state of ``inner`` on the one-device tree (see the module); with
+    ``zero_n`` replicas, from local gradients, on ZeRO's parts (`stage_zero`)."""
+    model = _model(params, grads)
+    lay = _layout(inner, model, grads, params, extra_args)
+    _check_state(lay, state)
+    if not zero_n:
+        return StageRun(lay, model, grads, state, params)()
+    zs = stage_zero.splits(lay, model, zero_n)
+    return stage_zero.ZeroStageRun(lay, model, grads, state, params, zs, grad_dtype)()
+
+
+def only_packed(params: PyTree, what: str) -> bool:
+    """Whether ``params`` hold packed stages; refuses them beside other parameters."""
+    if _model(params) is None:
+        return False
+    others = [x for x in jax.tree.leaves(params, is_leaf=is_packed) if not is_packed(x)]
+    if others:
+        raise ValueError(
+            f"{_API}({what}): the parameters hold packed pipeline stages beside "
+            f"{len(others)} other leaves; with ZeRO, give the optimizer the packed stages "
+            f"alone (make the embedding and the head stages of the model), or use zero_stage=0."
+        )
+    return True
 
 
 # -- as an optax transformation ---------------------------------------------------------------
@@ -235,9 +268,6 @@ def stagewise(
                     f"with opt.init(params) on the packed parameters."
                 )
             return other.update(updates, state, params, **extra_args)
-        model = _model(params, updates)
-        lay = _layout(tx, model, updates, params, extra_args)
-        _check_state(lay, state)
-        return StageRun(lay, model, updates, state, params)()
+        return update(tx, updates, state, params, extra_args)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -43,7 +43,7 @@ from replicator._src.core.binding import current_binding
 from replicator._src.core.packed import packed_nodes
 from replicator._src.core.sharded_params import ShardedParam, has_sharded_params, is_sharded_param
 from replicator._src.core.typing import PyTree
-from replicator._src.optim import sharded_eval, shards, zero_layout, zero_plan
+from replicator._src.optim import sharded_eval, shards, stagewise, zero_layout, zero_plan
 from replicator._src.optim.shards import WHOLE, Split
 
 
@@ -406,10 +406,10 @@ def refuse_packed_stages(stage: int, params: PyTree) -> None:
     if params is not None and packed_nodes(params):
         raise ValueError(
             f"wrap_optimizer(zero_stage={stage}): the parameters hold the packed stages of a "
-            f"pipeline.sequential model, which ZeRO does not shard yet (it would split each "
-            f"stage's row over the replicas, not its leaves). Use zero_stage=0: each device "
-            f"then keeps the optimizer state of its own stage only, 1/K of the model; or "
-            f"identical stages (pipeline.stack_stages) for ZeRO over the replicas."
+            f"pipeline.sequential model, whose parameters ZeRO-3 does not store split yet (a "
+            f"stage's row would have to be gathered for each tick). Use zero_stage=1 or 2 "
+            f"(the optimizer state split over the replicas), or identical stages "
+            f"(pipeline.stack_stages) for ZeRO-3."
         )
 
 
@@ -441,13 +441,15 @@ def scatter_mean(zero: Zero, *, grad_dtype: Any = None) -> optax.GradientTransfo
 
     def update(grads, state, params=None, **extra_args):
         del extra_args
+        if stagewise.only_packed(grads, f"zero_stage={zero.stage}"):
+            return grads, state  # reduce-scattered leaf by leaf in the update (stage_zero)
         return zero.reduce(grads, params, grad_dtype), state
 
     return optax.GradientTransformationExtraArgs(optax.init_empty_state, update)
 
 
 def sharded_update(
-    tx: optax.GradientTransformation, zero: Zero
+    tx: optax.GradientTransformation, zero: Zero, *, grad_dtype: Any = None
 ) -> optax.GradientTransformationExtraArgs:
     """``tx`` run on this replica's parts of the mean gradients, as on one device (`Zero.apply`).
 
@@ -469,7 +471,10 @@ def sharded_update(
     inner = optax.with_extra_args_support(tx)
 
     def init(params):
-        refuse_packed_stages(zero.stage, params)
+        if zero.stage == 3:
+            refuse_packed_stages(zero.stage, params)
+        elif stagewise.only_packed(params, f"zero_stage={zero.stage}"):
+            return stagewise.init(inner, params, zero.mesh, zero_n=zero.n)
         if zero.stage == 3 and not has_sharded_params(params):
             raise ValueError(_PLAIN_PARAMS)
         state, plan = zero.init(inner, params)
@@ -477,7 +482,11 @@ def sharded_update(
         return state
 
     def update(parts, state, params=None, *, local_grads=None, **extra_args):
-        refuse_packed_stages(zero.stage, params if params is not None else local_grads)
+        if isinstance(state, stagewise.StageState):
+            return stagewise.update(
+                inner, parts, state, params, extra_args, zero_n=zero.n, grad_dtype=grad_dtype
+            )
+        refuse_packed_stages(zero.stage, params if params is not None else parts)
         return zero.apply(inner, parts, state, params, extra_args, local_grads)
 
     return optax.GradientTransformationExtraArgs(init, update)
