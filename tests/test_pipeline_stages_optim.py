@@ -260,7 +260,7 @@ def test_integer_inputs_a_tuple_activation_and_runs_of_layers_equal_one_device(n
     )
 
     def step(state, tokens, targets):
-        loss, (g, _, _) = f(state["params"], tokens, targets)
+        _, (g, _, _) = f(state["params"], tokens, targets)
         updates, opt = wrapped.update(g, state["opt"], state["params"])
         return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {}
 
@@ -272,7 +272,7 @@ def test_integer_inputs_a_tuple_activation_and_runs_of_layers_equal_one_device(n
         tokens = r.integers(0, 16, size=(16, 6)).astype(np.int32)
         targets = np.roll(tokens, -1, axis=1)
         state, _ = repl.run(step, state, tokens, targets)
-        g = jax.grad(lambda p: token_loss(None, model.run(p, tokens), targets))(want)
+        g = jax.grad(lambda p, x=tokens, t=targets: token_loss(None, model.run(p, x), t))(want)
         updates, opt = tx.update(g, opt, want)
         want = optax.apply_updates(want, updates)
     got = model.unpack(jax.tree.map(np.asarray, dict(state["params"])))
