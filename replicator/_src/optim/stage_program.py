@@ -113,9 +113,11 @@ class StageProgram:
             stages = {self.where[r] for r in refs} - {EVERYWHERE}
             # Small values of one stage meeting glue's output (a running sum of the stages'
             # squares) join the glue, so that the stages export in one round, not one each.
-            joins = len(stages) == 1 and all(
-                self._small(r) for r in refs if self.where[r] != EVERYWHERE
-            ) and any(self.phase[r] > 0 for r in refs if self.where[r] == EVERYWHERE)
+            joins = (
+                len(stages) == 1
+                and all(self._small(r) for r in refs if self.where[r] != EVERYWHERE)
+                and any(self.phase[r] > 0 for r in refs if self.where[r] == EVERYWHERE)
+            )
             node.glue = len(stages) > 1 or joins
             node.where = next(iter(stages)) if len(stages) == 1 and not joins else EVERYWHERE
             if node.glue:  # its staged inputs arrive in the round after they are computed
