@@ -50,7 +50,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from replicator._src.core import collectives, errors, placement
-from replicator._src.core.mesh import replicated_sharding
+from replicator._src.core.mesh import STAGE_AXIS, replicated_sharding
 from replicator._src.core.packed import packed_nodes
 from replicator._src.core.typing import PyTree
 from replicator._src.optim import (
@@ -344,7 +344,10 @@ def wrap_optimizer(
         apply = zero.sharded_update(inner, layout, grad_dtype=grad_dtype)
     else:
         reduce = replica_mean.mean_over_replicas(grad_dtype=grad_dtype)
-        apply = stagewise.stagewise(inner, mesh, None if mesh is None else _placed_on(inner, mesh))
+        other = None if mesh is None else _placed_on(inner, mesh)
+        if mesh is not None and dict(mesh.shape).get(STAGE_AXIS, 1) > 1:
+            other = zero.on_stage_blocks(inner, mesh, other)
+        apply = stagewise.stagewise(inner, mesh, other)
     wrapped = zero_stage > 0 or loss_scale is not None
     if wrapped:
         sharding = None if mesh is None else replicated_sharding(mesh)

@@ -58,7 +58,7 @@ class Node:
     phase: int = 0
 
 
-def _inline(jaxpr: jex.Jaxpr, consts: Sequence, ins: list, nodes: list[Node]) -> list:
+def inline(jaxpr: jex.Jaxpr, consts: Sequence, ins: list, nodes: list[Node]) -> list:
     """Appends ``jaxpr``'s equations to ``nodes`` with calls inlined; its outputs' refs."""
     env: dict = {}
     for v, c in zip(jaxpr.constvars, consts, strict=True):
@@ -74,9 +74,9 @@ def _inline(jaxpr: jex.Jaxpr, consts: Sequence, ins: list, nodes: list[Node]) ->
         name = eqn.primitive.name
         if name in _CALLS:
             inner = eqn.params[_CALLS[name]]
-            outs = _inline(inner.jaxpr, inner.consts, args, nodes)
+            outs = inline(inner.jaxpr, inner.consts, args, nodes)
         elif name in ("remat2", "checkpoint"):
-            outs = _inline(eqn.params["jaxpr"], [], args, nodes)
+            outs = inline(eqn.params["jaxpr"], [], args, nodes)
         else:
             outs = [object() for _ in eqn.outvars]
             nodes.append(Node(eqn, args, outs))
@@ -98,7 +98,7 @@ class StageProgram:
         self.ins = [object() for _ in closed.jaxpr.invars]
         self.in_avals = [v.aval for v in closed.jaxpr.invars]
         self.nodes: list[Node] = []
-        self.outs = _inline(closed.jaxpr, closed.consts, list(self.ins), self.nodes)
+        self.outs = inline(closed.jaxpr, closed.consts, list(self.ins), self.nodes)
         self.where: dict = {}  # ref -> location
         self.phase: dict = {}  # ref -> the round from which it can be computed
         self.producer: dict = {}  # ref -> its node
