@@ -418,3 +418,40 @@ def test_fsdp_x_tp_computes_each_product_once_and_moves_no_weight_over_model(mes
     (note,) = fsdp.zero
     assert note.zero_stage == 3 and not note.gathered
     assert note.whole_leaves == 2 and note.whole_bytes > 0  # the biases split over `model`
+
+
+@pytest.mark.parametrize(
+    "name", ["lamb", pytest.param("clip_chain", marks=pytest.mark.slow), "adafactor_factored"]
+)
+def test_without_zero_a_stage_block_is_updated_as_part_of_its_whole_leaf(name):
+    """zero_stage=0 on {"data": 2, "stage": 4}: LAMB's trust ratio, a global norm in a chain
+    and Adafactor's factored statistics see each stage block as part of the whole stacked leaf,
+    as on one device (LAMB differed by 2e-3 when each device updated its block alone)."""
+    from test_zero_any_tx import TRANSFORMS
+
+    tx = TRANSFORMS[name][0]()
+    repl = make_repl({"data": 2, "stage": 4})
+    train_pipeline(repl, repl.wrap_optimizer(tx), tx, "1f1b", stacked=True)
+
+
+def test_without_zero_and_without_params_a_whole_leaf_update_is_refused():
+    """Without the parameters the update cannot tell the stage blocks: an element-wise
+    transformation still runs (each block's update is the block of the leaf's), and one that
+    is not is refused, naming the fix."""
+    repl = make_repl({"data": 2, "stage": 4})
+    tx = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.5))
+    wrapped = repl.wrap_optimizer(tx)
+    f = pipeline.value_and_grad(
+        pipeline.scan_layers(layer_fn), loss_fn, num_microbatches=4, schedule=pipeline.OneFOneB()
+    )
+    grads = pipelined_grads(f)
+
+    def step(state, x, t):
+        _, g = grads(state["params"], x, t)
+        updates, opt = wrapped.update(g, state["opt"])  # no params
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {}
+
+    placed = placed_pipeline(repl, init_params(), 1)
+    state = {"params": placed, "opt": wrapped.init(placed)}
+    with pytest.raises(ValueError, match=r"(?s)zero_stage=0.*pass them.*not element-wise"):
+        repl.run(step, state, *make_batch(16, seed=1))

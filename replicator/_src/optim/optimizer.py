@@ -22,8 +22,11 @@ Options follow Horovod and DeepSpeed:
   differentiation; a step whose gradients are not finite is skipped (parameters and optimizer
   state unchanged), the scale halves, and after ``loss_scale_period`` finite steps it doubles.
 
-The inner transformation must act element by element (SGD, momentum, Adam, AdamW, Lion, ...)
-when the state is sharded: it sees one slice of each leaf.
+The inner transformation sees the tree it would see on one device, whatever the mesh: ZeRO
+runs its one-device program on each replica's parts (`zero`), a pipeline's stage blocks are
+parts of their whole leaves (`zero.on_stage_blocks`), and the packed stages of
+``rp.pipeline.sequential`` are each stage's own tree (`stagewise`). So masks by name, LAMB,
+Adafactor and global norms in a chain are exact, or refused before a step runs.
 
 ZeRO on 3-D meshes: with ``zero_stage=1`` or ``2``, parameters split over ``stage`` (pipeline
 stage blocks) keep 1/(K N) of their state per device, split over the stages and the replicas,
@@ -303,7 +306,7 @@ def wrap_optimizer(
         updates, state = tx.update(grads, state, params)
 
     Args:
-      tx: any ``optax.GradientTransformation`` (element-wise when ``zero_stage >= 1``).
+      tx: any ``optax.GradientTransformation``.
       mesh: the replicator's mesh; needed for ``zero_stage >= 1`` (``init`` places the sharded
         state on it). ``Replicator.wrap_optimizer`` passes it.
       zero_stage: 0 (replicated state), 1 and 2 (state sharded over the replicas, and over
