@@ -74,15 +74,17 @@ def train(tx, schedule, *, mesh=None, plain_dict=False, zero_stage=0):
 
     def step(state, x, t):
         loss, (g, _, _) = f(state["params"], x, t)
-        updates, opt = wrapped.update(g, state["opt"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
+        p = state["params"]
+        if plain_dict:  # what the optimizer saw before: one buffer per dtype and stage
+            g, p = dict(g), dict(p)
+        updates, opt = wrapped.update(g, state["opt"], p)
+        new = jax.tree.leaves(optax.apply_updates(p, updates))
+        params = jax.tree.unflatten(jax.tree.structure(state["params"]), new)
         return {"params": params, "opt": opt}, {"loss": rp.all_reduce(loss, "mean")}
 
     params = jax.tree.map(jnp.asarray, cnn_params())
     packed = repl.place(model.pack(params), pipeline.stage_spec(schedule.repeats))
-    if plain_dict:  # what the optimizer saw before: one buffer per dtype and stage
-        packed = dict(packed)
-    state = {"params": packed, "opt": wrapped.init(packed)}
+    state = {"params": packed, "opt": wrapped.init(dict(packed) if plain_dict else packed)}
     want, opt = params, tx.init(params)
     for i in range(STEPS):
         x, t = cnn_batch(seed=10 + i)
@@ -199,6 +201,15 @@ def test_zero_3_and_norm_clipping_options_are_refused_naming_the_fix():
     opt = repl.wrap_optimizer(optax.adam(1e-2), zero_stage=1, clip_global_norm=1.0)
     with pytest.raises(ValueError, match=r"clip_global_norm.*optax.clip_by_global_norm"):
         opt.init(packed)
+
+
+def test_a_plain_dict_of_rows_is_refused_by_value_and_grad():
+    """A plain dict of the rows would hide the stages from the optimizer: refused."""
+    repl = make_repl()
+    packed = dict(repl.place(CNN.pack(cnn_params()), pipeline.stage_spec()))
+    f = pipeline.value_and_grad(CNN, cross_entropy, num_microbatches=4)
+    with pytest.raises(ValueError, match=r"plain dict of packed rows.*model.pack\(params\)"):
+        repl.run(lambda s, x, t: (s, {"loss": f(s, x, t)[0]}), packed, *cnn_batch())
 
 
 # -- stages with integer inputs, a tuple activation, and runs of layers ------------------------

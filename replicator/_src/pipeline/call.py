@@ -347,6 +347,8 @@ def _check_model(
                 f"this model packs each stage into rows of {n}; pass model.pack(params) of the "
                 f"same model."
             )
+    if api == "value_and_grad":
+        _check_packed_by(name, model, stage_params)
     shapes = model.boundaries(take(xs, 0))
     b = jax.tree.leaves(xs)[0].shape[1]
     # The batch axis must follow the micro-batch: shapes at b, and at b + 1 when they trace.
@@ -369,6 +371,34 @@ def _check_model(
                     f"the batch axis first and leave batch reductions to loss_fn."
                 )
     return model.wire(take(xs, 0))
+
+
+def _check_packed_by(name: str, model: Sequential, stage_params: dict) -> None:
+    """Refuses rows that do not carry ``model`` (or a model of the same stages): the
+    optimizer reads each stage's tree from the model the rows carry."""
+    packer = getattr(stage_params, "model", None)
+    if packer is None:
+        raise ValueError(
+            f"{name}: stage_params is a plain dict of packed rows; pass model.pack(params) as "
+            f"it returns it (a PackedStages, which jax.tree.map, repl.place and checkpoints "
+            f"keep), so that the gradients carry the model and the optimizer updates each "
+            f"stage's own tree (a plain dict would show it one buffer per stage)."
+        )
+    same = packer is model or (
+        len(packer) == len(model)
+        and all(
+            jax.tree.structure(packer.abstract_stage(j))
+            == jax.tree.structure(model.abstract_stage(j))
+            and jax.tree.leaves(packer.abstract_stage(j))
+            == jax.tree.leaves(model.abstract_stage(j))
+            for j in range(len(model))
+        )
+    )
+    if not same:
+        raise ValueError(
+            f"{name}: stage_params were packed by another pipeline.sequential model, whose "
+            f"stages have other parameters; pass model.pack(params) of this model."
+        )
 
 
 def _padding(stage_fn: StageFn, wire: Packing | None) -> str:
