@@ -7,7 +7,7 @@ step by kind and axes (bytes per device; `Replicator.explain` counts every stage
 update, so a ZeRO row over ``data`` is the sum over the 4 stages, and each device moves its own
 stage's share), the optimizer state per device, and the step time measured side by side with
 the same steps under plain Adam on the packed rows seen as buffers (``plain``: what the optimizer
-saw before; exact only for element-wise transformations).
+saw before; exact only for element-wise transformations), one step of each in turn (medians).
 
     python benchmarks/stagewise.py                 # every row, 20 timed steps each
     python benchmarks/stagewise.py --steps 5
@@ -64,17 +64,17 @@ TRANSFORMS = {
 }
 
 
-def row(name, zero_stage, steps, *, plain=False):
+def build(name, zero_stage, *, plain=False):
+    """The compiled step, its state and batch, its collectives and optimizer-state bytes."""
     model, params = stages()
     repl = rp.Replicator(mesh_shape={"data": 2, "stage": 4})
-    tx = TRANSFORMS[name]()
-    opt = repl.wrap_optimizer(tx, zero_stage=zero_stage)
+    opt = repl.wrap_optimizer(TRANSFORMS[name](), zero_stage=zero_stage)
     f = pipeline.value_and_grad(model, lambda _, y, t: jnp.mean((y - t) ** 2), num_microbatches=4)
 
     def step(state, x, t):
         loss, (g, _, _) = f(state["params"], x, t)
         p = state["params"]
-        if plain:
+        if plain:  # the optimizer sees one buffer per stage (exact for element-wise only)
             g, p = dict(g), dict(p)
         updates, o = opt.update(g, state["opt"], p)
         new = jax.tree.leaves(optax.apply_updates(p, updates))
@@ -89,22 +89,34 @@ def row(name, zero_stage, steps, *, plain=False):
     report = repl.explain(step, state, x, t)
     coll = {}
     for g in report.collective_summary():
-        if "collective-permute" in g["kind"]:
-            continue
-        key = f"{g['kind']} over {'+'.join(g['axes'])}"
-        coll[key] = coll.get(key, 0) + int(g["bytes"])
+        if "collective-permute" not in g["kind"]:
+            key = f"{g['kind']} over {'+'.join(g['axes'])}"
+            coll[key] = coll.get(key, 0) + int(g["bytes"])
     opt_bytes = sum(
         int(np.prod(a.addressable_shards[0].data.shape)) * a.dtype.itemsize
         for a in jax.tree.leaves(state["opt"])
     )
-    state, out = repl.run(step, state, x, t)  # compile
-    jax.block_until_ready(out)
+    return (repl, step, [state], x, t), coll, opt_bytes
+
+
+def timed(run) -> float:
+    repl, step, box, x, t = run
     start = time.perf_counter()
-    for _ in range(steps):
-        state, out = repl.run(step, state, x, t)
+    box[0], out = repl.run(step, box[0], x, t)
     jax.block_until_ready(out)
-    ms = 1e3 * (time.perf_counter() - start) / steps
-    return coll, opt_bytes, ms
+    return time.perf_counter() - start
+
+
+def row(name, zero_stage, steps):
+    """Collectives, state bytes, and the median step ms of ``name`` and of plain Adam, timed
+    alternately (one step of each in turn) after a warm-up step."""
+    run, coll, opt_bytes = build(name, zero_stage)
+    plain, _, _ = build("adam", zero_stage, plain=True)
+    timed(run), timed(plain)
+    pairs = [(timed(run), timed(plain)) for _ in range(steps)]
+    ms = 1e3 * float(np.median([a for a, _ in pairs]))
+    plain_ms = 1e3 * float(np.median([b for _, b in pairs]))
+    return coll, opt_bytes, ms, plain_ms
 
 
 def main():
@@ -119,8 +131,7 @@ def main():
     print("|---|---|---|---|---|---|")
     for name in TRANSFORMS:
         for zero_stage in (0, 1):
-            _, _, plain_ms = row("adam", zero_stage, args.steps, plain=True)
-            coll, opt_bytes, ms = row(name, zero_stage, args.steps)
+            coll, opt_bytes, ms, plain_ms = row(name, zero_stage, args.steps)
             text = ", ".join(f"{k} {v:,}" for k, v in sorted(coll.items()))
             print(f"| {name} | {zero_stage} | {text} | {opt_bytes:,} | {ms:.2f} | {plain_ms:.2f} |")
 
