@@ -41,7 +41,7 @@ from replicator._src.core.typing import PyTree
 from replicator._src.optim import stage_program as sp
 from replicator._src.optim import stage_zero
 from replicator._src.optim.stage_program import EVERYWHERE
-from replicator._src.optim.stage_run import StageRun
+from replicator._src.optim.stage_run import StageRun, stage_count
 
 _API = "wrap_optimizer"
 
@@ -74,10 +74,6 @@ def _model(params: PyTree, grads: PyTree = None) -> Any:
     return next(iter(models.values()), None)
 
 
-def _stage_count(model) -> int:
-    return model.num_stages * model.repeats
-
-
 def _one_device(tree: PyTree, stage_trees) -> tuple[PyTree, list[int]]:
     """``tree`` with its packed rows replaced by the list of the stages' trees
     (``stage_trees(node) -> list``), and each leaf's stage (`EVERYWHERE` outside them)."""
@@ -93,14 +89,14 @@ def _one_device(tree: PyTree, stage_trees) -> tuple[PyTree, list[int]]:
 
 
 def _abstract_stages(model):
-    return lambda _: [model.abstract_stage(j) for j in range(_stage_count(model))]
+    return lambda _: [model.abstract_stage(j) for j in range(stage_count(model))]
 
 
 def _unpacked_stages(model):
     """The stages' trees from the global rows ``{dtype: [K, n]}`` or ``[V, K, n]``."""
 
     def trees(node):
-        s = _stage_count(model)
+        s = stage_count(model)
         flat = {k: jnp.reshape(a, (s, a.shape[-1])) for k, a in node.items()}
         return [model.unpack_row(j, {k: a[j] for k, a in flat.items()}) for j in range(s)]
 
@@ -156,7 +152,7 @@ def _layout(inner, model, grads: PyTree, params: PyTree, extra_args: dict) -> _L
         )
     members = [
         tuple(a for a, w in zip(s_avals, s_where, strict=True) if w == j)
-        for j in range(_stage_count(model))
+        for j in range(stage_count(model))
     ]
     return _Layout(prog, n_g, s_avals, s_def, s_where, Packing.of(members), g_def, g_where)
 
@@ -190,7 +186,7 @@ def init(inner, params: PyTree, mesh: Mesh | None, *, zero_n: int = 0) -> StageS
         rows = stage_zero.init_rows(lay, model, zs, leaves, mesh)
         shared = tuple(x for x, w in zip(leaves, lay.s_where, strict=True) if w == EVERYWHERE)
         return StageState(rows, placement.put(shared, NamedSharding(mesh, PartitionSpec())))
-    s = _stage_count(model)
+    s = stage_count(model)
     rows = [
         lay.s_pack.pack(j, tuple(x for x, w in zip(leaves, lay.s_where, strict=True) if w == j))
         for j in range(s)
