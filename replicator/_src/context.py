@@ -28,9 +28,9 @@ class Replicator:
 
     Args:
       mesh_shape: mesh axis sizes, such as ``{"data": -1}`` (every device a replica) or
-        ``{"data": 2, "stage": 4}``. Known axes: ``dcn_data``, ``data``, ``stage``, ``model``;
-        one size may be -1 to fill the remaining devices. Replicas are laid out over the data
-        axes (``data`` and ``dcn_data``).
+        ``{"data": 2, "stage": 4}``. Known axes: ``dcn_data``, ``data``, ``stage``,
+        ``expert``, ``context``, ``model``; one size may be -1 to fill the remaining devices.
+        Replicas are laid out over the data axes (``data`` and ``dcn_data``).
       lowering: ``"shard_map"`` (default): ``jax.jit(jax.shard_map(...))`` over the whole mesh;
         ``"pmap"``: ``jax.pmap`` over the replicas (data axes only); ``"local"``: one replica on
         one device, ``step_fn`` run eagerly on the whole batch, for debugging.
