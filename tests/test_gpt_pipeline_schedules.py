@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 from oracle import rel_err
-from test_gpt_tensor import CONFIG, OPTIMIZERS, TOL, batches, make_repl
+from test_gpt_tensor import ADAM_TOL, CONFIG, OPTIMIZERS, TOL, batches, make_repl
 from test_gpt_tensor import oracle as one_device
 
 import replicator as rp
@@ -67,8 +67,9 @@ def check_equals_one_device(name, remat, opt):
     got, losses, traces = pipeline_training(name, remat, opt)
     want, want_losses = one_device(opt)
     err = rel_err(got, want)
-    assert err <= TOL, f"parameters after 3 steps: rel_err {err:.2e}"
-    assert rel_err(np.array(losses), np.array(want_losses)) <= TOL, (losses, want_losses)
+    tol = ADAM_TOL if opt == "adam" else TOL
+    assert err <= tol, f"parameters after 3 steps: rel_err {err:.2e}"
+    assert rel_err(np.array(losses), np.array(want_losses)) <= tol, (losses, want_losses)
     assert rel_err(got, gpt.init(CONFIG, jax.random.key(0))) > 1e-3  # training moved them
     assert traces == 1
 

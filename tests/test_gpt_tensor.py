@@ -16,6 +16,11 @@ from replicator import pipeline
 from replicator.models import gpt
 
 TOL = 1e-5
+# Adam divides by the root of its second moment, which amplifies the last bits that XLA:CPU's
+# code leaves to the CPU: after 3 steps under 1e-5 where these tests were written, 1.01e-5 to
+# 1.22e-5 on an Intel Xeon with AVX-512 (the same with the code before and after issue 40).
+# SGD keeps 1e-5, and it is SGD that catches a gradient summed where a mean was meant.
+ADAM_TOL = 5e-5
 CONFIG = gpt.GPTConfig(vocab_size=64, seq_len=8, d_model=16, num_heads=4, num_layers=4)
 # Adam's first updates are lr * g / (|g| + eps): with the default eps=1e-8, a gradient entry
 # near 1e-8 (the GPT has some) turns its fp32 rounding (5e-7 of the leaf's largest entry, from
@@ -151,8 +156,9 @@ def test_pipelined_gpt_with_tensor_parallel_stages_trains_as_one_device(mesh_sha
         "blocks": pipeline.unstack_stages(params["stages"], repeats),
         "head": params["head"],
     }
-    assert rel_err(jax.tree.map(np.asarray, got), want) <= TOL
-    assert rel_err(np.array(losses), np.array(want_losses)) <= TOL
+    tol = ADAM_TOL if opt == "adam" else TOL
+    assert rel_err(jax.tree.map(np.asarray, got), want) <= tol
+    assert rel_err(np.array(losses), np.array(want_losses)) <= tol
     t, k = mesh_shape.get("model", 1), mesh_shape["stage"]
     qkv, down = params["stages"]["attn"]["qkv"], params["stages"]["mlp"]["down"]
     # Per device: one stage (of each of the V virtual ones), its layers, 1/T of the heads.
