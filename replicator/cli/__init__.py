@@ -10,6 +10,7 @@ replicator launch -n N [--devices-per-process D] [--watchdog S] -- CMD ...
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Sequence
 
@@ -18,8 +19,16 @@ from collections.abc import Sequence
 from replicator.cli import config, jobs, launch, plan
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, with a usage error as one line on stderr (``replicator plan: ...``, and where
+    the options are listed) and exit code 2; its subcommands' parsers are of this class too."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help).\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="replicator", description=__doc__)
+    parser = _OneLineParser(prog="replicator", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser(
         "train",
@@ -67,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["launch"]:  # the launcher parses its own options (--watchdog, ...)
         return launch.main(argv[1:])
-    args = _parser().parse_args(argv)
+    args = _parser().parse_args(_normalised(argv))
     if args.command not in ("train", "explain", "plan"):
         return 2
     where = f"replicator {args.command}"
@@ -95,6 +104,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(f"wrote {args.json}")
     return 0
+
+
+def _normalised(argv: list[str]) -> list[str]:
+    """``argv`` as argparse can read it: a value that starts with ``-`` joined to its option
+    (``--memory -5GiB`` becomes ``--memory=-5GiB``, which argparse would take for an option of
+    its own; the option then refuses the value with its own message), and the ``key=value``
+    overrides moved next to the config, where argparse looks for them (``plan CONFIG --devices
+    8 steps=2`` reads as ``plan CONFIG steps=2 --devices 8``)."""
+    joined: list[str] = []
+    for arg in argv:
+        option = joined[-1] if joined else ""
+        if _takes_value(option) and re.match(r"-\.?\d", arg):
+            joined[-1] = f"{option}={arg}"
+        else:
+            joined.append(arg)
+    if joined[:1] not in (["train"], ["explain"], ["plan"]):
+        return joined
+    positional, options = [], []
+    for i, arg in enumerate(joined[1:], 1):
+        is_value = _takes_value(joined[i - 1])
+        (options if is_value or arg.startswith("-") else positional).append(arg)
+    return joined[:1] + positional + options
+
+
+def _takes_value(arg: str) -> bool:
+    """Whether ``arg`` is an option whose value is the next argument (every ``--`` option of
+    explain and plan but --help, when not written ``--option=value``)."""
+    return arg.startswith("--") and "=" not in arg and arg != "--help"
 
 
 def _user_error(where: str, error: BaseException) -> int:

@@ -21,11 +21,10 @@ import types
 import typing
 from typing import Any
 
-import yaml
-
 from replicator.cli.checks import _at_least, _did_you_mean, _finite_positive, _one_of, _where
 from replicator.cli.data import DataConfig
 from replicator.cli.optimizers import DEFAULT_LEARNING_RATE, OptimizerConfig
+from replicator.cli.yaml_files import DuplicateKeyError, UniqueKeyLoader, _read, _set  # noqa: F401
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +92,8 @@ class ModelConfig:
                         f"{_where(self)}{name}={getattr(self, name)!r} is for model.kind='llama' "
                         f"(or family: llama); remove the key, or use kind: llama."
                     )
+        for name, example in (("rope_theta", "rope_theta=10000.0"), ("norm_eps", "norm_eps=1e-5")):
+            _finite_positive(self, name, example=example)  # else NaN from the first step
         if self.kv_heads is not None:
             _at_least(self, "kv_heads", 1)
             if self.heads % self.kv_heads:
@@ -258,21 +259,10 @@ class TrainConfig:
             )
         if not self.out_dir:
             raise ValueError(f"{where}out_dir must be a directory; got {self.out_dir!r}.")
-        for key, size in self.mesh.items():
-            if not isinstance(key, str) or isinstance(size, bool) or not isinstance(size, int):
-                raise ValueError(
-                    f"{where}mesh must map axis names to sizes (ints); got {key!r}: {size!r}. "
-                    f"e.g. mesh: {{data: -1}} or mesh: {{data: 2, stage: 4}}."
-                )
-            if size < 1 and size != -1:
-                raise ValueError(
-                    f"{where}mesh.{key}={size}: an axis size must be an int >= 1, or -1 for the "
-                    f"remaining devices."
-                )
-        _at_least(self, "cpu_devices", 0)
-        for name in ("steps", "global_batch", "accumulate_steps", "log_every", "checkpoint_every"):
-            _at_least(self, name, 1)
+        self._check_mesh_and_counts()
         _at_least(self, "keep", 1)
+        if self.init_from == "":  # empty: the same as no init_from
+            object.__setattr__(self, "init_from", None)
         if self.init_from is not None:
             object.__setattr__(self, "model", _checkpoint_model(self))
         m = self.model
@@ -312,6 +302,51 @@ class TrainConfig:
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"{where}zero_stage must be 0, 1, 2 or 3; got {self.zero_stage!r}.")
         self._check_model_fits_the_job()
+
+    def _check_mesh_and_counts(self) -> None:
+        """The mesh, the device and step counts, the profile's window; ``~`` in paths."""
+        where = _where(self)
+        if not self.mesh:
+            raise ValueError(
+                f"{where}mesh must name at least one axis; got {{}}. e.g. mesh: {{data: -1}} (every "
+                f"device a replica) or mesh: {{data: 2, stage: 4}}."
+            )
+        for key, size in self.mesh.items():
+            if not isinstance(key, str) or isinstance(size, bool) or not isinstance(size, int):
+                raise ValueError(
+                    f"{where}mesh must map axis names to sizes (ints); got {key!r}: {size!r}. "
+                    f"e.g. mesh: {{data: -1}} or mesh: {{data: 2, stage: 4}}."
+                )
+            if size < 1 and size != -1:
+                raise ValueError(
+                    f"{where}mesh.{key}={size}: an axis size must be an int >= 1, or -1 for the "
+                    f"remaining devices."
+                )
+        _at_least(self, "cpu_devices", 0)
+        if self.cpu_devices > MAX_CPU_DEVICES:
+            raise ValueError(
+                f"{where}cpu_devices={self.cpu_devices} is more CPU devices than this process can "
+                f"emulate (each is a thread pool and its memory; at most {MAX_CPU_DEVICES}); use "
+                f"cpu_devices <= {MAX_CPU_DEVICES} (e.g. cpu_devices=8), or 0 for the platform's "
+                f"own devices."
+            )
+        for name in ("steps", "global_batch", "accumulate_steps", "log_every", "checkpoint_every"):
+            _at_least(self, name, 1)
+        if self.steps > MAX_STEPS:
+            raise ValueError(
+                f"{where}steps={self.steps} is more than the run's step counter holds (an int32, "
+                f"at most {MAX_STEPS}); use fewer steps."
+            )
+        if isinstance(self.profile, ProfileConfig) and self.profile.start_step > self.steps:
+            raise ValueError(
+                f"{where}profile.start_step={self.profile.start_step} comes after the run's last "
+                f"step (steps={self.steps}), so nothing would be traced; use profile.start_step "
+                f"<= {self.steps} (step 1 compiles, e.g. profile.start_step={min(3, self.steps)})."
+            )
+        for name in ("out_dir", "init_from"):  # ~ is the home directory, in a file too
+            value = getattr(self, name)
+            if isinstance(value, str) and value.startswith("~"):
+                object.__setattr__(self, name, os.path.expanduser(value))
 
     def _check_model_fits_the_job(self) -> None:
         """What a model kind asks of the mesh, the pipeline and the optimizer options."""
@@ -508,10 +543,17 @@ def _checkpoint_model(config) -> ModelConfig:
             f"Mixtral checkpoint."
         )
     fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)}
-    return ModelConfig(**(fields | sizes | {"kind": "gpt", "family": "llama"}))
+    try:
+        return ModelConfig(**(fields | sizes | {"kind": "gpt", "family": "llama"}))
+    except ValueError as e:  # e.g. a rope_theta of 0 in config.json
+        message = str(e).removeprefix("ModelConfig: ")
+        raise ValueError(f"{where}: with the sizes of its config.json, model.{message}") from None
 
 
 MODEL_KINDS = ("gpt", "llama", "mlp", "cnn")
+# The most CPU devices one process emulates: 4096 take about 8 s to start, 100000 minutes.
+MAX_CPU_DEVICES = 4096
+MAX_STEPS = 2**31 - 1  # the state's step counter is an int32
 DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots")
 BYTE_VOCAB = 256
@@ -548,91 +590,33 @@ def _both_rates(where: str) -> ValueError:
     )
 
 
-class DuplicateKeyError(yaml.YAMLError):
-    """A YAML mapping that gives one key twice; the message names the key and both lines."""
-
-
-class UniqueKeyLoader(yaml.SafeLoader):
-    """``yaml.safe_load``'s loader, except that a mapping giving a key twice is an error.
-
-    Plain YAML keeps the last of two equal keys, so ``steps: 5`` then ``steps: 7`` would train 7
-    steps without a word. Keys brought in by a merge (``<<: *base``) may still be overridden.
-    """
-
-    def __init__(self, stream) -> None:
-        super().__init__(stream)
-        self._paths: dict[int, str] = {}  # a mapping node's dotted path: "model."
-
-    def construct_mapping(self, node, deep=False):
-        if isinstance(node, yaml.MappingNode):
-            paths = self._paths
-            prefix, seen = paths.get(id(node), ""), {}
-            for key_node, value_node in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
-                    continue
-                key = self.construct_object(key_node, deep=True)
-                try:
-                    first = seen.setdefault(key, key_node.start_mark)
-                except TypeError:  # an unhashable key: the base class refuses it
-                    continue
-                paths[id(value_node)] = f"{prefix}{key}."
-                if first is not key_node.start_mark:
-                    a, b = first.line + 1, key_node.start_mark.line + 1
-                    where = f"on line {a}" if a == b else f"on lines {a} and {b}"
-                    raise DuplicateKeyError(
-                        f"key {prefix}{key} appears twice, {where}; YAML would silently keep "
-                        f"the second. Keep one of them."
-                    )
-        return super().construct_mapping(node, deep=deep)
-
-
 def load(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> TrainConfig:
     """Reads a YAML config and applies ``key=value`` overrides (dotted keys for nested fields).
+
+    An empty ``init_from`` (``init_from=``, ``init_from=null``) is the same as none: the file's
+    model sizes stay.
 
     Raises:
       FileNotFoundError: if there is no file at ``path``.
       ValueError: naming an unknown key (with the valid keys), a value of the wrong type or out
         of range (with the valid ones), or a file that is not a YAML mapping.
     """
-    try:
-        with open(path) as f:
-            raw = yaml.load(f, Loader=UniqueKeyLoader) or {}
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            f"config {path}: no config file there; give the path of a YAML file, e.g. "
-            f"configs/lm_dp.yaml."
-        ) from None
-    except DuplicateKeyError as e:
-        raise ValueError(f"config {path}: {e}") from None
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ValueError(f"config {path} is not YAML: {_one_line(e)}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(
-            f"config {path}: the top level must be a mapping of keys to values; got a "
-            f"{type(raw).__name__}."
-        )
+    raw = _read(path)
     overridden = set()
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"override {item!r}: write key=value, e.g. steps=20.")
+        if "" in key.split("."):
+            raise ValueError(
+                f"override {item!r}: {key!r} has an empty part; write key=value with a dotted "
+                f"key for a section, e.g. model.layers=2."
+            )
         overridden.add(key)
-        target = raw
-        *parents, leaf = key.split(".")
-        for part in parents:
-            if part == "optimizer" and isinstance(target.get(part), str):
-                target[part] = {"name": target[part]}  # optimizer: adam, then optimizer.x=...
-            if part == "wandb" and isinstance(target.get(part), bool):
-                target[part] = {}  # wandb: true, then wandb.mode=...
-            target = target.setdefault(part, {})
-            if not isinstance(target, dict):
-                raise ValueError(f"override {item!r}: {part} is not a section.")
-        try:
-            target[leaf] = yaml.load(value, Loader=UniqueKeyLoader)
-        except DuplicateKeyError as e:
-            raise ValueError(f"override {item!r}: {e}") from None
-        except yaml.YAMLError as e:
-            raise ValueError(f"override {item!r} is not YAML: {_one_line(e)}") from None
+        _set(raw, item, key, value)
+    if raw.get("init_from") in ("", None):  # empty or null: as if the key were absent
+        raw.pop("init_from", None)
+        overridden.discard("init_from")
     if "init_from" in overridden and isinstance(raw.get("model"), dict):
         # The file's sizes describe the model it trains from scratch; the checkpoint's replace
         # them (a size also given on the command line must agree with the checkpoint).
@@ -676,10 +660,6 @@ def from_dict(cls, raw: dict, where: str = "config", prefix: str = ""):
         raise ValueError(f"{where}: {prefix}{message[len(own) :]}") from None
 
 
-def _one_line(e: Exception) -> str:
-    return " ".join(str(e).split())
-
-
 def _check(hint, value, where: str, file: str = "config", prefix: str = "") -> Any:
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
@@ -715,6 +695,19 @@ def _check(hint, value, where: str, file: str = "config", prefix: str = "") -> A
     if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
         raise ValueError(
             f"{where}: expected {getattr(expected, '__name__', expected)}; got {value!r} "
-            f"({type(value).__name__})."
+            f"({type(value).__name__}).{_as_int(value) if expected is int else ''}"
         )
     return value
+
+
+def _as_int(value) -> str:
+    """`` Write it as 1000.`` for a whole number written as a float (``1e3``, ``1000.0``)."""
+    if isinstance(value, bool) or not isinstance(value, str | float):
+        return ""
+    try:
+        number = float(value)
+    except ValueError:
+        return ""
+    if not math.isfinite(number) or number != int(number):
+        return ""
+    return f" Write it as an integer: {int(number)}."

@@ -149,7 +149,12 @@ def examples(data: DataConfig, *, kind: str, seq_len: int) -> dict[str, np.ndarr
     try:
         loaded = np.load(path, allow_pickle=False)
     except (OSError, ValueError) as e:
-        raise ValueError(f"data.path={data.path!r} is not a {fmt} file NumPy reads: {e}") from e
+        write = "np.save(path, ids)" if fmt == "npy" else "np.savez(path, x=x, y=y)"
+        why = "not an array file" if "pickled" in str(e) else _one_line(e)
+        raise ValueError(
+            f"data.path={data.path!r} is not a {fmt} file NumPy reads ({why}); write it with "
+            f"{write}, or set data.format to the format it has."
+        ) from e
     if isinstance(loaded, np.ndarray):
         if kind != "gpt":
             raise ValueError(
@@ -185,20 +190,33 @@ def windows(tokens: np.ndarray, seq_len: int, path: str) -> dict[str, np.ndarray
 
 
 def check(found: Mapping[str, np.ndarray] | Records, like: Mapping[str, np.ndarray], *,
-          path: str, global_batch: int, vocab: int | None = None) -> None:  # fmt: skip
+          path: str, global_batch: int, vocab: int | None = None,
+          init_from: str | None = None) -> None:  # fmt: skip
     """Refuses examples that are not what the model trains on: the keys, each example's shape
     and dtype kind of ``like`` (a batch of the built-in data), token ids below ``vocab``, and
     at least one global batch.
+
+    ``init_from`` is the checkpoint ``vocab`` comes from, if any (its advice then differs:
+    a checkpoint's vocabulary cannot change).
 
     `Records` are not read whole: their first and last records are checked here, and every
     record against the same rules as batches read it (`Records.expect`). `Tokenized` examples
     are checked against the tokenizer's whole vocabulary, not only the ids the text gave.
     """
     if isinstance(found, Tokenized) and vocab is not None and found.vocab_size > vocab:
+        what = f"data.tokenizer={found.tokenizer!r} has {found.vocab_size} token ids (0-" + (
+            f"{found.vocab_size - 1})"
+        )
+        if init_from is not None:  # the checkpoint's vocabulary is its embedding: fixed
+            raise ValueError(
+                f"{what}, more than the {vocab} of init_from={init_from!r} (vocab_size in its "
+                f"config.json: model.vocab cannot differ); use the tokenizer the checkpoint was "
+                f"trained with{_own_tokenizer(init_from, found.tokenizer)}, or a checkpoint "
+                f"whose vocab_size is at least {found.vocab_size}."
+            )
         raise ValueError(
-            f"data.tokenizer={found.tokenizer!r} has {found.vocab_size} token ids (0-"
-            f"{found.vocab_size - 1}), more than model.vocab={vocab}; set model.vocab="
-            f"{found.vocab_size} (or more), so that the model has an embedding for each."
+            f"{what}, more than model.vocab={vocab}; set model.vocab={found.vocab_size} (or "
+            f"more), so that the model has an embedding for each."
         )
     if isinstance(found, Records):
         found.expect(like, vocab=vocab)
@@ -228,15 +246,32 @@ def check(found: Mapping[str, np.ndarray] | Records, like: Mapping[str, np.ndarr
             )
         ids = a.dtype.kind in "iu"
         if vocab is not None and ids and a.size and (a.min() < 0 or a.max() >= vocab):
+            if a.min() < 0:
+                fix = "token ids start at 0: write the data without negative ids"
+            elif init_from is not None:
+                fix = f"use token ids below {vocab}, the vocab_size of init_from={init_from!r}"
+            else:
+                fix = f"set model.vocab={int(a.max()) + 1} (or more), or use ids below {vocab}"
+
             raise ValueError(
                 f"data.path={path!r}: {name} has ids from {a.min()} to {a.max()}, outside the "
-                f"model's vocabulary 0-{vocab - 1}."
+                f"model's vocabulary 0-{vocab - 1}; {fix}."
             )
     if sizes.pop() < global_batch:
         raise ValueError(
             f"data.path={path!r}: {len(next(iter(found.values())))} examples are fewer than "
             f"one global_batch of {global_batch}; use more data or a smaller global_batch."
         )
+
+
+def _own_tokenizer(init_from: str, given: str) -> str:
+    """`` (data.tokenizer=DIR/tokenizer.json)`` when the checkpoint has a tokenizer that is not
+    the one given, else what such a tokenizer must be."""
+    for name in ("tokenizer.json", "tokenizer.model"):
+        own = os.path.join(init_from, name)
+        if os.path.isfile(own) and not os.path.samefile(own, os.path.expanduser(given)):
+            return f" (data.tokenizer={own})"
+    return " (one of at most its vocab_size ids)"
 
 
 def input_fn(found: dict[str, np.ndarray] | Records, data: DataConfig,
@@ -251,6 +286,11 @@ def input_fn(found: dict[str, np.ndarray] | Records, data: DataConfig,
     import replicator as rp  # configs are read before JAX is imported
 
     arrays = dict(found)  # a plain dict (a pytree), also of `Tokenized` examples
+    if data.shuffle and not 0 <= data.seed < 2**32:
+        raise ValueError(
+            f"data.seed={data.seed}: the examples are shuffled with NumPy, whose seeds are 0 to "
+            f"2**32 - 1; use a seed in that range (e.g. data.seed=0)."
+        )
 
     def make(ctx):
         return rp.Batches(arrays, global_batch, ctx=ctx, shuffle=data.shuffle, seed=data.seed)
@@ -633,7 +673,8 @@ class Records:
                 if a.min() < 0 or a.max() >= vocab:
                     raise ValueError(
                         f"{self._where(key)}: {name} has ids from {a.min()} to {a.max()}, "
-                        f"outside the model's vocabulary 0-{vocab - 1}."
+                        f"outside the model's vocabulary 0-{vocab - 1}; use ids from 0 to "
+                        f"{vocab - 1} (or a larger model.vocab, without init_from)."
                     )
             out[name] = a.astype(dtype, copy=False)
         return out

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib
+import inspect
 import math
 import os
 import sys
@@ -29,8 +30,8 @@ from flax import nnx
 
 import replicator as rp
 from replicator.cli import data as data_lib
-from replicator.cli import optimizers
-from replicator.cli.config import MODEL_KINDS, ModelConfig, TrainConfig
+from replicator.cli import optimizers, runs
+from replicator.cli.config import MAX_CPU_DEVICES, MODEL_KINDS, ModelConfig, TrainConfig
 from replicator.models import cnn, gpt, hf, llama, mlp
 
 # What the library raises for a config, a mesh, a run directory or a checkpoint it refuses.
@@ -58,6 +59,12 @@ def _devices(config: TrainConfig, *, cpu_only: bool) -> None:
     """
     sizes = list(config.mesh.values())
     n = math.prod(sizes) if cpu_only and sizes and min(sizes) > 0 else config.cpu_devices
+    if n > MAX_CPU_DEVICES:
+        raise ValueError(
+            f"mesh {config.mesh} has {n} devices, and explain emulates one CPU device for each "
+            f"in this process, at most {MAX_CPU_DEVICES}; explain a mesh of at most "
+            f"{MAX_CPU_DEVICES} devices."
+        )
     if n:
         try:
             jax.config.update("jax_num_cpu_devices", n)
@@ -205,6 +212,15 @@ def own_model(kind: str):
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ValueError(f"model.kind={kind!r}: {module_name} has no function {name}.")
+    try:
+        inspect.signature(fn).bind(None, None, None)
+    except TypeError:  # the wrong function: say so, rather than its TypeError when called
+        raise ValueError(
+            f"model.kind={kind!r}: {name} must take (config, repl, tx), and its signature is "
+            f"{inspect.signature(fn)}; name your job function (see jobs.own_model)."
+        ) from None
+    except ValueError:  # a builtin without a signature: called as it is
+        pass
 
     def job(config, repl, tx):
         out = fn(config, repl, tx)
@@ -223,11 +239,14 @@ def explain(config: TrainConfig, *, json_path: str | None = None):
     `StepReport` (also written to ``json_path``), without training. A built-in model on its
     built-in data is built from shapes (`abstract_job`): nothing is allocated, so a model too
     big for this machine (configs/llama3_8b.yaml) is explained too."""
+    if json_path:
+        check_writable(json_path, flag="--json")
     _devices(config, cpu_only=True)
     if _builtin(config) is not None and config.data.path is None:  # from shapes: a model
         repl, step_fn, state, batch = abstract_job(config)  # too big to build here explains too
+        check_batch(config, repl)
     else:  # your own job or data: built, and its first batch read
-        repl, step_fn, state, input_fn, _ = build(config)
+        repl, step_fn, state, input_fn, _ = _built(config)
         batches = input_fn(repl.input_context())
         batch = next(iter(batches))  # the first global batch (this process's part of it)
         if hasattr(batches, "close"):
@@ -243,22 +262,68 @@ def explain(config: TrainConfig, *, json_path: str | None = None):
 def run(config: TrainConfig) -> dict:
     """Trains as ``config`` says; returns a summary (first and last loss, steps, seconds).
 
+    Everything the job needs is checked before the run directory is created, and a run refused
+    before its first step removes the directory it created: it leaves nothing on disk.
+
     Raises:
       SetupError: if the library refuses the job before the first step (see `SetupError`).
     """
     config = _joined(config)
     out = os.path.join(config.out_dir, config.name)
     try:
-        os.makedirs(out, exist_ok=True)
-        writers = _writers(config, out)
-        repl, step_fn, state, input_fn, tokens = build(config)
+        runs.check_out_dir(config.out_dir, config.name)
+        repl, step_fn, state, input_fn, tokens = _built(config)
+        created = runs.make(out, config.out_dir)
     except (*USER_ERRORS, OSError) as e:
         raise SetupError(str(e)) from e
-    print(f"replicator train {config.name}: {repl} on {jax.devices()[0].platform}", flush=True)
-    t0 = time.perf_counter()
+    first = jax.process_index() == 0
+    try:
+        try:
+            writers = _writers(config, out)
+            if first:
+                runs.note_init_from(config.init_from, out, config.name)
+        except OSError as e:
+            raise SetupError(str(e)) from e
+        print(
+            f"replicator train {config.name}: {repl} on {runs.machine(jax.devices())}", flush=True
+        )
+        t0 = time.perf_counter()
+        result = _fit(config, out, (repl, step_fn, state, input_fn, tokens), writers)
+    except SetupError:
+        if first:  # refused before its first step: nothing of this run stays on disk
+            runs.remove(created)
+        raise
+    seconds = time.perf_counter() - t0
+    losses = [(h["step"], h["loss"]) for h in result.history if "loss" in h]
+    summary = {
+        "steps": result.step,
+        "seconds": seconds,
+        "first_loss": losses[0][1] if losses else None,
+        "last_loss": losses[-1][1] if losses else None,
+        "preempted": result.preempted,
+    }
+    if config.plot and losses and jax.process_index() == 0:
+        _plot(losses, os.path.join(out, "loss.png"), config)
+    if config.pipeline is not None and "stage" in repl.mesh.shape and jax.process_index() == 0:
+        _draw_schedule(config, repl.mesh.shape["stage"], out)
+    if losses:
+        done = (
+            f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}, {result.step} steps"
+        )
+    else:  # e.g. the run was complete already: no step ran, nothing was logged
+        done = f"no step to run, the run is at step {result.step} of {config.steps}"
+    print(
+        f"replicator train {config.name}: {done} in {seconds:.1f} s; outputs in {out}", flush=True
+    )
+    return summary
+
+
+def _fit(config: TrainConfig, out: str, job: tuple, writers: list):
+    """`rp.fit` of the built ``job``; a refusal before its first step is a `SetupError`."""
+    repl, step_fn, state, input_fn, tokens = job
     with _first_step(repl) as started:
         try:
-            result = rp.fit(
+            return rp.fit(
                 repl,
                 step_fn,
                 state,
@@ -282,29 +347,70 @@ def run(config: TrainConfig) -> dict:
             if started:
                 raise  # a failure during training keeps its traceback
             raise SetupError(str(e)) from e
-    seconds = time.perf_counter() - t0
-    losses = [(h["step"], h["loss"]) for h in result.history if "loss" in h]
-    summary = {
-        "steps": result.step,
-        "seconds": seconds,
-        "first_loss": losses[0][1] if losses else None,
-        "last_loss": losses[-1][1] if losses else None,
-        "preempted": result.preempted,
-    }
-    if config.plot and losses and jax.process_index() == 0:
-        _plot(losses, os.path.join(out, "loss.png"), config)
-    if config.pipeline is not None and jax.process_index() == 0:
-        _draw_schedule(config, repl.mesh.shape["stage"], out)
-    if losses:
-        done = (
-            f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}, {result.step} steps"
+
+
+def _built(config: TrainConfig):
+    """`build`, with the global batch checked against the replicas and a state too big for
+    this machine's memory refused in one line."""
+    if _builtin(config) is not None:  # before the state is built: a mesh is cheap
+        repl = rp.Replicator(mesh_shape=dict(config.mesh))
+        pipelined = config.model.kind == "gpt" and config.pipeline is not None
+        if pipelined and "stage" in repl.mesh.shape:  # the schedule's rules first
+            _check_schedule(config, _schedule(config), repl.mesh.shape["stage"])
+        check_batch(config, repl)
+    try:
+        job = build(config)
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise ValueError(
+            f"the job's state does not fit in this machine's memory ({str(e).splitlines()[0]}); "
+            f"use smaller model sizes (model.d_model, model.layers, model.vocab), or more devices "
+            f"with zero_stage=3."
+        ) from e
+    return job
+
+
+def check_batch(config: TrainConfig, repl) -> None:
+    """Refuses, naming the keys, a ``global_batch`` that does not split over the replicas, or a
+    replica's share that does not split into ``accumulate_steps`` (or, in a pipeline,
+    ``pipeline.microbatches``) micro-batches: what the built-in jobs' data and step need."""
+    if _builtin(config) is None:  # your own job reads its own batches
+        return
+    n, b = repl.num_replicas, config.global_batch
+    if b % n:
+        raise ValueError(
+            f"global_batch={b} does not split over the {n} replicas of mesh "
+            f"{dict(repl.mesh.shape)} (its data axes); use a multiple of {n} (e.g. "
+            f"global_batch={n * math.ceil(b / n)})."
         )
-    else:  # e.g. the run was complete already: no step ran, nothing was logged
-        done = f"no step to run, the run is at step {result.step} of {config.steps}"
-    print(
-        f"replicator train {config.name}: {done} in {seconds:.1f} s; outputs in {out}", flush=True
-    )
-    return summary
+    per = b // n
+    key, k = "accumulate_steps", config.accumulate_steps
+    if "stage" in repl.mesh.shape and config.pipeline is not None and config.model.kind == "gpt":
+        key, k = "pipeline.microbatches", config.pipeline.microbatches
+    if per % k:
+        unit = n * k
+        raise ValueError(
+            f"global_batch={b} over {n} replica{'s' * (n > 1)} is {per} examples per replica, "
+            f"which do not split into {key}={k} micro-batches; use global_batch a multiple of "
+            f"{unit} (e.g. global_batch={unit * math.ceil(b / unit)}), or {key} dividing {per}."
+        )
+
+
+def check_writable(path: str, *, flag: str) -> None:
+    """Refuses, naming ``flag``, an output file that cannot be written: a directory, or one in
+    a directory that does not exist (or is not writable); nothing is created."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        problem = "is a directory"
+    elif not os.path.isdir(folder):
+        problem = f"is in {folder}, which is not a directory"
+    elif not os.access(folder, os.W_OK | os.X_OK):
+        problem = f"is in {folder}, which is not writable"
+    else:
+        return
+    raise ValueError(f"{flag} {path} {problem}; give the path of a file to write, e.g. {flag} "
+                     f"report.json in an existing directory.")  # fmt: skip
 
 
 def _joined(config: TrainConfig) -> TrainConfig:
@@ -755,7 +861,7 @@ def _own_data(config: TrainConfig, builtin, *, vocab: int | None = None):
     found = data_lib.examples(config.data, kind=config.model.kind, seq_len=config.model.seq_len)
     like = _first(builtin)
     data_lib.check(found, like, path=config.data.path, global_batch=config.global_batch,
-                   vocab=vocab)  # fmt: skip
+                   vocab=vocab, init_from=config.init_from)  # fmt: skip
     return data_lib.input_fn(found, config.data, config.global_batch)
 
 

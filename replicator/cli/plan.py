@@ -15,13 +15,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import math
 import os
+import re
 
 import yaml
 
 import replicator as rp
 from replicator.cli import config as config_lib
-from replicator.cli.config import TrainConfig
+from replicator.cli import jobs
+from replicator.cli.config import MAX_CPU_DEVICES, TrainConfig
 
 
 def add_parser(commands) -> None:
@@ -84,21 +87,24 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Plans, prints the table, writes the best config; the exit code (1 if nothing fits)."""
+    """Plans, prints the table, writes the best config; the exit code (1 if nothing fits).
+
+    Every option is checked, and a budget that the state alone cannot fit is refused, before
+    anything compiles."""
     cfg = config_lib.load(args.config, args.overrides)
-    n = args.devices
-    if n < 1:
-        raise ValueError(f"--devices must be 1 or more; got {n}.")
-    if args.workers is not None and args.workers < 1:
-        raise ValueError(f"--workers must be 1 or more; got {args.workers}.")
+    n = check_args(args)
     families = layouts_for(cfg, n, args)
+    if not families:
+        raise ValueError(no_layouts(cfg, n, args))
     if args.hardware == "cpu":  # measured here, with the N devices the plan emulates
         import jax
 
         jax.config.update("jax_num_cpu_devices", n)
         jax.config.update("jax_platforms", "cpu")
+    budget = None if args.memory is None else parse_size(args.memory, "--memory")
     profile = rp.hardware(args.hardware)
-    budget = args.memory if args.memory is not None else profile.memory_bytes
+    budget = profile.memory_bytes if budget is None else budget
+    check_state_fits(cfg, n, budget, given=args.memory is not None)
     raw = dataclasses.asdict(cfg)
     raw.pop("learning_rate")  # short for optimizer.learning_rate, which holds it
     build = functools.partial(build_layout, raw)
@@ -120,6 +126,72 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_args(args: argparse.Namespace) -> int:
+    """Refuses, naming the option, a value out of range; returns ``--devices``."""
+    n = args.devices
+    if n < 1:
+        raise ValueError(f"--devices must be 1 or more; got {n}.")
+    if n > MAX_CPU_DEVICES:
+        raise ValueError(
+            f"--devices {n}: each layout compiles on as many emulated CPU devices, at most "
+            f"{MAX_CPU_DEVICES} in one process; plan for at most {MAX_CPU_DEVICES} devices."
+        )
+    if args.workers is not None and args.workers < 1:
+        raise ValueError(f"--workers must be 1 or more; got {args.workers}.")
+    for flag, value, none in (
+        ("--max-model", args.max_model, " (1: no tensor parallelism)"),
+        ("--max-stage", args.max_stage, " (1: no pipeline)"),
+        ("--max-context", args.max_context, " (1: no context axis)"),
+        ("--max-expert", args.max_expert, " (1: no expert axis)"),
+        ("--min-context-seq", args.min_context_seq, ""),
+        ("--top", args.top, ""),
+    ):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be 1 or more{none}; got {value}.")
+    if not 0 <= args.overlap <= 1:
+        raise ValueError(
+            f"--overlap must be a share from 0 to 1 (of the collectives hidden behind compute); "
+            f"got {args.overlap}."
+        )
+    bad = [s for s in args.schedules.split(",") if s not in config_lib.SCHEDULES]
+    if bad or not args.schedules.strip(","):
+        raise ValueError(
+            f"--schedules {args.schedules!r}: give one or more of "
+            f"{','.join(config_lib.SCHEDULES)}, comma-separated (e.g. --schedules 1f1b,gpipe)."
+        )
+    for path, flag in ((args.out, "--out"), (args.json, "--json")):
+        if path:
+            jobs.check_writable(path, flag=flag)
+    return n
+
+
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+_SIZE = re.compile(r"\s*([-+]?[0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*([a-z]*)\s*", re.IGNORECASE)
+
+
+def parse_size(text: str, flag: str) -> int:
+    """``16GiB``, ``80GB``, ``512MiB`` or bytes, as bytes; a ``ValueError`` naming ``flag`` for
+    anything else, or a size that is not > 0.
+
+    >>> parse_size("16GiB", "--memory"), parse_size("1.5e3", "--memory")
+    (17179869184, 1500)
+    """
+    match = _SIZE.fullmatch(text)
+    unit = match and _UNITS.get(match.group(2).lower())
+    if not unit:
+        raise ValueError(
+            f"{flag} {text}: memory={text!r} is not a size; write bytes as a number or with a "
+            f"unit, e.g. {flag} 16GiB, 80GB or 512MiB (units: {', '.join(u for u in _UNITS if u)})."
+        )
+    size = float(match.group(1)) * unit
+    if not math.isfinite(size) or size < 1:
+        raise ValueError(
+            f"{flag} {text}: a memory budget must be 1 byte or more, e.g. {flag} 16GiB."
+        )
+    return int(size)
+
+
 def layouts_for(cfg: TrainConfig, n: int, args: argparse.Namespace):
     """The families of layouts the config's model allows on ``n`` devices."""
     m = cfg.model
@@ -127,10 +199,12 @@ def layouts_for(cfg: TrainConfig, n: int, args: argparse.Namespace):
     try:
         zero = tuple(int(z) for z in args.zero_stages.split(",") if z)
     except ValueError:
+        zero = ()
+    if not zero or not set(zero) <= {0, 1, 2, 3}:
         raise ValueError(
-            f"--zero-stages={args.zero_stages!r}: give ZeRO stages as comma-separated numbers, "
+            f"--zero-stages={args.zero_stages!r}: give ZeRO stages 0, 1, 2 or 3, comma-separated, "
             f"e.g. --zero-stages 1,3."
-        ) from None
+        )
     common = dict(global_batch=cfg.global_batch, schedules=schedules, max_stage=args.max_stage)
     if m.kind == "gpt":
         return rp.enumerate_layouts(
@@ -151,6 +225,66 @@ def layouts_for(cfg: TrainConfig, n: int, args: argparse.Namespace):
     raise ValueError(
         f"model.kind={m.kind!r}: plan lays out the built-in kinds (gpt, mlp, cnn); for your own "
         f"model call rp.plan(build, rp.enumerate_layouts(...)) with a build(layout) of yours."
+    )
+
+
+def no_layouts(cfg: TrainConfig, n: int, args: argparse.Namespace) -> str:
+    """Why no layout of ``n`` devices suits the config, with the options that limit them and
+    the nearest device counts that have layouts."""
+    m = cfg.model
+    rules = [f"a data axis that divides global_batch={cfg.global_batch}"]
+    if m.kind == "gpt":
+        rules += [
+            f"a stage axis that divides model.layers={m.layers}",
+            f"a model axis that divides model.heads={m.heads} and the MLP's "
+            f"{m.d_ff or 4 * m.d_model} units",
+        ]
+    limits = [
+        f"{flag} {value}"
+        for flag, value in (("--max-model", args.max_model), ("--max-stage", args.max_stage))
+        if value is not None
+    ]
+    near = []
+    for other in sorted(range(1, min(2 * n, MAX_CPU_DEVICES) + 1), key=lambda k: abs(k - n)):
+        if other != n and layouts_for(cfg, other, args):
+            near.append(other)
+        if len(near) == 2:
+            break
+    within = f", within {' and '.join(limits)}" if limits else ""
+    fix = f"use --devices {' or '.join(map(str, sorted(near)))}" if near else "change the sizes"
+    if limits:
+        fix += f", or raise {' and '.join(limit.split()[0] for limit in limits)}"
+    return (
+        f"no layout of {n} devices suits {args.config}: each needs {', '.join(rules)}{within}; "
+        f"{fix}."
+    )
+
+
+def check_state_fits(cfg: TrainConfig, n: int, budget: int, *, given: bool) -> None:
+    """Refuses, before anything compiles, a budget below the state's share of one device: the
+    parameters and optimizer state (and the step counter, the EMA) from their shapes, split
+    over all ``n`` devices as ZeRO-3 would (no layout holds less), activations aside."""
+    if cfg.model.kind not in ("gpt", "mlp", "cnn"):
+        return
+    whole = dataclasses.replace(
+        cfg, mesh={"data": -1}, zero_stage=0, accumulate_steps=1, pipeline=None
+    )
+    _, _, state, _ = jobs.abstract_job(whole)
+    import jax
+    import numpy as np
+
+    total = sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state))
+    least = math.ceil(total / n)
+    if least <= budget:
+        return
+    more = math.ceil(total / budget)
+    devices = f", or --devices {more} or more" if more <= MAX_CPU_DEVICES else ""
+    raise ValueError(
+        f"{'--memory' if given else 'the hardware profile'} {format_bytes(budget)} per device "
+        f"cannot hold the model's parameters and optimizer state alone: {format_bytes(total)}, "
+        f"at least {format_bytes(least)} per device on {n} devices (split {n} ways, as ZeRO-3 "
+        f"does), before any activation; give --memory more than {format_bytes(least)}"
+        f"{devices}."
     )
 
 

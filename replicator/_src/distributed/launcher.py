@@ -15,6 +15,7 @@ the launcher, even when it is killed by SIGKILL. The command line around it (``r
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import shutil
@@ -42,6 +43,8 @@ from replicator._src.distributed.rounds import (
 __all__ = ["launch", "free_port", "WATCHDOG_EXIT_CODE", "elastic_size"]
 
 BACKOFF_LIMIT = 60.0  # seconds: the backoff doubles after each restart, up to this
+USAGE_EXIT_CODE = 2  # a usage or configuration error (argparse's, replicator train's refusals)
+MAX_DEVICES_PER_PROCESS = 4096  # emulated CPU devices: 4096 take about 8 s to start
 
 
 def launch(
@@ -58,6 +61,7 @@ def launch(
     join_timeout: float = 60.0,
     rejoin_interval: float = 60.0,
     out=None,
+    err=None,
 ) -> int:
     """Runs ``command`` as ``num_processes`` local processes of one job; returns its exit code.
 
@@ -111,7 +115,9 @@ def launch(
       join_timeout: seconds for a process of a restart to reach ``initialize`` before its host
         counts as gone (with ``min_processes`` only).
       rejoin_interval: seconds between the probes of a lost host.
-      out: where the output goes (default: sys.stdout).
+      out: where the processes' output goes (default: sys.stdout).
+      err: where the launcher's own lines go, ``replicator launch: ...`` (default:
+        sys.stderr; ``out`` when only ``out`` is given).
 
     Returns:
       0 if every process of a round exited 0, else the code of the failure that ended the job
@@ -130,9 +136,9 @@ def launch(
         num_processes, max_restarts, min_processes, restart_backoff, join_timeout, rejoin_interval
     )
     read_end, write_end = os.pipe()  # the launcher's lifeline: its end closes with the launcher
-    job = Job(
+    job = _Job(
         tuple(command), num_processes, devices_per_process, grace, watchdog,
-        out or sys.stdout, threading.Lock(), read_end,
+        out or sys.stdout, threading.Lock(), read_end, err or out or sys.stderr,
     )  # fmt: skip
     signals: queue.Queue = queue.Queue()
     previous = _install_forwarding(signals)
@@ -143,6 +149,18 @@ def launch(
         _restore_signals(previous)
         os.close(read_end)
         os.close(write_end)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Job(Job):
+    """The launch's `Job`, whose own lines (`say`) go to ``err``, apart from the processes'
+    output: stderr, where a tool's messages belong."""
+
+    err: object = None
+
+    def say(self, message: str) -> None:
+        with self.lock:
+            print(f"replicator launch: {message}", file=self.err, flush=True)
 
 
 def elastic_size(available: int, planned: int, minimum: int) -> int | None:
@@ -246,8 +264,18 @@ class _Policy:
         message, code = _outcome(verdict, rnd)
         b = rnd.beat(verdict.rank)
         step, at = _where(b)
-        if at:
+        if at and "; stopped" in message:
             message = message.replace("; stopped", f" {at}; stopped", 1)
+        elif at:  # a job of one process: no other to stop
+            message = f"{message[:-1]} {at}."
+
+        if verdict.kind == "exit" and verdict.value == USAGE_EXIT_CODE and not at:
+            self.job.say(
+                f"{message} Exit code {USAGE_EXIT_CODE} before any heartbeat is a usage or "
+                f"configuration error (replicator train's refusals), which a restart would only "
+                f"repeat: not restarted. Fix the command and run it again."
+            )
+            return code
         at = at or "before any heartbeat"
         if step in self.failed_steps:
             self.job.say(
@@ -374,7 +402,8 @@ def _outcome(verdict: Verdict, rnd: Round) -> tuple[str, int]:
         )
         return message, WATCHDOG_EXIT_CODE
     how = f"was killed by {signal.Signals(-value).name}" if value < 0 else f"exited with {value}"
-    message = f"rank {rank} {how}; stopped the other {others} process(es)."
+    stopped = f"; stopped the other {others} process(es)" if others else ""
+    message = f"rank {rank} {how}{stopped}."
     return message, 128 - value if value < 0 else value
 
 
@@ -404,6 +433,12 @@ def _check_launch_args(command, num_processes, devices_per_process, port, grace,
         devices_per_process, api=api, name="--devices-per-process",
         none=" (or left out for the platform's own devices)",
     )  # fmt: skip
+    if devices_per_process is not None and devices_per_process > MAX_DEVICES_PER_PROCESS:
+        raise ValueError(
+            f"{api}: --devices-per-process {devices_per_process} is more CPU devices than a "
+            f"process can emulate (at most {MAX_DEVICES_PER_PROCESS}); give at most "
+            f"{MAX_DEVICES_PER_PROCESS}."
+        )
     if port is not None and (not isinstance(port, int) or not 1 <= port <= 65535):
         raise ValueError(
             f"replicator launch: --port must be an int in 1..65535 (or left out for a free "
@@ -444,6 +479,14 @@ def _check_restart_args(n, max_restarts, min_processes, backoff, join_timeout, r
             raise ValueError(
                 f"{api}: --min-processes {min_processes} resizes the job on a restart, and "
                 f"--max-restarts is {max_restarts}; give --max-restarts 1 or more."
+            )
+        smaller = [p for p in range(1, n) if n % p == 0]
+        if min_processes < n and not [p for p in smaller if p >= min_processes]:
+            valid = ", ".join(map(str, smaller[::-1]))
+            raise ValueError(
+                f"{api}: --min-processes {min_processes} can never act with -n {n}: the job "
+                f"shrinks to a count that divides {n}, and none lies in [{min_processes}, {n}); "
+                f"give --min-processes {valid} or {n} (no resizing)."
             )
     for name, value in (
         ("--restart-backoff", backoff),

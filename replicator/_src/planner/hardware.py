@@ -150,7 +150,8 @@ _UNITS = {
     "": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }  # fmt: skip
-_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*([a-z]*)\s*", re.IGNORECASE)
+# a sign is read, so that "-5GiB" is refused as a size <= 0 rather than as no size at all
+_SIZE = re.compile(r"\s*([-+]?[0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*([a-z]*)\s*", re.IGNORECASE)
 
 
 def parse_bytes(value: Any, name: str = "memory") -> int:
