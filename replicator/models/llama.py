@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from replicator.models import gpt
+from replicator.models import config_checks, gpt
 
 PyTree = Any
 
@@ -160,14 +160,14 @@ def _rope(hf: Mapping[str, Any], default: float) -> tuple[float, gpt.RopeScaling
 
 def _kind(hf: Mapping[str, Any]) -> str:
     """``hf``'s ``model_type``, its values checked as `hf.read_config` checks a config.json's."""
-    from replicator.models import hf_checks  # it reads this module's tables
 
     kind = hf.get("model_type", "llama")
     if not isinstance(kind, str) or kind not in ("llama", "mixtral"):
         raise _refuse(f"model_type={kind!r}; this reads Llama and Mixtral configs.")
     sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads")
     sizes += ("num_hidden_layers",) + ("num_local_experts",) * (kind == "mixtral")
-    hf_checks.check_config(dict(hf), "llama.from_hf_config: config", sizes)
+    defaults = {**HF_DEFAULTS["mixtral"], **HF_DEFAULTS["llama"]}
+    config_checks.check_config(dict(hf), "llama.from_hf_config: config", sizes, defaults)
     return kind
 
 

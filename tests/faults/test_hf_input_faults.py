@@ -389,11 +389,6 @@ def test_replicator_train_refuses_a_bad_checkpoint_in_one_line(name, sources, tm
         assert snapshot(directory) == before
 
 
-@pytest.mark.xfail(
-    reason="replicator/cli/jobs.py run() creates the run directory before build() loads the "
-    "checkpoint's weights",
-    strict=False,
-)
 @pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.stage == "load"])
 def test_weights_refused_while_loading_leave_no_run_directory(name, sources, tmp_path, capsys):
     directory = broken(CASES[name], sources, tmp_path)

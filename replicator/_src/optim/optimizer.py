@@ -61,6 +61,7 @@ from replicator._src.optim import (
     clipping,
     loss_scaling,
     replica_mean,
+    stage_blocks,
     stagewise,
     zero,
 )
@@ -349,7 +350,7 @@ def wrap_optimizer(
         reduce = replica_mean.mean_over_replicas(grad_dtype=grad_dtype)
         other = None if mesh is None else _placed_on(inner, mesh)
         if mesh is not None and dict(mesh.shape).get(STAGE_AXIS, 1) > 1:
-            other = zero.on_stage_blocks(inner, mesh, other)
+            other = stage_blocks.on_stage_blocks(inner, mesh, other)
         apply = stagewise.stagewise(inner, mesh, other)
     wrapped = zero_stage > 0 or loss_scale is not None
     if wrapped:

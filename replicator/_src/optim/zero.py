@@ -43,14 +43,7 @@ from replicator._src.core.binding import current_binding
 from replicator._src.core.packed import packed_nodes
 from replicator._src.core.sharded_params import ShardedParam, has_sharded_params, is_sharded_param
 from replicator._src.core.typing import PyTree
-from replicator._src.optim import (
-    sharded_eval,
-    shards,
-    stage_program,
-    stagewise,
-    zero_layout,
-    zero_plan,
-)
+from replicator._src.optim import sharded_eval, shards, stagewise, zero_layout, zero_plan
 from replicator._src.optim.shards import WHOLE, Split
 
 
@@ -418,65 +411,6 @@ def refuse_packed_stages(stage: int, params: PyTree) -> None:
             f"stage's row would have to be gathered for each tick). Use zero_stage=1 or 2 "
             f"(the optimizer state split over the replicas), or identical stages "
             f"(pipeline.stack_stages) for ZeRO-3."
-        )
-
-
-def on_stage_blocks(
-    tx: optax.GradientTransformation, mesh: Mesh, placed: optax.GradientTransformationExtraArgs
-) -> optax.GradientTransformationExtraArgs:
-    """``tx`` without ZeRO on a mesh with a ``stage`` axis, as on one device.
-
-    A pipeline's stage block (``[K, ...]`` over ``stage``) is one leaf on one device, split
-    over the stage devices here: a transformation that looks at a leaf as a whole (LAMB's
-    trust ratio, a global norm) must see the whole leaf. The update runs on the blocks with
-    ZeRO's evaluator, completing such reductions over ``stage`` (`Zero` with no data split);
-    element-wise work stays on each device's block. ``placed`` (``tx`` placing its state on
-    the mesh) serves parameters with no stage block, and updates without the parameters when
-    ``tx`` is element-wise.
-    """
-    inner = optax.with_extra_args_support(tx)
-    blocks = Zero(mesh, stage=0)
-
-    def split(params) -> bool:
-        return params is not None and any(
-            zero_layout.stage_dim(zero_layout.spec_of(x)) is not None
-            for x in jax.tree.leaves(params, is_leaf=is_sharded_param)
-        )
-
-    def init(params):
-        if not split(params):
-            return placed.init(params)
-        state, plan = blocks.init(inner, params)
-        zero_plan.warn_if_gathered(plan)
-        return state
-
-    def update(grads, state, params=None, **extra_args):
-        if not current_binding().model_axes():
-            return placed.update(grads, state, params, **extra_args)
-        if params is None:
-            _element_wise_or_refuse(inner, grads, state, extra_args)
-            return placed.update(grads, state, params, **extra_args)
-        return blocks.apply(inner, grads, state, params, extra_args, grads)
-
-    return optax.GradientTransformationExtraArgs(init, update)
-
-
-_KEEPS_SPLITS = sharded_eval.ELEMENTWISE | {"broadcast_in_dim", "copy_p", "stop_gradient"}
-
-
-def _element_wise_or_refuse(inner, grads, state, extra_args) -> None:
-    """Refuses an update without the parameters on a mesh with a ``stage`` axis unless the
-    transformation acts element by element: only then is a stage block's update the block of
-    the whole leaf's."""
-    closed = jax.make_jaxpr(lambda g, s: inner.update(g, s, None, **extra_args))(grads, state)
-    nodes: list = []
-    stage_program.inline(closed.jaxpr, closed.consts, list(closed.jaxpr.invars), nodes)
-    other = sorted({n.eqn.primitive.name for n in nodes} - _KEEPS_SPLITS)
-    if other:
-        raise ValueError(
-            _NEEDS_PARAMS.format(stage=0)
-            + f"\n(the transformation is not element-wise: it uses {', '.join(other[:4])}, "
-            f"which must see each stage block as part of its whole leaf)"
         )
 
 
