@@ -131,9 +131,8 @@ def test_without_a_stage_axis_or_with_model_it_equals_one_device(mesh):
     assert rel_err(got, want) <= 1e-4
 
 
-@pytest.mark.parametrize(
-    "name", [pytest.param("adamw_mask_by_rank", marks=pytest.mark.slow), "lamb"]
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["adamw_mask_by_rank", "lamb"])
 def test_negative_control_the_buffers_as_plain_dicts_differ(name):
     """The test can fail: the same steps with the optimizer given the packed buffers as plain
     dicts (what it saw before) differ from one device by far more than the tolerance."""
@@ -154,7 +153,8 @@ def test_the_state_is_each_stages_own_and_the_step_count_shared():
     assert rows.shape[1] == 2 * n
 
 
-@pytest.mark.parametrize("zero_stage", [1, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("zero_stage", [1, 2])
 def test_zero_with_a_mask_by_name_equals_one_device(zero_stage):
     got, want = train(TRANSFORMS["adamw_mask_by_name"](), SCHEDULES["1f1b"], zero_stage=zero_stage)
     assert rel_err(got, want) <= 1e-4
@@ -291,7 +291,7 @@ def test_integer_inputs_a_tuple_activation_and_runs_of_layers_equal_one_device(n
     assert rel_err(got, params) > 1e-3
 
 
-@pytest.mark.parametrize("zero_stage", [0, 1])
+@pytest.mark.parametrize("zero_stage", [pytest.param(0, marks=pytest.mark.slow), 1])
 def test_the_state_from_shapes_and_a_checkpoint_round_trip_keep_the_packing(zero_stage, tmp_path):
     """`Replicator.abstract` gives the real state's shapes and shardings, and a checkpoint
     restores the packed parameters as `PackedStages` (so the optimizer still sees stages)."""
