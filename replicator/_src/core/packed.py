@@ -25,13 +25,13 @@ class StageRows(Protocol):
     repeats: int  # V, rows per device (virtual stages); K x V logical stages
 
     def abstract_stage(self, j: int) -> PyTree:
-        """Logical stage ``j``'s parameter tree as ``ShapeDtypeStruct``s."""
+        """The parameter tree of logical stage ``j``, of ``ShapeDtypeStruct`` leaves."""
 
     def unpack_row(self, j: int, row: dict[str, jax.Array]) -> PyTree:
-        """Stage ``j``'s tree from its row ``{dtype: [n]}``."""
+        """The tree of stage ``j``, from its row ``{dtype: [n]}``."""
 
     def pack_row(self, j: int, tree: PyTree) -> dict[str, jax.Array]:
-        """Stage ``j``'s tree (or a tree shaped like it) as its row ``{dtype: [n]}``."""
+        """The tree of stage ``j`` (or one shaped like it) as its row ``{dtype: [n]}``."""
 
 
 class PackedStages(dict):

@@ -67,15 +67,15 @@ class Sequential:
     # -- what the optimizer reads of a stage row (`replicator._src.core.packed.StageRows`) --
 
     def abstract_stage(self, j: int) -> PyTree:
-        """Logical stage ``j``'s parameter tree as ``ShapeDtypeStruct``s."""
+        """The parameter tree of logical stage ``j``, of ``ShapeDtypeStruct`` leaves."""
         return self.params_layout.abstract(j)
 
     def unpack_row(self, j: int, row: dict[str, jax.Array]) -> PyTree:
-        """Stage ``j``'s parameter tree (or its gradient) from its row ``{dtype: [n]}``."""
+        """The parameter tree (or gradient) of stage ``j``, from its row ``{dtype: [n]}``."""
         return self.params_layout.unpack(j, row)
 
     def pack_row(self, j: int, tree: PyTree) -> dict[str, jax.Array]:
-        """Stage ``j``'s tree (parameters, gradients or updates) as its row ``{dtype: [n]}``."""
+        """The tree of stage ``j`` (parameters, gradients or updates) as its row ``{dtype: [n]}``."""
         return self.params_layout.pack(j, tree)
 
     def unpack(self, packed: dict[str, jax.Array]) -> list[PyTree]:
