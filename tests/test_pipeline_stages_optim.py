@@ -101,6 +101,7 @@ def train(tx, schedule, *, mesh=None, plain_dict=False, zero_stage=0):
     return got, want
 
 
+@pytest.mark.slow
 def test_a_weight_decay_mask_by_name_equals_one_device():
     got, want = train(TRANSFORMS["adamw_mask_by_name"](), SCHEDULES["1f1b"])
     assert rel_err(got, want) <= 1e-4
