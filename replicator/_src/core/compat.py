@@ -113,6 +113,8 @@ def detect_cluster() -> Cluster | None:
                 f"detection: pass coordinator_address, num_processes, process_id and "
                 f"local_device_ids."
             ) from error
+        if present and _needs_missing_mpi4py(env):
+            return None  # JAX would fail inside; the caller refuses, naming the fixes
         if present:
             count = int(env.get_process_count()) if env.__name__ in _COUNT_IN_ENVIRONMENT else None
             named = [
@@ -121,6 +123,22 @@ def detect_cluster() -> Cluster | None:
             # A name JAX can look up picks this environment alone; else JAX detects it again.
             return Cluster(env.__name__, env.name if named == [env] else None, count)
     return None
+
+
+def _needs_missing_mpi4py(env) -> bool:
+    """Whether JAX would join this Open MPI 5 job through mpi4py, which is not installed.
+
+    jax 0.10.2 finds Open MPI jobs by ``OMPI_MCA_orte_hnp_uri`` alone, which Open MPI 5 no
+    longer sets; jax 0.12 routes Open MPI 5 (``OmpiCluster._is_ompi_5``) through mpi4py.
+    """
+    import importlib.util
+
+    is_ompi_5 = getattr(env, "_is_ompi_5", None)
+    return bool(is_ompi_5 and is_ompi_5()) and importlib.util.find_spec("mpi4py") is None
+
+
+# How JAX joins an Open MPI 5 job that sets no ORTE URI: through mpi4py from jax 0.11 on.
+OPEN_MPI_5_THROUGH_MPI4PY = jax.__version_info__ >= (0, 11)
 
 
 def coordination_client():
@@ -141,3 +159,15 @@ def weakly_typed(x: jax.Array) -> jax.Array:
     from jax._src.lax.lax import _convert_element_type
 
     return _convert_element_type(x, x.dtype, weak_type=True)
+
+
+def scan_counts(params) -> tuple[int, int]:
+    """``(num_consts, num_carry)`` of a ``scan`` equation's parameters.
+
+    jax 0.10.2 keeps them as ``num_consts`` and ``num_carry``; jax 0.12 keeps the operands'
+    structure instead, ``ft_in``: a flat tree of (consts, carry, xs), each part's length its count.
+    """
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)

@@ -34,6 +34,7 @@ import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun, jaxprs_in_params
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from replicator._src.core import compat
 from replicator._src.core import mesh as mesh_lib
 
 Axes = frozenset
@@ -165,7 +166,7 @@ class _Analysis:
         return [index.union(*column) for column in zip(*outs, strict=True)]
 
     def scan(self, params, ins: list[Axes]) -> list[Axes]:
-        nc, nk = params["num_consts"], params["num_carry"]
+        nc, nk = compat.scan_counts(params)
         consts, carry, xs = ins[:nc], ins[nc : nc + nk], ins[nc + nk :]
         while True:
             outs = self.closed(params["jaxpr"], consts + carry + xs)

@@ -202,10 +202,16 @@ def _refuse_undetected_mpi(env) -> None:
     size = int(env.get("OMPI_COMM_WORLD_SIZE", "1") or 1)
     if size > 1:
         rank = env.get("OMPI_COMM_WORLD_RANK", "?")
+        why = (
+            "JAX joins an Open MPI 5 job through mpi4py, which is not installed; "
+            "pip install mpi4py fixes that too"
+            if compat.OPEN_MPI_5_THROUGH_MPI4PY
+            else "it reads OMPI_MCA_orte_hnp_uri, which Open MPI 5 no longer sets"
+        )
         raise RuntimeError(
             f"rp.distributed.initialize: Open MPI started this process as rank {rank} of {size} "
             f"(OMPI_COMM_WORLD_SIZE={size}), but JAX's cluster detection found no cluster it "
-            f"can join (it reads OMPI_MCA_orte_hnp_uri, which Open MPI 5 no longer sets). Pass "
+            f"can join ({why}). Pass "
             f"the job's coordinator (process 0's host and a free port) explicitly: "
             f"rp.distributed.initialize(coordinator_address='HOST:PORT', "
             f"num_processes={size}, process_id={rank})."

@@ -186,7 +186,18 @@ def _elements(shape: str) -> int:
 
 
 def replica_groups(attrs: str, num_devices: int) -> list[list[int]]:
-    """The device groups of a collective, from its explicit or iota ``replica_groups``."""
+    """The device groups of a collective, from its ``replica_groups``: explicit, iota, or by
+    mesh axes (``mesh['data'=2,'model'=4] {'model'}``, XLA from jax 0.11; ids are positions in
+    that mesh, as in the other forms).
+
+    >>> replica_groups("replica_groups=mesh['data'=2,'model'=2] {'data'}, x=1", 4)
+    [[0, 2], [1, 3]]
+    >>> replica_groups("replica_groups=[2,2]<=[4], x=1", 4)
+    [[0, 1], [2, 3]]
+    """
+    by_axes = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+    if by_axes:
+        return _groups_over_axes(by_axes.group(1), by_axes.group(2), attrs)
     iota = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
     if iota:
         shape = [int(d) for d in iota.group(1).split(",")]
@@ -202,6 +213,24 @@ def replica_groups(attrs: str, num_devices: int) -> list[list[int]]:
             for g in re.findall(r"\{([\d,]*)\}", explicit.group(1))
         ]
     return [list(range(num_devices))]  # empty: every device in one group
+
+
+def _groups_over_axes(mesh: str, chosen: str, attrs: str) -> list[list[int]]:
+    """The groups of ``replica_groups=mesh[<mesh>] {<chosen>}``: devices that differ only along
+    the chosen axes."""
+    dims = re.findall(r"'([^']+)'=(\d+)", mesh)
+    picked = re.findall(r"'([^']+)'", chosen)
+    names = [n for n, _ in dims]
+    if re.sub(r"'[^']+'|[\s,]", "", chosen) or not set(picked) <= set(names):
+        raise ValueError(  # sub-axes or a form this reader does not know: never guess
+            f"replicator cannot read these replica groups of XLA's program: {attrs[:200]!r}. "
+            "Please report it with your jax version."
+        )
+    sizes = [int(s) for _, s in dims]
+    sel = [names.index(n) for n in picked]
+    rest = [i for i in range(len(names)) if i not in sel]
+    ids = np.arange(int(np.prod(sizes))).reshape(sizes).transpose(rest + sel)
+    return ids.reshape(-1, int(np.prod([sizes[i] for i in sel]))).tolist()
 
 
 def axes_spanned(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple[str, ...]:
