@@ -7,8 +7,10 @@ import pathlib
 import tomllib
 
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 
 import replicator
+from replicator._src.core import compat
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -44,4 +46,25 @@ def test_jax_is_bounded_to_the_minor_release_ci_tests_and_the_installed_versions
     assert not requirements["numpy"].specifier.contains("1.26.4")  # jax 0.10 needs NumPy 2
     for name, req in requirements.items():
         installed = importlib.metadata.version(name)
-        assert req.specifier.contains(installed, prereleases=True), (name, installed)
+        assert req.specifier.contains(installed, prereleases=True), (
+            f"{name} {installed} is installed, outside the bound {name}{req.specifier} that "
+            f"pyproject.toml gives (the releases CI tests)"
+        )
+
+
+def test_the_jax_bounds_compat_names_are_pyprojects():
+    """compat.TESTED_JAX (the import-time warning's bounds) and pyproject.toml agree, and the
+    installed jax is inside them: no warning at import."""
+    low, high = compat.TESTED_JAX
+    spec = f">={'.'.join(map(str, low))},<{'.'.join(map(str, high))}"
+    for name in ("jax", "jaxlib"):
+        [req] = [
+            Requirement(r)
+            for r in PYPROJECT["project"]["dependencies"]
+            if Requirement(r).name == name
+        ]
+        assert req.specifier == SpecifierSet(spec), (name, str(req.specifier), spec)
+    assert compat.untested_jax() is None, compat.untested_jax()
+    message = compat.untested_jax((*high, 0))
+    assert spec in message and "is installed" in message
+    assert compat.untested_jax((0, 10, 1)) is not None

@@ -56,10 +56,10 @@ class Replicator:
       donate: donate the state's buffers to the step (default), so that the new state reuses
         their memory. The state passed to ``run`` is then deleted: use the returned one.
       max_in_flight: how many steps ``run`` may have dispatched but not finished; ``run``
-        waits for the oldest before dispatching another. Default: 2 on CPU devices, where XLA's
-        collectives across emulated devices deadlock when many programs are queued (measured with
-        jax 0.10.2: 64 queued steps of an 8-device ``psum`` program hung), and unbounded
-        elsewhere.
+        waits for the oldest before dispatching another. Default: 2 on CPU devices with jax
+        0.10.2, where XLA's collectives across emulated devices deadlock when many programs are
+        queued (64 queued steps of an 8-device ``psum`` program hung; not with jax 0.12, nor
+        on TPUs and GPUs), and on CPU devices of several processes; unbounded elsewhere.
 
     Example:
 

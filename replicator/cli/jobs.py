@@ -695,8 +695,9 @@ def _rules(config: TrainConfig, repl, model: gpt.GPTConfig) -> dict:
     shape = dict(repl.mesh.shape)
     t = shape.get("model", 1)
     split = config.model.vocab_parallel and t > 1 and model.vocab_size % t == 0
-    # XLA 0.10.2's SPMD partitioner aborts (a check failure in ExpandDeviceGroupsWithIota) on
-    # the vocabulary over `model` with the tokens over `data` and `context` (or `expert`).
+    # XLA's SPMD partitioner aborts (a check failure: ExpandDeviceGroupsWithIota with jax
+    # 0.10.2, spmd_partitioner_util.cc with jax 0.12) on the vocabulary over `model` with the
+    # tokens over `data` and `context` (or `expert`).
     split = split and shape.get("expert", 1) == shape.get("context", 1) == 1
     return {**gpt.MEGATRON_RULES, "vocab": "model"} if split else dict(gpt.MEGATRON_RULES)
 

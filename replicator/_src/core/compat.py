@@ -1,13 +1,55 @@
-"""The one place that deals with differences between JAX versions."""
+"""The one place that deals with differences between JAX versions.
+
+CI tests jax 0.10.2 on Python 3.11 and jax 0.12 on Python 3.12 and 3.13 (`TESTED_JAX`). The
+differences this module hides, each named where it is handled:
+
+- ``scan``'s parameters: ``num_consts``/``num_carry`` (0.10.2), a flat tree ``ft_in`` (0.12):
+  `scan_counts`.
+- XLA's ``replica_groups``: explicit or iota lists (0.10.2), mesh axes such as
+  ``mesh['data'=2,'model'=4] {'model'}`` (0.12): read in ``report/hlo.py``'s
+  ``replica_groups``, which knows every form.
+- Open MPI 5 jobs: not found by JAX (0.10.2), joined through mpi4py (0.12):
+  `OPEN_MPI_5_THROUGH_MPI4PY` and `detect_cluster`.
+- Many steps queued on emulated CPU devices: XLA:CPU's collectives hang (0.10.2), not (0.12):
+  `CPU_COLLECTIVES_HANG_WHEN_QUEUED`, read by ``Replicator``'s default ``max_in_flight``.
+- The private modules read here (``mesh_utils``, ``xla_bridge``, ``clusters``, ``distributed``,
+  ``lax._convert_element_type``) have the same names and meaning on both.
+"""
 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
 from jax.sharding import AxisType, Mesh
+
+# The jax releases CI tests, the bounds of pyproject.toml's dependencies.
+TESTED_JAX = (0, 10, 2), (0, 13)
+
+
+def untested_jax(version: tuple[int, ...] = jax.__version_info__) -> str | None:
+    """A sentence naming the tested bounds when ``version`` is outside them, else None.
+
+    >>> untested_jax((0, 12, 0)) is None, untested_jax((0, 13, 0))[:46]
+    (True, 'replicator is tested with jax >=0.10.2,<0.13; ')
+    """
+    low, high = TESTED_JAX
+    if low <= tuple(version) < high:
+        return None
+    bounds = f">={'.'.join(map(str, low))},<{'.'.join(map(str, high))}"
+    found = ".".join(map(str, version))
+    return (
+        f"replicator is tested with jax {bounds}; jax {found} is installed. explain's HLO "
+        f"reading and the private jax modules in compat.py may differ: install "
+        f'"jax{bounds}", or run the test suite on this jax first.'
+    )
+
+
+if (_UNTESTED := untested_jax()) is not None:
+    warnings.warn(_UNTESTED, stacklevel=2)
 
 
 def make_mesh(shape: Sequence[int], names: Sequence[str], devices: Sequence[jax.Device]) -> Mesh:
@@ -139,6 +181,12 @@ def _needs_missing_mpi4py(env) -> bool:
 
 # How JAX joins an Open MPI 5 job that sets no ORTE URI: through mpi4py from jax 0.11 on.
 OPEN_MPI_5_THROUGH_MPI4PY = jax.__version_info__ >= (0, 11)
+
+
+# XLA:CPU's collectives across emulated devices deadlock when many programs are queued with jax
+# 0.10.2 (64 queued steps of an 8-device psum hung; 500 aborted in a rendezvous timeout), and not
+# with jax 0.12 (5,000 queued steps of a psum, ppermute and all-gather program ran in 7 s).
+CPU_COLLECTIVES_HANG_WHEN_QUEUED = jax.__version_info__ < (0, 12)
 
 
 def coordination_client():

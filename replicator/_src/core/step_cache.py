@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
-from replicator._src.core import errors, leaf_specs
+from replicator._src.core import compat, errors, leaf_specs
 from replicator._src.core import lowering as lowering_lib
 from replicator._src.core.typing import PyTree, StepFn
 
@@ -110,9 +110,12 @@ class StepCache:
 
 
 def default_max_in_flight(mesh: Mesh) -> int:
-    """``max_in_flight``'s default: 2 on several CPU devices, else unbounded (see `Replicator`)."""
+    """``max_in_flight``'s default: 2 on several CPU devices where XLA:CPU's collectives hang
+    with many programs queued (jax 0.10.2; with jax 0.12 only across processes, where it was not
+    measured), else unbounded (see `Replicator`)."""
     on_cpu = mesh.devices.flat[0].platform == "cpu" and mesh.devices.size > 1
-    return 2 if on_cpu else sys.maxsize
+    hangs = compat.CPU_COLLECTIVES_HANG_WHEN_QUEUED or jax.process_count() > 1
+    return 2 if on_cpu and hangs else sys.maxsize
 
 
 def raise_if_donated(state_leaves: list, state: PyTree) -> None:
