@@ -197,7 +197,7 @@ def replica_groups(attrs: str, num_devices: int) -> list[list[int]]:
     """
     by_axes = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
     if by_axes:
-        return _groups_over_axes(by_axes.group(1), by_axes.group(2), attrs)
+        return _groups_over_axes(by_axes.group(1), by_axes.group(2), attrs, num_devices)
     iota = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
     if iota:
         shape = [int(d) for d in iota.group(1).split(",")]
@@ -215,18 +215,22 @@ def replica_groups(attrs: str, num_devices: int) -> list[list[int]]:
     return [list(range(num_devices))]  # empty: every device in one group
 
 
-def _groups_over_axes(mesh: str, chosen: str, attrs: str) -> list[list[int]]:
+def _groups_over_axes(mesh: str, chosen: str, attrs: str, num_devices: int) -> list[list[int]]:
     """The groups of ``replica_groups=mesh[<mesh>] {<chosen>}``: devices that differ only along
     the chosen axes."""
     dims = re.findall(r"'([^']+)'=(\d+)", mesh)
     picked = re.findall(r"'([^']+)'", chosen)
     names = [n for n, _ in dims]
-    if re.sub(r"'[^']+'|[\s,]", "", chosen) or not set(picked) <= set(names):
+    sizes = [int(s) for _, s in dims]
+    if (
+        re.sub(r"'[^']+'|[\s,]", "", chosen)
+        or not set(picked) <= set(names)
+        or int(np.prod(sizes)) != num_devices  # positions would not be the program's devices
+    ):
         raise ValueError(  # sub-axes or a form this reader does not know: never guess
             f"replicator cannot read these replica groups of XLA's program: {attrs[:200]!r}. "
             "Please report it with your jax version."
         )
-    sizes = [int(s) for _, s in dims]
     sel = [names.index(n) for n in picked]
     rest = [i for i in range(len(names)) if i not in sel]
     ids = np.arange(int(np.prod(sizes))).reshape(sizes).transpose(rest + sel)
