@@ -21,6 +21,7 @@ from fractions import Fraction
 import numpy as np
 
 from replicator._src.core import tracing
+from replicator._src.report import convolution, loops
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 
@@ -125,7 +126,7 @@ def _split_instruction(line: str) -> _Inst | None:
         return None
     end = _closing(rest, 0, depth=1)
     operands = re.findall(r"%([\w.\-]+)", rest[:end])
-    if op == "parameter":  # its number: which operand of the caller it is
+    if op in ("parameter", "constant"):  # its number, or its value (a loop's bound)
         operands = [rest[:end].strip()]
     return _Inst(name.lstrip("%"), shape, op, operands, rest[end + 1 :], root)
 
@@ -299,6 +300,7 @@ class _Walker:
         self.num_devices = int(np.prod(list(self.mesh_shape.values()), dtype=np.int64))
         self.shapes = {i.name: i.shape for insts in comps.values() for i in insts}
         self.unknown_trips = 0
+        self.caller = {i.name: c for c, insts in comps.items() for i in insts}
 
     def visit(self, comp, mult, cond, applied, out, kernels=None, fused=False):
         """(FLOPs, matmul FLOPs, transcendentals) of ``comp`` run ``mult`` times; its
@@ -326,10 +328,7 @@ class _Walker:
             return _ZERO
         called = dict(_CALLS.findall(inst.attrs))
         if inst.op == "while":
-            trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', inst.attrs)
-            if trips is None:
-                self.unknown_trips += 1
-            n = int(trips.group(1)) if trips else 1
+            n = self.trips(inst)
             body = self.visit(called["body"], mult * n, cond, marks, out, kernels, fused)
             cond_cost = self.visit(
                 called["condition"], mult * (n + 1), cond, marks, out, kernels, fused
@@ -360,6 +359,17 @@ class _Walker:
         if not fused:
             _note(kernels, cost[0], mult * self.leaf_bytes(inst))
         return cost
+
+    def trips(self, inst: _Inst) -> int:
+        """A loop's trip count: XLA:CPU's ``known_trip_count``, else read from its code (the
+        TPU compiler's loops, `loops.trip_count`), else 1 and counted as unknown."""
+        known = re.search(r'"known_trip_count":\{"n":"(\d+)"', inst.attrs)
+        if known:
+            return int(known.group(1))
+        n = loops.trip_count(inst, self.comps[self.caller[inst.name]], self.comps)
+        if n is None:
+            self.unknown_trips += 1
+        return 1 if n is None else n
 
     def leaf_bytes(self, inst: _Inst) -> int:
         """Bytes an unfused instruction reads and writes (none for bookkeeping ones)."""
@@ -411,11 +421,8 @@ class _Walker:
             flops = mult * 2 * _elements(inst.shape) * k
             return flops, flops, Fraction(0)
         if op == "convolution":
-            rhs = _dims(self.shapes.get(inst.operands[1], ""))
-            labels = re.search(r"dim_labels=\w+_(\w+)->", inst.attrs)
-            out_features = rhs[labels.group(1).index("o")] if labels and rhs else 1
-            per_output = int(np.prod(rhs)) // max(out_features, 1)
-            flops = mult * 2 * _elements(inst.shape) * per_output
+            lhs, rhs = (_dims(self.shapes.get(o, "")) for o in inst.operands[:2])
+            flops = mult * convolution.flops(lhs, rhs, _dims(inst.shape), inst.attrs)
             return flops, flops, Fraction(0)
         if op in _ELEMENTWISE:
             return mult * _elements(inst.shape), Fraction(0), Fraction(0)
