@@ -191,7 +191,7 @@ def refit(cpu, sizes: dict) -> dict:
 
     import numpy as np
 
-    from replicator._src.planner import cost_model, hardware
+    from replicator._src.report import cost_model, hardware
 
     cache = cpu.cache_bytes / hardware.CACHE_REACH  # the measured last-level cache
 

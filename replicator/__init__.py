@@ -26,17 +26,22 @@ from replicator._src.core.precision import Policy as Policy
 from replicator._src.core.sharded_params import ShardedParam as ShardedParam
 from replicator._src.core.sharded_params import gather_params as gather_params
 from replicator._src.core.sharded_params import regather_policy as regather_policy
+from replicator._src.core.targets import Target as Target
+from replicator._src.core.targets import quiet_libtpu as _quiet_libtpu
+from replicator._src.core.targets import target as target
+from replicator._src.core.targets import tpu_devices as tpu_devices
 from replicator._src.optim.optimizer import DistributedOptimizer as DistributedOptimizer
 from replicator._src.optim.zero_plan import ZeroPlan as ZeroPlan
-from replicator._src.planner.hardware import HARDWARE as HARDWARE
-from replicator._src.planner.hardware import Hardware as Hardware
-from replicator._src.planner.hardware import hardware as hardware
 from replicator._src.planner.layouts import Family as Family
 from replicator._src.planner.layouts import Layout as Layout
 from replicator._src.planner.layouts import enumerate_layouts as enumerate_layouts
 from replicator._src.planner.planning import Candidate as Candidate
 from replicator._src.planner.planning import PlanReport as PlanReport
 from replicator._src.planner.planning import plan as plan
+from replicator._src.report.hardware import HARDWARE as HARDWARE
+from replicator._src.report.hardware import Hardware as Hardware
+from replicator._src.report.hardware import hardware as hardware
+from replicator._src.report.on_target import OnTarget as OnTarget
 from replicator._src.report.step_report import StepReport as StepReport
 from replicator._src.run.checkpoint import Checkpoints as Checkpoints
 from replicator._src.run.checkpoint import StateMismatchError as StateMismatchError
@@ -51,3 +56,5 @@ from replicator._src.run.writers import TensorBoardWriter as TensorBoardWriter
 from replicator._src.run.writers import WandbWriter as WandbWriter
 
 __version__ = "0.1.0"
+
+_quiet_libtpu()  # before JAX starts its backends: libtpu's warnings mean nothing on a CPU host

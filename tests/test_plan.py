@@ -9,8 +9,8 @@ import plan_jobs
 import pytest
 
 import replicator as rp
-from replicator._src.planner import cost_model
-from replicator._src.planner.cost_model import CollectiveCost, CompiledStep
+from replicator._src.report import cost_model
+from replicator._src.report.cost_model import CollectiveCost, CompiledStep
 
 # -- enumeration ----------------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from replicator._src.core import binding as binding_lib
 from replicator._src.core import data as data_lib
-from replicator._src.core import drift, errors, leaf_specs, scoped, step_cache, tracing
+from replicator._src.core import drift, errors, leaf_specs, scoped, step_cache, targets, tracing
 from replicator._src.core import lowering as lowering_lib
 from replicator._src.core import mesh as mesh_lib
 from replicator._src.core.typing import PyTree, StepFn
@@ -86,6 +86,8 @@ class Replicator:
     ) -> None:
         self._mesh = lowering_lib.mesh_for(lowering, mesh_shape, devices=devices)
         self._lowering = lowering
+        self._target = targets.describe(list(self._mesh.devices.flat))
+        self._compile_only = targets.compile_only(list(self._mesh.devices.flat))
         self._drift = drift.DriftCheck(self._mesh, lowering, drift.checked_policy(check_replicas))
         if max_in_flight is None:
             max_in_flight = step_cache.default_max_in_flight(self._mesh)
@@ -181,7 +183,19 @@ class Replicator:
             if a tree of specs does not match ``tree``, or if a split does not divide a leaf's
             dimension.
         """
+        if not all(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree)):
+            self._refuse_compile_only("place")  # under repl.abstract: shapes only, allowed
         return leaf_specs.place(self._mesh, tree, spec)
+
+    def _refuse_compile_only(self, api: str) -> None:
+        if self._compile_only:
+            where = self._target.label if self._target else "compile-only devices"
+            raise ValueError(
+                f"Replicator.{api}: this Replicator's devices are {where}'s, described by libtpu "
+                f"to compile for (rp.tpu_devices): nothing runs or is placed on them. Use "
+                f"repl.explain(step_fn, repl.abstract(init), batch_shapes) to read the step's "
+                f"program for that target, and a Replicator on jax.devices() to run it."
+            )
 
     def wrap_optimizer(
         self,
@@ -302,6 +316,7 @@ class Replicator:
             )
         if not isinstance(skip, int) or skip < 0:
             raise ValueError(f"Replicator.distribute: skip must be an int >= 0; got {skip!r}.")
+        self._refuse_compile_only("distribute")
         source = data_lib.call_input_fn(input_fn, self.input_context())
         if state is not None:
             source = data_lib.resume(source, state)
@@ -355,6 +370,7 @@ class Replicator:
             checked run: by default the first 2 runs of each compiled step (see
             ``check_replicas``).
         """
+        self._refuse_compile_only("run")
         state_leaves, state_def = jax.tree.flatten(state)
         arg_leaves, args_def = jax.tree.flatten(args)
         step_cache.raise_if_donated(state_leaves, state)
@@ -393,8 +409,9 @@ class Replicator:
         return program.lower(state_leaves, arg_leaves)
 
     def explain(
-        self, step_fn: StepFn, state: PyTree, *args: PyTree, stage_costs: bool = True
-    ) -> report_lib.StepReport:
+        self, step_fn: StepFn, state: PyTree, *args: PyTree, stage_costs: bool = True,
+        model_flops: float | None = None,
+    ) -> report_lib.StepReport:  # fmt: skip
         """What ``run(step_fn, state, *args)`` would cost per device, without running it.
 
         Compiles the step for this mesh and reads the compiled program: per-device memory
@@ -415,6 +432,13 @@ class Replicator:
           stage_costs: for each pipeline, compile each stage's passes alone to count their
             FLOPs and model the step with them; False models it with equal stage costs
             (about half the compile time; the same for identical stages).
+          model_flops: the model's own FLOPs per device per step (e.g. ``6 N T / devices``
+            plus attention), for the report's MFU on a TPU target.
+
+        On a TPU target's devices (``Replicator(devices=rp.tpu_devices("v5p-16"))``, any
+        machine with libtpu) the program is the TPU's, and the report's ``target`` says what
+        it means there: HBM and ``fits``, the roofline ``step_seconds``, XLA's own
+        ``xla_seconds``, and the MFU (`OnTarget`).
 
         Returns:
           A `StepReport`: print it for tables, ``to_json()`` for everything.
@@ -454,6 +478,8 @@ class Replicator:
             compile_seconds=time.perf_counter() - start,
             pipelines=pipelines,
             zero=zero,
+            target=self._target,
+            model_flops=model_flops,
         )
 
 

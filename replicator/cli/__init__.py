@@ -1,7 +1,8 @@
 """The ``replicator`` command.
 
 replicator train CONFIG [key=value ...]       train as a YAML config says (configs/)
-replicator explain CONFIG [key=value ...]     what its step costs per device, without running it
+replicator explain CONFIG [key=value ...] [--target v5p-16 [--slices N]]
+                                              what its step costs per device, without running it
 replicator plan CONFIG --devices N [--memory 16GiB] [--hardware tpu-v5e]
                                               the fastest layout that fits, written as a config
 replicator launch -n N [--devices-per-process D] [--watchdog S] -- CMD ...
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 
 # An application on the public API only: config (YAML configs validated into dataclasses), jobs
 # (a config becomes a model, an input_fn, a step_fn and a run), launch (the launcher's options).
-from replicator.cli import config, jobs, launch, plan
+from replicator.cli import config, jobs, launch, plan, targets
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -47,11 +48,15 @@ def _parser() -> argparse.ArgumentParser:
         "(arguments, outputs, temporaries), FLOPs per step, every collective with its mesh "
         "axes, dtype and bytes per step, and for pipelines the bubble and the schedule. "
         "Nothing is trained. Example: replicator explain configs/lm_pipeline.yaml "
-        "mesh.data=8 mesh.stage=8 model.layers=16 global_batch=256",
+        "mesh.data=8 mesh.stage=8 model.layers=16 global_batch=256. With --target, the step "
+        "is compiled for that TPU slice instead (libtpu, here; no TPU needed), and the report "
+        "adds its HBM and whether the step fits, the step's time by the roofline and by XLA's "
+        "estimate, and the MFU: replicator explain configs/llama3_8b.yaml --target v5p-64",
     )
     explain.add_argument("config", help="a YAML file")
     explain.add_argument("overrides", nargs="*", help="key=value")
     explain.add_argument("--json", metavar="PATH", help="also write the whole report as JSON")
+    targets.add_args(explain, what="explain the step")
     plan.add_parser(commands)
     commands.add_parser(  # parsed by the launcher itself: see main()
         "launch",
@@ -88,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = config.load(args.config, args.overrides)
         # explain: a config the library refuses (e.g. M < K for 1F1B) is a message too
-        report = jobs.explain(cfg, json_path=args.json) if args.command == "explain" else None
+        report = _explain(cfg, args) if args.command == "explain" else None
     except (*jobs.USER_ERRORS, OSError) as e:
         return _user_error(where, e)
     if report is None:
@@ -104,6 +109,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(f"wrote {args.json}")
     return 0
+
+
+def _explain(cfg, args):
+    target = targets.check_args(args)
+    if target is None:
+        return jobs.explain(cfg, json_path=args.json)
+    if args.json:
+        jobs.check_writable(args.json, flag="--json")
+    report = targets.explain(cfg, target)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(report.to_json() + "\n")
+    return report
 
 
 def _normalised(argv: list[str]) -> list[str]:

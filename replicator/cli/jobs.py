@@ -114,7 +114,7 @@ def build(config: TrainConfig):
     return repl, step_fn, state, input_fn, tokens
 
 
-def abstract_job(config: TrainConfig):
+def abstract_job(config: TrainConfig, *, devices: list | None = None):
     """The job a config describes, built from shapes: ``(repl, step_fn, state, batch)``.
 
     The same code as `build` (the job's one init function runs under ``repl.abstract``), so
@@ -125,6 +125,8 @@ def abstract_job(config: TrainConfig):
 
     Args:
       config: a built-in model kind's config.
+      devices: the mesh's devices (default ``jax.devices()``), e.g. a TPU target's
+        (``rp.tpu_devices("v5p-16")``) to compile for it on any machine.
 
     Returns:
       ``state`` is `build`'s state (with its ``"step"`` and ``"ema"`` entries) as
@@ -143,7 +145,7 @@ def abstract_job(config: TrainConfig):
             f"state itself; only the built-in kinds ({', '.join(map(repr, MODEL_KINDS))}) "
             f"build from shapes. Use jobs.explain(config), which builds the state."
         )
-    repl = rp.Replicator(mesh_shape=dict(config.mesh))
+    repl = rp.Replicator(mesh_shape=dict(config.mesh), devices=devices)
     job = builtin(config, repl, _tx_maker(config))
     state = repl.abstract(job.init)
     step_fn, state = _rate_and_ema(repl, job.step_fn, state, config, make=repl.abstract)

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from replicator._src.planner.cost_model import CompiledStep
+from replicator._src.report.cost_model import CompiledStep
 from replicator._src.planner.layouts import Family, Layout
 from replicator._src.report.step_report import format_bytes
 

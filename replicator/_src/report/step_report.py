@@ -18,8 +18,10 @@ import io
 import json
 import math
 
+from replicator._src.core import targets
 from replicator._src.core.tracing import PipelineNote, ZeroNote
 from replicator._src.report import hlo
+from replicator._src.report.on_target import OnTarget, lines, on_target
 
 Collective = hlo.Collective
 
@@ -81,6 +83,9 @@ class StepReport:
       zero: the ZeRO updates traced in the step (`ZeroNote`): how many parameters are split
         over the replicas, how many (and how many bytes) are kept whole because no axis
         divides by them, and which operations of the optimizer, if any, gather.
+      target: for a step compiled for a TPU target (`replicator.tpu_devices`), what it means
+        on that TPU (`OnTarget`: HBM and ``fits``, ``step_seconds``, ``xla_seconds``, MFU);
+        None on other devices. In ``to_json()`` its keys stand at the top level.
     """
 
     step: str
@@ -100,6 +105,7 @@ class StepReport:
     bytes_accessed: float = 0.0
     roofline: tuple[tuple[float, float], ...] = ()
     zero: tuple[ZeroNote, ...] = ()
+    target: OnTarget | None = None
 
     @property
     def collective_bytes(self) -> float:
@@ -137,6 +143,7 @@ class StepReport:
     def to_json(self) -> str:
         """The whole report as JSON (every collective listed)."""
         data = dataclasses.asdict(self)
+        data.update(data.pop("target") or {"target": None})  # its keys at the top level
         data["memory"]["peak"] = self.memory.peak
         data["collective_bytes"] = self.collective_bytes
         data["wire_bytes"] = self.wire_bytes
@@ -236,6 +243,8 @@ def _renderable(r: StepReport):
     coll.add_row("total", "", "", str(len(r.collectives)), "", format_bytes(r.collective_bytes),
                  format_bytes(r.wire_bytes), style="bold")  # fmt: skip
     parts = [head, mem, compute, coll]
+    if r.target is not None:
+        parts.append(Text("\n".join(lines(r.target, format_bytes))))
     for p in r.pipelines:
         parts.append(
             Text(
@@ -287,8 +296,10 @@ def _zero_line(z: ZeroNote) -> str:
 def report(
     compiled, *, step: str, mesh_shape: dict[str, int], lowering: str, platform: str,
     compile_seconds: float, pipelines: list[PipelineNote], zero: list[ZeroNote] = (),
+    target: targets.Target | None = None, model_flops: float | None = None,
 ) -> StepReport:  # fmt: skip
-    """A `StepReport` from a compiled program (``jax.stages.Compiled``)."""
+    """A `StepReport` from a compiled program (``jax.stages.Compiled``); with ``target``, its
+    `OnTarget` too (``model_flops`` per device per step for the MFU)."""
     stats = compiled.memory_analysis()
     memory = Memory(
         arguments=int(stats.argument_size_in_bytes),
@@ -299,11 +310,11 @@ def report(
     )
     costs = hlo.analyze(compiled.as_text(), mesh_shape)
     try:
-        analysis = compiled.cost_analysis()
-        xla_flops = float(analysis.get("flops")) if analysis and "flops" in analysis else None
+        analysis = compiled.cost_analysis() or {}
     except Exception:  # not every backend implements it
-        xla_flops = None
-    return StepReport(
+        analysis = {}
+    xla_flops = float(analysis["flops"]) if "flops" in analysis else None
+    result = StepReport(
         step=step,
         mesh=dict(mesh_shape),
         lowering=lowering,
@@ -322,3 +333,10 @@ def report(
         roofline=costs.roofline,
         zero=tuple(zero),
     )
+    if target is None:
+        return result
+    optimal = analysis.get("optimal_seconds")
+    return dataclasses.replace(result, target=on_target(
+        result, target, optimal_seconds=None if optimal is None else float(optimal),
+        model_flops=model_flops,
+    ))  # fmt: skip

@@ -40,7 +40,7 @@ import dataclasses
 import math
 from typing import Any
 
-from replicator._src.planner.hardware import Hardware
+from replicator._src.report.hardware import Hardware
 
 # Axes whose collectives reduce gradients or gather ZeRO shards: what `overlap` may hide.
 DATA_AXES = frozenset({"data", "dcn_data"})

@@ -208,6 +208,13 @@ HARDWARE: dict[str, Hardware] = {
         "Gbps per chip (1200 GB/s bidirectional), DCN 50 Gbps per chip; a slice is at most "
         "6144 chips.",
     ),
+    "tpu-v6e": _tpu(
+        "tpu-v6e", 918e12, 32 * GiB, 1638e9, 800e9 / 2, 4 * 200e9 / 8 / 8, 256,
+        "cloud.google.com/tpu/docs/v6e: 918 TFLOP/s bf16, 32 GB HBM at 1638 GB/s, ICI 800 GB/s "
+        "bidirectional per chip, 8 chips per host, a slice is at most 256 chips. The page gives "
+        "no per-chip DCN figure: 4 x 200 Gbps NICs per 8-chip host (12.5 GB/s per "
+        "chip) is assumed.",
+    ),
     "h100": _gpu(
         "h100", 989e12, 80 * 10**9, 3.35e12, 900e9 / 2, 400e9 / 8,
         "NVIDIA H100 SXM datasheet: 989 TFLOP/s dense bf16, 80 GB HBM3 at 3.35 TB/s, NVLink "
@@ -221,7 +228,7 @@ HARDWARE: dict[str, Hardware] = {
         "adapter per GPU (DGX A100, Selene) between nodes.",
     ),
 }  # fmt: skip
-"""The built-in profiles by name: TPU v4, v5e and v5p, H100 and A100 (SXM, 8 per node). The
+"""The built-in profiles by name: TPU v4, v5e, v5p and v6e, H100 and A100 (SXM, 8 per node). The
 emulated CPU is ``hardware("cpu")``, measured on this machine."""
 
 

@@ -1,0 +1,161 @@
+"""What a step compiled for a TPU target means on that TPU: does it fit, how long, what MFU.
+
+`Replicator.explain` on a target's devices (`replicator.tpu_devices`) reads the TPU program.
+This module adds the chip's figures (`hardware.HARDWARE`, each with its public source):
+
+* ``fits``: the program's peak bytes per device (``memory.peak``) within the chip's HBM;
+* ``step_seconds``: the roofline of the TPU program (`cost_model.model_time`): each group of
+  kernels at ``max(FLOPs / peak, bytes / HBM bandwidth)``, loops counted per trip, every
+  collective's wire bytes at the ICI bandwidth (DCN across slices), and the pipelines' idle
+  ticks; the data axes' collectives (gradient reductions, ZeRO's gathers) overlap compute, as
+  the TPU compiler's asynchronous collectives let them, and every other collective is exposed;
+* ``xla_seconds``: XLA's own estimate, ``cost_analysis()["optimal_seconds"]``. It counts each
+  loop body once, as its FLOPs do; a program with loops has it scaled by the FLOPs counted per
+  trip over XLA's FLOPs (``xla_seconds_how`` says which). XLA's estimate is idealised, and it
+  is negative on v6e with some libtpu releases: it is then None, and said so;
+* ``model_flops`` and ``mfu``: the model's own FLOPs per device per step (``6 N T`` plus
+  attention, as MaxText counts them), over the roofline's step at the chip's peak.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from replicator._src.core import targets
+from replicator._src.report import cost_model
+from replicator._src.report.hardware import HARDWARE, Hardware
+
+
+@dataclasses.dataclass(frozen=True)
+class OnTarget:
+    """A step's figures on the TPU it was compiled for; per chip and per step.
+
+    Attributes:
+      target: the accelerator type, e.g. ``"v5p-16"`` (``"2 x v5p-16"`` for two slices).
+      device_kind: JAX's name of the chip, e.g. ``"TPU v5"``.
+      slices: TPU slices, joined over the data-centre network.
+      hbm_bytes: the chip's HBM.
+      peak_bytes: the step's peak bytes per chip (``memory.peak``).
+      fits: the step's peak bytes per chip are at most ``hbm_bytes``.
+      over_bytes: how far the peak is over ``hbm_bytes`` (0 when it fits).
+      fit_hint: when it does not fit, the smallest change found that fits (``replicator
+        explain`` fills it in: ZeRO stage, ``model``, remat, batch); None otherwise.
+      peak_flops: the chip's peak dense bf16 FLOP/s.
+      step_seconds: the roofline of the TPU program (see the module docstring).
+      compute_seconds: its kernels' part.
+      ici_seconds: its collectives over ICI, before overlap.
+      dcn_seconds: its collectives across slices, before overlap.
+      hidden_seconds: the data axes' collectives that overlap compute.
+      xla_seconds: XLA's estimate, loop trips accounted for (None where it cannot be read).
+      xla_seconds_how: how ``xla_seconds`` was read.
+      model_flops: the model's FLOPs per chip per step (None: not given).
+      mfu: ``model_flops / (step_seconds * peak_flops)``.
+      xla_mfu: ``model_flops / (xla_seconds * peak_flops)``.
+      hardware: the profile's name, e.g. ``"tpu-v5p"``.
+    """
+
+    target: str
+    device_kind: str
+    slices: int
+    hbm_bytes: int
+    peak_bytes: int
+    fits: bool
+    over_bytes: int
+    fit_hint: str | None
+    peak_flops: float
+    step_seconds: float
+    compute_seconds: float
+    ici_seconds: float
+    dcn_seconds: float
+    hidden_seconds: float
+    xla_seconds: float | None
+    xla_seconds_how: str
+    model_flops: float | None
+    mfu: float | None
+    xla_mfu: float | None
+    hardware: str
+
+
+def profile_for(target: targets.Target) -> Hardware:
+    """The chip's profile, its island the target's slice (collectives across slices: DCN)."""
+    return dataclasses.replace(HARDWARE[f"tpu-{target.generation}"], island_size=target.chips)
+
+
+def _xla_seconds(optimal: float | None, flops: float, xla_flops: float | None,
+                 unknown_trips: int) -> tuple[float | None, str]:  # fmt: skip
+    if optimal is None or not math.isfinite(optimal):
+        return None, "XLA gave no optimal_seconds for this program"
+    if optimal <= 0:
+        return None, f"XLA's optimal_seconds is {optimal:.3g} (not a time) for this program"
+    if unknown_trips:
+        return None, f"{unknown_trips} loop(s) of unknown trip count: not scaled"
+    if not xla_flops or abs(flops - xla_flops) <= 0.01 * flops:
+        return optimal, "cost_analysis()['optimal_seconds'] as XLA gives it (no loop runs twice)"
+    return optimal * flops / xla_flops, (
+        "cost_analysis()['optimal_seconds'], which counts each loop body once, scaled by the "
+        f"FLOPs with loops counted per trip over XLA's ({flops:.4g} / {xla_flops:.4g})"
+    )
+
+
+def on_target(report, target: targets.Target, *, optimal_seconds: float | None,
+              model_flops: float | None = None) -> OnTarget:  # fmt: skip
+    """The `OnTarget` of a `StepReport` compiled for ``target``.
+
+    Args:
+      report: the step's `StepReport`.
+      target: where it was compiled for (`targets.describe` of its devices).
+      optimal_seconds: ``cost_analysis()["optimal_seconds"]`` of the compiled program.
+      model_flops: the model's FLOPs per chip per step, for the MFU.
+    """
+    hw = profile_for(target)
+    step = cost_model.CompiledStep.from_report(report)
+    time = cost_model.model_time(step, hw, overlap=1.0)
+    xla, how = _xla_seconds(
+        optimal_seconds, report.flops, report.xla_flops, report.unknown_trip_counts
+    )
+    peak = report.memory.peak
+
+    def mfu(seconds):
+        return None if model_flops is None or not seconds else model_flops / (seconds * hw.peak_flops)
+
+    return OnTarget(
+        target=target.label, device_kind=target_kind(target), slices=target.slices,
+        hbm_bytes=hw.memory_bytes, peak_bytes=peak, fits=peak <= hw.memory_bytes,
+        over_bytes=max(0, peak - hw.memory_bytes), fit_hint=None, peak_flops=hw.peak_flops,
+        step_seconds=time.total, compute_seconds=time.compute + time.bubble,
+        ici_seconds=time.ici, dcn_seconds=time.dcn, hidden_seconds=time.hidden,
+        xla_seconds=xla, xla_seconds_how=how, model_flops=model_flops,
+        mfu=mfu(time.total), xla_mfu=mfu(xla), hardware=hw.name,
+    )  # fmt: skip
+
+
+def target_kind(target: targets.Target) -> str:
+    gen = targets.GENERATIONS.get(target.generation)
+    return gen.device_kind if gen else target.generation
+
+
+def lines(t: OnTarget, format_bytes) -> list[str]:
+    """The report's lines for a target."""
+    room = (
+        f"fits: peak {format_bytes(t.peak_bytes)} of {format_bytes(t.hbm_bytes)} "
+        f"HBM" if t.fits else
+        f"does NOT fit: over the {format_bytes(t.hbm_bytes)} HBM by {format_bytes(t.over_bytes)}"
+    )  # fmt: skip
+    out = [f"on {t.target} ({t.device_kind}, {t.hardware}): {room}"]
+    if t.fit_hint:
+        out.append(f"  {t.fit_hint}")
+    mfu = "" if t.mfu is None else f", MFU {t.mfu:.1%}"
+    out.append(
+        f"step {t.step_seconds * 1e3:.4g} ms by the roofline (compute {t.compute_seconds * 1e3:.4g}"
+        f" ms, ICI {t.ici_seconds * 1e3:.3g} ms, DCN {t.dcn_seconds * 1e3:.3g} ms, of which "
+        f"{t.hidden_seconds * 1e3:.3g} ms overlaps compute){mfu}"
+    )
+    if t.xla_seconds is None:
+        out.append(f"XLA's estimate: none ({t.xla_seconds_how})")
+    else:
+        xmfu = "" if t.xla_mfu is None else f", MFU {t.xla_mfu:.1%}"
+        out.append(f"XLA's estimate {t.xla_seconds * 1e3:.4g} ms{xmfu}: {t.xla_seconds_how}")
+    if t.model_flops is not None:
+        out.append(f"model FLOPs per chip per step: {t.model_flops:.4g} (6 N T + attention)")
+    return out
