@@ -13,12 +13,13 @@ PUBLIC = [
     "DistributedOptimizer",
     "Family",  # rp.enumerate_layouts: layouts that trade memory for time, tried in order
     "FitResult",
-    "HARDWARE",  # the built-in hardware profiles (TPU v4/v5e/v5p, H100, A100)
+    "HARDWARE",  # the built-in hardware profiles (TPU v4/v5e/v5p/v6e, H100, A100)
     "Hardware",
     "InputContext",
     "Layout",
     "MetricWriter",  # rp.fit(writers=[...]): any object with write(step, metrics) and close()
     "NonFiniteError",  # rp.fit stops with it on a nan/inf output or state, before saving it
+    "OnTarget",  # StepReport.target: a step compiled for a TPU target, on that TPU
     "PlanReport",
     "Policy",
     "Profile",
@@ -28,6 +29,7 @@ PUBLIC = [
     "ShardedParam",
     "StateMismatchError",
     "StepReport",
+    "Target",  # rp.target("v5p-16"): a TPU slice by its accelerator type
     "TensorBoardWriter",
     "WandbWriter",
     "ZeroPlan",  # opt.plan(params): each leaf's ZeRO split axis and bytes, what gathers
@@ -46,6 +48,8 @@ PUBLIC = [
     "regather_policy",  # jax.checkpoint policy: ZeRO-3 gathers each layer again backward
     "replica_axis_name",
     "replica_id",
+    "target",
+    "tpu_devices",  # a TPU target's devices, to compile for on any machine (libtpu)
 ]
 
 

@@ -9,7 +9,6 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 import optax
 from jax.sharding import Mesh, PartitionSpec
 
@@ -18,6 +17,7 @@ from replicator._src.core import data as data_lib
 from replicator._src.core import drift, errors, leaf_specs, scoped, step_cache, targets, tracing
 from replicator._src.core import lowering as lowering_lib
 from replicator._src.core import mesh as mesh_lib
+from replicator._src.core.outputs import local_row as local_row
 from replicator._src.core.typing import PyTree, StepFn
 from replicator._src.optim import optimizer as optim
 from replicator._src.report import step_report as report_lib
@@ -481,32 +481,6 @@ class Replicator:
             target=self._target,
             model_flops=model_flops,
         )
-
-
-def local_row(outputs: PyTree) -> PyTree:
-    """For each stacked output, the first row this process holds, as a NumPy value.
-
-    ``run`` returns every output stacked over the replicas; where ``step_fn`` reduced it (a
-    loss passed through ``rp.all_reduce``) all rows are equal, so any row is the value. This
-    reads one from this process's own shards: no transfer between processes, no gather of the
-    whole array, and it works the same on one process or many (log on process 0).
-
-    >>> import jax, jax.numpy as jnp, replicator as rp
-    >>> repl = rp.Replicator(devices=jax.devices()[:2])
-    >>> step = lambda s, x: (s, {"loss": rp.all_reduce(jnp.mean(x), "mean")})
-    >>> _, out = repl.run(step, repl.replicate(jnp.zeros(())), jnp.arange(4.0))
-    >>> float(rp.local_row(out)["loss"])
-    1.5
-    """
-
-    def first(x):
-        shards = getattr(x, "addressable_shards", None)
-        if shards:
-            first_shard = min(shards, key=lambda s: tuple(i.start or 0 for i in s.index))
-            return np.asarray(first_shard.data)[0]
-        return np.asarray(x)[0]
-
-    return jax.tree.map(first, outputs)
 
 
 _CURRENT: scoped.Stack[Replicator] = scoped.Stack()

@@ -128,8 +128,11 @@ def target(name: str, *, slices: int = 1) -> Target:
     else:
         n = int(sized.group(2))
         chips = n // 2 if gen.counts_cores else n
-        if chips < 1 or chips & (chips - 1) or chips > gen.max_chips or n != chips * (
-            2 if gen.counts_cores else 1
+        if (
+            chips < 1
+            or chips & (chips - 1)
+            or chips > gen.max_chips
+            or n != chips * (2 if gen.counts_cores else 1)
         ):
             unit = "TensorCores, two a chip" if gen.counts_cores else "chips"
             least = 8 if gen.counts_cores else 1

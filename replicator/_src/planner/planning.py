@@ -22,10 +22,10 @@ import time
 from collections.abc import Callable, Sequence
 
 from replicator._src.planner import search
+from replicator._src.planner.layouts import Family, Layout
 from replicator._src.report.cost_model import ModelledTime, model_time
 from replicator._src.report.hardware import Hardware, parse_bytes
 from replicator._src.report.hardware import hardware as hardware_lib
-from replicator._src.planner.layouts import Family, Layout
 from replicator._src.report.step_report import format_bytes
 
 

@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from replicator._src.report.cost_model import CompiledStep
 from replicator._src.planner.layouts import Family, Layout
+from replicator._src.report.cost_model import CompiledStep
 from replicator._src.report.step_report import format_bytes
 
 FITS, TOO_BIG, STATE_TOO_BIG, SKIPPED, ERROR = (

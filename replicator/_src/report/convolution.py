@@ -19,12 +19,14 @@ import numpy as np
 def _window(attrs: str) -> dict[str, list]:
     found = re.search(r"window=\{([^}]*)\}", attrs)
     window: dict[str, list] = {}
-    for item in (found.group(1).split() if found else []):
+    for item in found.group(1).split() if found else []:
         key, _, value = item.partition("=")
         parts = value.split("x")
-        window[key] = [tuple(map(int, p.split("_"))) for p in parts] if key == "pad" else [
-            int(p) for p in parts
-        ]
+        window[key] = (
+            [tuple(map(int, p.split("_"))) for p in parts]
+            if key == "pad"
+            else [int(p) for p in parts]
+        )
     return window
 
 
@@ -62,6 +64,7 @@ def flops(lhs: list[int], rhs: list[int], out: list[int], attrs: str) -> int:
     spatial = [c for c in lhs_labels if c.isdigit()]
     pairs = 1
     for n, label in enumerate(sorted(spatial)):
+
         def get(key, default, n=n):
             values = window.get(key)
             return values[n] if values else default

@@ -21,7 +21,8 @@ from fractions import Fraction
 import numpy as np
 
 from replicator._src.core import tracing
-from replicator._src.report import convolution, loops
+from replicator._src.report import convolution, hlo_bytes, loops
+from replicator._src.report.hlo_bytes import _ARRAY, _CALLS, _num_elements, shape_bytes
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 
@@ -35,15 +36,6 @@ _ELEMENTWISE = frozenset(
 _TRANSCENDENTAL = frozenset(
     "exponential exponential-minus-one log log-plus-one tanh logistic sqrt rsqrt cbrt sine "
     "cosine tan erf".split()
-)
-_DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-    "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5,
-    "s2": 0.25, "u2": 0.25, "token": 0,
-}  # fmt: skip
-_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([\d,]*)\]")
-_CALLS = re.compile(
-    r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)"
 )
 
 
@@ -163,20 +155,6 @@ def parse_module(text: str) -> tuple[str, dict[str, list[_Inst]]]:
     return entry, comps
 
 
-def shape_bytes(shape: str) -> int:
-    """Bytes of an HLO shape (a tuple shape adds its elements)."""
-    total = 0.0
-    for dtype, dims in _ARRAY.findall(shape):
-        if dtype not in _DTYPE_BYTES and not dtype.startswith("f8"):
-            raise ValueError(f"hlo: unknown element type {dtype!r} in {shape!r}")
-        total += _DTYPE_BYTES.get(dtype, 1) * _num_elements(dims)
-    return int(total)
-
-
-def _num_elements(dims: str) -> int:
-    return int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64))
-
-
 def _dims(shape: str) -> list[int]:
     found = _ARRAY.search(shape)
     return [int(d) for d in found.group(2).split(",") if d] if found else []
@@ -250,11 +228,6 @@ def axes_spanned(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple[s
 
 
 _ZERO = (Fraction(0),) * 3
-_NO_BYTES = frozenset(
-    "parameter constant tuple get-tuple-element bitcast after-all partition-id replica-id "
-    "opt-barrier add-dependency domain".split()
-)
-_SLICES = frozenset({"dynamic-slice", "slice", "gather"})
 
 
 def _bin(flops: Fraction, nbytes: Fraction) -> int:
@@ -293,7 +266,7 @@ def _wire(kind: str, payload: int, g: int) -> float:
     return (2 if kind == "all-reduce" else 1) * share * payload
 
 
-class _Walker:
+class _Walker(hlo_bytes.KernelBytes):
     def __init__(self, comps: dict[str, list[_Inst]], mesh_shape: dict[str, int]):
         self.comps = comps
         self.mesh_shape = dict(mesh_shape)
@@ -371,43 +344,6 @@ class _Walker:
             self.unknown_trips += 1
         return 1 if n is None else n
 
-    def leaf_bytes(self, inst: _Inst) -> int:
-        """Bytes an unfused instruction reads and writes (none for bookkeeping ones)."""
-        if inst.op in _NO_BYTES:
-            return 0
-        if inst.op == "dynamic-update-slice":  # in place: the update read and written
-            return 2 * shape_bytes(self.shapes.get(inst.operands[1], ""))
-        if inst.op in ("dynamic-slice", "slice"):
-            return 2 * shape_bytes(inst.shape)
-        operands = sum(shape_bytes(self.shapes.get(o, "")) for o in inst.operands)
-        return shape_bytes(inst.shape) + operands
-
-    def fusion_bytes(self, inst: _Inst, comp: str) -> int:
-        """Bytes a fusion reads and writes: its output and operands, where an operand only
-        sliced inside counts its slices, and an in-place update its update."""
-        body = self.comps[comp]
-        params = {i.operands[0]: i for i in body if i.op == "parameter" and i.operands}
-        users: dict[str, list[_Inst]] = {}
-        for i in body:
-            for o in i.operands:
-                users.setdefault(o, []).append(i)
-        root = next((i for i in body if i.root), body[-1] if body else None)
-        written, in_place = shape_bytes(inst.shape), None
-        if root is not None and root.op == "dynamic-update-slice" and len(root.operands) > 1:
-            in_place = root.operands[0]
-            written = shape_bytes(self.shapes.get(root.operands[1], ""))
-        total = written
-        for k, operand in enumerate(inst.operands):
-            param = params.get(str(k))
-            if param is not None and param.name == in_place:
-                continue
-            uses = users.get(param.name, []) if param is not None else []
-            if uses and all(u.op in _SLICES and u.operands[0] == param.name for u in uses):
-                total += sum(shape_bytes(u.shape) for u in uses)
-            else:
-                total += shape_bytes(self.shapes.get(operand, ""))
-        return total
-
     def leaf_cost(self, inst: _Inst, mult: Fraction) -> tuple[Fraction, Fraction, Fraction]:
         op = inst.op
         if op == "dot":
@@ -447,6 +383,8 @@ class _Walker:
         if inst.op.endswith("-start") and result.startswith("("):
             # async forms return (operands..., results...): keep the results half
             arrays = _ARRAY.findall(result)
+            if kind == "collective-permute":  # the TPU's adds u32[] contexts: not payload
+                arrays = [a for a in arrays if a[1] != "" or a[0] not in ("u32", "s32")]
             result = " ".join(f"{d}[{s}]" for d, s in arrays[len(arrays) // 2 :])
         payload = shape_bytes(result) * (g if kind == "reduce-scatter" else 1)
         dtypes = sorted({d for d, _ in _ARRAY.findall(result)})

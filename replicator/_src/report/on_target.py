@@ -117,7 +117,9 @@ def on_target(report, target: targets.Target, *, optimal_seconds: float | None,
     peak = report.memory.peak
 
     def mfu(seconds):
-        return None if model_flops is None or not seconds else model_flops / (seconds * hw.peak_flops)
+        return (
+            None if model_flops is None or not seconds else model_flops / (seconds * hw.peak_flops)
+        )
 
     return OnTarget(
         target=target.label, device_kind=target_kind(target), slices=target.slices,
