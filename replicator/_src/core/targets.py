@@ -206,7 +206,8 @@ def quiet_libtpu() -> None:
     from a machine without TPUs, where they say nothing: libtpu compiles for targets there.
 
     On a TPU VM nothing is set (its runtime reads them from the VM's metadata), nor where the
-    user set either variable."""
+    user set either variable. Without a TPU, several processes may load libtpu at once
+    (``ALLOW_MULTIPLE_LIBTPU_LOAD``)."""
     if importlib.util.find_spec("libtpu") is None:
         return
     try:
@@ -215,7 +216,12 @@ def quiet_libtpu() -> None:
         chips, _ = hardware_utils.num_available_tpu_chips_and_device_id()
     except Exception:  # a jax without it: say nothing, set nothing
         return
-    if chips or "TPU_ACCELERATOR_TYPE" in os.environ or "TPU_WORKER_HOSTNAMES" in os.environ:
+    if chips:
+        return
+    # no TPU here: libtpu only compiles, so several processes (pytest's workers, plan's) may
+    # load it at once, which it refuses by default to guard a TPU's exclusive use
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    if "TPU_ACCELERATOR_TYPE" in os.environ or "TPU_WORKER_HOSTNAMES" in os.environ:
         return
     os.environ["TPU_ACCELERATOR_TYPE"] = "v5p-8"  # any valid type: only compile-only devices
     os.environ["TPU_WORKER_HOSTNAMES"] = "localhost"
