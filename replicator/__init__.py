@@ -21,6 +21,7 @@ from replicator._src.core.collectives import replica_id as replica_id
 from replicator._src.core.data import Batches as Batches
 from replicator._src.core.data import DistributedIterator as DistributedIterator
 from replicator._src.core.data import InputContext as InputContext
+from replicator._src.core.errors import DoesNotFitError as DoesNotFitError
 from replicator._src.core.errors import ReplicasDivergedError as ReplicasDivergedError
 from replicator._src.core.precision import Policy as Policy
 from replicator._src.core.sharded_params import ShardedParam as ShardedParam

@@ -11,6 +11,7 @@ PUBLIC = [
     "Checkpoints",
     "DistributedIterator",
     "DistributedOptimizer",
+    "DoesNotFitError",  # explain on a TPU target: the TPU compiler refused it for want of HBM
     "Family",  # rp.enumerate_layouts: layouts that trade memory for time, tried in order
     "FitResult",
     "HARDWARE",  # the built-in hardware profiles (TPU v4/v5e/v5p/v6e, H100, A100)

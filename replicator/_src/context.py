@@ -189,13 +189,7 @@ class Replicator:
 
     def _refuse_compile_only(self, api: str) -> None:
         if self._compile_only:
-            where = self._target.label if self._target else "compile-only devices"
-            raise ValueError(
-                f"Replicator.{api}: this Replicator's devices are {where}'s, described by libtpu "
-                f"to compile for (rp.tpu_devices): nothing runs or is placed on them. Use "
-                f"repl.explain(step_fn, repl.abstract(init), batch_shapes) to read the step's "
-                f"program for that target, and a Replicator on jax.devices() to run it."
-            )
+            targets.refuse_compile_only(self._target, api)
 
     def wrap_optimizer(
         self,
@@ -468,7 +462,7 @@ class Replicator:
             program, _ = self._steps.compile(
                 step_fn, state_def, args_def, state_leaves, arg_leaves, args
             )
-            compiled = program.lower(state_leaves, arg_leaves).compile()
+            compiled = targets.compile_for(self._target, program.lower(state_leaves, arg_leaves))
         return report_lib.report(
             compiled,
             step=getattr(step_fn, "__qualname__", None) or repr(step_fn),

@@ -60,6 +60,8 @@ class ModelConfig:
     # no context or expert axis (XLA's partitioner aborts there); false keeps them whole on
     # every device (each then computes every logit). The same numbers either way.
     vocab_parallel: bool = True
+    # gpt: the blocks as one lax.scan (compiled once); false unrolls them, a copy per layer
+    scan_layers: bool = True
     # gpt: a mixture of experts: experts per MoE block (0: dense MLPs; the keys below are then
     # unused), split over an `expert` axis; every moe_every-th block is one (layers a multiple
     # of it); each token goes to its top_k experts, each taking at most capacity_factor x its
@@ -566,6 +568,7 @@ GPT_ONLY = {  # the gpt-only keys' defaults
     "attention": "ring",
     "zigzag": True,
     "vocab_parallel": True,
+    "scan_layers": True,
     "experts": 0,
     "moe_every": 1,
     "top_k": 1,

@@ -571,6 +571,7 @@ def gpt_config(config: TrainConfig) -> gpt.GPTConfig:
         remat=m.remat,
         attention=m.attention,
         zigzag=m.zigzag,
+        scan_layers=m.scan_layers,
         num_experts=m.experts,
         moe_every=m.moe_every,
         top_k=m.top_k,

@@ -92,7 +92,17 @@ def explain(config: TrainConfig, target: rp.Target, *, hints: bool = True):
             f"mlp, cnn) on their built-in data do. Drop data.path, or explain on the CPU."
         )
     config = on_target(config, target)
-    report = _compile(config, target)
+    try:
+        report = _compile(config, target)
+    except rp.DoesNotFitError as e:  # the TPU compiler refused it: no program to report
+        if not hints:
+            raise
+        hint = fit_hint(config, target, None)
+        raise rp.DoesNotFitError(
+            f"{config.name} does not fit {target.label}: the TPU compiler refused the step: "
+            f"{e.shortfall}. {hint}.", target=e.target, shortfall=e.shortfall,
+        ) from None  # fmt: skip
+    report = _per_layer_xla_seconds(config, target, report)
     if hints and not report.target.fits:
         hint = fit_hint(config, target, report)
         report = dataclasses.replace(
@@ -110,6 +120,40 @@ def _compile(config: TrainConfig, target: rp.Target):
     jobs.check_batch(config, repl)
     flops = model_flops_per_chip(config, target.num_devices)
     return repl.explain(step_fn, state, batch, model_flops=flops)
+
+
+def _per_layer_xla_seconds(config: TrainConfig, target: rp.Target, report):
+    """XLA's estimate of a step whose layers are scanned, from the same step with one and with
+    two layers unrolled (XLA reads those whole), extrapolated per layer: ``x1 + (L - 1) (x2 -
+    x1)``. Kept as `OnTarget` scaled it where that cannot be read: no scanned layers, a
+    pipeline, or other loops in the small programs."""
+    t, m = report.target, config.model
+    if (
+        t.xla_seconds is None or "scaled" not in t.xla_seconds_how or m.kind not in ("gpt", "llama")
+        or not m.scan_layers or config.mesh.get("stage", 1) > 1 or m.layers < 3
+    ):  # fmt: skip
+        return report
+    small = []
+    for layers in (1, 2):
+        model = dataclasses.replace(m, layers=layers, scan_layers=False)
+        try:
+            r = _compile(dataclasses.replace(config, model=model), target)
+        except Exception:  # e.g. a layer count the mesh cannot take: keep the scaled figure
+            return report
+        x = r.target.xla_seconds
+        if x is None or "scaled" in r.target.xla_seconds_how:  # other loops run in it
+            return report
+        small.append(x)
+    x1, x2 = small
+    seconds = x1 + (m.layers - 1) * (x2 - x1)
+    how = (
+        f"cost_analysis()['optimal_seconds'] of the step with 1 and 2 layers unrolled "
+        f"({x1 * 1e3:.4g} and {x2 * 1e3:.4g} ms), extrapolated to {m.layers} layers"
+    )
+    mfu = None if t.model_flops is None else t.model_flops / (seconds * t.peak_flops)
+    return dataclasses.replace(
+        report, target=dataclasses.replace(t, xla_seconds=seconds, xla_seconds_how=how, xla_mfu=mfu)
+    )
 
 
 def _changes(config: TrainConfig) -> list[tuple[str, dict]]:
@@ -134,7 +178,7 @@ def _changes(config: TrainConfig) -> list[tuple[str, dict]]:
     return out
 
 
-def fit_hint(config: TrainConfig, target: rp.Target, report) -> str:
+def fit_hint(config: TrainConfig, target: rp.Target, report=None) -> str:
     """The first of `_changes` whose step fits, compiled; or each one's peak if none does."""
     from replicator._src.report.step_report import format_bytes
 
@@ -143,6 +187,9 @@ def fit_hint(config: TrainConfig, target: rp.Target, report) -> str:
         print(f"  does not fit: trying {override} ...", file=sys.stderr, flush=True)
         try:
             changed = _compile(dataclasses.replace(config, **change), target)
+        except rp.DoesNotFitError as e:
+            tried.append(f"{override}: {e.shortfall}")
+            continue
         except Exception as e:  # refused (e.g. heads not divisible): not a way to fit
             tried.append(f"{override}: refused ({str(e).splitlines()[0][:120]})")
             continue

@@ -118,6 +118,11 @@ class GPTConfig:
     * ``tie_embeddings``: the output matrix is the token table, transposed (the head has no
       ``"w"``; `output_head` gives it).
 
+    ``scan_layers`` runs the blocks as one ``lax.scan`` (compiled once, whatever the depth);
+    False unrolls it, one copy of the block per layer in the program (MaxText's
+    ``scan_layers=false``: longer to compile, the same numbers, and a program whose cost XLA's
+    ``cost_analysis`` reads whole, where it counts a loop's body once).
+
     >>> llama_like = GPTConfig(d_model=32, num_heads=4, num_kv_heads=2, norm="rms",
     ...                        position="rope", mlp="swiglu", bias=False)
     >>> llama_like.head_dim, llama_like.kv_heads
@@ -148,6 +153,7 @@ class GPTConfig:
     num_kv_heads: int | None = None
     bias: bool = True
     tie_embeddings: bool = False
+    scan_layers: bool = True
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "d_model", "num_heads", "num_layers", "moe_every"):
@@ -568,8 +574,11 @@ def blocks_and_stats(
         carry = x
     remat = as_remat(config.remat, "GPTConfig")
     if remat.recomputes or _stored_sharded(stacked_params):  # ZeRO-3: gathered again backward
-        step = jax.checkpoint(step, policy=never_gathered(remat), prevent_cse=False)
-    out = jax.lax.scan(step, carry, stacked_params)[0]
+        # in a scan XLA cannot merge the recomputation with the forward; unrolled it could
+        step = jax.checkpoint(
+            step, policy=never_gathered(remat), prevent_cse=not config.scan_layers
+        )
+    out = jax.lax.scan(step, carry, stacked_params, unroll=not config.scan_layers)[0]
     return out if config.num_experts else (out, None)
 
 

@@ -33,6 +33,23 @@ def positive_int(value: Any, *, api: str, name: str, none: str | None = None, fi
     return int(value)
 
 
+class DoesNotFitError(ValueError):
+    """A step compiled for a TPU target (``rp.tpu_devices``) does not fit the chip's HBM: the
+    TPU compiler refused the program (``Replicator.explain``). A step that compiles but
+    peaks over the HBM is reported instead, with ``report.target.fits`` False.
+
+    Attributes:
+      target: the target's accelerator type, e.g. ``"v5p-8"``.
+      shortfall: the compiler's own words, e.g. ``"the total memory required for HLO
+        temporaries (100.16G) exceeds available HBM (95.73G)"``.
+    """
+
+    def __init__(self, message: str, *, target: str, shortfall: str):
+        super().__init__(message)
+        self.target = target
+        self.shortfall = shortfall
+
+
 class ReplicasDivergedError(RuntimeError):
     """A replicated state leaf differs across replicas after a step.
 

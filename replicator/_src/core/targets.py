@@ -25,6 +25,8 @@ from collections.abc import Sequence
 
 import jax
 
+from replicator._src.core import errors
+
 
 @dataclasses.dataclass(frozen=True)
 class Generation:
@@ -182,6 +184,27 @@ def tpu_devices(name: str, *, slices: int = 1) -> list[jax.Device]:
     )
 
 
+_HBM_OOM = re.compile(r"Ran out of memory (?:on|in) (?:HBM|memory space hbm)[^.]*\.?", re.I)
+
+
+def hbm_shortfall(error: BaseException) -> str | None:
+    """The TPU compiler's own words when it refused a program for want of HBM (a step that
+    does not fit the chip), else None.
+
+    >>> hbm_shortfall(RuntimeError("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of "
+    ...     "memory on HBM, the total memory required for HLO temporaries (100.16G) exceeds "
+    ...     "available HBM (95.73G). HLO module: jit_body."))
+    'the total memory required for HLO temporaries (100.16G) exceeds available HBM (95.73G)'
+    >>> hbm_shortfall(ValueError("shapes differ")) is None
+    True
+    """
+    text = str(error)
+    if "CompileTimeHbmOom" not in text and not _HBM_OOM.search(text):
+        return None
+    found = re.search(r"HBM, (.*?\))\.", text)
+    return found.group(1) if found else text.splitlines()[0][:300]
+
+
 def compile_only(devices: Sequence[jax.Device]) -> bool:
     """Whether ``devices`` compile programs without running them (a target's devices)."""
     return any(type(getattr(d, "client", None)).__name__.startswith("CompileOnly") for d in devices)
@@ -225,3 +248,30 @@ def quiet_libtpu() -> None:
         return
     os.environ["TPU_ACCELERATOR_TYPE"] = "v5p-8"  # any valid type: only compile-only devices
     os.environ["TPU_WORKER_HOSTNAMES"] = "localhost"
+
+
+def refuse_compile_only(target: Target | None, api: str) -> None:
+    """Raises: ``Replicator.<api>`` has nothing to run on a target's devices."""
+    where = f"{target.label}'s" if target else "compile-only devices"
+    raise ValueError(
+        f"Replicator.{api}: this Replicator's devices are {where}, described by libtpu to "
+        f"compile for (rp.tpu_devices): nothing runs or is placed on them. Use "
+        f"repl.explain(step_fn, repl.abstract(init), batch_shapes) to read the step's program "
+        f"for that target, and a Replicator on jax.devices() to run it."
+    )
+
+
+def compile_for(target: Target | None, lowered) -> jax.stages.Compiled:
+    """``lowered.compile()``; a TPU target's refusal for want of HBM as `DoesNotFitError`."""
+    try:
+        return lowered.compile()
+    except Exception as e:
+        short = hbm_shortfall(e) if target is not None else None
+        if short is None:
+            raise
+        raise errors.DoesNotFitError(
+            f"Replicator.explain: the step does not fit {target.label}: the TPU compiler "
+            f"refused it: {short}. Shard more (a higher zero_stage, a model axis), "
+            f"rematerialise, or split the batch (gradient accumulation).",
+            target=target.label, shortfall=short,
+        ) from None  # fmt: skip

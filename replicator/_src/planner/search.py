@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from replicator._src.core import targets
 from replicator._src.planner.layouts import Family, Layout
 from replicator._src.report.cost_model import CompiledStep
 from replicator._src.report.step_report import format_bytes
@@ -123,12 +124,17 @@ class _Searcher:
         if layout in self.outcomes:
             return self.outcomes[layout]
         start = time.perf_counter()
+        size = None
         try:
             repl, step_fn, state, args = self.job(layout)
             size = state_bytes_per_device(state)
             report = repl.explain(step_fn, state, *args, stage_costs=False)
         except Exception as e:  # the library's refusal, or the user's build failing
-            outcome = Outcome(layout, ERROR, _first_line(e))
+            short = targets.hbm_shortfall(e)  # a TPU target's compiler: does not fit
+            outcome = (
+                Outcome(layout, ERROR, _first_line(e)) if short is None
+                else Outcome(layout, TOO_BIG, f"the TPU compiler: {short}", size)
+            )  # fmt: skip
         else:
             compiled = dataclasses.replace(
                 CompiledStep.from_report(report), compile_seconds=time.perf_counter() - start
