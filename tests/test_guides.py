@@ -168,6 +168,11 @@ SELF_CONTAINED = {
     ),
     "non-finite training": ("guides/checkpoints_and_reliability.md", "### Non-finite training", 0),
     "optimizers from python": ("guides/training_and_cli.md", "The same pieces from Python:", 0),
+    "explain for a tpu target": (
+        "guides/explain_and_plan.md",
+        "The same from Python: a `Replicator` on the target's devices explains",
+        0,
+    ),
 }
 
 
@@ -189,6 +194,10 @@ def test_self_contained_block_runs(name):
         assert set(ns["state"]) == {"params", "ema"}
     elif name == "non-finite training":
         assert "the training output 'loss' is nan at step 6" in out, out
+    elif name == "explain for a tpu target":  # libtpu ([test]) compiles for v5p-16 here
+        target, fits, mfu = out.split()
+        assert (target, fits) == ("v5p-16", "True") and 0 < float(mfu.rstrip("%")) <= 100, out
+        assert ns["report"].platform == "tpu" and ns["report"].num_devices == 8
     elif name == "optimizers from python":
         assert out.splitlines() == [
             "{'b': False, 'w': True}",
