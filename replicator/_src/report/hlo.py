@@ -322,7 +322,10 @@ class _Walker(hlo_bytes.KernelBytes):
             _merge(kernels, own)
             return cost
         if inst.op == "fusion" and "calls" in called:
+            first = len(out)
             cost = self.visit(called["calls"], mult, cond, marks, out, None, True)
+            if "AllReduceScatter" in inst.attrs:  # the TPU's reduce-scatter: an all-reduce
+                out[first:] = [_as_reduce_scatter(c) for c in out[first:]]  # sliced per device
             if not fused:
                 _note(kernels, cost[0], mult * self.fusion_bytes(inst, called["calls"]))
             return cost
@@ -399,6 +402,15 @@ class _Walker(hlo_bytes.KernelBytes):
             conditional=cond,
             op_name=op_name,
         )
+
+
+def _as_reduce_scatter(c: Collective) -> Collective:
+    """An all-reduce inside the TPU compiler's all-reduce-scatter fusion (each device keeps
+    its slice of the result): on the wire, a reduce-scatter of the same payload."""
+    if c.kind != "all-reduce":
+        return c
+    wire = _wire("reduce-scatter", c.bytes, c.group_size) * c.count
+    return dataclasses.replace(c, kind="reduce-scatter", wire_bytes=wire)
 
 
 def analyze(text: str, mesh_shape: dict[str, int]) -> Costs:
