@@ -52,6 +52,8 @@ class ModelConfig:
     # keys and values passed round the axis) or all_to_all (DeepSpeed-Ulysses: the heads split
     # over it instead, heads / mesh.model a multiple of mesh.context); the same numbers.
     # dot_product: jax.nn.dot_product_attention (the platform's own; no context axis).
+    # splash: the TPU's splash-attention kernel (Pallas; interpreted off a TPU; no context or
+    # model axis).
     attention: str = "ring"
     zigzag: bool = True  # gpt, ring: chunks in zigzag order, the causal work even over `context`
     # gpt: the vocabulary split over `model` too (the token table by rows, the output matrix by
@@ -575,7 +577,7 @@ GPT_ONLY = {  # the gpt-only keys' defaults
     "capacity_factor": 1.25,
     "aux_weight": 0.01,
 }
-ATTENTIONS = ("ring", "all_to_all", "dot_product")
+ATTENTIONS = ("ring", "all_to_all", "dot_product", "splash")
 FAMILIES = ("gpt", "llama")
 LLAMA_ONLY = {"kv_heads": None, "rope_theta": 10000.0, "norm_eps": 1e-5, "tie_embeddings": False}
 DATA_AXES = ("dcn_data", "data")  # the replicas: the batch is split over these

@@ -150,6 +150,8 @@ def _per_layer_xla_seconds(config: TrainConfig, target: rp.Target, report):
         f"cost_analysis()['optimal_seconds'] of the step with 1 and 2 layers unrolled "
         f"({x1 * 1e3:.4g} and {x2 * 1e3:.4g} ms), extrapolated to {m.layers} layers"
     )
+    if "; it leaves out" in t.xla_seconds_how:  # Pallas kernels: say so here too
+        how += t.xla_seconds_how[t.xla_seconds_how.index("; it leaves out") :]
     mfu = None if t.model_flops is None else t.model_flops / (seconds * t.peak_flops)
     return dataclasses.replace(
         report, target=dataclasses.replace(t, xla_seconds=seconds, xla_seconds_how=how, xla_mfu=mfu)

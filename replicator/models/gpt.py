@@ -48,6 +48,7 @@ from replicator import moe, pipeline
 from replicator._src.core.errors import positive_int
 from replicator._src.core.mesh import EXPERT_AXIS, MODEL_AXIS
 from replicator._src.layers import attention as attention_lib
+from replicator._src.layers import splash
 from replicator._src.pipeline.residuals import as_remat, never_gathered
 
 PyTree = Any
@@ -98,7 +99,9 @@ class GPTConfig:
     ``attention`` is how attention runs over a ``context`` axis (`replicator.attention`:
     ``"ring"``, ``"all_to_all"``), or ``"dot_product"``: ``jax.nn.dot_product_attention``
     (cuDNN's fused kernel where XLA picks it, key/value heads grouped without copies), for
-    meshes without a ``context`` axis.
+    meshes without a ``context`` axis, or ``"splash"``: the TPU's splash-attention kernel
+    (Pallas; the scores never reach HBM; interpreted off a TPU), for meshes without a
+    ``context`` or ``model`` axis (`replicator._src.layers.splash`).
 
     The architecture (defaults: GPT-2's; `replicator.models.llama.config` sets Llama's):
 
@@ -159,11 +162,12 @@ class GPTConfig:
         for name in ("vocab_size", "seq_len", "d_model", "num_heads", "num_layers", "moe_every"):
             positive_int(getattr(self, name), api="GPTConfig", name=name)
         positive_int(self.d_ff, api="GPTConfig", name="d_ff", none=" or None")
-        if self.attention not in (*attention_lib.IMPLS, "dot_product"):
+        if self.attention not in (*attention_lib.IMPLS, "dot_product", "splash"):
             raise ValueError(
                 f"GPTConfig: attention={self.attention!r}; use 'ring' (K/V blocks round the "
-                f"context axis), 'all_to_all' (heads over it, DeepSpeed-Ulysses) or "
-                f"'dot_product' (jax.nn.dot_product_attention, without a context axis)."
+                f"context axis), 'all_to_all' (heads over it, DeepSpeed-Ulysses), "
+                f"'dot_product' (jax.nn.dot_product_attention, without a context axis) or "
+                f"'splash' (the TPU's splash-attention kernel, whole heads and sequences)."
             )
         if self.num_experts:
             self.routing  # noqa: B018 -- validates num_experts, top_k and capacity_factor
@@ -499,6 +503,8 @@ def _attend(p: dict, x: jax.Array, config: GPTConfig) -> jax.Array:
         q, k = _rope(q, positions, config), _rope(k, positions, config)
     if config.attention == "dot_product":
         attn = _dot_product_attention(q, k, v)
+    elif config.attention == "splash":
+        attn = splash.splash_attention(q, k, v)
     else:  # grouped-query attention: K/V travel with their own heads (replicator.attention)
         layout = _layout(config, s)
         attn = attention_lib.attention(q, k, v, causal=True, impl=config.attention, layout=layout)

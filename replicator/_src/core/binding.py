@@ -29,12 +29,15 @@ class Binding:
       num_replicas: the product of the sizes of ``axes``; 1 for local.
       axis_sizes: every mapped axis of the program and its size, replica axes included, so
         that a pipeline can find its ``stage`` axis.
+      platform: the platform the program is compiled for (``"tpu"`` for a TPU target's
+        devices on a CPU host), so that a layer can choose a kernel; ``""`` when unknown.
     """
 
     kind: str
     axes: tuple[AxisName, ...]
     num_replicas: int
     axis_sizes: tuple[tuple[AxisName, int], ...] = ()
+    platform: str = ""
     # While step_fn is traced: id of each state leaf step_fn received -> (the leaf, the
     # non-replica mesh axes its PartitionSpec splits it over, the PartitionSpec), for
     # `split_axes` and `spec_of`.

@@ -74,7 +74,10 @@ def build(
         return body
     if lowering == "shard_map":
         manual = tuple((a, mesh.shape[a]) for a in mesh_lib.manual_axes(mesh))
-        binding = Binding("shard_map", axes, mesh_lib.num_replicas(mesh), manual)
+        binding = Binding(
+            "shard_map", axes, mesh_lib.num_replicas(mesh), manual,
+            platform=mesh.devices.flat[0].platform,
+        )  # fmt: skip
         body = _per_replica(step_fn, binding, state_def, args_def, check, state_specs)
         # Outputs that differ across the stage axis are concatenated over it (or
         # refused), so that none comes back with one block only: see `variance.whole_outputs`.
@@ -218,7 +221,7 @@ def _build_pmap(step_fn, mesh, state_def, args_def, state_specs, arg_specs, dona
     # Tuples: pmap hashes its in_axes and out_axes, which must match the leaves' containers.
     state_axes = tuple(_pmap_axis(s, mesh, "state") for s in state_specs)
     arg_axes = tuple(_pmap_axis(s, mesh, "argument") for s in arg_specs)
-    binding = Binding("pmap", ("data",), n, (("data", n),))
+    binding = Binding("pmap", ("data",), n, (("data", n),), platform=mesh.devices.flat[0].platform)
     body = _per_replica(step_fn, binding, state_def, args_def, check)
     mapped = jax.pmap(  # weak: which input leaves are weakly typed (several processes)
         lambda s, a, weak: _unstack_outputs(*body(*map(_weak_again, (s, a), weak))),

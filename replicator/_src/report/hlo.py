@@ -24,6 +24,9 @@ from replicator._src.core import tracing
 from replicator._src.report import convolution, hlo_bytes, loops
 from replicator._src.report.hlo_bytes import _ARRAY, _CALLS, _num_elements, shape_bytes
 
+_STARTS = re.compile(r"^\s+(ROOT )?%?[\w.\-]+ = ")
+_ENDS = re.compile(r"^\}(\s*$|, \w+=)")
+KERNEL_FLOPS = re.compile(r"replicator_kernel_flops_(\d+)")
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 
 # Element-wise operations XLA counts as one FLOP per output element, and the transcendental
@@ -88,6 +91,7 @@ class Costs:
     unknown_trip_counts: int  # while loops without a known trip count (counted once)
     bytes_accessed: float = 0.0  # memory read and written by each kernel, loops per trip
     roofline: tuple[tuple[float, float], ...] = ()  # (FLOPs, bytes) of kernels of like intensity
+    kernel_flops: float = 0.0  # the share of ``flops`` in kernels XLA does not see (Pallas)
 
 
 @dataclasses.dataclass
@@ -133,9 +137,18 @@ def _closing(text: str, start: int, depth: int = 1) -> int:
 
 
 def parse_module(text: str) -> tuple[str, dict[str, list[_Inst]]]:
-    """The entry computation's name and every computation's instructions."""
+    """The entry computation's name and every computation's instructions. An instruction may
+    span lines (the TPU compiler writes its kernels' metadata with newlines in it): a line
+    that starts no instruction continues the one before."""
     comps: dict[str, list[_Inst]] = {}
-    entry, current = None, None
+    entry, current, pending = None, None, []
+
+    def flush():
+        inst = _split_instruction(" ".join(pending)) if pending else None
+        if inst is not None:
+            comps[current].append(inst)
+        pending.clear()
+
     for line in text.splitlines():
         if current is None:
             head = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
@@ -144,12 +157,14 @@ def parse_module(text: str) -> tuple[str, dict[str, list[_Inst]]]:
                 comps[current] = []
                 entry = current if head.group(1) else entry
             continue
-        if line.startswith("}"):
+        if _ENDS.match(line):  # "}", or "}, execution_thread=..." (the TPU's SparseCore)
+            flush()
             current = None
-            continue
-        inst = _split_instruction(line)
-        if inst is not None:
-            comps[current].append(inst)
+        elif _STARTS.match(line):
+            flush()
+            pending.append(line)
+        elif pending:
+            pending.append(line.strip())
     if entry is None:
         raise ValueError("hlo: no ENTRY computation in the module text.")
     return entry, comps
@@ -273,6 +288,7 @@ class _Walker(hlo_bytes.KernelBytes):
         self.num_devices = int(np.prod(list(self.mesh_shape.values()), dtype=np.int64))
         self.shapes = {i.name: i.shape for insts in comps.values() for i in insts}
         self.unknown_trips = 0
+        self.kernel_flops = Fraction(0)
         self.caller = {i.name: c for c, insts in comps.items() for i in insts}
 
     def visit(self, comp, mult, cond, applied, out, kernels=None, fused=False):
@@ -331,7 +347,10 @@ class _Walker(hlo_bytes.KernelBytes):
             return cost
         if inst.op in ("call", "async-start") and "calls" in called:
             return self.visit(called["calls"], mult, cond, marks, out, kernels, fused)
-        cost = self.leaf_cost(inst, mult)
+        if inst.op == "custom-call":
+            cost = self.kernel_cost(inst, mult, op_name)
+        else:
+            cost = self.leaf_cost(inst, mult)
         if not fused:
             _note(kernels, cost[0], mult * self.leaf_bytes(inst))
         return cost
@@ -346,6 +365,18 @@ class _Walker(hlo_bytes.KernelBytes):
         if n is None:
             self.unknown_trips += 1
         return 1 if n is None else n
+
+    def kernel_cost(self, inst: _Inst, mult: Fraction, op_name: str) -> tuple:
+        """A kernel XLA does not see inside (a Pallas call): the FLOPs its caller named in its
+        scope (``replicator_kernel_flops_N``, the forward's), times the backward kernels'
+        share (splash attention's ``dq`` recomputes the scores: 1.5, ``dkv``: 2)."""
+        found = KERNEL_FLOPS.search(op_name)
+        if found is None:
+            return _ZERO
+        share = Fraction(3, 2) if "_dq" in inst.name else 2 if "_dkv" in inst.name else 1
+        flops = mult * int(found.group(1)) * share
+        self.kernel_flops += flops
+        return flops, flops, Fraction(0)
 
     def leaf_cost(self, inst: _Inst, mult: Fraction) -> tuple[Fraction, Fraction, Fraction]:
         op = inst.op
@@ -440,4 +471,5 @@ def analyze(text: str, mesh_shape: dict[str, int]) -> Costs:
     return Costs(
         float(flops), float(matmul), float(trans), tuple(out), walker.unknown_trips,
         bytes_accessed=float(sum(b for _, b in roofline)), roofline=roofline,
+        kernel_flops=float(walker.kernel_flops),
     )  # fmt: skip

@@ -11,7 +11,8 @@ This module adds the chip's figures (`hardware.HARDWARE`, each with its public s
   the TPU compiler's asynchronous collectives let them, and every other collective is exposed;
 * ``xla_seconds``: XLA's own estimate, ``cost_analysis()["optimal_seconds"]``. It counts each
   loop body once, as its FLOPs do; a program with loops has it scaled by the FLOPs counted per
-  trip over XLA's FLOPs (``xla_seconds_how`` says which). XLA's estimate is idealised, and it
+  trip over XLA's FLOPs (``xla_seconds_how`` says which). It does not see into Pallas kernels
+  (splash attention): their work is left out, as it is of MaxText's figure, and said. XLA's estimate is idealised, and it
   is negative on v6e with some libtpu releases: it is then None, and said so;
 * ``model_flops`` and ``mfu``: the model's own FLOPs per device per step (``6 N T`` plus
   attention, as MaxText counts them), over the roofline's step at the chip's peak.
@@ -112,8 +113,14 @@ def on_target(report, target: targets.Target, *, optimal_seconds: float | None,
     step = cost_model.CompiledStep.from_report(report)
     time = cost_model.model_time(step, hw, overlap=1.0)
     xla, how = _xla_seconds(
-        optimal_seconds, report.flops, report.xla_flops, report.unknown_trip_counts
-    )
+        optimal_seconds, report.flops - report.kernel_flops, report.xla_flops,
+        report.unknown_trip_counts,
+    )  # fmt: skip
+    if xla is not None and report.kernel_flops:
+        how += (
+            f"; it leaves out the Pallas kernels XLA does not see into ({report.kernel_flops:.4g} "
+            f"FLOPs, {report.kernel_flops / hw.peak_flops * 1e3:.4g} ms at peak)"
+        )
     peak = report.memory.peak
 
     def mfu(seconds):

@@ -83,6 +83,8 @@ class StepReport:
       zero: the ZeRO updates traced in the step (`ZeroNote`): how many parameters are split
         over the replicas, how many (and how many bytes) are kept whole because no axis
         divides by them, and which operations of the optimizer, if any, gather.
+      kernel_flops: the share of ``flops`` in kernels XLA's cost analysis does not see (Pallas
+        kernels such as splash attention), from the work each names in its scope.
       target: for a step compiled for a TPU target (`replicator.tpu_devices`), what it means
         on that TPU (`OnTarget`: HBM and ``fits``, ``step_seconds``, ``xla_seconds``, MFU);
         None on other devices. In ``to_json()`` its keys stand at the top level.
@@ -106,6 +108,7 @@ class StepReport:
     roofline: tuple[tuple[float, float], ...] = ()
     zero: tuple[ZeroNote, ...] = ()
     target: OnTarget | None = None
+    kernel_flops: float = 0.0
 
     @property
     def collective_bytes(self) -> float:
@@ -227,6 +230,8 @@ def _renderable(r: StepReport):
     compute.add_column("value", justify="right")
     compute.add_row("FLOPs per step", f"{r.flops:.4g}")
     compute.add_row("of which matmuls (dot, convolution)", f"{r.matmul_flops:.4g}")
+    if r.kernel_flops:
+        compute.add_row("of which in Pallas kernels (not seen by XLA)", f"{r.kernel_flops:.4g}")
     compute.add_row("transcendentals", f"{r.transcendentals:.4g}")
     compute.add_row("bytes read and written by the kernels", format_bytes(r.bytes_accessed))
     if r.xla_flops is not None:
@@ -332,6 +337,7 @@ def report(
         bytes_accessed=costs.bytes_accessed,
         roofline=costs.roofline,
         zero=tuple(zero),
+        kernel_flops=costs.kernel_flops,
     )
     if target is None:
         return result
