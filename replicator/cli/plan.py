@@ -23,7 +23,7 @@ import yaml
 
 import replicator as rp
 from replicator.cli import config as config_lib
-from replicator.cli import jobs
+from replicator.cli import jobs, targets
 from replicator.cli.config import MAX_CPU_DEVICES, TrainConfig
 
 
@@ -44,7 +44,8 @@ def add_parser(commands) -> None:
     )
     p.add_argument("config", help="a YAML file (its model, global_batch and optimizer)")
     p.add_argument("overrides", nargs="*", help="key=value, as for train")
-    p.add_argument("--devices", type=int, required=True, metavar="N", help="devices to plan for")
+    p.add_argument("--devices", type=int, metavar="N",
+                   help="devices to plan for (with --target: its chips)")  # fmt: skip
     p.add_argument(
         "--memory", metavar="SIZE",
         help="memory per device, e.g. 16GiB (default: the hardware profile's)",
@@ -84,6 +85,7 @@ def add_parser(commands) -> None:
     p.add_argument("--zero-stages", default="0,1,2,3",
                    help="ZeRO stages to try, comma-separated (default: 0,1,2,3)")  # fmt: skip
     p.add_argument("--top", type=int, default=20, help="rows of each table to print")
+    targets.add_args(p, what="plan (compile every layout)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -96,22 +98,25 @@ def run(args: argparse.Namespace) -> int:
     families = layouts_for(cfg, n, args)
     if not families:
         raise ValueError(no_layouts(cfg, n, args))
-    if args.hardware == "cpu":  # measured here, with the N devices the plan emulates
+    target = targets.check_args(args)
+    if target is not None:  # compiled for the TPU here; its chip is the profile
+        cfg = targets.on_target(cfg, target)
+    elif args.hardware == "cpu":  # measured here, with the N devices the plan emulates
         import jax
 
         jax.config.update("jax_num_cpu_devices", n)
         jax.config.update("jax_platforms", "cpu")
     budget = None if args.memory is None else parse_size(args.memory, "--memory")
-    profile = rp.hardware(args.hardware)
+    profile = rp.hardware(args.hardware) if target is None else targets.profile(target)
     budget = profile.memory_bytes if budget is None else budget
     check_state_fits(cfg, n, budget, given=args.memory is not None)
     raw = dataclasses.asdict(cfg)
     raw.pop("learning_rate")  # short for optimizer.learning_rate, which holds it
-    build = functools.partial(build_layout, raw)
+    build = functools.partial(build_layout, raw, target=target)
     report = rp.plan(
         build, families, hardware=profile, memory=budget, model_flops=model_flops(cfg),
         overlap=args.overlap, workers=args.workers or min(2, os.cpu_count() or 1),
-        progress=True,
+        progress=True, target=target,
     )  # fmt: skip
     print(report.table(top=args.top))
     if args.json:
@@ -127,11 +132,26 @@ def run(args: argparse.Namespace) -> int:
 
 
 def check_args(args: argparse.Namespace) -> int:
-    """Refuses, naming the option, a value out of range; returns ``--devices``."""
-    n = args.devices
+    """Refuses, naming the option, a value out of range; returns ``--devices`` (the target's
+    chips with ``--target``)."""
+    target = targets.check_args(args)
+    n = args.devices if target is None or args.devices is not None else target.num_devices
+    if n is None:
+        raise ValueError("give --devices N (devices to plan for), or --target TYPE.")
+    if target is not None and target.slices > 1:
+        raise ValueError(
+            "--slices with plan: plan lays out one slice for now (its layouts have no dcn_data "
+            "axis); plan --target for one slice and explain the multi-slice config with "
+            "--slices."
+        )
+    if target is not None and n != target.num_devices:
+        raise ValueError(
+            f"--devices {n} with --target {target.label}, which has {target.num_devices} chips; "
+            f"drop --devices."
+        )
     if n < 1:
         raise ValueError(f"--devices must be 1 or more; got {n}.")
-    if n > MAX_CPU_DEVICES:
+    if target is None and n > MAX_CPU_DEVICES:
         raise ValueError(
             f"--devices {n}: each layout compiles on as many emulated CPU devices, at most "
             f"{MAX_CPU_DEVICES} in one process; plan for at most {MAX_CPU_DEVICES} devices."
@@ -336,12 +356,14 @@ def with_layout(raw: dict, layout: rp.Layout) -> dict:
     return out
 
 
-def build_layout(raw: dict, layout: rp.Layout):
-    """``rp.plan``'s build: the config ``raw`` with ``layout``, built from shapes."""
+def build_layout(raw: dict, layout: rp.Layout, target: rp.Target | None = None):
+    """``rp.plan``'s build: the config ``raw`` with ``layout``, built from shapes (on the
+    target's devices with ``target``)."""
     from replicator.cli import jobs
 
     cfg = config_lib.from_dict(TrainConfig, with_layout(raw, layout), where="plan")
-    return jobs.abstract_job(cfg)
+    devices = None if target is None else list(targets.devices(target.name, target.slices))
+    return jobs.abstract_job(cfg, devices=devices)
 
 
 def model_flops(cfg: TrainConfig) -> float | None:

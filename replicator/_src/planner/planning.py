@@ -21,8 +21,10 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
+from replicator._src.core import targets
 from replicator._src.planner import search
 from replicator._src.planner.layouts import Family, Layout
+from replicator._src.report import on_target
 from replicator._src.report.cost_model import ModelledTime, model_time
 from replicator._src.report.hardware import Hardware, parse_bytes
 from replicator._src.report.hardware import hardware as hardware_lib
@@ -140,6 +142,7 @@ def plan(
     overlap: float = 0.0,
     workers: int | None = None,
     progress: bool = False,
+    target: str | targets.Target | None = None,
 ) -> PlanReport:
     """Ranks ``layouts`` by modelled step time among those whose compiled step fits ``memory``.
 
@@ -174,6 +177,9 @@ def plan(
         (this process must have exactly N devices). Default: here if this process has N
         devices, else ``min(2, cpu_count)``.
       progress: show a progress bar (on a terminal; elsewhere a line per family planned).
+      target: a TPU target (``"v5p-16"`` or `rp.target`): ``build`` makes its Replicator on
+        ``rp.tpu_devices(target)``, the layouts compile for that TPU here (libtpu, in this
+        process), and ``hardware`` defaults to the target's chip, its slice the island.
 
     Returns:
       A `PlanReport`: print it for the ranked table; ``.best`` is the fastest layout that fits.
@@ -198,11 +204,20 @@ def plan(
             f"rp.plan: the layouts use {sorted(sizes)} devices; plan one device count at a time."
         )
     (n,) = sizes
+    if target is not None:
+        target = targets.target(target) if isinstance(target, str) else target
+        if target.num_devices != n:
+            raise ValueError(
+                f"rp.plan: the layouts use {n} devices, and target {target.label} has "
+                f"{target.num_devices}; enumerate layouts for {target.num_devices}."
+            )
+        hardware = on_target.profile_for(target) if hardware == "cpu" else hardware
+        workers = 0
     profile = hardware_lib(hardware)
     budget = profile.memory_bytes if memory is None else parse_bytes(memory, "memory")
     if not 0 <= overlap <= 1:
         raise ValueError(f"rp.plan: overlap must be between 0 and 1; got {overlap!r}.")
-    workers = _workers(workers, n)
+    workers = 0 if target is not None else _workers(workers, n)
     outcomes = _run(build, families, budget, n, workers, progress)
     candidates = []
     for o in outcomes:
