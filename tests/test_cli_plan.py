@@ -65,6 +65,29 @@ def test_plan_refusals_exit_2_with_the_message():
     assert run.returncode == 2 and "memory='lots' is not a size" in run.stderr
 
 
+@pytest.mark.slow  # 12 TPU programs compiled here
+def test_plan_for_a_tpu_target_compiles_each_layout_for_the_tpu(tmp_path):
+    """--target v5p-16: the layouts of 8 chips, each compiled by libtpu for TPU v5p and priced
+    on its chip (peak under its HBM); the best is written as a config."""
+    pytest.importorskip("libtpu")
+    out, report = tmp_path / "best.yaml", tmp_path / "plan.json"
+    run = replicator(
+        "plan", "configs/lm_dp.yaml", *SMALL, "--target", "v5p-16", "--max-stage", 1,
+        "--max-model", 2, "--zero-stages", "0,3", "--out", out, "--json", report,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "plan for 8 devices of tpu-v5p" in run.stdout
+    plan = json.loads(report.read_text())
+    assert plan["ranked"] and plan["hardware"]["name"] == "tpu-v5p"
+    assert all(c["compiled"]["memory"]["peak"] <= rp.HARDWARE["tpu-v5p"].memory_bytes
+               for c in plan["ranked"])  # fmt: skip
+    assert yaml.safe_load(out.read_text())["model"]["d_model"] == 32
+    refused = replicator("plan", "configs/lm_dp.yaml", "--target", "v5p-16", "--devices", 4)
+    assert refused.returncode == 2 and "which has 8 chips; drop --devices" in refused.stderr
+    refused = replicator("plan", "configs/lm_dp.yaml")
+    assert refused.returncode == 2 and "give --devices N" in refused.stderr
+
+
 # -- context and expert axes ----------------------------------------------------------------------
 
 LONG = ["model.d_model=32", "model.layers=2", "model.seq_len=512", "global_batch=8"]
