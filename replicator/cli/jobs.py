@@ -562,6 +562,13 @@ def _check_schedule(config: TrainConfig, schedule, num_stages: int) -> None:
         ) from e
 
 
+def model_flops(cfg: TrainConfig) -> float | None:
+    """The model's training FLOPs per step (for the MFU), for the GPT; None for the others."""
+    if cfg.model.kind != "gpt":
+        return None
+    return gpt.flops_per_token(gpt_config(cfg)) * cfg.global_batch * cfg.model.seq_len
+
+
 def gpt_config(config: TrainConfig) -> gpt.GPTConfig:
     """The `gpt.GPTConfig` of a ``kind: gpt`` config's ``model:`` section."""
     m = config.model

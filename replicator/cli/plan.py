@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     raw.pop("learning_rate")  # short for optimizer.learning_rate, which holds it
     build = functools.partial(build_layout, raw, target=target)
     report = rp.plan(
-        build, families, hardware=profile, memory=budget, model_flops=model_flops(cfg),
+        build, families, hardware=profile, memory=budget, model_flops=jobs.model_flops(cfg),
         overlap=args.overlap, workers=args.workers or min(2, os.cpu_count() or 1),
         progress=True, target=target,
     )  # fmt: skip
@@ -364,18 +364,6 @@ def build_layout(raw: dict, layout: rp.Layout, target: rp.Target | None = None):
     cfg = config_lib.from_dict(TrainConfig, with_layout(raw, layout), where="plan")
     devices = None if target is None else list(targets.devices(target.name, target.slices))
     return jobs.abstract_job(cfg, devices=devices)
-
-
-def model_flops(cfg: TrainConfig) -> float | None:
-    """The model's training FLOPs per step (for the MFU), for the GPT; None for the others."""
-    if cfg.model.kind != "gpt":
-        return None
-    from replicator.models import gpt
-
-    m = cfg.model
-    from replicator.cli import jobs
-
-    return gpt.flops_per_token(jobs.gpt_config(cfg)) * cfg.global_batch * m.seq_len
 
 
 def write_config(raw: dict, path: str, report) -> None:

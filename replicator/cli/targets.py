@@ -79,9 +79,9 @@ def profile(target: rp.Target) -> rp.Hardware:
 
 
 def model_flops_per_chip(config: TrainConfig, num_devices: int) -> float | None:
-    from replicator.cli import plan
+    from replicator.cli import jobs
 
-    total = plan.model_flops(config)
+    total = jobs.model_flops(config)
     return None if total is None else total / num_devices
 
 
