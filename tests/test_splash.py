@@ -86,7 +86,9 @@ def _train(repl, config, zero_stage, steps=3):
 @pytest.mark.slow
 def test_gpt_with_splash_on_data_x_zero3_equals_one_device_with_dot_product():
     one, _ = _train(rp.Replicator(devices=jax.devices()[:1]), _model("dot_product"), 0)
-    many, params = _train(rp.Replicator(mesh_shape={"data": 4}, devices=jax.devices()[:4]), _model("splash"), 3)
+    many, params = _train(
+        rp.Replicator(mesh_shape={"data": 4}, devices=jax.devices()[:4]), _model("splash"), 3
+    )
     ref_losses, ref_params = _train(rp.Replicator(devices=jax.devices()[:1]), _model("splash"), 0)
     np.testing.assert_allclose(many, ref_losses, rtol=1e-5)
     np.testing.assert_allclose(many, one, rtol=1e-5)  # the kernel is the reference's numbers
