@@ -1,0 +1,545 @@
+"""TPU targets compiled here by libtpu, with no TPU: accelerator-type names and their devices, a
+step's report read from the TPU program (and its FLOPs equal to the CPU program's), every shipped
+config compiled for a TPU slice of its mesh's size, ``replicator explain --target``, and
+libtpu's start-up warnings kept from the user.
+
+The whole module needs libtpu (``pip install "replicator[tpu]"``); without it it is skipped.
+"""
+
+import collections
+import importlib.util
+import json
+import math
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import replicator as rp
+from replicator import cli
+from replicator.cli import config as config_lib
+from replicator.cli import jobs
+
+if importlib.util.find_spec("libtpu") is None:
+    pytest.skip('libtpu is not installed (pip install "replicator[tpu]")', allow_module_level=True)
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# OnTarget's keys, at the top level of report.to_json()
+TARGET_KEYS = (
+    "target", "platform", "num_devices", "device_kind", "hbm_bytes", "peak_bytes", "fits",
+    "over_bytes", "fit_hint", "step_seconds", "xla_seconds", "xla_seconds_how", "model_flops",
+    "mfu",
+)  # fmt: skip
+# what libtpu prints on a host without TPUs unless replicator sets its variables first
+LIBTPU_NOISE = ("TPU_WORKER_HOSTNAMES", "TPU_ACCELERATOR_TYPE", "could not determine TPU")
+
+
+def _fresh_env() -> dict:
+    """The environment of a new shell: without the libtpu variables `import replicator` set in
+    this process (``rp``'s own start-up must set them in the child)."""
+    env = dict(os.environ)
+    for name in ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES", "ALLOW_MULTIPLE_LIBTPU_LOAD"):
+        env.pop(name, None)
+    return env
+
+
+def _python(*args, timeout=900) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, *map(str, args)], capture_output=True, text=True, timeout=timeout,
+        cwd=ROOT, env=_fresh_env(),
+    )  # fmt: skip
+
+
+def _why(stderr: str) -> str:
+    """The lines of a failed run's stderr that say why: Python's error, the CLI's refusal, or
+    the TPU compiler's fatal check (libtpu aborts the process); else its end."""
+    said = [
+        line for line in stderr.splitlines()
+        if re.match(r"(F\d{4} |\w*(Error|Exception)\b|replicator explain: )", line)
+    ]  # fmt: skip
+    return "\n".join(said)[-3000:] or stderr[-3000:]
+
+
+def _noise(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if any(n in line for n in LIBTPU_NOISE)]
+
+
+# -- 1. targets by name ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, canonical, chips, topology",
+    [
+        ("v5p-16", "v5p-16", 8, "v5p:2x2x2"),  # v5p counts TensorCores: 8 chips
+        ("v5p-8", "v5p-8", 4, "v5p:2x2x1"),
+        ("v5p-512", "v5p-512", 256, "v5p:4x8x8"),
+        ("v4-8", "v4-8", 4, "v4:2x2x1"),  # so does v4
+        ("v5e-8", "v5e-8", 8, "v5e:2x4"),  # v5e counts chips
+        ("v5litepod-8", "v5e-8", 8, "v5e:2x4"),  # gcloud's name of v5e
+        ("v5e-256", "v5e-256", 256, "v5e:16x16"),
+        ("v6e-256", "v6e-256", 256, "v6e:16x16"),
+        ("v5p:2x2x2", "v5p-16", 8, "v5p:2x2x2"),  # libtpu's own spelling
+        (" V5P-16 ", "v5p-16", 8, "v5p:2x2x2"),
+    ],
+)
+def test_target_names_as_gcloud_spells_them(name, canonical, chips, topology):
+    t = rp.target(name)
+    assert (t.name, t.chips, t.topology, t.slices) == (canonical, chips, topology, 1)
+    assert t.num_devices == chips and t.label == canonical
+
+
+@pytest.mark.parametrize(
+    "name, match",
+    [
+        ("v5p-12", r"'v5p-12': v5p-N counts TensorCores, two a chip; N must be 8, 16, 32, \.\.\. "
+         r"\(a power of two\) up to \d+, e\.g\. v5p-16\."),
+        ("v7-8", r"'v7-8' is not a TPU accelerator type; use one of v4-8, v5e-8, v5e-256, "
+         r"v5p-16, v5p-512, v6e-256 .* or libtpu's 'v5p:2x2x2'\."),
+        ("v5e-512", r"'v5e-512': v5e-N counts chips; N must be 1, 2, 4, \.\.\. \(a power of two\) "
+         r"up to 256"),
+        ("v6e-3", r"v6e-N counts chips; N must be .* \(a power of two\)"),
+        ("v5p:2x2", r"'v5p:2x2': a v5p slice is a 3-D torus; write v5p:2x2x2 or v5p-N\."),
+        ("tpu", r"is not a TPU accelerator type; use one of v4-8"),
+        ("v5p", r"is not a TPU accelerator type"),
+        # the message's own rule: v4-N and v5p-N start at 8 TensorCores (4 chips)
+        ("v5p-4", r"N must be 8, 16, 32"),
+        ("v4-4", r"N must be 8, 16, 32"),
+    ],
+    ids=lambda v: v if " " not in v else "",
+)  # fmt: skip
+def test_target_refuses_a_name_cloud_tpu_does_not_have(name, match):
+    with pytest.raises(ValueError, match=match):
+        rp.target(name)
+
+
+@pytest.mark.parametrize("slices", [0, -1, 1.5, True, "2"])
+def test_target_refuses_slices_that_are_not_a_count(slices):
+    with pytest.raises(ValueError, match=r"target: slices must be an int >= 1"):
+        rp.target("v5p-16", slices=slices)
+
+
+@pytest.mark.parametrize(
+    "name, count, kind",
+    [
+        ("v4-8", 4, "TPU v4"),
+        ("v5e-8", 8, "TPU v5 lite"),
+        ("v5litepod-4", 4, "TPU v5 lite"),
+        ("v5p-8", 4, "TPU v5"),
+        ("v5p-16", 8, "TPU v5"),
+        ("v6e-8", 8, "TPU v6 lite"),
+    ],
+)
+def test_tpu_devices_a_device_per_chip(name, count, kind):
+    """A megacore chip is one JAX device: as many devices as the target has chips."""
+    devices = rp.tpu_devices(name)
+    assert len(devices) == rp.target(name).chips == count
+    assert {d.platform for d in devices} == {"tpu"}
+    assert {d.device_kind for d in devices} == {kind}
+    assert len({d.id for d in devices}) == count
+    assert jax.devices()[0].platform == "cpu"  # this machine's devices stay what they are
+
+
+def test_two_slices_have_twice_the_devices_each_with_its_slice_index():
+    devices = rp.tpu_devices("v5p-16", slices=2)
+    assert len(devices) == 16 and len({d.id for d in devices}) == 16
+    assert collections.Counter(d.slice_index for d in devices) == {0: 8, 1: 8}
+    t = rp.target("v5p-16", slices=2)
+    assert (t.num_devices, t.label) == (16, "2 x v5p-16")
+
+
+def test_tpu_devices_without_libtpu_names_the_extra(monkeypatch):
+    found = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "libtpu" else found(name, *a)
+    )
+    with pytest.raises(ImportError, match=r"libtpu, which is not installed; pip install "
+                       r"\"replicator\[tpu\]\""):  # fmt: skip
+        rp.tpu_devices("v5p-16")
+
+
+# -- 2. a step compiled for v5p-16 ------------------------------------------------------------
+
+WIDTH, OUT, BATCH = 512, 128, 1024  # a two-layer MLP, Adam, the global batch
+
+
+def _mlp_job(devices):
+    repl = rp.Replicator(mesh_shape={"data": -1}, devices=devices)
+    with repl.context():
+        tx = repl.wrap_optimizer(optax.adam(1e-3))
+
+    def init():
+        params = repl.replicate({"w1": jnp.zeros((WIDTH, WIDTH)), "w2": jnp.zeros((WIDTH, OUT))})
+        return {"params": params, "opt": tx.init(params)}
+
+    def step_fn(state, batch):
+        def loss_fn(p):
+            h = jnp.tanh(batch["x"] @ p["w1"])
+            return jnp.mean((h @ p["w2"] - batch["y"]) ** 2)
+
+        loss, grads = jax.value_and_grad(loss_fn)(state["params"])
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        return {"params": params, "opt": opt}, {"loss": rp.all_reduce(loss, "mean")}
+
+    batch = {
+        "x": jax.ShapeDtypeStruct((BATCH, WIDTH), jnp.float32),
+        "y": jax.ShapeDtypeStruct((BATCH, OUT), jnp.float32),
+    }
+    return repl, init, step_fn, batch
+
+
+@pytest.fixture(scope="module")
+def mlp_on_v5p():
+    """The MLP's `StepReport` for v5p-16, with the model's FLOPs per chip."""
+    repl, init, step_fn, batch = _mlp_job(rp.tpu_devices("v5p-16"))
+    state = repl.abstract(init)
+    # per chip: forward 2 B W (W + O), backward 2 B W^2 (dW1) + 4 B W O (dW2 and dh)
+    flops = (4 * WIDTH * WIDTH + 6 * WIDTH * OUT) * BATCH / 8
+    return repl, state, repl.explain(step_fn, state, batch, model_flops=flops), flops
+
+
+def test_explain_on_v5p_reads_the_tpu_program(mlp_on_v5p):
+    _, state, report, flops = mlp_on_v5p
+    assert report.platform == "tpu" and report.num_devices == 8
+    t = report.target
+    assert isinstance(t, rp.OnTarget)
+    assert (t.target, t.device_kind, t.slices, t.hardware) == ("v5p-16", "TPU v5", 1, "tpu-v5p")
+    assert t.hbm_bytes == rp.HARDWARE["tpu-v5p"].memory_bytes
+    assert t.fits and t.over_bytes == 0 and t.fit_hint is None
+    assert 0 < t.peak_bytes == report.memory.peak < t.hbm_bytes
+    assert t.step_seconds > 0 and t.compute_seconds > 0
+    assert t.model_flops == flops and 0 < t.mfu <= 1
+    assert t.mfu == pytest.approx(flops / (t.step_seconds * t.peak_flops))
+    # the TPU program's matmuls are the step's: nothing counted twice, nothing left out
+    assert report.matmul_flops == pytest.approx(flops, rel=1e-6)
+    assert report.unknown_trip_counts == 0
+    # the state's shapes live on the target's devices
+    sharding = jax.tree.leaves(state)[0].sharding
+    assert {d.platform for d in sharding.device_set} == {"tpu"}
+
+
+def test_explain_on_v5p_to_json_has_the_target_keys_at_the_top(mlp_on_v5p):
+    _, _, report, flops = mlp_on_v5p
+    data = json.loads(report.to_json())
+    assert set(TARGET_KEYS) <= set(data), set(TARGET_KEYS) - set(data)
+    assert (data["target"], data["platform"], data["num_devices"]) == ("v5p-16", "tpu", 8)
+    assert data["device_kind"] == "TPU v5" and data["fits"] is True
+    assert data["hbm_bytes"] == rp.HARDWARE["tpu-v5p"].memory_bytes
+    assert data["step_seconds"] > 0 and data["model_flops"] == flops and 0 < data["mfu"] <= 1
+    assert data["xla_seconds"] is None or data["xla_seconds"] > 0
+
+
+@pytest.mark.parametrize(
+    "name, kind, hardware",
+    [
+        ("v4-8", "TPU v4", "tpu-v4"),
+        ("v5e-8", "TPU v5 lite", "tpu-v5e"),
+        ("v5p-8", "TPU v5", "tpu-v5p"),
+        ("v6e-8", "TPU v6 lite", "tpu-v6e"),
+    ],
+)
+def test_explain_on_each_generation_names_its_chip(name, kind, hardware):
+    repl, init, step_fn, batch = _mlp_job(rp.tpu_devices(name))
+    report = repl.explain(step_fn, repl.abstract(init), batch)
+    t = report.target
+    assert report.platform == "tpu" and report.num_devices == rp.target(name).chips
+    assert (t.target, t.device_kind, t.hardware) == (name, kind, hardware)
+    assert t.hbm_bytes == rp.HARDWARE[hardware].memory_bytes and t.fits
+    assert t.step_seconds > 0
+
+
+@pytest.mark.parametrize("api", ["run", "replicate", "place", "distribute"])
+def test_a_target_replicator_refuses_to_run_or_place(mlp_on_v5p, api):
+    """Nothing runs on compile-only devices: each refusal is ours and names explain."""
+    repl, state, _, _ = mlp_on_v5p
+    _, _, step_fn, batch = _mlp_job(rp.tpu_devices("v5p-16"))
+    calls = {
+        "run": lambda: repl.run(step_fn, state, batch),
+        "replicate": lambda: repl.replicate({"w": np.zeros((4,), np.float32)}),
+        "place": lambda: repl.place(np.zeros((8, 4), np.float32), P("data")),
+        "distribute": lambda: repl.distribute(lambda ctx: iter([{"x": np.zeros((8, 4))}])),
+    }
+    with pytest.raises(ValueError, match=r"Replicator\.\w+: this Replicator's devices are "
+                       r"v5p-16's, .* Use repl\.explain\(step_fn, repl\.abstract\(init\)"):  # fmt: skip
+        calls[api]()
+
+
+def test_a_step_over_the_hbm_is_does_not_fit_error():
+    """The TPU compiler refuses a step bigger than the chip's HBM: DoesNotFitError (a
+    ValueError) with the compiler's words, before any report."""
+    repl = rp.Replicator(mesh_shape={"data": -1}, devices=rp.tpu_devices("v5e-8"))
+    n = 17 * 2**30 // 4  # 17 GiB of fp32, on every chip of 16 GiB
+    state = repl.abstract(lambda: {"w": repl.replicate(jnp.zeros((n,), jnp.float32))})
+
+    def step_fn(state, batch):
+        return {"w": state["w"] * 1.5 + batch["x"].sum()}, {}
+
+    with pytest.raises(rp.DoesNotFitError, match=r"does not fit v5e-8: the TPU compiler "
+                       r"refused it: .*exceeds available HBM") as info:  # fmt: skip
+        repl.explain(step_fn, state, {"x": jax.ShapeDtypeStruct((8, 4), jnp.float32)})
+    assert isinstance(info.value, ValueError)
+    assert info.value.target == "v5e-8" and "exceeds available HBM" in info.value.shortfall
+
+
+# -- 3. the TPU program's FLOPs equal the CPU program's -----------------------------------------
+
+
+@pytest.mark.parametrize("layers", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_gpt_matmul_flops_on_v5p_equal_the_cpu_programs(layers):
+    """The CLI's GPT step (scanned layers, attention's batched matmuls) for v5p-16 and for 8
+    CPU devices: the same matmul FLOPs. The TPU compiler writes its loops without a trip count
+    and batched matmuls as convolutions; both are read from its HLO (loops.py,
+    convolution.py), so a layer counted once, or a convolution miscounted, fails here."""
+    cfg = config_lib.load(
+        ROOT / "configs/lm_dp.yaml",
+        ["model.d_model=256", "model.heads=8", "model.seq_len=128", f"model.layers={layers}"],
+    )
+    assert len(jax.devices()) == 8 and jax.devices()[0].platform == "cpu"
+    reports = {}
+    for where, devices in (("cpu", None), ("tpu", rp.tpu_devices("v5p-16"))):
+        repl, step_fn, state, batch = jobs.abstract_job(cfg, devices=devices)
+        reports[where] = repl.explain(step_fn, state, batch)
+    cpu, tpu = reports["cpu"], reports["tpu"]
+    assert (cpu.platform, tpu.platform) == ("cpu", "tpu")
+    assert tpu.unknown_trip_counts == 0 and cpu.unknown_trip_counts == 0
+    assert tpu.matmul_flops == pytest.approx(cpu.matmul_flops, rel=1e-3)
+    # and the layers are most of it: a loop counted once would be far off
+    assert tpu.matmul_flops > 0.5 * cpu.flops
+
+
+# -- 4. every shipped config compiles for a TPU of its mesh's size ------------------------------
+
+# A config whose mesh has a free axis (-1) goes to 8 chips (v5p-16), one of fixed sizes to as many
+# chips; these need a slice (or a change) whose HBM holds them.
+BIG = {
+    # MaxText's v5p-512 layout: ZeRO-3 over 256 chips, remat full, 4 sequences a chip
+    "llama2_70b": ("v5p-512", []),
+    # Llama 2 7B, ZeRO-3 and remat full, one sequence a chip: the config is written for v5p-8
+    "llama2_7b": ("v5p-8", []),
+    # the config as shipped (no ZeRO, no remat: 120 GB of fp32 state and Adam on every chip)
+    # fits no TPU; with ZeRO-1 and remat full, 8 sequences a chip on 64 v5p chips
+    "gpt_7b5": ("v5p-128", ["zero_stage=1", "model.remat=full"]),
+    # the config as shipped (no remat) peaks over 95 GiB even at one sequence a chip (v5p-1024,
+    # 101 GiB); with remat full, one sequence of 8,192 tokens a chip fits
+    "llama3_8b": ("v5p-1024", ["model.remat=full"]),
+}
+# over 30 s through the CLI on 2 cores (jax 0.10.2, libtpu 0.0.42.1): llama2_7b 41 s, llama3_8b
+# 76 s, gpt_7b5 124 s, llama2_70b 297 s; the others take 3-8 s each
+SLOW = {"llama2_7b", "llama2_70b", "gpt_7b5", "llama3_8b"}
+CONFIGS = sorted(p.stem for p in (ROOT / "configs").glob("*.yaml"))
+
+
+def _target_for(name: str) -> tuple[str, list[str]]:
+    if name in BIG:
+        return BIG[name]
+    mesh = config_lib.load(ROOT / "configs" / f"{name}.yaml").mesh
+    fixed = math.prod(v for v in mesh.values() if v != -1)
+    chips = math.lcm(fixed, 8) if -1 in mesh.values() else fixed
+    return (f"v5p-{2 * chips}" if chips >= 4 else f"v5e-{chips}"), []
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW else []) for n in CONFIGS]
+)
+def test_every_config_compiles_for_a_tpu_of_its_mesh_and_fits(name, tmp_path):
+    """``replicator explain configs/NAME.yaml --target T``, the CLI's own job code
+    (`targets.explain`), in a process of its own: a step the TPU compiler rejects (or aborts
+    on) fails here, as does one that does not fit. Its stderr carries none of libtpu's start-up
+    warnings."""
+    target, overrides = _target_for(name)
+    out = tmp_path / "report.json"
+    run = _python(
+        "-m", "replicator.cli", "explain", f"configs/{name}.yaml", *overrides,
+        "--target", target, "--json", out,
+    )  # fmt: skip
+    assert run.returncode == 0, f"exit {run.returncode} for {target}:\n{_why(run.stderr)}"
+    assert not _noise(run.stderr), _noise(run.stderr)
+    report = json.loads(out.read_text())
+    assert report["platform"] == "tpu" and report["target"] == target
+    assert report["num_devices"] == rp.target(target).chips
+    assert report["fits"] is True, (report["peak_bytes"], report["hbm_bytes"])
+    assert report["step_seconds"] > 0 and report["unknown_trip_counts"] == 0
+    assert f"on {target} (" in run.stdout
+
+
+# -- 5. the CLI ---------------------------------------------------------------------------------
+
+
+def test_cli_explain_target_writes_the_report_json(tmp_path, capsys):
+    out = tmp_path / "lm_dp.json"
+    code = cli.main(
+        ["explain", str(ROOT / "configs/lm_dp.yaml"), "--target", "v5p-16", "--json", str(out)]
+    )
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "on v5p-16 (TPU v5, tpu-v5p): fits" in printed and f"wrote {out}" in printed
+    data = json.loads(out.read_text())
+    assert set(TARGET_KEYS) <= set(data), set(TARGET_KEYS) - set(data)
+    assert (data["target"], data["platform"], data["num_devices"]) == ("v5p-16", "tpu", 8)
+    assert data["device_kind"] == "TPU v5" and data["fits"] is True and data["slices"] == 1
+    assert data["mesh"] == {"data": 8}
+    assert data["step_seconds"] > 0 and data["model_flops"] > 0 and 0 < data["mfu"] <= 1
+    assert data["hbm_bytes"] == rp.HARDWARE["tpu-v5p"].memory_bytes
+
+
+def test_cli_explain_two_slices_adds_a_dcn_data_axis(tmp_path, capsys):
+    out = tmp_path / "lm_dp.json"
+    code = cli.main(
+        ["explain", str(ROOT / "configs/lm_dp.yaml"), "--target", "v5p-16", "--slices", "2",
+         "--json", str(out)]
+    )  # fmt: skip
+    capsys.readouterr()
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert (data["target"], data["num_devices"], data["slices"]) == ("2 x v5p-16", 16, 2)
+    assert data["mesh"] == {"dcn_data": 2, "data": 8}
+    assert data["fits"] is True and data["platform"] == "tpu"
+    # the gradients' all-reduce crosses the slices: part of it is on the DCN
+    assert any("dcn_data" in c["axes"] for c in data["collective_summary"]), [
+        (c["kind"], c["axes"]) for c in data["collective_summary"]
+    ]
+    assert data["dcn_seconds"] > 0
+
+
+def _refused(capsys, *args, tries: bool = False) -> str:
+    """The one line of a refused ``explain lm_dp``; with ``tries``, after the changes it tried
+    (one a line)."""
+    code = cli.main(["explain", str(ROOT / "configs/lm_dp.yaml"), *args])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    *tried, line = err.rstrip().splitlines()
+    assert all(t.startswith("  does not fit: trying ") for t in tried) and (tries or not tried), err
+    assert line.startswith("replicator explain: "), err
+    return line
+
+
+def test_cli_slices_without_a_target_is_refused(capsys):
+    line = _refused(capsys, "--slices", "2")
+    assert "--slices counts TPU slices of a --target; give --target too." in line
+
+
+@pytest.mark.parametrize("bad, valid", [("v7-8", "v5p-16"), ("v5p-12", "v5p-16"),
+                                        ("v5e-512", "v5e-2")])  # fmt: skip
+def test_cli_a_bad_target_is_refused_in_one_line(capsys, bad, valid):
+    """The message names the bad target and a valid one."""
+    line = _refused(capsys, "--target", bad)
+    assert f"target {bad!r}" in line and valid in line
+    rp.target(valid)
+
+
+def test_cli_a_mesh_that_is_not_the_targets_chips_is_refused(capsys):
+    code = cli.main(["explain", str(ROOT / "configs/lm_3d.yaml"), "--target", "v5p-8"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "does not make the 4 chips of v5p-8" in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_target_refuses_data_path(capsys, tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("hello " * 1000)
+    line = _refused(capsys, f"data.path={text}", "--target", "v5p-16")
+    assert "a target compiles from shapes only" in line
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+def test_cli_explain_target_the_mlp_at_every_zero_stage(tmp_path, capsys, zero_stage):
+    """The built-in MLP's state is built from shapes at every ZeRO stage (its parameters are
+    drawn with NumPy inside ``init``)."""
+    out = tmp_path / "mlp.json"
+    code = cli.main(
+        ["explain", str(ROOT / "configs/mlp_zero.yaml"), f"zero_stage={zero_stage}",
+         "--target", "v5p-16", "--json", str(out)]
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 0, err
+    data = json.loads(out.read_text())
+    assert (data["target"], data["platform"], data["fits"]) == ("v5p-16", "tpu", True)
+
+
+def test_cli_a_mesh_over_part_of_a_torus_axis_is_laid_out_or_refused_in_one_line(capsys):
+    """{data: 32, model: 2} on v5p-128 (a 4x4x4 torus): the model axis takes part of a physical
+    axis, which jax.make_mesh does not do by itself on v5p. It compiles, or is refused in one
+    line (exit 2), never a traceback."""
+    code = cli.main(
+        ["explain", str(ROOT / "configs/lm_dp.yaml"), "mesh.data=32", "mesh.model=2",
+         "--target", "v5p-128"]
+    )  # fmt: skip
+    captured = capsys.readouterr()
+    assert code in (0, 2), captured.err[-2000:]
+    if code == 0:
+        assert "on v5p-128 (TPU v5, tpu-v5p): fits" in captured.out
+    else:
+        assert len(captured.err.strip().splitlines()) == 1, captured.err
+
+
+@pytest.mark.slow
+def test_cli_a_model_over_the_hbm_names_the_smallest_change_that_fits(capsys):
+    """lm_dp at 1.6 B parameters, data parallel on 8 v5e chips of 16 GiB: the TPU compiler
+    refuses it; the one line says so and names the first change (compiled) that fits."""
+    line = _refused(
+        capsys,
+        "model.d_model=4096",
+        "model.heads=32",
+        "model.layers=8",
+        "--target",
+        "v5e-8",
+        tries=True,
+    )
+    assert "lm_dp does not fit v5e-8: the TPU compiler refused the step: " in line
+    assert "exceeds available HBM" in line
+    assert "smallest change that fits: zero_stage=3 (peak " in line
+    assert "Traceback" not in line
+
+
+@pytest.mark.slow
+def test_cli_a_report_over_the_hbm_carries_the_smallest_change_that_fits(tmp_path, capsys):
+    """Llama 3 8B without remat at one sequence a chip on v5p-1024: the program compiles, its
+    peak is over the chip's 95 GiB; the report says so and names remat as the change that fits
+    (where the compiler refuses the program itself, the one-line refusal names it)."""
+    out = tmp_path / "llama3.json"
+    code = cli.main(
+        ["explain", str(ROOT / "configs/llama3_8b.yaml"), "--target", "v5p-1024", "--json",
+         str(out)]
+    )  # fmt: skip
+    captured = capsys.readouterr()
+    if code == 2:
+        assert "does not fit v5p-1024" in captured.err
+        assert "smallest change that fits: model.remat=full" in captured.err
+        return
+    assert code == 0, captured.err
+    data = json.loads(out.read_text())
+    assert data["fits"] is False and data["over_bytes"] > 0
+    assert data["fit_hint"].startswith("smallest change that fits: model.remat=full")
+    assert "does NOT fit" in captured.out and data["fit_hint"] in captured.out
+
+
+# -- 6. libtpu's start-up warnings ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["-c", "import replicator, jax; print(jax.devices())"],
+        pytest.param(
+            ["-m", "replicator.cli", "explain", "configs/lm_dp.yaml", "--target", "v5p-16"],
+            marks=pytest.mark.slow,  # the fast lane runs it as lm_dp's config test above
+        ),
+    ],
+    ids=["import", "cli-explain"],
+)
+def test_libtpu_start_up_warnings_do_not_reach_the_user(args):
+    run = _python(*args)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert not _noise(run.stderr), _noise(run.stderr)
+    if args[0] == "-c":
+        assert "CpuDevice" in run.stdout
+    else:
+        assert "on v5p-16 (TPU v5, tpu-v5p): fits" in run.stdout
