@@ -14,7 +14,16 @@ from jax.sharding import Mesh, PartitionSpec
 
 from replicator._src.core import binding as binding_lib
 from replicator._src.core import data as data_lib
-from replicator._src.core import drift, errors, leaf_specs, scoped, step_cache, targets, tracing
+from replicator._src.core import (
+    drift,
+    errors,
+    leaf_specs,
+    placement,
+    scoped,
+    step_cache,
+    targets,
+    tracing,
+)
 from replicator._src.core import lowering as lowering_lib
 from replicator._src.core import mesh as mesh_lib
 from replicator._src.core.outputs import local_row as local_row
@@ -183,8 +192,8 @@ class Replicator:
             if a tree of specs does not match ``tree``, or if a split does not divide a leaf's
             dimension.
         """
-        if not all(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree)):
-            self._refuse_compile_only("place")  # under repl.abstract: shapes only, allowed
+        if not placement.recording_active():  # under repl.abstract: shapes only, allowed
+            self._refuse_compile_only("place" if spec != PartitionSpec() else "replicate")
         return leaf_specs.place(self._mesh, tree, spec)
 
     def _refuse_compile_only(self, api: str) -> None:

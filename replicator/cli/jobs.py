@@ -35,7 +35,8 @@ from replicator.cli.config import MAX_CPU_DEVICES, MODEL_KINDS, ModelConfig, Tra
 from replicator.models import cnn, gpt, hf, llama, mlp
 
 # What the library raises for a config, a mesh, a run directory or a checkpoint it refuses.
-USER_ERRORS = (ValueError, TypeError, FileNotFoundError, rp.RunDirLockedError)
+# NotImplementedError: jax's own refusal of a mesh it cannot lay out on a TPU torus
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError, NotImplementedError, rp.RunDirLockedError)
 # What it raises during training that its message says all of (what failed, what to do).
 RUN_ERRORS = (rp.CheckpointWriteError,)
 

@@ -130,14 +130,14 @@ def target(name: str, *, slices: int = 1) -> Target:
     else:
         n = int(sized.group(2))
         chips = n // 2 if gen.counts_cores else n
+        least = 8 if gen.counts_cores else 1
         if (
-            chips < 1
+            n < least
             or chips & (chips - 1)
             or chips > gen.max_chips
             or n != chips * (2 if gen.counts_cores else 1)
         ):
             unit = "TensorCores, two a chip" if gen.counts_cores else "chips"
-            least = 8 if gen.counts_cores else 1
             raise ValueError(
                 f"target {name!r}: {gen.name}-N counts {unit}; N must be {least}, "
                 f"{2 * least}, {4 * least}, ... (a power of two) up to "
@@ -179,6 +179,8 @@ def tpu_devices(name: str, *, slices: int = 1) -> list[jax.Device]:
     from jax.experimental import topologies
 
     kwargs = {"num_slices": slices} if slices > 1 else {}
+    if t.generation == "v4":  # one device a chip (megacore), as on a v4 VM; else one a core
+        kwargs["chip_config_name"] = "megacore"
     return list(
         topologies.get_topology_desc(topology_name=t.topology, platform="tpu", **kwargs).devices
     )
