@@ -355,7 +355,9 @@ OLD_LIBTPU_ABORTS = pytest.mark.xfail(
 
 
 def _marks(name: str) -> list:
-    return [pytest.mark.slow] * (name in SLOW) + [OLD_LIBTPU_ABORTS] * (name == "llama_tiny")
+    # the fast lane compiles lm_dp's; every config compiles in the whole suite (3-16 s each)
+    slow = name in SLOW or name != "lm_dp"
+    return [pytest.mark.slow] * slow + [OLD_LIBTPU_ABORTS] * (name == "llama_tiny")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in CONFIGS])
