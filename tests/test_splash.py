@@ -101,3 +101,13 @@ def test_a_model_axis_is_refused_before_a_step():
     config = _model("splash")
     with pytest.raises(ValueError, match="'model' axis splits them"):
         _train(repl, config, 0, steps=1)
+
+
+def test_an_expert_axis_is_refused_before_a_step():
+    """XLA cannot split the kernel's call over an axis left to it: the whole batch would be
+    gathered to every device. Refused, like model and context."""
+    repl = rp.Replicator(mesh_shape={"data": 2, "expert": 2}, devices=jax.devices()[:4])
+    q, k, v = _qkv(4, seq=128)
+    step = lambda s, q, k, v: (s, {"o": rp.all_reduce(jnp.sum(splash.splash_attention(q, k, v)))})
+    with pytest.raises(ValueError, match="'expert' axis splits them"):
+        repl.run(step, repl.replicate(jnp.zeros(())), q, k, v)

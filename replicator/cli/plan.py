@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         jax.config.update("jax_num_cpu_devices", n)
         jax.config.update("jax_platforms", "cpu")
     budget = None if args.memory is None else parse_size(args.memory, "--memory")
-    profile = rp.hardware(args.hardware) if target is None else targets.profile(target)
+    profile = rp.hardware(args.hardware if target is None else target)
     budget = profile.memory_bytes if budget is None else budget
     check_state_fits(cfg, n, budget, given=args.memory is not None)
     raw = dataclasses.asdict(cfg)

@@ -73,11 +73,6 @@ def on_target(config: TrainConfig, target: rp.Target) -> TrainConfig:
     return dataclasses.replace(config, mesh=mesh)
 
 
-def profile(target: rp.Target) -> rp.Hardware:
-    """The target chip's profile (`rp.HARDWARE`), its island the target's slice."""
-    return dataclasses.replace(rp.HARDWARE[f"tpu-{target.generation}"], island_size=target.chips)
-
-
 def model_flops_per_chip(config: TrainConfig, num_devices: int) -> float | None:
     from replicator.cli import jobs
 

@@ -71,17 +71,19 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     and dtype, as `attention.reference` computes it.
 
     Raises:
-      ValueError: for a sequence the kernel's tiles do not divide, or a ``model`` or
-        ``context`` axis that splits the heads or the sequence (the kernel sees whole ones).
+      ValueError: for a sequence the kernel's tiles do not divide, or a ``model``,
+        ``context`` or ``expert`` axis, which XLA would split the kernel's call over (XLA
+        cannot: it would gather the whole batch to every device instead).
     """
     from replicator._src.core.collectives import auto_axis_size
 
-    for axis in ("model", "context"):
+    for axis in ("model", "context", "expert"):  # XLA cannot split a kernel's call
         if auto_axis_size(axis) > 1:
             raise ValueError(
-                f"attention='splash' runs the kernel on whole heads and sequences, but the "
-                f"mesh's {axis!r} axis splits them; use attention='dot_product' with a model "
-                f"axis, or 'ring'/'all_to_all' with a context axis."
+                f"attention='splash' runs the kernel on whole heads, sequences and batches of a "
+                f"replica, but the mesh's {axis!r} axis splits them; use attention="
+                f"'dot_product' with a model or expert axis, or 'ring'/'all_to_all' with a "
+                f"context axis."
             )
     batch, seq, heads, dim = q.shape
     dtype = q.dtype

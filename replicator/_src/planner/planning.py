@@ -24,7 +24,6 @@ from collections.abc import Callable, Sequence
 from replicator._src.core import targets
 from replicator._src.planner import search
 from replicator._src.planner.layouts import Family, Layout
-from replicator._src.report import on_target
 from replicator._src.report.cost_model import ModelledTime, model_time
 from replicator._src.report.hardware import Hardware, parse_bytes
 from replicator._src.report.hardware import hardware as hardware_lib
@@ -211,7 +210,7 @@ def plan(
                 f"rp.plan: the layouts use {n} devices, and target {target.label} has "
                 f"{target.num_devices}; enumerate layouts for {target.num_devices}."
             )
-        hardware = on_target.profile_for(target) if hardware == "cpu" else hardware
+        hardware = target if hardware == "cpu" else hardware
         workers = 0
     profile = hardware_lib(hardware)
     budget = profile.memory_bytes if memory is None else parse_bytes(memory, "memory")

@@ -22,7 +22,7 @@ import re
 import time
 from typing import Any
 
-from replicator._src.core import collectives
+from replicator._src.core import collectives, targets
 
 GiB = 2**30
 
@@ -232,15 +232,21 @@ HARDWARE: dict[str, Hardware] = {
 emulated CPU is ``hardware("cpu")``, measured on this machine."""
 
 
-def hardware(spec: str | os.PathLike | dict | Hardware, /) -> Hardware:
+def hardware(spec: str | os.PathLike | dict | Hardware | targets.Target, /) -> Hardware:
     """A profile: a built-in name (`HARDWARE`, or ``"cpu"`` measured here), a YAML/JSON file of
-    `Hardware`'s keys, a mapping of them, or a `Hardware`.
+    `Hardware`'s keys, a mapping of them, a `Hardware`, or a TPU `Target` (its chip's profile,
+    with the target's slice as the island: collectives across slices cross the DCN).
+
+    >>> hardware(targets.target("v5p-16")).island_size
+    8
 
     Raises:
       ValueError: for an unknown name (listing the known ones) or a file that is not a profile.
     """
     if isinstance(spec, Hardware):
         return spec
+    if isinstance(spec, targets.Target):
+        return dataclasses.replace(HARDWARE[f"tpu-{spec.generation}"], island_size=spec.chips)
     if isinstance(spec, dict):
         return Hardware.from_dict(spec)
     text = os.fspath(spec)

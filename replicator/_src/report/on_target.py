@@ -25,7 +25,7 @@ import math
 
 from replicator._src.core import targets
 from replicator._src.report import cost_model
-from replicator._src.report.hardware import HARDWARE, Hardware
+from replicator._src.report.hardware import hardware
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,11 +78,6 @@ class OnTarget:
     hardware: str
 
 
-def profile_for(target: targets.Target) -> Hardware:
-    """The chip's profile, its island the target's slice (collectives across slices: DCN)."""
-    return dataclasses.replace(HARDWARE[f"tpu-{target.generation}"], island_size=target.chips)
-
-
 def _xla_seconds(optimal: float | None, flops: float, xla_flops: float | None,
                  unknown_trips: int) -> tuple[float | None, str]:  # fmt: skip
     if optimal is None or not math.isfinite(optimal):
@@ -109,7 +104,7 @@ def on_target(report, target: targets.Target, *, optimal_seconds: float | None,
       optimal_seconds: ``cost_analysis()["optimal_seconds"]`` of the compiled program.
       model_flops: the model's FLOPs per chip per step, for the MFU.
     """
-    hw = profile_for(target)
+    hw = hardware(target)
     step = cost_model.CompiledStep.from_report(report)
     time = cost_model.model_time(step, hw, overlap=1.0)
     xla, how = _xla_seconds(
