@@ -263,9 +263,10 @@ def shard_shapes(x):
     return {tuple(s.data.shape) for s in x.addressable_shards}
 
 
-def train(repl, config=CONFIG, zero_stage=0):
+def train(repl, config=CONFIG, zero_stage=0, split=None):
     """Three steps of ``wrap_optimizer(sgd).step`` on `gpt.place`'s layout (ZeRO-3: stored with
-    ``shard_params``): the trained parameters (host arrays), the losses, the state."""
+    ``shard_params``, ``split`` its ``split``): the trained parameters (host arrays), the
+    losses, the state."""
     tx = repl.wrap_optimizer(optax.sgd(0.1), zero_stage=zero_stage)
     traces = []
 
@@ -278,7 +279,7 @@ def train(repl, config=CONFIG, zero_stage=0):
 
     placed = gpt.place(repl, gpt.init(config, jax.random.key(0)), config=config)
     if zero_stage == 3:
-        placed = tx.shard_params(placed, stacked=gpt.zero_stacked(config))
+        placed = tx.shard_params(placed, stacked=gpt.zero_stacked(config), split=split)
     state, losses = {"params": placed, "opt": tx.init(placed)}, []
     for batch in batches():
         state, out = repl.run(step, state, batch)
@@ -323,6 +324,19 @@ def test_fsdp_with_tensor_parallel_llama_trains_as_one_device():
     check_against_oracle(got, losses)
     q = state["params"]["blocks"]["attn"]["q"].value
     assert shard_shapes(q) == {(4, 32 // 2, 32 // 4)}  # rows over data, columns over model
+
+
+@pytest.mark.parametrize("mesh", [{"data": 4}, {"data": 2, "model": 4}])
+def test_fsdp_with_the_token_table_split_by_columns_trains_as_one_device(mesh):
+    """``split=gpt.zero_split(config)``: the (tied) token table ``[64, 32]`` split over the
+    replicas by its width, each replica looking up its columns of every replica's tokens and
+    exchanging them in one all-to-all; the head gathers it whole. Without ``split`` the table is
+    split by rows (the test above), each replica looking up the rows it holds."""
+    n = mesh["data"]
+    got, losses, state = train(make_repl(mesh), zero_stage=3, split=gpt.zero_split(CONFIG))
+    check_against_oracle(got, losses)
+    table = state["params"]["embed"]["tokens"]
+    assert table.dim == -1 and shard_shapes(table.value) == {(64, 32 // n)}
 
 
 @pytest.mark.slow  # 3-7 s

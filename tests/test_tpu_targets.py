@@ -315,6 +315,31 @@ def test_gpt_matmul_flops_on_v5p_equal_the_cpu_programs(layers):
     assert tpu.matmul_flops > 0.5 * cpu.flops
 
 
+@pytest.mark.slow  # 2 compiles, 10-20 s each
+def test_llama_zero3_on_v5p_reduces_in_bf16_and_looks_up_without_the_table():
+    """Llama (bf16 compute, ZeRO-3 over 4 chips of v5p-8) read from the TPU program: with
+    ``model.reduce_dtype=bfloat16`` the gradients' reduce-scatters carry half the bytes of fp32's
+    and nothing else moves more; the token table, split by columns (``gpt.zero_split``), is
+    never gathered: its lookup's all-to-all carries each replica's ``n D`` activations."""
+    args = ["model.kind=llama", "model.dtype=bfloat16", "model.d_model=256", "model.heads=8",
+            "model.seq_len=256", "model.layers=2", "model.vocab=4096", "zero_stage=3",
+            "global_batch=8"]  # fmt: skip
+    reports = {}
+    for reduce in ("null", "bfloat16"):
+        cfg = config_lib.load(ROOT / "configs/lm_dp.yaml", [*args, f"model.reduce_dtype={reduce}"])
+        repl, step_fn, state, batch = jobs.abstract_job(cfg, devices=rp.tpu_devices("v5p-8"))
+        reports[reduce] = repl.explain(step_fn, state, batch)
+    fp32, bf16 = reports["null"], reports["bfloat16"]
+    scatter = lambda r: r.bytes_by(kind="reduce-scatter", axes=("data",))
+    assert scatter(fp32) > 0 and scatter(bf16) == pytest.approx(0.5 * scatter(fp32), rel=0.02)
+    assert bf16.collective_bytes < fp32.collective_bytes
+    for r in reports.values():  # of the [4096, 256] weights only the head's is gathered whole
+        whole = [c for c in r.collectives if c.kind == "all-gather" and c.bytes >= 4096 * 256 * 2]
+        assert [(c.bytes, c.count) for c in whole] == [(4096 * 256 * 2, 1)], whole
+        a2a = r.bytes_by(kind="all-to-all", axes=("data",))  # forward and backward
+        assert a2a == pytest.approx(2 * 2 * 256 * 256 * 2, rel=0.05), a2a
+
+
 # -- 4. every shipped config compiles for a TPU of its mesh's size ------------------------------
 
 # A config whose mesh has a free axis (-1) goes to 8 chips (v5p-16), one of fixed sizes to as many
@@ -357,20 +382,20 @@ OLD_LIBTPU_ABORTS = pytest.mark.xfail(
 def _marks(name: str) -> list:
     # the fast lane compiles lm_dp's; every config compiles in the whole suite (3-16 s each)
     slow = name in SLOW or name != "lm_dp"
-    return [pytest.mark.slow] * slow + [OLD_LIBTPU_ABORTS] * (name == "llama_tiny")
+    return [pytest.mark.slow] * slow
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in CONFIGS])
 def test_every_config_compiles_for_a_tpu_of_its_mesh_and_fits(name, tmp_path):
     """``replicator explain configs/NAME.yaml --target T``, the CLI's own job code
-    (`targets.explain`), in a process of its own: a step the TPU compiler rejects (or aborts
-    on) fails here, as does one that does not fit. Its stderr carries none of libtpu's start-up
-    warnings."""
+    (`targets.explain`), in a process of its own, compiled once (``--quick``): a step the TPU
+    compiler rejects (or aborts on) fails here, as does one that does not fit. Its stderr
+    carries none of libtpu's start-up warnings."""
     target, overrides = _target_for(name)
     out = tmp_path / "report.json"
     run = _python(
         "-m", "replicator.cli", "explain", f"configs/{name}.yaml", *overrides,
-        "--target", target, "--json", out,
+        "--target", target, "--json", out, "--quick",
     )  # fmt: skip
     assert run.returncode == 0, f"exit {run.returncode} for {target}:\n{_why(run.stderr)}"
     assert not _noise(run.stderr), _noise(run.stderr)
@@ -380,6 +405,22 @@ def test_every_config_compiles_for_a_tpu_of_its_mesh_and_fits(name, tmp_path):
     assert report["fits"] is True, (report["peak_bytes"], report["hbm_bytes"])
     assert report["step_seconds"] > 0 and report["unknown_trip_counts"] == 0
     assert f"on {target} (" in run.stdout
+
+
+@pytest.mark.slow  # three compiles, 10-15 s each
+@OLD_LIBTPU_ABORTS
+def test_llama_tiny_reads_xlas_estimate_per_layer(tmp_path):
+    """Without ``--quick``, a scanned Llama's XLA estimate is read from the step with one and
+    with two layers unrolled (ZeRO-3 with a ``model`` axis)."""
+    target, overrides = _target_for("llama_tiny")
+    out = tmp_path / "report.json"
+    run = _python(
+        "-m", "replicator.cli", "explain", "configs/llama_tiny.yaml", *overrides,
+        "--target", target, "--json", out,
+    )  # fmt: skip
+    assert run.returncode == 0, f"exit {run.returncode} for {target}:\n{_why(run.stderr)}"
+    report = json.loads(out.read_text())
+    assert "with 1 and 2 layers unrolled" in report["xla_seconds_how"], report["xla_seconds_how"]
 
 
 # -- 5. the CLI ---------------------------------------------------------------------------------
@@ -441,6 +482,8 @@ def _refused(capsys, *args, tries: bool = False) -> str:
 def test_cli_slices_without_a_target_is_refused(capsys):
     line = _refused(capsys, "--slices", "2")
     assert "--slices counts TPU slices of a --target; give --target too." in line
+    line = _refused(capsys, "--quick")
+    assert "--quick skips compiles of a --target's step; give --target too." in line
 
 
 @pytest.mark.parametrize("bad, valid", [("v7-8", "v5p-16"), ("v5p-12", "v5p-16"),
@@ -524,7 +567,7 @@ def test_cli_a_report_over_the_hbm_carries_the_smallest_change_that_fits(tmp_pat
     out = tmp_path / "llama3.json"
     code = cli.main(
         ["explain", str(ROOT / "configs/llama3_8b.yaml"), "--target", "v5p-1024", "--json",
-         str(out)]
+         str(out), "--quick"]
     )  # fmt: skip
     captured = capsys.readouterr()
     if code == 2:

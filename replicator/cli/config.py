@@ -64,6 +64,10 @@ class ModelConfig:
     vocab_parallel: bool = True
     # gpt: the blocks as one lax.scan (compiled once); false unrolls them, a copy per layer
     scan_layers: bool = True
+    # gpt, zero_stage 3: the dtype the stored parameters are gathered in and their gradients
+    # reduce-scattered in: null their own (fp32, summed as one device sums them), or bfloat16
+    # (as MaxText's FSDP: half the bytes, each gradient rounded to bf16 once more)
+    reduce_dtype: str | None = None
     # gpt: a mixture of experts: experts per MoE block (0: dense MLPs; the keys below are then
     # unused), split over an `expert` axis; every moe_every-th block is one (layers a multiple
     # of it); each token goes to its top_k experts, each taking at most capacity_factor x its
@@ -121,6 +125,8 @@ class ModelConfig:
         if self.d_ff is not None:
             _at_least(self, "d_ff", 1)
         _one_of(self, "dtype", DTYPES, what="a compute dtype")
+        if self.reduce_dtype is not None:
+            _one_of(self, "reduce_dtype", DTYPES, what="a dtype to reduce gradients in (or null)")
         if not isinstance(self.remat, bool) and self.remat not in REMAT_POLICIES:
             raise ValueError(
                 f"{_where(self)}remat must be one of none, full, dots (or false = none, true = "
@@ -571,6 +577,7 @@ GPT_ONLY = {  # the gpt-only keys' defaults
     "zigzag": True,
     "vocab_parallel": True,
     "scan_layers": True,
+    "reduce_dtype": None,
     "experts": 0,
     "moe_every": 1,
     "top_k": 1,

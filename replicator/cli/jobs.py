@@ -580,6 +580,7 @@ def gpt_config(config: TrainConfig) -> gpt.GPTConfig:
         attention=m.attention,
         zigzag=m.zigzag,
         scan_layers=m.scan_layers,
+        reduce_dtype=m.reduce_dtype,
         num_experts=m.experts,
         moe_every=m.moe_every,
         top_k=m.top_k,
@@ -656,7 +657,9 @@ def _gpt(config: TrainConfig, repl, make_tx) -> _Job:
             place = lambda: gpt.place(repl, init_params(), config=model, rules=rules)
             placed = _from_checkpoint(config, repl, place) if config.init_from else place()
             if zero3:  # split over the replicas, each block's layer gathered on its own
-                placed = opt.shard_params(placed, stacked=gpt.zero_stacked(model))
+                placed = opt.shard_params(
+                    placed, stacked=gpt.zero_stacked(model), split=gpt.zero_split(model)
+                )
             return {"params": placed, "opt": opt.init(placed)}
 
         return _Job(step_fn, init, input_fn, batch, tokens, m.vocab)

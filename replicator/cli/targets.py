@@ -80,9 +80,11 @@ def model_flops_per_chip(config: TrainConfig, num_devices: int) -> float | None:
     return None if total is None else total / num_devices
 
 
-def explain(config: TrainConfig, target: rp.Target, *, hints: bool = True):
+def explain(config: TrainConfig, target: rp.Target, *, hints: bool = True, per_layer: bool = True):
     """The `StepReport` of ``config``'s step compiled for ``target``; with ``hints``, one that
-    does not fit carries the smallest change that does (``report.target.fit_hint``)."""
+    does not fit carries the smallest change that does (``report.target.fit_hint``); with
+    ``per_layer``, XLA's estimate of a scanned step is read per layer (`_per_layer_xla_seconds`:
+    two more compiles)."""
     from replicator.cli import jobs
 
     if jobs._builtin(config) is None or config.data.path is not None:
@@ -102,7 +104,8 @@ def explain(config: TrainConfig, target: rp.Target, *, hints: bool = True):
             f"{config.name} does not fit {target.label}: the TPU compiler refused the step: "
             f"{e.shortfall}. {hint}.", target=e.target, shortfall=e.shortfall,
         ) from None  # fmt: skip
-    report = _per_layer_xla_seconds(config, target, report)
+    if per_layer:
+        report = _per_layer_xla_seconds(config, target, report)
     if hints and not report.target.fits:
         hint = fit_hint(config, target, report)
         report = dataclasses.replace(

@@ -45,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 import replicator as rp
 from replicator import moe, pipeline
+from replicator._src.core import sharded_params
 from replicator._src.core.errors import positive_int
 from replicator._src.core.mesh import EXPERT_AXIS, MODEL_AXIS
 from replicator._src.layers import attention as attention_lib
@@ -121,6 +122,14 @@ class GPTConfig:
     * ``tie_embeddings``: the output matrix is the token table, transposed (the head has no
       ``"w"``; `output_head` gives it).
 
+    ``reduce_dtype`` is the dtype ZeRO-3 gathers the stored parameters in and reduce-scatters
+    their gradients in (FSDP2's ``reduce_dtype``): None (the default) gathers them and sums the
+    gradients over the replicas in the parameters' own dtype (fp32), as one device sums them;
+    the compute ``dtype`` (``"bfloat16"``) casts each replica's part before the gather, so that
+    the gradients of the bf16 weights are summed in bf16, as MaxText's FSDP sums them: half the
+    gradient bytes on the wire and in HBM, and each gradient rounded to bf16 once more. It
+    changes nothing without ZeRO-3.
+
     ``scan_layers`` runs the blocks as one ``lax.scan`` (compiled once, whatever the depth);
     False unrolls it, one copy of the block per layer in the program (MaxText's
     ``scan_layers=false``: longer to compile, the same numbers, and a program whose cost XLA's
@@ -157,6 +166,7 @@ class GPTConfig:
     bias: bool = True
     tie_embeddings: bool = False
     scan_layers: bool = True
+    reduce_dtype: Any = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "d_model", "num_heads", "num_layers", "moe_every"):
@@ -189,6 +199,13 @@ class GPTConfig:
                 f"use e.g. d_model={self.num_heads * math.ceil(self.d_model / self.num_heads)}."
             )
         _check_architecture(self)
+        if self.reduce_dtype is not None and not _is_reduce_dtype(self.reduce_dtype, self.dtype):
+            raise ValueError(
+                f"GPTConfig: reduce_dtype={self.reduce_dtype!r} with dtype="
+                f"{jnp.dtype(self.dtype).name}; use None (the parameters' own dtype) or the "
+                f"compute dtype: gathering the weights in a narrower dtype than the one they "
+                f"are used in would round them."
+            )
 
     @property
     def hidden(self) -> int:
@@ -213,6 +230,13 @@ class GPTConfig:
     @property
     def num_moe_layers(self) -> int:
         return self.num_layers // self.moe_every if self.num_experts else 0
+
+
+def _is_reduce_dtype(x: Any, compute: Any) -> bool:
+    try:
+        return jnp.dtype(x) in (jnp.dtype(compute), jnp.dtype(jnp.float32))
+    except TypeError:
+        return False
 
 
 def _check_architecture(config: GPTConfig) -> None:
@@ -462,23 +486,30 @@ def _layout(config: GPTConfig, seq_len: int) -> str:
     return "contiguous" if sequence_order(config, seq_len) is None else "zigzag"
 
 
-def embed(embed_params: dict, tokens: jax.Array, order: np.ndarray | None = None) -> jax.Array:
-    """Token plus position embeddings: ``[B, S]`` int tokens to ``[B, S, D]``; with ``order``
-    (`sequence_order`) the tokens are taken, and their positions given, in that order. With
-    rotary positions (no ``"positions"`` table) the tokens' embeddings only: the blocks rotate
-    queries and keys by the positions of that same order.
+def embed(
+    embed_params: dict, tokens: jax.Array, order: np.ndarray | None = None, dtype: Any = None
+) -> jax.Array:
+    """Token plus position embeddings: ``[B, S]`` int tokens to ``[B, S, D]`` (as ``dtype``,
+    default the table's); with ``order`` (`sequence_order`) the tokens are taken, and their
+    positions given, in that order. With rotary positions (no ``"positions"`` table) the tokens'
+    embeddings only: the blocks rotate queries and keys by the positions of that same order.
 
     ZeRO-3 parameters (`rp.ShardedParam`) are gathered here, where they are used; plain arrays
-    pass through (so are `block`'s and `head_logits`')."""
-    embed_params = rp.gather_params(embed_params)
+    pass through (so are `block`'s and `head_logits`'). A token table ZeRO splits by rows (its
+    vocabulary) is not gathered: each replica looks up the tokens in its own rows
+    (`sharded_params.take_rows`)."""
     s = tokens.shape[-1]
-    positions = embed_params["positions"][:s] if "positions" in embed_params else None
+    positions = rp.gather_params(embed_params.get("positions"))
+    positions = None if positions is None else positions[:s]
     if order is not None:
         tokens = tokens[..., order]
         positions = None if positions is None else positions[order]
     tokens = attention_lib.constrain_tokens(tokens)  # each device looks up its own chunk
-    x = embed_params["tokens"][tokens]
-    return attention_lib.constrain_tokens(x if positions is None else x + positions)
+    x = sharded_params.take_rows(
+        embed_params["tokens"], tokens, None if positions is not None else dtype
+    )
+    x = x if positions is None else x + positions
+    return attention_lib.constrain_tokens(x if dtype is None else x.astype(dtype))
 
 
 def _qkv(p: dict, x: jax.Array, config: GPTConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -523,8 +554,24 @@ def _dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Arra
     return jax.nn.dot_product_attention(q, k, v, is_causal=True)
 
 
+def _gathered(params: dict, config: GPTConfig) -> dict:
+    """`rp.gather_params` of ``params``, the stored parts cast to ``config.reduce_dtype`` first
+    (so their gradients are reduce-scattered in it) when it is set."""
+    if config.reduce_dtype is not None:
+        dtype = jnp.dtype(config.reduce_dtype)
+        cast = lambda a: (
+            rp.ShardedParam(a.value.astype(dtype), a.dim, a.auto) if _is_stored(a) else a
+        )
+        params = jax.tree.map(cast, params, is_leaf=_is_stored)
+    return rp.gather_params(params)
+
+
+def _is_stored(x: Any) -> bool:
+    return isinstance(x, rp.ShardedParam)
+
+
 def _cast(layer_params: dict, config: GPTConfig) -> dict:
-    return jax.tree.map(lambda a: a.astype(config.dtype), rp.gather_params(layer_params))
+    return jax.tree.map(lambda a: a.astype(config.dtype), _gathered(layer_params, config))
 
 
 def block(layer_params: dict, x: jax.Array, *, config: GPTConfig) -> jax.Array:
@@ -602,8 +649,7 @@ def blocks(stacked_params: dict, x: jax.Array, *, config: GPTConfig) -> jax.Arra
 
 
 def _stored_sharded(tree: PyTree) -> bool:
-    is_node = lambda x: isinstance(x, rp.ShardedParam)
-    return any(map(is_node, jax.tree.leaves(tree, is_leaf=is_node)))
+    return any(map(_is_stored, jax.tree.leaves(tree, is_leaf=_is_stored)))
 
 
 def stage_fn(config: GPTConfig) -> Callable[[dict, jax.Array], jax.Array]:
@@ -633,7 +679,7 @@ def head_logits(head_params: dict, x: jax.Array, *, config: GPTConfig | None = N
     """Final norm and output matrix: ``[B, S, D]`` to fp32 logits ``[B, S, V]``.
     ``head_params`` is `output_head`'s; ``config`` (default: `GPTConfig`'s) gives the norm."""
     config = _DEFAULT if config is None else config
-    head_params = rp.gather_params(head_params)
+    head_params = _gathered(head_params, config)
     if "w" not in head_params:
         raise ValueError(
             "gpt.head_logits: the head has no output matrix 'w' (a model with "
@@ -646,15 +692,49 @@ def head_logits(head_params: dict, x: jax.Array, *, config: GPTConfig | None = N
 def head_loss(
     head_params: dict, x: jax.Array, targets: jax.Array, *, config: GPTConfig | None = None
 ) -> jax.Array:
-    """Mean token cross-entropy of the head on ``x``, in fp32: the pipeline's ``loss_fn``."""
-    logp = jax.nn.log_softmax(head_logits(head_params, x, config=config), axis=-1)
-    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+    """Mean token cross-entropy of the head on ``x``, in fp32: the pipeline's ``loss_fn``.
+
+    Each token's loss is ``logsumexp(logits) - logits[target]``, the target's logit picked by a
+    sum against its one-hot mask (exact: one non-zero term), so that the loss and its gradient
+    (``softmax - one_hot``) fuse into passes over the logits, with no ``[B, S, V]`` log-softmax
+    kept and no gather or scatter on it. Targets index as JAX indexes (negative ones from the
+    end, others clamped)."""
+    logits = head_logits(head_params, x, config=config)
+    v = logits.shape[-1]
+    targets = jnp.clip(jnp.where(targets < 0, targets + v, targets), 0, v - 1)
+    return jnp.mean(_token_losses(logits, targets))
+
+
+def _one_hot(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    iota = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    return iota == targets[..., None]
+
+
+@jax.custom_vjp
+def _token_losses(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """``logsumexp(logits) - logits[target]`` per token (targets in range)."""
+    return _token_losses_fwd(logits, targets)[0]
+
+
+def _token_losses_fwd(logits, targets):
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.sum(jnp.where(_one_hot(logits, targets), logits, 0.0), axis=-1)
+    return lse - picked, (logits, lse, targets)
+
+
+def _token_losses_bwd(res, g):
+    logits, lse, targets = res
+    p = jnp.exp(logits - lse[..., None])
+    return (p - _one_hot(logits, targets)) * g[..., None], None
+
+
+_token_losses.defvjp(_token_losses_fwd, _token_losses_bwd)
 
 
 def apply(params: dict, tokens: jax.Array, *, config: GPTConfig) -> jax.Array:
     """The whole model: fp32 logits ``[B, S, V]``."""
     order = sequence_order(config, tokens.shape[-1])
-    x = embed(params["embed"], tokens, order).astype(config.dtype)
+    x = embed(params["embed"], tokens, order, config.dtype)
     x = blocks(params["blocks"], x, config=config)
     logits = head_logits(output_head(params, config=config), x, config=config)
     return logits if order is None else logits[:, np.argsort(order)]
@@ -670,7 +750,7 @@ def loss_and_stats(
     order = sequence_order(config, tokens.shape[-1])
     if order is not None:  # a mean over tokens: the same in any order (`embed` takes its own)
         targets = targets[..., order]
-    x = embed(params["embed"], tokens, order).astype(config.dtype)
+    x = embed(params["embed"], tokens, order, config.dtype)
     x, stats = blocks_and_stats(params["blocks"], x, config=config)
     ce = head_loss(output_head(params, config=config), x, targets, config=config)
     if stats is None:
@@ -760,7 +840,7 @@ def pipeline_value_and_grad(
         if order is not None:  # a mean over tokens: the same in any order (`embed` takes its own)
             targets = targets[..., order]
         wire = _stage_dtype(config)
-        x, embed_vjp = jax.vjp(lambda e: embed(e, tokens, order).astype(wire), params["embed"])
+        x, embed_vjp = jax.vjp(lambda e: embed(e, tokens, order, wire), params["embed"])
         if not config.tie_embeddings:
             head, head_vjp = jax.vjp(rp.gather_params, params["head"])  # ZeRO-3: gathered once
             loss, (g_stages, g_x, g_head) = grad_fn(params["stages"], x, targets, head)
@@ -870,6 +950,16 @@ def zero_stacked(config: GPTConfig) -> dict[str, int]:
     leading layer axes, which a layer scan slices (two with ``moe_every > 1``: groups, then each
     group's dense blocks)."""
     return {"blocks": 2 if config.num_experts and config.moe_every > 1 else 1}
+
+
+def zero_split(config: GPTConfig) -> dict[str, int]:
+    """The ``split`` argument of ZeRO-3's ``shard_params`` for `init`'s parameters: the
+    embedding tables by their width (columns), so that `embed` looks up each replica's columns
+    of every token's row and exchanges them (one all-to-all of the activations' size) instead
+    of gathering the ``[V, D]`` table and reduce-scattering its gradient (MaxText's FSDP
+    layout of the embedding)."""
+    del config
+    return {"embed": -1}
 
 
 MEGATRON_RULES: Mapping[str, str | None] = types.MappingProxyType(

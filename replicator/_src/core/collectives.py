@@ -211,6 +211,16 @@ def scatter_replicas(x: jax.Array, dim: int, auto: tuple = ()) -> jax.Array:
     return _over_auto(scatter, x, auto)
 
 
+def replica_all_to_all(x: jax.Array, *, split: int, concat: int) -> jax.Array:
+    """Over the replicas: dimension ``split`` of ``x`` cut in ``num_replicas()`` parts, part
+    ``i`` sent to replica ``i``, and the parts received laid side by side along ``concat`` in
+    replica order (one ``all-to-all``); ``x`` when local."""
+    binding = current_binding()
+    if binding.is_local:
+        return x
+    return lax.all_to_all(x, binding.axes, split % x.ndim, concat % x.ndim, tiled=True)
+
+
 def replica_part(x: jax.Array, dim: int) -> jax.Array:
     """This replica's part of ``x`` along ``dim`` (of ``num_replicas()`` equal parts): the
     inverse of `gather_replicas`, with no communication."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from replicator._src.core import collectives
@@ -194,3 +195,56 @@ def _save_all_but_gathers(prim, *_, **params) -> bool:
         )
         return [e.primitive.name for e in body] != ["all_gather"]
     return not (prim.name == "name" and params.get("name") == GATHERED)
+
+
+def take_rows(table: Any, indices: jax.Array, dtype: Any = None) -> jax.Array:
+    """``table[indices]`` (as ``dtype``), for a ``[V, D]`` table stored whole or as a ZeRO-3
+    `ShardedParam`: the embedding lookup, with JAX's index rules (negative indices count from
+    the end, others are clamped to ``[0, V)``).
+
+    A table split over the replicas is not gathered. Every replica's indices are gathered
+    (``R n`` integers, ``n`` a replica's), and:
+
+    * split by columns (``[V, D / R]`` a replica, MaxText's FSDP embedding): each replica looks
+      up its columns of all ``R n`` rows, and one all-to-all gives each its own ``n`` rows
+      whole: ``(R - 1) n D / R`` elements of ``dtype`` each way on the wire;
+    * split by rows (``[V / R, D]``, Megatron's vocabulary-parallel embedding): each replica
+      looks up the rows it holds (zeros for the others, so each sum has one non-zero term and
+      is exact in any dtype), and a reduce-scatter returns each replica its own ``n``:
+      ``(R - 1) n D`` elements each way.
+
+    Either way the table's gradient is the replica's part only, not a ``[V, D]`` array
+    reduce-scattered, and nothing of the table's size moves (gathering it moves ``(R - 1) V D /
+    R`` elements). A table also split over ``model`` is gathered and indexed.
+
+    >>> import jax.numpy as jnp
+    >>> take_rows(jnp.arange(6.0).reshape(3, 2), jnp.array([2, -1, 7]))   # one replica
+    Array([[4., 5.],
+           [4., 5.],
+           [4., 5.]], dtype=float32)
+    """
+    split = isinstance(table, ShardedParam) and table.value.ndim == 2 and table.dim in (-1, -2)
+    if not split or any(e is not None for e in table.auto) or collectives.num_replicas() == 1:
+        whole = gather_params(table)
+        out = whole[_in_range(indices, whole.shape[0])]
+        return out if dtype is None else out.astype(dtype)
+    part, r = table.value, collectives.num_replicas()
+    rows = part.shape[0] if table.dim == -1 else part.shape[0] * r
+    every = collectives.gather_replicas(_in_range(indices, rows).reshape(-1), 0)  # [R n]
+    if table.dim == -1:  # this replica's columns of every row, then each its own rows
+        found = part[every]
+        found = found if dtype is None else found.astype(dtype)
+        out = collectives.replica_all_to_all(found, split=0, concat=1)  # [n, D]
+        return out.reshape(*indices.shape, part.shape[1] * r)
+    n = part.shape[0]  # replica i holds rows i n onwards
+    local = every - collectives.replica_id() * n
+    local = jnp.where((local >= 0) & (local < n), local, n)  # others' rows: out of bounds
+    found = part.at[local].get(mode="fill", fill_value=0)  # zeros there (dropped backward)
+    found = found if dtype is None else found.astype(dtype)
+    out = collectives.scatter_replicas(found, 0)  # [n, D]: this replica's indices' rows
+    return out.reshape(*indices.shape, part.shape[1])
+
+
+def _in_range(indices: jax.Array, size: int) -> jax.Array:
+    """``indices`` as JAX's indexing reads them: negative ones from the end, then clamped."""
+    return jnp.clip(jnp.where(indices < 0, indices + size, indices), 0, size - 1)

@@ -192,7 +192,7 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
         metrics = {"loss": collectives.all_reduce(jnp.asarray(loss, jnp.float32), "mean")} | metrics
         return params, state, metrics
 
-    def shard_params(self, params: PyTree, *, stacked: Any = ()) -> PyTree:
+    def shard_params(self, params: PyTree, *, stacked: Any = (), split: Any = None) -> PyTree:
         """ZeRO-3: ``params`` stored as `ShardedParam` leaves, 1/N of each on every replica.
 
         Each parameter keeps its shape; its first axis that divides by the replicas and is
@@ -206,6 +206,10 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
             `gather_params` one layer at a time. A dict gives each key's number of leading
             layer axes, e.g. ``{"stages": 2}`` for a pipeline's ``[K, L/K, ...]`` stages on a
             mesh without ``stage`` (on a mesh with it, they are known from the placement).
+          split: top-level keys of ``params`` and the axis (negative: counted from the end) to
+            split their leaves by where that axis can be, for example ``{"embed": -1}``: the
+            token table ``[V, D]`` by columns, so that each replica looks up its own columns of
+            every token's row instead of gathering the table (``gpt.zero_split``).
 
         Inside ``step_fn``, ``loss_fn`` receives these and calls ``rp.gather_params``, which
         gathers over the data axes only: a parameter split over ``model`` stays split over it,
@@ -225,7 +229,7 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
                 f"shard_params: parameters are stored sharded only with zero_stage=3; this "
                 f"optimizer has zero_stage={0 if layout is None else layout.stage}."
             )
-        return layout.shard_params(params, stacked)
+        return layout.shard_params(params, stacked, split)
 
     def plan(self, params: PyTree) -> zero.ZeroPlan:
         """Where ZeRO keeps each parameter and state leaf for ``params`` (as ``init`` takes them),

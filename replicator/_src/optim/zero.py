@@ -361,12 +361,14 @@ class Zero:
 
     # -- ZeRO-3 parameters ----------------------------------------------------------------------
 
-    def shard_params(self, params: PyTree, stacked) -> PyTree:
+    def shard_params(self, params: PyTree, stacked, split=None) -> PyTree:
         """``params`` stored as `ShardedParam` leaves (see `DistributedOptimizer.shard_params`)."""
         refuse_packed_stages(self.stage, params)
         leads = zero_layout.stacked_leads(stacked, params)
 
-        def shard(x, lead: int):
+        prefer = dict(split or {})
+
+        def shard(x, lead: int, key=None):
             if isinstance(x, ShardedParam):
                 raise ValueError(
                     "shard_params: a parameter is a ShardedParam already (stored by ZeRO-3); "
@@ -377,20 +379,18 @@ class Zero:
             if stage is not None:  # a stage block of layers: never split its stage or layers
                 lead = max(lead, stage + 2)
             shape = tuple(np.shape(x))
-            dim = zero_layout.split_dim(shape, spec, self.n, lead=lead)
+            dim = zero_layout.split_dim(shape, spec, self.n, lead=lead, prefer=prefer.get(key))
             new_spec = zero_layout.with_data(spec, dim, len(shape), self.mesh)
             value = placement.put(jnp.asarray(x), NamedSharding(self.mesh, new_spec))
             auto = zero_layout.auto_entries(spec, len(shape), keep=len(shape) - lead)
             return ShardedParam(value, None if dim is None else dim - len(shape), auto)
 
-        if not leads:
+        if not leads and not prefer:
             return jax.tree.map(lambda x: shard(x, 0), params, is_leaf=is_sharded_param)
-        return {
-            k: jax.tree.map(
-                functools.partial(shard, lead=leads.get(k, 0)), v, is_leaf=is_sharded_param
-            )
-            for k, v in params.items()
-        }
+        shard_key = lambda k, v: jax.tree.map(
+            functools.partial(shard, lead=leads.get(k, 0), key=k), v, is_leaf=is_sharded_param
+        )
+        return {k: shard_key(k, v) for k, v in params.items()}
 
 
 def _to(x, have: Split, want: Split, comm: shards.Comm):

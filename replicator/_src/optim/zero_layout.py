@@ -37,7 +37,9 @@ from replicator._src.core.sharded_params import ShardedParam, is_sharded_param
 from replicator._src.core.typing import PyTree
 
 
-def split_dim(shape: Sequence[int], spec: Any, n: int, *, lead: int = 0) -> int | None:
+def split_dim(
+    shape: Sequence[int], spec: Any, n: int, *, lead: int = 0, prefer: int | None = None
+) -> int | None:
     """The axis of a leaf of ``shape`` and ``spec`` (a ``PartitionSpec``, or None when not
     known) that ZeRO splits over ``n`` replicas, or None to keep it whole.
 
@@ -46,6 +48,9 @@ def split_dim(shape: Sequence[int], spec: Any, n: int, *, lead: int = 0) -> int 
       spec: its ``PartitionSpec`` over ``stage``/``model``; its split axes are not chosen.
       n: the number of replicas.
       lead: leading axes never chosen (ZeRO-3's stacked layer axes).
+      prefer: an axis (negative: from the end) chosen before the others when it can be
+        (``shard_params``' ``split``): the embedding table's width, so that each replica looks
+        up its own columns.
 
     >>> split_dim((512, 1536), PartitionSpec(None, "model"), 8)  # columns over model: rows
     0
@@ -53,6 +58,8 @@ def split_dim(shape: Sequence[int], spec: Any, n: int, *, lead: int = 0) -> int 
     1
     >>> split_dim((3, 7, 7), None, 8) is None                     # nothing divides by 8
     True
+    >>> split_dim((32000, 4096), None, 8, prefer=-1)                # columns, when asked
+    1
     """
     if n <= 1:
         return None
@@ -60,6 +67,8 @@ def split_dim(shape: Sequence[int], spec: Any, n: int, *, lead: int = 0) -> int 
     free = [d for d in range(lead, len(shape)) if d not in taken and shape[d] % n == 0]
     if not free:
         return None
+    if prefer is not None and prefer % len(shape) in free:
+        return prefer % len(shape)
     return free[0]
 
 
