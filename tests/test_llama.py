@@ -326,12 +326,13 @@ def test_fsdp_with_tensor_parallel_llama_trains_as_one_device():
     assert shard_shapes(q) == {(4, 32 // 2, 32 // 4)}  # rows over data, columns over model
 
 
-@pytest.mark.parametrize("mesh", [{"data": 4}, {"data": 2, "model": 4}])
+@pytest.mark.parametrize("mesh", [{"data": 4}, {"data": 4, "model": 2}])
 def test_fsdp_with_the_token_table_split_by_columns_trains_as_one_device(mesh):
     """``split=gpt.zero_split(config)``: the (tied) token table ``[64, 32]`` split over the
-    replicas by its width, each replica looking up its columns of every replica's tokens and
-    exchanging them in one all-to-all; the head gathers it whole. Without ``split`` the table is
-    split by rows (the test above), each replica looking up the rows it holds."""
+    replicas by its width, each replica looking up its columns of every replica's tokens (32
+    a replica, fewer than the 64 rows) and exchanging them in one all-to-all; the head gathers
+    it whole. Split by rows (the test above: 128 tokens in all, more than 64 rows), the table is
+    gathered for the lookup too: that moves fewer bytes."""
     n = mesh["data"]
     got, losses, state = train(make_repl(mesh), zero_stage=3, split=gpt.zero_split(CONFIG))
     check_against_oracle(got, losses)

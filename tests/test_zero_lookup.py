@@ -13,7 +13,7 @@ from oracle import rel_err
 import replicator as rp
 from replicator._src.core.sharded_params import take_rows
 
-V, D, B, S = 48, 16, 8, 5
+V, D, S = 48, 16, 5
 
 
 def loss_fn(params, batch, dtype=None):
@@ -21,12 +21,12 @@ def loss_fn(params, batch, dtype=None):
     return jnp.mean(jnp.tanh(x @ rp.gather_params(params["w"])) * batch["y"])
 
 
-def batches(n=3):
+def batches(b, n=3):
     rng = np.random.default_rng(0)
     out = []
     for _ in range(n):
-        tokens = rng.integers(-V, V + 8, size=(B, S)).astype(np.int32)  # some out of [0, V)
-        out.append({"tokens": tokens, "y": rng.normal(size=(B, S, 4)).astype(np.float32)})
+        tokens = rng.integers(-V, V + 8, size=(b, S)).astype(np.int32)  # some out of [0, V)
+        out.append({"tokens": tokens, "y": rng.normal(size=(b, S, 4)).astype(np.float32)})
     return out
 
 
@@ -35,10 +35,10 @@ def init():
     return {"table": jax.random.normal(k1, (V, D)), "w": jax.random.normal(k2, (D, 4))}
 
 
-def one_device(dtype):
+def one_device(dtype, b):
     params, tx = init(), optax.sgd(0.5)
     opt, losses = tx.init(params), []
-    for batch in batches():
+    for batch in batches(b):
         loss, grads = jax.value_and_grad(loss_fn)(params, batch, dtype)
         updates, opt = tx.update(grads, opt, params)
         params = optax.apply_updates(params, updates)
@@ -46,9 +46,12 @@ def one_device(dtype):
     return params, np.array(losses)
 
 
+# 8 sequences: 10 tokens a replica, 40 in all, fewer than the 48 rows: looked up in the parts;
+# 48 sequences: 60 a replica, more than the rows: the table is gathered (that moves less)
+@pytest.mark.parametrize("b", [8, 48])
 @pytest.mark.parametrize("dtype", [None, jnp.bfloat16])
 @pytest.mark.parametrize("split", [None, {"table": -1}], ids=["rows", "columns"])
-def test_a_table_split_by_rows_or_columns_is_looked_up_as_on_one_device(split, dtype):
+def test_a_table_split_by_rows_or_columns_is_looked_up_as_on_one_device(split, dtype, b):
     repl = rp.Replicator(mesh_shape={"data": 4}, devices=jax.devices()[:4])
     tx = repl.wrap_optimizer(optax.sgd(0.5), zero_stage=3)
     params = tx.shard_params(repl.replicate(init()), split=split)
@@ -59,10 +62,10 @@ def test_a_table_split_by_rows_or_columns_is_looked_up_as_on_one_device(split, d
         return {"p": p, "o": opt}, {"loss": metrics["loss"]}
 
     state, losses = {"p": params, "o": tx.init(params)}, []
-    for batch in batches():
+    for batch in batches(b):
         state, out = repl.run(step, state, batch)
         losses.append(float(np.asarray(out["loss"])[0]))
-    want, want_losses = one_device(dtype)
+    want, want_losses = one_device(dtype, b)
     got = jax.tree.map(
         lambda p: np.asarray(p.value if isinstance(p, rp.ShardedParam) else p),
         state["p"], is_leaf=lambda x: isinstance(x, rp.ShardedParam),

@@ -214,8 +214,9 @@ def take_rows(table: Any, indices: jax.Array, dtype: Any = None) -> jax.Array:
       ``(R - 1) n D`` elements each way.
 
     Either way the table's gradient is the replica's part only, not a ``[V, D]`` array
-    reduce-scattered, and nothing of the table's size moves (gathering it moves ``(R - 1) V D /
-    R`` elements). A table also split over ``model`` is gathered and indexed.
+    reduce-scattered, and nothing of the table's size moves. Gathering the table moves ``(R -
+    1) V D / R`` elements: it is gathered (and indexed) where that is fewer (``n >= V`` by
+    columns, ``R n >= V`` by rows), and where the table is split over ``model`` too.
 
     >>> import jax.numpy as jnp
     >>> take_rows(jnp.arange(6.0).reshape(3, 2), jnp.array([2, -1, 7]))   # one replica
@@ -223,8 +224,7 @@ def take_rows(table: Any, indices: jax.Array, dtype: Any = None) -> jax.Array:
            [4., 5.],
            [4., 5.]], dtype=float32)
     """
-    split = isinstance(table, ShardedParam) and table.value.ndim == 2 and table.dim in (-1, -2)
-    if not split or any(e is not None for e in table.auto) or collectives.num_replicas() == 1:
+    if not _looked_up_in_parts(table, indices):
         whole = gather_params(table)
         out = whole[_in_range(indices, whole.shape[0])]
         return out if dtype is None else out.astype(dtype)
@@ -243,6 +243,20 @@ def take_rows(table: Any, indices: jax.Array, dtype: Any = None) -> jax.Array:
     found = found if dtype is None else found.astype(dtype)
     out = collectives.scatter_replicas(found, 0)  # [n, D]: this replica's indices' rows
     return out.reshape(*indices.shape, part.shape[1])
+
+
+def _looked_up_in_parts(table: Any, indices: jax.Array) -> bool:
+    """Whether `take_rows` looks ``indices`` up in each replica's part of ``table``: a table
+    split over the replicas (and not over ``model``), by columns when a replica has fewer
+    indices ``n`` than the table has rows ``V``, by rows when all replicas together have fewer
+    (``R n < V``). Otherwise gathering the table moves fewer bytes, and it is gathered."""
+    r = collectives.num_replicas()
+    if not isinstance(table, ShardedParam) or table.value.ndim != 2 or r == 1:
+        return False
+    if table.dim not in (-1, -2) or any(e is not None for e in table.auto):
+        return False
+    n, v = indices.size, table.value.shape[0] * (r if table.dim == -2 else 1)
+    return n < v if table.dim == -1 else r * n < v
 
 
 def _in_range(indices: jax.Array, size: int) -> jax.Array:
