@@ -697,38 +697,16 @@ def head_loss(
     Each token's loss is ``logsumexp(logits) - logits[target]``, the target's logit picked by a
     sum against its one-hot mask (exact: one non-zero term), so that the loss and its gradient
     (``softmax - one_hot``) fuse into passes over the logits, with no ``[B, S, V]`` log-softmax
-    kept and no gather or scatter on it. Targets index as JAX indexes (negative ones from the
-    end, others clamped)."""
+    kept and no gather or scatter on it (forward-mode autodiff applies too). Targets index as
+    JAX indexes (negative ones from the end, others clamped)."""
     logits = head_logits(head_params, x, config=config)
     v = logits.shape[-1]
     targets = jnp.clip(jnp.where(targets < 0, targets + v, targets), 0, v - 1)
-    return jnp.mean(_token_losses(logits, targets))
-
-
-def _one_hot(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    iota = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-    return iota == targets[..., None]
-
-
-@jax.custom_vjp
-def _token_losses(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """``logsumexp(logits) - logits[target]`` per token (targets in range)."""
-    return _token_losses_fwd(logits, targets)[0]
-
-
-def _token_losses_fwd(logits, targets):
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.sum(jnp.where(_one_hot(logits, targets), logits, 0.0), axis=-1)
-    return lse - picked, (logits, lse, targets)
-
-
-def _token_losses_bwd(res, g):
-    logits, lse, targets = res
-    p = jnp.exp(logits - lse[..., None])
-    return (p - _one_hot(logits, targets)) * g[..., None], None
-
-
-_token_losses.defvjp(_token_losses_fwd, _token_losses_bwd)
+    one_hot = (
+        jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1) == targets[..., None]
+    )
+    picked = jnp.sum(jnp.where(one_hot, logits, 0.0), axis=-1)
+    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
 
 
 def apply(params: dict, tokens: jax.Array, *, config: GPTConfig) -> jax.Array:
