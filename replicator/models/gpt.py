@@ -701,7 +701,7 @@ def head_loss(
     JAX indexes (negative ones from the end, others clamped)."""
     logits = head_logits(head_params, x, config=config)
     v = logits.shape[-1]
-    targets = jnp.clip(jnp.where(targets < 0, targets + v, targets), 0, v - 1)
+    targets = sharded_params.in_range(targets, v)
     one_hot = (
         jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1) == targets[..., None]
     )

@@ -226,11 +226,11 @@ def take_rows(table: Any, indices: jax.Array, dtype: Any = None) -> jax.Array:
     """
     if not _looked_up_in_parts(table, indices):
         whole = gather_params(table)
-        out = whole[_in_range(indices, whole.shape[0])]
+        out = whole[in_range(indices, whole.shape[0])]
         return out if dtype is None else out.astype(dtype)
     part, r = table.value, collectives.num_replicas()
     rows = part.shape[0] if table.dim == -1 else part.shape[0] * r
-    every = collectives.gather_replicas(_in_range(indices, rows).reshape(-1), 0)  # [R n]
+    every = collectives.gather_replicas(in_range(indices, rows).reshape(-1), 0)  # [R n]
     if table.dim == -1:  # this replica's columns of every row, then each its own rows
         found = part[every]
         found = found if dtype is None else found.astype(dtype)
@@ -259,6 +259,6 @@ def _looked_up_in_parts(table: Any, indices: jax.Array) -> bool:
     return n < v if table.dim == -1 else r * n < v
 
 
-def _in_range(indices: jax.Array, size: int) -> jax.Array:
+def in_range(indices: jax.Array, size: int) -> jax.Array:
     """``indices`` as JAX's indexing reads them: negative ones from the end, then clamped."""
     return jnp.clip(jnp.where(indices < 0, indices + size, indices), 0, size - 1)
