@@ -457,14 +457,15 @@ def _rope(x: jax.Array, positions: jax.Array, config: GPTConfig) -> jax.Array:
     """Rotary positions on ``[B, S, heads, head_dim]`` queries or keys, as transformers' Llama
     applies them: ``x * cos + rotate_half(x) * sin``, where ``rotate_half`` of a head's halves
     ``[x1, x2]`` is ``[-x2, x1]``, and ``cos`` and ``sin`` are of ``position * frequency``
-    (`rope_frequencies`, each twice), all in fp32."""
+    (`rope_frequencies`, each twice), computed in fp32 and rounded to ``x``'s dtype, in which
+    the rotation is computed (transformers' order of operations, so bf16 activations rotate in
+    bf16)."""
     freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_frequencies(config))
     angles = jnp.concatenate([freqs, freqs], -1)[:, None]  # [S, 1, head_dim]
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
-    x32 = x.astype(jnp.float32)
-    x1, x2 = jnp.split(x32, 2, axis=-1)
+    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+    x1, x2 = jnp.split(x, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return (x32 * cos + rotated * sin).astype(x.dtype)
+    return x * cos + rotated * sin
 
 
 def sequence_order(config: GPTConfig, seq_len: int) -> np.ndarray | None:
@@ -557,13 +558,16 @@ def _dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Arra
 def _gathered(params: dict, config: GPTConfig) -> dict:
     """`rp.gather_params` of ``params``, the stored parts cast to ``config.reduce_dtype`` first
     (so their gradients are reduce-scattered in it) when it is set."""
-    if config.reduce_dtype is not None:
-        dtype = jnp.dtype(config.reduce_dtype)
-        cast = lambda a: (
-            rp.ShardedParam(a.value.astype(dtype), a.dim, a.auto) if _is_stored(a) else a
-        )
-        params = jax.tree.map(cast, params, is_leaf=_is_stored)
-    return rp.gather_params(params)
+    return rp.gather_params(_reduce_cast(params, config))
+
+
+def _reduce_cast(params: PyTree, config: GPTConfig) -> PyTree:
+    """``params`` with their ZeRO-3 parts (`rp.ShardedParam`) cast to ``config.reduce_dtype``."""
+    if config.reduce_dtype is None:
+        return params
+    dtype = jnp.dtype(config.reduce_dtype)
+    cast = lambda a: rp.ShardedParam(a.value.astype(dtype), a.dim, a.auto) if _is_stored(a) else a
+    return jax.tree.map(cast, params, is_leaf=_is_stored)
 
 
 def _is_stored(x: Any) -> bool:
@@ -625,6 +629,10 @@ def blocks_and_stats(
     else:
         step = lambda h, p: (block(p, h, config=config), None)
         carry = x
+    # ZeRO-3 parts cast to reduce_dtype once, before the scan: the backward scan then stacks
+    # their gradients in that dtype too (half the fp32 stack's bytes for bf16), the same values
+    # (the cast's transpose converts each reduce-scattered part exactly)
+    stacked_params = _reduce_cast(stacked_params, config)
     remat = as_remat(config.remat, "GPTConfig")
     if remat.recomputes or _stored_sharded(stacked_params):  # ZeRO-3: gathered again backward
         # in a scan XLA cannot merge the recomputation with the forward; unrolled it could
