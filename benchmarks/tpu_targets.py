@@ -8,8 +8,9 @@ Both programs are compiled here, ahead of time, by libtpu (no TPU is attached an
   ``--unrolled``, from the whole step with its layers unrolled too;
 * MaxText's: ``benchmarks/maxtext_reference.py`` under ``--maxtext-python`` (an environment
   with ``maxtext`` and libtpu: MaxText is a benchmark here, never a dependency), with its layers
-  scanned (memory) and unrolled (XLA's estimate), or read from ``--maxtext-json`` files that
-  script wrote.
+  scanned (memory; XLA's estimate extrapolated from its step with 1 and 2 layers unrolled, as
+  replicator's) and unrolled (XLA's estimate read whole), or read from ``--maxtext-json`` files
+  that script wrote.
 
 Per chip and per step: peak memory (``memory_analysis``: arguments + outputs - aliased +
 temporaries), the model's FLOPs by each library's count (6 N T + causal attention), XLA's FLOPs
@@ -84,19 +85,50 @@ def replicator_figures(config_path: str, target_name: str, overrides: list[str])
     }
 
 
-def maxtext_figures(args: argparse.Namespace) -> list[dict]:
+def maxtext_figures(args: argparse.Namespace, layers: int) -> list[dict]:
+    """MaxText's rows: its step scanned and unrolled, and, from its step with 1 and with 2
+    layers unrolled (``base_num_decoder_layers``), XLA's estimate of the scanned step
+    extrapolated to ``layers`` as replicator's report extrapolates its own."""
     results = [json.load(open(path)) for path in args.maxtext_json]
     if not results and args.maxtext_python and not args.no_maxtext:
-        for scan in ("true", "false"):
+        runs = [("true", []), ("false", [])]
+        runs += [("false", [f"base_num_decoder_layers={n}", "override_model_config=true"])
+                 for n in (1, 2)]  # fmt: skip
+        for scan, extra in runs:
             cmd = [args.maxtext_python, os.path.join(HERE, "maxtext_reference.py"),
                    "--model", args.maxtext_model, "--topology", args.target,
-                   "--scan-layers", scan]  # fmt: skip
+                   "--scan-layers", scan, *extra]  # fmt: skip
             print("running:", " ".join(cmd), file=sys.stderr, flush=True)
             out = subprocess.run(cmd, capture_output=True, text=True, check=True)
             results.append(json.loads(out.stdout[out.stdout.index("{") :]))
+    few = {}  # layer count -> XLA's estimate of the step with that many layers unrolled
+    for r in results:
+        n = r.get("overrides", {}).get("base_num_decoder_layers")
+        if n is not None:
+            few[int(n)] = r["xla_optimal_seconds"]
+    results = [r for r in results if "base_num_decoder_layers" not in r.get("overrides", {})]
     rows = []
     for r in results:
         scanned = r.get("scan_layers") in (True, "true")
+        if scanned and 1 in few and 2 in few:
+            x1, x2 = few[1], few[2]
+            seconds = x1 + (layers - 1) * (x2 - x1)
+            rows.append({
+                "library": f"MaxText {r.get('maxtext', '')}".strip(),
+                "layers": "scanned",
+                "peak_memory_bytes": r["peak_memory_bytes"],
+                "model_tflops": r["model_tflops"],
+                "xla_flops": r["xla_flops"],
+                "xla_seconds": seconds,
+                "xla_seconds_how": (
+                    f"optimal_seconds of its step with 1 and 2 layers unrolled ({x1 * 1e3:.4g} "
+                    f"and {x2 * 1e3:.4g} ms), extrapolated to {layers} layers"
+                ),
+                "mfu": r["model_tflops"] * 1e12 / (seconds * r["peak_flops_per_chip"]),
+                "compile_seconds": r["compile_seconds"],
+                "jax": r.get("jax"), "libtpu": r.get("libtpu"),
+            })  # fmt: skip
+            continue
         rows.append({
             "library": f"MaxText {r.get('maxtext', '')}".strip(),
             "layers": "scanned" if scanned else "unrolled",
@@ -147,7 +179,11 @@ def main() -> None:
         )
         unrolled["layers"] = "unrolled"
         rows.append(unrolled)
-    rows += maxtext_figures(args)
+    from replicator.cli import config as config_lib
+
+    layers = config_lib.load(args.config, args.overrides).model.layers
+    mt_rows = maxtext_figures(args, layers)
+    rows += mt_rows
     versions = {
         "jax": importlib.metadata.version("jax"),
         "libtpu": importlib.metadata.version("libtpu"),
@@ -156,6 +192,9 @@ def main() -> None:
           f"jax {versions['jax']}, libtpu {versions['libtpu']}")  # fmt: skip
     print(table(rows))
     print(f"\nreplicator's XLA estimate: {ours['xla_seconds_how']}")
+    for r in mt_rows:
+        if r["layers"] == "scanned" and r["xla_seconds"] is not None:
+            print(f"{r['library']}'s XLA estimate, scanned: {r['xla_seconds_how']}")
     print(f"replicator's roofline: {ours['step_seconds']:.3f} s, MFU {ours['roofline_mfu']:.1%}")
     print("command: python " + " ".join([os.path.relpath(__file__, ROOT), *sys.argv[1:]]))
     if args.json:
