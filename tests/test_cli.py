@@ -202,3 +202,16 @@ def test_what_a_model_kind_needs_is_checked_when_the_config_loads(
     )
     assert errors[0].count("\n") == 1 and words in errors[0], errors
     assert not (tmp_path / name).exists()  # refused before the run directory
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_reduce_dtype_without_zero3_is_refused_naming_the_fix(stage):
+    """``model.reduce_dtype`` is the dtype ZeRO-3 gathers and reduce-scatters in: under another
+    stage it would change nothing, so a bf16 one is refused rather than silently ignored."""
+    path = ROOT / "configs/llama2_7b.yaml"
+    with pytest.raises(ValueError, match=rf"model\.reduce_dtype='bfloat16' .* with zero_stage="
+                       rf"{stage} the gradients are summed in fp32 .*Use zero_stage=3, or "
+                       r"model\.reduce_dtype=null\."):  # fmt: skip
+        config.load(path, [f"zero_stage={stage}"])
+    config.load(path, [f"zero_stage={stage}", "model.reduce_dtype=null"])
+    config.load(path, [f"zero_stage={stage}", "model.reduce_dtype=float32"])

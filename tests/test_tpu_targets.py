@@ -316,14 +316,16 @@ def test_gpt_matmul_flops_on_v5p_equal_the_cpu_programs(layers):
 
 
 @pytest.mark.slow  # 2 compiles, 10-20 s each
-def test_llama_zero3_on_v5p_reduces_in_bf16_and_looks_up_without_the_table():
+@pytest.mark.parametrize("tied", [False, True])
+def test_llama_zero3_on_v5p_reduces_in_bf16_and_looks_up_without_the_table(tied):
     """Llama (bf16 compute, ZeRO-3 over 4 chips of v5p-8) read from the TPU program: with
     ``model.reduce_dtype=bfloat16`` the gradients' reduce-scatters carry half the bytes of fp32's
-    and nothing else moves more; the token table, split by columns (``gpt.zero_split``), is
-    never gathered: its lookup's all-to-all carries each replica's ``n D`` activations."""
+    (the tied head's gather of the token table too) and nothing else moves more; the token
+    table, split by columns (``gpt.zero_split``), is never gathered for the lookup: its
+    all-to-all carries each replica's ``n D`` activations."""
     args = ["model.kind=llama", "model.dtype=bfloat16", "model.d_model=256", "model.heads=8",
             "model.seq_len=256", "model.layers=2", "model.vocab=4096", "zero_stage=3",
-            "global_batch=8"]  # fmt: skip
+            "global_batch=8", f"model.tie_embeddings={str(tied).lower()}"]  # fmt: skip
     reports = {}
     for reduce in ("null", "bfloat16"):
         cfg = config_lib.load(ROOT / "configs/lm_dp.yaml", [*args, f"model.reduce_dtype={reduce}"])

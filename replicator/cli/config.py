@@ -403,6 +403,13 @@ class TrainConfig:
                 f"(its BatchNorm takes statistics over the whole batch); got zero_stage="
                 f"{self.zero_stage}, accumulate_steps={self.accumulate_steps}."
             )
+        if self.model.reduce_dtype not in (None, "float32") and self.zero_stage != 3:
+            raise ValueError(
+                f"{where}model.reduce_dtype={self.model.reduce_dtype!r} is the dtype ZeRO-3 "
+                f"gathers the parameters and sums their gradients in; with zero_stage="
+                f"{self.zero_stage} the gradients are summed in fp32 and it would change "
+                f"nothing. Use zero_stage=3, or model.reduce_dtype=null."
+            )
         self._check_context_and_experts()
 
     def _check_context_and_experts(self) -> None:

@@ -679,7 +679,7 @@ def output_head(params: dict, *, config: GPTConfig) -> dict:
     """
     if not config.tie_embeddings:
         return params["head"]
-    tokens = rp.gather_params(params["embed"]["tokens"])
+    tokens = rp.gather_params(_reduce_cast(params["embed"]["tokens"], config))
     return {**params["head"], "w": tokens.T}
 
 
