@@ -342,27 +342,6 @@ def test_llama_zero3_on_v5p_reduces_in_bf16_and_looks_up_without_the_table(tied)
         assert a2a == pytest.approx(2 * 2 * 256 * 256 * 2, rel=0.05), a2a
 
 
-@pytest.mark.slow  # one compile of Llama 2 7B's step for v5p-8, about 25 s
-def test_llama2_7b_scan_stacks_its_gradients_in_bf16_and_peaks_under_maxtexts_program():
-    """``configs/llama2_7b.yaml`` (ZeRO-3 over the 4 chips of v5p-8, ``reduce_dtype=bfloat16``):
-    the layer scan takes its ZeRO-3 parts cast once before it, so the backward scan stacks their
-    gradients in bf16. The TPU program's loops carry the MLP weights' parts ``[32, 1024, 11008]``
-    in bf16 only (fp32 stacks of them, 4.3 GB a chip, peaked the step at 32.2 GiB), and the step
-    peaks at 29.2 GiB a chip, under MaxText's program of it (31.6 GiB, BENCHMARKS.md)."""
-    cfg = config_lib.load(ROOT / "configs/llama2_7b.yaml")
-    repl, step_fn, state, batch = jobs.abstract_job(cfg, devices=rp.tpu_devices("v5p-8"))
-    sl, sd = jax.tree.flatten(state)
-    al, ad = jax.tree.flatten((batch,))
-    program, _ = repl._steps.compile(step_fn, sd, ad, sl, al, (batch,))
-    compiled = program.lower(sl, al).compile()
-    loops = [line for line in compiled.as_text().splitlines() if " while(" in line]
-    parts = re.compile(r"(\w+)\[32,(?:1024,11008|2752,4096)\]")
-    assert {m.group(1) for line in loops for m in parts.finditer(line)} == {"bf16"}
-    m = compiled.memory_analysis()
-    peak = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-    assert (peak + m.temp_size_in_bytes) / 2**30 < 30.0, m
-
-
 # -- 4. every shipped config compiles for a TPU of its mesh's size ------------------------------
 
 # A config whose mesh has a free axis (-1) goes to 8 chips (v5p-16), one of fixed sizes to as many
@@ -425,6 +404,9 @@ def test_every_config_compiles_for_a_tpu_of_its_mesh_and_fits(name, tmp_path):
     report = json.loads(out.read_text())
     assert report["platform"] == "tpu" and report["target"] == target
     assert report["num_devices"] == rp.target(target).chips
+    if name == "llama2_7b":  # under MaxText's program of the same step (31.57 GiB a chip): the
+        # layer scan stacks its gradients in bf16 (fp32 stacks peaked at 32.21 GiB; 29.19 now)
+        assert report["peak_bytes"] < 30 * 2**30, report["peak_bytes"] / 2**30
     assert report["fits"] is True, (report["peak_bytes"], report["hbm_bytes"])
     assert report["step_seconds"] > 0 and report["unknown_trip_counts"] == 0
     assert f"on {target} (" in run.stdout
