@@ -54,13 +54,13 @@ def test_live_pairs_are_the_causal_tiles():
     assert splash.live_pairs(2048) == 10 * 512 * 512  # 4 tiles a side: 10 on or below
 
 
-def _model(attention_impl: str) -> gpt.GPTConfig:
-    return gpt.GPTConfig(d_model=256, num_heads=2, num_kv_heads=1, num_layers=2, seq_len=128,
-                         vocab_size=64, attention=attention_impl, norm="rms", position="rope",
-                         mlp="swiglu", bias=False)  # fmt: skip
+def _model(attention_impl: str, d_model: int = 256, heads: int = 2) -> gpt.GPTConfig:
+    return gpt.GPTConfig(d_model=d_model, num_heads=heads, num_kv_heads=heads // 2, num_layers=2,
+                         seq_len=128, vocab_size=64, attention=attention_impl, norm="rms",
+                         position="rope", mlp="swiglu", bias=False)  # fmt: skip
 
 
-def _train(repl, config, zero_stage, steps=3):
+def _train(repl, config, zero_stage, steps=3, split=None):
     params = gpt.init(config, jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (8, config.seq_len + 1), 0, 64)
     batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
@@ -68,7 +68,7 @@ def _train(repl, config, zero_stage, steps=3):
         opt = repl.wrap_optimizer(optax.sgd(0.5), zero_stage=zero_stage)
         placed = repl.replicate(params)
         if zero_stage == 3:
-            placed = opt.shard_params(placed, stacked=gpt.zero_stacked(config))
+            placed = opt.shard_params(placed, stacked=gpt.zero_stacked(config), split=split)
         state = {"params": placed, "opt": opt.init(placed)}
     loss_fn = lambda p, b: gpt.loss(p, b["tokens"], b["targets"], config=config)
 
@@ -84,12 +84,20 @@ def _train(repl, config, zero_stage, steps=3):
 
 
 @pytest.mark.slow
-def test_gpt_with_splash_on_data_x_zero3_equals_one_device_with_dot_product():
-    one, _ = _train(rp.Replicator(devices=jax.devices()[:1]), _model("dot_product"), 0)
+@pytest.mark.parametrize("split", ["rows", "columns"])
+def test_gpt_with_splash_on_data_x_zero3_equals_one_device_with_dot_product(split):
+    """Splash attends heads first: the attention's ZeRO-3 parts are laid out ``[heads, head_dim,
+    D]`` before their gather. By rows (256 wide, 2 heads of 128), each part is a quarter of
+    ``D`` (q, k, v) or of a head (out: gathered first); by columns (512 wide, 4 heads), each
+    part of q and out holds a head or a quarter of ``D``, and k's and v's half a head (gathered
+    first). Every way equals one device."""
+    config = lambda impl: _model(impl, *((256, 2) if split == "rows" else (512, 4)))
+    one, _ = _train(rp.Replicator(devices=jax.devices()[:1]), config("dot_product"), 0)
     many, params = _train(
-        rp.Replicator(mesh_shape={"data": 4}, devices=jax.devices()[:4]), _model("splash"), 3
-    )
-    ref_losses, ref_params = _train(rp.Replicator(devices=jax.devices()[:1]), _model("splash"), 0)
+        rp.Replicator(mesh_shape={"data": 4}, devices=jax.devices()[:4]), config("splash"), 3,
+        split=None if split == "rows" else {"blocks": -1},
+    )  # fmt: skip
+    ref_losses, ref_params = _train(rp.Replicator(devices=jax.devices()[:1]), config("splash"), 0)
     np.testing.assert_allclose(many, ref_losses, rtol=1e-5)
     np.testing.assert_allclose(many, one, rtol=1e-5)  # the kernel is the reference's numbers
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):

@@ -45,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 import replicator as rp
 from replicator import moe, pipeline
+from replicator._src.core import binding as binding_lib
 from replicator._src.core import sharded_params
 from replicator._src.core.errors import positive_int
 from replicator._src.core.mesh import EXPERT_AXIS, MODEL_AXIS
@@ -453,19 +454,26 @@ def _positions(config: GPTConfig, seq_len: int) -> jax.Array:
     return jnp.arange(seq_len) if order is None else jnp.asarray(order)
 
 
-def _rope(x: jax.Array, positions: jax.Array, config: GPTConfig) -> jax.Array:
-    """Rotary positions on ``[B, S, heads, head_dim]`` queries or keys, as transformers' Llama
-    applies them: ``x * cos + rotate_half(x) * sin``, where ``rotate_half`` of a head's halves
-    ``[x1, x2]`` is ``[-x2, x1]``, and ``cos`` and ``sin`` are of ``position * frequency``
-    (`rope_frequencies`, each twice), computed in fp32 and rounded to ``x``'s dtype, in which
-    the rotation is computed (transformers' order of operations, so bf16 activations rotate in
-    bf16)."""
+def _rope(
+    q: jax.Array, k: jax.Array, positions: jax.Array, config: GPTConfig, heads_first: bool = False
+) -> tuple[jax.Array, jax.Array]:
+    """Rotary positions on ``[B, S, heads, head_dim]`` queries and keys (``[B, heads, S,
+    head_dim]`` with ``heads_first``), as transformers' Llama applies them: ``x * cos +
+    rotate_half(x) * sin``, where ``rotate_half`` of a head's halves ``[x1, x2]`` is ``[-x2,
+    x1]``, and ``cos`` and ``sin`` are of ``position * frequency`` (`rope_frequencies`, each
+    twice), computed in fp32 and rounded to the activations' dtype, in which the rotation is
+    computed (transformers' order of operations, so bf16 activations rotate in bf16). One table
+    rotates both (under remat's ``prevent_cse`` two would be computed, and fused apart)."""
     freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_frequencies(config))
-    angles = jnp.concatenate([freqs, freqs], -1)[:, None]  # [S, 1, head_dim]
-    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return x * cos + rotated * sin
+    angles = jnp.concatenate([freqs, freqs], -1)  # [S, head_dim]
+    angles = angles if heads_first else angles[:, None]  # [S, 1, head_dim]: over the heads
+    cos, sin = jnp.cos(angles).astype(q.dtype), jnp.sin(angles).astype(q.dtype)
+
+    def rotate(x: jax.Array) -> jax.Array:
+        x1, x2 = jnp.split(x, 2, axis=-1)
+        return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
+
+    return rotate(q), rotate(k)
 
 
 def sequence_order(config: GPTConfig, seq_len: int) -> np.ndarray | None:
@@ -528,11 +536,13 @@ def _qkv(p: dict, x: jax.Array, config: GPTConfig) -> tuple[jax.Array, jax.Array
 
 def _attend(p: dict, x: jax.Array, config: GPTConfig) -> jax.Array:
     """``x`` plus causal self-attention of its norm (``p``: one block, in ``x.dtype``)."""
+    if _heads_first(config):
+        return _attend_heads_first(p, x, config)
     b, s, d = x.shape
     q, k, v = _qkv(p["attn"], _norm(p["ln1"], x, config), config)
     if config.position == "rope":  # by position in the sequence's layout (zigzag or not)
         positions = _positions(config, s)
-        q, k = _rope(q, positions, config), _rope(k, positions, config)
+        q, k = _rope(q, k, positions, config)
     if config.attention == "dot_product":
         attn = _dot_product_attention(q, k, v)
     elif config.attention == "splash":
@@ -541,6 +551,63 @@ def _attend(p: dict, x: jax.Array, config: GPTConfig) -> jax.Array:
         layout = _layout(config, s)
         attn = attention_lib.attention(q, k, v, causal=True, impl=config.attention, layout=layout)
     return _residual(x, p["attn"], "out", attn.reshape(b, s, d))
+
+
+def _heads_first(config: GPTConfig) -> bool:
+    """Whether the blocks attend with their heads first (`_attend_heads_first`): the splash
+    kernel's layout, for separate query, key and value weights."""
+    return config.attention == "splash" and config.num_kv_heads is not None
+
+
+def _attend_heads_first(p: dict, x: jax.Array, config: GPTConfig) -> jax.Array:
+    """`_attend` in the splash kernel's layout: queries, keys and values projected straight to
+    ``[B, heads, S, head_dim]``, and the output projected back from it, by weights
+    `_weights_heads_first` laid out ``[heads, head_dim, D]``. No activation changes layout on
+    its way to the kernel and back (each would be a copy of it, forward and backward)."""
+    xn, a = _norm(p["ln1"], x, config), p["attn"]
+
+    def project(name: str) -> jax.Array:
+        y = jnp.einsum("bsd,hkd->bhsk", xn, a[name])
+        bias = a.get(f"{name}_bias")
+        return y if bias is None else y + bias.reshape(-1, 1, config.head_dim)
+
+    q, k, v = project("q"), project("k"), project("v")
+    if config.position == "rope":
+        positions = _positions(config, x.shape[1])
+        q, k = _rope(q, k, positions, config, heads_first=True)
+    y = x + jnp.einsum("bhsk,hkd->bsd", splash.splash_attention_heads_first(q, k, v), a["out"])
+    return y + a["out_bias"] if "out_bias" in a else y
+
+
+def _weights_heads_first(attn: dict, config: GPTConfig) -> dict:
+    """The attention's weights for `_attend_heads_first`: ``q``, ``k``, ``v`` (``[D, heads
+    head_dim]``) and ``out`` (``[heads head_dim, D]``), each as ``[heads, head_dim, D]``.
+
+    A ZeRO-3 weight is rearranged as its part, before its gather: the gather then brings it in
+    the layout the TPU's matmuls read, where a gathered weight rearranged would be copied whole.
+    A part split across a head (or over ``model``, which splash refuses) is gathered first."""
+    hd = config.head_dim
+    heads = lambda w: w.reshape(*w.shape[:-1], -1, hd)  # [..., X, H hd] -> [..., X, H, hd]
+    moved = {
+        n: _rearranged(attn[n], lambda w: jnp.moveaxis(heads(w), -3, -1), {-2: -1, -1: -3}, hd)
+        for n in ("q", "k", "v")
+    }
+    out = lambda w: w.reshape(*w.shape[:-2], -1, hd, w.shape[-1])
+    moved["out"] = _rearranged(attn["out"], out, {-2: -3, -1: -1}, hd)
+    return {**attn, **moved}
+
+
+def _rearranged(a: Any, f: Callable, dims: dict, head_dim: int) -> Any:
+    """``f`` of a weight ``a``; of a ZeRO-3 weight's part where ``f`` keeps each replica's part
+    its own (``dims``: its split axis, before to after), else of the gathered weight."""
+    if not _is_stored(a):
+        return f(a)
+    if a.dim is None:
+        return rp.ShardedParam(f(a.value), None, a.auto)
+    new_dim = dims.get(a.dim)
+    if a.auto or new_dim is None or (new_dim == -3 and a.value.shape[a.dim] % head_dim):
+        return f(rp.gather_params(a))
+    return rp.ShardedParam(f(a.value), new_dim, a.auto)
 
 
 def _dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
@@ -562,10 +629,25 @@ def _gathered(params: dict, config: GPTConfig) -> dict:
 
 
 def _reduce_cast(params: PyTree, config: GPTConfig) -> PyTree:
-    """``params`` with their ZeRO-3 parts (`rp.ShardedParam`) cast to ``config.reduce_dtype``."""
+    """``params`` with their ZeRO-3 parts (`rp.ShardedParam`) cast to ``config.reduce_dtype``.
+
+    Raises:
+      ValueError: for bf16 parts in a program for XLA:CPU with a ``model`` axis, whose compiler
+        aborts on it (its AllReducePromotion pass clones a bf16 all-reduce whose reducer is a
+        copy, for the parts kept whole over ``model``, such as the norms'). The TPU compiles it.
+    """
     if config.reduce_dtype is None:
         return params
     dtype = jnp.dtype(config.reduce_dtype)
+    stored = any(_is_stored(a) for a in jax.tree.leaves(params, is_leaf=_is_stored))
+    if stored and dtype != jnp.float32 and _xla_cpu_with(MODEL_AXIS):
+        raise ValueError(
+            f"GPTConfig(reduce_dtype={config.reduce_dtype!r}) under ZeRO-3 with a "
+            f"{MODEL_AXIS!r} axis aborts XLA:CPU's compiler; on the CPU use reduce_dtype=None "
+            f"(model.reduce_dtype: null: the gradients summed in fp32, as on one device) or a "
+            f"mesh without {MODEL_AXIS!r}. A TPU compiles it: `replicator explain CONFIG "
+            f"--target TYPE` reads that program from here."
+        )
     cast = lambda a: rp.ShardedParam(a.value.astype(dtype), a.dim, a.auto) if _is_stored(a) else a
     return jax.tree.map(cast, params, is_leaf=_is_stored)
 
@@ -575,7 +657,12 @@ def _is_stored(x: Any) -> bool:
 
 
 def _cast(layer_params: dict, config: GPTConfig) -> dict:
-    return jax.tree.map(lambda a: a.astype(config.dtype), _gathered(layer_params, config))
+    """One layer's parameters, gathered (`_gathered`), in ``config.dtype``; the attention's in
+    `_weights_heads_first`'s layout when the block attends heads first."""
+    p = _reduce_cast(layer_params, config)
+    if _heads_first(config):
+        p = {**p, "attn": _weights_heads_first(p["attn"], config)}
+    return jax.tree.map(lambda a: a.astype(config.dtype), rp.gather_params(p))
 
 
 def block(layer_params: dict, x: jax.Array, *, config: GPTConfig) -> jax.Array:
@@ -848,15 +935,16 @@ def _stage_dtype(config: GPTConfig) -> Any:
     AllReducePromotion pass clones an all-reduce whose reducer is a copy:
     tests/test_gpt_pipeline_dtype.py keeps checking that it still does). There the activations
     travel in fp32, which holds every bf16 value exactly."""
+    return jnp.float32 if _xla_cpu_with("stage", MODEL_AXIS) else config.dtype
+
+
+def _xla_cpu_with(*axes: str) -> bool:
+    """Whether the program being traced is for XLA:CPU (not a TPU target's devices on a CPU
+    host) on a mesh where each of ``axes`` has more than one device."""
+    platform = binding_lib.current_binding().platform or jax.default_backend()
     mesh = jax.sharding.get_abstract_mesh()
     sizes = {} if mesh.empty else dict(mesh.shape)
-    if (
-        jax.default_backend() == "cpu"
-        and sizes.get("stage", 1) > 1
-        and sizes.get(MODEL_AXIS, 1) > 1
-    ):
-        return jnp.float32
-    return config.dtype
+    return platform == "cpu" and all(sizes.get(axis, 1) > 1 for axis in axes)
 
 
 # -- placement: sharding by role -----------------------------------------------------------------

@@ -68,7 +68,21 @@ def live_pairs(seq: int) -> int:
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """Causal attention of ``q`` ``[batch, seq, heads, head_dim]`` over ``k``, ``v`` ``[batch,
     seq, kv_heads, head_dim]`` (``kv_heads`` divides ``heads``): the result has ``q``'s shape
-    and dtype, as `attention.reference` computes it.
+    and dtype, as `attention.reference` computes it. `splash_attention_heads_first` on the
+    kernel's own layout, with the heads moved before the sequence and back.
+
+    Raises:
+      ValueError: as `splash_attention_heads_first`.
+    """
+    heads_first = lambda a: a.transpose(0, 2, 1, 3)
+    return heads_first(splash_attention_heads_first(*map(heads_first, (q, k, v))))
+
+
+def splash_attention_heads_first(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """`splash_attention` of ``q`` ``[batch, heads, seq, head_dim]`` over ``k``, ``v``
+    ``[batch, kv_heads, seq, head_dim]``, the kernel's layout: a model that projects its queries,
+    keys and values straight into it (and its output projection out of it) moves no activation
+    between layouts (`replicator.models.gpt` with ``attention='splash'``).
 
     Raises:
       ValueError: for a sequence the kernel's tiles do not divide, or a ``model``,
@@ -85,12 +99,11 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
                 f"'dot_product' with a model or expert axis, or 'ring'/'all_to_all' with a "
                 f"context axis."
             )
-    batch, seq, heads, dim = q.shape
+    batch, heads, seq, dim = q.shape
     dtype = q.dtype
-    kv_heads = k.shape[2]
+    kv_heads = k.shape[1]
     interpret = binding_lib.current_binding().platform != "tpu"
-    q = (q * (1 / math.sqrt(dim))).astype(q.dtype).transpose(0, 2, 1, 3)
-    k, v = (x.transpose(0, 2, 1, 3) for x in (k, v))
+    q = (q * (1 / math.sqrt(dim))).astype(q.dtype)
     flops = 4 * dim * live_pairs(seq) * heads * batch  # QK^T and PV, per call
     with jax.named_scope(KERNEL_FLOPS.format(flops)):
         if kv_heads == heads:
@@ -100,4 +113,4 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
             qg = q.reshape(batch, kv_heads, group, seq, dim)
             mqa = jax.vmap(jax.vmap(_kernel(group, seq, True, interpret)))
             out = mqa(qg, k, v).reshape(batch, heads, seq, dim)
-    return out.transpose(0, 2, 1, 3).astype(dtype)
+    return out.astype(dtype)
