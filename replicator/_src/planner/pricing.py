@@ -1,0 +1,231 @@
+"""Pricing a layout without compiling it: the state per device, FLOPs and collective bytes of a
+decoder-only transformer's training step, from its sizes and the layout alone.
+
+The planner's first stage: every layout the search space holds is priced here in microseconds,
+and only the front-runners are compiled (`planning.plan`). The formulas are the ones the
+library's programs are checked against (ZeRO's gathers and scatters, Megatron's all-reduces,
+the pipeline's sends), written for the GPT of `replicator.models.gpt`; `tests/test_pricing.py`
+keeps them within 10% of the compiled programs.
+
+Counted per device and per step, as `Replicator.explain` reads a compiled program:
+
+* state: the parameters (fp32), their optimizer slots (``opt_slots`` fp32 copies: Adam's two
+  moments), split over ``model`` (the heads' and MLP's columns, and the vocabulary), over
+  ``stage`` (the layers), and over the data axes by ZeRO (stage >= 1: the slots; 3: the
+  parameters too);
+* FLOPs: ``2`` per multiply-add of the matmuls, forward, and twice that backward; attention's
+  scores and weighted sums over whole ``S x S`` blocks (the blockwise kernels compute every
+  tile); full rematerialisation recomputes the forward of the products whose inputs the
+  backward needs (not the output projections); a GPipe or circular pipeline computes through
+  its idle ticks, and every stage computes the head (the program is the same on each);
+* collectives: ring algorithms' bytes on the wire per device: an all-reduce ``2 (g-1)/g`` of
+  its buffer, an all-gather or reduce-scatter ``(g-1)/g`` of the whole, a send its buffer.
+
+This module is plain Python: no JAX, nothing compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from replicator._src.pipeline import schedules as schedules_lib
+from replicator._src.planner.layouts import VIRTUAL, Layout
+from replicator._src.report.cost_model import CollectiveCost
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a decoder-only transformer and its training step, as pricing needs them.
+
+    Attributes:
+      num_layers, d_model, num_heads, kv_heads, head_dim, hidden, vocab, seq_len: the model.
+      global_batch: sequences per step, over all replicas.
+      gated: SwiGLU MLPs (three matrices) rather than two.
+      bias: biases in the linear layers.
+      layer_norm: LayerNorm (a scale and a bias) rather than RMSNorm (a scale).
+      learned_positions: a ``[seq_len, D]`` position table.
+      tied: the head is the token table.
+      compute_bytes: the activations' bytes per element (4 for fp32, 2 for bf16).
+      opt_slots: fp32 copies of the parameters the optimizer keeps (Adam 2, SGD 0).
+    """
+
+    num_layers: int
+    d_model: int
+    num_heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    vocab: int
+    seq_len: int
+    global_batch: int
+    gated: bool = False
+    bias: bool = True
+    layer_norm: bool = True
+    learned_positions: bool = True
+    tied: bool = False
+    compute_bytes: int = 4
+    opt_slots: int = 2
+
+    @property
+    def qkv_columns(self) -> int:
+        return (self.num_heads + 2 * self.kv_heads) * self.head_dim
+
+    @property
+    def block_matmul_params(self) -> int:
+        """One layer's matrix entries: queries, keys, values, output, MLP."""
+        d = self.d_model
+        attention = d * self.qkv_columns + self.num_heads * self.head_dim * d
+        return attention + (3 if self.gated else 2) * d * self.hidden
+
+    @property
+    def block_params(self) -> tuple[int, int]:
+        """One layer's parameters: ``(split over model, whole on each model device)``."""
+        split = self.block_matmul_params
+        whole = 2 * self.d_model * (2 if self.layer_norm else 1)
+        if self.bias:
+            split += self.qkv_columns + self.hidden * (2 if self.gated else 1)
+            whole += 2 * self.d_model
+        return split, whole
+
+    @property
+    def outer_params(self) -> tuple[int, int]:
+        """The embedding's and head's: ``(split over model: the vocabulary, whole)``."""
+        d = self.d_model
+        split = self.vocab * d * (1 if self.tied else 2)
+        whole = d * (2 if self.layer_norm else 1) + (
+            self.seq_len * d if self.learned_positions else 0
+        )
+        return split, whole
+
+    @property
+    def num_params(self) -> int:
+        block = sum(self.block_params)
+        return self.num_layers * block + sum(self.outer_params)
+
+
+@dataclasses.dataclass(frozen=True)
+class Price:
+    """A layout's figures from the formulas (per device, per step).
+
+    Attributes:
+      layout: the layout.
+      state_bytes: parameters and optimizer slots held.
+      flops: FLOPs, idle ticks a schedule computes through included.
+      collectives: `CollectiveCost` by kind and axes.
+    """
+
+    layout: Layout
+    state_bytes: float
+    flops: float
+    collectives: tuple[CollectiveCost, ...]
+
+    def bytes_by(self, kind: str | None = None, axis: str | None = None) -> float:
+        return sum(c.wire_bytes for c in self.collectives
+                   if (kind is None or c.kind == kind) and (axis is None or axis in c.axes))  # fmt: skip
+
+
+def price(layout: Layout, shape: ModelShape) -> Price:
+    """The figures of ``layout`` for the model ``shape`` (see the module docstring).
+
+    >>> m = ModelShape(num_layers=4, d_model=256, num_heads=8, kv_heads=8, head_dim=32,
+    ...                hidden=1024, vocab=256, seq_len=128, global_batch=32)
+    >>> p = price(Layout(data=8, zero_stage=3), m)
+    >>> round(p.state_bytes / 1e6, 2), round(p.flops / 1e9, 2)  # compiled: 4.99 MB, 10.75 GFLOP
+    (4.99, 10.67)
+    >>> sorted({(c.kind, c.axes) for c in p.collectives})
+    [('all-gather', ('data',)), ('reduce-scatter', ('data',))]
+    """
+    return Price(layout, _state_bytes(layout, shape), _flops(layout, shape),
+                 tuple(_collectives(layout, shape)))  # fmt: skip
+
+
+def _per_device_params(layout: Layout, m: ModelShape) -> float:
+    """Parameters one device holds before ZeRO: its stage's layers, its ``model`` columns."""
+    split, whole = m.block_params
+    outer_split, outer_whole = m.outer_params
+    layers = m.num_layers / layout.stage
+    return layers * (split / layout.model + whole) + outer_split / layout.model + outer_whole
+
+
+def _state_bytes(layout: Layout, m: ModelShape) -> float:
+    params = _per_device_params(layout, m)
+    replicas = layout.data * layout.context * layout.expert
+    held = params / replicas if layout.zero_stage == 3 else params
+    slots = m.opt_slots * params / (replicas if layout.zero_stage >= 1 else 1)
+    return 4 * (held + slots)
+
+
+def _tokens(layout: Layout, m: ModelShape) -> float:
+    """Tokens one device's layers see per step."""
+    return m.global_batch * m.seq_len / (layout.data * layout.context * layout.expert)
+
+
+def _flops(layout: Layout, m: ModelShape) -> float:
+    tokens = _tokens(layout, m)
+    layers = m.num_layers / layout.stage
+    d, s_q = m.d_model, m.seq_len / layout.context
+    attention_width = m.num_heads * m.head_dim / layout.model
+    # per layer and token, forward: the matmuls' 2 per multiply-add, and the scores and
+    # weighted sums of each query against the whole sequence
+    matmul = 2 * m.block_matmul_params / layout.model
+    scores = 4 * m.seq_len * attention_width
+    forward = layers * tokens * (matmul + scores)
+    train = 3 * forward
+    if layout.remat is True:  # the layer again, less its output projections (not needed back)
+        out_proj = 2 * (m.num_heads * m.head_dim * d + m.hidden * d) / layout.model
+        train += layers * tokens * (matmul - out_proj + scores)
+    train *= _computed_ticks(layout)
+    del s_q
+    head = 6 * tokens * m.vocab * d / layout.model  # on every stage's device
+    return train + head
+
+
+def _computed_ticks(layout: Layout) -> float:
+    """Stage work done per useful unit: GPipe and circular compute through their idle ticks."""
+    if layout.stage == 1 or layout.schedule not in ("gpipe", "circular"):
+        return 1.0
+    m, k = layout.microbatches, layout.stage
+    v = layout.repeats if layout.schedule in VIRTUAL else 1
+    return (m * v + k - 1) / (m * v)
+
+
+def _ring(g: int) -> float:
+    return (g - 1) / g
+
+
+def _collectives(layout: Layout, m: ModelShape):
+    params = _per_device_params(layout, m)
+    grads = 4 * params
+    d = layout.data
+    if d > 1:
+        if layout.zero_stage == 0:
+            yield CollectiveCost("all-reduce", ("data",), 2 * _ring(d) * grads, 1)
+        else:
+            yield CollectiveCost("reduce-scatter", ("data",), _ring(d) * grads, 1)
+            gathers = 2 if layout.zero_stage == 3 else 1  # forward and backward, or the update
+            yield CollectiveCost("all-gather", ("data",), gathers * _ring(d) * grads, 1)
+    t = layout.model
+    micro = layout.microbatches if layout.stage > 1 else 1
+    activation = _tokens(layout, m) / micro * m.d_model * m.compute_bytes  # a micro-batch's
+    if t > 1:  # Megatron: two all-reduces of the activations forward and two backward a layer,
+        # and the vocabulary-parallel embedding's forward and the head's input gradient
+        count = (4 * m.num_layers / layout.stage + 2) * micro
+        yield CollectiveCost("all-reduce", ("model",), count * activation * 2 * _ring(t), count)
+    k = layout.stage
+    if k > 1:  # each tick sends a micro-batch's activations forward and a gradient back
+        ticks = 2 * _ticks(layout.schedule, k, layout.microbatches, layout.repeats)
+        yield CollectiveCost("collective-permute", ("stage",), ticks * activation / t, ticks)
+        # the embedding's and head's gradients summed over the stages that hold them
+        outer = 4 * sum(m.outer_params) / t
+        yield CollectiveCost("all-reduce", ("stage",), 2 * _ring(k) * outer, 1)
+
+
+@functools.cache
+def _ticks(schedule: str, stages: int, microbatches: int, repeats: int) -> int:
+    """The ticks of a schedule's table (GPipe's and circular's backward replays them)."""
+    make = {"gpipe": schedules_lib.GPipe, "1f1b": schedules_lib.OneFOneB,
+            "circular": schedules_lib.Circular, "interleaved": schedules_lib.Interleaved1F1B,
+            "zerobubble": schedules_lib.ZeroBubble}[schedule]  # fmt: skip
+    sched = make(repeats=repeats) if schedule in VIRTUAL else make()
+    return int(sched.plan(stages, microbatches).fwd.shape[0])
