@@ -19,10 +19,12 @@ PUBLIC = [
     "InputContext",
     "Layout",
     "MetricWriter",  # rp.fit(writers=[...]): any object with write(step, metrics) and close()
+    "ModelShape",  # rp.plan(model=...): the sizes a layout is priced from, without compiling
     "NonFiniteError",  # rp.fit stops with it on a nan/inf output or state, before saving it
     "OnTarget",  # StepReport.target: a step compiled for a TPU target, on that TPU
     "PlanReport",
     "Policy",
+    "Price",  # rp.plan(model=...): a layout's figures from formulas (Candidate.priced)
     "Profile",
     "ReplicasDivergedError",
     "Replicator",

@@ -8,6 +8,7 @@ import pytest
 
 import replicator as rp
 from replicator._src.planner import pricing
+from replicator._src.report.cost_model import model_time
 from replicator.cli import config as config_lib
 from replicator.cli import plan as plan_cli
 
@@ -60,3 +61,49 @@ def test_priced_layout_is_within_10_percent_of_its_compiled_program(layout):
         assert mine == pytest.approx(wire, rel=0.10), (kind, axes)
         checked += 1
     assert checked >= 2
+
+
+# -- the planner's first stage ---------------------------------------------------------------
+
+
+def test_front_runners_drop_what_cannot_fit_and_keep_the_fastest_families():
+    """8 devices, the model above: a budget under every layout's floor drops every family, not
+    compiled; a roomy one keeps the ``compile_top`` families whose fastest layout that may fit
+    models fastest, and skips the others with their modelled time."""
+    families = rp.enumerate_layouts(8, global_batch=32, num_layers=4, num_heads=4, hidden=512)
+    profile = rp.hardware("tpu-v5e")
+    timing = {"overlap": 0.0, "model_flops": None}
+    keep, others, prices = pricing.front_runners(families, SHAPE, 2**20, profile, 3, timing)
+    assert keep == [] and {o.status for o in others} == {"too big (priced)"}
+    assert len(prices) == len(others) == sum(len(f.layouts) for f in families)
+    keep, others, prices = pricing.front_runners(families, SHAPE, 2**34, profile, 3, timing)
+    assert len(keep) == 3 and {o.status for o in others} == {"skipped"}
+    fastest = lambda f: model_time(
+        prices[next(x for x in f.layouts if prices[x].peak_bytes <= 2**34)].step(), profile
+    )
+    kept = [fastest(f).total for f in keep]
+    rest = min(fastest(f).total for f in families if f not in keep)
+    assert kept == sorted(kept) and kept[-1] <= rest
+    assert all("priced slower than the 3 compiled" in o.reason for o in others)
+    with pytest.raises(ValueError, match="compile_top must be an int >= 1"):
+        pricing.front_runners(families, SHAPE, 2**34, profile, 0, timing)
+
+
+@pytest.mark.slow  # compiles two families of a small GPT
+def test_a_priced_plan_compiles_only_its_front_runners():
+    import plan_jobs
+
+    from replicator.models import gpt
+
+    families = rp.enumerate_layouts(8, global_batch=plan_jobs.BATCH, num_layers=4, num_heads=4)
+    shape = gpt.model_shape(plan_jobs.CONFIG, plan_jobs.BATCH)
+    report = rp.plan(plan_jobs.gpt_build, families, hardware="tpu-v5e", memory="1GiB",
+                     workers=0, model=shape, compile_top=2)  # fmt: skip
+    everything = [*report.ranked, *report.rejected]
+    assert report.priced == len(everything) == sum(len(f.layouts) for f in families)
+    assert all(c.priced is not None and c.priced_time is not None for c in everything)
+    compiled = [c for c in everything if c.outcome.compiled is not None]
+    owners = {id(f) for f in families for c in compiled if c.layout in f.layouts}
+    assert compiled and len(owners) <= 2 and report.compiled == len(compiled)
+    assert report.best is not None and report.ranked[0].time.total <= report.ranked[-1].time.total
+    assert "priced first" in str(report) and '"priced"' in report.to_json()

@@ -25,6 +25,7 @@ import replicator as rp
 from replicator.cli import config as config_lib
 from replicator.cli import jobs, targets
 from replicator.cli.config import MAX_CPU_DEVICES, TrainConfig
+from replicator.models import gpt
 
 
 def add_parser(commands) -> None:
@@ -85,6 +86,11 @@ def add_parser(commands) -> None:
     p.add_argument("--zero-stages", default="0,1,2,3",
                    help="ZeRO stages to try, comma-separated (default: 0,1,2,3)")  # fmt: skip
     p.add_argument("--top", type=int, default=20, help="rows of each table to print")
+    p.add_argument("--compile-top", type=int, default=None, metavar="K",
+                   help="price every layout from formulas first (no compile: state, FLOPs, "
+                   "collective bytes, a floor of the peak memory) and compile only the K "
+                   "families that model fastest (a GPT without experts; default: compile every "
+                   "family)")  # fmt: skip
     targets.add_args(p, what="plan (compile every layout)")
 
 
@@ -116,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     report = rp.plan(
         build, families, hardware=profile, memory=budget, model_flops=jobs.model_flops(cfg),
         overlap=args.overlap, workers=args.workers or min(2, os.cpu_count() or 1),
-        progress=True, target=target,
+        progress=True, target=target, **_priced(cfg, args),
     )  # fmt: skip
     print(report.table(top=args.top))
     if args.json:
@@ -129,6 +135,24 @@ def run(args: argparse.Namespace) -> int:
     write_config(with_layout(raw, report.best), out, report)
     print(f"wrote {out}: replicator train {out}")
     return 0
+
+
+def _priced(cfg: TrainConfig, args: argparse.Namespace) -> dict:
+    """`rp.plan`'s ``model`` and ``compile_top`` for ``--compile-top``: the GPT's sizes."""
+    if args.compile_top is None:
+        return {}
+    shape = None
+    if cfg.model.kind == "gpt":
+        slots = {"adam": 2, "adamw": 2, "lion": 1, "sgd": 0, "adafactor": 0}
+        name = cfg.optimizer.name if hasattr(cfg.optimizer, "name") else str(cfg.optimizer)
+        shape = gpt.model_shape(jobs.gpt_config(cfg), cfg.global_batch, slots.get(name, 2))
+    if shape is None:
+        raise ValueError(
+            f"--compile-top prices a GPT without experts; {args.config} has model.kind="
+            f"{cfg.model.kind!r}{' with experts' if cfg.model.kind == 'gpt' else ''}: leave "
+            f"--compile-top out to compile every family."
+        )
+    return {"model": shape, "compile_top": args.compile_top}
 
 
 def check_args(args: argparse.Namespace) -> int:

@@ -1263,6 +1263,27 @@ def num_params(params: PyTree) -> int:
     return int(sum(np.prod(np.shape(a)) for a in jax.tree.leaves(params)))
 
 
+def model_shape(config: GPTConfig, global_batch: int, opt_slots: int = 2):
+    """The sizes `rp.plan` prices a layout of this model's training step from
+    (`rp.ModelShape`): ``global_batch`` sequences a step, ``opt_slots`` fp32 copies of the
+    parameters in the optimizer's state (Adam's 2); None for a mixture of experts, whose
+    layouts are compiled, not priced.
+
+    >>> model_shape(GPTConfig(d_model=64, num_layers=4, seq_len=64), 32).num_params
+    236928
+    """
+    if config.num_experts:
+        return None
+    return rp.ModelShape(
+        num_layers=config.num_layers, d_model=config.d_model, num_heads=config.num_heads,
+        kv_heads=config.kv_heads, head_dim=config.head_dim, hidden=config.hidden,
+        vocab=config.vocab_size, seq_len=config.seq_len, global_batch=global_batch,
+        gated=config.mlp == "swiglu", bias=config.bias, layer_norm=config.norm == "layer",
+        learned_positions=config.position == "learned", tied=config.tie_embeddings,
+        compute_bytes=jnp.dtype(config.dtype).itemsize, opt_slots=opt_slots,
+    )  # fmt: skip
+
+
 def flops_per_token(config: GPTConfig) -> float:
     """Training FLOPs per token, ``6 N + 6 L S D`` (Kaplan et al.): N non-embedding parameters
     (``L (2 D^2 + 2 D KV hd + 2 D F)``, ``3 D F`` for SwiGLU, plus the ``D V`` head, tied or

@@ -22,12 +22,12 @@ import time
 from collections.abc import Callable, Sequence
 
 from replicator._src.core import targets
-from replicator._src.planner import search
+from replicator._src.planner import pricing, search
 from replicator._src.planner.layouts import Family, Layout
+from replicator._src.planner.plan_table import renderable as _renderable
 from replicator._src.report.cost_model import ModelledTime, model_time
 from replicator._src.report.hardware import Hardware, parse_bytes
 from replicator._src.report.hardware import hardware as hardware_lib
-from replicator._src.report.step_report import format_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +36,8 @@ class Candidate:
 
     outcome: search.Outcome
     time: ModelledTime | None = None
+    priced: pricing.Price | None = None
+    priced_time: ModelledTime | None = None
 
     @property
     def layout(self) -> Layout:
@@ -51,8 +53,10 @@ class Candidate:
         return None if c is None else c.memory["peak"]
 
     def to_dict(self) -> dict:
-        return {**self.outcome.to_dict(),
-                "time": None if self.time is None else dataclasses.asdict(self.time)}  # fmt: skip
+        asdict = lambda t: None if t is None else dataclasses.asdict(t)
+        return {**self.outcome.to_dict(), "time": asdict(self.time),
+                "priced": None if self.priced is None else self.priced.to_dict(),
+                "priced_time": asdict(self.priced_time)}  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +75,8 @@ class PlanReport:
         because a layout of the same family that does less work fits.
       seconds: the planning's wall time.
       workers: processes that compiled (0: this process).
+      priced: layouts priced from formulas before any compile (0 without ``model``).
+      priced_seconds: the pricing's wall time.
     """
 
     num_devices: int
@@ -82,6 +88,8 @@ class PlanReport:
     rejected: tuple[Candidate, ...]
     seconds: float
     workers: int
+    priced: int = 0
+    priced_seconds: float = 0.0
 
     @property
     def best(self) -> Layout | None:
@@ -106,6 +114,8 @@ class PlanReport:
                 "rejected": [c.to_dict() for c in self.rejected],
                 "seconds": self.seconds,
                 "workers": self.workers,
+                "priced": self.priced,
+                "priced_seconds": self.priced_seconds,
             },
             indent=2,
         )
@@ -142,6 +152,8 @@ def plan(
     workers: int | None = None,
     progress: bool = False,
     target: str | targets.Target | None = None,
+    model: pricing.ModelShape | None = None,
+    compile_top: int = 8,
 ) -> PlanReport:
     """Ranks ``layouts`` by modelled step time among those whose compiled step fits ``memory``.
 
@@ -179,6 +191,14 @@ def plan(
       target: a TPU target (``"v5p-16"`` or `rp.target`): ``build`` makes its Replicator on
         ``rp.tpu_devices(target)``, the layouts compile for that TPU here (libtpu, in this
         process), and ``hardware`` defaults to the target's chip, its slice the island.
+      model: the model's sizes (`pricing.ModelShape`; ``gpt.model_shape(config, batch)``):
+        then every layout is first priced from formulas, in microseconds and without
+        compiling (state, FLOPs, collective bytes, a floor of its peak memory), a family is
+        dropped where even the floor of its most frugal layout is over ``memory``, and only
+        the ``compile_top`` families whose fastest priced layouts model fastest are compiled
+        and ranked by their programs. Each candidate carries its priced figures beside its
+        compiled ones. Without ``model`` every family is compiled.
+      compile_top: how many families to compile, with ``model``.
 
     Returns:
       A `PlanReport`: print it for the ranked table; ``.best`` is the fastest layout that fits.
@@ -217,15 +237,24 @@ def plan(
     if not 0 <= overlap <= 1:
         raise ValueError(f"rp.plan: overlap must be between 0 and 1; got {overlap!r}.")
     workers = 0 if target is not None else _workers(workers, n)
-    outcomes = _run(build, families, budget, n, workers, progress)
-    candidates = []
-    for o in outcomes:
-        t = None
-        if o.compiled is not None:
-            t = model_time(o.compiled, profile, overlap=overlap, model_flops=model_flops)
-        candidates.append(Candidate(o, t))
+    timing = dict(overlap=overlap, model_flops=model_flops)
+    prices: dict[Layout, pricing.Price] = {}
+    not_compiled: list[search.Outcome] = []
+    priced_seconds = 0.0
+    if model is not None:
+        t0 = time.perf_counter()
+        families, not_compiled, prices = pricing.front_runners(
+            families, model, budget, profile, compile_top, timing
+        )
+        priced_seconds = time.perf_counter() - t0
+        if progress:
+            print(f"planning: priced {len(prices)} layouts in {priced_seconds:.1f} s; compiling "
+                  f"the {len(families)} fastest families that may fit", file=sys.stderr)  # fmt: skip
+    outcomes = _run(build, families, budget, n, workers, progress) if families else []
+    candidates = _candidates([*outcomes, *not_compiled], prices, profile, timing)
     ranked = sorted((c for c in candidates if c.fits), key=lambda c: c.time.total)
-    order = {search.TOO_BIG: 0, search.STATE_TOO_BIG: 1, search.ERROR: 2, search.SKIPPED: 3}
+    order = {search.TOO_BIG: 0, search.STATE_TOO_BIG: 1, search.PRICED_TOO_BIG: 2,
+             search.ERROR: 3, search.SKIPPED: 4}  # fmt: skip
     rejected = sorted(
         (c for c in candidates if not c.fits),
         key=lambda c: (order[c.outcome.status], -(c.peak_bytes or c.outcome.state_bytes or 0)),
@@ -233,8 +262,21 @@ def plan(
     return PlanReport(
         num_devices=n, memory_budget=budget, hardware=profile, overlap=overlap,
         model_flops=model_flops, ranked=tuple(ranked), rejected=tuple(rejected),
-        seconds=time.perf_counter() - start, workers=workers,
+        seconds=time.perf_counter() - start, workers=workers, priced=len(prices),
+        priced_seconds=priced_seconds,
     )  # fmt: skip
+
+
+def _candidates(outcomes, prices, profile, timing) -> list[Candidate]:
+    """Each outcome with its modelled time, compiled and priced."""
+    out = []
+    for o in outcomes:
+        t = None if o.compiled is None else model_time(o.compiled, profile, **timing)
+        p = prices.get(o.layout)
+        out.append(
+            Candidate(o, t, p, None if p is None else model_time(p.step(), profile, **timing))
+        )
+    return out
 
 
 def _workers(workers: int | None, n: int) -> int:
@@ -390,76 +432,3 @@ class _Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.4g}"
-
-
-def _renderable(r: PlanReport, top: int = 20):
-    from rich.console import Group
-    from rich.table import Table
-    from rich.text import Text
-
-    hw = r.hardware
-    budget = format_bytes(r.memory_budget)
-    if hw.shared:
-        what = (
-            f"{hw.peak_flops / 1e12:.4g} TFLOP/s and {hw.ici_bandwidth / 1e9:.4g} GB/s shared by "
-            f"all devices"
-        )
-    else:
-        what = (
-            f"{hw.peak_flops / 1e12:.4g} TFLOP/s, ICI {hw.ici_bandwidth / 1e9:.4g} GB/s, DCN "
-            f"{hw.dcn_bandwidth / 1e9:.4g} GB/s per device, {hw.island_size} devices per island"
-        )
-    head = Text(
-        f"plan for {r.num_devices} devices of {hw.name} ({what}), {budget} per device; "
-        f"collectives on data axes {r.overlap:.0%} hidden behind compute\n"
-        f"{len(r.ranked) + len(r.rejected)} layouts: {r.compiled} compiled, {len(r.ranked)} "
-        f"fit; {r.seconds:.1f} s with {r.workers or 'no'} worker process(es)"
-    )
-    ranked = Table(title="layouts that fit, fastest first (modelled ms per step)",
-                   title_justify="left")  # fmt: skip
-    for name, justify in (("#", "right"), ("layout", "left"), ("peak/device", "right"),
-                          ("step", "right"), ("compute", "right"), ("bubble", "right"),
-                          ("ICI", "right"), ("DCN", "right"), ("MFU", "right")):  # fmt: skip
-        ranked.add_column(name, justify=justify)
-    for i, c in enumerate(r.ranked[:top], 1):
-        t = c.time
-        ranked.add_row(
-            str(i), str(c.layout), format_bytes(c.peak_bytes), _ms(t.total), _ms(t.compute),
-            _ms(t.bubble), _ms(t.ici), _ms(t.dcn), "-" if t.mfu is None else f"{t.mfu:.1%}",
-        )  # fmt: skip
-    parts = [head, ranked]
-    if len(r.ranked) > top:
-        parts.append(Text(f"... and {len(r.ranked) - top} more that fit (to_json() has all)"))
-    shown = [c for c in r.rejected if c.outcome.status != search.SKIPPED][:top]
-    if shown:
-        rejected = Table(title="rejected", title_justify="left")
-        rejected.add_column("layout")
-        rejected.add_column("memory/device", justify="right")
-        rejected.add_column("why")
-        for c in shown:
-            o = c.outcome
-            size = c.peak_bytes or o.state_bytes
-            rejected.add_row(str(c.layout), "-" if size is None else format_bytes(size),
-                             f"{o.status}: {o.reason}" if o.reason else o.status)  # fmt: skip
-        parts.append(rejected)
-    hidden = len([c for c in r.rejected if c.outcome.status != search.SKIPPED]) - len(shown)
-    skipped = sum(c.outcome.status == search.SKIPPED for c in r.rejected)
-    notes = []
-    if hidden > 0:
-        notes.append(f"{hidden} more rejected")
-    if skipped:
-        notes.append(
-            f"{skipped} not compiled: a layout of the same family that does no more work fits, "
-            f"or one that needs less memory does not"
-        )
-    if notes:
-        parts.append(Text("; ".join(notes) + " (to_json() lists each with its reason)"))
-    if r.best is not None:
-        parts.append(Text(f"best: {r.best}"))
-    else:
-        parts.append(Text(f"no layout fits {budget} per device", style="bold"))
-    return Group(*parts)

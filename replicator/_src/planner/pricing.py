@@ -30,8 +30,10 @@ import dataclasses
 import functools
 
 from replicator._src.pipeline import schedules as schedules_lib
+from replicator._src.planner import search
 from replicator._src.planner.layouts import VIRTUAL, Layout
-from replicator._src.report.cost_model import CollectiveCost
+from replicator._src.report.cost_model import SKIPS_IDLE, CollectiveCost, CompiledStep, model_time
+from replicator._src.report.step_report import format_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,12 +115,37 @@ class Price:
       state_bytes: parameters and optimizer slots held.
       flops: FLOPs, idle ticks a schedule computes through included.
       collectives: `CollectiveCost` by kind and axes.
+      peak_bytes: the state plus the step's working memory: the gradients, the activations
+        the backward pass keeps (by the remat policy, for the micro-batches in flight) and one
+        layer's, the logits. A floor: compiled programs peak 0-25% higher without a pipeline,
+        up to twice with one (what a pipeline's scan keeps is not modelled yet), so the
+        planner drops a layout for its priced peak only where even this floor is over.
     """
 
     layout: Layout
     state_bytes: float
     flops: float
     collectives: tuple[CollectiveCost, ...]
+    peak_bytes: float = 0.0
+
+    def step(self) -> CompiledStep:
+        """These figures as the cost model reads a compiled program's (`cost_model.model_time`):
+        a schedule that skips its idle ticks idles for its bubble's share."""
+        lay = self.layout
+        bubble = idle = 0.0
+        if lay.stage > 1:
+            v = lay.repeats if lay.schedule in VIRTUAL else 1
+            bubble = (lay.stage - 1) / (lay.microbatches * v + lay.stage - 1)
+            if lay.schedule in SKIPS_IDLE:
+                idle = self.flops * bubble / (1 - bubble)
+        return CompiledStep(
+            mesh=dict(lay.mesh_shape), memory={"peak": int(self.peak_bytes)}, flops=self.flops,
+            collectives=self.collectives, idle_flops=idle, bubble=bubble,
+        )  # fmt: skip
+
+    def to_dict(self) -> dict:
+        return {"state_bytes": self.state_bytes, "peak_bytes": self.peak_bytes,
+                "flops": self.flops, "collective_bytes": self.bytes_by()}  # fmt: skip
 
     def bytes_by(self, kind: str | None = None, axis: str | None = None) -> float:
         return sum(c.wire_bytes for c in self.collectives
@@ -136,8 +163,9 @@ def price(layout: Layout, shape: ModelShape) -> Price:
     >>> sorted({(c.kind, c.axes) for c in p.collectives})
     [('all-gather', ('data',)), ('reduce-scatter', ('data',))]
     """
-    return Price(layout, _state_bytes(layout, shape), _flops(layout, shape),
-                 tuple(_collectives(layout, shape)))  # fmt: skip
+    state = _state_bytes(layout, shape)
+    return Price(layout, state, _flops(layout, shape), tuple(_collectives(layout, shape)),
+                 state + _working_bytes(layout, shape))  # fmt: skip
 
 
 def _per_device_params(layout: Layout, m: ModelShape) -> float:
@@ -154,6 +182,31 @@ def _state_bytes(layout: Layout, m: ModelShape) -> float:
     held = params / replicas if layout.zero_stage == 3 else params
     slots = m.opt_slots * params / (replicas if layout.zero_stage >= 1 else 1)
     return 4 * (held + slots)
+
+
+def _working_bytes(layout: Layout, m: ModelShape) -> float:
+    """Gradients, kept activations, one layer's own and the logits (bytes per device)."""
+    params = _per_device_params(layout, m)
+    replicas = layout.data * layout.context * layout.expert
+    grads = 4 * params / (replicas if layout.zero_stage >= 2 else 1)
+    micro = layout.microbatches if layout.stage > 1 else layout.accumulate_steps
+    tokens = _tokens(layout, m) / micro  # a micro-batch's, on this device
+    t, d = layout.model, m.d_model
+    heads = m.num_heads / t
+    # what a layer keeps for its backward pass, per token, in elements: its input and norms,
+    # q, k, v, attention's output, the MLP's units (twice gated), and the S x S scores and
+    # probabilities of each head
+    layer = 6 * d + (5 if m.gated else 4) * m.hidden / t + 2 * heads * m.seq_len
+    kept = {False: layer, "dots": layer - 2 * d, True: d}[layout.remat]
+    layers = m.num_layers / layout.stage
+    in_flight = 1
+    if layout.stage > 1:
+        in_flight = (
+            layout.microbatches if layout.schedule in ("gpipe", "circular") else layout.stage
+        )
+    activations = m.compute_bytes * tokens * (kept * layers * in_flight + layer)
+    logits = 3 * 4 * tokens * m.vocab / t
+    return grads + activations + logits
 
 
 def _tokens(layout: Layout, m: ModelShape) -> float:
@@ -229,3 +282,32 @@ def _ticks(schedule: str, stages: int, microbatches: int, repeats: int) -> int:
             "zerobubble": schedules_lib.ZeroBubble}[schedule]  # fmt: skip
     sched = make(repeats=repeats) if schedule in VIRTUAL else make()
     return int(sched.plan(stages, microbatches).fwd.shape[0])
+
+
+def front_runners(families, model, budget, profile, compile_top, timing):
+    """``(families to compile, outcomes of the others, every layout's price)``: a family whose
+    every layout's priced peak (a floor) is over ``budget`` is dropped; the others are ordered
+    by the modelled time of their fastest layout whose floor fits, and the first
+    ``compile_top`` are kept (with their siblings of other ZeRO stages, searched together)."""
+    if isinstance(compile_top, bool) or not isinstance(compile_top, int) or compile_top < 1:
+        raise ValueError(f"rp.plan: compile_top must be an int >= 1; got {compile_top!r}.")
+    prices = {lay: price(lay, model) for f in families for lay in f.layouts}
+    dropped, ranked = [], []
+    for f in families:
+        fits = [lay for lay in f.layouts if prices[lay].peak_bytes <= budget]
+        if not fits:
+            floor = min(prices[lay].peak_bytes for lay in f.layouts)
+            reason = f"priced: at least {format_bytes(floor)} per device"
+            dropped += [search.Outcome(lay, search.PRICED_TOO_BIG, reason,
+                                       int(prices[lay].state_bytes)) for lay in f.layouts]  # fmt: skip
+            continue
+        seconds = model_time(prices[fits[0]].step(), profile, **timing).total
+        ranked.append((seconds, len(ranked), f))
+    ranked.sort()
+    keep = [f for _, _, f in ranked[:compile_top]]
+    rest = []
+    for seconds, _, f in ranked[compile_top:]:
+        reason = f"priced slower than the {compile_top} compiled ({seconds * 1e3:.4g} ms modelled)"
+        rest += [search.Outcome(lay, search.SKIPPED, reason, int(prices[lay].state_bytes))
+                 for lay in f.layouts]  # fmt: skip
+    return keep, dropped + rest, prices

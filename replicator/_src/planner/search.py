@@ -21,10 +21,11 @@ from replicator._src.planner.layouts import Family, Layout
 from replicator._src.report.cost_model import CompiledStep
 from replicator._src.report.step_report import format_bytes
 
-FITS, TOO_BIG, STATE_TOO_BIG, SKIPPED, ERROR = (
+FITS, TOO_BIG, STATE_TOO_BIG, PRICED_TOO_BIG, SKIPPED, ERROR = (
     "fits",
     "too big",
     "state too big",
+    "too big (priced)",
     "skipped",
     "error",
 )
