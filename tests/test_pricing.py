@@ -16,12 +16,18 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 SIZES = ["model.d_model=128", "model.heads=4", "model.seq_len=64", "model.layers=4"]
 SHAPE = pricing.ModelShape(num_layers=4, d_model=128, num_heads=4, kv_heads=4, head_dim=32,
                            hidden=512, vocab=256, seq_len=64, global_batch=32)  # fmt: skip
+# Not priced yet: the stage axis's all-reduce of the embedding's and head's gradients is priced
+# low (about half: what else it sums is not modelled), and the embedding's backward over
+# `context` gathers its cotangent (1 to 3 activations' worth; issue 44 scatters it instead).
+UNPRICED = {("all-reduce", ("stage",)), ("all-gather", ("context",))}
 LAYOUTS = [
     rp.Layout(data=8, zero_stage=3, remat=True),
     rp.Layout(data=4, model=2),
     rp.Layout(data=2, model=4, zero_stage=1),
     rp.Layout(data=2, stage=4, schedule="1f1b", microbatches=8),
     rp.Layout(data=4, stage=2, schedule="gpipe", microbatches=4, remat=True, zero_stage=1),
+    rp.Layout(data=2, context=4, zero_stage=3),  # ring attention
+    rp.Layout(data=4, context=2, attention="all_to_all"),
 ]
 
 
@@ -35,12 +41,11 @@ def test_model_shape_counts_the_gpts_parameters():
     assert SHAPE.num_params == sum(a.size for a in jax.tree.leaves(params))
 
 
-@pytest.mark.slow  # five compiles of a small GPT, a few seconds each
+@pytest.mark.slow  # seven compiles of a small GPT, a few seconds each
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 def test_priced_layout_is_within_10_percent_of_its_compiled_program(layout):
     """The state to 3%, FLOPs to 10%, and each kind of collective over each axis that carries
-    more than 1% of the bytes to 10%; the stage axis's all-reduce of the embedding's and head's
-    gradients is priced low (about half: what else it sums is not modelled) and left out."""
+    more than 1% of the bytes to 10%, but for `UNPRICED`'s."""
     cfg = config_lib.load(ROOT / "configs/lm_dp.yaml", SIZES)
     raw = dataclasses.asdict(cfg)
     raw.pop("learning_rate")
@@ -55,7 +60,7 @@ def test_priced_layout_is_within_10_percent_of_its_compiled_program(layout):
         compiled[c.kind, c.axes] = compiled.get((c.kind, c.axes), 0) + c.wire_bytes
     checked = 0
     for (kind, axes), wire in compiled.items():
-        if wire < 0.01 * total or (kind, axes) == ("all-reduce", ("stage",)):
+        if wire < 0.01 * total or (kind, axes) in UNPRICED:
             continue
         mine = sum(c.wire_bytes for c in priced.collectives if (c.kind, c.axes) == (kind, axes))
         assert mine == pytest.approx(wire, rel=0.10), (kind, axes)
@@ -78,13 +83,17 @@ def test_front_runners_drop_what_cannot_fit_and_keep_the_fastest_families():
     assert len(prices) == len(others) == sum(len(f.layouts) for f in families)
     keep, others, prices = pricing.front_runners(families, SHAPE, 2**34, profile, 3, timing)
     assert len(keep) == 3 and {o.status for o in others} == {"skipped"}
-    fastest = lambda f: model_time(
-        prices[next(x for x in f.layouts if prices[x].peak_bytes <= 2**34)].step(), profile
-    )
-    kept = [fastest(f).total for f in keep]
-    rest = min(fastest(f).total for f in families if f not in keep)
-    assert kept == sorted(kept) and kept[-1] <= rest
-    assert all("priced slower than the 3 compiled" in o.reason for o in others)
+    # each kept family: at most 3 of its layouts, fastest first, each a group of its own
+    assert all(len(f.groups) == len(f.layouts) <= 3 for f in keep)
+    seconds = lambda lay: model_time(prices[lay].step(), profile).total
+    # 16 GiB: every floor fits, so each family is priced by its fastest layout (its first)
+    firsts = [f.layouts[0] for f in keep]
+    assert [seconds(lay) for lay in firsts] == sorted(map(seconds, firsts))
+    rest = [f.layouts[0] for f in families if f.layouts[0] not in firsts]
+    assert min(map(seconds, rest)) >= seconds(firsts[-1])
+    tried = {lay for f in keep for lay in f.layouts}
+    assert len(others) == len(prices) - len(tried)
+    assert any("priced slower than the 3 compiled" in o.reason for o in others)
     with pytest.raises(ValueError, match="compile_top must be an int >= 1"):
         pricing.front_runners(families, SHAPE, 2**34, profile, 0, timing)
 

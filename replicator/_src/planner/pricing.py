@@ -31,7 +31,7 @@ import functools
 
 from replicator._src.pipeline import schedules as schedules_lib
 from replicator._src.planner import search
-from replicator._src.planner.layouts import VIRTUAL, Layout
+from replicator._src.planner.layouts import VIRTUAL, Family, Layout
 from replicator._src.report.cost_model import SKIPS_IDLE, CollectiveCost, CompiledStep, model_time
 from replicator._src.report.step_report import format_bytes
 
@@ -178,7 +178,7 @@ def _per_device_params(layout: Layout, m: ModelShape) -> float:
 
 def _state_bytes(layout: Layout, m: ModelShape) -> float:
     params = _per_device_params(layout, m)
-    replicas = layout.data * layout.context * layout.expert
+    replicas = layout.data  # ZeRO splits over the data axis (not context's replicas)
     held = params / replicas if layout.zero_stage == 3 else params
     slots = m.opt_slots * params / (replicas if layout.zero_stage >= 1 else 1)
     return 4 * (held + slots)
@@ -187,16 +187,16 @@ def _state_bytes(layout: Layout, m: ModelShape) -> float:
 def _working_bytes(layout: Layout, m: ModelShape) -> float:
     """Gradients, kept activations, one layer's own and the logits (bytes per device)."""
     params = _per_device_params(layout, m)
-    replicas = layout.data * layout.context * layout.expert
-    grads = 4 * params / (replicas if layout.zero_stage >= 2 else 1)
+    grads = 4 * params / (layout.data if layout.zero_stage >= 2 else 1)
     micro = layout.microbatches if layout.stage > 1 else layout.accumulate_steps
     tokens = _tokens(layout, m) / micro  # a micro-batch's, on this device
     t, d = layout.model, m.d_model
     heads = m.num_heads / t
     # what a layer keeps for its backward pass, per token, in elements: its input and norms,
     # q, k, v, attention's output, the MLP's units (twice gated), and the S x S scores and
-    # probabilities of each head
-    layer = 6 * d + (5 if m.gated else 4) * m.hidden / t + 2 * heads * m.seq_len
+    # probabilities of each head (not over context, whose blockwise kernels keep none)
+    scores = 2 * heads * m.seq_len if layout.context == 1 else 0  # blockwise: none kept
+    layer = 6 * d + (5 if m.gated else 4) * m.hidden / t + scores
     kept = {False: layer, "dots": layer - 2 * d, True: d}[layout.remat]
     layers = m.num_layers / layout.stage
     in_flight = 1
@@ -258,6 +258,10 @@ def _collectives(layout: Layout, m: ModelShape):
             yield CollectiveCost("reduce-scatter", ("data",), _ring(d) * grads, 1)
             gathers = 2 if layout.zero_stage == 3 else 1  # forward and backward, or the update
             yield CollectiveCost("all-gather", ("data",), gathers * _ring(d) * grads, 1)
+    c = layout.context
+    if c > 1:  # the gradients summed over the context's replicas too
+        yield CollectiveCost("all-reduce", ("context",), 2 * _ring(c) * grads, 1)
+        yield from _context(layout, m)
     t = layout.model
     micro = layout.microbatches if layout.stage > 1 else 1
     activation = _tokens(layout, m) / micro * m.d_model * m.compute_bytes  # a micro-batch's
@@ -274,6 +278,23 @@ def _collectives(layout: Layout, m: ModelShape):
         yield CollectiveCost("all-reduce", ("stage",), 2 * _ring(k) * outer, 1)
 
 
+def _context(layout: Layout, m: ModelShape):
+    """Attention across ``context``: the ring passes K/V blocks, ``2 (C-1)`` a layer forward
+    and ``2 (C-1) + 2 C`` backward (the ring again, and dK, dV home); Ulysses' all-to-alls
+    turn four projections' activations, forward and backward (`replicator.attention`)."""
+    c, t = layout.context, layout.model
+    tokens = _tokens(layout, m)  # over the step's micro-batches
+    layers = m.num_layers / layout.stage
+    if layout.attention == "ring":
+        block = tokens * m.kv_heads * m.head_dim / t * m.compute_bytes
+        blocks = (6 * c - 4) * layers
+        yield CollectiveCost("collective-permute", ("context",), blocks * block, blocks)
+    else:
+        activation = tokens * m.d_model / t * m.compute_bytes
+        count = 8 * layers
+        yield CollectiveCost("all-to-all", ("context",), count * _ring(c) * activation, count)
+
+
 @functools.cache
 def _ticks(schedule: str, stages: int, microbatches: int, repeats: int) -> int:
     """The ticks of a schedule's table (GPipe's and circular's backward replays them)."""
@@ -284,14 +305,25 @@ def _ticks(schedule: str, stages: int, microbatches: int, repeats: int) -> int:
     return int(sched.plan(stages, microbatches).fwd.shape[0])
 
 
+# The share of a compiled program's peak that the priced floor has been (tests/test_pricing.py):
+# the layouts compiled first in a family are those whose floor over this share fits.
+FLOOR_SHARE = {"plain": 0.8, "pipeline": 0.5}
+TRIES = 3  # layouts compiled at most in each family kept
+
+
 def front_runners(families, model, budget, profile, compile_top, timing):
-    """``(families to compile, outcomes of the others, every layout's price)``: a family whose
-    every layout's priced peak (a floor) is over ``budget`` is dropped; the others are ordered
-    by the modelled time of their fastest layout whose floor fits, and the first
-    ``compile_top`` are kept (with their siblings of other ZeRO stages, searched together)."""
+    """``(families to compile, outcomes of the others, every layout's price)``.
+
+    A family whose every layout's priced peak (a floor) is over ``budget`` is dropped. In each
+    other family the layouts to try are, fastest first, those whose floor over the share of a
+    compiled peak it has been (`FLOOR_SHARE`) fits, then those whose floor fits: at most
+    `TRIES`, each in a group of its own, so the search compiles them in turn and stops at the
+    first that fits. The families are ordered by the modelled time of their first, and the
+    first ``compile_top`` are kept; no other layout is compiled."""
     if isinstance(compile_top, bool) or not isinstance(compile_top, int) or compile_top < 1:
         raise ValueError(f"rp.plan: compile_top must be an int >= 1; got {compile_top!r}.")
     prices = {lay: price(lay, model) for f in families for lay in f.layouts}
+    share = lambda lay: FLOOR_SHARE["pipeline" if lay.stage > 1 else "plain"]
     dropped, ranked = [], []
     for f in families:
         fits = [lay for lay in f.layouts if prices[lay].peak_bytes <= budget]
@@ -301,13 +333,19 @@ def front_runners(families, model, budget, profile, compile_top, timing):
             dropped += [search.Outcome(lay, search.PRICED_TOO_BIG, reason,
                                        int(prices[lay].state_bytes)) for lay in f.layouts]  # fmt: skip
             continue
-        seconds = model_time(prices[fits[0]].step(), profile, **timing).total
-        ranked.append((seconds, len(ranked), f))
-    ranked.sort()
-    keep = [f for _, _, f in ranked[:compile_top]]
-    rest = []
-    for seconds, _, f in ranked[compile_top:]:
-        reason = f"priced slower than the {compile_top} compiled ({seconds * 1e3:.4g} ms modelled)"
+        likely = [lay for lay in fits if prices[lay].peak_bytes / share(lay) <= budget]
+        tries = (likely + [lay for lay in fits if lay not in likely])[:TRIES]
+        seconds = model_time(prices[tries[0]].step(), profile, **timing).total
+        ranked.append((seconds, len(ranked), f, tries))
+    ranked.sort(key=lambda r: r[:2])
+    keep, rest = [], []
+    for i, (seconds, _, f, tries) in enumerate(ranked):
+        if i < compile_top:
+            keep.append(Family(tuple((lay,) for lay in tries)))
+            reason = f"not tried: {tries[0]} and up to {TRIES - 1} more of its family were"
+        else:
+            reason = (f"priced slower than the {compile_top} compiled "
+                      f"({seconds * 1e3:.4g} ms modelled)")  # fmt: skip
         rest += [search.Outcome(lay, search.SKIPPED, reason, int(prices[lay].state_bytes))
-                 for lay in f.layouts]  # fmt: skip
+                 for lay in f.layouts if i >= compile_top or lay not in tries]  # fmt: skip
     return keep, dropped + rest, prices

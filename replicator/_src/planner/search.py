@@ -131,7 +131,7 @@ class _Searcher:
             size = state_bytes_per_device(state)
             report = repl.explain(step_fn, state, *args, stage_costs=False)
         except Exception as e:  # the library's refusal, or the user's build failing
-            short = targets.hbm_shortfall(e)  # a TPU target's compiler: does not fit
+            short = getattr(e, "shortfall", None) or targets.hbm_shortfall(e)  # the TPU's
             outcome = (
                 Outcome(layout, ERROR, _first_line(e)) if short is None
                 else Outcome(layout, TOO_BIG, f"the TPU compiler: {short}", size)
