@@ -26,6 +26,8 @@ LAYOUTS = [
     rp.Layout(data=2, model=4, zero_stage=1),
     rp.Layout(data=2, stage=4, schedule="1f1b", microbatches=8),
     rp.Layout(data=4, stage=2, schedule="gpipe", microbatches=4, remat=True, zero_stage=1),
+    rp.Layout(data=8, zero_stage=3, accumulate_steps=2, remat="dots"),
+    rp.Layout(data=4, model=2, zero_stage=2, accumulate_steps=4),
     rp.Layout(data=2, context=4, zero_stage=3),  # ring attention
     rp.Layout(data=4, context=2, attention="all_to_all"),
 ]
@@ -41,7 +43,7 @@ def test_model_shape_counts_the_gpts_parameters():
     assert SHAPE.num_params == sum(a.size for a in jax.tree.leaves(params))
 
 
-@pytest.mark.slow  # seven compiles of a small GPT, a few seconds each
+@pytest.mark.slow  # nine compiles of a small GPT, a few seconds each
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 def test_priced_layout_is_within_10_percent_of_its_compiled_program(layout):
     """The state to 3%, FLOPs to 10%, and each kind of collective over each axis that carries

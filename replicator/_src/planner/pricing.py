@@ -197,7 +197,8 @@ def _working_bytes(layout: Layout, m: ModelShape) -> float:
     # probabilities of each head (not over context, whose blockwise kernels keep none)
     scores = 2 * heads * m.seq_len if layout.context == 1 else 0  # blockwise: none kept
     layer = 6 * d + (5 if m.gated else 4) * m.hidden / t + scores
-    kept = {False: layer, "dots": layer - 2 * d, True: d}[layout.remat]
+    dots = (m.qkv_columns + (2 if m.gated else 1) * m.hidden) / t + 2 * d  # products' outputs
+    kept = {False: layer, "dots": dots, True: d}[layout.remat]
     layers = m.num_layers / layout.stage
     in_flight = 1
     if layout.stage > 1:
@@ -251,13 +252,21 @@ def _collectives(layout: Layout, m: ModelShape):
     params = _per_device_params(layout, m)
     grads = 4 * params
     d = layout.data
+    a = layout.accumulate_steps
     if d > 1:
         if layout.zero_stage == 0:
             yield CollectiveCost("all-reduce", ("data",), 2 * _ring(d) * grads, 1)
-        else:
-            yield CollectiveCost("reduce-scatter", ("data",), _ring(d) * grads, 1)
-            gathers = 2 if layout.zero_stage == 3 else 1  # forward and backward, or the update
-            yield CollectiveCost("all-gather", ("data",), gathers * _ring(d) * grads, 1)
+        else:  # ZeRO-2 and 3 scatter each micro-step's gradients, ZeRO-1 the sum once
+            scatters = a if layout.zero_stage >= 2 else 1
+            yield CollectiveCost("reduce-scatter", ("data",), scatters * _ring(d) * grads, scatters)
+            # ZeRO-3 gathers the parameters forward and backward each micro-step; 1 and 2
+            # gather the updated ones once
+            gathers = 2 * a if layout.zero_stage == 3 else 1
+            yield CollectiveCost("all-gather", ("data",), gathers * _ring(d) * grads, gathers)
+        tokens = _tokens(layout, m) / a  # a micro-step's
+        if layout.zero_stage == 3 and tokens < m.vocab:  # each replica looks up in its columns
+            lookup = tokens * m.d_model / layout.model * m.compute_bytes  # forward and back
+            yield CollectiveCost("all-to-all", ("data",), 2 * a * _ring(d) * lookup, 2 * a)
     c = layout.context
     if c > 1:  # the gradients summed over the context's replicas too
         yield CollectiveCost("all-reduce", ("context",), 2 * _ring(c) * grads, 1)
