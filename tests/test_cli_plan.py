@@ -63,6 +63,22 @@ def test_plan_refusals_exit_2_with_the_message():
     assert run.returncode == 2 and "--devices must be 1 or more; got 0" in run.stderr
     run = replicator("plan", "configs/lm_dp.yaml", "--devices", 8, "--memory", "lots")
     assert run.returncode == 2 and "memory='lots' is not a size" in run.stderr
+    run = replicator("plan", "configs/mlp_zero.yaml", "--devices", 8, "--compile-top", 2)
+    assert run.returncode == 2 and "--compile-top prices a GPT without experts" in run.stderr
+
+
+@pytest.mark.slow  # two families compiled on 8 emulated devices
+def test_plan_compile_top_prices_every_layout_and_compiles_two_families(tmp_path):
+    out = tmp_path / "plan.json"
+    run = replicator("plan", "configs/lm_dp.yaml", *SMALL, "--devices", 8, "--hardware",
+                     "tpu-v5e", "--compile-top", 2, "--json", out, "--out", tmp_path / "p.yaml")  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(out.read_text())
+    everything = [*report["ranked"], *report["rejected"]]
+    assert report["priced"] == len(everything) and all(c["priced"] for c in everything)
+    tried = [c for c in everything if c["status"] not in ("skipped", "too big (priced)")]
+    assert 1 <= len(tried) <= 2 * 3  # at most 3 layouts of each of the 2 families
+    assert "priced first" in run.stdout and "compiling the 2 fastest families" in run.stderr
 
 
 @pytest.mark.slow  # 12 TPU programs compiled here

@@ -189,8 +189,10 @@ def plan(
         devices, else ``min(2, cpu_count)``.
       progress: show a progress bar (on a terminal; elsewhere a line per family planned).
       target: a TPU target (``"v5p-16"`` or `rp.target`): ``build`` makes its Replicator on
-        ``rp.tpu_devices(target)``, the layouts compile for that TPU here (libtpu, in this
-        process), and ``hardware`` defaults to the target's chip, its slice the island.
+        ``rp.tpu_devices(target)``, the layouts compile for that TPU with libtpu (in this
+        process by default; in ``workers`` processes when given, each loading libtpu with
+        ``ALLOW_MULTIPLE_LIBTPU_LOAD=1``), and ``hardware`` defaults to the target's chip,
+        its slice the island.
       model: the model's sizes (`pricing.ModelShape`; ``gpt.model_shape(config, batch)``):
         then every layout is first priced from formulas, in microseconds and without
         compiling (state, FLOPs, collective bytes, a floor of its peak memory), a family is
@@ -231,12 +233,16 @@ def plan(
                 f"{target.num_devices}; enumerate layouts for {target.num_devices}."
             )
         hardware = target if hardware == "cpu" else hardware
-        workers = 0
     profile = hardware_lib(hardware)
     budget = profile.memory_bytes if memory is None else parse_bytes(memory, "memory")
     if not 0 <= overlap <= 1:
         raise ValueError(f"rp.plan: overlap must be between 0 and 1; got {overlap!r}.")
-    workers = 0 if target is not None else _workers(workers, n)
+    if target is not None:  # libtpu's devices, here or in processes of their own
+        workers = 0 if workers is None else _workers(workers, n, here=False)
+        if workers:
+            os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"  # each worker loads libtpu too
+    else:
+        workers = _workers(workers, n)
     timing = dict(overlap=overlap, model_flops=model_flops)
     prices: dict[Layout, pricing.Price] = {}
     not_compiled: list[search.Outcome] = []
@@ -250,7 +256,8 @@ def plan(
         if progress:
             print(f"planning: priced {len(prices)} layouts in {priced_seconds:.1f} s; compiling "
                   f"the {len(families)} fastest families that may fit", file=sys.stderr)  # fmt: skip
-    outcomes = _run(build, families, budget, n, workers, progress) if families else []
+    emulated = n if target is None else 1  # a target's workers compile for libtpu's devices
+    outcomes = _run(build, families, budget, emulated, workers, progress) if families else []
     candidates = _candidates([*outcomes, *not_compiled], prices, profile, timing)
     ranked = sorted((c for c in candidates if c.fits), key=lambda c: c.time.total)
     order = {search.TOO_BIG: 0, search.STATE_TOO_BIG: 1, search.PRICED_TOO_BIG: 2,
@@ -279,11 +286,11 @@ def _candidates(outcomes, prices, profile, timing) -> list[Candidate]:
     return out
 
 
-def _workers(workers: int | None, n: int) -> int:
+def _workers(workers: int | None, n: int, here: bool = True) -> int:
     if workers is not None:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
             raise ValueError(f"rp.plan: workers must be an int >= 0; got {workers!r}.")
-        if workers == 0:
+        if workers == 0 and here:
             import jax
 
             if jax.device_count() != n:
