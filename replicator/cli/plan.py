@@ -251,9 +251,12 @@ def layouts_for(cfg: TrainConfig, n: int, args: argparse.Namespace):
         )
     common = dict(global_batch=cfg.global_batch, schedules=schedules, max_stage=args.max_stage)
     if m.kind == "gpt":
+        max_model = 8 if args.max_model is None else args.max_model
+        if getattr(m, "attention", None) == "splash":  # the kernel runs on whole heads
+            max_model = 1
         return rp.enumerate_layouts(
             n, num_layers=m.layers, num_heads=m.heads, hidden=m.d_ff or 4 * m.d_model,
-            zero_stages=zero, max_model=8 if args.max_model is None else args.max_model,
+            zero_stages=zero, max_model=max_model,
             **_token_options(m, args), **common,
         )  # fmt: skip
     if m.kind == "mlp":  # data parallel with ZeRO; its layers are always rematerialised
@@ -310,8 +313,11 @@ def check_state_fits(cfg: TrainConfig, n: int, budget: int, *, given: bool) -> N
     over all ``n`` devices as ZeRO-3 would (no layout holds less), activations aside."""
     if cfg.model.kind not in ("gpt", "mlp", "cnn"):
         return
+    model = cfg.model
+    if getattr(model, "reduce_dtype", None) is not None:  # ZeRO-3's alone: none at stage 0
+        model = dataclasses.replace(model, reduce_dtype=None)
     whole = dataclasses.replace(
-        cfg, mesh={"data": -1}, zero_stage=0, accumulate_steps=1, pipeline=None
+        cfg, mesh={"data": -1}, zero_stage=0, accumulate_steps=1, pipeline=None, model=model
     )
     _, _, state, _ = jobs.abstract_job(whole)
     import jax
@@ -375,6 +381,8 @@ def with_layout(raw: dict, layout: rp.Layout) -> dict:
         out["pipeline"] = None
     if raw["model"]["kind"] == "gpt":
         out["model"] = {**raw["model"], "remat": layout.remat}
+        if layout.zero_stage != 3 and out["model"].get("reduce_dtype") is not None:
+            out["model"]["reduce_dtype"] = None  # ZeRO-3 gathers in it; the others sum in fp32
         if layout.context > 1 and ("attention" in raw["model"] or layout.attention != "ring"):
             out["model"]["attention"] = layout.attention
     return out
