@@ -172,3 +172,28 @@ def test_plan_lists_context_layouts_for_a_long_sequence(tmp_path):
     written = yaml.safe_load(out.read_text())
     best = plan["best"]
     assert written["mesh"].get("context", 1) == best["context"]
+
+
+def test_splash_configs_plan_no_model_axis_and_zero_below_3_without_reduce_dtype():
+    """Llama 2 70B's config (splash attention, bf16 reduce_dtype under ZeRO-3): its layouts have
+    no model axis, which the kernel refuses, and those of other ZeRO stages are written (and
+    built) with reduce_dtype off, which the config would refuse and which changes nothing."""
+    import argparse
+
+    from replicator.cli import config as config_lib
+    from replicator.cli import plan as plan_cli
+
+    cfg = config_lib.load(ROOT / "configs/llama2_70b.yaml")
+    parser = argparse.ArgumentParser()
+    plan_cli.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["plan", "configs/llama2_70b.yaml", "--devices", "256"])
+    families = plan_cli.layouts_for(cfg, 256, args)
+    layouts = [lay for f in families for lay in f.layouts]
+    assert layouts and all(lay.model == 1 for lay in layouts)
+    raw = dataclasses.asdict(cfg)
+    raw.pop("learning_rate")
+    for lay in (rp.Layout(data=256, zero_stage=1), rp.Layout(data=256, zero_stage=3)):
+        out = plan_cli.with_layout(raw, lay)
+        config_lib.from_dict(config_lib.TrainConfig, out, where="plan")  # not refused
+        want = "bfloat16" if lay.zero_stage == 3 else None
+        assert out["model"]["reduce_dtype"] == want
