@@ -218,7 +218,7 @@ def _tokens(layout: Layout, m: ModelShape) -> float:
 def _flops(layout: Layout, m: ModelShape) -> float:
     tokens = _tokens(layout, m)
     layers = m.num_layers / layout.stage
-    d, s_q = m.d_model, m.seq_len / layout.context
+    d = m.d_model
     attention_width = m.num_heads * m.head_dim / layout.model
     # per layer and token, forward: the matmuls' 2 per multiply-add, and the scores and
     # weighted sums of each query against the whole sequence
@@ -230,7 +230,6 @@ def _flops(layout: Layout, m: ModelShape) -> float:
         out_proj = 2 * (m.num_heads * m.head_dim * d + m.hidden * d) / layout.model
         train += layers * tokens * (matmul - out_proj + scores)
     train *= _computed_ticks(layout)
-    del s_q
     head = 6 * tokens * m.vocab * d / layout.model  # on every stage's device
     return train + head
 
