@@ -144,8 +144,8 @@ def _priced(cfg: TrainConfig, args: argparse.Namespace) -> dict:
     shape = None
     if cfg.model.kind == "gpt":
         slots = {"adam": 2, "adamw": 2, "lion": 1, "sgd": 0, "adafactor": 0}
-        name = cfg.optimizer.name if hasattr(cfg.optimizer, "name") else str(cfg.optimizer)
-        shape = gpt.model_shape(jobs.gpt_config(cfg), cfg.global_batch, slots.get(name, 2))
+        opt_slots = slots.get(cfg.optimizer.name, 2)
+        shape = gpt.model_shape(jobs.gpt_config(cfg), cfg.global_batch, opt_slots)
     if shape is None:
         raise ValueError(
             f"--compile-top prices a GPT without experts; {args.config} has model.kind="

@@ -440,16 +440,24 @@ class Family:
         return str(self.groups[0][0])
 
 
+def schedule_of(name: str, repeats: int = 1) -> schedules_lib.Schedule:
+    """The schedule a layout names (`SCHEDULES`), with ``repeats`` virtual stages for the
+    circular and interleaved ones.
+
+    >>> schedule_of("interleaved", 2)
+    Interleaved1F1B(repeats=2)
+    """
+    cls = type(schedules_lib.get(name))
+    return cls(repeats=repeats) if name in VIRTUAL else cls()
+
+
 def _microbatch_options(
     schedule: str, stage: int, per_replica: int, microbatches: Iterable[int] | None, v: int
 ) -> list[int]:
     """The micro-batch counts to try: ``microbatches``, or ``2 stage`` and ``4 stage`` (the
     bubble falls with M and, for 1F1B, so does the memory), else the largest M the replica
     batch and the schedule allow; each must divide the replica batch and suit the schedule."""
-    make = {"gpipe": schedules_lib.GPipe, "1f1b": schedules_lib.OneFOneB,
-            "circular": schedules_lib.Circular, "interleaved": schedules_lib.Interleaved1F1B,
-            "zerobubble": schedules_lib.ZeroBubble}[schedule]  # fmt: skip
-    sched = make(repeats=v) if schedule in VIRTUAL else make()
+    sched = schedule_of(schedule, v)
 
     def valid(m: int) -> bool:
         if m < 1 or per_replica % m:

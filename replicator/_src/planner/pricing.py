@@ -29,9 +29,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from replicator._src.pipeline import schedules as schedules_lib
 from replicator._src.planner import search
-from replicator._src.planner.layouts import VIRTUAL, Family, Layout
+from replicator._src.planner.layouts import VIRTUAL, Family, Layout, schedule_of
 from replicator._src.report.cost_model import SKIPS_IDLE, CollectiveCost, CompiledStep, model_time
 from replicator._src.report.step_report import format_bytes
 
@@ -306,11 +305,8 @@ def _context(layout: Layout, m: ModelShape):
 @functools.cache
 def _ticks(schedule: str, stages: int, microbatches: int, repeats: int) -> int:
     """The ticks of a schedule's table (GPipe's and circular's backward replays them)."""
-    make = {"gpipe": schedules_lib.GPipe, "1f1b": schedules_lib.OneFOneB,
-            "circular": schedules_lib.Circular, "interleaved": schedules_lib.Interleaved1F1B,
-            "zerobubble": schedules_lib.ZeroBubble}[schedule]  # fmt: skip
-    sched = make(repeats=repeats) if schedule in VIRTUAL else make()
-    return int(sched.plan(stages, microbatches).fwd.shape[0])
+    plan = schedule_of(schedule, repeats).plan(stages, microbatches)
+    return int(plan.fwd.shape[0])
 
 
 # The share of a compiled program's peak that the priced floor has been (tests/test_pricing.py):
