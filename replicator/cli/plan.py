@@ -88,7 +88,7 @@ def add_parser(commands) -> None:
     p.add_argument("--top", type=int, default=20, help="rows of each table to print")
     p.add_argument("--compile-top", type=int, default=None, metavar="K",
                    help="price every layout from formulas first (no compile: state, FLOPs, "
-                   "collective bytes, a floor of the peak memory) and compile only the K "
+                   "peak memory, collective bytes) and compile only the K "
                    "families that model fastest (a GPT without experts; default: compile every "
                    "family)")  # fmt: skip
     targets.add_args(p, what="plan (compile every layout)")

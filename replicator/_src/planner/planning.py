@@ -195,8 +195,9 @@ def plan(
         its slice the island.
       model: the model's sizes (`pricing.ModelShape`; ``gpt.model_shape(config, batch)``):
         then every layout is first priced from formulas, in microseconds and without
-        compiling (state, FLOPs, collective bytes, a floor of its peak memory), a family is
-        dropped where even the floor of its most frugal layout is over ``memory``, and only
+        compiling (state, peak memory, FLOPs, collective bytes), a family is dropped where
+        even its most frugal layout's priced peak is well over ``memory``
+        (`pricing.MARGIN`), and only
         the ``compile_top`` families whose fastest priced layouts model fastest are compiled
         and ranked by their programs. Each candidate carries its priced figures beside its
         compiled ones. Without ``model`` every family is compiled.

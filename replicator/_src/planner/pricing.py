@@ -13,6 +13,12 @@ Counted per device and per step, as `Replicator.explain` reads a compiled progra
   moments), split over ``model`` (the heads' and MLP's columns, and the vocabulary), over
   ``stage`` (the layers), and over the data axes by ZeRO (stage >= 1: the slots; 3: the
   parameters too);
+* the peak: the state, the gradients (whole until ZeRO-2 or 3 scatters them), the activations
+  each layer keeps for its backward pass (by the remat policy: its input; the matmuls'
+  outputs; everything, the S x S scores included where attention is not blockwise) for the
+  micro-batches in flight, the weights cast to the compute dtype, and the larger of the head's
+  backward (the logits) and a layer's. The terms are the buffers read from the programs of
+  `replicator.models.gpt` on XLA:CPU and on TPU;
 * FLOPs: ``2`` per multiply-add of the matmuls, forward, and twice that backward; attention's
   scores and weighted sums over whole ``S x S`` blocks (the blockwise kernels compute every
   tile); full rematerialisation recomputes the forward of the products whose inputs the
@@ -34,6 +40,8 @@ from replicator._src.planner.layouts import VIRTUAL, Family, Layout, schedule_of
 from replicator._src.report.cost_model import SKIPS_IDLE, CollectiveCost, CompiledStep, model_time
 from replicator._src.report.step_report import format_bytes
 
+TILE = 64  # `replicator.attention`'s tile: shorter sequences are attended in one block
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
@@ -49,6 +57,9 @@ class ModelShape:
       tied: the head is the token table.
       compute_bytes: the activations' bytes per element (4 for fp32, 2 for bf16).
       opt_slots: fp32 copies of the parameters the optimizer keeps (Adam 2, SGD 0).
+      attention: ``"blockwise"`` (the library's blockwise and splash kernels: a log-sum-exp a
+        head kept for the backward) or ``"dot_product"`` (the ``S x S`` scores kept). Either
+        way a sequence of at most `TILE` tokens on one device is attended in one block.
     """
 
     num_layers: int
@@ -67,6 +78,7 @@ class ModelShape:
     tied: bool = False
     compute_bytes: int = 4
     opt_slots: int = 2
+    attention: str = "blockwise"
 
     @property
     def qkv_columns(self) -> int:
@@ -114,11 +126,13 @@ class Price:
       state_bytes: parameters and optimizer slots held.
       flops: FLOPs, idle ticks a schedule computes through included.
       collectives: `CollectiveCost` by kind and axes.
-      peak_bytes: the state plus the step's working memory: the gradients, the activations
-        the backward pass keeps (by the remat policy, for the micro-batches in flight) and one
-        layer's, the logits. A floor: compiled programs peak 0-25% higher without a pipeline,
-        up to twice with one (what a pipeline's scan keeps is not modelled yet), so the
-        planner drops a layout for its priced peak only where even this floor is over.
+      peak_bytes: the state plus what the step holds beside it (`_working_bytes`): the
+        gradients, the activations the layers keep for their backward pass (by the remat
+        policy, for the micro-batches a schedule keeps in flight), the weights in the compute
+        dtype, and the larger of the head's backward and a layer's. Within 10% of the compiled
+        peak for the layouts of `tests/test_pricing.py`, 0.79-1.08 of it for Llama 3 8B and
+        Llama 2 70B on TPU v5p. GPipe and circular keep more a tick than is modelled: for them
+        it is a floor (`FLOOR`).
     """
 
     layout: Layout
@@ -184,29 +198,64 @@ def _state_bytes(layout: Layout, m: ModelShape) -> float:
 
 
 def _working_bytes(layout: Layout, m: ModelShape) -> float:
-    """Gradients, kept activations, one layer's own and the logits (bytes per device)."""
+    """What the step holds beside its state (bytes per device): the gradients, the activations
+    the layers keep for their backward pass, the weights in the compute dtype, and the larger
+    of the head's backward (the logits) and a layer's (what it computes again)."""
     params = _per_device_params(layout, m)
-    grads = 4 * params / (layout.data if layout.zero_stage >= 2 else 1)
+    zero, t, e = layout.zero_stage, layout.model, m.compute_bytes
     micro = layout.microbatches if layout.stage > 1 else layout.accumulate_steps
     tokens = _tokens(layout, m) / micro  # a micro-batch's, on this device
-    t, d = layout.model, m.d_model
-    heads = m.num_heads / t
-    # what a layer keeps for its backward pass, per token, in elements: its input and norms,
-    # q, k, v, attention's output, the MLP's units (twice gated), and the S x S scores and
-    # probabilities of each head (not over context, whose blockwise kernels keep none)
-    scores = 2 * heads * m.seq_len if layout.context == 1 else 0  # blockwise: none kept
-    layer = 6 * d + (5 if m.gated else 4) * m.hidden / t + scores
-    dots = (m.qkv_columns + (2 if m.gated else 1) * m.hidden) / t + 2 * d  # products' outputs
-    kept = {False: layer, "dots": dots, True: d}[layout.remat]
     layers = m.num_layers / layout.stage
     in_flight = 1
     if layout.stage > 1:
-        in_flight = (
-            layout.microbatches if layout.schedule in ("gpipe", "circular") else layout.stage
-        )
-    activations = m.compute_bytes * tokens * (kept * layers * in_flight + layer)
-    logits = 3 * 4 * tokens * m.vocab / t
-    return grads + activations + logits
+        in_flight = _in_flight(layout.schedule, layout.stage, layout.microbatches, layout.repeats)
+    everything = _kept(layout, m, False)
+    activations = tokens * _kept(layout, m, layout.remat) * layers * in_flight
+    if layout.stage > 1:  # every micro-batch's input to the stages and output of the last
+        activations += (2 * layout.microbatches + 1) * tokens * m.d_model * e
+    grads = 4 * params / (layout.data if zero >= 2 else 1)
+    if zero == 2 or (layout.accumulate_steps > 1 and zero < 2):
+        grads += 4 * params  # a micro-step's whole, before ZeRO-2 scatters it or it is summed
+    split, whole = m.block_params
+    block = layers * (split / t + whole)  # the layers' parameters on this device
+    weights = 0.0
+    if e < 4:  # each layer's weights cast to the compute dtype (ZeRO-3: its own part), and
+        # under ZeRO-3 without remat the gathered casts, kept for the backward (fp32 weights
+        # are gathered again where they are used)
+        weights += e * block / (layout.data if zero == 3 else 1)
+        if zero == 3 and layout.remat is False:
+            weights += e * block
+    outer_split = m.outer_params[0] / t
+    head = tokens * m.vocab / t * (4 + e)  # the logits in fp32 and in the compute dtype
+    if zero >= 2:  # the embedding's and head's gradients whole, before they are scattered
+        head += 4 * outer_split
+    layer = tokens * (everything - _kept(layout, m, layout.remat) if layout.remat else everything)
+    if zero == 3:  # a layer's gradients before the scatter, and its cast weights gathered again
+        layer += (4 + (e if layout.remat and e < 4 else 0)) * block / layers
+    return grads + activations + weights + max(head, layer)
+
+
+def _kept(layout: Layout, m: ModelShape, remat) -> float:
+    """Bytes a layer keeps per token for its backward pass, by remat policy (read from the
+    programs of `replicator.models.gpt`): its input (full remat); the matmuls' outputs
+    (``dots``); without remat, also the norms (RMSNorm's in fp32), the rotated queries and
+    keys, the MLP's units, and attention's S x S scores and probabilities where its kernel is
+    not blockwise (else a log-sum-exp a head)."""
+    t, d, e = layout.model, m.d_model, m.compute_bytes
+    if remat is True:
+        return e * d
+    gates = 2 if m.gated else 1
+    if remat == "dots":
+        return e * ((m.qkv_columns + gates * m.hidden) / t + 2 * d)
+    heads = m.num_heads / t
+    if m.layer_norm:
+        kept = e * (9 * d + m.qkv_columns / t + 6 * m.hidden / t)
+    else:
+        q, kv = m.num_heads * m.head_dim, m.kv_heads * m.head_dim
+        kept = 4 * 4 * d + e * (3 * d + 2 * (q + 2 * kv) / t + 6 * m.hidden / t)
+    if layout.context == 1 and (m.attention == "dot_product" or m.seq_len <= TILE):
+        return kept + 2 * e * heads * m.seq_len
+    return kept + 4 * heads
 
 
 def _tokens(layout: Layout, m: ModelShape) -> float:
@@ -303,42 +352,53 @@ def _context(layout: Layout, m: ModelShape):
 
 
 @functools.cache
+def _in_flight(schedule: str, stages: int, microbatches: int, repeats: int) -> int:
+    """The micro-batches whose residuals a stage keeps at once: its table's ring buffer (one a
+    virtual stage), or every tick's (GPipe's and circular's scans keep them all)."""
+    plan = schedule_of(schedule, repeats).plan(stages, microbatches)
+    return plan.stash_slots or int(plan.fwd.shape[0])
+
+
+@functools.cache
 def _ticks(schedule: str, stages: int, microbatches: int, repeats: int) -> int:
     """The ticks of a schedule's table (GPipe's and circular's backward replays them)."""
     plan = schedule_of(schedule, repeats).plan(stages, microbatches)
     return int(plan.fwd.shape[0])
 
 
-# The share of a compiled program's peak that the priced floor has been (tests/test_pricing.py):
-# the layouts compiled first in a family are those whose floor over this share fits.
-FLOOR_SHARE = {"plain": 0.8, "pipeline": 0.5}
+# The lowest a compiled program's peak has been against its priced one (`Price.peak_bytes`):
+# a family is dropped only where every layout's priced peak times this is over the budget.
+MARGIN = 0.8
+# The share of the compiled peak that the priced one has been for GPipe and circular, whose
+# scans keep more a tick than is modelled: their priced peak is a floor.
+FLOOR = 0.5
 TRIES = 3  # layouts compiled at most in each family kept
 
 
 def front_runners(families, model, budget, profile, compile_top, timing):
     """``(families to compile, outcomes of the others, every layout's price)``.
 
-    A family whose every layout's priced peak (a floor) is over ``budget`` is dropped. In each
-    other family the layouts to try are, fastest first, those whose floor over the share of a
-    compiled peak it has been (`FLOOR_SHARE`) fits, then those whose floor fits: at most
-    `TRIES`, each in a group of its own, so the search compiles them in turn and stops at the
-    first that fits. The families are ordered by the modelled time of their first, and the
-    first ``compile_top`` are kept; no other layout is compiled."""
+    A family is dropped where even `MARGIN` of every layout's priced peak is over ``budget``.
+    In each other family the layouts to try are, fastest first, those whose priced peak fits
+    (GPipe's and circular's: over `FLOOR`), then the others that may: at most `TRIES`, each in
+    a group of its own, so the search compiles them in turn and stops at the first that fits.
+    The families are ordered by the modelled time of their first, and the first
+    ``compile_top`` are kept; no other layout is compiled."""
     if isinstance(compile_top, bool) or not isinstance(compile_top, int) or compile_top < 1:
         raise ValueError(f"rp.plan: compile_top must be an int >= 1; got {compile_top!r}.")
     prices = {lay: price(lay, model) for f in families for lay in f.layouts}
-    share = lambda lay: FLOOR_SHARE["pipeline" if lay.stage > 1 else "plain"]
+    likely = lambda lay: prices[lay].peak_bytes / (FLOOR if _floor_only(lay) else 1)
     dropped, ranked = [], []
     for f in families:
-        fits = [lay for lay in f.layouts if prices[lay].peak_bytes <= budget]
+        fits = [lay for lay in f.layouts if prices[lay].peak_bytes * MARGIN <= budget]
         if not fits:
-            floor = min(prices[lay].peak_bytes for lay in f.layouts)
-            reason = f"priced: at least {format_bytes(floor)} per device"
+            least = min(prices[lay].peak_bytes for lay in f.layouts)
+            reason = f"priced: {format_bytes(least)} per device"
             dropped += [search.Outcome(lay, search.PRICED_TOO_BIG, reason,
                                        int(prices[lay].state_bytes)) for lay in f.layouts]  # fmt: skip
             continue
-        likely = [lay for lay in fits if prices[lay].peak_bytes / share(lay) <= budget]
-        tries = (likely + [lay for lay in fits if lay not in likely])[:TRIES]
+        first = [lay for lay in fits if likely(lay) <= budget]
+        tries = (first + [lay for lay in fits if lay not in first])[:TRIES]
         seconds = model_time(prices[tries[0]].step(), profile, **timing).total
         ranked.append((seconds, len(ranked), f, tries))
     ranked.sort(key=lambda r: r[:2])
@@ -353,3 +413,8 @@ def front_runners(families, model, budget, profile, compile_top, timing):
         rest += [search.Outcome(lay, search.SKIPPED, reason, int(prices[lay].state_bytes))
                  for lay in f.layouts if i >= compile_top or lay not in tries]  # fmt: skip
     return keep, dropped + rest, prices
+
+
+def _floor_only(layout: Layout) -> bool:
+    """Whether the priced peak is only a floor: GPipe's and circular's scans (`FLOOR`)."""
+    return layout.stage > 1 and layout.schedule in ("gpipe", "circular")
