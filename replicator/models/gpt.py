@@ -1281,7 +1281,8 @@ def model_shape(config: GPTConfig, global_batch: int, opt_slots: int = 2):
         gated=config.mlp == "swiglu", bias=config.bias, layer_norm=config.norm == "layer",
         learned_positions=config.position == "learned", tied=config.tie_embeddings,
         compute_bytes=jnp.dtype(config.dtype).itemsize, opt_slots=opt_slots,
-        attention="dot_product" if config.attention == "dot_product" else "blockwise",
+        attention=kernel if (kernel := config.attention) in ("dot_product", "splash")
+        else "blockwise",
     )  # fmt: skip
 
 

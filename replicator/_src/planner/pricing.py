@@ -57,9 +57,10 @@ class ModelShape:
       tied: the head is the token table.
       compute_bytes: the activations' bytes per element (4 for fp32, 2 for bf16).
       opt_slots: fp32 copies of the parameters the optimizer keeps (Adam 2, SGD 0).
-      attention: ``"blockwise"`` (the library's blockwise and splash kernels: a log-sum-exp a
-        head kept for the backward) or ``"dot_product"`` (the ``S x S`` scores kept). Either
-        way a sequence of at most `TILE` tokens on one device is attended in one block.
+      attention: ``"blockwise"`` (`replicator.attention`'s kernel, tile by tile), ``"splash"``
+        (the TPU's Pallas kernel): a log-sum-exp a head kept for the backward; or
+        ``"dot_product"``: the ``S x S`` scores kept. A sequence of at most `TILE` tokens on
+        one device is attended in one block.
     """
 
     num_layers: int
@@ -140,6 +141,7 @@ class Price:
     flops: float
     collectives: tuple[CollectiveCost, ...]
     peak_bytes: float = 0.0
+    roofline: tuple[tuple[float, float], ...] = ()
 
     def step(self) -> CompiledStep:
         """These figures as the cost model reads a compiled program's (`cost_model.model_time`):
@@ -153,7 +155,7 @@ class Price:
                 idle = self.flops * bubble / (1 - bubble)
         return CompiledStep(
             mesh=dict(lay.mesh_shape), memory={"peak": int(self.peak_bytes)}, flops=self.flops,
-            collectives=self.collectives, idle_flops=idle, bubble=bubble,
+            collectives=self.collectives, idle_flops=idle, bubble=bubble, roofline=self.roofline,
         )  # fmt: skip
 
     def to_dict(self) -> dict:
@@ -176,9 +178,9 @@ def price(layout: Layout, shape: ModelShape) -> Price:
     >>> sorted({(c.kind, c.axes) for c in p.collectives})
     [('all-gather', ('data',)), ('reduce-scatter', ('data',))]
     """
-    state = _state_bytes(layout, shape)
-    return Price(layout, state, _flops(layout, shape), tuple(_collectives(layout, shape)),
-                 state + _working_bytes(layout, shape))  # fmt: skip
+    state, flops = _state_bytes(layout, shape), _flops(layout, shape)
+    return Price(layout, state, flops, tuple(_collectives(layout, shape)),
+                 state + _working_bytes(layout, shape), _roofline(layout, shape, flops))  # fmt: skip
 
 
 def _per_device_params(layout: Layout, m: ModelShape) -> float:
@@ -280,6 +282,39 @@ def _flops(layout: Layout, m: ModelShape) -> float:
     train *= _computed_ticks(layout)
     head = 6 * tokens * m.vocab * d / layout.model  # on every stage's device
     return train + head
+
+
+# HBM bytes, read from the TPU programs of Llama 3 8B and Llama 2 70B (`Price.roofline`): the
+# blockwise kernel's per head and pair of 64-token tiles, forward and backward (ring attention's,
+# and over whole sequences: all-to-all's and one device's); the norms',
+# activations' and residuals' per unit of a layer (``d_model + hidden``) and token; the
+# optimizer's per parameter it updates (fp32 parameter, gradient, two slots, read and written).
+TILE_PAIR_BYTES = {"ring": 1.0e6, "whole": 1.35e6}
+UNIT_BYTES = 28
+UPDATE_BYTES = 36
+
+
+def _roofline(layout: Layout, m: ModelShape, flops: float) -> tuple[tuple[float, float], ...]:
+    """``(FLOPs, HBM bytes)`` of the step's kernels by kind, as `cost_model.kernel_time` reads
+    a compiled program's: the matmuls (at the chip's peak), attention (the blockwise kernel's
+    tiles read and written; splash and one-block attention at the peak), and what is only
+    memory: the layers' element-wise work, the logits, the optimizer's update."""
+    tokens, t = _tokens(layout, m), layout.model
+    layers = m.num_layers / layout.stage * _computed_ticks(layout)
+    passes = 4 if layout.remat is True else 3  # forward, twice that backward, remat's again
+    heads = m.num_heads / t
+    attention = passes * layers * tokens * 4 * m.seq_len * heads * m.head_dim
+    blocks = 0.0
+    if m.attention == "blockwise" and (layout.context > 1 or m.seq_len > TILE):
+        pairs = tokens / TILE * (m.seq_len / 2 / TILE) * heads  # causal: half the keys
+        ring = layout.context > 1 and layout.attention == "ring"
+        blocks = layers * pairs * TILE_PAIR_BYTES["ring" if ring else "whole"]
+    units = UNIT_BYTES * (1.4 if layout.remat is True else 1) * layers * tokens
+    units *= m.d_model + m.hidden / t
+    logits = 6 * 4 * tokens * m.vocab / t
+    updated = _per_device_params(layout, m) / (layout.data if layout.zero_stage >= 1 else 1)
+    memory = units + logits + UPDATE_BYTES * updated
+    return ((flops - attention, 0.0), (attention, blocks), (0.0, memory))
 
 
 def _computed_ticks(layout: Layout) -> float:
