@@ -124,8 +124,12 @@ def part_rank(results: dict) -> None:
 
     jax.config.update("jax_num_cpu_devices", 8)
     import replicator as rp
+    from replicator._src.planner import pricing
+    from replicator._src.report.cost_model import model_time
     from replicator.cli import config as config_lib
+    from replicator.cli import jobs
     from replicator.cli import plan as plan_cli
+    from replicator.models import gpt
 
     cpu = rp.hardware("cpu")
     print(
@@ -145,10 +149,12 @@ def part_rank(results: dict) -> None:
         raw = dataclasses.asdict(cfg)
         sets = {"check": rank_layouts(), "fit": fit_layouts()}
         build = lambda lay, raw=raw: plan_cli.build_layout(raw, lay)
+        shape = gpt.model_shape(jobs.gpt_config(cfg), cfg.global_batch, opt_slots=2)
         rows = []
         print(f"GPT {size}: {keys}\n")
-        print("| set | layout | modelled ms | measured ms | measured / modelled | temp MiB |")
-        print("|---|---|---|---|---|---|")
+        print("| set | layout | modelled ms | priced ms | measured ms | measured / modelled | "
+              "temp MiB |")
+        print("|---|---|---|---|---|---|---|")
         for which, layouts in sets.items():
             report = rp.plan(build, layouts, hardware=cpu, memory="8GiB", workers=0,
                              model_flops=plan_cli.model_flops(cfg))  # fmt: skip
@@ -162,20 +168,24 @@ def part_rank(results: dict) -> None:
                     type(cfg), plan_cli.with_layout(raw, lay), where="benchmark"
                 )
                 seconds = measure(cfg_lay)
+                priced = model_time(pricing.price(lay, shape).step(), cpu).total
                 rows.append({
                     "set": which, "layout": str(lay), "modelled": c.time.total,
-                    "measured": seconds, "compiled": c.outcome.compiled.to_dict(),
+                    "priced": priced, "measured": seconds,
+                    "compiled": c.outcome.compiled.to_dict(),
                 })  # fmt: skip
                 temp = c.outcome.compiled.memory["temporaries"] / 2**20
                 print(
-                    f"| {which} | {lay} | {c.time.total * 1e3:.1f} | {seconds * 1e3:.1f} | "
-                    f"{seconds / c.time.total:.2f} | {temp:.1f} |",
+                    f"| {which} | {lay} | {c.time.total * 1e3:.1f} | {priced * 1e3:.1f} | "
+                    f"{seconds * 1e3:.1f} | {seconds / c.time.total:.2f} | {temp:.1f} |",
                     flush=True,
                 )
         for which in sets:
             got = [r for r in rows if r["set"] == which]
             rho = spearman([r["modelled"] for r in got], [r["measured"] for r in got])
-            print(f"\nSpearman rank correlation, {which} set, {len(got)} layouts: {rho:.3f}")
+            priced = spearman([r["priced"] for r in got], [r["measured"] for r in got])
+            print(f"\nSpearman rank correlation, {which} set, {len(got)} layouts: {rho:.3f} "
+                  f"(priced, not compiled: {priced:.3f})")
         print()
         out["sizes"][size] = {"config": keys, "rows": rows}
     out["fit"] = refit(cpu, out["sizes"])

@@ -64,7 +64,9 @@ def test_plan_refusals_exit_2_with_the_message():
     run = replicator("plan", "configs/lm_dp.yaml", "--devices", 8, "--memory", "lots")
     assert run.returncode == 2 and "memory='lots' is not a size" in run.stderr
     run = replicator("plan", "configs/mlp_zero.yaml", "--devices", 8, "--compile-top", 2)
-    assert run.returncode == 2 and "--compile-top prices a GPT without experts" in run.stderr
+    assert run.returncode == 2 and "--compile-top prices a GPT; " in run.stderr
+    run = replicator("plan", "configs/lm_dp.yaml", "--devices", 8, "--compile-top", "some")
+    assert run.returncode == 2 and "--compile-top must be a number >= 1 or 'all'" in run.stderr
 
 
 @pytest.mark.slow  # two families compiled on 8 emulated devices
@@ -79,6 +81,26 @@ def test_plan_compile_top_prices_every_layout_and_compiles_two_families(tmp_path
     tried = [c for c in everything if c["status"] not in ("skipped", "too big (priced)")]
     assert 1 <= len(tried) <= 2 * 3  # at most 3 layouts of each of the 2 families
     assert "priced first" in run.stdout and "compiling the 2 fastest families" in run.stderr
+    assert "priced peak" in run.stdout  # the formulas' figures beside each program's
+
+
+def test_plan_prices_a_gpt_first_by_default_and_compiles_every_family_when_told(monkeypatch):
+    """Without --compile-top a GPT is priced and 4 families compiled; ``all`` compiles every
+    family, as does the default for a model the formulas do not price."""
+    from replicator import cli
+    from replicator.cli import plan
+
+    seen = {}
+    monkeypatch.setattr(plan.rp, "plan", lambda build, families, **kw: seen.update(kw) or 0 / 0)
+    for flag, priced in (([], 4), (["--compile-top", "all"], None), (["--compile-top", "7"], 7)):
+        seen.clear()
+        with pytest.raises(ZeroDivisionError):
+            cli.main(["plan", str(ROOT / "configs/lm_dp.yaml"), *SMALL, "--devices", "8", *flag])
+        assert seen.get("compile_top") == priced and ("model" in seen) == bool(priced)
+    seen.clear()
+    with pytest.raises(ZeroDivisionError):
+        cli.main(["plan", str(ROOT / "configs/mlp_zero.yaml"), "--devices", "8"])
+    assert "model" not in seen and "compile_top" not in seen
 
 
 @pytest.mark.slow  # 12 TPU programs compiled here
@@ -156,7 +178,7 @@ def test_plan_lists_context_layouts_for_a_long_sequence(tmp_path):
     run = replicator(
         "plan", "configs/lm_dp.yaml", *LONG, "--devices", 8, "--memory", "1GiB",
         "--hardware", "tpu-v5e", "--max-model", 1, "--max-stage", 1, "--zero-stages", 1,
-        "--max-context", 4, "--out", out, "--json", report,
+        "--max-context", 4, "--compile-top", "all", "--out", out, "--json", report,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     assert "data=2 context=4 ring zero=1" in run.stdout, run.stdout

@@ -18,8 +18,9 @@ SHAPE = pricing.ModelShape(num_layers=4, d_model=128, num_heads=4, kv_heads=4, h
                            hidden=512, vocab=256, seq_len=64, global_batch=32)  # fmt: skip
 # Not priced yet: the stage axis's all-reduce of the embedding's and head's gradients is priced
 # low (about half: what else it sums is not modelled), and the embedding's backward over
-# `context` gathers its cotangent (1 to 3 activations' worth; issue 44 scatters it instead).
-UNPRICED = {("all-reduce", ("stage",)), ("all-gather", ("context",))}
+# `context` (or `expert`) gathers its cotangent (1 to 3 activations' worth; issue 44 scatters it
+# instead).
+UNPRICED = {("all-reduce", ("stage",)), ("all-gather", ("context",)), ("all-gather", ("expert",))}
 LAYOUTS = [
     rp.Layout(data=8, zero_stage=3, remat=True),
     rp.Layout(data=4, model=2),
@@ -41,6 +42,21 @@ def test_model_shape_counts_the_gpts_parameters():
     config = gpt.GPTConfig(d_model=128, num_heads=4, num_layers=4, seq_len=64)
     params = jax.eval_shape(lambda: gpt.init(config, jax.random.key(0)))
     assert SHAPE.num_params == sum(a.size for a in jax.tree.leaves(params))
+    from replicator.cli import jobs
+
+    for name in ("gpt_moe", "mixtral_tiny", "llama_tiny"):  # experts, SwiGLU, GQA, RMSNorm
+        config = jobs.gpt_config(config_lib.load(ROOT / f"configs/{name}.yaml"))
+        params = jax.eval_shape(lambda c=config: gpt.init(c, jax.random.key(0)))
+        shape = gpt.model_shape(config, 32)
+        assert shape.num_params == sum(a.size for a in jax.tree.leaves(params)), name
+
+
+# configs/gpt_moe.yaml: 8 experts in every layer, each token to its top 2, capacity 1.25
+MOE_LAYOUTS = [
+    rp.Layout(data=2, expert=4),
+    rp.Layout(data=4, expert=2, zero_stage=3),
+    rp.Layout(data=2, expert=4, zero_stage=1, remat="dots"),
+]
 
 
 @pytest.mark.slow  # nine compiles of a small GPT, a few seconds each
@@ -48,12 +64,30 @@ def test_model_shape_counts_the_gpts_parameters():
 def test_priced_layout_is_within_10_percent_of_its_compiled_program(layout):
     """The state to 3%, the peak memory (GPipe's: a floor), FLOPs, and each kind of collective
     over each axis that carries more than 1% of the bytes to 10%, but for `UNPRICED`'s."""
-    cfg = config_lib.load(ROOT / "configs/lm_dp.yaml", SIZES)
+    _check_against_compiled("lm_dp", SIZES, layout, SHAPE)
+
+
+@pytest.mark.slow  # three compiles of a small mixture of experts
+@pytest.mark.parametrize("layout", MOE_LAYOUTS, ids=str)
+def test_priced_mixture_of_experts_is_within_10_percent_of_its_compiled_program(layout):
+    """The same for a mixture of experts: its experts' rows (FLOPs, the all-to-alls over
+    ``expert``, what the layers keep) and the gradients summed over ``expert``."""
+    from replicator.cli import jobs
+    from replicator.models import gpt
+
+    cfg = config_lib.load(ROOT / "configs/gpt_moe.yaml")
+    shape = gpt.model_shape(jobs.gpt_config(cfg), cfg.global_batch)
+    assert shape.expert_rows == 2.5  # 8 experts of 20 slots for 64 tokens
+    _check_against_compiled("gpt_moe", [], layout, shape)
+
+
+def _check_against_compiled(config, overrides, layout, shape):
+    cfg = config_lib.load(ROOT / f"configs/{config}.yaml", overrides)
     raw = dataclasses.asdict(cfg)
     raw.pop("learning_rate")
     repl, step_fn, state, batch = plan_cli.build_layout(raw, layout)
     report = repl.explain(step_fn, state, batch)
-    priced = pricing.price(layout, SHAPE)
+    priced = pricing.price(layout, shape)
     assert priced.state_bytes == pytest.approx(report.memory.arguments, rel=0.03)
     if pricing._floor_only(layout):
         assert pricing.FLOOR * report.memory.peak <= priced.peak_bytes < report.memory.peak
@@ -77,31 +111,32 @@ def test_priced_layout_is_within_10_percent_of_its_compiled_program(layout):
 # -- the planner's first stage ---------------------------------------------------------------
 
 
-def test_front_runners_drop_what_cannot_fit_and_keep_the_fastest_families():
-    """8 devices, the model above: a budget under every layout's priced peak drops every family, not
-    compiled; a roomy one keeps the ``compile_top`` families whose fastest layout that may fit
-    models fastest, and skips the others with their modelled time."""
+def test_front_runners_drop_what_cannot_fit_and_rank_the_fastest_families_first():
+    """8 devices, the model above: a budget under every layout's priced peak drops every
+    family, not compiled; under a roomy one every family is ranked by its fastest layout, and
+    the layouts not compiled are listed with why."""
     families = rp.enumerate_layouts(8, global_batch=32, num_layers=4, num_heads=4, hidden=512)
     profile = rp.hardware("tpu-v5e")
     timing = {"overlap": 0.0, "model_flops": None}
-    keep, others, prices = pricing.front_runners(families, SHAPE, 2**20, profile, 3, timing)
-    assert keep == [] and {o.status for o in others} == {"too big (priced)"}
-    assert len(prices) == len(others) == sum(len(f.layouts) for f in families)
-    keep, others, prices = pricing.front_runners(families, SHAPE, 2**34, profile, 3, timing)
-    assert len(keep) == 3 and {o.status for o in others} == {"skipped"}
-    # each kept family: at most 3 of its layouts, fastest first, each a group of its own
-    assert all(len(f.groups) == len(f.layouts) <= 3 for f in keep)
+    ranked, dropped, prices = pricing.front_runners(families, SHAPE, 2**20, profile, timing)
+    assert ranked == [] and {o.status for o in dropped} == {"too big (priced)"}
+    assert len(prices) == len(dropped) == sum(len(f.layouts) for f in families)
+    ranked, dropped, prices = pricing.front_runners(families, SHAPE, 2**34, profile, timing)
+    assert dropped == [] and len(ranked) == len(families)
+    # each family: at most 3 of its layouts to try, fastest first, each a group of its own
+    assert all(1 <= len(tries) <= 3 for _, _, tries in ranked)
+    assert all(len(f.groups) == len(f.layouts) <= 3 for f in pricing.to_compile(ranked))
     seconds = lambda lay: model_time(prices[lay].step(), profile).total
     # 16 GiB: every layout fits, so each family is priced by its fastest layout (its first)
-    firsts = [f.layouts[0] for f in keep]
+    firsts = [tries[0] for _, _, tries in ranked]
     assert [seconds(lay) for lay in firsts] == sorted(map(seconds, firsts))
-    rest = [f.layouts[0] for f in families if f.layouts[0] not in firsts]
-    assert min(map(seconds, rest)) >= seconds(firsts[-1])
-    tried = {lay for f in keep for lay in f.layouts}
-    assert len(others) == len(prices) - len(tried)
-    assert any("priced slower than the 3 compiled" in o.reason for o in others)
+    assert [s for s, _, _ in ranked] == list(map(seconds, firsts))
+    others = pricing.not_compiled(ranked, 3, prices)
+    tried = {lay for _, _, tries in ranked[:3] for lay in tries}
+    assert len(others) == len(prices) - len(tried) and {o.status for o in others} == {"skipped"}
+    assert any("priced slower than the 3 families compiled" in o.reason for o in others)
     with pytest.raises(ValueError, match="compile_top must be an int >= 1"):
-        pricing.front_runners(families, SHAPE, 2**34, profile, 0, timing)
+        rp.plan(lambda lay: None, families, model=SHAPE, compile_top=0, workers=0)
 
 
 @pytest.mark.slow  # compiles two families of a small GPT
@@ -122,3 +157,25 @@ def test_a_priced_plan_compiles_only_its_front_runners():
     assert compiled and len(owners) <= 2 and report.compiled == len(compiled)
     assert report.best is not None and report.ranked[0].time.total <= report.ranked[-1].time.total
     assert "priced first" in str(report) and '"priced"' in report.to_json()
+
+
+def test_a_priced_plan_compiles_the_next_families_while_none_fits():
+    """`planning._rounds`: the first ``compile_top`` families, then as many more while none of
+    them fits, at most `pricing.ROUNDS` rounds."""
+    from replicator._src.planner import planning, search
+
+    layouts = [rp.Layout(data=8, accumulate_steps=2**i) for i in range(12)]
+    ranked = [(float(i), rp.Family((lay,)), [lay]) for i, lay in enumerate(layouts)]
+    compiled = []
+
+    def run(families, fits=frozenset(layouts[5:])):
+        got = [f.layouts[0] for f in families]
+        compiled.extend(got)
+        return [search.Outcome(lay, search.FITS if lay in fits else search.TOO_BIG) for lay in got]
+
+    outcomes, done = planning._rounds(run, ranked, 2, 12, 0.0, False)
+    assert done == 6 and compiled == layouts[:6]  # rounds of 2 until one fits: the 6th
+    assert [o.status for o in outcomes].count(search.FITS) == 1
+    compiled.clear()
+    outcomes, done = planning._rounds(lambda f: run(f, fits=frozenset()), ranked, 2, 12, 0.0, False)
+    assert done == 2 * pricing.ROUNDS == len(compiled)  # none fits: ROUNDS rounds, no more

@@ -155,6 +155,20 @@ def test_two_slices_have_twice_the_devices_each_with_its_slice_index():
     assert (t.num_devices, t.label) == (16, "2 x v5p-16")
 
 
+def test_a_mesh_the_torus_cannot_hold_in_whole_axes_is_laid_out_with_axes_split():
+    """v5p-512's chips are a 4 x 8 x 8 torus: ``jax.make_mesh`` finds no whole physical axes
+    for a mesh axis of 2, so a ``{data: 128, stage: 2}`` layout (which `rp.plan` enumerates)
+    is laid out with physical axes split, every chip once."""
+    from replicator._src.core import compat
+
+    devices = rp.tpu_devices("v5p-512")
+    with pytest.raises(NotImplementedError):
+        jax.make_mesh((128, 2), ("data", "stage"), devices=devices)
+    mesh = compat.make_mesh([128, 2], ["data", "stage"], devices)
+    assert mesh.devices.shape == (128, 2) and mesh.axis_names == ("data", "stage")
+    assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)
+
+
 def test_tpu_devices_without_libtpu_names_the_extra(monkeypatch):
     found = importlib.util.find_spec
     monkeypatch.setattr(

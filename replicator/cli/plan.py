@@ -27,6 +27,8 @@ from replicator.cli import jobs, targets
 from replicator.cli.config import MAX_CPU_DEVICES, TrainConfig
 from replicator.models import gpt
 
+COMPILE_TOP = 4  # families compiled after pricing, unless --compile-top says otherwise
+
 
 def add_parser(commands) -> None:
     """The ``plan`` subcommand's options."""
@@ -86,11 +88,11 @@ def add_parser(commands) -> None:
     p.add_argument("--zero-stages", default="0,1,2,3",
                    help="ZeRO stages to try, comma-separated (default: 0,1,2,3)")  # fmt: skip
     p.add_argument("--top", type=int, default=20, help="rows of each table to print")
-    p.add_argument("--compile-top", type=int, default=None, metavar="K",
-                   help="price every layout from formulas first (no compile: state, FLOPs, "
-                   "peak memory, collective bytes) and compile only the K "
-                   "families that model fastest (a GPT without experts; default: compile every "
-                   "family)")  # fmt: skip
+    p.add_argument("--compile-top", default=None, metavar="K",
+                   help="price every layout from formulas first (no compile: state, peak "
+                   "memory, FLOPs, collective bytes) and compile only the K families that "
+                   f"model fastest (default {COMPILE_TOP} for a GPT); 'all' "
+                   "compiles every family (the default for other models)")  # fmt: skip
     targets.add_args(p, what="plan (compile every layout)")
 
 
@@ -138,21 +140,27 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _priced(cfg: TrainConfig, args: argparse.Namespace) -> dict:
-    """`rp.plan`'s ``model`` and ``compile_top`` for ``--compile-top``: the GPT's sizes."""
-    if args.compile_top is None:
+    """`rp.plan`'s ``model`` and ``compile_top`` for ``--compile-top``: the GPT's sizes, and
+    `COMPILE_TOP` families unless told; nothing (compile every family) for ``all``, and by
+    default for a model that cannot be priced."""
+    top = args.compile_top
+    if top == "all":
         return {}
+    if top is not None and (not str(top).isdigit() or int(top) < 1):
+        raise ValueError(f"--compile-top must be a number >= 1 or 'all'; got {top!r}.")
     shape = None
     if cfg.model.kind == "gpt":
         slots = {"adam": 2, "adamw": 2, "lion": 1, "sgd": 0, "adafactor": 0}
         opt_slots = slots.get(cfg.optimizer.name, 2)
         shape = gpt.model_shape(jobs.gpt_config(cfg), cfg.global_batch, opt_slots)
+    if shape is None and top is None:
+        return {}
     if shape is None:
         raise ValueError(
-            f"--compile-top prices a GPT without experts; {args.config} has model.kind="
-            f"{cfg.model.kind!r}{' with experts' if cfg.model.kind == 'gpt' else ''}: leave "
-            f"--compile-top out to compile every family."
+            f"--compile-top prices a GPT; {args.config} has model.kind={cfg.model.kind!r}: "
+            f"leave --compile-top out (or give 'all') to compile every family."
         )
-    return {"model": shape, "compile_top": args.compile_top}
+    return {"model": shape, "compile_top": COMPILE_TOP if top is None else int(top)}
 
 
 def check_args(args: argparse.Namespace) -> int:

@@ -1266,14 +1266,11 @@ def num_params(params: PyTree) -> int:
 def model_shape(config: GPTConfig, global_batch: int, opt_slots: int = 2):
     """The sizes `rp.plan` prices a layout of this model's training step from
     (`rp.ModelShape`): ``global_batch`` sequences a step, ``opt_slots`` fp32 copies of the
-    parameters in the optimizer's state (Adam's 2); None for a mixture of experts, whose
-    layouts are compiled, not priced.
+    parameters in the optimizer's state (Adam's 2).
 
     >>> model_shape(GPTConfig(d_model=64, num_layers=4, seq_len=64), 32).num_params
     236928
     """
-    if config.num_experts:
-        return None
     return rp.ModelShape(
         num_layers=config.num_layers, d_model=config.d_model, num_heads=config.num_heads,
         kv_heads=config.kv_heads, head_dim=config.head_dim, hidden=config.hidden,
@@ -1282,7 +1279,8 @@ def model_shape(config: GPTConfig, global_batch: int, opt_slots: int = 2):
         learned_positions=config.position == "learned", tied=config.tie_embeddings,
         compute_bytes=jnp.dtype(config.dtype).itemsize, opt_slots=opt_slots,
         attention=kernel if (kernel := config.attention) in ("dot_product", "splash")
-        else "blockwise",
+        else "blockwise", experts=config.num_experts, top_k=config.top_k,
+        capacity_factor=config.capacity_factor, moe_every=config.moe_every,
     )  # fmt: skip
 
 

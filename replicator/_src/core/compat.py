@@ -58,10 +58,22 @@ def make_mesh(shape: Sequence[int], names: Sequence[str], devices: Sequence[jax.
     Since JAX 0.9 ``jax.make_mesh`` makes ``Explicit`` axes by default, and ``shard_map`` then
     refuses inputs whose sharding differs from ``in_specs``. replicator lets ``jit`` reshard inputs
     (for example a NumPy batch) on the way in, which needs ``Auto`` axes.
+
+    ``jax.make_mesh`` lays the axes on the slice's torus, each a product of whole physical axes;
+    a shape it cannot lay out so (an axis of 2 on v5p-512's ``4 x 8 x 8``) is laid out with
+    physical axes split (``allow_split_physical_axes``): the same program, its collectives
+    over rings that are not whole torus axes.
     """
-    return jax.make_mesh(
-        tuple(shape), tuple(names), axis_types=(AxisType.Auto,) * len(shape), devices=devices
-    )
+    types = (AxisType.Auto,) * len(shape)
+    try:
+        return jax.make_mesh(tuple(shape), tuple(names), axis_types=types, devices=devices)
+    except NotImplementedError:  # no assignment of whole physical axes
+        from jax.experimental import mesh_utils
+
+        array = mesh_utils.create_device_mesh(
+            tuple(shape), list(devices), allow_split_physical_axes=True
+        )
+        return Mesh(array, tuple(names), axis_types=types)
 
 
 def make_hybrid_mesh(

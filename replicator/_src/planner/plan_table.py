@@ -37,16 +37,19 @@ def renderable(r, top: int = 20):
     )
     ranked = Table(title="layouts that fit, fastest first (modelled ms per step)",
                    title_justify="left")  # fmt: skip
-    for name, justify in (("#", "right"), ("layout", "left"), ("peak/device", "right"),
-                          ("step", "right"), ("compute", "right"), ("bubble", "right"),
-                          ("ICI", "right"), ("DCN", "right"), ("MFU", "right")):  # fmt: skip
-        ranked.add_column(name, justify=justify)
+    columns = ["#", "layout", "peak/device", "step", "compute", "bubble", "ICI", "DCN", "MFU"]
+    if r.priced:  # the formulas' figures beside the program's
+        columns += ["priced peak", "priced step"]
+    for name in columns:
+        ranked.add_column(name, justify="left" if name == "layout" else "right")
     for i, c in enumerate(r.ranked[:top], 1):
         t = c.time
-        ranked.add_row(
-            str(i), str(c.layout), format_bytes(c.peak_bytes), _ms(t.total), _ms(t.compute),
-            _ms(t.bubble), _ms(t.ici), _ms(t.dcn), "-" if t.mfu is None else f"{t.mfu:.1%}",
-        )  # fmt: skip
+        row = [str(i), str(c.layout), format_bytes(c.peak_bytes), _ms(t.total), _ms(t.compute),
+               _ms(t.bubble), _ms(t.ici), _ms(t.dcn), "-" if t.mfu is None else f"{t.mfu:.1%}"]
+        if r.priced:
+            row += ["-", "-"] if c.priced is None else [
+                format_bytes(c.priced.peak_bytes), _ms(c.priced_time.total)]
+        ranked.add_row(*row)
     parts = [head, ranked]
     if len(r.ranked) > top:
         parts.append(Text(f"... and {len(r.ranked) - top} more that fit (to_json() has all)"))

@@ -153,7 +153,7 @@ def plan(
     progress: bool = False,
     target: str | targets.Target | None = None,
     model: pricing.ModelShape | None = None,
-    compile_top: int = 8,
+    compile_top: int = 4,
 ) -> PlanReport:
     """Ranks ``layouts`` by modelled step time among those whose compiled step fits ``memory``.
 
@@ -201,7 +201,8 @@ def plan(
         the ``compile_top`` families whose fastest priced layouts model fastest are compiled
         and ranked by their programs. Each candidate carries its priced figures beside its
         compiled ones. Without ``model`` every family is compiled.
-      compile_top: how many families to compile, with ``model``.
+      compile_top: how many families to compile, with ``model``: the fastest by their priced
+        time, then as many more while none of them fits (`pricing.ROUNDS` rounds at most).
 
     Returns:
       A `PlanReport`: print it for the ranked table; ``.best`` is the fastest layout that fits.
@@ -245,20 +246,21 @@ def plan(
     else:
         workers = _workers(workers, n)
     timing = dict(overlap=overlap, model_flops=model_flops)
-    prices: dict[Layout, pricing.Price] = {}
-    not_compiled: list[search.Outcome] = []
-    priced_seconds = 0.0
-    if model is not None:
+    prices, not_compiled, priced_seconds = {}, [], 0.0
+    emulated = n if target is None else 1  # a target's workers compile for libtpu's devices
+    run = lambda fams: _run(build, fams, budget, emulated, workers, progress) if fams else []
+    if model is None:
+        outcomes = run(families)
+    else:
+        if isinstance(compile_top, bool) or not isinstance(compile_top, int) or compile_top < 1:
+            raise ValueError(f"rp.plan: compile_top must be an int >= 1; got {compile_top!r}.")
         t0 = time.perf_counter()
-        families, not_compiled, prices = pricing.front_runners(
-            families, model, budget, profile, compile_top, timing
+        ranked, not_compiled, prices = pricing.front_runners(
+            families, model, budget, profile, timing
         )
         priced_seconds = time.perf_counter() - t0
-        if progress:
-            print(f"planning: priced {len(prices)} layouts in {priced_seconds:.1f} s; compiling "
-                  f"the {len(families)} fastest families that may fit", file=sys.stderr)  # fmt: skip
-    emulated = n if target is None else 1  # a target's workers compile for libtpu's devices
-    outcomes = _run(build, families, budget, emulated, workers, progress) if families else []
+        outcomes, done = _rounds(run, ranked, compile_top, len(prices), priced_seconds, progress)
+        not_compiled += pricing.not_compiled(ranked, done, prices)
     candidates = _candidates([*outcomes, *not_compiled], prices, profile, timing)
     ranked = sorted((c for c in candidates if c.fits), key=lambda c: c.time.total)
     order = {search.TOO_BIG: 0, search.STATE_TOO_BIG: 1, search.PRICED_TOO_BIG: 2,
@@ -273,6 +275,25 @@ def plan(
         seconds=time.perf_counter() - start, workers=workers, priced=len(prices),
         priced_seconds=priced_seconds,
     )  # fmt: skip
+
+
+def _rounds(run, ranked, top: int, priced: int, seconds: float, progress: bool):
+    """``(outcomes, families compiled)``: the ``top`` fastest priced families compiled, then
+    the next ``top`` while none fits, `pricing.ROUNDS` rounds at most."""
+    outcomes: list[search.Outcome] = []
+    done = 0
+    say = (lambda text: print(f"planning: {text}", file=sys.stderr)) if progress else None
+    while done < min(len(ranked), pricing.ROUNDS * top):
+        batch = ranked[done : done + top]
+        if say:
+            say(f"priced {priced} layouts in {seconds:.1f} s; compiling the {len(batch)} "
+                f"fastest families that may fit" if not done else
+                f"none of the {done} families compiled fits; compiling the next {len(batch)}")  # fmt: skip
+        outcomes += run(pricing.to_compile(batch))
+        done += len(batch)
+        if any(o.status == search.FITS for o in outcomes):
+            break
+    return outcomes, done
 
 
 def _candidates(outcomes, prices, profile, timing) -> list[Candidate]:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 from replicator._src.planner import search
 from replicator._src.planner.layouts import VIRTUAL, Family, Layout, schedule_of
@@ -61,6 +62,10 @@ class ModelShape:
         (the TPU's Pallas kernel): a log-sum-exp a head kept for the backward; or
         ``"dot_product"``: the ``S x S`` scores kept. A sequence of at most `TILE` tokens on
         one device is attended in one block.
+      experts, top_k, capacity_factor, moe_every: a mixture of experts in every
+        ``moe_every``-th layer (`replicator.moe`): ``experts`` MLPs, each token to its
+        ``top_k``, each expert ``ceil(capacity_factor * seq_len * top_k / experts)`` rows a
+        sequence (``seq_len`` with ``capacity_factor=None``: dropless). 0 experts: dense.
     """
 
     num_layers: int
@@ -80,10 +85,49 @@ class ModelShape:
     compute_bytes: int = 4
     opt_slots: int = 2
     attention: str = "blockwise"
+    experts: int = 0
+    top_k: int = 1
+    capacity_factor: float | None = 1.25
+    moe_every: int = 1
 
     @property
     def qkv_columns(self) -> int:
         return (self.num_heads + 2 * self.kv_heads) * self.head_dim
+
+    @property
+    def mlp_params(self) -> tuple[int, int]:
+        """One MLP's ``(matrix entries, biases)``."""
+        gates = 2 if self.gated else 1
+        bias = self.hidden * gates + self.d_model if self.bias else 0
+        return (gates + 1) * self.d_model * self.hidden, bias
+
+    @property
+    def moe_layers(self) -> int:
+        return self.num_layers // self.moe_every if self.experts else 0
+
+    @property
+    def expert_params(self) -> int:
+        """Every expert's parameters, over the layers (split over ``expert`` and ``model``)."""
+        return self.moe_layers * self.experts * sum(self.mlp_params)
+
+    @property
+    def expert_rows(self) -> float:
+        """A mixture's rows per token: ``experts * capacity / seq_len`` (each expert's slots of
+        a sequence are computed, empty or not; `replicator.moe`)."""
+        if not self.experts:
+            return 1.0
+        rows = self.seq_len
+        if self.capacity_factor is not None:
+            share = self.capacity_factor * self.seq_len * self.top_k / self.experts
+            rows = max(1, min(self.seq_len, math.ceil(round(share, 9))))
+        return self.experts * rows / self.seq_len
+
+    @property
+    def mlp_rows(self) -> float:
+        """The MLP rows a token makes in a layer, on average over the layers: 1 for a dense
+        MLP, `expert_rows` for a mixture."""
+        dense = self.num_layers - self.moe_layers
+        return (dense + self.moe_layers * self.expert_rows) / self.num_layers
 
     @property
     def block_matmul_params(self) -> int:
@@ -115,7 +159,8 @@ class ModelShape:
     @property
     def num_params(self) -> int:
         block = sum(self.block_params)
-        return self.num_layers * block + sum(self.outer_params)
+        moe = self.moe_layers * (self.d_model * self.experts - sum(self.mlp_params))
+        return self.num_layers * block + moe + self.expert_params + sum(self.outer_params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +199,9 @@ class Price:
             if lay.schedule in SKIPS_IDLE:
                 idle = self.flops * bubble / (1 - bubble)
         return CompiledStep(
-            mesh=dict(lay.mesh_shape), memory={"peak": int(self.peak_bytes)}, flops=self.flops,
+            mesh=dict(lay.mesh_shape), flops=self.flops,
+            memory={"peak": int(self.peak_bytes),
+                    "temporaries": int(self.peak_bytes - self.state_bytes)},
             collectives=self.collectives, idle_flops=idle, bubble=bubble, roofline=self.roofline,
         )  # fmt: skip
 
@@ -184,11 +231,15 @@ def price(layout: Layout, shape: ModelShape) -> Price:
 
 
 def _per_device_params(layout: Layout, m: ModelShape) -> float:
-    """Parameters one device holds before ZeRO: its stage's layers, its ``model`` columns."""
+    """Parameters one device holds before ZeRO: its stage's layers, its ``model`` columns, its
+    ``expert`` axis's experts (a mixture's layers: a router for the dense MLP)."""
     split, whole = m.block_params
     outer_split, outer_whole = m.outer_params
     layers = m.num_layers / layout.stage
-    return layers * (split / layout.model + whole) + outer_split / layout.model + outer_whole
+    moe = m.moe_layers * (m.d_model * m.experts - sum(m.mlp_params) / layout.model)
+    experts = m.expert_params / (layout.model * layout.expert)
+    dense = layers * (split / layout.model + whole)
+    return dense + moe + experts + outer_split / layout.model + outer_whole
 
 
 def _state_bytes(layout: Layout, m: ModelShape) -> float:
@@ -218,8 +269,8 @@ def _working_bytes(layout: Layout, m: ModelShape) -> float:
     grads = 4 * params / (layout.data if zero >= 2 else 1)
     if zero == 2 or (layout.accumulate_steps > 1 and zero < 2):
         grads += 4 * params  # a micro-step's whole, before ZeRO-2 scatters it or it is summed
-    split, whole = m.block_params
-    block = layers * (split / t + whole)  # the layers' parameters on this device
+    outer_split, outer_whole = m.outer_params
+    block = params - outer_split / t - outer_whole  # the layers' parameters on this device
     weights = 0.0
     if e < 4:  # each layer's weights cast to the compute dtype (ZeRO-3: its own part), and
         # under ZeRO-3 without remat the gathered casts, kept for the backward (fp32 weights
@@ -227,7 +278,7 @@ def _working_bytes(layout: Layout, m: ModelShape) -> float:
         weights += e * block / (layout.data if zero == 3 else 1)
         if zero == 3 and layout.remat is False:
             weights += e * block
-    outer_split = m.outer_params[0] / t
+    outer_split = outer_split / t
     head = tokens * m.vocab / t * (4 + e)  # the logits in fp32 and in the compute dtype
     if zero >= 2:  # the embedding's and head's gradients whole, before they are scattered
         head += 4 * outer_split
@@ -246,15 +297,17 @@ def _kept(layout: Layout, m: ModelShape, remat) -> float:
     t, d, e = layout.model, m.d_model, m.compute_bytes
     if remat is True:
         return e * d
-    gates = 2 if m.gated else 1
-    if remat == "dots":
-        return e * ((m.qkv_columns + gates * m.hidden) / t + 2 * d)
+    gates, rows = (2 if m.gated else 1), m.mlp_rows  # an expert's slots: rows of its own
+    if remat == "dots":  # (the experts' products have a batch axis: they keep nothing)
+        dense = 1 - m.moe_layers / m.num_layers
+        return e * ((m.qkv_columns + gates * dense * m.hidden) / t + d + dense * d)
     heads = m.num_heads / t
+    hidden = 6 * rows * m.hidden / t + (2 * rows * d if m.experts else 0)  # experts' in, out
     if m.layer_norm:
-        kept = e * (9 * d + m.qkv_columns / t + 6 * m.hidden / t)
+        kept = e * (9 * d + m.qkv_columns / t + hidden)
     else:
         q, kv = m.num_heads * m.head_dim, m.kv_heads * m.head_dim
-        kept = 4 * 4 * d + e * (3 * d + 2 * (q + 2 * kv) / t + 6 * m.hidden / t)
+        kept = 4 * 4 * d + e * (3 * d + 2 * (q + 2 * kv) / t + hidden)
     if layout.context == 1 and (m.attention == "dot_product" or m.seq_len <= TILE):
         return kept + 2 * e * heads * m.seq_len
     return kept + 4 * heads
@@ -270,15 +323,24 @@ def _flops(layout: Layout, m: ModelShape) -> float:
     layers = m.num_layers / layout.stage
     d = m.d_model
     attention_width = m.num_heads * m.head_dim / layout.model
-    # per layer and token, forward: the matmuls' 2 per multiply-add, and the scores and
-    # weighted sums of each query against the whole sequence
-    matmul = 2 * m.block_matmul_params / layout.model
+    # per layer and token, forward: the matmuls' 2 per multiply-add
+    # (the MLP's for each of its rows: an expert's slots), and the scores and weighted sums of
+    # each query against the whole sequence
+    rows = m.mlp_rows
+    attention = m.block_matmul_params - m.mlp_params[0]
+    router = m.d_model * m.experts * m.moe_layers / m.num_layers
+    matmul = 2 * ((attention + rows * m.mlp_params[0]) / layout.model + router)
     scores = 4 * m.seq_len * attention_width
     forward = layers * tokens * (matmul + scores)
     train = 3 * forward
-    if layout.remat is True:  # the layer again, less its output projections (not needed back)
-        out_proj = 2 * (m.num_heads * m.head_dim * d + m.hidden * d) / layout.model
+    moe = m.moe_layers / m.num_layers
+    if layout.remat is True:  # the layer again, less its output projections (not needed back;
+        # an expert's is: its gate's gradient reads it)
+        dense = (1 - moe) * m.hidden * d
+        out_proj = 2 * (m.num_heads * m.head_dim * d + dense) / layout.model
         train += layers * tokens * (matmul - out_proj + scores)
+    elif layout.remat == "dots":  # the experts' products have a batch axis: computed again
+        train += layers * tokens * 2 * moe * m.expert_rows * m.mlp_params[0] / layout.model
     train *= _computed_ticks(layout)
     head = 6 * tokens * m.vocab * d / layout.model  # on every stage's device
     return train + head
@@ -349,6 +411,15 @@ def _collectives(layout: Layout, m: ModelShape):
         if layout.zero_stage == 3 and tokens < m.vocab:  # each replica looks up in its columns
             lookup = tokens * m.d_model / layout.model * m.compute_bytes  # forward and back
             yield CollectiveCost("all-to-all", ("data",), 2 * a * _ring(d) * lookup, 2 * a)
+    n = layout.expert
+    if n > 1:  # each mixture sends its experts' rows to their devices and back, forward and
+        # backward (and forward again under full remat); the tokens' replicas sum the rest
+        count = (6 if layout.remat else 4) * m.moe_layers  # dots: the experts' rows again
+        buffer = _tokens(layout, m) * m.expert_rows * m.d_model * m.compute_bytes
+        yield CollectiveCost("all-to-all", ("expert",), count * _ring(n) * buffer, count)
+        table = m.vocab * m.d_model / layout.model  # its gradient is gathered (`UNPRICED`)
+        shared = 4 * (params - m.expert_params / (layout.model * n) - table)
+        yield CollectiveCost("all-reduce", ("expert",), 2 * _ring(n) * shared, 1)
     c = layout.context
     if c > 1:  # the gradients summed over the context's replicas too
         yield CollectiveCost("all-reduce", ("context",), 2 * _ring(c) * grads, 1)
@@ -357,9 +428,12 @@ def _collectives(layout: Layout, m: ModelShape):
     micro = layout.microbatches if layout.stage > 1 else 1
     activation = _tokens(layout, m) / micro * m.d_model * m.compute_bytes  # a micro-batch's
     if t > 1:  # Megatron: two all-reduces of the activations forward and two backward a layer,
-        # and the vocabulary-parallel embedding's forward and the head's input gradient
-        count = (4 * m.num_layers / layout.stage + 2) * micro
-        yield CollectiveCost("all-reduce", ("model",), count * activation * 2 * _ring(t), count)
+        # and the vocabulary-parallel embedding's forward and the head's input gradient (an
+        # MLP's of each of its rows: a mixture's of each expert's slots)
+        layers = m.num_layers / layout.stage
+        count = (4 * layers + 2) * micro
+        rows = (2 * layers * (1 + m.mlp_rows) + 2) * micro
+        yield CollectiveCost("all-reduce", ("model",), rows * activation * 2 * _ring(t), count)
     k = layout.stage
     if k > 1:  # each tick sends a micro-batch's activations forward and a gradient back
         ticks = 2 * _ticks(layout.schedule, k, layout.microbatches, layout.repeats)
@@ -408,19 +482,18 @@ MARGIN = 0.8
 # scans keep more a tick than is modelled: their priced peak is a floor.
 FLOOR = 0.5
 TRIES = 3  # layouts compiled at most in each family kept
+ROUNDS = 4  # rounds of ``compile_top`` families compiled at most while none fits
 
 
-def front_runners(families, model, budget, profile, compile_top, timing):
-    """``(families to compile, outcomes of the others, every layout's price)``.
+def front_runners(families, model, budget, profile, timing):
+    """``(ranked, dropped, prices)``: the families that may fit, each as ``(modelled seconds,
+    family, layouts to try)``, fastest first; the outcomes of the layouts of those that cannot;
+    every layout's price.
 
     A family is dropped where even `MARGIN` of every layout's priced peak is over ``budget``.
     In each other family the layouts to try are, fastest first, those whose priced peak fits
-    (GPipe's and circular's: over `FLOOR`), then the others that may: at most `TRIES`, each in
-    a group of its own, so the search compiles them in turn and stops at the first that fits.
-    The families are ordered by the modelled time of their first, and the first
-    ``compile_top`` are kept; no other layout is compiled."""
-    if isinstance(compile_top, bool) or not isinstance(compile_top, int) or compile_top < 1:
-        raise ValueError(f"rp.plan: compile_top must be an int >= 1; got {compile_top!r}.")
+    (GPipe's and circular's: over `FLOOR`), then the others that may: at most `TRIES`. The
+    families are ordered by the modelled time of their first layout to try."""
     prices = {lay: price(lay, model) for f in families for lay in f.layouts}
     likely = lambda lay: prices[lay].peak_bytes / (FLOOR if _floor_only(lay) else 1)
     dropped, ranked = [], []
@@ -437,17 +510,29 @@ def front_runners(families, model, budget, profile, compile_top, timing):
         seconds = model_time(prices[tries[0]].step(), profile, **timing).total
         ranked.append((seconds, len(ranked), f, tries))
     ranked.sort(key=lambda r: r[:2])
-    keep, rest = [], []
-    for i, (seconds, _, f, tries) in enumerate(ranked):
-        if i < compile_top:
-            keep.append(Family(tuple((lay,) for lay in tries)))
+    return [(seconds, f, tries) for seconds, _, f, tries in ranked], dropped, prices
+
+
+def to_compile(ranked) -> list[Family]:
+    """The families of ``ranked`` (`front_runners`) as the search compiles them: each layout
+    to try in a group of its own, so it compiles them in turn and stops at the first that
+    fits."""
+    return [Family(tuple((lay,) for lay in tries)) for _, _, tries in ranked]
+
+
+def not_compiled(ranked, compiled: int, prices) -> list:
+    """The outcomes of the layouts the search did not compile: those not tried in the first
+    ``compiled`` families of ``ranked``, and every layout of the others."""
+    out = []
+    for i, (seconds, f, tries) in enumerate(ranked):
+        if i < compiled:
             reason = f"not tried: {tries[0]} and up to {TRIES - 1} more of its family were"
         else:
-            reason = (f"priced slower than the {compile_top} compiled "
+            reason = (f"priced slower than the {compiled} families compiled "
                       f"({seconds * 1e3:.4g} ms modelled)")  # fmt: skip
-        rest += [search.Outcome(lay, search.SKIPPED, reason, int(prices[lay].state_bytes))
-                 for lay in f.layouts if i >= compile_top or lay not in tries]  # fmt: skip
-    return keep, dropped + rest, prices
+        out += [search.Outcome(lay, search.SKIPPED, reason, int(prices[lay].state_bytes))
+                for lay in f.layouts if i >= compiled or lay not in tries]  # fmt: skip
+    return out
 
 
 def _floor_only(layout: Layout) -> bool:
