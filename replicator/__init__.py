@@ -39,7 +39,7 @@ from replicator._src.planner.layouts import enumerate_layouts as enumerate_layou
 from replicator._src.planner.planning import Candidate as Candidate
 from replicator._src.planner.planning import PlanReport as PlanReport
 from replicator._src.planner.planning import plan as plan
-from replicator._src.planner.pricing import ModelShape as ModelShape
+from replicator._src.planner.model_shape import ModelShape as ModelShape
 from replicator._src.planner.pricing import Price as Price
 from replicator._src.report.hardware import HARDWARE as HARDWARE
 from replicator._src.report.hardware import Hardware as Hardware

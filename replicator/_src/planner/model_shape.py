@@ -1,0 +1,128 @@
+"""The sizes of a decoder-only transformer and its training step, as the planner prices them
+(`pricing.price`): `ModelShape`."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+TILE = 64  # `replicator.attention`'s tile: shorter sequences are attended in one block
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a decoder-only transformer and its training step, as pricing needs them.
+
+    Attributes:
+      num_layers, d_model, num_heads, kv_heads, head_dim, hidden, vocab, seq_len: the model.
+      global_batch: sequences per step, over all replicas.
+      gated: SwiGLU MLPs (three matrices) rather than two.
+      bias: biases in the linear layers.
+      layer_norm: LayerNorm (a scale and a bias) rather than RMSNorm (a scale).
+      learned_positions: a ``[seq_len, D]`` position table.
+      tied: the head is the token table.
+      compute_bytes: the activations' bytes per element (4 for fp32, 2 for bf16).
+      opt_slots: fp32 copies of the parameters the optimizer keeps (Adam 2, SGD 0).
+      attention: ``"blockwise"`` (`replicator.attention`'s kernel, tile by tile), ``"splash"``
+        (the TPU's Pallas kernel): a log-sum-exp a head kept for the backward; or
+        ``"dot_product"``: the ``S x S`` scores kept. A sequence of at most `TILE` tokens on
+        one device is attended in one block.
+      experts, top_k, capacity_factor, moe_every: a mixture of experts in every
+        ``moe_every``-th layer (`replicator.moe`): ``experts`` MLPs, each token to its
+        ``top_k``, each expert ``ceil(capacity_factor * seq_len * top_k / experts)`` rows a
+        sequence (``seq_len`` with ``capacity_factor=None``: dropless). 0 experts: dense.
+    """
+
+    num_layers: int
+    d_model: int
+    num_heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    vocab: int
+    seq_len: int
+    global_batch: int
+    gated: bool = False
+    bias: bool = True
+    layer_norm: bool = True
+    learned_positions: bool = True
+    tied: bool = False
+    compute_bytes: int = 4
+    opt_slots: int = 2
+    attention: str = "blockwise"
+    experts: int = 0
+    top_k: int = 1
+    capacity_factor: float | None = 1.25
+    moe_every: int = 1
+
+    @property
+    def qkv_columns(self) -> int:
+        return (self.num_heads + 2 * self.kv_heads) * self.head_dim
+
+    @property
+    def mlp_params(self) -> tuple[int, int]:
+        """One MLP's ``(matrix entries, biases)``."""
+        gates = 2 if self.gated else 1
+        bias = self.hidden * gates + self.d_model if self.bias else 0
+        return (gates + 1) * self.d_model * self.hidden, bias
+
+    @property
+    def moe_layers(self) -> int:
+        return self.num_layers // self.moe_every if self.experts else 0
+
+    @property
+    def expert_params(self) -> int:
+        """Every expert's parameters, over the layers (split over ``expert`` and ``model``)."""
+        return self.moe_layers * self.experts * sum(self.mlp_params)
+
+    @property
+    def expert_rows(self) -> float:
+        """A mixture's rows per token: ``experts * capacity / seq_len`` (each expert's slots of
+        a sequence are computed, empty or not; `replicator.moe`)."""
+        if not self.experts:
+            return 1.0
+        rows = self.seq_len
+        if self.capacity_factor is not None:
+            share = self.capacity_factor * self.seq_len * self.top_k / self.experts
+            rows = max(1, min(self.seq_len, math.ceil(round(share, 9))))
+        return self.experts * rows / self.seq_len
+
+    @property
+    def mlp_rows(self) -> float:
+        """The MLP rows a token makes in a layer, on average over the layers: 1 for a dense
+        MLP, `expert_rows` for a mixture."""
+        dense = self.num_layers - self.moe_layers
+        return (dense + self.moe_layers * self.expert_rows) / self.num_layers
+
+    @property
+    def block_matmul_params(self) -> int:
+        """One layer's matrix entries: queries, keys, values, output, MLP."""
+        d = self.d_model
+        attention = d * self.qkv_columns + self.num_heads * self.head_dim * d
+        return attention + (3 if self.gated else 2) * d * self.hidden
+
+    @property
+    def block_params(self) -> tuple[int, int]:
+        """One layer's parameters: ``(split over model, whole on each model device)``."""
+        split = self.block_matmul_params
+        whole = 2 * self.d_model * (2 if self.layer_norm else 1)
+        if self.bias:
+            split += self.qkv_columns + self.hidden * (2 if self.gated else 1)
+            whole += 2 * self.d_model
+        return split, whole
+
+    @property
+    def outer_params(self) -> tuple[int, int]:
+        """The embedding's and head's: ``(split over model: the vocabulary, whole)``."""
+        d = self.d_model
+        split = self.vocab * d * (1 if self.tied else 2)
+        whole = d * (2 if self.layer_norm else 1) + (
+            self.seq_len * d if self.learned_positions else 0
+        )
+        return split, whole
+
+    @property
+    def num_params(self) -> int:
+        block = sum(self.block_params)
+        moe = self.moe_layers * (self.d_model * self.experts - sum(self.mlp_params))
+        return self.num_layers * block + moe + self.expert_params + sum(self.outer_params)
