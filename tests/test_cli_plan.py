@@ -198,7 +198,7 @@ def test_plan_lists_context_layouts_for_a_long_sequence(tmp_path):
 
 def test_splash_configs_plan_no_model_axis_and_zero_below_3_without_reduce_dtype():
     """Llama 2 70B's config (splash attention, bf16 reduce_dtype under ZeRO-3): its layouts have
-    no model axis, which the kernel refuses, and those of other ZeRO stages are written (and
+    no model or context axis, which the kernel refuses, and those of other ZeRO stages are written (and
     built) with reduce_dtype off, which the config would refuse and which changes nothing."""
     import argparse
 
@@ -211,7 +211,7 @@ def test_splash_configs_plan_no_model_axis_and_zero_below_3_without_reduce_dtype
     args = parser.parse_args(["plan", "configs/llama2_70b.yaml", "--devices", "256"])
     families = plan_cli.layouts_for(cfg, 256, args)
     layouts = [lay for f in families for lay in f.layouts]
-    assert layouts and all(lay.model == 1 for lay in layouts)
+    assert layouts and all(lay.model == lay.context == lay.expert == 1 for lay in layouts)
     raw = dataclasses.asdict(cfg)
     raw.pop("learning_rate")
     for lay in (rp.Layout(data=256, zero_stage=1), rp.Layout(data=256, zero_stage=3)):

@@ -160,22 +160,39 @@ def test_a_priced_plan_compiles_only_its_front_runners():
 
 
 def test_a_priced_plan_compiles_the_next_families_while_none_fits():
-    """`planning._rounds`: the first ``compile_top`` families, then as many more while none of
-    them fits, at most `pricing.ROUNDS` rounds."""
+    """`planning._rounds`: the first ``compile_top`` families, then, while none fits, the next
+    ones repriced by how far the compiled peaks were over their prices (`pricing.ROUNDS`
+    rounds at most); the others are listed as not compiled."""
     from replicator._src.planner import planning, search
+    from replicator._src.report.cost_model import CompiledStep
 
-    layouts = [rp.Layout(data=8, accumulate_steps=2**i) for i in range(12)]
-    ranked = [(float(i), rp.Family((lay,)), [lay]) for i, lay in enumerate(layouts)]
+    families = rp.enumerate_layouts(8, global_batch=32, num_layers=4, num_heads=4, hidden=512)
+    profile, timing = rp.hardware("tpu-v5e"), {"overlap": 0.0, "model_flops": None}
+    ranked, _, prices = pricing.front_runners(families, SHAPE, 2**34, profile, timing)
+    scales = []
+
+    def reprice(rest, scale):
+        scales.append(scale)
+        return pricing.front_runners(rest, SHAPE, 2**34, profile, timing, scale, prices)
+
+    def run(fams, fits=lambda i: False, over=1.5):
+        outcomes = []
+        for f in fams:
+            lay = f.layouts[0]
+            step = CompiledStep({"data": 8}, {"peak": over * prices[lay].peak_bytes}, 1.0, ())
+            fit = fits(len(compiled))
+            compiled.append(lay)
+            outcomes.append(search.Outcome(lay, search.FITS if fit else search.TOO_BIG, None,
+                                           None, step))  # fmt: skip
+            outcomes += [search.Outcome(other, search.SKIPPED) for other in f.layouts[1:]]
+        return outcomes
+
     compiled = []
-
-    def run(families, fits=frozenset(layouts[5:])):
-        got = [f.layouts[0] for f in families]
-        compiled.extend(got)
-        return [search.Outcome(lay, search.FITS if lay in fits else search.TOO_BIG) for lay in got]
-
-    outcomes, done = planning._rounds(run, ranked, 2, 12, 0.0, False)
-    assert done == 6 and compiled == layouts[:6]  # rounds of 2 until one fits: the 6th
-    assert [o.status for o in outcomes].count(search.FITS) == 1
+    got, rest = planning._rounds(lambda f: run(f, lambda i: i == 4), ranked, reprice, 2,
+                                 prices, False)  # fmt: skip
+    assert len(compiled) == 6 and scales == [1.5, 1.5]  # rounds of 2, the 5th fits
+    assert [o.status for o in got].count(search.FITS) == 1
+    assert len(got) + len(rest) == len(prices)
     compiled.clear()
-    outcomes, done = planning._rounds(lambda f: run(f, fits=frozenset()), ranked, 2, 12, 0.0, False)
-    assert done == 2 * pricing.ROUNDS == len(compiled)  # none fits: ROUNDS rounds, no more
+    got, rest = planning._rounds(run, ranked, reprice, 2, prices, False)
+    assert len(compiled) == 2 * pricing.ROUNDS  # none fits: ROUNDS rounds, no more

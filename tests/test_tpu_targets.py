@@ -625,17 +625,17 @@ def test_cli_a_model_over_the_hbm_names_the_smallest_change_that_fits(capsys):
 
 @pytest.mark.slow
 def test_cli_a_report_over_the_hbm_carries_the_smallest_change_that_fits(tmp_path, capsys):
-    """Llama 3 8B without remat at two sequences a chip on v5p-1024, over the chip's 95 GiB:
-    the report says so and names remat as the change that fits, or, where the compiler refuses
-    the program itself (libtpu 0.0.42.1 and 0.0.50.1 do), the one-line refusal names it."""
+    """Llama 3 8B without remat at two sequences a chip on v5p-16, over the chip's 95 GiB: the
+    report says so and names remat as the change that fits, or, where the compiler refuses the
+    program itself (libtpu 0.0.42.1 and 0.0.50.1 do), the one-line refusal names it."""
     out = tmp_path / "llama3.json"
     code = cli.main(
-        ["explain", str(ROOT / "configs/llama3_8b.yaml"), "global_batch=1024", "--target",
-         "v5p-1024", "--json", str(out), "--quick"]
+        ["explain", str(ROOT / "configs/llama3_8b.yaml"), "global_batch=16", "--target",
+         "v5p-16", "--json", str(out), "--quick"]
     )  # fmt: skip
     captured = capsys.readouterr()
     if code == 2:
-        assert "does not fit v5p-1024" in captured.err
+        assert "does not fit v5p-16" in captured.err
         assert "smallest change that fits: model.remat=full" in captured.err
         return
     assert code == 0, captured.err

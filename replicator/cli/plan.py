@@ -260,12 +260,13 @@ def layouts_for(cfg: TrainConfig, n: int, args: argparse.Namespace):
     common = dict(global_batch=cfg.global_batch, schedules=schedules, max_stage=args.max_stage)
     if m.kind == "gpt":
         max_model = 8 if args.max_model is None else args.max_model
-        if getattr(m, "attention", None) == "splash":  # the kernel runs on whole heads
-            max_model = 1
+        tokens = _token_options(m, args)
+        if getattr(m, "attention", None) == "splash":  # the kernel runs on whole heads and
+            max_model = 1  # sequences, on one device each (`replicator._src.layers.splash`)
+            tokens.update(max_context=1, max_expert=1)
         return rp.enumerate_layouts(
             n, num_layers=m.layers, num_heads=m.heads, hidden=m.d_ff or 4 * m.d_model,
-            zero_stages=zero, max_model=max_model,
-            **_token_options(m, args), **common,
+            zero_stages=zero, max_model=max_model, **tokens, **common,
         )  # fmt: skip
     if m.kind == "mlp":  # data parallel with ZeRO; its layers are always rematerialised
         return rp.enumerate_layouts(

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 
 from replicator._src.core import targets
 from replicator._src.planner import pricing, search
+from replicator._src.planner import progress as progress_lib
 from replicator._src.planner.layouts import Family, Layout
 from replicator._src.planner.plan_table import renderable as _renderable
 from replicator._src.report.cost_model import ModelledTime, model_time
@@ -248,19 +249,16 @@ def plan(
     timing = dict(overlap=overlap, model_flops=model_flops)
     prices, not_compiled, priced_seconds = {}, [], 0.0
     emulated = n if target is None else 1  # a target's workers compile for libtpu's devices
-    run = lambda fams: _run(build, fams, budget, emulated, workers, progress) if fams else []
+    score = lambda outcome: model_time(outcome.compiled, profile, **timing).total
+    run = lambda fams: _run(build, fams, budget, emulated, workers, progress, score) if fams else []
     if model is None:
         outcomes = run(families)
     else:
         if isinstance(compile_top, bool) or not isinstance(compile_top, int) or compile_top < 1:
             raise ValueError(f"rp.plan: compile_top must be an int >= 1; got {compile_top!r}.")
-        t0 = time.perf_counter()
-        ranked, not_compiled, prices = pricing.front_runners(
-            families, model, budget, profile, timing
+        outcomes, not_compiled, prices, priced_seconds = _priced_rounds(
+            run, families, model, budget, profile, timing, compile_top, progress
         )
-        priced_seconds = time.perf_counter() - t0
-        outcomes, done = _rounds(run, ranked, compile_top, len(prices), priced_seconds, progress)
-        not_compiled += pricing.not_compiled(ranked, done, prices)
     candidates = _candidates([*outcomes, *not_compiled], prices, profile, timing)
     ranked = sorted((c for c in candidates if c.fits), key=lambda c: c.time.total)
     order = {search.TOO_BIG: 0, search.STATE_TOO_BIG: 1, search.PRICED_TOO_BIG: 2,
@@ -277,23 +275,51 @@ def plan(
     )  # fmt: skip
 
 
-def _rounds(run, ranked, top: int, priced: int, seconds: float, progress: bool):
-    """``(outcomes, families compiled)``: the ``top`` fastest priced families compiled, then
-    the next ``top`` while none fits, `pricing.ROUNDS` rounds at most."""
+def _priced_rounds(run, families, model, budget, profile, timing, top, progress):
+    """Every layout priced, then `_rounds`: ``(outcomes compiled, not compiled, prices,
+    seconds to price)``."""
+    t0 = time.perf_counter()
+    ranked, dropped, prices = pricing.front_runners(families, model, budget, profile, timing)
+    seconds = time.perf_counter() - t0
+    if progress:
+        print(f"planning: priced {len(prices)} layouts in {seconds:.1f} s: {len(dropped)} "
+              f"cannot fit, the others in {len(ranked)} families", file=sys.stderr)  # fmt: skip
+    reprice = lambda rest, scale: pricing.front_runners(
+        rest, model, budget, profile, timing, scale=scale, prices=prices
+    )
+    outcomes, more = _rounds(run, ranked, reprice, top, prices, progress)
+    return outcomes, dropped + more, prices, seconds
+
+
+def _rounds(run, ranked, reprice, top: int, prices, progress: bool):
+    """``(outcomes compiled, outcomes not compiled)``: the ``top`` fastest priced families of
+    ``ranked`` compiled, then, while none fits, the next ``top`` (`pricing.ROUNDS` rounds at
+    most), repriced with the compiled programs' peaks: ``reprice(families, scale)`` ranks them
+    again with each priced peak times the largest ratio of a compiled peak to its price."""
     outcomes: list[search.Outcome] = []
-    done = 0
+    dropped: list[search.Outcome] = []
+    compiled: list = []  # the families compiled, as ranked
+    scale = 1.0
     say = (lambda text: print(f"planning: {text}", file=sys.stderr)) if progress else None
-    while done < min(len(ranked), pricing.ROUNDS * top):
-        batch = ranked[done : done + top]
+    for _ in range(pricing.ROUNDS):
+        batch, ranked = ranked[:top], ranked[top:]
+        if not batch:
+            break
         if say:
-            say(f"priced {priced} layouts in {seconds:.1f} s; compiling the {len(batch)} "
-                f"fastest families that may fit" if not done else
-                f"none of the {done} families compiled fits; compiling the next {len(batch)}")  # fmt: skip
-        outcomes += run(pricing.to_compile(batch))
-        done += len(batch)
+            say(f"compiling the {len(batch)} fastest families that may fit" if not compiled else
+                f"none of the {len(compiled)} families compiled fits (peaks up to {scale:.2f}x "
+                f"their prices); compiling the next {len(batch)}, repriced")  # fmt: skip
+        got = run(pricing.to_compile(batch))
+        outcomes += got
+        compiled += batch
         if any(o.status == search.FITS for o in outcomes):
             break
-    return outcomes, done
+        ratios = [o.compiled.memory["peak"] / prices[o.layout].peak_bytes
+                  for o in got if o.compiled is not None]  # fmt: skip
+        scale = max([scale, *ratios])
+        ranked, more, _ = reprice([f for _, f, _ in ranked], scale)
+        dropped += more
+    return outcomes, dropped + pricing.not_compiled([*compiled, *ranked], len(compiled), prices)
 
 
 def _candidates(outcomes, prices, profile, timing) -> list[Candidate]:
@@ -329,14 +355,14 @@ def _workers(workers: int | None, n: int, here: bool = True) -> int:
     return max(1, min(2, os.cpu_count() or 1))
 
 
-def _run(build, families, budget, n, workers, progress) -> list[search.Outcome]:
+def _run(build, families, budget, n, workers, progress, score) -> list[search.Outcome]:
     """Every family's outcomes, in the order of ``families``; siblings (families that differ in
     their ZeRO stage only) are searched together, by one process."""
     groups: dict[tuple, list[int]] = {}
     for i, family in enumerate(families):
         groups.setdefault(search.sibling_key(family), []).append(i)
     tasks = list(groups.values())
-    bar = _Progress(len(families), progress)
+    bar = progress_lib.Progress(len(families), progress, score)
     results: list = [None] * len(families)
     try:
         if workers == 0:
@@ -345,7 +371,7 @@ def _run(build, families, budget, n, workers, progress) -> list[search.Outcome]:
                 found = search.search_siblings(fn, [families[i] for i in task], budget)
                 for i, outcomes in zip(task, found, strict=True):
                     results[i] = outcomes
-                    bar.advance(families[i])
+                    bar.advance(families[i], outcomes)
         else:
             _in_workers(build, families, tasks, budget, n, workers, results, bar)
     finally:
@@ -408,7 +434,7 @@ def _in_workers(build, families, tasks, budget, n, workers, results, bar) -> Non
                         start()
                 for i, outcomes in zip(tasks[t], found, strict=True):
                     results[i] = outcomes
-                    bar.advance(families[i])
+                    bar.advance(families[i], outcomes)
     finally:
         for conn, proc in procs.items():
             try:
@@ -430,34 +456,3 @@ a fresh Python (multiprocessing's "spawn"), which imports your script again: run
 
 and make `build` a module-level function (or "module:function"), importable there. Or plan in \
 this process with workers=0, if it has the layouts' number of devices."""
-
-
-class _Progress:
-    """A bar on a terminal; elsewhere (a log file, a notebook's captured stderr) one line per
-    family planned, with the count and the time so far."""
-
-    def __init__(self, total: int, show: bool):
-        self.bar, self.lines, self.total, self.done = None, False, total, 0
-        self.start = time.perf_counter()
-        if show and sys.stderr.isatty():
-            from rich.progress import Progress
-
-            self.bar = Progress(transient=True)
-            self.task = self.bar.add_task("planning: compiling layout families", total=total)
-            self.bar.start()
-        elif show:
-            self.lines = True
-            print(f"planning: {total} layout families to compile", file=sys.stderr, flush=True)
-
-    def advance(self, family: Family) -> None:
-        self.done += 1
-        if self.bar is not None:
-            self.bar.update(self.task, advance=1, description=f"planned {family}")
-        elif self.lines:
-            took = time.perf_counter() - self.start
-            line = f"planned {self.done}/{self.total} ({took:.0f} s): {family}"
-            print(line, file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()

@@ -364,23 +364,28 @@ TRIES = 3  # layouts compiled at most in each family kept
 ROUNDS = 4  # rounds of ``compile_top`` families compiled at most while none fits
 
 
-def front_runners(families, model, budget, profile, timing):
+def front_runners(families, model, budget, profile, timing, scale=1.0, prices=None):
     """``(ranked, dropped, prices)``: the families that may fit, each as ``(modelled seconds,
     family, layouts to try)``, fastest first; the outcomes of the layouts of those that cannot;
     every layout's price.
 
-    A family is dropped where even `MARGIN` of every layout's priced peak is over ``budget``.
+    A family is dropped where even `MARGIN` of every layout's priced peak (times ``scale``:
+    what compiled programs have shown of the prices) is over ``budget``.
     In each other family the layouts to try are, fastest first, those whose priced peak fits
     (GPipe's and circular's: over `FLOOR`), then the others that may: at most `TRIES`. The
     families are ordered by the modelled time of their first layout to try."""
-    prices = {lay: price(lay, model) for f in families for lay in f.layouts}
-    likely = lambda lay: prices[lay].peak_bytes / (FLOOR if _floor_only(lay) else 1)
+    prices = prices or {}
+    prices.update({lay: price(lay, model) for f in families for lay in f.layouts
+                   if lay not in prices})  # fmt: skip
+    peak = lambda lay: prices[lay].peak_bytes * scale
+    likely = lambda lay: peak(lay) / (FLOOR if _floor_only(lay) else 1)
     dropped, ranked = [], []
     for f in families:
-        fits = [lay for lay in f.layouts if prices[lay].peak_bytes * MARGIN <= budget]
+        fits = [lay for lay in f.layouts if peak(lay) * MARGIN <= budget]
         if not fits:
-            least = min(prices[lay].peak_bytes for lay in f.layouts)
-            reason = f"priced: {format_bytes(least)} per device"
+            least = min(peak(lay) for lay in f.layouts)
+            times = "" if scale == 1 else f" (priced x {scale:.2f}, as the compiled peaks were)"
+            reason = f"priced: {format_bytes(least)} per device{times}"
             dropped += [search.Outcome(lay, search.PRICED_TOO_BIG, reason,
                                        int(prices[lay].state_bytes)) for lay in f.layouts]  # fmt: skip
             continue
