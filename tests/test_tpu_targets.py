@@ -470,6 +470,22 @@ def test_every_config_compiles_for_a_tpu_of_its_mesh_and_fits(name, tmp_path):
     assert f"on {target} (" in run.stdout
 
 
+@pytest.mark.slow  # one compile, about 10 s
+def test_splash_on_a_mesh_that_names_model_and_expert_of_size_1_compiles_for_a_tpu(tmp_path):
+    """A Pallas kernel compiles for the TPU only where every mesh axis is manual: a config
+    whose mesh names ``model: 1`` and ``expert: 1`` (axes left to XLA) failed with JAX's
+    "Mosaic kernels cannot be automatically partitioned"; the kernel's call is mapped by hand
+    over them."""
+    out = tmp_path / "report.json"
+    run = _python(
+        "-m", "replicator.cli", "explain", "configs/llama_tiny.yaml", "model.attention=splash",
+        "model.seq_len=128", "mesh.data=4", "mesh.model=1", "mesh.expert=1", "--target",
+        "v5p-8", "--json", out, "--quick",
+    )  # fmt: skip
+    assert run.returncode == 0, _why(run.stderr)
+    assert json.loads(out.read_text())["fits"] is True
+
+
 @pytest.mark.slow  # three compiles, 10-15 s each
 @OLD_LIBTPU_ABORTS
 def test_llama_tiny_explains_with_the_per_layer_compiles(tmp_path):

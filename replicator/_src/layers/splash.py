@@ -105,12 +105,29 @@ def splash_attention_heads_first(q: jax.Array, k: jax.Array, v: jax.Array) -> ja
     interpret = binding_lib.current_binding().platform != "tpu"
     q = (q * (1 / math.sqrt(dim))).astype(q.dtype)
     flops = 4 * dim * live_pairs(seq) * heads * batch  # QK^T and PV, per call
-    with jax.named_scope(KERNEL_FLOPS.format(flops)):
+
+    def attend(q, k, v):
         if kv_heads == heads:
-            out = jax.vmap(_kernel(heads, seq, False, interpret))(q, k, v)
-        else:
-            group = heads // kv_heads
-            qg = q.reshape(batch, kv_heads, group, seq, dim)
-            mqa = jax.vmap(jax.vmap(_kernel(group, seq, True, interpret)))
-            out = mqa(qg, k, v).reshape(batch, heads, seq, dim)
+            return jax.vmap(_kernel(heads, seq, False, interpret))(q, k, v)
+        group = heads // kv_heads
+        qg = q.reshape(batch, kv_heads, group, seq, dim)
+        mqa = jax.vmap(jax.vmap(_kernel(group, seq, True, interpret)))
+        return mqa(qg, k, v).reshape(batch, heads, seq, dim)
+
+    with jax.named_scope(KERNEL_FLOPS.format(flops)):
+        out = _by_hand(attend)(q, k, v)
     return out.astype(dtype)
+
+
+def _by_hand(f):
+    """``f`` mapped by hand over the mesh's axes left to XLA, all of size 1 here (a larger one
+    is refused above): the TPU compiles a Pallas kernel only where every axis is manual, so a
+    mesh that names ``model`` or ``expert`` with size 1 would otherwise fail to compile."""
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = set(getattr(mesh, "manual_axes", ()))
+    auto = set() if mesh.empty else {a for a in mesh.axis_names if a not in manual}
+    if not auto:
+        return f
+    whole = jax.sharding.PartitionSpec()
+    return jax.shard_map(f, in_specs=(whole,) * 3, out_specs=whole, axis_names=auto,
+                         check_vma=False)  # fmt: skip
