@@ -196,3 +196,15 @@ def test_a_priced_plan_compiles_the_next_families_while_none_fits():
     compiled.clear()
     got, rest = planning._rounds(run, ranked, reprice, 2, prices, False)
     assert len(compiled) == 2 * pricing.ROUNDS  # none fits: ROUNDS rounds, no more
+
+
+def test_model_flops_count_a_mixtures_active_parameters():
+    """The MFU's model FLOPs: a mixture's layer counts its router and its ``top_k`` experts'
+    MLPs (the active parameters), not one MLP as a dense layer's."""
+    from replicator.models import gpt
+
+    moe = gpt.GPTConfig(d_model=64, num_heads=4, num_layers=4, seq_len=64, vocab_size=256,
+                        num_experts=8, top_k=2, mlp="swiglu", moe_every=2)  # fmt: skip
+    dense = dataclasses.replace(moe, num_experts=0)
+    extra = gpt.flops_per_token(moe) - gpt.flops_per_token(dense)
+    assert extra == 6 * 2 * (3 * 64 * moe.hidden + 64 * 8)  # 2 mixtures: an expert, a router

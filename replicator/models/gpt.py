@@ -1286,8 +1286,10 @@ def model_shape(config: GPTConfig, global_batch: int, opt_slots: int = 2):
 
 def flops_per_token(config: GPTConfig) -> float:
     """Training FLOPs per token, ``6 N + 6 L S D`` (Kaplan et al.): N non-embedding parameters
-    (``L (2 D^2 + 2 D KV hd + 2 D F)``, ``3 D F`` for SwiGLU, plus the ``D V`` head, tied or
-    not), and attention over ``S`` positions.
+    a token uses (``L (2 D^2 + 2 D KV hd + 2 D F)``, ``3 D F`` for SwiGLU; a mixture's layer: its
+    router's ``D E`` and ``top_k`` experts' MLPs, the active parameters, as MaxText and
+    Megatron count them), plus the ``D V`` head, tied or not, and attention over ``S``
+    positions.
 
     >>> flops_per_token(GPTConfig(d_model=64, num_layers=4, seq_len=64, vocab_size=256))
     1376256.0
@@ -1295,7 +1297,8 @@ def flops_per_token(config: GPTConfig) -> float:
     d, f, n_layers = config.d_model, config.hidden, config.num_layers
     attn = 2 * d * d + 2 * d * config.kv_heads * config.head_dim
     mlp = (3 if config.mlp == "swiglu" else 2) * d * f
-    n = n_layers * (attn + mlp) + d * config.vocab_size
+    moe = config.num_moe_layers * ((config.top_k - 1) * mlp + d * config.num_experts)
+    n = n_layers * (attn + mlp) + moe + d * config.vocab_size
     return float(6 * n + 6 * n_layers * config.seq_len * d)
 
 
