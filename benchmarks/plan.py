@@ -157,7 +157,7 @@ def part_rank(results: dict) -> None:
         print("|---|---|---|---|---|---|---|")
         for which, layouts in sets.items():
             report = rp.plan(build, layouts, hardware=cpu, memory="8GiB", workers=0,
-                             model_flops=plan_cli.model_flops(cfg))  # fmt: skip
+                             model_flops=jobs.model_flops(cfg))  # fmt: skip
             planned = {str(c.layout): c for c in report.ranked}
             for lay in layouts:
                 c = planned.get(str(lay))
