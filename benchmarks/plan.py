@@ -152,8 +152,10 @@ def part_rank(results: dict) -> None:
         shape = gpt.model_shape(jobs.gpt_config(cfg), cfg.global_batch, opt_slots=2)
         rows = []
         print(f"GPT {size}: {keys}\n")
-        print("| set | layout | modelled ms | priced ms | measured ms | measured / modelled | "
-              "temp MiB |")
+        print(
+            "| set | layout | modelled ms | priced ms | measured ms | measured / modelled | "
+            "temp MiB |"
+        )
         print("|---|---|---|---|---|---|---|")
         for which, layouts in sets.items():
             report = rp.plan(build, layouts, hardware=cpu, memory="8GiB", workers=0,
@@ -184,8 +186,10 @@ def part_rank(results: dict) -> None:
             got = [r for r in rows if r["set"] == which]
             rho = spearman([r["modelled"] for r in got], [r["measured"] for r in got])
             priced = spearman([r["priced"] for r in got], [r["measured"] for r in got])
-            print(f"\nSpearman rank correlation, {which} set, {len(got)} layouts: {rho:.3f} "
-                  f"(priced, not compiled: {priced:.3f})")
+            print(
+                f"\nSpearman rank correlation, {which} set, {len(got)} layouts: {rho:.3f} "
+                f"(priced, not compiled: {priced:.3f})"
+            )
         print()
         out["sizes"][size] = {"config": keys, "rows": rows}
     out["fit"] = refit(cpu, out["sizes"])

@@ -154,10 +154,12 @@ def main() -> None:
         if not args.no_plan:
             row.update(planned(run))
         results["runs"][name] = row
-    print("| run | published (MaxText, measured) | MaxText's layout, priced | MaxText's layout, "
-          "compiled: peak, roofline MFU, XLA's MFU | planner's best: layout, peak, MFU |")
+    print(
+        "| run | published (MaxText, measured) | MaxText's layout, priced | MaxText's layout, "
+        "compiled: peak, roofline MFU, XLA's MFU | planner's best: layout, peak, MFU |"
+    )
     print("|---|---|---|---|---|")
-    for name, row in results["runs"].items():
+    for row in results["runs"].values():
         run, p, e, best = row["run"], row.get("priced"), row.get("explain"), row.get("plan")
         cells = [run["title"], _pct(run["published"])]
         cells.append("not priced (experts)" if p is None else

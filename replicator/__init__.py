@@ -36,10 +36,10 @@ from replicator._src.optim.zero_plan import ZeroPlan as ZeroPlan
 from replicator._src.planner.layouts import Family as Family
 from replicator._src.planner.layouts import Layout as Layout
 from replicator._src.planner.layouts import enumerate_layouts as enumerate_layouts
+from replicator._src.planner.model_shape import ModelShape as ModelShape
 from replicator._src.planner.planning import Candidate as Candidate
 from replicator._src.planner.planning import PlanReport as PlanReport
 from replicator._src.planner.planning import plan as plan
-from replicator._src.planner.model_shape import ModelShape as ModelShape
 from replicator._src.planner.pricing import Price as Price
 from replicator._src.report.hardware import HARDWARE as HARDWARE
 from replicator._src.report.hardware import Hardware as Hardware

@@ -38,18 +38,12 @@ def renderable(r, top: int = 20):
     ranked = Table(title="layouts that fit, fastest first (modelled ms per step)",
                    title_justify="left")  # fmt: skip
     columns = ["#", "layout", "peak/device", "step", "compute", "bubble", "ICI", "DCN", "MFU"]
-    if r.priced:  # the formulas' figures beside the program's
+    if r.priced:
         columns += ["priced peak", "priced step"]
     for name in columns:
         ranked.add_column(name, justify="left" if name == "layout" else "right")
     for i, c in enumerate(r.ranked[:top], 1):
-        t = c.time
-        row = [str(i), str(c.layout), format_bytes(c.peak_bytes), _ms(t.total), _ms(t.compute),
-               _ms(t.bubble), _ms(t.ici), _ms(t.dcn), "-" if t.mfu is None else f"{t.mfu:.1%}"]
-        if r.priced:
-            row += ["-", "-"] if c.priced is None else [
-                format_bytes(c.priced.peak_bytes), _ms(c.priced_time.total)]
-        ranked.add_row(*row)
+        ranked.add_row(str(i), str(c.layout), *_figures(c, r.priced))
     parts = [head, ranked]
     if len(r.ranked) > top:
         parts.append(Text(f"... and {len(r.ranked) - top} more that fit (to_json() has all)"))
@@ -82,3 +76,14 @@ def renderable(r, top: int = 20):
     else:
         parts.append(Text(f"no layout fits {budget} per device", style="bold"))
     return Group(*parts)
+
+
+def _figures(c, priced: bool) -> list[str]:
+    """A ranked row's figures: the compiled peak and modelled times, and the priced ones."""
+    t = c.time
+    row = [format_bytes(c.peak_bytes), _ms(t.total), _ms(t.compute), _ms(t.bubble), _ms(t.ici),
+           _ms(t.dcn), "-" if t.mfu is None else f"{t.mfu:.1%}"]  # fmt: skip
+    if priced:  # the formulas' figures beside the program's
+        p = c.priced
+        row += ["-", "-"] if p is None else [format_bytes(p.peak_bytes), _ms(c.priced_time.total)]
+    return row
