@@ -131,10 +131,18 @@ def test_front_runners_drop_what_cannot_fit_and_rank_the_fastest_families_first(
     assert all(1 <= len(tries) <= 3 for _, _, tries in ranked)
     assert all(len(f.groups) == len(f.layouts) <= 3 for f in pricing.to_compile(ranked))
     seconds = lambda lay: model_time(prices[lay].step(), profile).total
-    # 16 GiB: every layout fits, so each family is priced by its fastest layout (its first)
+    # 16 GiB: every layout fits, so each family is priced by its fastest layout (its first);
+    # each kind's fastest family comes first (pipelined or not, with a model axis or not),
+    # then the others, each group fastest first
     firsts = [tries[0] for _, _, tries in ranked]
-    assert [seconds(lay) for lay in firsts] == sorted(map(seconds, firsts))
     assert [s for s, _, _ in ranked] == list(map(seconds, firsts))
+    kind = lambda lay: (lay.stage > 1, lay.model > 1, lay.context > 1, lay.expert > 1)
+    kinds = len({kind(lay) for lay in firsts})
+    assert kinds >= 3 and len({kind(lay) for lay in firsts[:kinds]}) == kinds
+    for group in (firsts[:kinds], firsts[kinds:]):
+        assert [seconds(lay) for lay in group] == sorted(map(seconds, group))
+    for lay in firsts[:kinds]:  # the fastest of its kind
+        assert all(seconds(lay) <= seconds(other) for other in firsts if kind(other) == kind(lay))
     others = pricing.not_compiled(ranked, 3, prices)
     tried = {lay for _, _, tries in ranked[:3] for lay in tries}
     assert len(others) == len(prices) - len(tried) and {o.status for o in others} == {"skipped"}

@@ -257,7 +257,7 @@ def plan(
         if isinstance(compile_top, bool) or not isinstance(compile_top, int) or compile_top < 1:
             raise ValueError(f"rp.plan: compile_top must be an int >= 1; got {compile_top!r}.")
         outcomes, not_compiled, prices, priced_seconds = _priced_rounds(
-            run, families, model, budget, profile, timing, compile_top, progress
+            run, families, model, budget, profile, timing, compile_top, progress, target is None
         )
     candidates = _candidates([*outcomes, *not_compiled], prices, profile, timing)
     ranked = sorted((c for c in candidates if c.fits), key=lambda c: c.time.total)
@@ -275,9 +275,12 @@ def plan(
     )  # fmt: skip
 
 
-def _priced_rounds(run, families, model, budget, profile, timing, top, progress):
+def _priced_rounds(run, families, model, budget, profile, timing, top, progress, on_cpu):
     """Every layout priced, then `_rounds`: ``(outcomes compiled, not compiled, prices,
-    seconds to price)``."""
+    seconds to price)``. The layouts compile for XLA:CPU without a target, which carries bf16
+    work in fp32: their activations are priced in fp32 (``on_cpu``)."""
+    if on_cpu and model.compute_bytes < 4:
+        model = dataclasses.replace(model, compute_bytes=4)
     t0 = time.perf_counter()
     ranked, dropped, prices = pricing.front_runners(families, model, budget, profile, timing)
     seconds = time.perf_counter() - t0

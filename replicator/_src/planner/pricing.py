@@ -373,7 +373,9 @@ def front_runners(families, model, budget, profile, timing, scale=1.0, prices=No
     what compiled programs have shown of the prices) is over ``budget``.
     In each other family the layouts to try are, fastest first, those whose priced peak fits
     (GPipe's and circular's: over `FLOOR`), then the others that may: at most `TRIES`. The
-    families are ordered by the modelled time of their first layout to try."""
+    families are ordered by the modelled time of their first layout to try, each kind's
+    fastest first (with a pipeline or not, with a ``model``, ``context`` or ``expert`` axis or
+    not)."""
     prices = prices or {}
     prices.update({lay: price(lay, model) for f in families for lay in f.layouts
                    if lay not in prices})  # fmt: skip
@@ -394,7 +396,17 @@ def front_runners(families, model, budget, profile, timing, scale=1.0, prices=No
         seconds = model_time(prices[tries[0]].step(), profile, **timing).total
         ranked.append((seconds, len(ranked), f, tries))
     ranked.sort(key=lambda r: r[:2])
-    return [(seconds, f, tries) for seconds, _, f, tries in ranked], dropped, prices
+    # each kind of layout's fastest family first (pipelined or not, with a model, context or
+    # expert axis or not), then the others, fastest first: the prices rank the families of one
+    # kind better than they rank the kinds, so the first families compiled span the kinds
+    kind = lambda f: tuple(
+        getattr(f.layouts[0], a) > 1 for a in ("stage", "model", "context", "expert")
+    )
+    firsts = {}
+    for r in ranked:
+        firsts.setdefault(kind(r[2]), r)
+    order = [*firsts.values(), *(r for r in ranked if firsts[kind(r[2])] is not r)]
+    return [(seconds, f, tries) for seconds, _, f, tries in order], dropped, prices
 
 
 def to_compile(ranked) -> list[Family]:
