@@ -120,12 +120,15 @@ def splash_attention_heads_first(q: jax.Array, k: jax.Array, v: jax.Array) -> ja
 
 
 def _by_hand(f):
-    """``f`` mapped by hand over the mesh's axes left to XLA, all of size 1 here (a larger one
-    is refused above): the TPU compiles a Pallas kernel only where every axis is manual, so a
-    mesh that names ``model`` or ``expert`` with size 1 would otherwise fail to compile."""
+    """``f`` mapped by hand over the mesh's axes of size 1 left to XLA: the TPU compiles a
+    Pallas kernel only where every axis is manual, so a mesh that names ``model`` or
+    ``expert`` with size 1 would otherwise fail to compile. A larger axis left to XLA is not
+    mapped (whole values over it would gather the batch to every device): ``model``,
+    ``context`` and ``expert`` are refused above, and the TPU compiler refuses the others."""
     mesh = jax.sharding.get_abstract_mesh()
     manual = set(getattr(mesh, "manual_axes", ()))
-    auto = set() if mesh.empty else {a for a in mesh.axis_names if a not in manual}
+    sizes = {} if mesh.empty else dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    auto = {a for a, size in sizes.items() if a not in manual and size == 1}
     if not auto:
         return f
     whole = jax.sharding.PartitionSpec()

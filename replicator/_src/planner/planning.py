@@ -199,8 +199,8 @@ def plan(
         compiling (state, peak memory, FLOPs, collective bytes), a family is dropped where
         even its most frugal layout's priced peak is well over ``memory``
         (`pricing.MARGIN`), and only
-        the ``compile_top`` families whose fastest priced layouts model fastest are compiled
-        and ranked by their programs. Each candidate carries its priced figures beside its
+        the ``compile_top`` families whose fastest priced layouts model fastest (each kind's
+        fastest first: `pricing.front_runners`) are compiled and ranked by their programs. Each candidate carries its priced figures beside its
         compiled ones. Without ``model`` every family is compiled.
       compile_top: how many families to compile, with ``model``: the fastest by their priced
         time, then as many more while none of them fits (`pricing.ROUNDS` rounds at most).

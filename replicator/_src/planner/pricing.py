@@ -376,7 +376,7 @@ def front_runners(families, model, budget, profile, timing, scale=1.0, prices=No
     families are ordered by the modelled time of their first layout to try, each kind's
     fastest first (with a pipeline or not, with a ``model``, ``context`` or ``expert`` axis or
     not)."""
-    prices = prices or {}
+    prices = {} if prices is None else prices
     prices.update({lay: price(lay, model) for f in families for lay in f.layouts
                    if lay not in prices})  # fmt: skip
     peak = lambda lay: prices[lay].peak_bytes * scale
