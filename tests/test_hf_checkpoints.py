@@ -186,8 +186,24 @@ def test_load_bf16_into_bf16_parameters(llama):
     assert_tree_equal(params, expected_params(llama.bf16, 3), dtype=jnp.bfloat16)
 
 
-@pytest.mark.parametrize("kind", ["fp32", "sharded", "bf16"])
-def test_load_onto_a_mesh_reads_each_byte_once(llama, kind, counted_reads):
+def reads_by_tensor(reads, directory: pathlib.Path) -> dict[str, list[int]]:
+    """The lengths of the reads of each tensor of the checkpoint (each read lies in one)."""
+    spans = [
+        (os.path.realpath(t.file), t.offset, t.offset + int(np.prod(t.shape)) * t.dtype.itemsize, n)
+        for n, t in hf._tensors(directory).items()
+    ]
+    out: dict[str, list[int]] = {}
+    for file, offset, length in reads:
+        [name] = [n for f, a, z, n in spans if f == file and a <= offset and offset + length <= z]
+        out.setdefault(name, []).append(length)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["fp32", "sharded", "bf16", "chunked"])
+def test_load_onto_a_mesh_reads_each_byte_once(llama, kind, counted_reads, monkeypatch):
+    chunk = 1000 if kind == "chunked" else hf._CHUNK_BYTES  # spans of 1000 bytes at most
+    monkeypatch.setattr(hf, "_CHUNK_BYTES", chunk)
+    kind = "fp32" if kind == "chunked" else kind
     directory = llama.root / kind
     repl = rp.Replicator(mesh_shape={"data": 2, "model": 4})
     target = hf.abstract(hf.read_config(directory), repl, SPECS)
@@ -203,6 +219,20 @@ def test_load_onto_a_mesh_reads_each_byte_once(llama, kind, counted_reads):
     q = params["blocks"]["attn"]["q"]
     assert q.sharding.spec == COLUMNS and q.addressable_shards[0].data.shape == (3, 64, 16)
     assert_each_byte_read_once(counted_reads, directory)
+    # A tensor split over "model" into 4 blocks of rows (q_proj's, ...) is at most 4 reads;
+    # one split on its inner dimension (o_proj's and down_proj's columns: our ROWS) is one
+    # read, not one per row and block; a span longer than the cap is read in pieces of whole
+    # rows, at most the cap each.
+    for name, lengths in reads_by_tensor(counted_reads, directory).items():
+        if chunk > sum(lengths):
+            inner = name.endswith(("o_proj.weight", "down_proj.weight"))
+            assert len(lengths) == 1 if inner else len(lengths) <= 4, (name, lengths)
+        else:
+            assert max(lengths) <= chunk, name
+    if chunk < 2**20:  # o_proj's rows are 256 bytes (3 a read), down_proj's 384 (2 a read)
+        rows = reads_by_tensor(counted_reads, directory)
+        assert len(rows["model.layers.1.self_attn.o_proj.weight"]) == -(-64 // 3)
+        assert len(rows["model.layers.1.mlp.down_proj.weight"]) == 64 // 2
 
 
 def test_load_takes_bare_shardings_and_zero3_targets(llama, tmp_path):
@@ -617,11 +647,20 @@ def test_two_processes_each_read_their_half_and_save_one_checkpoint(llama, tmp_p
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     reports = [json.loads((tmp_path / f"report.{i}").read_text()) for i in range(2)]
     total = tensor_bytes(source)
-    norms = 4 * (2 * SIZES["num_hidden_layers"] + 1) * SIZES["hidden_size"]  # replicated: both
+    s = SIZES
+    norms = 4 * (2 * s["num_hidden_layers"] + 1) * s["hidden_size"]  # replicated: both
+    # o_proj and down_proj [d, in] are split on their inner dimension: each process's blocks
+    # touch every row, read as one span (of the whole rows, but half of the first or last)
+    inner = (
+        4 * s["num_hidden_layers"] * s["hidden_size"] * (s["hidden_size"] + s["intermediate_size"])
+    )
+    half_row = 4 * s["num_hidden_layers"] * (s["hidden_size"] + s["intermediate_size"]) // 2
     for report in reports:
         assert report["saw"]  # the directory exists once save returns, on every process
-        assert_each_byte_read_once([tuple(r) for r in report["reads"]], None, check_total=False)
-        assert sum(r[2] for r in report["reads"]) == (total - norms) // 2 + norms
+        reads = [tuple(r) for r in report["reads"]]
+        assert_each_byte_read_once(reads, None, check_total=False)
+        assert sum(r[2] for r in reads) == (total - norms - inner) // 2 + norms + inner - half_row
+        assert len(reads) <= 4 * len(llama.fp32)  # one read per block at most
     for saved in (out, tmp_path / "out-explicit"):  # from a mesh of automatic, explicit axes
         _, state = from_pretrained(saved)
         for name, value in llama.fp32.items():

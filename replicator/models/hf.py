@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import json
 import math
 import os
@@ -77,7 +78,7 @@ import pathlib
 import shutil
 import struct
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -358,8 +359,11 @@ def _tensors(directory: pathlib.Path, api: str = "hf.load") -> dict[str, _Tensor
     return tensors
 
 
+_CHUNK_BYTES = 64 * 2**20  # the most bytes one read brings in; a longer span is read in pieces
+
+
 def _pread_into(fd: int, offset: int, buffer: memoryview) -> None:
-    """Fills ``buffer`` with the file's bytes from ``offset``: every byte `load` reads."""
+    """Fills ``buffer`` with the file's bytes from ``offset``: every read `load` makes."""
     done = 0
     while done < len(buffer):
         n = os.preadv(fd, [buffer[done:]], offset + done)
@@ -368,9 +372,47 @@ def _pread_into(fd: int, offset: int, buffer: memoryview) -> None:
         done += n
 
 
+Box = tuple[tuple[int, int], ...]  # a block: a (start, stop) per dimension
+
+
+def _intervals(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``ranges`` (``(start, stop)`` pairs) merged where they overlap or touch, in order.
+
+    >>> _intervals([(4, 6), (0, 2), (1, 3), (3, 4), (8, 9)])
+    [(0, 6), (8, 9)]
+    """
+    out: list[tuple[int, int]] = []
+    for start, stop in sorted(r for r in ranges if r[0] < r[1]):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], stop))
+        else:
+            out.append((start, stop))
+    return out
+
+
+def _span(boxes: list[Box], first: int, last: int, shape: tuple[int, ...]) -> tuple[int, int]:
+    """The elements, counted from row ``first``'s first one, from the first to the last that
+    ``boxes`` hold in rows ``first`` to ``last`` (excluded) of a tensor of ``shape``: the one
+    contiguous run of bytes a read of those rows needs.
+
+    >>> _span([((0, 4), (2, 3)), ((1, 2), (0, 1))], 1, 3, (4, 5))  # rows 1-2: 1,0 to 2,2
+    (0, 8)
+    """
+    strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+    lo, hi = math.inf, 0
+    for box in boxes:
+        a, z = max(box[0][0], first), min(box[0][1], last)
+        if a >= z:
+            continue
+        inner = list(zip(box[1:], strides[1:]))
+        lo = min(lo, (a - first) * strides[0] + sum(s * k for (s, _), k in inner))
+        hi = max(hi, (z - 1 - first) * strides[0] + sum((e - 1) * k for (_, e), k in inner) + 1)
+    return int(lo), hi
+
+
 class _Reader:
-    """Reads blocks of the checkpoint's tensors with positioned reads (no mapping of whole
-    files, so the host's memory holds only what was asked for)."""
+    """Reads the rows of the checkpoint's tensors that blocks need with positioned reads (no
+    mapping of whole files, so the host's memory holds only what was asked for)."""
 
     def __init__(self, tensors: dict[str, _Tensor]) -> None:
         self.tensors = tensors
@@ -381,36 +423,31 @@ class _Reader:
             os.close(fd)
         self._fds.clear()
 
-    def read(self, name: str, box: tuple[tuple[int, int], ...]) -> np.ndarray:
-        """Tensor ``name``'s block ``box`` (a ``(start, stop)`` per dimension), in its dtype."""
+    def rows(self, name: str, boxes: list[Box]) -> Iterator[tuple[int, np.ndarray]]:
+        """Tensor ``name``'s rows (indices on its first dimension) that ``boxes`` (non-empty
+        blocks of it) hold, as ``(first row, rows)`` pieces of at most `_CHUNK_BYTES` (or one
+        row), in order. A piece is one read: the bytes from the first element a box holds in
+        its rows to the last (its other elements are left unread). So each byte is read at
+        most once, and none outside the rows the boxes touch."""
         t = self.tensors[name]
         if t.file not in self._fds:
             self._fds[t.file] = os.open(t.file, os.O_RDONLY)
-        out = np.empty([stop - start for start, stop in box], t.dtype)
-        if out.size == 0:
-            return out
-        # The innermost dimensions the box covers whole, and the one before them, make one
-        # contiguous run of bytes; the outer dimensions index the runs.
-        k = len(t.shape)
-        while k > 0 and box[k - 1] == (0, t.shape[k - 1]):
-            k -= 1
-        outer = max(k - 1, 0)
-        strides = [math.prod(t.shape[i + 1 :]) for i in range(len(t.shape))]
-        runs = out.view(np.uint8).reshape(math.prod(out.shape[:outer]), -1)
-        first = box[outer][0] * strides[outer] if outer < len(t.shape) else 0
-        for row, position in enumerate(np.ndindex(*out.shape[:outer])):
-            element = first + sum((box[i][0] + p) * strides[i] for i, p in enumerate(position))
-            try:
-                _pread_into(
-                    self._fds[t.file], t.offset + element * t.dtype.itemsize, memoryview(runs[row])
-                )
-            except EOFError:  # cut short since its header was read
-                raise ValueError(
-                    f"hf.load: {t.file} is truncated: it ends inside tensor {name!r}; "
-                    f"{hf_checks.AGAIN}."
-                ) from None
-        hf_checks.check_finite(out, name, t.file, box)
-        return out
+        width = math.prod(t.shape[1:])  # elements in a row
+        per = max(1, _CHUNK_BYTES // max(1, width * t.dtype.itemsize))
+        for start, stop in _intervals([box[0] for box in boxes]):
+            for first in range(start, stop, per):
+                last = min(stop, first + per)
+                lo, hi = _span(boxes, first, last, t.shape)
+                piece = np.empty((last - first) * width, t.dtype)
+                offset = t.offset + (first * width + lo) * t.dtype.itemsize
+                try:
+                    _pread_into(self._fds[t.file], offset, memoryview(piece[lo:hi].view(np.uint8)))
+                except EOFError:  # cut short since its header was read
+                    raise ValueError(
+                        f"hf.load: {t.file} is truncated: it ends inside tensor {name!r}; "
+                        f"{hf_checks.AGAIN}."
+                    ) from None
+                yield first, piece.reshape(last - first, *t.shape[1:])
 
 
 # -- load ----------------------------------------------------------------------------------------
@@ -555,37 +592,74 @@ def _check_lead(leaf: _Leaf, shape: tuple[int, ...], counts: tuple[int, ...]) ->
         )
 
 
-def _block(reader: _Reader, plan: _Plan, box: tuple) -> np.ndarray:
-    """Our leaf's block ``box`` (a ``(start, stop)`` per dimension), read from the files: one
-    tensor's block per position of the leading axes (layer, or layer and expert) in the box."""
+def _hf_box(plan: _Plan, box: Box) -> Box:
+    """The block of each of its Hugging Face tensors that our block ``box`` of the leaf holds."""
+    inner = box[plan.leaf.lead :]
+    return inner[::-1] if plan.leaf.transposed else inner
+
+
+def _sharing(plan: _Plan, boxes: list[Box]) -> list[list[Box]]:
+    """``boxes`` in groups that read the same rows of a tensor (a position on the leading axes
+    both hold, and rows of its tensor both touch), transitively: a group's rows are read once
+    for all of it, and no two groups read the same bytes."""
+    n = plan.leaf.lead
+    meets = lambda a, b: max(a[0], b[0]) < min(a[1], b[1])
+
+    def shares(a: Box, b: Box) -> bool:
+        lead = all(meets(x, y) for x, y in zip(a[:n], b[:n], strict=True))
+        return lead and meets(_hf_box(plan, a)[0], _hf_box(plan, b)[0])
+
+    groups: list[list[Box]] = []
+    for box in boxes:
+        joined = [g for g in groups if any(shares(box, other) for other in g)]
+        groups = [g for g in groups if all(g is not j for j in joined)]
+        groups.append([b for g in joined for b in g] + [box])
+    return groups
+
+
+def _fill(reader: _Reader, plan: _Plan, blocks: dict[Box, np.ndarray]) -> None:
+    """Fills ``blocks`` (our blocks of the leaf, by box) from the files: of each tensor (a
+    position on the leading axes: layer, or layer and expert), the rows the blocks that hold it
+    need, read once for all of them and copied into each (transposed, cast)."""
     n, transposed = plan.leaf.lead, plan.leaf.transposed
-    inner = tuple(box[n:])
-    hf_box = inner[::-1] if transposed else inner
-    if not n:
-        part = reader.read(plan.names[0], hf_box)
-        return np.asarray(part.T if transposed else part, dtype=plan.dtype, order="C")
-    out = np.empty([stop - start for start, stop in box], plan.dtype)
-    for position in np.ndindex(*out.shape[:n]):
-        index = [box[i][0] + p for i, p in enumerate(position)]
-        part = reader.read(plan.names[np.ravel_multi_index(index, plan.shape[:n])], hf_box)
-        out[position] = part.T if transposed else part
-    return out
+    full = [box for box in blocks if all(a < z for a, z in box)]
+    positions = {p for box in full for p in itertools.product(*(range(*r) for r in box[:n]))}
+    for position in sorted(positions):
+        here = [box for box in full if all(a <= i < z for i, (a, z) in zip(position, box))]
+        name = plan.names[int(np.ravel_multi_index(position, plan.shape[:n])) if n else 0]
+        hf_boxes = [_hf_box(plan, box) for box in here]
+        for first, rows in reader.rows(name, hf_boxes):
+            for box, ((r0, r1), *rest) in zip(here, hf_boxes, strict=True):
+                a, z = max(r0, first), min(r1, first + len(rows))
+                if a >= z:
+                    continue
+                part = rows[(slice(a - first, z - first), *(slice(*r) for r in rest))]
+                hf_checks.check_finite(part, name, reader.tensors[name].file, ((a, z), *rest))
+                into = blocks[box][tuple(i - s for i, (s, _) in zip(position, box))]
+                if transposed:  # the tensor's rows are our block's last axis
+                    into[..., a - r0 : z - r0] = part.T
+                else:
+                    into[a - r0 : z - r0] = part
 
 
 def _build(reader: _Reader, plan: _Plan) -> jax.Array:
-    """One global array. Each distinct block this process's devices hold is read once, put on
-    the devices that hold it (replicas share the read) and let go before the next block is
-    read: the host holds one device's block at a time, not the leaf."""
-    shape, groups = plan.shape, {}
+    """One global array of the blocks this process's devices hold. The distinct blocks
+    (replicas share one) that need the same rows of a tensor are filled together, each row
+    read once, put on the devices that hold them and let go before the next group is read:
+    the host holds one group at a time (one block, where blocks share no rows), not the leaf."""
+    shape, devices = plan.shape, {}
     for device, index in plan.sharding.addressable_devices_indices_map(shape).items():
         index = tuple(index) + (slice(None),) * (len(shape) - len(index))
         box = tuple(s.indices(size)[:2] for s, size in zip(index, shape, strict=True))
-        groups.setdefault(box, []).append(device)
+        devices.setdefault(box, []).append(device)
     arrays = []
-    for box, devices in groups.items():
-        block = _block(reader, plan, box)
-        arrays += [jax.device_put(block, device) for device in devices]
-        del block
+    for group in _sharing(plan, list(devices)):
+        blocks = {box: np.empty([z - a for a, z in box], plan.dtype) for box in group}
+        _fill(reader, plan, blocks)
+        for box in group:
+            block = blocks.pop(box)
+            arrays += [jax.device_put(block, device) for device in devices[box]]
+            del block
     return jax.make_array_from_single_device_arrays(shape, plan.sharding, arrays)
 
 
