@@ -36,7 +36,9 @@ OPTIMIZERS = {  # SGD with momentum: a state for ZeRO to shard, and no scale inv
 }
 
 
-def gpt_job(mesh, *, zero_stage=0, opt="sgd", schedule="1f1b", **model) -> TrainConfig:
+def gpt_job(
+    mesh, *, zero_stage=0, opt="sgd", schedule="1f1b", scatter_grads="microbatch", **model
+) -> TrainConfig:
     """A tiny GPT job; no clipping (it would hide a gradient off by a factor)."""
     model = {"kind": "gpt", "d_model": 32, "layers": 4, "heads": 4, "seq_len": 16, **model}
     return TrainConfig(
@@ -47,7 +49,11 @@ def gpt_job(mesh, *, zero_stage=0, opt="sgd", schedule="1f1b", **model) -> Train
         optimizer=OPTIMIZERS[opt],
         clip_global_norm=None,
         zero_stage=zero_stage,
-        pipeline=PipelineConfig(schedule=schedule, microbatches=4) if "stage" in mesh else None,
+        pipeline=(
+            PipelineConfig(schedule=schedule, microbatches=4, scatter_grads=scatter_grads)
+            if "stage" in mesh
+            else None
+        ),
     )
 
 
@@ -107,22 +113,26 @@ def on_model(x) -> bool:
 
 
 @pytest.mark.parametrize(
-    "mesh, zero_stage, opt",
+    "mesh, zero_stage, opt, scatter_grads",
     [
-        ({"data": 2, "stage": 4}, 1, "sgd"),
-        ({"data": 2, "stage": 4}, 3, "sgd"),
-        ({"data": 8}, 3, "sgd"),
-        ({"data": 2, "stage": 2, "model": 2}, 1, "sgd"),
-        ({"data": 4, "model": 2}, 3, "adam"),
+        ({"data": 2, "stage": 4}, 1, "sgd", "microbatch"),
+        ({"data": 2, "stage": 4}, 3, "sgd", "microbatch"),
+        ({"data": 2, "stage": 4}, 3, "sgd", "step"),
+        ({"data": 8}, 3, "sgd", "microbatch"),
+        ({"data": 2, "stage": 2, "model": 2}, 1, "sgd", "microbatch"),
+        ({"data": 4, "model": 2}, 3, "adam", "microbatch"),
     ],
 )
 @pytest.mark.slow
-def test_the_gpt_job_under_zero_equals_one_device(mesh, zero_stage, opt):
+def test_the_gpt_job_under_zero_equals_one_device(mesh, zero_stage, opt, scatter_grads):
     """The pipelines run 1F1B; ZeRO-3 parameters are stored flat (each block's layers one by
-    one) and gathered where used, with `model` too. Three steps equal one device, and the
-    optimizer state (ZeRO-3: the parameters too) really is split over the replicas."""
+    one) and gathered where used, with `model` too (and with pipeline.scatter_grads=step the
+    stages' gradients summed whole and reduce-scattered once a step). Three steps equal one
+    device, and the optimizer state (ZeRO-3: the parameters too) really is split over the
+    replicas."""
     want = one_device(opt)
-    state, got = build_and_train(gpt_job(mesh, zero_stage=zero_stage, opt=opt))
+    job = gpt_job(mesh, zero_stage=zero_stage, opt=opt, scatter_grads=scatter_grads)
+    state, got = build_and_train(job)
     err = rel_err(got, want)
     print(f"rel_err {err:.2e}")  # shown with pytest -s
     assert err <= TOL, err
@@ -198,6 +208,9 @@ def test_the_config_takes_interleaved_1f1b_with_its_repeats():
         (PIPE, ["pipeline.schedule=interleaved", "pipeline.repeats=1"],
          r"pipeline\.repeats=1: schedule='interleaved' needs 2 or more virtual stages per "
          r"device; use repeats=2 .*or schedule='1f1b'"),
+        (PIPE, ["pipeline.scatter_grads=step"],
+         r"pipeline\.scatter_grads='step' is when ZeRO-3 reduce-scatters the stages' gradients; "
+         r"with zero_stage=0 it would change nothing\. Use zero_stage=3"),
         (PIPE, ["pipeline.schedule=interleave"],
          r"pipeline\.schedule='interleave' is not a schedule; use one of .*'interleaved'.* Did "
          r"you mean 'interleaved'\?"),

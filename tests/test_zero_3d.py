@@ -11,6 +11,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from oracle import rel_err, zero_split
 from test_pipeline import (
+    D_IN,
+    D_OUT,
     SCHEDULES,
     D,
     from_pipeline,
@@ -74,18 +76,23 @@ def placed_pipeline(repl, params, v, *, k=4, model=False):
     }
 
 
-def train_pipeline(repl, wrapped, tx, name, *, zero3=False, check=None, model=False, stacked=False):
+def train_pipeline(
+    repl, wrapped, tx, name, *, zero3=False, check=None, model=False, stacked=False,
+    scatter_grads="microbatch",
+):  # fmt: skip
     """Three steps of the pipelined model with ``wrapped`` on ``repl``, and the same steps of
     ``tx`` on one device: ``(state, placed, got, want)``, ``got`` and ``want`` as `init_params`.
-    With ``zero3`` the parameters are stored with ``shard_params`` and gathered where used.
+    With ``zero3`` the parameters are stored with ``shard_params`` and gathered where used
+    (their stage gradients reduce-scattered as ``scatter_grads`` says).
     With ``stacked`` the one-device run keeps the stage layers stacked as the pipeline does
     (``[K, L/K, ...]``), for a ``tx`` that depends on the leaves' shapes (Adafactor factors a
     leaf's two largest axes)."""
-    schedule, v = SCHEDULES[name]
+    schedule, v = {**SCHEDULES, "zerobubble": (pipeline.ZeroBubble(), 1)}[name]
     layer = (lambda p, h: layer_fn(rp.gather_params(p), h)) if zero3 else layer_fn
     f = pipeline.value_and_grad(
-        pipeline.scan_layers(layer), loss_fn, num_microbatches=4, schedule=schedule
-    )
+        pipeline.scan_layers(layer), loss_fn, num_microbatches=4, schedule=schedule,
+        scatter_grads=scatter_grads,
+    )  # fmt: skip
     grads = zero3_pipelined_grads(f) if zero3 else pipelined_grads(f)
     params = init_params()
     placed = placed_pipeline(repl, params, v, k=repl.mesh.shape["stage"], model=model)
@@ -276,17 +283,24 @@ def test_zero3_x_tp_trains_as_one_device_with_1_over_dt_of_the_parameters():
     assert device_bytes(state["params"]["w1"].value) == 4 * 12 * 32 // 8
 
 
-@pytest.mark.parametrize("opt", list(OPTIMIZERS))
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "circular"])
+ZERO3_PIPELINES = [
+    *((name, opt, "microbatch") for name in ("gpipe", "1f1b", "circular") for opt in OPTIMIZERS),
+    *((name, "sgd", "step") for name in ("gpipe", "circular", "1f1b", "interleaved", "zerobubble")),
+]
+
+
+@pytest.mark.parametrize("name, opt, scatter_grads", ZERO3_PIPELINES)
 @pytest.mark.slow
-def test_zero3_x_pp_trains_as_one_device_with_1_over_kd_of_the_parameters(name, opt):
+def test_zero3_x_pp_trains_as_one_device_with_1_over_kd_of_the_parameters(name, opt, scatter_grads):
     """{"data": 2, "stage": 4}, ZeRO-3: each stage's layers stored flat layer by layer over the
     replicas (1/(K*D) of a stage leaf per device), gathered one layer at a time inside the
-    layer scan; three steps equal one device with the full batch."""
+    layer scan; three steps equal one device with the full batch, with the stage gradients
+    reduce-scattered in each micro-batch's backward pass or summed whole and reduce-scattered
+    once a step (``scatter_grads="step"``)."""
     repl = make_repl({"data": 2, "stage": 4})
     tx = OPTIMIZERS[opt]()
     wrapped = repl.wrap_optimizer(tx, zero_stage=3)
-    state, placed = train_pipeline(repl, wrapped, tx, name, zero3=True)
+    state, placed = train_pipeline(repl, wrapped, tx, name, zero3=True, scatter_grads=scatter_grads)
     flats = dict(flat_with_path(state["params"]))
     sizes = {jax.tree_util.keystr(k): a.size for k, a in flat_with_path(placed)}
     for path, x in flats.items():
@@ -299,6 +313,35 @@ def test_zero3_x_pp_trains_as_one_device_with_1_over_kd_of_the_parameters(name, 
             assert device_bytes(x) == 4 * sizes[key] // 8, key
     for path, x in state_leaves(state["opt"]):
         assert device_bytes(x) in {device_bytes(f) for f in flats.values()}, path
+
+
+@pytest.mark.parametrize("scatter_grads", ["microbatch", "step"])
+def test_zero3_x_pp_scatter_grads_step_reduce_scatters_each_gradient_once_a_step(scatter_grads):
+    """1F1B, ZeRO-3 on {"data": 2, "stage": 4}, M = 4, read from the compiled step: with
+    scatter_grads="step" the reduce-scatters over `data` carry each gradient a device holds
+    once (its stage's layers, the embedding, the head: whole over the replicas), where
+    "microbatch" scatters the stage's once per micro-batch; `explain` lists the whole stage
+    gradients the step holds, as found in the program's loops."""
+    repl = make_repl({"data": 2, "stage": 4})
+    wrapped = repl.wrap_optimizer(optax.sgd(0.1), zero_stage=3)
+    f = pipeline.value_and_grad(
+        pipeline.scan_layers(lambda p, h: layer_fn(rp.gather_params(p), h)), loss_fn,
+        num_microbatches=4, schedule=pipeline.OneFOneB(), scatter_grads=scatter_grads,
+    )  # fmt: skip
+    stored = wrapped.shard_params(placed_pipeline(repl, init_params(), 1))
+    state = {"params": stored, "opt": wrapped.init(stored)}
+    step = pipeline_step(wrapped, zero3_pipelined_grads(f))
+    report = repl.explain(step, state, *make_batch(16), stage_costs=False)
+    scattered = report.bytes_by(kind="reduce-scatter", axes=("data",))
+    stage = 4 * (16 // 4) * (D * D + D)  # a stage's 4 layers, whole, fp32
+    other = 4 * (D_IN * D + D * D_OUT)  # the embedding and the head
+    (note,) = report.pipelines
+    if scatter_grads == "microbatch":
+        assert scattered == 4 * stage + other and note.held_bytes is None
+        return
+    assert scattered == stage + other
+    assert note.held_bytes == (stage, 0)
+    assert "of which stage gradients, summed whole over the micro-batches (1f1b)" in str(report)
 
 
 def test_zero3_with_stage_blocks_not_stored_sharded_is_refused_with_the_fix():

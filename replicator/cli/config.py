@@ -181,9 +181,13 @@ class PipelineConfig:
     schedule: str = "1f1b"
     microbatches: int = 4  # interleaved: a multiple of the stage axis
     repeats: int = 2  # virtual stages per device, for "circular" and "interleaved" (>= 2)
+    # zero_stage 3: "step" sums the stages' gradients whole over the micro-batches and
+    # reduce-scatters them once a step; "microbatch" in each micro-batch's backward pass
+    scatter_grads: str = "microbatch"
 
     def __post_init__(self) -> None:
         _one_of(self, "schedule", SCHEDULES, what="a schedule")
+        _one_of(self, "scatter_grads", ("microbatch", "step"), what="a reduce-scatter setting")
         _at_least(self, "microbatches", 1)
         _at_least(self, "repeats", 1)
         if self.schedule == "interleaved" and self.repeats < 2:
@@ -409,6 +413,12 @@ class TrainConfig:
                 f"gathers the parameters and sums their gradients in; with zero_stage="
                 f"{self.zero_stage} the gradients are summed in fp32 and it would change "
                 f"nothing. Use zero_stage=3, or model.reduce_dtype=null."
+            )
+        if self.pipeline and self.pipeline.scatter_grads != "microbatch" and self.zero_stage != 3:
+            raise ValueError(
+                f"{where}pipeline.scatter_grads={self.pipeline.scatter_grads!r} is when ZeRO-3 "
+                f"reduce-scatters the stages' gradients; with zero_stage={self.zero_stage} it "
+                f"would change nothing. Use zero_stage=3, or pipeline.scatter_grads=microbatch."
             )
         self._check_context_and_experts()
 

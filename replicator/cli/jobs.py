@@ -672,6 +672,7 @@ def _gpt(config: TrainConfig, repl, make_tx) -> _Job:
         num_microbatches=config.pipeline.microbatches,
         schedule=schedule,
         remat=m.remat,
+        scatter_grads=config.pipeline.scatter_grads,
     )
     staged = lambda: gpt.pipeline_params(init_params(), num_stages=k, repeats=v)
     # The stage blocks [V, K, L/(V K), ...] are split over "stage"; ZeRO shards their state

@@ -50,6 +50,7 @@ from replicator._src.core import sharded_params
 from replicator._src.core.errors import positive_int
 from replicator._src.core.mesh import EXPERT_AXIS, MODEL_AXIS
 from replicator._src.layers import attention as attention_lib
+from replicator._src.layers import embedding as embedding_lib
 from replicator._src.layers import splash
 from replicator._src.pipeline.residuals import as_remat, never_gathered
 
@@ -506,15 +507,15 @@ def embed(
     ZeRO-3 parameters (`rp.ShardedParam`) are gathered here, where they are used; plain arrays
     pass through (so are `block`'s and `head_logits`'). A token table ZeRO splits by rows (its
     vocabulary) is not gathered: each replica looks up the tokens in its own rows
-    (`sharded_params.take_rows`)."""
+    (`sharded_params.take_rows`); each device scatters its own tokens' cotangents where that
+    moves fewer bytes (`replicator._src.layers.embedding.lookup`)."""
     s = tokens.shape[-1]
     positions = rp.gather_params(embed_params.get("positions"))
     positions = None if positions is None else positions[:s]
     if order is not None:
         tokens = tokens[..., order]
         positions = None if positions is None else positions[order]
-    tokens = attention_lib.constrain_tokens(tokens)  # each device looks up its own chunk
-    x = sharded_params.take_rows(
+    x = embedding_lib.lookup(
         embed_params["tokens"], tokens, None if positions is not None else dtype
     )
     x = x if positions is None else x + positions
@@ -846,6 +847,7 @@ def pipeline_value_and_grad(
     num_microbatches: int,
     schedule: Any = "gpipe",
     remat: bool | str | Callable = True,
+    scatter_grads: str = "microbatch",
 ) -> Callable[[dict, dict], tuple[jax.Array, dict]]:
     """``f(params, batch) -> (loss, grads)`` for one data replica, the blocks run as a pipeline.
 
@@ -871,6 +873,11 @@ def pipeline_value_and_grad(
       schedule: a `replicator.pipeline` schedule such as ``pipeline.OneFOneB()``, or its name.
       remat: what each block keeps for the backward pass, as for
         `replicator.pipeline.value_and_grad`: ``"none"``, ``"full"`` (``True``) or ``"dots"``.
+      scatter_grads: under ZeRO-3, ``"step"`` sums the stages' gradients whole over the
+        micro-batches and reduce-scatters them once a step (``"microbatch"``: in each
+        micro-batch's backward pass), as for `replicator.pipeline.value_and_grad`; the stages'
+        parts are cast to ``config.reduce_dtype`` before the pipeline then, so that they are
+        gathered and reduce-scattered in it, and summed in fp32.
 
     Returns:
       The function; its ``grads`` have the structure of ``params``, and are this replica's own
@@ -897,6 +904,7 @@ def pipeline_value_and_grad(
         num_microbatches=num_microbatches,
         schedule=schedule,
         remat=remat,
+        scatter_grads=scatter_grads,
     )
 
     if config.num_experts:
@@ -914,17 +922,21 @@ def pipeline_value_and_grad(
             targets = targets[..., order]
         wire = _stage_dtype(config)
         x, embed_vjp = jax.vjp(lambda e: embed(e, tokens, order, wire), params["embed"])
+        stages, cast_vjp = params["stages"], lambda g: (g,)
+        if scatter_grads == "step":  # the pipeline gathers the parts: in reduce_dtype
+            stages, cast_vjp = jax.vjp(lambda p: _reduce_cast(p, config), stages)
         if not config.tie_embeddings:
             head, head_vjp = jax.vjp(rp.gather_params, params["head"])  # ZeRO-3: gathered once
-            loss, (g_stages, g_x, g_head) = grad_fn(params["stages"], x, targets, head)
-            grads = {"embed": embed_vjp(g_x)[0], "stages": g_stages, "head": head_vjp(g_head)[0]}
+            loss, (g_stages, g_x, g_head) = grad_fn(stages, x, targets, head)
+            grads = {"embed": embed_vjp(g_x)[0], "stages": cast_vjp(g_stages)[0],
+                     "head": head_vjp(g_head)[0]}  # fmt: skip
             return loss, grads
         tied = lambda h, e: rp.gather_params(output_head({"head": h, "embed": e}, config=config))
         head, head_vjp = jax.vjp(tied, params["head"], params["embed"])
-        loss, (g_stages, g_x, g_head) = grad_fn(params["stages"], x, targets, head)
+        loss, (g_stages, g_x, g_head) = grad_fn(stages, x, targets, head)
         g_head, g_embed = head_vjp(g_head)  # the token table: used by the embedding and head
         g_embed = jax.tree.map(jnp.add, embed_vjp(g_x)[0], g_embed)
-        return loss, {"embed": g_embed, "stages": g_stages, "head": g_head}
+        return loss, {"embed": g_embed, "stages": cast_vjp(g_stages)[0], "head": g_head}
 
     return value_and_grad
 

@@ -70,6 +70,12 @@ class PipelineNote:
       equal_bubble: the modelled bubble with equal costs (``bubble_fraction`` for
         ``value_and_grad``).
       cost_note: why the stages' costs were not measured; empty when they were.
+      held_grads: with ZeRO-3 and ``scatter_grads="step"``, the ``(dtype, shape)`` of each
+        whole stage gradient a device holds over the step (summed over the micro-batches,
+        reduce-scattered once); empty otherwise.
+      held_weights: likewise, the stage's weights gathered once for the step (GPipe, Circular).
+      held_bytes: ``(gradients, weights)`` bytes of those found in the compiled program's loop
+        state (``Replicator.explain`` reads them); None before it is read.
     """
 
     schedule: str
@@ -90,6 +96,9 @@ class PipelineNote:
     equal_time: float = 0.0
     equal_bubble: float = 0.0
     cost_note: str = ""
+    held_grads: tuple = ()
+    held_weights: tuple = ()
+    held_bytes: tuple[int, int] | None = None
 
 
 _NOTES: scoped.Stack[list[PipelineNote]] = scoped.Stack()

@@ -22,7 +22,7 @@ from replicator._src.core.mesh import STAGE_AXIS
 from replicator._src.core.packing import Packing
 from replicator._src.core.typing import PyTree
 from replicator._src.pipeline import costs as costs_lib
-from replicator._src.pipeline import pictures, timing
+from replicator._src.pipeline import pictures, timing, whole_grads
 from replicator._src.pipeline import schedules as schedules_lib
 from replicator._src.pipeline.layers import (
     Program,
@@ -52,6 +52,7 @@ class PipelineCall:
     unroll: bool  # ticks as a Python loop instead of lax.scan
     stage_fn: StageFn  # the call's stage_fn, or a `Sequential` model
     wire: Packing | None = None  # a Sequential's activations at its stage boundaries
+    scatter_grads: str = "microbatch"  # ZeRO-3's stage gradients: "microbatch" or "step"
 
     def program(self, rows: PyTree) -> Program:
         """What the schedules run on this stage, for stage rows ``rows`` (``call.rows`` or a
@@ -72,6 +73,7 @@ class PipelineCall:
         cls, api: str, schedule: schedules_lib.Schedule, m: int, stage_fn: StageFn,
         stage_params: PyTree, inputs: PyTree, targets: PyTree, *, unroll: bool,
         asked: schedules_lib.Schedule | None = None, remat: Remat | None = None,
+        scatter_grads: str = "microbatch",
     ) -> PipelineCall:  # fmt: skip
         """Checks a call's arguments and splits them for ``schedule``, the schedule that runs.
 
@@ -86,6 +88,8 @@ class PipelineCall:
             forward ticks of ``OneFOneB()``, which are GPipe's): the call refuses what it
             refuses, so that ``apply`` takes the arguments ``value_and_grad`` takes.
           remat: the call's remat policy, for the measured costs of the note.
+          scatter_grads: ``"step"`` to hold ZeRO-3's stage gradients whole over the ticks and
+            reduce-scatter them once (`whole_grads`); noted with what it holds.
 
         Raises:
           ValueError: as `value_and_grad` says.
@@ -114,7 +118,7 @@ class PipelineCall:
         call = cls(
             plan, k, m, rows, xs, _microbatch(targets, m),
             jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), stage_params),
-            batch, unroll, stage_fn, wire,
+            batch, unroll, stage_fn, wire, scatter_grads,
         )  # fmt: skip
         if wire is None:
             _check_stage_fn(name, stage_fn, call)
@@ -125,7 +129,7 @@ class PipelineCall:
             note_plan(plan, sent, backward=api == "value_and_grad",
                       padding=_padding(stage_fn, wire), stage_fn=stage_fn,
                       stage_params=stage_params, example_input=take(xs, 0),
-                      remat=remat)  # fmt: skip
+                      remat=remat, held=_held(call, schedule))  # fmt: skip
         return call
 
     def from_rows(self, g_rows: PyTree) -> PyTree:
@@ -151,6 +155,7 @@ def note_plan(
     stage_params: PyTree = None,
     example_input: PyTree = None,
     remat: Remat | None = None,
+    held: tuple = ((), ()),
 ) -> None:
     """Notes ``plan`` for `Replicator.explain` (a no-op unless a report is being made).
 
@@ -160,7 +165,8 @@ def note_plan(
     (`costs.stage_costs`, under the call's ``remat`` policy), and with equal costs. A
     forward-only call (``backward=False``) is modelled with backward passes that cost nothing.
     A stage whose FLOPs cannot be measured (e.g. one that compiles to a loop) leaves the
-    equal-cost model and the reason in the note.
+    equal-cost model and the reason in the note. ``held``: the ``(dtype, shape)`` of each
+    whole stage gradient and gathered stage weight a device holds for the step (`_held`).
     """
     if not tracing.recording_pipelines():
         return
@@ -195,6 +201,8 @@ def note_plan(
             equal_time=at_equal.time,
             equal_bubble=at_equal.bubble_fraction,
             cost_note="" if measured is not None else why,
+            held_grads=held[0],
+            held_weights=held[1],
         )
     )
 
@@ -239,6 +247,16 @@ def _measured_costs(
             f"collectives (such as rp.gather_params for ZeRO-3) cannot be measured alone"
         )
     return measured, ""
+
+
+def _held(call: PipelineCall, schedule: schedules_lib.Schedule) -> tuple[tuple, tuple]:
+    """What ``scatter_grads="step"`` holds for the step on each device: the whole stage's
+    gradients, and with GPipe and Circular (gathered once a step) its weights; ``((), ())``
+    otherwise."""
+    if call.scatter_grads != "step" or not whole_grads.has_split(call.rows):
+        return (), ()
+    grads = whole_grads.device_shapes(call.rows)
+    return grads, grads if schedule.name in ("gpipe", "circular") else ()
 
 
 def _forward_only(costs: timing.StageCosts, backward: bool) -> timing.StageCosts:

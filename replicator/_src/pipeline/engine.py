@@ -36,7 +36,7 @@ from replicator._src.core.collectives import divergent, sum_over_axes
 from replicator._src.core.errors import positive_int
 from replicator._src.core.mesh import STAGE_AXIS
 from replicator._src.core.typing import PyTree
-from replicator._src.pipeline import gpipe, one_f_one_b, sequential, zero_bubble
+from replicator._src.pipeline import gpipe, one_f_one_b, sequential, whole_grads, zero_bubble
 from replicator._src.pipeline import schedules as schedules_lib
 from replicator._src.pipeline.call import PipelineCall
 from replicator._src.pipeline.layers import StageFn
@@ -53,6 +53,7 @@ def value_and_grad(
     schedule: Any = "gpipe",
     remat: bool | str | Callable = True,
     unroll: bool = False,
+    scatter_grads: str = "microbatch",
 ) -> Callable[..., tuple[jax.Array, tuple[PyTree, PyTree, PyTree]]]:
     """The loss of a pipelined model and its gradients, micro-batched over a schedule.
 
@@ -90,6 +91,17 @@ def value_and_grad(
       unroll: run the ticks as a Python loop instead of a ``lax.scan``, for debugging: the same
         tick body, one traced copy per tick (``jax.debug.print`` in ``stage_fn`` then shows every
         tick in order). Compile time grows with the number of ticks.
+      scatter_grads: for ZeRO-3 stage parameters (`rp.ShardedParam`, gathered by ``stage_fn``
+        with `rp.gather_params`), when their gradients are reduce-scattered over the replicas:
+        ``"microbatch"`` (the default) in each micro-batch's backward pass, one layer at a
+        time, as autodiff of the gather does (M reduce-scatters of the stage a step, M + K - 1
+        with GPipe); ``"step"`` once a step, after the gradients were summed whole over the
+        micro-batches (FSDP2's ``set_requires_gradient_sync(False)``). ``"step"`` holds the
+        stage's whole gradients on each device for the step (in fp32 for narrower
+        parameters), and GPipe and Circular gather the stage's weights once and hold them too
+        (their backward is ``jax.vjp`` of the forward scan); 1F1B, Interleaved1F1B and
+        ZeroBubble still gather each layer where they run it. ``Replicator.explain`` shows
+        what is held. Other parameters are unaffected.
 
     Returns:
       ``f(stage_params, inputs, targets, head_params=None) -> (loss, (g_stages, g_inputs,
@@ -117,11 +129,12 @@ def value_and_grad(
     sched = schedules_lib.get(schedule)
     _check_options(num_microbatches, "value_and_grad", unroll)
     policy = as_remat(remat, "rp.pipeline.value_and_grad")
+    whole_grads.check(scatter_grads, "rp.pipeline.value_and_grad")
 
     def f(stage_params, inputs, targets, head_params=None):
         call = PipelineCall.from_arguments(
             "value_and_grad", sched, num_microbatches, stage_fn, stage_params, inputs, targets,
-            unroll=unroll, remat=policy,
+            unroll=unroll, remat=policy, scatter_grads=scatter_grads,
         )  # fmt: skip
         if call.num_stages == 1:
             loss, (g_rows, g_xs, g_head) = sequential.value_and_grad(

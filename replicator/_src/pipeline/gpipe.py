@@ -18,6 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 from replicator._src.core import tracing
 from replicator._src.core.mesh import STAGE_AXIS
 from replicator._src.core.typing import PyTree
+from replicator._src.pipeline import whole_grads
 from replicator._src.pipeline.call import PipelineCall
 from replicator._src.pipeline.layers import vjp_inexact
 from replicator._src.pipeline.residuals import Remat, never_gathered
@@ -40,17 +41,31 @@ def value_and_grad(
 ) -> tuple[jax.Array, PyTree, PyTree, PyTree]:
     """This stage's share of the loss, and its gradients: ``jax.vjp`` of `forward_ticks`.
 
+    With ``scatter_grads="step"`` and ZeRO-3 rows, the rows are gathered once, before the
+    ticks, and ``jax.vjp`` differentiates the gathered rows (in
+    `whole_grads.accumulator_dtype`): the backward scan sums their gradients whole, and they
+    are reduce-scattered once, after it.
+
     Returns:
       ``(loss, g_rows, g_xs, g_head)``: the loss and the gradients of the head and of the inputs
       ``[M, b, ...]`` are this stage's share (to be summed over ``stage``); ``g_rows`` are the
       gradients of this stage's rows. Integer inputs get zero gradients.
     """
+    whole = call.scatter_grads == "step" and whole_grads.has_split(call.rows)
+    rows = call.rows
+    if whole:  # the stage's weights for the whole step, and the gradients of them
+        gathered = whole_grads.gathered(call.rows)
+        rows = whole_grads.widened(gathered)
 
     def local_loss(rows, xs, head):
+        if whole:
+            rows = whole_grads.narrowed(rows, gathered)
         return forward_ticks(call, loss_fn, head, rows, call.ts, xs, remat=remat)
 
-    loss, vjp = vjp_inexact(local_loss, call.rows, call.xs, head_params)
+    loss, vjp = vjp_inexact(local_loss, rows, call.xs, head_params)
     g_rows, g_xs, g_head = vjp(jnp.ones((), jnp.float32))
+    if whole:
+        g_rows = whole_grads.scatter(g_rows, call.rows)  # once a step
     return loss, g_rows, g_xs, g_head
 
 

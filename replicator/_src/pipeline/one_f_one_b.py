@@ -20,6 +20,7 @@ from jax import lax
 from replicator._src.core import tracing
 from replicator._src.core.mesh import STAGE_AXIS
 from replicator._src.core.typing import PyTree
+from replicator._src.pipeline import whole_grads
 from replicator._src.pipeline.call import PipelineCall
 from replicator._src.pipeline.layers import vjp_inexact
 from replicator._src.pipeline.residuals import Remat, SavedLayer
@@ -57,14 +58,16 @@ class _Carry(NamedTuple):
 
 def _start(
     x0: PyTree, params: PyTree, shared: PyTree, head_params: PyTree, xs: PyTree, slots: int,
-    residuals: list,
+    residuals: list, whole: bool,
 ) -> _Carry:  # fmt: skip
-    """The carry before the first tick: all zeros, with the spare ``g_xs`` row."""
+    """The carry before the first tick: all zeros, with the spare ``g_xs`` row; with
+    ``whole``, the layers' gradients whole (`whole_grads.zeros`)."""
     lv = jax.tree.leaves(params)[0].shape[0]
     stash = [jnp.zeros((slots, lv, *r.shape), r.dtype) for r in residuals]
     spare = jax.tree.map(lambda a: jnp.zeros((a.shape[0] + 1, *a.shape[1:]), a.dtype), xs)
+    g_params = whole_grads.zeros(params) if whole else zeros(params)
     return _Carry(
-        x0, x0, x0, x0, x0, stash, zeros(params), zeros(shared), zeros(head_params), spare,
+        x0, x0, x0, x0, x0, stash, g_params, zeros(shared), zeros(head_params), spare,
         jnp.zeros((), jnp.float32),
     )  # fmt: skip
 
@@ -102,7 +105,13 @@ def value_and_grad(
     shared = take(prog.shared, 0)
     is_first, is_last = s == 0, s == k - 1
     x0 = zeros(prog.enter(take(call.xs, 0)))
-    saved = SavedLayer(layer_fn, remat, take(params, 0), shared, x0, s, jnp.int32(0))
+    whole = call.scatter_grads == "step" and whole_grads.has_split(params)
+    # scatter_grads="step": each layer gathered where it runs, its gradient whole
+    layer = (lambda li: whole_grads.gathered(take(params, li))) if whole else (
+        lambda li: take(params, li)
+    )  # fmt: skip
+    one = whole_grads.abstract(take(params, 0)) if whole else take(params, 0)
+    saved = SavedLayer(layer_fn, remat, one, shared, x0, s, jnp.int32(0))
 
     def grad_loss(head, y, t):
         loss, vjp = vjp_inexact(lambda hp, w: mean_loss(loss_fn, hp, prog.leave(w), t, m), head, y)
@@ -118,7 +127,7 @@ def value_and_grad(
         # Each stage is busy in M of the T ticks' forward halves, and in M backward halves.
 
         def run():  # the layer, its residuals filed in the stash: an idle half writes none
-            h, res = saved.forward(take(params, lf), shared, x, s, lf)
+            h, res = saved.forward(layer(lf), shared, x, s, lf)
             slot = ic % slots
             return h, [put_entry(a, (slot, lf), v) for a, v in zip(c.stash, res, strict=True)]
 
@@ -139,7 +148,7 @@ def value_and_grad(
         kept = [entry(a, (jc % slots, lb)) for a in stash]
 
         def backward():  # the layer's gradients added to the carry's, only when B runs
-            g_layer, g_sh, g = saved.backward(take(params, lb), shared, kept, cot)
+            g_layer, g_sh, g = saved.backward(layer(lb), shared, kept, cot)
             own = jax.tree.map(lambda a, d: add_entry(a, (lb,), d), c.g_params, g_layer)
             return own, add(c.g_shared, g_sh), g
 
@@ -158,7 +167,8 @@ def value_and_grad(
                      g_xs, c.loss + loss)  # fmt: skip
         return new, None
 
-    init = _start(x0, params, shared, head_params, call.xs, slots, saved.residuals)
+    init = _start(x0, params, shared, head_params, call.xs, slots, saved.residuals, whole)
     c = run_ticks(iteration, init, plan.num_ticks * 2 * lv, call.unroll)
-    g_rows = call.layers_as_rows(*(jax.tree.map(lambda g: g[None], (c.g_params, c.g_shared))))
+    g_params = whole_grads.scatter(c.g_params, params) if whole else c.g_params  # once a step
+    g_rows = call.layers_as_rows(*(jax.tree.map(lambda g: g[None], (g_params, c.g_shared))))
     return c.loss, g_rows, jax.tree.map(lambda g: g[:m], c.g_xs), c.g_head

@@ -41,6 +41,7 @@ from replicator._src.core import tracing
 from replicator._src.core.mesh import STAGE_AXIS
 from replicator._src.core.typing import PyTree
 from replicator._src.pipeline import schedules as schedules_lib
+from replicator._src.pipeline import whole_grads
 from replicator._src.pipeline.call import PipelineCall
 from replicator._src.pipeline.layers import vjp_inexact
 from replicator._src.pipeline.residuals import Remat, SavedLayer
@@ -149,10 +150,13 @@ def value_and_grad(
     init = _Carry(
         x0, x0, _ring(x0, v, st.ss), _ring(st.no_res, v, st.ss, st.lv, spare=False),
         _ring(x0, v, st.gs, st.lv if st.split else 1), _ring(st.no_inter, 1, st.gs, st.lv),
-        zeros((st.params, st.shared)), zeros(head_params), spare, jnp.zeros((), jnp.float32),
+        st.zeros(), zeros(head_params), spare, jnp.zeros((), jnp.float32),
     )  # fmt: skip
     c = run_ticks(st.iteration, init, st.ticks * st.phases * st.lv, call.unroll)
-    g_rows = call.layers_as_rows(*c.g_params)  # [V, ...]
+    g_layers, g_shared = c.g_params
+    if st.whole:  # scatter_grads="step": the whole stage's gradients reduce-scattered once
+        g_layers = whole_grads.scatter(g_layers, st.params)
+    g_rows = call.layers_as_rows(g_layers, g_shared)  # [V, ...]
     return c.loss, g_rows, jax.tree.map(lambda a: a[: st.m], c.g_xs), c.g_head
 
 
@@ -207,15 +211,25 @@ class _Stage:
         self.s = lax.axis_index(STAGE_AXIS)
         self.is_first, self.is_last = self.s == 0, self.s == self.k - 1
         self.x0 = zeros(self.prog.enter(take(call.xs, 0)))
-        one, sh = self.layer(0, 0), take(self.shared, 0)
+        # scatter_grads="step": each layer gathered where it runs, its gradient whole
+        self.whole = call.scatter_grads == "step" and whole_grads.has_split(self.params)
+        one, sh = take(take(self.params, 0), 0), take(self.shared, 0)
+        one = whole_grads.abstract(one) if self.whole else one
         self.saved = SavedLayer(self.prog.layer_fn, remat, one, sh, self.x0, self.s, jnp.int32(0))
         self.no_res = [jnp.zeros(r.shape, r.dtype) for r in self.saved.residuals]
         inter = self.saved.inter_shapes(one, sh, self.no_res, self.x0) if self.split else []
         self.no_inter = [jnp.zeros(r.shape, r.dtype) for r in inter]
 
     def layer(self, r, li) -> PyTree:
-        """Layer ``li`` of virtual stage ``r``'s parameters."""
-        return take(take(self.params, r), li)
+        """Layer ``li`` of virtual stage ``r``'s parameters (gathered, with ``whole``)."""
+        p = take(take(self.params, r), li)
+        return whole_grads.gathered(p) if self.whole else p
+
+    def zeros(self) -> tuple[PyTree, PyTree]:
+        """The gradients' accumulators: the layers' (whole, with ``whole``) and the shared
+        parameters'."""
+        layers = whole_grads.zeros(self.params) if self.whole else zeros(self.params)
+        return layers, zeros(self.shared)
 
     def iteration(self, c: _Carry, u) -> tuple[_Carry, None]:
         """Iteration ``u``: layer ``q`` of phase F, B or W of tick ``t`` (``u = phases*Lv*t +
@@ -301,15 +315,14 @@ class _Stage:
                 g_params, g = lax.cond(b_on, fused, lambda: (c.g_params, c.g))
             inter = c.inter
         else:
-            p_b, p_w, sh = self.layer(0, lb), self.layer(0, lw), take(self.shared, 0)
+            sh = take(self.shared, 0)  # the layers are taken (or gathered) in the branches
+
+            def input_grad():
+                res, cot = read(stash, self.ss, jc, lb), read(c.grads, self.gs, jc, lb)
+                return self.saved.input_grad(self.layer(0, lb), sh, res, cot)
+
             with runs:
-                g, inter = lax.cond(
-                    b_on,
-                    lambda: self.saved.input_grad(
-                        p_b, sh, read(stash, self.ss, jc, lb), read(c.grads, self.gs, jc, lb)
-                    ),
-                    lambda: (c.g, self.no_inter),
-                )
+                g, inter = lax.cond(b_on, input_grad, lambda: (c.g, self.no_inter))
             # B's output goes in before W reads (B and W never run in one iteration), so that
             # XLA updates the ring in place instead of copying it.
             inter_ring = _set(c.inter, 0, jnp.where(b_on, jc % self.gs, self.gs), lb, inter)
@@ -317,7 +330,7 @@ class _Stage:
             def accumulate():  # W's gradients added to the carry's, only when W runs
                 res, cot = read(stash, self.ss, wc, lw), read(c.grads, self.gs, wc, lw)
                 kept = read(inter_ring, self.gs, wc, lw)
-                g_p, g_sh = self.saved.weight_grad(p_w, sh, res, cot, kept)
+                g_p, g_sh = self.saved.weight_grad(self.layer(0, lw), sh, res, cot, kept)
                 own = jax.tree.map(lambda a, d: add_entry(a, (0, lw), d), c.g_params[0], g_p)
                 return own, jax.tree.map(lambda a, d: add_entry(a, (0,), d), c.g_params[1], g_sh)
 

@@ -17,6 +17,9 @@ import dataclasses
 import io
 import json
 import math
+from collections import Counter
+
+import jax.numpy as jnp
 
 from replicator._src.core import targets
 from replicator._src.core.tracing import PipelineNote, ZeroNote
@@ -223,7 +226,7 @@ def _renderable(r: StepReport):
     rows = [("arguments (state + batch)", m.arguments), ("outputs", m.outputs),
             ("aliased (donated state reused)", m.aliased), ("temporaries", m.temporaries),
             ("peak (arguments + outputs - aliased + temporaries)", m.peak)]  # fmt: skip
-    for what, n in rows:
+    for what, n in rows + _held_rows(r.pipelines):
         mem.add_row(what, format_bytes(n))
     compute = Table(title="compute per device", title_justify="left", show_header=False)
     compute.add_column("what")
@@ -278,6 +281,56 @@ def _renderable(r: StepReport):
     return Group(*parts)
 
 
+def _held_rows(pipelines) -> list[tuple[str, int]]:
+    """The memory table's rows for what a pipeline with ``scatter_grads="step"`` holds for
+    the step, as found in the compiled program's loops (`_held_in_loops`), else as traced."""
+    rows = []
+    for p in pipelines:
+        found = p.held_bytes or (0, 0)
+        for what, held, n in (
+            ("stage gradients, summed whole over the micro-batches", p.held_grads, found[0]),
+            ("stage weights, gathered once a step", p.held_weights, found[1]),
+        ):
+            if held:
+                traced = sum(math.prod(s) * jnp.dtype(d).itemsize for d, s in held)
+                src = "" if n else ", as traced: not found in the loops"
+                rows.append((f"  of which {what} ({p.schedule}{src})", n or traced))
+    return rows
+
+
+_HLO_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64"}
+
+
+def _held_in_loops(text: str, notes: list[PipelineNote]) -> list[PipelineNote]:
+    """``notes`` with ``held_bytes`` read from the compiled program ``text``: for the whole
+    gradients and for the weights a note lists, the most bytes of them that the state of one of
+    its loops holds (matched by dtype and size; XLA may reshape a buffer)."""
+    if not any(p.held_grads for p in notes):
+        return list(notes)
+    _, comps = hlo.parse_module(text)
+    states = [
+        Counter((d, hlo._num_elements(dims)) for d, dims in hlo._ARRAY.findall(i.shape))
+        for insts in comps.values()
+        for i in insts
+        if i.op == "while"
+    ]
+
+    def found(held) -> int:
+        want = Counter((_HLO_DTYPES.get(d, d), math.prod(s)) for d, s in held)
+        size = {(_HLO_DTYPES.get(d, d), math.prod(s)): jnp.dtype(d).itemsize for d, s in held}
+        return max(
+            (sum(min(n, st[k]) * k[1] * size[k] for k, n in want.items()) for st in states),
+            default=0,
+        )
+
+    return [
+        dataclasses.replace(p, held_bytes=(found(p.held_grads), found(p.held_weights)))
+        if p.held_grads
+        else p
+        for p in notes
+    ]
+
+
 def _zero_line(z: ZeroNote) -> str:
     line = (
         f"ZeRO-{z.zero_stage}: {z.split_leaves} parameters split over the {z.num_replicas} "
@@ -313,7 +366,8 @@ def report(
         aliased=int(stats.alias_size_in_bytes),
         generated_code=int(stats.generated_code_size_in_bytes),
     )
-    costs = hlo.analyze(compiled.as_text(), mesh_shape)
+    text = compiled.as_text()
+    costs = hlo.analyze(text, mesh_shape)
     try:
         analysis = compiled.cost_analysis() or {}
     except Exception:  # not every backend implements it
@@ -332,7 +386,7 @@ def report(
         transcendentals=costs.transcendentals,
         xla_flops=xla_flops,
         collectives=costs.collectives,
-        pipelines=tuple(pipelines),
+        pipelines=tuple(_held_in_loops(text, pipelines)),
         unknown_trip_counts=costs.unknown_trip_counts,
         bytes_accessed=costs.bytes_accessed,
         roofline=costs.roofline,
