@@ -417,18 +417,27 @@ class _Reader:
     def __init__(self, tensors: dict[str, _Tensor]) -> None:
         self.tensors = tensors
         self._fds: dict[pathlib.Path, int] = {}
+        self._buffer = np.empty(0, np.uint8)  # the pieces', reused: no page faults for each
 
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        self._buffer = np.empty(0, np.uint8)
+
+    def _piece(self, size: int, dtype: np.dtype) -> np.ndarray:
+        """``size`` elements of ``dtype`` in the reused buffer (grown to the largest piece)."""
+        if self._buffer.nbytes < size * dtype.itemsize:
+            self._buffer = np.empty(size * dtype.itemsize, np.uint8)
+        return self._buffer[: size * dtype.itemsize].view(dtype)
 
     def rows(self, name: str, boxes: list[Box]) -> Iterator[tuple[int, np.ndarray]]:
         """Tensor ``name``'s rows (indices on its first dimension) that ``boxes`` (non-empty
         blocks of it) hold, as ``(first row, rows)`` pieces of at most `_CHUNK_BYTES` (or one
         row), in order. A piece is one read: the bytes from the first element a box holds in
         its rows to the last (its other elements are left unread). So each byte is read at
-        most once, and none outside the rows the boxes touch."""
+        most once, and none outside the rows the boxes touch. A piece is valid until the next
+        one is asked for (they share one buffer)."""
         t = self.tensors[name]
         if t.file not in self._fds:
             self._fds[t.file] = os.open(t.file, os.O_RDONLY)
@@ -438,7 +447,7 @@ class _Reader:
             for first in range(start, stop, per):
                 last = min(stop, first + per)
                 lo, hi = _span(boxes, first, last, t.shape)
-                piece = np.empty((last - first) * width, t.dtype)
+                piece = self._piece((last - first) * width, t.dtype)
                 offset = t.offset + (first * width + lo) * t.dtype.itemsize
                 try:
                     _pread_into(self._fds[t.file], offset, memoryview(piece[lo:hi].view(np.uint8)))

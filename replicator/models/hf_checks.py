@@ -13,6 +13,7 @@ import re
 import struct
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from replicator.models import config_checks, llama
@@ -176,9 +177,21 @@ def duplicate(name: str, first: pathlib.Path, second: pathlib.Path, api: str) ->
     )
 
 
+_EXPONENTS = {  # a float's exponent bits, all set in a NaN or an infinity only
+    np.dtype(ml_dtypes.bfloat16): (np.uint16, 0x7F80),
+    np.dtype(np.float16): (np.uint16, 0x7C00),
+    np.dtype(np.float32): (np.uint32, 0x7F800000),
+    np.dtype(np.float64): (np.uint64, 0x7FF0000000000000),
+}
+
+
 def check_finite(values: np.ndarray, name: str, path: pathlib.Path, box: tuple) -> None:
     """Refuses a block of tensor ``name`` (read from ``path``, its ``box``) that holds a NaN
     or an infinity, naming the first one: training from it would fail at its first step."""
+    if values.dtype in _EXPONENTS:  # the bits first: several times faster than np.isfinite
+        kind, mask = _EXPONENTS[values.dtype]
+        if not ((values.view(kind) & kind(mask)) == mask).any():
+            return
     bad = ~np.isfinite(values)
     if not bad.any():
         return
