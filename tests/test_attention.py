@@ -458,3 +458,142 @@ def test_grouped_query_attention_sends_kv_heads_and_equals_repeated_heads(impl, 
         assert sizes == [block * kv], (sizes, block)
     else:  # Q and the output at 8 heads; K and V at theirs where they split over 4 devices
         assert sizes == sorted({block * h, block * (kv if kv % C == 0 else h)}), (sizes, block)
+
+
+# -- the platform's kernels: splash (Pallas, interpreted here) and cuDNN's selection -----------
+
+
+def pallas_case(impl, c, kv, causal, layout, seq):
+    """Values and gradients of q, k, v under `kernels.forced("splash")` (the TPU's kernel in
+    Pallas's interpreter) on {"context": c} (one device for c = 1) against `reference` at the
+    layout's positions; the kernel's calls counted, so a path that fell back to XLA's blockwise
+    kernel fails."""
+    from replicator._src.layers import kernels, splash
+
+    h, dh = 4, 8
+    keys = jax.random.split(jax.random.key(11), 4)
+    q, w = (jax.random.normal(key, (2, seq, h, dh)) for key in keys[:2])
+    k, v = (jax.random.normal(key, (2, seq, kv, dh)) for key in keys[2:])
+    order = att.zigzag_order(seq, c) if layout == "zigzag" else np.arange(seq)
+
+    def want(q, k, v):
+        out = att.reference(q, k, v, causal=causal, positions=order)
+        return jnp.sum(out * w), out
+
+    def got(q, k, v, w):
+        out = att.attention(q, k, v, causal=causal, impl=impl, layout=layout)
+        return jnp.sum(out * w), out
+
+    (_, ref_out), ref_grads = jax.value_and_grad(want, (0, 1, 2), has_aux=True)(q, k, v)
+    calls = []
+    counted = lambda f: lambda *a, **kw: calls.append(f.__name__) or f(*a, **kw)
+    patch = pytest.MonkeyPatch()
+    for name in ("attend", "block_forward", "block_backward"):
+        patch.setattr(splash, name, counted(getattr(splash, name)))
+    repl = make_repl({"data": 1, "context": c}) if c > 1 else make_repl({"data": 1})
+
+    def step(state, q, k, v, w):
+        (_, out), grads = jax.value_and_grad(got, (0, 1, 2), has_aux=True)(q, k, v, w)
+        return state, {"out": out, "grads": grads}
+
+    with patch.context(), kernels.forced("splash"):
+        _, out = repl.run(step, {}, q, k, v, w)
+    patch.undo()
+    assert rel_err(np.asarray(out["out"])[0], ref_out) <= TOL
+    assert rel_err([np.asarray(g)[0] for g in out["grads"]], list(ref_grads)) <= TOL
+    return calls
+
+
+@pytest.mark.parametrize(
+    "impl, c, kv, causal, layout, seq",
+    [  # one device, the ring's blocks (zigzag halves and whole), Ulysses at zigzag positions
+        ("ring", 1, 2, True, "contiguous", 256),
+        pytest.param("ring", 2, 2, True, "zigzag", 512, marks=slow),
+        pytest.param("ring", 4, 1, False, "contiguous", 512, marks=slow),
+        pytest.param("ring", 2, 4, True, "contiguous", 256, marks=slow),
+        pytest.param("all_to_all", 2, 2, True, "zigzag", 256, marks=slow),
+        pytest.param("all_to_all", 4, 4, False, "contiguous", 256, marks=slow),
+    ],
+)
+def test_splash_kernels_equal_the_reference_on_one_device_and_over_context(
+    impl, c, kv, causal, layout, seq
+):
+    """The Pallas path of every attention: whole sequences (one device; each device after
+    the all-to-all, masked at the zigzag positions), and each block of the ring, folded by
+    its log-sum-exp forward and differentiated with the global one backward. GQA, causal and
+    not; values and gradients to 1e-5."""
+    calls = pallas_case(impl, c, kv, causal, layout, seq)
+    if impl == "ring" and c > 1:
+        assert {"block_forward", "block_backward"} <= set(calls), calls
+    else:
+        assert "attend" in calls, calls
+
+
+def test_the_kernel_is_chosen_by_platform(monkeypatch):
+    """TPU: splash where its tiles divide; GPU: cuDNN for whole bf16/fp16 sequences in natural
+    order (a ring block, fp32 or zigzag positions keep XLA's kernel); CPU: XLA's. On a GPU the
+    one-device path calls ``jax.nn.dot_product_attention(implementation="cudnn")``."""
+    from replicator._src.layers import kernels, splash
+
+    pick = lambda platform, **kw: kernels.choose(
+        **{"seqs": (1024,), "dtype": jnp.bfloat16, "head_dim": 128, **kw}, platform=platform
+    )
+    assert pick("tpu") == "splash" and pick("tpu", seqs=(1024, 96)) == "xla"
+    assert pick("gpu") == "cudnn" and pick("gpu", whole=False) == "xla"
+    assert pick("gpu", dtype=jnp.float32) == "xla" and pick("gpu", natural=False) == "xla"
+    assert pick("gpu", head_dim=256) == "xla" and pick("cpu") == "xla"
+    with kernels.forced("splash"):
+        assert pick("cpu") == "splash"
+    with pytest.raises(ValueError, match=r"^forced: kernel='flash'; use one of 'xla'"):
+        kernels.forced("flash").__enter__()
+    seen = []
+
+    def cudnn(q, k, v, *, is_causal, implementation):
+        seen.append(implementation)
+        return att.reference(q, k, v, causal=is_causal)
+
+    monkeypatch.setattr(splash, "platform", lambda: "gpu")
+    monkeypatch.setattr(jax.nn, "dot_product_attention", cudnn)
+    q, k, v = (jnp.asarray(a, jnp.bfloat16) for a in qkv_inputs(seq=128))
+    att.attention(q, k, v, causal=True)
+    assert seen == ["cudnn"]
+    att.attention(*(a.astype(jnp.float32) for a in (q, k, v)), causal=True)
+    assert seen == ["cudnn"]  # fp32: XLA's kernel
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh_shape, name", [({"data": 2, "context": 2}, "ring"),
+                                              ({"data": 2, "context": 2}, "all_to_all")])  # fmt: skip
+def test_gpt_with_the_splash_kernel_over_context_trains_as_one_device(mesh_shape, name):
+    """`replicator.models.gpt` with its attention on the splash kernel (`kernels.forced`: on a
+    TPU, the platform's choice), 256 tokens over ``context``: the ring's blocks (128 tokens a
+    device) and Ulysses' whole sequences. Three SGD steps equal one device's (XLA's kernel)."""
+    from replicator._src.layers import kernels
+    from replicator.models import gpt
+
+    config = gpt.GPTConfig(vocab_size=64, seq_len=256, d_model=32, num_heads=4, num_kv_heads=2,
+                           num_layers=1, attention=name, zigzag=False, bias=False)  # fmt: skip
+    rng = np.random.default_rng(7)
+    tokens = rng.integers(0, 64, size=(4, 257)).astype(np.int32)
+    batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
+    loss = lambda p, b: gpt.loss(p, b["tokens"], b["targets"], config=config)
+
+    def train(repl):
+        tx = repl.wrap_optimizer(optax.sgd(0.5))
+        params = repl.replicate(gpt.init(config, jax.random.key(0)))
+        state, losses = {"params": params, "opt": tx.init(params)}, []
+
+        def step(state, batch):
+            params, opt, metrics = tx.step(loss, state["params"], state["opt"], batch)
+            return {"params": params, "opt": opt}, {"loss": metrics["loss"]}
+
+        for _ in range(3):
+            state, out = repl.run(step, state, batch)
+            losses.append(float(np.asarray(out["loss"])[0]))
+        return jax.tree.map(np.asarray, state["params"]), np.array(losses)
+
+    want, want_losses = train(make_repl({"data": 1}))
+    with kernels.forced("splash"):
+        got, losses = train(make_repl(mesh_shape))
+    assert rel_err(losses, want_losses) <= TOL
+    assert rel_err(got, want) <= TOL

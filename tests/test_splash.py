@@ -117,18 +117,77 @@ def test_gpt_with_splash_on_a_mesh_naming_model_of_size_1_equals_one_device():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_a_model_axis_is_refused_before_a_step():
-    repl = rp.Replicator(mesh_shape={"data": 2, "model": 2}, devices=jax.devices()[:4])
+@pytest.mark.parametrize(
+    "mesh_shape",
+    [
+        {"data": 1, "model": 2, "expert": 2},
+        pytest.param({"data": 2, "model": 4}, marks=pytest.mark.slow),
+    ],
+    ids=lambda m: "x".join(f"{a}{n}" for a, n in m.items()),
+)
+def test_splash_on_model_and_expert_axes_equals_one_device(mesh_shape):
+    """The kernel's call mapped by hand: each device's heads (``model``; K/V heads that do not
+    split are repeated for theirs first) and sequences (``expert``). Values and gradients equal
+    the reference, GQA with 4 query heads and 2 key/value heads."""
+    import math
+
+    n = math.prod(mesh_shape.values())
+    repl = rp.Replicator(mesh_shape=mesh_shape, devices=jax.devices()[:n])
+    q, k, v = _qkv(2, seq=128)
+    q, k, v = (jnp.concatenate([a, -a]) for a in (q, k, v))  # 4 sequences: 2 per expert
+    loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
+    grad = lambda f: jax.value_and_grad(loss(f), argnums=(0, 1, 2))
+
+    def step(state, q, k, v):
+        return state, {
+            "out": splash.splash_attention(q, k, v),
+            "grads": grad(splash.splash_attention)(q, k, v)[1],
+        }
+
+    _, out = repl.run(step, {}, q, k, v)
+    want = attention.reference(q, k, v, causal=True)
+    ref = grad(lambda q, k, v: attention.reference(q, k, v, causal=True))(q, k, v)[1]
+    rows = lambda x: np.concatenate(list(np.asarray(x)), 0)  # the replicas' rows, in order
+    assert _rel(rows(out["out"]), want) < 2e-6
+    for a, b in zip(out["grads"], ref, strict=True):
+        assert _rel(rows(a), b) < 2e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh_shape", [{"data": 2, "model": 2}, {"data": 2, "expert": 2}])
+def test_gpt_with_splash_on_model_or_expert_axes_equals_one_device(mesh_shape):
+    """Three SGD steps of the GPT with splash (heads first) on a mesh that splits its heads
+    (``model``) or its sequences (``expert``) equal one device's."""
     config = _model("splash")
-    with pytest.raises(ValueError, match="'model' axis splits them"):
-        _train(repl, config, 0, steps=1)
+    one, ref = _train(rp.Replicator(devices=jax.devices()[:1]), config, 0)
+    repl = rp.Replicator(mesh_shape=mesh_shape, devices=jax.devices()[:4])
+    many, params = _train(repl, config, 0)
+    np.testing.assert_allclose(many, one, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_an_expert_axis_is_refused_before_a_step():
-    """XLA cannot split the kernel's call over an axis left to it: the whole batch would be
-    gathered to every device. Refused, like model and context."""
-    repl = rp.Replicator(mesh_shape={"data": 2, "expert": 2}, devices=jax.devices()[:4])
-    q, k, v = _qkv(4, seq=128)
+@pytest.mark.parametrize(
+    "mesh_shape, match",
+    [
+        ({"data": 2, "context": 2}, "the mesh's 'context' axis of 2 devices splits them"),
+        ({"data": 1, "model": 4}, "the mesh's 'model' axis of 4 devices does not divide 2 heads"),
+        (
+            {"data": 1, "expert": 4},
+            "the mesh's 'expert' axis of 4 devices does not divide a batch of 2",
+        ),
+    ],
+)
+def test_splits_the_kernel_cannot_run_on_are_refused_before_a_step(mesh_shape, match):
+    """Whole sequences on each device (no ``context``), and heads or batches the ``model`` or
+    ``expert`` axis divides: anything else would gather the batch to every device (the TPU
+    compiler refuses it)."""
+    import math
+
+    n = math.prod(mesh_shape.values())
+    repl = rp.Replicator(mesh_shape=mesh_shape, devices=jax.devices()[:n])
+    q, k, v = (a[:, :, :2] for a in _qkv(2, seq=128))  # 2 heads
+    q, k, v = (jnp.concatenate([a] * mesh_shape["data"]) for a in (q, k, v))
     step = lambda s, q, k, v: (s, {"o": rp.all_reduce(jnp.sum(splash.splash_attention(q, k, v)))})
-    with pytest.raises(ValueError, match="'expert' axis splits them"):
+    with pytest.raises(ValueError, match=match):
         repl.run(step, repl.replicate(jnp.zeros(())), q, k, v)

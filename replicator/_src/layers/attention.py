@@ -22,6 +22,12 @@ gets them one of two ways, mapped by hand over ``context`` (`collectives.map_ove
 
 Without a ``context`` axis (or one of size 1) both are plain attention: the one-device oracle.
 
+**Kernels.** The attention itself runs on the platform's kernel (`kernels.choose`): on a TPU
+the splash Pallas kernel (whole sequences, each device's after the all-to-all, masked at the
+zigzag positions, and each block of the ring, folded in by its log-sum-exp), on a GPU cuDNN's
+for whole sequences, elsewhere XLA's blockwise kernel below (tiles of `TILE` keys, an online
+softmax), which is also where a kernel does not apply. `kernels.forced` picks one by hand.
+
 **Grouped-query attention.** Keys and values may have fewer heads than the queries (``KV``
 dividing ``H``: key/value head ``j`` serves query heads ``j G .. j G + G - 1``, ``G = H / KV``).
 They travel (round the ring, or through the all-to-alls) with their ``KV`` heads, ``G`` times
@@ -48,6 +54,7 @@ from jax.sharding import PartitionSpec as P
 
 from replicator._src.core import collectives
 from replicator._src.core.mesh import CONTEXT_AXIS, EXPERT_AXIS, MODEL_AXIS
+from replicator._src.layers import kernels, splash
 
 IMPLS = ("ring", "all_to_all")
 LAYOUTS = ("contiguous", "zigzag")
@@ -168,7 +175,17 @@ def attention(
             f"number of heads that divides q's {heads} (grouped-query attention)."
         )
     positions = zigzag_order(s, c) if layout == "zigzag" else np.arange(s)
-    if c == 1:  # one device: plain attention, or blockwise where a sequence spans tiles
+    natural = not causal or kernels.natural(positions)
+    if c == 1:  # one device: a kernel, plain attention, or blockwise where it spans tiles
+        kernel = kernels.choose(seqs=(s,), dtype=q.dtype, head_dim=q.shape[3], natural=natural)
+        whole = functools.partial(kernels.whole, causal=causal, positions=positions, kernel=kernel)
+        if kernel == "cudnn":
+            return whole(q, k, v)
+        if kernel == "splash" and k.shape[2] % collectives.auto_axis_size(MODEL_AXIS):
+            k, v = _widen(k, heads), _widen(v, heads)  # K/V heads that cannot split
+        mapped = _kernel_by_hand(whole, kernel, q, k, v, None)
+        if mapped is not None:
+            return mapped(q, k, v)
         if s > TILE:
             return _ring(q, k, v, causal=causal, zigzag=False, positions=positions, ring=False)
         return reference(q, k, v, causal=causal, positions=positions)
@@ -187,6 +204,7 @@ def attention(
     kv = k.shape[2]
     if kv % t or (impl == "all_to_all" and (kv // t) % c):  # K/V heads that cannot split
         k, v = _widen(k, heads), _widen(v, heads)
+    zigzag = layout == "zigzag" and causal
     if impl == "all_to_all":
         if (heads // t) % c:
             raise ValueError(
@@ -194,29 +212,50 @@ def attention(
                 f"not split over the {c} devices of {CONTEXT_AXIS!r}; use impl='ring', or "
                 f"num_heads a multiple of {c * t}."
             )
-        body = functools.partial(_all_to_all, causal=causal, positions=positions)
+        kernel = kernels.choose(seqs=(s,), dtype=q.dtype, head_dim=q.shape[3], natural=natural)
+        body = functools.partial(_all_to_all, causal=causal, positions=positions, kernel=kernel)
     else:
-        zigzag = layout == "zigzag" and causal
-        body = functools.partial(_ring, causal=causal, zigzag=zigzag, positions=positions)
-    axes = (CONTEXT_AXIS, MODEL_AXIS) if head_axis else (CONTEXT_AXIS,)
-    mapped = collectives.map_over(body, in_specs=(spec, spec, spec), out_specs=spec, axes=axes)
+        seqs = (s // c, s // c // 2) if zigzag else (s // c,)
+        kernel = kernels.choose(seqs=seqs, dtype=q.dtype, head_dim=q.shape[3], whole=False)
+        body = functools.partial(
+            _ring, causal=causal, zigzag=zigzag, positions=positions, kernel=kernel
+        )
+    mapped = _kernel_by_hand(body, kernel, q, k, v, CONTEXT_AXIS)
+    if mapped is None:  # XLA's kernels, mapped over `context` and `model` only
+        body = functools.partial(body, kernel="xla" if kernel == "splash" else kernel)
+        axes = (CONTEXT_AXIS, MODEL_AXIS) if head_axis else (CONTEXT_AXIS,)
+        mapped = collectives.map_over(body, in_specs=(spec,) * 3, out_specs=spec, axes=axes)
     return mapped(q, k, v)
 
 
-def _all_to_all(q, k, v, *, causal: bool, positions) -> jax.Array:
+def _kernel_by_hand(f, kernel: str, q, k, v, seq_axis):
+    """``f`` mapped by hand over every axis left to XLA for the splash kernel (`splash.by_hand`:
+    the TPU compiles a Pallas kernel only so), or None for the other kernels, or where the axes
+    cannot split the heads or the batch (XLA's kernel then runs instead, as exact)."""
+    if kernel != "splash":
+        return None
+    return splash.by_hand(f, batch=q.shape[0], heads=k.shape[2], layout="bshd",
+                          seq_axis=seq_axis)[0]  # fmt: skip
+
+
+def _all_to_all(q, k, v, *, causal: bool, positions, kernel: str = "xla") -> jax.Array:
     """Ulysses: ``[B, S/C, H, D]`` to ``[B, S, H/C, D]``, attention, and back."""
     to_heads = lambda x: collectives.all_to_all(x, CONTEXT_AXIS, split=2, concat=1)
     q, k, v = to_heads(q), to_heads(k), to_heads(v)
-    if q.shape[1] > TILE:  # the whole sequence: blockwise, a tile of keys at a time
+    if kernel != "xla":  # the whole sequence for this device's heads: the platform's kernel
+        out = kernels.whole(q, k, v, causal=causal, positions=positions, kernel=kernel)
+    elif q.shape[1] > TILE:  # the whole sequence: blockwise, a tile of keys at a time
         out = _ring(q, k, v, causal=causal, zigzag=False, positions=positions, ring=False)
     else:
         out = reference(q, k, v, causal=causal, positions=positions)
     return collectives.all_to_all(out, CONTEXT_AXIS, split=1, concat=2)
 
 
-def _ring(q, k, v, *, causal: bool, zigzag: bool, positions, ring: bool = True) -> jax.Array:
-    """One device's part of ring attention: its queries against every key/value block."""
-    return _ring_attention(q, k, v, causal, zigzag, tuple(int(p) for p in positions), ring)
+def _ring(q, k, v, *, causal, zigzag, positions, ring=True, kernel="xla") -> jax.Array:
+    """One device's part of ring attention: its queries against every key/value block, each
+    block by ``kernel`` (``"xla"``: the blockwise kernel; ``"splash"``: the Pallas kernel)."""
+    positions = tuple(int(p) for p in positions)
+    return _ring_attention(q, k, v, causal, zigzag, positions, ring, kernel == "splash")
 
 
 # -- ring attention: an online softmax over blocks that travel round the ring --------------------
@@ -369,21 +408,26 @@ def _ring_steps(step, carry, causal: bool, zigzag: bool, sc: int):
     return lax.scan(body, carry, jnp.arange(1, n))[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _ring_attention(q, k, v, causal: bool, zigzag: bool, positions: tuple, ring: bool):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _ring_attention(q, k, v, causal: bool, zigzag: bool, positions: tuple, ring: bool, pallas):
     """Blockwise attention with an online softmax: this device's block, then (``ring``) every
     other device's, sent round the ``context`` axis. Without ``ring``, memory-efficient
-    attention on one device (scores held a tile of keys at a time)."""
-    return _ring_forward(q, k, v, causal, zigzag, positions, ring)[0]
+    attention on one device (scores held a tile of keys at a time). With ``pallas``, each
+    block is the splash kernel's (`kernels.fold`, `kernels.grads`; ``ring`` only)."""
+    return _ring_forward(q, k, v, causal, zigzag, positions, ring, pallas)[0]
 
 
-def _ring_forward(q, k, v, causal, zigzag, positions, ring):
+def _ring_forward(q, k, v, causal, zigzag, positions, ring, pallas):
     b, sc, h, d = q.shape
     o = jnp.zeros((b, sc, h, d), jnp.float32)
     m = jnp.full((b, sc, h), _NEG, jnp.float32)
-    pos = _own_positions(causal, positions, sc, ring)
-    pairs = _live_pairs(positions, sc, ring) if causal else None
-    acc = _fold((o, m, jnp.zeros_like(m)), q, k, v, pos, pos, pairs)
+    acc = (o, m, jnp.zeros_like(m))
+    if pallas:  # a device's own positions increase: its own block is causal in its order
+        acc = kernels.fold(acc, q, k, v, causal=causal)
+    else:
+        pos = _own_positions(causal, positions, sc, ring)
+        pairs = _live_pairs(positions, sc, ring) if causal else None
+        acc = _fold(acc, q, k, v, pos, pos, pairs)
 
     def step(carry, branch=None):
         acc, kv = carry
@@ -391,7 +435,8 @@ def _ring_forward(q, k, v, causal, zigzag, positions, ring):
             return acc, collectives.ring_shift(kv, CONTEXT_AXIS)
         qs, ks = branch
         part = tuple(a[:, qs] for a in acc)
-        part = _fold(part, q[:, qs], kv[0][:, ks], kv[1][:, ks])
+        fold = functools.partial(kernels.fold, causal=False) if pallas else _fold
+        part = fold(part, q[:, qs], kv[0][:, ks], kv[1][:, ks])
         return tuple(a.at[:, qs].set(p) for a, p in zip(acc, part, strict=True)), kv
 
     if ring:
@@ -401,20 +446,27 @@ def _ring_forward(q, k, v, causal, zigzag, positions, ring):
     return out, (q, k, v, out, m + jnp.log(total))
 
 
-def _ring_bwd(causal, zigzag, positions, ring, residuals, do):
+def _ring_bwd(causal, zigzag, positions, ring, pallas, residuals, do):
     q, k, v, out, lse = residuals
     sc = q.shape[1]
     delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), -1)
-    pos = _own_positions(causal, positions, sc, ring)
-    pairs = _live_pairs(positions, sc, ring) if causal else None
-    dq, dk, dv = _block_grads(q, k, v, do, lse, delta, pos, pos, pairs)
+    if pallas:  # the kernel's backward takes (out, lse, do), delta from them
+        dq, dk, dv = kernels.grads(q, k, v, out, lse, do, causal=causal)
+    else:
+        pos = _own_positions(causal, positions, sc, ring)
+        pairs = _live_pairs(positions, sc, ring) if causal else None
+        dq, dk, dv = _block_grads(q, k, v, do, lse, delta, pos, pos, pairs)
 
     def step(carry, branch=None):
         dq, kv, dkv = carry
         if branch is None:  # K, V and the gradients gathered for them travel on together
             return dq, *collectives.ring_shift((kv, dkv), CONTEXT_AXIS)
         qs, ks = branch
-        g = _block_grads(q[:, qs], kv[0][:, ks], kv[1][:, ks], do[:, qs], lse[:, qs], delta[:, qs])
+        blk = (q[:, qs], kv[0][:, ks], kv[1][:, ks])
+        if pallas:
+            g = kernels.grads(*blk, out[:, qs], lse[:, qs], do[:, qs], causal=False)
+        else:
+            g = _block_grads(*blk, do[:, qs], lse[:, qs], delta[:, qs])
         dkv = tuple(a.at[:, ks].add(x) for a, x in zip(dkv, g[1:], strict=True))
         return dq.at[:, qs].add(g[0]), kv, dkv
 

@@ -1,14 +1,27 @@
-"""Causal attention as the TPU's splash-attention kernel (Pallas), for whole sequences.
+"""Attention as the TPU's splash-attention kernel (Pallas): whole sequences, and ring blocks.
 
 ``jax.experimental.pallas.ops.tpu.splash_attention`` computes attention tile by tile in the
 TPU's on-chip memory: the ``[seq, seq]`` scores never reach HBM (XLA's own attention writes
-them there, several times per layer), and tiles the causal mask covers whole are skipped.
-MaxText trains on TPUs with it. Grouped key/value heads run as the kernel's multi-query form,
-one group at a time.
+them there, several times per layer), and tiles the mask covers whole are skipped. MaxText
+trains on TPUs with it. Grouped key/value heads run as they are (the kernel's multi-head form
+reads key/value head ``j`` for query heads ``j G .. j G + G - 1``).
+
+* `attend`: a whole sequence, causal in natural order, causal by ``positions`` (the zigzag
+  layout after `attention`'s all-to-all) or not causal, differentiated by the kernel's own
+  backward kernels.
+* `block_forward` and `block_backward`: one block of a ring (`attention`'s ``impl="ring"``):
+  the forward returns the block's log-sum-exp with its output, which the ring folds in with an
+  online softmax; the backward takes the ring's global output and log-sum-exp, so each block's
+  gradients are the global attention's. The backward calls the kernel's own backward function
+  (``_splash_attention_bwd``, private: its signature is the same in jax 0.10.2 and 0.12).
+* `splash_attention` (``attention='splash'`` of `replicator.models.gpt`): `attend`, causal,
+  mapped by hand over the mesh's axes left to XLA (`by_hand`): heads over ``model``, batches
+  over ``expert``.
 
 Off a TPU the same kernel runs in Pallas's interpreter: the same arithmetic, slowly, which is
 what the tests compare against `attention.reference`. The step's platform is its binding's
-(`Binding.platform`): a step compiled for a TPU target on a CPU host gets the TPU kernel.
+(`Binding.platform`), else JAX's default backend: a step compiled for a TPU target on a CPU host
+gets the TPU kernel.
 
 XLA's cost analysis does not see inside the kernel, so each call carries its work in its
 name scope (``replicator_kernel_flops_N``: the multiply-adds of its live tiles, forward), which
@@ -21,6 +34,9 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from replicator._src.core import binding as binding_lib
 
@@ -28,41 +44,151 @@ BLOCK = 512  # MaxText's default tiles: 512 queries x 512 keys
 KERNEL_FLOPS = "replicator_kernel_flops_{}"
 
 
-def _block(seq: int) -> int:
+def platform() -> str:
+    """The platform the current step is compiled for: its binding's, else JAX's default."""
+    return binding_lib.current_binding().platform or jax.default_backend()
+
+
+def fits(seq: int) -> bool:
+    """Whether the kernel's tiles divide a sequence (or block) of ``seq`` tokens: a multiple of
+    128 up to `BLOCK`, and of `BLOCK` beyond."""
     block = min(BLOCK, seq)
-    if seq % block or block % 128:
+    return seq % block == 0 and block % 128 == 0
+
+
+def _block(seq: int) -> int:
+    if not fits(seq):
         raise ValueError(
             f"attention='splash' runs over tiles of {BLOCK} tokens (or the whole sequence, a "
             f"multiple of 128): seq_len={seq} is neither; use a sequence length that is a "
             f"multiple of 128 (and of {BLOCK} when longer), or attention='dot_product'."
         )
-    return block
+    return min(BLOCK, seq)
+
+
+def mask_key(causal: bool, positions=None):
+    """The kernel's mask: ``"full"``, ``"causal"`` (natural order, or ``positions`` that
+    increase), or the tuple of ``positions`` (a token attends to those at or before its own)."""
+    if not causal:
+        return "full"
+    if positions is None or np.all(np.diff(np.asarray(positions)) > 0):
+        return "causal"
+    return tuple(int(p) for p in positions)
+
+
+def _mask(key, q_len: int, kv_len: int):
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    if key == "full":
+        return sm.FullMask((q_len, kv_len))
+    if key == "causal":
+        return sm.CausalMask((q_len, kv_len))
+    positions, pos = key, np.asarray(key)
+
+    class Positions(sm.Mask):  # query i sees key j where pos[i] >= pos[j]; partial tiles stored
+        shape = (len(pos), len(pos))
+        __getitem__ = lambda self, idx: pos[idx[0]][:, None] >= pos[idx[1]][None, :]
+        __eq__ = lambda self, other: getattr(other, "key", None) == key
+        __hash__ = lambda self: hash(key)
+        key = positions
+
+    return Positions()
 
 
 @functools.cache
-def _kernel(heads: int, seq: int, mqa: bool, interpret: bool):
+def _kernel(heads: int, q_len: int, kv_len: int, key, interpret: bool, residuals: bool):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
-    b = _block(seq)
-    mask = sm.MultiHeadMask([sm.CausalMask((seq, seq)) for _ in range(heads)])
-    sizes = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b,
-                          block_kv_dkv=b, block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)  # fmt: skip
-    make = sk.make_splash_mqa if mqa else sk.make_splash_mha
+    bq, bk = _block(q_len), _block(kv_len)
+    mask = sm.MultiHeadMask([_mask(key, q_len, kv_len) for _ in range(heads)])
+    sizes = sk.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq,
+                          block_kv_dkv=bk, block_kv_dkv_compute=bk, block_q_dq=bq, block_kv_dq=bk)  # fmt: skip
     with jax.ensure_compile_time_eval():  # its mask tables: constants, not this trace's values
-        return make(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+        return sk.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                                  interpret=interpret, save_residuals=residuals)  # fmt: skip
 
 
-def live_pairs(seq: int) -> int:
-    """(query, key) pairs the kernel computes for a causal sequence: every tile on or below
-    the diagonal, whole.
+def live_pairs(seq: int, kv_len: int | None = None, key="causal") -> int:
+    """(query, key) pairs the kernel computes: every tile the mask does not cover whole.
 
     >>> live_pairs(1024)  # 2 x 2 tiles of 512: 3 live
     786432
     """
-    b = _block(seq)
-    n = seq // b
-    return n * (n + 1) // 2 * b * b
+    kv_len = seq if kv_len is None else kv_len
+    bq, bk = _block(seq), _block(kv_len)
+    if key == "full":
+        return seq * kv_len
+    pos = np.arange(seq) if key == "causal" else np.asarray(key)
+    tq, tk = pos.reshape(-1, bq), pos[:kv_len].reshape(-1, bk)
+    return int(np.sum(tq.max(1)[:, None] >= tk.min(1)[None, :])) * bq * bk
+
+
+def _flops(q, kv_len: int, key) -> int:
+    batch, heads, seq, dim = q.shape
+    return 4 * dim * live_pairs(seq, kv_len, key) * heads * batch  # QK^T and PV
+
+
+def attend(q, k, v, *, causal: bool = True, positions=None) -> jax.Array:
+    """Attention of ``q`` ``[batch, heads, seq, head_dim]`` over ``k``, ``v`` ``[batch,
+    kv_heads, seq, head_dim]`` (``kv_heads`` divides ``heads``), whole sequences on this device:
+    `attention.reference` (heads first), differentiable.
+
+    Raises:
+      ValueError: for a sequence the kernel's tiles do not divide (`fits`).
+    """
+    _, heads, seq, dim = q.shape
+    key = mask_key(causal, positions)
+    kernel = _kernel(heads, seq, seq, key, platform() != "tpu", False)
+    scaled = (q * (1 / math.sqrt(dim))).astype(q.dtype)
+    with jax.named_scope(KERNEL_FLOPS.format(_flops(q, seq, key))):
+        return jax.vmap(kernel)(scaled, k, v).astype(q.dtype)
+
+
+def block_forward(q, k, v, *, causal: bool) -> tuple[jax.Array, jax.Array]:
+    """One ring block: `attend` of ``q`` ``[B, H, Sq, D]`` over a block of keys and values
+    ``[B, KV, Sk, D]``, causal (a device's own block, ``Sq == Sk``) or not, and its
+    log-sum-exp ``[B, H, Sq]`` (fp32; scores scaled by ``1 / sqrt(D)``). Not differentiable:
+    `block_backward` is its gradient, given the global output and log-sum-exp."""
+    _, heads, sq, dim = q.shape
+    key = mask_key(causal)
+    kernel = _kernel(heads, sq, k.shape[2], key, platform() != "tpu", True)
+    scaled = (q * (1 / math.sqrt(dim))).astype(q.dtype)
+    with jax.named_scope(KERNEL_FLOPS.format(_flops(q, k.shape[2], key))):
+        out, (lse,) = jax.vmap(kernel)(scaled, k, v)
+    return out, lse
+
+
+def block_backward(q, k, v, out, lse, do, *, causal: bool) -> tuple:
+    """The gradients ``(dq, dk, dv)`` of one ring block (`block_forward`'s arguments) where
+    ``out`` ``[B, H, Sq, D]`` and ``lse`` ``[B, H, Sq]`` are the global attention's output and
+    log-sum-exp and ``do`` its output's gradient: each block's share of the global gradients
+    (``delta = sum(do * out)`` is taken from the global output), by the kernel's backward."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+
+    _, heads, sq, dim = q.shape
+    key = mask_key(causal)
+    kernel = _kernel(heads, sq, k.shape[2], key, platform() != "tpu", True)
+    kw, scale = kernel.kwargs, 1 / math.sqrt(dim)
+    collapse = lambda info: info._replace(
+        partial_mask_blocks=None
+        if info.partial_mask_blocks is None
+        else info.partial_mask_blocks.reshape(-1, *info.partial_mask_blocks.shape[-2:])
+    )
+    infos = collapse(kernel.dq_mask_info), collapse(kernel.dkv_mask_info)
+
+    def one(q, k, v, out, lse, do):
+        res = (q, k, v, None, None, out, lse, *infos)
+        grads = sk._splash_attention_bwd(
+            False, kw["mask_value"], kw["is_mqa"], kw["block_sizes"], None,
+            kw["mask_function"], kw["attn_logits_soft_cap"], kw["interpret"], res, do,
+        )  # fmt: skip
+        return grads[3:6]
+
+    scaled = (q * scale).astype(q.dtype)
+    with jax.named_scope(KERNEL_FLOPS.format(_flops(q, k.shape[2], key))):
+        dq, dk, dv = jax.vmap(one)(scaled, k, v, out, lse, do)
+    return (dq * scale).astype(q.dtype), dk, dv
 
 
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
@@ -82,55 +208,65 @@ def splash_attention_heads_first(q: jax.Array, k: jax.Array, v: jax.Array) -> ja
     """`splash_attention` of ``q`` ``[batch, heads, seq, head_dim]`` over ``k``, ``v``
     ``[batch, kv_heads, seq, head_dim]``, the kernel's layout: a model that projects its queries,
     keys and values straight into it (and its output projection out of it) moves no activation
-    between layouts (`replicator.models.gpt` with ``attention='splash'``).
+    between layouts (`replicator.models.gpt` with ``attention='splash'``). On a mesh, the
+    kernel runs on each device's heads (``model``) and sequences (``expert``): `by_hand`.
 
     Raises:
-      ValueError: for a sequence the kernel's tiles do not divide, or a ``model``,
-        ``context`` or ``expert`` axis, which XLA would split the kernel's call over (XLA
-        cannot: it would gather the whole batch to every device instead).
+      ValueError: for a sequence the kernel's tiles do not divide; for a ``context`` axis (the
+        kernel needs whole sequences), or heads or a batch the ``model`` or ``expert`` axis
+        does not divide.
     """
+    _block(q.shape[2])
+    if k.shape[1] % _axis_size("model"):  # K/V heads that cannot split: repeated for theirs
+        k, v = (jnp.repeat(a, q.shape[1] // k.shape[1], axis=1) for a in (k, v))
+    mapped, why = by_hand(functools.partial(attend, causal=True), batch=q.shape[0],
+                          heads=q.shape[1], layout="bhsd")  # fmt: skip
+    if mapped is None:
+        raise ValueError(
+            f"attention='splash' runs the kernel on whole sequences, on each device's heads "
+            f"(model) and sequences (expert), but {why}; use attention='dot_product', or "
+            f"'ring'/'all_to_all' with a context axis."
+        )
+    return mapped(q, k, v)
+
+
+def _axis_size(name: str) -> int:
     from replicator._src.core.collectives import auto_axis_size
 
-    for axis in ("model", "context", "expert"):  # XLA cannot split a kernel's call
-        if auto_axis_size(axis) > 1:
-            raise ValueError(
-                f"attention='splash' runs the kernel on whole heads, sequences and batches of a "
-                f"replica, but the mesh's {axis!r} axis splits them; use attention="
-                f"'dot_product' with a model or expert axis, or 'ring'/'all_to_all' with a "
-                f"context axis."
-            )
-    batch, heads, seq, dim = q.shape
-    dtype = q.dtype
-    kv_heads = k.shape[1]
-    interpret = binding_lib.current_binding().platform != "tpu"
-    q = (q * (1 / math.sqrt(dim))).astype(q.dtype)
-    flops = 4 * dim * live_pairs(seq) * heads * batch  # QK^T and PV, per call
-
-    def attend(q, k, v):
-        if kv_heads == heads:
-            return jax.vmap(_kernel(heads, seq, False, interpret))(q, k, v)
-        group = heads // kv_heads
-        qg = q.reshape(batch, kv_heads, group, seq, dim)
-        mqa = jax.vmap(jax.vmap(_kernel(group, seq, True, interpret)))
-        return mqa(qg, k, v).reshape(batch, heads, seq, dim)
-
-    with jax.named_scope(KERNEL_FLOPS.format(flops)):
-        out = _by_hand(attend)(q, k, v)
-    return out.astype(dtype)
+    return auto_axis_size(name)
 
 
-def _by_hand(f):
-    """``f`` mapped by hand over the mesh's axes of size 1 left to XLA: the TPU compiles a
-    Pallas kernel only where every axis is manual, so a mesh that names ``model`` or
-    ``expert`` with size 1 would otherwise fail to compile. A larger axis left to XLA is not
-    mapped (whole values over it would gather the batch to every device): ``model``,
-    ``context`` and ``expert`` are refused above, and the TPU compiler refuses the others."""
+def by_hand(f, *, batch: int, heads: int, layout: str, seq_axis: str | None = None):
+    """``f`` (of ``q``, ``k``, ``v`` in ``layout`` ``"bhsd"`` or ``"bshd"``, to one output
+    laid out as ``q``) mapped by hand over every mesh axis left to XLA, as the TPU needs to
+    compile a Pallas kernel: ``model`` splits the heads, ``expert`` the batch, ``seq_axis``
+    (``"context"`` for `attention`'s ring and all-to-all, whose ``f`` then runs their
+    collectives) the sequence, and axes of size 1 stay whole. Returns ``(mapped, None)``, or
+    ``(None, reason)`` when an axis cannot split its dimension (XLA would gather the whole batch
+    to every device instead; the TPU compiler refuses it)."""
     mesh = jax.sharding.get_abstract_mesh()
     manual = set(getattr(mesh, "manual_axes", ()))
     sizes = {} if mesh.empty else dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
-    auto = {a for a, size in sizes.items() if a not in manual and size == 1}
+    auto = {a: n for a, n in sizes.items() if a not in manual}
+    dims = {"b": None, "h": None, "s": None}
+    for axis, n in auto.items():
+        if n == 1:
+            continue
+        if axis == "model" and heads % n == 0:
+            dims["h"] = axis
+        elif axis == "expert" and batch % n == 0:
+            dims["b"] = axis
+        elif axis == seq_axis:
+            dims["s"] = axis
+        else:
+            what = {"model": f"{heads} heads", "expert": f"a batch of {batch}"}.get(axis)
+            return None, (
+                f"the mesh's {axis!r} axis of {n} devices does not divide {what}"
+                if what
+                else f"the mesh's {axis!r} axis of {n} devices splits them"
+            )
     if not auto:
-        return f
-    whole = jax.sharding.PartitionSpec()
-    return jax.shard_map(f, in_specs=(whole,) * 3, out_specs=whole, axis_names=auto,
-                         check_vma=False)  # fmt: skip
+        return f, None
+    spec = P(*(dims.get(c) for c in layout))
+    return jax.shard_map(f, in_specs=(spec,) * 3, out_specs=spec, axis_names=set(auto),
+                         check_vma=False), None  # fmt: skip
