@@ -657,18 +657,22 @@ def _build(reader: _Reader, plan: _Plan) -> jax.Array:
     """One global array of the blocks this process's devices hold. The distinct blocks
     (replicas share one) that need the same rows of a tensor are filled together, each row
     read once, put on the devices that hold them and let go before the next group is read:
-    the host holds one group at a time (one block, where blocks share no rows), not the leaf."""
+    the host holds one group at a time (one block, where blocks share no rows), not the leaf,
+    in the files' dtype where it is narrower than the leaf's."""
     shape, devices = plan.shape, {}
     for device, index in plan.sharding.addressable_devices_indices_map(shape).items():
         index = tuple(index) + (slice(None),) * (len(shape) - len(index))
         box = tuple(s.indices(size)[:2] for s, size in zip(index, shape, strict=True))
         devices.setdefault(box, []).append(device)
+    files = {reader.tensors[name].dtype for name in plan.names}
+    held = files.pop() if len(files) == 1 else np.dtype(plan.dtype)  # a narrower file dtype
+    held = held if held.itemsize < np.dtype(plan.dtype).itemsize else np.dtype(plan.dtype)
     arrays = []
     for group in _sharing(plan, list(devices)):
-        blocks = {box: np.empty([z - a for a, z in box], plan.dtype) for box in group}
+        blocks = {box: np.empty([z - a for a, z in box], held) for box in group}
         _fill(reader, plan, blocks)
-        for box in group:
-            block = blocks.pop(box)
+        for box in group:  # cast one block at a time (bf16 files widen exactly into fp32)
+            block = blocks.pop(box).astype(plan.dtype, copy=False)
             arrays += [jax.device_put(block, device) for device in devices[box]]
             del block
     return jax.make_array_from_single_device_arrays(shape, plan.sharding, arrays)
