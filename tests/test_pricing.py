@@ -18,10 +18,8 @@ SIZES = ["model.d_model=128", "model.heads=4", "model.seq_len=64", "model.layers
 SHAPE = pricing.ModelShape(num_layers=4, d_model=128, num_heads=4, kv_heads=4, head_dim=32,
                            hidden=512, vocab=256, seq_len=64, global_batch=32)  # fmt: skip
 # Not priced yet: the stage axis's all-reduce of the embedding's and head's gradients is priced
-# low (about half: what else it sums is not modelled), and the embedding's backward over
-# `context` (or `expert`) gathers its cotangent (1 to 3 activations' worth; issue 44 scatters it
-# instead).
-UNPRICED = {("all-reduce", ("stage",)), ("all-gather", ("context",)), ("all-gather", ("expert",))}
+# low (about half: what else it sums is not modelled).
+UNPRICED = {("all-reduce", ("stage",))}
 LAYOUTS = [
     rp.Layout(data=8, zero_stage=3, remat=True),
     rp.Layout(data=4, model=2),

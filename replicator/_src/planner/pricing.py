@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from replicator._src.layers import embedding
 from replicator._src.planner import search
 from replicator._src.planner.layouts import VIRTUAL, Family, Layout, schedule_of
 from replicator._src.planner.model_shape import TILE, ModelShape
@@ -290,18 +291,19 @@ def _collectives(layout: Layout, m: ModelShape):
         if layout.zero_stage == 3 and tokens < m.vocab:  # each replica looks up in its columns
             lookup = tokens * m.d_model / layout.model * m.compute_bytes  # forward and back
             yield CollectiveCost("all-to-all", ("data",), 2 * a * _ring(d) * lookup, 2 * a)
+    table, summed, gathers = _token_table(layout, m)
+    yield from gathers
     n = layout.expert
     if n > 1:  # each mixture sends its experts' rows to their devices and back, forward and
         # backward (and forward again under full remat); the tokens' replicas sum the rest
         count = (6 if layout.remat else 4) * m.moe_layers  # dots: the experts' rows again
         buffer = _tokens(layout, m) * m.expert_rows * m.d_model * m.compute_bytes
         yield CollectiveCost("all-to-all", ("expert",), count * _ring(n) * buffer, count)
-        table = m.vocab * m.d_model / layout.model  # its gradient is gathered (`UNPRICED`)
-        shared = 4 * (params - m.expert_params / (layout.model * n) - table)
+        shared = 4 * (params - m.expert_params / (layout.model * n)) - table + summed
         yield CollectiveCost("all-reduce", ("expert",), 2 * _ring(n) * shared, 1)
     c = layout.context
     if c > 1:  # the gradients summed over the context's replicas too
-        yield CollectiveCost("all-reduce", ("context",), 2 * _ring(c) * grads, 1)
+        yield CollectiveCost("all-reduce", ("context",), 2 * _ring(c) * (grads - table + summed), 1)
         yield from _context(layout, m)
     t = layout.model
     micro = layout.microbatches if layout.stage > 1 else 1
@@ -320,6 +322,26 @@ def _collectives(layout: Layout, m: ModelShape):
         # the embedding's and head's gradients summed over the stages that hold them
         outer = 4 * sum(m.outer_params) / t
         yield CollectiveCost("all-reduce", ("stage",), 2 * _ring(k) * outer, 1)
+
+
+def _token_table(layout: Layout, m: ModelShape):
+    """The token table's gradient over the token axes (``context``, ``expert``), as
+    `embedding.lookup` chooses: ``(table, summed, gathers)``, the bytes of its gradient in the
+    parameters' and in their sums over the token axes (its part, where each device scatters
+    its own tokens; where the cotangents are gathered instead, none but a tied head's), and the
+    all-gathers of the cotangents, each micro-step's."""
+    table = 4 * m.vocab * m.d_model / layout.model
+    part = m.vocab * m.d_model / (layout.data if layout.zero_stage == 3 else 1)
+    a, g = layout.accumulate_steps, layout.context * layout.expert
+    tokens = m.global_batch * m.seq_len / (layout.data * a)  # a data replica's micro-step's
+    cotangent = 4 if m.learned_positions else m.compute_bytes  # `gpt.embed` casts after adding
+    if g == 1 or embedding.scatters_locally(
+        part=part, tokens=tokens, width=m.d_model, cotangent_bytes=cotangent
+    ):
+        return table, 4 * part / layout.model, ()
+    axes = tuple(name for name in ("expert", "context") if getattr(layout, name) > 1)
+    wire = a * _ring(g) * tokens * m.d_model * cotangent
+    return table, table if m.tied else 0.0, (CollectiveCost("all-gather", axes, wire, a),)
 
 
 def _context(layout: Layout, m: ModelShape):
