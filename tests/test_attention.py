@@ -539,6 +539,7 @@ def test_the_kernel_is_chosen_by_platform(monkeypatch):
         **{"seqs": (1024,), "dtype": jnp.bfloat16, "head_dim": 128, **kw}, platform=platform
     )
     assert pick("tpu") == "splash" and pick("tpu", seqs=(1024, 96)) == "xla"
+    assert pick("tpu", head_dim=64) == "xla"
     assert pick("gpu") == "cudnn" and pick("gpu", whole=False) == "xla"
     assert pick("gpu", dtype=jnp.float32) == "xla" and pick("gpu", natural=False) == "xla"
     assert pick("gpu", head_dim=256) == "xla" and pick("cpu") == "xla"

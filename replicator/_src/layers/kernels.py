@@ -2,7 +2,8 @@
 
 * TPU: the splash-attention Pallas kernel (`splash`), for whole sequences (one device, and
   each device after the all-to-all of ``impl="all_to_all"``) and for each block of the ring
-  (``impl="ring"``: `fold` and `grads`), wherever its tiles divide the sequence or block.
+  (``impl="ring"``: `fold` and `grads`), wherever its tiles divide the sequence or block and
+  the heads are a multiple of 128 wide (Llama's and Gemma's, as MaxText runs the kernel).
 * GPU: cuDNN's fused attention (``jax.nn.dot_product_attention(implementation="cudnn")``)
   for whole sequences in fp16 or bf16 with a head size cuDNN takes (`cudnn_applies`); ring
   blocks keep the blockwise kernel (cuDNN's public call gives no log-sum-exp to fold with).
@@ -65,6 +66,8 @@ def choose(*, seqs: tuple[int, ...], dtype, head_dim: int, whole: bool = True,
     'splash'
     >>> choose(seqs=(1000,), dtype="bfloat16", head_dim=128, platform="tpu")  # tiles do not divide
     'xla'
+    >>> choose(seqs=(1024,), dtype="bfloat16", head_dim=32, platform="tpu")  # narrow heads
+    'xla'
     >>> choose(seqs=(1024,), dtype="bfloat16", head_dim=128, platform="gpu")
     'cudnn'
     >>> choose(seqs=(512, 256), dtype="bfloat16", head_dim=128, whole=False, platform="gpu")
@@ -74,6 +77,8 @@ def choose(*, seqs: tuple[int, ...], dtype, head_dim: int, whole: bool = True,
     if kernel is None:
         platform = splash.platform() if platform is None else platform
         kernel = {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn"}.get(platform, "xla")
+        if kernel == "splash" and head_dim % 128:  # heads the TPU's lanes hold whole (MaxText's)
+            kernel = "xla"
     if kernel == "splash" and not all(splash.fits(s) for s in seqs):
         return "xla"
     if kernel == "cudnn" and not (whole and cudnn_applies(dtype, head_dim, natural)):
