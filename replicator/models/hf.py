@@ -373,7 +373,7 @@ def _pread_into(fd: int, offset: int, buffer: memoryview) -> None:
         done += n
 
 
-Box = tuple[tuple[int, int], ...]  # a block: a (start, stop) per dimension
+_Box = tuple[tuple[int, int], ...]  # a block: a (start, stop) per dimension
 
 
 def _intervals(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -391,7 +391,7 @@ def _intervals(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def _span(boxes: list[Box], first: int, last: int, shape: tuple[int, ...]) -> tuple[int, int]:
+def _span(boxes: list[_Box], first: int, last: int, shape: tuple[int, ...]) -> tuple[int, int]:
     """The elements, counted from row ``first``'s first one, from the first to the last that
     ``boxes`` hold in rows ``first`` to ``last`` (excluded) of a tensor of ``shape``: the one
     contiguous run of bytes a read of those rows needs.
@@ -432,7 +432,7 @@ class _Reader:
             self._buffer = np.empty(size * dtype.itemsize, np.uint8)
         return self._buffer[: size * dtype.itemsize].view(dtype)
 
-    def rows(self, name: str, boxes: list[Box]) -> Iterator[tuple[int, np.ndarray]]:
+    def rows(self, name: str, boxes: list[_Box]) -> Iterator[tuple[int, np.ndarray]]:
         """Tensor ``name``'s rows (indices on its first dimension) that ``boxes`` (non-empty
         blocks of it) hold, as ``(first row, rows)`` pieces of at most `_CHUNK_BYTES` (or one
         row), in order. A piece is one read: the bytes from the first element a box holds in
@@ -602,24 +602,24 @@ def _check_lead(leaf: _Leaf, shape: tuple[int, ...], counts: tuple[int, ...]) ->
         )
 
 
-def _hf_box(plan: _Plan, box: Box) -> Box:
+def _hf_box(plan: _Plan, box: _Box) -> _Box:
     """The block of each of its Hugging Face tensors that our block ``box`` of the leaf holds."""
     inner = box[plan.leaf.lead :]
     return inner[::-1] if plan.leaf.transposed else inner
 
 
-def _sharing(plan: _Plan, boxes: list[Box]) -> list[list[Box]]:
+def _sharing(plan: _Plan, boxes: list[_Box]) -> list[list[_Box]]:
     """``boxes`` in groups that read the same rows of a tensor (a position on the leading axes
     both hold, and rows of its tensor both touch), transitively: a group's rows are read once
     for all of it, and no two groups read the same bytes."""
     n = plan.leaf.lead
     meets = lambda a, b: max(a[0], b[0]) < min(a[1], b[1])
 
-    def shares(a: Box, b: Box) -> bool:
+    def shares(a: _Box, b: _Box) -> bool:
         lead = all(meets(x, y) for x, y in zip(a[:n], b[:n], strict=True))
         return lead and meets(_hf_box(plan, a)[0], _hf_box(plan, b)[0])
 
-    groups: list[list[Box]] = []
+    groups: list[list[_Box]] = []
     for box in boxes:
         joined = [g for g in groups if any(shares(box, other) for other in g)]
         groups = [g for g in groups if all(g is not j for j in joined)]
@@ -627,7 +627,7 @@ def _sharing(plan: _Plan, boxes: list[Box]) -> list[list[Box]]:
     return groups
 
 
-def _fill(reader: _Reader, plan: _Plan, blocks: dict[Box, np.ndarray]) -> None:
+def _fill(reader: _Reader, plan: _Plan, blocks: dict[_Box, np.ndarray]) -> None:
     """Fills ``blocks`` (our blocks of the leaf, by box) from the files: of each tensor (a
     position on the leading axes: layer, or layer and expert), the rows the blocks that hold it
     need, read once for all of them and copied into each (transposed, cast)."""
