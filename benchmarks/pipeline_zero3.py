@@ -14,7 +14,10 @@ read from it:
   branch counted as often as the branch runs) and their payload (the buffer each device
   scatters), against the ideal: one reduce-scatter of each parameter's gradient a step, i.e.
   the payload of the whole model's gradients a device holds (its stage, the embedding and
-  the head, whole over ``data``) and ``(N-1)/N`` of it on the wire;
+  the head, whole over ``data``) and ``(N-1)/N`` of it on the wire; and the all-reduces over
+  ``data`` (but the loss's), as the TPU compiler may combine reduce-scatters into one
+  all-reduce (``2 (N-1)/N`` of its buffer on the wire): the wire bytes of both against the
+  ideal's;
 * the all-gathers over ``data`` (executions, payload);
 * the peak memory (arguments + outputs - aliased + temporaries) and what ``explain`` finds
   the pipeline holding for the step (the whole stage gradients; GPipe and Circular also the
@@ -25,6 +28,8 @@ that TPU (8 chips) through libtpu, ahead of time.
 
     python benchmarks/pipeline_zero3.py
     python benchmarks/pipeline_zero3.py --target v5p-16 --json /tmp/pipeline_zero3.json
+    python benchmarks/pipeline_zero3.py --target v5p-16 --schedules 1f1b \
+        --set model.reduce_dtype=bfloat16
 """
 
 # ruff: noqa: E402  (the device count must be set before JAX starts its backend)
@@ -61,6 +66,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--target", help="a TPU target such as v5p-16 (default: XLA:CPU)")
     p.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated")
     p.add_argument("--remat", default="full", help="model.remat (none, dots, full)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="another config override, e.g. model.reduce_dtype=bfloat16")  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="also write the results here")
     return p.parse_args()
 
@@ -81,9 +88,9 @@ def whole_bytes(state, n: int) -> dict:
     return out
 
 
-def measure(schedule: str, scatter: str, remat: str, target, devices) -> dict:
-    overrides = [*BASE, f"model.remat={remat}", f"pipeline.schedule={schedule}",
-                 f"pipeline.scatter_grads={scatter}", *SCHEDULES[schedule]]  # fmt: skip
+def measure(schedule: str, scatter: str, args, target, devices) -> dict:
+    overrides = [*BASE, f"model.remat={args.remat}", f"pipeline.schedule={schedule}",
+                 f"pipeline.scatter_grads={scatter}", *SCHEDULES[schedule], *args.set]  # fmt: skip
     cfg = cfg_lib.load("configs/lm_pipeline.yaml", overrides)
     if target is not None:
         cfg = targets.on_target(cfg, target)
@@ -93,6 +100,7 @@ def measure(schedule: str, scatter: str, remat: str, target, devices) -> dict:
     data = [c for c in r.collectives if "data" in c.axes and "stage" not in c.axes]
     rs = [c for c in data if c.kind == "reduce-scatter"]
     ag = [c for c in data if c.kind == "all-gather"]
+    ar = [c for c in data if c.kind == "all-reduce" and c.bytes > 64]  # not the loss's psum
     note = r.pipelines[0]
     held = note.held_bytes or (0, 0)
     sizes = whole_bytes(state, n)
@@ -107,6 +115,9 @@ def measure(schedule: str, scatter: str, remat: str, target, devices) -> dict:
         "rs_bytes": sum(c.total_bytes for c in rs),
         "rs_wire": sum(c.wire_bytes for c in rs),
         "rs_dtypes": sorted({c.dtype for c in rs}),
+        "ar_count": sum(c.count for c in ar),
+        "ar_bytes": sum(c.total_bytes for c in ar),
+        "ar_wire": sum(c.wire_bytes for c in ar),
         "ag_count": sum(c.count for c in ag),
         "ag_bytes": sum(c.total_bytes for c in ag),
         "other_data_bytes": sum(c.total_bytes for c in data if c.kind not in ("reduce-scatter",
@@ -127,20 +138,20 @@ def mib(x: float) -> str:
 
 def table(rows: list[dict]) -> str:
     out = [
-        "| schedule | scatter_grads | reduce-scatters / step | RS payload MiB | / ideal | RS "
-        "wire MiB | / ideal | all-gathers / step | AG payload MiB | peak MiB | held grads MiB "
-        "(stage MiB) | held weights MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| schedule | scatter_grads | reduce-scatters / step | RS payload MiB | / ideal | "
+        "all-reduces / step | AR payload MiB | RS + AR wire MiB | / ideal | all-gathers / step | "
+        "AG payload MiB | peak MiB | held grads MiB (stage MiB) | held weights MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         n, ideal = r["replicas"], r["model_bytes"]
-        wire_ideal = ideal * (n - 1) / n
+        wire, wire_ideal = r["rs_wire"] + r["ar_wire"], ideal * (n - 1) / n
         out.append(
             f"| {r['schedule']} | {r['scatter_grads']} | {r['rs_count']:.0f} | "
-            f"{mib(r['rs_bytes'])} | **{r['rs_bytes'] / ideal:.2f}** | {mib(r['rs_wire'])} | "
-            f"{r['rs_wire'] / wire_ideal:.2f} | {r['ag_count']:.0f} | {mib(r['ag_bytes'])} | "
-            f"{mib(r['peak'])} | {mib(r['held_grads'])} ({mib(r['stage_bytes'])}) | "
-            f"{mib(r['held_weights'])} |"
+            f"{mib(r['rs_bytes'])} | **{r['rs_bytes'] / ideal:.2f}** | {r['ar_count']:.0f} | "
+            f"{mib(r['ar_bytes'])} | {mib(wire)} | **{wire / wire_ideal:.2f}** | "
+            f"{r['ag_count']:.0f} | {mib(r['ag_bytes'])} | {mib(r['peak'])} | "
+            f"{mib(r['held_grads'])} ({mib(r['stage_bytes'])}) | {mib(r['held_weights'])} |"
         )
     return "\n".join(out)
 
@@ -155,14 +166,14 @@ def main() -> None:
     rows = []
     for schedule in args.schedules.split(","):
         for scatter in ("microbatch", "step"):
-            rows.append(measure(schedule, scatter, args.remat, target, devices))
+            rows.append(measure(schedule, scatter, args, target, devices))
     command = "python " + " ".join(map(shlex.quote, sys.argv))
     where = args.target or "XLA:CPU, 8 emulated devices"
     print(f"Command: `{command}` ({datetime.date.today()}, jax {jax.__version__}, {where}, "
           f"{time.perf_counter() - start:.0f} seconds)\n")  # fmt: skip
     print(
         f"GPT d_model 256, 8 heads, seq 128, batch 32, Adam, ZeRO-3, {{data: 2, stage: 4}}, "
-        f"M = 8, remat {args.remat}; ideal: one reduce-scatter of the model's gradients a "
+        f"M = 8, remat {args.remat}{''.join(', ' + o for o in args.set)}; ideal: one reduce-scatter of the model's gradients a "
         f"device holds ({mib(rows[0]['model_bytes'])} MiB, 4 layers; wire (N-1)/N of it)\n"
     )
     print(table(rows))

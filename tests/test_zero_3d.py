@@ -315,7 +315,9 @@ def test_zero3_x_pp_trains_as_one_device_with_1_over_kd_of_the_parameters(name, 
         assert device_bytes(x) in {device_bytes(f) for f in flats.values()}, path
 
 
-@pytest.mark.parametrize("scatter_grads", ["microbatch", "step"])
+@pytest.mark.parametrize(
+    "scatter_grads", [pytest.param("microbatch", marks=pytest.mark.slow), "step"]
+)
 def test_zero3_x_pp_scatter_grads_step_reduce_scatters_each_gradient_once_a_step(scatter_grads):
     """1F1B, ZeRO-3 on {"data": 2, "stage": 4}, M = 4, read from the compiled step: with
     scatter_grads="step" the reduce-scatters over `data` carry each gradient a device holds

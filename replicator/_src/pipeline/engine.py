@@ -101,7 +101,8 @@ def value_and_grad(
         parameters), and GPipe and Circular gather the stage's weights once and hold them too
         (their backward is ``jax.vjp`` of the forward scan); 1F1B, Interleaved1F1B and
         ZeroBubble still gather each layer where they run it. ``Replicator.explain`` shows
-        what is held. Other parameters are unaffected.
+        what is held. The numbers are the same either way; other parameters, and a call
+        without a ``stage`` axis (the sequential meaning), are unaffected.
 
     Returns:
       ``f(stage_params, inputs, targets, head_params=None) -> (loss, (g_stages, g_inputs,
