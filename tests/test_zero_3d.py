@@ -235,16 +235,21 @@ def test_zero_x_tp_trains_as_one_device_with_1_over_dt_of_the_state(opt):
         assert device_bytes(state["opt"].inner[0].mu["w1"]) == 4 * 12 * 32 // 8
 
 
-@pytest.mark.parametrize("zero_stage", [1, 3])
+@pytest.mark.parametrize(
+    "zero_stage, scatter_grads", [(1, "microbatch"), (3, "microbatch"), (3, "step")]
+)
 @pytest.mark.slow
-def test_zero_x_pp_x_tp_trains_as_one_device(zero_stage):
+def test_zero_x_pp_x_tp_trains_as_one_device(zero_stage, scatter_grads):
     """{"data": 2, "stage": 2, "model": 2}, 1F1B, Adam: stage layers split over `stage` and,
     inside a stage, over `model`; ZeRO-1's state (ZeRO-3's parameters too) of a stage block is
-    1/(K*D*T) of the leaf per device."""
+    1/(K*D*T) of the leaf per device. ZeRO-3's stage gradients summed whole (each device its
+    `model` part) and reduce-scattered once a step equal it too."""
     repl = make_repl({"data": 2, "stage": 2, "model": 2})
     tx = optax.adam(1e-2)
     wrapped = repl.wrap_optimizer(tx, zero_stage=zero_stage)
-    state, placed = train_pipeline(repl, wrapped, tx, "1f1b", zero3=zero_stage == 3, model=True)
+    state, placed = train_pipeline(
+        repl, wrapped, tx, "1f1b", zero3=zero_stage == 3, model=True, scatter_grads=scatter_grads
+    )
     w, mu = state["params"]["stages"]["w"], state["opt"].inner[0].mu["stages"]["w"]
     stored = [mu] if zero_stage < 3 else [w.value, mu.value]
     for x in stored:
