@@ -219,14 +219,13 @@ def test_load_onto_a_mesh_reads_each_byte_once(llama, kind, counted_reads, monke
     q = params["blocks"]["attn"]["q"]
     assert q.sharding.spec == COLUMNS and q.addressable_shards[0].data.shape == (3, 64, 16)
     assert_each_byte_read_once(counted_reads, directory)
-    # A tensor split over "model" into 4 blocks of rows (q_proj's, ...) is at most 4 reads;
-    # one split on its inner dimension (o_proj's and down_proj's columns: our ROWS) is one
-    # read, not one per row and block; a span longer than the cap is read in pieces of whole
-    # rows, at most the cap each.
+    # A tensor split on its inner dimension over 4 devices (o_proj's and down_proj's columns:
+    # our ROWS) is one read, not one per row and block; so is one split into 4 blocks of rows
+    # that fit in the cap together (q_proj's, ...); a span longer than the cap is read in
+    # pieces of whole rows, at most the cap each.
     for name, lengths in reads_by_tensor(counted_reads, directory).items():
         if chunk > sum(lengths):
-            inner = name.endswith(("o_proj.weight", "down_proj.weight"))
-            assert len(lengths) == 1 if inner else len(lengths) <= 4, (name, lengths)
+            assert len(lengths) == 1, (name, lengths)
         else:
             assert max(lengths) <= chunk, name
     if chunk < 2**20:  # o_proj's rows are 256 bytes (3 a read), down_proj's 384 (2 a read)

@@ -611,20 +611,31 @@ def _hf_box(plan: _Plan, box: _Box) -> _Box:
 def _sharing(plan: _Plan, boxes: list[_Box]) -> list[list[_Box]]:
     """``boxes`` in groups that read the same rows of a tensor (a position on the leading axes
     both hold, and rows of its tensor both touch), transitively: a group's rows are read once
-    for all of it, and no two groups read the same bytes."""
+    for all of it, and no two groups read the same bytes. Consecutive groups whose rows only
+    abut are joined while their blocks fit in `_CHUNK_BYTES` together (a norm's small
+    blocks: one read, not one each)."""
     n = plan.leaf.lead
-    meets = lambda a, b: max(a[0], b[0]) < min(a[1], b[1])
+    meets = lambda a, b, touch=False: max(a[0], b[0]) < min(a[1], b[1]) + touch
 
-    def shares(a: _Box, b: _Box) -> bool:
+    def shares(a: _Box, b: _Box, touch: bool = False) -> bool:
         lead = all(meets(x, y) for x, y in zip(a[:n], b[:n], strict=True))
-        return lead and meets(_hf_box(plan, a)[0], _hf_box(plan, b)[0])
+        return lead and meets(_hf_box(plan, a)[0], _hf_box(plan, b)[0], touch)
 
     groups: list[list[_Box]] = []
     for box in boxes:
         joined = [g for g in groups if any(shares(box, other) for other in g)]
         groups = [g for g in groups if all(g is not j for j in joined)]
         groups.append([b for g in joined for b in g] + [box])
-    return groups
+    itemsize = np.dtype(plan.dtype).itemsize
+    size = lambda group: sum(math.prod(z - a for a, z in box) for box in group) * itemsize
+    out: list[list[_Box]] = []
+    for group in groups:
+        small = out and size(out[-1]) + size(group) <= _CHUNK_BYTES
+        if small and any(shares(a, b, touch=True) for a in out[-1] for b in group):
+            out[-1] = out[-1] + group
+        else:
+            out.append(group)
+    return out
 
 
 def _fill(reader: _Reader, plan: _Plan, blocks: dict[_Box, np.ndarray]) -> None:
