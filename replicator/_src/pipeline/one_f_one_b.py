@@ -92,6 +92,10 @@ def value_and_grad(
                 if s == 0: g_xs[j] = enter_t(g)
             act, cot = shift(y, +1), shift(g, -1)
 
+    With ``scatter_grads="step"`` and ZeRO-3 layers, ``params[l]`` is the layer gathered
+    (`whole_grads.gathered`) in both halves, ``g_params`` is whole, and it is reduce-scattered
+    once, after the last tick.
+
     Returns:
       ``(loss, g_rows, g_xs, g_head)``, as `gpipe.value_and_grad` returns them.
     """
@@ -107,9 +111,7 @@ def value_and_grad(
     x0 = zeros(prog.enter(take(call.xs, 0)))
     whole = call.scatter_grads == "step" and whole_grads.has_split(params)
     # scatter_grads="step": each layer gathered where it runs, its gradient whole
-    layer = (lambda li: whole_grads.gathered(take(params, li))) if whole else (
-        lambda li: take(params, li)
-    )  # fmt: skip
+    layer = lambda li: whole_grads.gathered(take(params, li)) if whole else take(params, li)
     one = whole_grads.abstract(take(params, 0)) if whole else take(params, 0)
     saved = SavedLayer(layer_fn, remat, one, shared, x0, s, jnp.int32(0))
 
