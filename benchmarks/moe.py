@@ -17,8 +17,19 @@ data axis would), SGD by ``repl.wrap_optimizer``.
    medians and their ratio. The MoE step does the same matmul FLOPs as the dense one plus the
    router, the dispatch and the combine (gathers), and the all-to-alls.
 
+3. **Dropless** (``--part dropless``): ``replicator explain configs/mixtral_tiny.yaml`` (4
+   SwiGLU experts, top-2, ``capacity_factor: null``) on its mesh ``{data: 2, expert: 2, model:
+   2}`` and on ``{data: 4, model: 2}``: the experts' matmul FLOPs and the ``expert``
+   all-to-all bytes against the routed rows' (the ideal). The FLOPs are linear in the capacity
+   path's slots: the steps at ``capacity_factor`` 1.0 (the routed rows exactly, ``S k / E``
+   slots) and 0.5 give the rest of the step and the experts' ideal. ``--root`` runs another
+   checkout's code (the figures before the sorted path). ``--target v5p-16`` explains Mixtral
+   8x7B's shapes at 2 layers for a TPU instead, MaxText's layout (``{data: 8}``, ZeRO-3,
+   expert and model 1), 8 sequences of 4,096 tokens a chip; the ideal is its formula.
+
     python benchmarks/moe.py
     python benchmarks/moe.py --experts 8 --top-k 2 --rounds 5
+    python benchmarks/moe.py --part dropless [--root OTHER_CHECKOUT] [--target v5p-16]
 """
 
 # ruff: noqa: E402  (the device count must be set before JAX starts its backend)
@@ -28,8 +39,13 @@ jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
 
 import argparse
+import json
 import math
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import numpy as np
@@ -116,9 +132,69 @@ def timing(args, cfgs) -> None:
         print(f"| {name} | {m * 1e3:.1f} ms | {m / med['dense']:.3f} |")
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MIXTRAL_8X7B = [
+    "model.d_model=4096", "model.layers=2", "model.heads=32", "model.kv_heads=8",
+    "model.d_ff=14336", "model.vocab=32000", "model.seq_len=4096", "model.experts=8",
+    "model.top_k=2", "model.dtype=bfloat16", "model.remat=full", "model.attention=splash",
+    "global_batch=64", "mesh.data=8", "mesh.expert=1", "mesh.model=1", "zero_stage=3",
+]  # fmt: skip
+
+
+def explain(root: str, overrides: list[str], target: str | None = None) -> dict:
+    """``replicator explain configs/mixtral_tiny.yaml OVERRIDES --json`` run in ``root``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.json")
+        args = ["configs/mixtral_tiny.yaml", *overrides, "--json", out]
+        args += ["--target", target, "--quick"] if target else []
+        env = dict(os.environ, PYTHONPATH=root, ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+        run = subprocess.run([sys.executable, "-m", "replicator.cli", "explain", *args],
+                             cwd=root, env=env, capture_output=True, text=True)  # fmt: skip
+        if run.returncode:
+            raise RuntimeError(run.stderr[-2000:])
+        return json.load(open(out))
+
+
+def expert_bytes(report: dict) -> float:
+    is_a2a = lambda c: c["kind"] == "all-to-all" and c["axes"] == ["expert"]
+    return sum(c["bytes"] * c["count"] for c in report["collectives"] if is_a2a(c))
+
+
+def dropless_cpu(root: str) -> None:
+    print(f"\n## mixtral_tiny, XLA:CPU, code of {root}: per device per step")
+    print("| mesh | experts' matmul FLOPs | ideal | ratio | expert all-to-all bytes | ideal |")
+    print("|---|---|---|---|---|---|")
+    for mesh in (["mesh.data=2", "mesh.expert=2"], ["mesh.data=4", "mesh.expert=1"]):
+        at = {cf: explain(root, [*mesh, f"model.capacity_factor={cf}"]) for cf in (1.0, 0.5)}
+        per_slot = (at[1.0]["matmul_flops"] - at[0.5]["matmul_flops"]) / 16  # 32 - 16 slots
+        rest = at[1.0]["matmul_flops"] - 32 * per_slot
+        ideal, ideal_bytes = 32 * per_slot, expert_bytes(at[1.0])
+        got = explain(root, [*mesh, "model.capacity_factor=null"])
+        experts, a2a = got["matmul_flops"] - rest, expert_bytes(got)
+        ratio = f"{a2a / ideal_bytes:.3f}" if ideal_bytes else "-"
+        print(f"| {' '.join(mesh)} | {experts:.4e} | {ideal:.4e} | {experts / ideal:.4f} | "
+              f"{a2a:,.0f} ({ratio}) | {ideal_bytes:,.0f} |")  # fmt: skip
+
+
+def dropless_tpu(root: str, target: str) -> None:
+    """Mixtral 8x7B at 2 layers: the experts' ideal is 3 matmuls of 2 x rows x d x f FLOPs
+    each, forward, recomputed (remat full) and twice backward; the rest of the step is the
+    dense-capacity step's FLOPs less its ``E / k`` = 4x the ideal."""
+    got = explain(root, MIXTRAL_8X7B, target)
+    rows = 64 // 8 * 4096 * 2  # a chip's tokens, top-2
+    ideal = 2 * 4 * 3 * 2 * rows * 4096 * 14336  # 2 layers, 4 passes, 3 matmuls
+    print(f"\n## Mixtral 8x7B at 2 layers on {target}, code of {root}: per device per step")
+    print(f"matmul FLOPs {got['matmul_flops']:.4e} (in kernels {got['kernel_flops']:.4e}), "
+          f"XLA's {got['xla_flops']:.4e}; the experts' ideal {ideal:.4e}; peak "
+          f"{got['peak_bytes'] / 2**30:.2f} GiB; MFU {got['mfu']:.1%}")  # fmt: skip
+    print(f"the rest of the step, if the experts are the ideal: {got['matmul_flops'] - ideal:.4e}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=("report", "time", "all"), default="all")
+    parser.add_argument("--part", choices=("report", "time", "all", "dropless"), default="all")
+    parser.add_argument("--root", default=ROOT, help="the checkout whose code --part dropless runs")
+    parser.add_argument("--target", help="with --part dropless: Mixtral 8x7B's shapes on this TPU")
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--top-k", dest="top_k", type=int, default=2)
     parser.add_argument("--capacity", type=float, default=1.25)
@@ -131,6 +207,9 @@ def main() -> None:
     args = parser.parse_args()
     assert math.prod(MESH.values()) == 8
     print(f"jax {jax.__version__}, {len(jax.devices())} emulated CPU devices")
+    if args.part == "dropless":
+        dropless_tpu(args.root, args.target) if args.target else dropless_cpu(args.root)
+        return
     cfgs = configs(args)
     if args.part in ("report", "all"):
         report(args, cfgs)

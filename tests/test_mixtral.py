@@ -4,6 +4,7 @@ the same weights; its parameters convert both ways (the files' per-expert names 
 transformers 5's fused experts); on meshes with ``expert``, ``model`` and ZeRO-3 three SGD steps
 equal one device."""
 
+import copy
 import dataclasses
 import functools
 
@@ -17,6 +18,7 @@ from test_gpt_moe import make_repl, oracle, shard_shapes, train
 from replicator.models import gpt, llama
 
 TOL = {"logits": 1e-5, "grads": 1e-4, "mesh": 1e-5}
+LR = 0.1  # SGD
 HF_SIZES = dict(
     vocab_size=128,
     hidden_size=64,
@@ -112,6 +114,31 @@ def test_loss_and_every_gradient_equal_torch_autograd():
     worst = max(jax.tree.leaves(errs))
     assert worst <= TOL["grads"], errs
     assert float(np.abs(got["blocks"]["moe"]["moe"]["router"]).max()) > 1e-4  # routers learn
+
+
+@pytest.mark.slow  # 3-6 s
+def test_three_sgd_steps_equal_torch():
+    """Three SGD steps of the dropless experts (the routed rows sorted by expert, a grouped
+    matmul each) against three of ``torch.optim.SGD`` on transformers' Mixtral, each step its
+    own batch: every parameter after them, converted back to the files' names."""
+    torch = pytest.importorskip("torch")
+    model, config, params = hf_model()
+    model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    grad = jax.jit(jax.grad(functools.partial(gpt.loss, config=config)))
+    for seed in (5, 6, 7):
+        tokens, targets = hf_batch(seed)
+        opt.zero_grad()
+        logits = model(input_ids=torch.from_numpy(tokens).long()).logits
+        torch.nn.functional.cross_entropy(
+            logits.reshape(-1, config.vocab_size), torch.from_numpy(targets).long().reshape(-1)
+        ).backward()
+        opt.step()
+        params = jax.tree.map(lambda p, g: p - LR * g, params, grad(params, tokens, targets))
+    want = llama.params_from_state_dict(model.state_dict(), config=config)
+    got = jax.tree.map(np.asarray, params)
+    assert rel_err(got, want) <= TOL["grads"], rel_err(got, want)
+    assert rel_err(got, hf_model()[2]) > 1e-3  # the steps moved them
 
 
 def test_state_dict_round_trip_per_expert_and_fused():

@@ -16,7 +16,9 @@ from oracle import rel_err
 
 import replicator as rp
 from replicator import moe
+from replicator._src.layers import dropless
 from replicator._src.layers import routing as routing_lib
+from replicator._src.report import hlo
 
 TOL = 1e-5
 B, S, D, F, E = 8, 16, 32, 32, 8  # global batch: 8 groups of 16 tokens
@@ -143,19 +145,20 @@ def test_expert_parallel_moe_trains_as_one_device(top_k, capacity_factor, zero_s
 
 
 @pytest.mark.parametrize(
-    "mesh_shape",
+    "mesh_shape, capacity_factor",
     [
-        {"data": 8},
-        {"data": 4, "expert": 2},
-        {"data": 1, "expert": 8},  # every replica collective of one replica is the identity
+        ({"data": 8}, 0.5),
+        ({"data": 4, "expert": 2}, 0.5),
+        ({"data": 1, "expert": 8}, 0.5),  # every replica collective of one replica is the identity
+        ({"data": 1, "expert": 8}, None),  # dropless: each device's rows to 8 devices and back
     ],
 )
-def test_other_meshes_are_one_device_too(mesh_shape):
+def test_other_meshes_are_one_device_too(mesh_shape, capacity_factor):
     """{"data": 8}: no mapping at all (data parallelism); {"data": 4, "expert": 2}: each
     device 1 of its replica's 2 groups and 4 of the 8 experts. Both equal one device, drops
     included."""
-    params, losses, stats = train(make_repl(mesh_shape), 2, 0.5)
-    want, want_losses, want_stats = oracle(2, 0.5)
+    params, losses, stats = train(make_repl(mesh_shape), 2, capacity_factor)
+    want, want_losses, want_stats = oracle(2, capacity_factor)
     assert rel_err(jax.tree.map(np.asarray, params), want) <= TOL
     assert rel_err(losses, want_losses) <= TOL
     for got_s, want_s in zip(stats, want_stats):
@@ -396,3 +399,54 @@ def test_all_to_all_bytes_are_the_capacity_buffers_there_and_back(input_grad):
     trips = 4 if input_grad else 3  # 2 forward (there and back), 2 (or 1) backward
     assert len(a2a) == trips
     assert sum(x.wire_bytes for x in a2a) == trips * (n - 1) / n * buffer  # 3840 bytes each
+
+
+# -- dropless: the routed rows only ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tile", [1, 4, 128])
+def test_grouped_matmul_is_ragged_dot(tile):
+    """The CPU's grouped matmul (a loop over row tiles, megablox's schedule) against
+    ``jax.lax.ragged_dot``: values and both gradients, with an empty group, groups that share
+    a tile and rows past the last group (zeros, no gradient)."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(37, 8)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(4, 8, 5)), jnp.float32)
+    sizes = jnp.asarray([9, 0, 20, 5], jnp.int32)  # 34 of the 37 rows
+    ct = jnp.asarray(rng.normal(size=(37, 5)), jnp.float32)
+    tiled = lambda x, w: dropless._tiled(x, w, sizes, tile)
+    ragged = lambda x, w: jax.lax.ragged_dot(x, w, sizes)
+    for f in (lambda f: f, lambda f: jax.grad(lambda x, w: jnp.sum(f(x, w) * ct), (0, 1))):
+        got, want = jax.jit(f(tiled))(x, w), f(ragged)(x, w)
+        assert rel_err(got, want) <= TOL, rel_err(got, want)
+    assert not np.asarray(tiled(x, w))[34:].any()
+    if tile == 128:  # the TPU's: ragged_dot, and megablox's tgmm (interpreted here) for dw
+        grads = lambda f: jax.grad(lambda x, w: jnp.sum(f(x, w) * ct), (0, 1))(x, w)
+        got = grads(lambda x, w: dropless._tpu(x, w, sizes))
+        assert rel_err(got, grads(ragged)) <= TOL
+    wrong = lambda x, w: dropless._tiled(x, w, sizes.at[0].add(1), tile)  # can fail
+    assert rel_err(wrong(x, w), ragged(x, w)) > 1e-2
+
+
+def test_dropless_flops_are_the_routed_rows():
+    """With ``capacity_factor=None`` the experts compute each token's ``top_k`` rows: the
+    compiled forward and backward count the router's and the routed rows' matmuls and at most
+    2% more (the tiles groups share), where every expert computing every token was ``E / k`` =
+    2x their FLOPs; a capacity factor keeps its ``[G, E, C, D]`` slots."""
+    b, s, d, f, e, k = 4, 256, 16, 24, 4, 2
+    params = moe.init(jax.random.key(0), d_model=d, hidden=f, num_experts=e)
+    x = jax.random.normal(jax.random.key(1), (b, s, d))
+
+    def matmul_flops(capacity_factor):
+        routing = moe.Routing(num_experts=e, top_k=k, capacity_factor=capacity_factor)
+        loss = lambda p, x: jnp.sum(moe.apply(p, x, routing=routing)[0] ** 2)
+        compiled = jax.jit(jax.grad(loss, (0, 1))).lower(params, x).compile()
+        return hlo.analyze(compiled.as_text(), {"data": 1}).matmul_flops
+
+    tokens = b * s
+    ideal = 3 * (2 * tokens * d * e + 2 * 2 * tokens * k * d * f)  # forward, and 2x backward
+    dropless_flops = matmul_flops(None)
+    assert ideal <= dropless_flops <= 1.02 * ideal, dropless_flops / ideal
+    slots = e * moe.Routing(num_experts=e, top_k=k, capacity_factor=1.5).capacity(s)
+    capacity = 3 * (2 * tokens * d * e + 2 * 2 * b * slots * d * f)
+    assert matmul_flops(1.5) == capacity  # 1.5x the routed rows

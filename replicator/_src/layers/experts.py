@@ -11,8 +11,11 @@ capacity, dropping and the load-balancing loss are computed within a group, neve
 of a group (``ceil(capacity_factor * S * top_k / E)``). They are taken in GShard's priority
 order: every token's first choice in position order, then every token's second choice, and so
 on. A token-choice that finds its expert's ``C`` slots taken is dropped: it adds nothing to
-the token's output, which keeps only its residual path. With ``capacity_factor=None``, ``C = S``,
-and no token is ever dropped.
+the token's output, which keeps only its residual path. With ``capacity_factor=None`` no token
+is ever dropped, and no slots are made (**dropless**, `replicator._src.layers.dropless`): the
+token-choices are sorted by expert and each expert computes only its own rows (a grouped
+matmul), ``top_k`` rows a token, where ``C = S`` slots would compute ``E / top_k`` times
+more.
 
 **Dispatch by indices.** Each group gets an index buffer ``[E, C]`` of token positions, and the
 tokens are gathered into a ``[G, E, C, D]`` buffer (empty slots zero), each expert's FFN runs on
@@ -28,7 +31,9 @@ router probability of ``e``), and its dropped and routed token-choice counts.
 devices, the experts' weights are split over it by expert (`partition_specs`), and the groups of
 each data replica are split over it too: a device routes its ``G / N`` groups, sends each
 expert's rows to the device holding that expert (one ``all_to_all``), runs its ``E / N``
-experts on every device's rows, and sends the results back (a second ``all_to_all``).
+experts on every device's rows, and sends the results back (a second ``all_to_all``). Dropless,
+the rows sent are the routed ones (``ragged_all_to_all`` on a TPU; on XLA:CPU, which has none,
+whole chunks sized for the worst case).
 
 **Exact on every mesh.** A group is never split over devices, and what happens to a token
 depends only on its own group. So on any mesh, and for any split of the batch over data
@@ -53,6 +58,7 @@ from jax.sharding import PartitionSpec as P
 from replicator._src.core import collectives
 from replicator._src.core.mesh import EXPERT_AXIS
 from replicator._src.core.sharded_params import gather_params
+from replicator._src.layers import dropless
 from replicator._src.layers.routing import Choices, Routing, Stats, route
 
 LOGICAL_AXES: dict = {
@@ -204,6 +210,9 @@ def _local(router, experts, x, *, routing, activation, dtype, n):
     """One device's part of `apply`: route its groups, dispatch them to every expert (over the
     ``n`` devices of ``expert`` when ``n > 1``), run its experts, and combine."""
     choices, stats = route(router, x, routing)
+    if routing.capacity_factor is None:  # the routed rows only, sorted by expert
+        kwargs = dict(num_experts=routing.num_experts, activation=activation, n=n)
+        return dropless.apply(experts, x.astype(dtype), choices, **kwargs), stats
     c = routing.capacity(x.shape[1])
     buffer = _dispatch(x.astype(dtype), choices, routing.num_experts, c)  # [G, E, C, D]
     if n > 1:  # [G/n, E, C, D] -> [G, E/n, C, D]: each device gets its experts' rows

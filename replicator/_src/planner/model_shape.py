@@ -30,7 +30,7 @@ class ModelShape:
       experts, top_k, capacity_factor, moe_every: a mixture of experts in every
         ``moe_every``-th layer (`replicator.moe`): ``experts`` MLPs, each token to its
         ``top_k``, each expert ``ceil(capacity_factor * seq_len * top_k / experts)`` rows a
-        sequence (``seq_len`` with ``capacity_factor=None``: dropless). 0 experts: dense.
+        sequence (``capacity_factor=None``: dropless, the routed rows). 0 experts: dense.
     """
 
     num_layers: int
@@ -78,13 +78,14 @@ class ModelShape:
     @property
     def expert_rows(self) -> float:
         """A mixture's rows per token: ``experts * capacity / seq_len`` (each expert's slots of
-        a sequence are computed, empty or not; `replicator.moe`)."""
+        a sequence are computed, empty or not; `replicator.moe`); dropless
+        (``capacity_factor=None``), ``top_k``: the routed rows only, sorted by expert."""
         if not self.experts:
             return 1.0
-        rows = self.seq_len
-        if self.capacity_factor is not None:
-            share = self.capacity_factor * self.seq_len * self.top_k / self.experts
-            rows = max(1, min(self.seq_len, math.ceil(round(share, 9))))
+        if self.capacity_factor is None:
+            return float(self.top_k)
+        share = self.capacity_factor * self.seq_len * self.top_k / self.experts
+        rows = max(1, min(self.seq_len, math.ceil(round(share, 9))))
         return self.experts * rows / self.seq_len
 
     @property
