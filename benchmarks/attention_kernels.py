@@ -16,8 +16,9 @@ all-to-all). One row per program:
    attention) and ``{data: 2, context: 2}`` with ``ring`` and ``all_to_all``.
 3. ``--part ring``: the ring's ``collective-permute`` bytes over ``context`` against the formula
    with the key/value heads: per layer, forward ``2 (C - 1)`` blocks of K and V, backward ``2
-   (C - 1) + 2 C`` (K, V, then dK, dV home), a block ``b x S / C x kv_heads x head_dim`` words,
-   K and V in the compute dtype (bf16), dK and dV as they are summed (fp32).
+   (C - 1) + 2 C`` (K, V, then dK, dV home), a block ``b x S / C x kv_heads x head_dim`` words:
+   K and V in the compute dtype (bf16), dK and dV in fp32 round the ring (they are summed
+   there) and in bf16 on their last hop home (the TPU compiler sends them after their cast).
 
     python benchmarks/attention_kernels.py
     python benchmarks/attention_kernels.py --part ring --target v5p-16
@@ -133,8 +134,8 @@ def ring(args) -> None:
                and "context" in x["axes"]]  # fmt: skip
         fwd = sum(x["bytes"] * x["count"] for x in ops if "transpose" not in x["op_name"])
         bwd = sum(x["bytes"] * x["count"] for x in ops if "transpose" in x["op_name"])
-        want_f = 2 * (c - 1) * block * args.layers  # K, V in bf16; dK, dV summed in fp32:
-        want_b = (2 * (c - 1) + 2 * c * 2) * block * args.layers
+        want_f = 2 * (c - 1) * block * args.layers  # K, V in bf16; dK, dV summed in fp32 on
+        want_b = (2 * (c - 1) + 4 * (c - 1) + 2) * block * args.layers  # the ring, bf16 home
         print(f"| {kernel} | {fwd:,} | {want_f:,} ({fwd / want_f:.3f}) | {bwd:,} | "
               f"{want_b:,} ({bwd / want_b:.3f}) |", flush=True)  # fmt: skip
 
