@@ -21,9 +21,19 @@ step is what ``replicator train`` compiles).
 3. **Step time** against ``S`` for each ``C``: the median of ``--steps`` steps after one to
    compile. On 2 CPU cores the 8 emulated devices share the cores, so these figures show the
    work per device shrinking (the sum over devices is what the cores run), not a speed-up.
+4. **The embedding's backward over the token axes** (``--part embedding``): the bytes on the
+   wire per device and step of the collectives over ``context`` or ``expert`` alone (all-gathers,
+   all-reduces, all), for the step ``replicator train`` compiles (``jobs.abstract_job``), with
+   the cotangents gathered (as before ``layers/embedding.py``), as `embedding.lookup` chooses,
+   and, where it chooses the gather, with each device's own tokens scattered: ``configs/lm_dp``
+   at d_model 128 (``test_pricing``'s) on ``{data: 2, context: 4}`` and ``gpt_moe`` on
+   ``{data: 2, expert: 4}``, on XLA:CPU and, with ``--target``, for that TPU slice; with
+   ``--llama`` also Llama 3 8B cut to 2 layers, ring attention on ``{data: 4, context: 2}``, 8
+   sequences a step (about 6 minutes a compile).
 
     python benchmarks/context.py
     python benchmarks/context.py --part memory --seq 1024
+    python benchmarks/context.py --part embedding --target v5p-16 --llama
 """
 
 # ruff: noqa: E402  (the device count must be set before JAX starts its backend)
@@ -33,6 +43,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
 
 import argparse
+import os
 import statistics
 import time
 
@@ -150,9 +161,76 @@ def step_time(args) -> None:
         print(f"| {s} | " + " | ".join(row) + " |")
 
 
+LM = ["model.d_model=128", "model.heads=4", "model.seq_len=64", "model.layers=4"]
+EMBEDDING = {  # name -> (config, overrides, the token axes)
+    "lm_dp {data: 2, context: 4}": ("lm_dp", [*LM, "mesh.data=2", "mesh.context=4"], "context"),
+    "gpt_moe {data: 2, expert: 4}": ("gpt_moe", ["mesh.data=2", "mesh.expert=4"], "expert"),
+}
+LLAMA_2 = ["model.layers=2", "model.attention=ring", "mesh.data=4", "mesh.context=2"]
+LLAMA = {
+    "llama3_8b 2 layers {data: 4, context: 2}": (
+        "llama3_8b",
+        [*LLAMA_2, "global_batch=8"],
+        "context",
+    )
+}
+
+
+def token_bytes(config_name: str, overrides: list, axis: str, target, local) -> tuple:
+    """Wire bytes per device and step over ``axis`` alone: ``(all-gather, all-reduce, all)``,
+    with `embedding.scatters_locally` forced to ``local`` (None: as it chooses)."""
+    from unittest import mock
+
+    from replicator._src.layers import embedding
+    from replicator.cli import config as cfg_lib
+    from replicator.cli import jobs, targets
+
+    path = f"{os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}/configs/{config_name}"
+    cfg = cfg_lib.load(path + ".yaml", overrides)
+    devices = None
+    if target is not None:
+        cfg = targets.on_target(cfg, target)
+        devices = list(targets.devices(target.name, target.slices))
+    rule = embedding.scatters_locally if local is None else lambda **_: local
+    with mock.patch.object(embedding, "scatters_locally", rule):
+        repl, step_fn, state, batch = jobs.abstract_job(cfg, devices=devices)
+        report = repl.explain(step_fn, state, batch)
+    ops = [c for c in report.collectives if c.axes == (axis,)]
+    kinds = [sum(c.wire_bytes for c in ops if c.kind == k) for k in ("all-gather", "all-reduce")]
+    return (*kinds, sum(c.wire_bytes for c in ops))
+
+
+def embedding_bytes(args) -> None:
+    print("\n## The embedding's backward: wire bytes per device and step over the token axis")
+    print("| program | platform | cotangents | all-gather | all-reduce | all over the axis |")
+    print("|---|---|---|---|---|---|")
+    platforms = [("XLA:CPU", None)]
+    if args.target:
+        platforms.append((args.target, rp.target(args.target)))
+    programs = list(EMBEDDING.items())
+    for label, target in platforms:
+        for name, (config_name, overrides, axis) in programs + (
+            list(LLAMA.items()) if args.llama and target is not None else []
+        ):
+            chosen = []
+            for how, local in (("gathered (before)", False), ("as chosen", None)):
+                row = token_bytes(config_name, overrides, axis, target, local)
+                chosen.append(row)
+                figures = " | ".join(f"{b:,.0f}" for b in row)
+                print(f"| {name} | {label} | {how} | {figures} |", flush=True)
+            if chosen[0] == chosen[1]:  # the gather was chosen: what scattering would move
+                row = token_bytes(config_name, overrides, axis, target, True)
+                figures = " | ".join(f"{b:,.0f}" for b in row)
+                print(f"| {name} | {label} | scattered (not chosen) | {figures} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=("memory", "bytes", "time", "all"), default="all")
+    parser.add_argument(
+        "--part", choices=("memory", "bytes", "time", "embedding", "all"), default="all"
+    )
+    parser.add_argument("--target", default=None, help="--part embedding: also a TPU slice")
+    parser.add_argument("--llama", action="store_true", help="--part embedding: Llama 3 8B too")
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--seqs", type=int, nargs="+", default=[512, 1024, 2048])
     parser.add_argument("--batch", type=int, default=2)
@@ -170,6 +248,8 @@ def main() -> None:
         ring_bytes(args)
     if args.part in ("time", "all"):
         step_time(args)
+    if args.part in ("embedding", "all"):
+        embedding_bytes(args)
 
 
 if __name__ == "__main__":
