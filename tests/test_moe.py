@@ -4,6 +4,7 @@ with the full batch, the very same tokens dropped, and the all-to-all bytes of t
 against the capacity buffers that must cross the `expert` axis."""
 
 import functools
+import importlib.util
 import math
 
 import jax
@@ -450,3 +451,37 @@ def test_dropless_flops_are_the_routed_rows():
     slots = e * moe.Routing(num_experts=e, top_k=k, capacity_factor=1.5).capacity(s)
     capacity = 3 * (2 * tokens * d * e + 2 * 2 * b * slots * d * f)
     assert matmul_flops(1.5) == capacity  # 1.5x the routed rows
+
+
+@pytest.mark.slow  # two small compiles for a TPU target, 15-30 s each
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu")
+def test_dropless_compiles_for_a_tpu_with_the_routed_rows_flops():
+    """For v5p-16: the grouped matmuls are kernels (the compiler's ragged-dot, megablox's
+    tgmm), 3 matmuls of the routed rows each (forward, dx, dw); over ``expert`` the rows
+    travel by ``ragged_all_to_all`` into a buffer sized for the worst case, ``N`` chunks of a
+    device's rows, which the kernels' static count covers (their grid stops at the live rows)."""
+    b, s, d, f, e = 8, 128, 128, 256, 8
+    routing = moe.Routing(num_experts=e, top_k=2, capacity_factor=None)
+    params = {"moe": moe.init(jax.random.key(0), d_model=d, hidden=f, num_experts=e),
+              "w": np.eye(d, dtype=np.float32)}  # fmt: skip
+
+    def kernel_flops(mesh_shape):
+        repl = rp.Replicator(mesh_shape=mesh_shape, devices=rp.tpu_devices("v5p-16"))
+        tx = repl.wrap_optimizer(optax.sgd(0.1))
+        loss = lambda p, x: jnp.mean(moe.apply(p["moe"], x @ p["w"], routing=routing)[0] ** 2)
+
+        def step(state, x):
+            updates, opt = tx.update(jax.grad(loss)(state["params"], x), state["opt"])
+            return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {}
+
+        def init():
+            placed = repl.place(params, {"moe": moe.partition_specs(), "w": P()})
+            return {"params": placed, "opt": tx.init(placed)}
+
+        x = jax.ShapeDtypeStruct((b, s, d), jnp.float32)
+        return repl.explain(step, repl.abstract(init), x).kernel_flops
+
+    rows = b // 8 * s * 2  # a device's routed rows: one sequence, top-2
+    ideal = 3 * 2 * 2 * rows * d * f  # up and down: forward, dx, dw
+    assert kernel_flops({"data": 8}) == ideal
+    assert kernel_flops({"data": 2, "expert": 4}) == 4 * ideal  # the receive buffer: 4 chunks
