@@ -132,3 +132,27 @@ def test_a_mixtral_fine_tunes_on_expert_and_model_axes_from_the_references_loss(
     losses = [json.loads(line)["loss"] for line in lines]
     assert abs(losses[0] - want) <= 1e-5 * want, (losses[0], want)
     assert np.mean(losses[-3:]) < losses[0] - 0.3, losses
+
+
+@pytest.mark.slow
+def test_init_from_under_the_launcher_equals_one_process(tmp_path, llama_dir):
+    """Two processes read their own slices of the checkpoint straight into ZeRO-3's parts (no
+    device holds a whole weight first) and train as one process does."""
+    import subprocess
+
+    directory, corpus, _ = llama_dir
+    args = [
+        "train", "configs/llama_tiny.yaml", f"init_from={directory}", f"data.path={corpus}",
+        f"data.tokenizer={directory}/tokenizer.json", "data.extensions=.txt", "model.seq_len=32",
+        "global_batch=8", "steps=3", "log_every=1", "plot=false",
+    ]  # fmt: skip
+    launch = [sys.executable, "-m", "replicator.launch", "-n", "2", "--devices-per-process", "4"]
+    losses = {}
+    for name, prefix in (("one", [sys.executable]), ("two", [*launch, "--", sys.executable])):
+        cmd = [*prefix, "-m", "replicator.cli", *args, f"out_dir={tmp_path / name}"]
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+        lines = (tmp_path / name / "llama_tiny" / "metrics.jsonl").read_text().splitlines()
+        losses[name] = [json.loads(line)["loss"] for line in lines]
+    assert len(losses["one"]) == 3
+    np.testing.assert_allclose(losses["two"], losses["one"], rtol=1e-5)

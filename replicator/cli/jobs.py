@@ -654,12 +654,16 @@ def _gpt(config: TrainConfig, repl, make_tx) -> _Job:
 
         def init():
             rules = _rules(config, repl, model)  # heads, MLP (and the vocabulary): "model"
-            place = lambda: gpt.place(repl, init_params(), config=model, rules=rules)
+
+            def place():
+                placed = gpt.place(repl, init_params(), config=model, rules=rules)
+                if not zero3:
+                    return placed
+                # split over the replicas, each block's layer gathered on its own
+                split = gpt.zero_split(model)
+                return opt.shard_params(placed, stacked=gpt.zero_stacked(model), split=split)
+
             placed = _from_checkpoint(config, repl, place) if config.init_from else place()
-            if zero3:  # split over the replicas, each block's layer gathered on its own
-                placed = opt.shard_params(
-                    placed, stacked=gpt.zero_stacked(model), split=gpt.zero_split(model)
-                )
             return {"params": placed, "opt": opt.init(placed)}
 
         return _Job(step_fn, init, input_fn, batch, tokens, m.vocab)
@@ -690,13 +694,14 @@ def _gpt(config: TrainConfig, repl, make_tx) -> _Job:
         return {"params": params, "opt": opt}, {"loss": rp.all_reduce(loss, "mean")}
 
     def pipeline_init():
-        place = lambda: gpt.place_pipeline(
-            repl, init_params(), num_stages=k, repeats=v, config=model,
-            rules=_rules(config, repl, model),
-        )  # fmt: skip
+        def place():
+            placed = gpt.place_pipeline(
+                repl, init_params(), num_stages=k, repeats=v, config=model,
+                rules=_rules(config, repl, model),
+            )  # fmt: skip
+            return tx.shard_params(placed) if zero3 else placed
+
         placed = _from_checkpoint(config, repl, place) if config.init_from else place()
-        if zero3:
-            placed = tx.shard_params(placed)
         return {"params": placed, "opt": tx.init(placed)}
 
     return _Job(pipeline_step_fn, pipeline_init, input_fn, batch, tokens, m.vocab)
@@ -719,7 +724,8 @@ def _rules(config: TrainConfig, repl, model: gpt.GPTConfig) -> dict:
 
 def _from_checkpoint(config: TrainConfig, repl, place: Callable[[], dict]) -> dict:
     """The parameters of ``config.init_from`` (a Hugging Face Llama), placed as ``place()``
-    places fresh ones: each process reads only the slices its devices hold. Under
+    places fresh ones (under ZeRO-3, its parts: no device ever holds a whole weight it does
+    not keep): each process reads only the slices its devices hold. Under
     ``repl.abstract`` (explain, plan) nothing is read: the shapes are those of ``place``."""
     if isinstance(jnp.zeros(()), jax.core.Tracer):  # under repl.abstract: shapes only
         return place()

@@ -28,7 +28,8 @@ def place(mesh: Mesh, tree: PyTree, spec: PartitionSpec | PyTree) -> PyTree:
     owning its buffers; with several processes, process 0's values. ``spec`` is one
     ``PartitionSpec`` for every leaf, or a tree of them that is a prefix of ``tree``."""
     shardings = leaf_shardings(mesh, tree, spec, api="Replicator.place")
-    if jax.process_count() > 1:
+    traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
+    if jax.process_count() > 1 and not traced:  # traced (`abstract`): shapes and shardings only
         tree = broadcast_one_to_all(tree)
         return jax.tree.map(lambda x, s: _global_copy(np.asarray(x), s), tree, shardings)
     # ``device_put`` reuses a device buffer that already holds the value (even with
