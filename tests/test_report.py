@@ -450,6 +450,25 @@ def test_local_lowering_has_no_program_to_explain():
         repl.explain(lambda s, x: (s, {}), jnp.zeros(()), jnp.ones(8))
 
 
+def test_kernels_in_a_conditional_count_for_its_costliest_branch_only():
+    text = """
+%small (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  ROOT %k = f32[8]{0} custom-call(%a), custom_call_target="tpu_custom_call", metadata={op_name="jit(f)/replicator_kernel_flops_100/splash"}
+}
+%large (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  ROOT %k = f32[8]{0} custom-call(%a), custom_call_target="tpu_custom_call", metadata={op_name="jit(f)/replicator_kernel_flops_300/splash"}
+}
+ENTRY %main (x: f32[8]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  ROOT %c = f32[8]{0} conditional(%pred, %x, %x), branch_computations={%small, %large}
+}
+"""
+    costs = hlo.analyze(text, {"context": 2})
+    assert costs.flops == 300 and costs.kernel_flops == 300  # not both branches' 400
+
+
 def test_replica_groups_in_every_hlo_form():
     assert hlo.replica_groups("replica_groups={{0,4},{1,5},{2,6},{3,7}}", 8) == [
         [0, 4], [1, 5], [2, 6], [3, 7],

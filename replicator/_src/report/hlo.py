@@ -330,11 +330,13 @@ class _Walker(hlo_bytes.KernelBytes):
                 if branches
                 else [called["true_computation"], called["false_computation"]]
             )
-            runs = []
-            for name in names:
+            runs, before = [], self.kernel_flops
+            for name in names:  # the costliest branch counts, its kernels' FLOPs with it
                 own: dict = {}
-                runs.append((self.visit(name, mult, True, marks, out, own, fused), own))
-            cost, own = max(runs, key=lambda r: r[0][0] + r[0][2])
+                self.kernel_flops = before
+                cost = self.visit(name, mult, True, marks, out, own, fused)
+                runs.append((cost, own, self.kernel_flops))
+            cost, own, self.kernel_flops = max(runs, key=lambda r: r[0][0] + r[0][2])
             _merge(kernels, own)
             return cost
         if inst.op == "fusion" and "calls" in called:
