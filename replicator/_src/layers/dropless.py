@@ -8,11 +8,14 @@ rows are then one contiguous run of ``group_sizes[e]`` rows, and its MLP is a gr
 to priority order and are combined with the gates exactly as the capacity path combines its
 slots, in the same order of summation.
 
-**Grouped matmul.** On a TPU (and a GPU), ``jax.lax.ragged_dot``: the TPU compiler runs it as
-a kernel of 128-row tiles whose grid stops at the last row of the last group. On XLA:CPU,
-``ragged_dot`` computes every group on every row (``E`` times the work), so the CPU runs a
-loop over row tiles instead (megablox's schedule: each tile once per group it meets, at most
-``ceil(R / T) + E - 1`` tile-visits), whose FLOPs the compiled program counts.
+**Grouped matmul.** On a TPU, ``jax.lax.ragged_dot`` forward and for ``dx`` (the compiler
+runs it as a kernel of 128-row tiles whose grid stops at the last row of the last group), and
+megablox's ``tgmm`` for ``dw`` (``ragged_dot``'s own transpose there computes every expert on
+every row); with a mesh axis of more than one device left to XLA (which cannot partition a
+Pallas kernel), and on a GPU, ``ragged_dot`` alone. On XLA:CPU, ``ragged_dot`` computes every
+group on every row (``E`` times the work), so the CPU runs a loop over row tiles instead
+(megablox's schedule: each tile once per group it meets, at most ``ceil(R / T) + E - 1``
+tile-visits), whose FLOPs the compiled program counts.
 
 **Expert parallelism.** Over an ``expert`` axis of ``N`` devices, a device sends each device the
 run of rows of that device's experts (``send_sizes``, counted from the sorted rows), and the
@@ -21,8 +24,8 @@ chunks of ``R`` rows, one for each sender: every routed row of every device may 
 device's experts, so nothing smaller drops nothing (MaxText sizes its buffer the same way). The
 received rows are sorted again by local expert, run through the grouped matmul, and sent back.
 On a TPU the rows travel by ``jax.lax.ragged_all_to_all``, which sends only the routed rows;
-XLA:CPU has no ``ragged-all-to-all`` (jax 0.10.2 and 0.12: ``UNIMPLEMENTED``), so there each
-chunk travels whole in an ``all_to_all`` (``N`` times the routed rows' bytes).
+XLA:CPU has no ``ragged-all-to-all`` (jax 0.10.2 and 0.12: ``UNIMPLEMENTED``), so there (and
+elsewhere) each chunk travels whole in an ``all_to_all`` (``N`` times the routed rows' bytes).
 """
 
 from __future__ import annotations
@@ -275,7 +278,8 @@ def _expert_parallel(experts, rows, sizes, activation, n):
 
 
 def _ragged() -> bool:
-    return _platform() in ("tpu", "gpu")
+    """Whether the rows travel by ``ragged_all_to_all``: on a TPU (the one compiled here)."""
+    return _platform() == "tpu"
 
 
 def _send(rows, offsets, send, recv, r, n):
