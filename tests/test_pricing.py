@@ -8,7 +8,7 @@ import jax
 import pytest
 
 import replicator as rp
-from replicator._src.planner import pricing
+from replicator._src.planner import planning, pricing
 from replicator._src.report.cost_model import model_time
 from replicator.cli import config as config_lib
 from replicator.cli import plan as plan_cli
@@ -218,3 +218,21 @@ def test_model_flops_count_a_mixtures_active_parameters():
     dense = dataclasses.replace(moe, num_experts=0)
     extra = gpt.flops_per_token(moe) - gpt.flops_per_token(dense)
     assert extra == 6 * 2 * (3 * 64 * moe.hidden + 64 * 8)  # 2 mixtures: an expert, a router
+
+
+def test_a_tpu_prices_attention_on_the_kernel_it_compiles_to():
+    """For a TPU target, blockwise attention of heads 128 wide over tiles splash divides is
+    priced as the splash kernel it compiles to (no tile traffic in HBM); on XLA:CPU, and for
+    heads too narrow for the kernel, as the blockwise kernel."""
+    wide = dataclasses.replace(SHAPE, d_model=512, head_dim=128, seq_len=1024)
+    seen = []
+    front = lambda fams, model, *args, **kw: (seen.append(model.attention), ([], [], {}))[1]
+    for shape, on_cpu, want in [(wide, False, "splash"), (wide, True, "blockwise"),
+                                (SHAPE, False, "blockwise")]:  # fmt: skip
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(pricing, "front_runners", front)
+            planning._priced_rounds(None, [], shape, 1, None, {}, 1, False, on_cpu)
+        assert seen.pop() == want
+    lay = rp.Layout(data=8, zero_stage=3)
+    blocks = lambda m: sum(b for _, b in pricing.price(lay, m).roofline[1:2])
+    assert blocks(wide) > 0 and blocks(dataclasses.replace(wide, attention="splash")) == 0

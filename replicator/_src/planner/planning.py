@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from replicator._src.core import targets
+from replicator._src.layers import kernels
 from replicator._src.planner import pricing, search
 from replicator._src.planner import progress as progress_lib
 from replicator._src.planner.layouts import Family, Layout
@@ -278,9 +279,15 @@ def plan(
 def _priced_rounds(run, families, model, budget, profile, timing, top, progress, on_cpu):
     """Every layout priced, then `_rounds`: ``(outcomes compiled, not compiled, prices,
     seconds to price)``. The layouts compile for XLA:CPU without a target, which carries bf16
-    work in fp32: their activations are priced in fp32 (``on_cpu``)."""
+    work in fp32: their activations are priced in fp32 (``on_cpu``). For a TPU, attention
+    is priced on the kernel it compiles to (`kernels.choose`: splash where its tiles fit)."""
     if on_cpu and model.compute_bytes < 4:
         model = dataclasses.replace(model, compute_bytes=4)
+    tpu_kernel = lambda: kernels.choose(
+        seqs=(model.seq_len,), dtype="bfloat16", head_dim=model.head_dim, platform="tpu"
+    )
+    if not on_cpu and model.attention == "blockwise" and tpu_kernel() == "splash":
+        model = dataclasses.replace(model, attention="splash")
     t0 = time.perf_counter()
     ranked, dropped, prices = pricing.front_runners(families, model, budget, profile, timing)
     seconds = time.perf_counter() - t0
