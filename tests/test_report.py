@@ -469,6 +469,19 @@ ENTRY %main (x: f32[8]) -> f32[8] {
     assert costs.flops == 300 and costs.kernel_flops == 300  # not both branches' 400
 
 
+def test_a_ragged_all_to_all_is_read_as_the_rows_it_may_send():
+    text = """
+ENTRY %main (x: f32[16,1,128], o: f32[64,1,128], a: s32[4], b: s32[4], c: s32[4], d: s32[4]) -> f32[64,1,128] {
+  %x = f32[16,1,128]{2,1,0} parameter(0)
+  %o = f32[64,1,128]{2,1,0} parameter(1)
+  ROOT %r = f32[64,1,128]{2,1,0:T(1,128)} ragged-all-to-all(%x, %o, %a, %b, %c, /*index=5*/%d), channel_id=1, replica_groups={{0,1,2,3}}, metadata={op_name="jit(f)/shard_map/ragged_all_to_all"}
+}
+"""
+    (c,) = hlo.analyze(text, {"expert": 4}).collectives
+    assert (c.kind, c.axes, c.bytes) == ("ragged-all-to-all", ("expert",), 16 * 128 * 4)
+    assert c.wire_bytes == 3 / 4 * c.bytes  # at most: the sizes are the run's
+
+
 def test_replica_groups_in_every_hlo_form():
     assert hlo.replica_groups("replica_groups={{0,4},{1,5},{2,6},{3,7}}", 8) == [
         [0, 4], [1, 5], [2, 6], [3, 7],

@@ -27,7 +27,10 @@ from replicator._src.report.hlo_bytes import _ARRAY, _CALLS, _num_elements, shap
 _STARTS = re.compile(r"^\s+(ROOT )?%?[\w.\-]+ = ")
 _ENDS = re.compile(r"^\}(\s*$|, \w+=)")
 KERNEL_FLOPS = re.compile(r"replicator_kernel_flops_(\d+)")
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+COLLECTIVES = (
+    "all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all",
+    "ragged-all-to-all",  # its payload: the rows it may send (the sizes are run-time values)
+)  # fmt: skip
 
 # Element-wise operations XLA counts as one FLOP per output element, and the transcendental
 # ones it counts apart (as in XLA's HloCostAnalysis).
@@ -422,6 +425,8 @@ class _Walker(hlo_bytes.KernelBytes):
             if kind == "collective-permute":  # the TPU's adds u32[] contexts: not payload
                 arrays = [a for a in arrays if a[1] != "" or a[0] not in ("u32", "s32")]
             result = " ".join(f"{d}[{s}]" for d, s in arrays[len(arrays) // 2 :])
+        if kind == "ragged-all-to-all":  # sends at most its input; the output is a buffer
+            result = self.shapes.get(inst.operands[0], result)
         payload = shape_bytes(result) * (g if kind == "reduce-scatter" else 1)
         dtypes = sorted({d for d, _ in _ARRAY.findall(result)})
         return Collective(
