@@ -52,8 +52,8 @@ class ModelConfig:
     # keys and values passed round the axis) or all_to_all (DeepSpeed-Ulysses: the heads split
     # over it instead, heads / mesh.model a multiple of mesh.context); the same numbers.
     # dot_product: jax.nn.dot_product_attention (the platform's own; no context axis).
-    # splash: the TPU's splash-attention kernel (Pallas; interpreted off a TPU; no context or
-    # model axis).
+    # splash: the TPU's splash-attention kernel (Pallas; interpreted off a TPU; no context
+    # axis: ring and all_to_all run the same kernel on a TPU).
     attention: str = "ring"
     zigzag: bool = True  # gpt, ring: chunks in zigzag order, the causal work even over `context`
     # gpt: the vocabulary split over `model` too (the token table by rows, the output matrix by

@@ -655,13 +655,10 @@ def _gpt(config: TrainConfig, repl, make_tx) -> _Job:
         def init():
             rules = _rules(config, repl, model)  # heads, MLP (and the vocabulary): "model"
 
-            def place():
+            def place():  # ZeRO-3: split over the replicas, each block's layer gathered alone
                 placed = gpt.place(repl, init_params(), config=model, rules=rules)
-                if not zero3:
-                    return placed
-                # split over the replicas, each block's layer gathered on its own
-                split = gpt.zero_split(model)
-                return opt.shard_params(placed, stacked=gpt.zero_stacked(model), split=split)
+                stacked, split = gpt.zero_stacked(model), gpt.zero_split(model)
+                return opt.shard_params(placed, stacked=stacked, split=split) if zero3 else placed
 
             placed = _from_checkpoint(config, repl, place) if config.init_from else place()
             return {"params": placed, "opt": opt.init(placed)}

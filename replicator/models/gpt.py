@@ -104,7 +104,8 @@ class GPTConfig:
     (cuDNN's fused kernel where XLA picks it, key/value heads grouped without copies), for
     meshes without a ``context`` axis, or ``"splash"``: the TPU's splash-attention kernel
     (Pallas; the scores never reach HBM; interpreted off a TPU), for meshes without a
-    ``context`` or ``model`` axis (`replicator._src.layers.splash`).
+    ``context`` axis (`replicator._src.layers.splash`). On a TPU, ``"ring"``, ``"all_to_all"``
+    and one device's attention run the same kernel (`replicator._src.layers.kernels`).
 
     The architecture (defaults: GPT-2's; `replicator.models.llama.config` sets Llama's):
 
@@ -179,7 +180,7 @@ class GPTConfig:
                 f"GPTConfig: attention={self.attention!r}; use 'ring' (K/V blocks round the "
                 f"context axis), 'all_to_all' (heads over it, DeepSpeed-Ulysses), "
                 f"'dot_product' (jax.nn.dot_product_attention, without a context axis) or "
-                f"'splash' (the TPU's splash-attention kernel, whole heads and sequences)."
+                f"'splash' (the TPU's splash-attention kernel, whole sequences)."
             )
         if self.num_experts:
             self.routing  # noqa: B018 -- validates num_experts, top_k and capacity_factor
@@ -586,7 +587,7 @@ def _weights_heads_first(attn: dict, config: GPTConfig) -> dict:
 
     A ZeRO-3 weight is rearranged as its part, before its gather: the gather then brings it in
     the layout the TPU's matmuls read, where a gathered weight rearranged would be copied whole.
-    A part split across a head (or over ``model``, which splash refuses) is gathered first."""
+    A part split across a head (or over ``model``) is gathered first."""
     hd = config.head_dim
     heads = lambda w: w.reshape(*w.shape[:-1], -1, hd)  # [..., X, H hd] -> [..., X, H, hd]
     moved = {
