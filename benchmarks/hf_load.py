@@ -134,20 +134,11 @@ def hf_module(rev: str | None):
 
     if rev is None:
         return hf
-    source = subprocess.run(
-        ["git", "show", f"{rev}:replicator/models/hf.py"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    checks = subprocess.run(
-        ["git", "show", f"{rev}:replicator/models/hf_checks.py"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    show = lambda name: subprocess.run(
+        ["git", "show", f"{rev}:replicator/models/{name}.py"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    source, checks = show("hf"), show("hf_checks")
     modules = {}
     for name, text in (("hf_checks", checks), ("hf", source)):  # hf with that hf_checks
         path = pathlib.Path(tempfile.mkdtemp()) / f"{name}_at_rev.py"
