@@ -99,9 +99,10 @@ def test_the_moe_config_trains_and_logs_its_routing(tmp_path, capsys):
 @pytest.mark.slow
 def test_the_shipped_configs_learn(path, tmp_path):
     """The configs as shipped, as a command, fewer steps: the loss falls."""
-    _, rows = train(path, tmp_path, "steps=40", "log_every=20", "checkpoint_every=20")
-    assert [r["step"] for r in rows] == [20, 40]
-    assert rows[-1]["loss"] < rows[0]["loss"] < 4.5, rows  # from ln(256) = 5.5 at step 0
+    _, rows = train(path, tmp_path, "steps=20", "log_every=10", "checkpoint_every=10")
+    assert [r["step"] for r in rows] == [10, 20]
+    # from ln(256) = 5.5 at step 0; measured: 3.89 -> 2.96 (gpt_long), 3.77 -> 2.89 (gpt_moe)
+    assert rows[-1]["loss"] < rows[0]["loss"] < 4.5, rows
     if path == MOE:
         assert_moe_metrics(rows)
 

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from cases import pairwise
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from oracle import OPTIMIZERS, batches, make, params_of, rel_err, single_device
@@ -30,9 +31,10 @@ def train(repl, model, opt, data):
     return state, losses
 
 
-@pytest.mark.parametrize("opt", ["sgd", "adam"])
-@pytest.mark.parametrize("model", ["mlp", "nnx"])
-@pytest.mark.parametrize("lowering", ["shard_map", "pmap"])
+@pytest.mark.parametrize(
+    "lowering, model, opt",
+    pairwise(lowering=["shard_map", "pmap"], model=["mlp", "nnx"], opt=["sgd", "adam"]),
+)
 @pytest.mark.slow
 def test_oracle_ten_steps(lowering, model, opt):
     data = batches()

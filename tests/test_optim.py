@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from cases import pairwise
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from oracle import batches, rel_err, zero3_loss, zero3_params, zero_spec
@@ -164,9 +165,10 @@ def stepped_run(repl, tx, data, **options):
     return state, history
 
 
-@pytest.mark.parametrize("opt", list(OPTIMIZERS))
-@pytest.mark.parametrize("accumulate_steps", [1, 4])
-@pytest.mark.parametrize("zero_stage", [0, 1, 2])
+@pytest.mark.parametrize(
+    "zero_stage, accumulate_steps, opt",
+    pairwise(zero_stage=[0, 1, 2], accumulate_steps=[1, 4], opt=list(OPTIMIZERS)),
+)
 @pytest.mark.slow
 def test_accumulation_equals_one_big_batch(zero_stage, accumulate_steps, opt):
     data = batches(STEPS, din=SIZES[0], dout=SIZES[-1])  # 64 examples: 8 per replica

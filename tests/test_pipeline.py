@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from cases import pairwise
 from jax.sharding import NamedSharding
 from oracle import rel_err
 
@@ -200,9 +201,10 @@ def test_three_sgd_steps_of_dp_x_pp_equal_single_device_training(name, lowering)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("opt", ["sgd", "adam"])
-@pytest.mark.parametrize("remat", ["none", "full", "dots"])
-@pytest.mark.parametrize("name", [*SCHEDULES, "zerobubble"])
+@pytest.mark.parametrize(
+    "name, remat, opt",
+    pairwise(name=[*SCHEDULES, "zerobubble"], remat=["none", "full", "dots"], opt=["sgd", "adam"]),
+)
 def test_three_steps_under_each_remat_policy_equal_single_device_training(name, remat, opt):
     """Every schedule under every remat policy on {"data": 2, "stage": 4}: the losses and the
     parameters after 3 steps (SGD, and Adam with eps 1e-3 as elsewhere) equal one device's."""

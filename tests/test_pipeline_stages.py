@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from cases import each_value, pairwise
 from oracle import rel_err
 
 import replicator as rp
@@ -104,8 +105,9 @@ def grads_in_state(f):
     return step
 
 
-@pytest.mark.parametrize("remat", [True, "none", "dots"])
-@pytest.mark.parametrize("name", list(SCHEDULES))
+@pytest.mark.parametrize(  # every schedule x policy: test_pipeline.py
+    "name, remat", each_value(name=list(SCHEDULES), remat=[True, "none", "dots"])
+)
 @pytest.mark.slow
 def test_cnn_stages_loss_and_every_gradient_equal_the_model_on_one_device(name, remat):
     """Stages of different shapes, packed into one buffer per device, under each remat
@@ -197,9 +199,14 @@ def test_cnn_three_sgd_steps_of_dp_x_pp_equal_single_device_training(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", [MESH, THREE_D], ids=["2x4", "2x2x2"])
-@pytest.mark.parametrize("remat", ["none", "full", "dots"])
-@pytest.mark.parametrize("name", list(ALL_SCHEDULES))
+@pytest.mark.parametrize(
+    "name, remat, mesh",
+    pairwise(
+        name=list(ALL_SCHEDULES),
+        remat=["none", "full", "dots"],
+        mesh={"2x4": MESH, "2x2x2": THREE_D},
+    ),
+)
 def test_stages_that_differ_train_as_on_one_device_under_every_schedule_and_policy(
     name, remat, mesh
 ):

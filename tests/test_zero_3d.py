@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from cases import pairwise
 from jax.sharding import PartitionSpec as P
 from oracle import rel_err, zero_split
 from test_pipeline import (
@@ -163,9 +164,10 @@ def rule_bytes(shape, spec, n, *, model=4, lead=0):
     return 4 * math.prod(s // p for s, p in zip(shape, parts))
 
 
-@pytest.mark.parametrize("zero_stage", [1, 2])
-@pytest.mark.parametrize("opt", list(OPTIMIZERS))
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "circular"])
+@pytest.mark.parametrize(
+    "name, opt, zero_stage",
+    pairwise(name=["gpipe", "1f1b", "circular"], opt=list(OPTIMIZERS), zero_stage=[1, 2]),
+)
 @pytest.mark.slow
 def test_zero_x_pp_trains_as_one_device_with_1_over_kd_of_the_state(name, opt, zero_stage):
     """{"data": 2, "stage": 4}: the state of each stage block is flattened and split over the
