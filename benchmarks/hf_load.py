@@ -14,7 +14,7 @@ The 64 devices are 8 processes of 8 CPU devices (``replicator.launch``), as 8 ho
 0 calls ``hf.load`` and the others wait, so the figures are one host's, through the real code
 path (each process reads the blocks of its own devices only).
 
-Counted in process 0: the calls of ``hf._pread_into`` (the reads: one per contiguous span) and
+Counted in process 0: the calls of ``hf.files.pread_into`` (the reads: one per contiguous span) and
 of ``os.preadv`` (the system calls), the bytes read, the seconds ``hf.load`` takes, the bytes
 the host's devices hold, its peak resident memory (VmHWM), and whether the host's blocks hold
 the file's values (every shard of process 0 against a memory map of the file). ``--rev``
@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 
 import numpy as np
 
@@ -128,12 +129,22 @@ def write_checkpoint(directory: pathlib.Path, layers: int) -> int:
     return total
 
 
-def hf_module(rev: str | None):
-    """``replicator.models.hf``, or its file as of git revision ``rev``."""
+class _Reads(types.SimpleNamespace):
+    """What the benchmark reaches into: ``load``, the module whose ``pread`` (its attribute
+    ``pread_name``) makes every read, and ``tensors`` and ``describe``."""
+
+
+def hf_module(rev: str | None) -> _Reads:
+    """``replicator.models.hf``'s parts, or its file's as of git revision ``rev`` (one module,
+    before it became a package)."""
     from replicator.models import hf
+    from replicator.models.hf import files, leaves
 
     if rev is None:
-        return hf
+        return _Reads(
+            load=hf.load, owner=files, pread_name="pread_into", tensors=files.tensors,
+            describe=leaves.describe,
+        )  # fmt: skip
     show = lambda name: subprocess.run(
         ["git", "show", f"{rev}:replicator/models/{name}.py"],
         cwd=ROOT, capture_output=True, text=True, check=True,
@@ -151,16 +162,20 @@ def hf_module(rev: str | None):
         modules[name] = importlib.util.module_from_spec(spec)
         modules[name].hf_checks = modules.get("hf_checks")
         spec.loader.exec_module(modules[name])
-    return modules["hf"]
+    old = modules["hf"]
+    return _Reads(
+        load=old.load, owner=old, pread_name="_pread_into", tensors=old._tensors,
+        describe=old._describe,
+    )  # fmt: skip
 
 
 def check_values(hf, directory: pathlib.Path, params) -> bool:
     """Every block process 0's devices hold equals the file's values (read by a memory map)."""
     import jax
 
-    tensors = hf._tensors(directory)
+    tensors = hf.tensors(directory)
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        plan = hf._describe(path, leaf.ndim, "check")
+        plan = hf.describe(path, leaf.ndim, "check")
         n = plan.lead
         counts = leaf.shape[:n]
         for shard in leaf.addressable_shards:
@@ -229,7 +244,7 @@ def worker(args: argparse.Namespace) -> None:
         return
     hf = hf_module(args.rev)
     counts = {"reads": 0, "syscalls": 0, "bytes": 0}
-    pread_into, preadv = hf._pread_into, os.preadv
+    pread_into, preadv = getattr(hf.owner, hf.pread_name), os.preadv
 
     def counting_read(fd, offset, buffer):
         counts["reads"] += 1
@@ -240,7 +255,8 @@ def worker(args: argparse.Namespace) -> None:
         counts["syscalls"] += 1
         return preadv(fd, buffers, offset)
 
-    hf._pread_into, os.preadv = counting_read, counting_preadv
+    setattr(hf.owner, hf.pread_name, counting_read)
+    os.preadv = counting_preadv
     try:
         target = placed(json.loads(pathlib.Path(args.layout).read_text()))
         start, cpu = time.perf_counter(), time.process_time()

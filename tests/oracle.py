@@ -44,6 +44,20 @@ def rel_err(a, b) -> float:
 # -- a plain-JAX MLP in a Flax TrainState ------------------------------------------------------
 
 
+def torch_loss_and_grads(model, tokens, targets) -> tuple[float, dict]:
+    """A transformers causal LM's mean next-token cross-entropy on ``tokens`` and the gradient
+    of each of its parameters by name (torch's autograd): the reference for our models'."""
+    import torch
+
+    model.zero_grad()
+    logits = model(input_ids=torch.from_numpy(tokens).long()).logits
+    loss = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), torch.from_numpy(targets).long().reshape(-1)
+    )
+    loss.backward()
+    return loss.detach().item(), {name: p.grad for name, p in model.named_parameters()}
+
+
 def mlp_params(seed=1, sizes=(16, 32, 4)):
     keys = jax.random.split(jax.random.key(seed), len(sizes) - 1)
     return [

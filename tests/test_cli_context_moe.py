@@ -199,7 +199,7 @@ def test_the_moe_job_equals_one_device_and_logs_its_routing(zero_stage, accumula
     k = accumulate_steps
     config = moe_job({"data": 2, "expert": 4}, zero_stage=zero_stage, accumulate_steps=k,
                      global_batch=8 * k)  # fmt: skip
-    with mock.patch.object(jobs.gpt, "init", wide_init):
+    with mock.patch.object(gpt, "init", wide_init):  # the module the GPT job calls it on
         repl, step_fn, state, input_fn, _ = jobs.build(config)
     batches = iter(input_fn(repl.input_context()))
     batches = [jax.tree.map(np.asarray, next(batches)) for _ in range(3)]

@@ -14,9 +14,9 @@ SIZES = ["model.d_model=32", "model.heads=2", "model.seq_len=16", "global_batch=
 # explain a bf16 GPT pipeline, optionally with the fp32 workaround taken away
 SCRIPT = """
 import sys
-from replicator.models import gpt
+from replicator.models import pipelined
 if sys.argv[1] == "bf16":
-    gpt._stage_dtype = lambda config: config.dtype
+    pipelined._stage_dtype = lambda config: config.dtype
 from replicator.cli import main
 sys.exit(main(["explain", *sys.argv[2:]]))
 """
@@ -47,9 +47,10 @@ def test_bf16_activations_travel_in_bf16_between_stages(tmp_path):
 
 @pytest.mark.slow
 def test_xla_cpu_still_aborts_on_bf16_sends_with_stage_and_model(tmp_path):
-    """If this fails, XLA:CPU compiles the program: drop the fp32 case of gpt._stage_dtype."""
+    """If this fails, XLA:CPU compiles the program: drop pipelined._stage_dtype's fp32 case."""
     run, _ = explain(tmp_path, "lm_3d.yaml", "model.dtype=bfloat16", workaround=False)
-    assert run.returncode != 0, "XLA:CPU compiles it now: remove gpt._stage_dtype's fp32 case"
+    compiles = "XLA:CPU compiles it now: remove pipelined._stage_dtype's fp32 case"
+    assert run.returncode != 0, compiles
     assert "AllReducePromotion" in run.stderr, run.stderr[-2000:]
     run, report = explain(tmp_path, "lm_3d.yaml", "model.dtype=bfloat16")
     assert run.returncode == 0, run.stderr[-2000:]

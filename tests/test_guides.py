@@ -173,6 +173,7 @@ SELF_CONTAINED = {
         "The same from Python: a `Replicator` on the target's devices explains",
         0,
     ),
+    "a qwen2 config": ("guides/llama_and_hf.md", "**Qwen2.**", 0),
 }
 
 
@@ -198,6 +199,8 @@ def test_self_contained_block_runs(name):
         target, fits, mfu = out.split()
         assert (target, fits) == ("v5p-16", "True") and 0 < float(mfu.rstrip("%")) <= 100, out
         assert ns["report"].platform == "tpu" and ns["report"].num_devices == 8
+    elif name == "a qwen2 config":
+        assert (ns["config"].num_kv_heads, ns["config"].rope_theta) == (2, 1e6)
     elif name == "optimizers from python":
         assert out.splitlines() == [
             "{'b': False, 'w': True}",

@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import replicator as rp
 from replicator.models import hf
+from replicator.models.hf import files as hf_files
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -143,13 +144,13 @@ def assert_tree_equal(got, want, dtype=np.float32):
 def counted_reads(monkeypatch):
     """Every positioned read `hf.load` makes: (file, offset, length)."""
     reads = []
-    real = hf._pread_into
+    real = hf_files.pread_into
 
     def counting(fd, offset, buffer):
         reads.append((os.readlink(f"/proc/self/fd/{fd}"), offset, len(buffer)))
         real(fd, offset, buffer)
 
-    monkeypatch.setattr(hf, "_pread_into", counting)
+    monkeypatch.setattr(hf_files, "pread_into", counting)
     return reads
 
 
@@ -190,7 +191,7 @@ def reads_by_tensor(reads, directory: pathlib.Path) -> dict[str, list[int]]:
     """The lengths of the reads of each tensor of the checkpoint (each read lies in one)."""
     spans = [
         (os.path.realpath(t.file), t.offset, t.offset + int(np.prod(t.shape)) * t.dtype.itemsize, n)
-        for n, t in hf._tensors(directory).items()
+        for n, t in hf_files.tensors(directory).items()
     ]
     out: dict[str, list[int]] = {}
     for file, offset, length in reads:
@@ -201,8 +202,8 @@ def reads_by_tensor(reads, directory: pathlib.Path) -> dict[str, list[int]]:
 
 @pytest.mark.parametrize("kind", ["fp32", "sharded", "bf16", "chunked"])
 def test_load_onto_a_mesh_reads_each_byte_once(llama, kind, counted_reads, monkeypatch):
-    chunk = 1000 if kind == "chunked" else hf._CHUNK_BYTES  # spans of 1000 bytes at most
-    monkeypatch.setattr(hf, "_CHUNK_BYTES", chunk)
+    chunk = 1000 if kind == "chunked" else hf_files.CHUNK_BYTES  # spans of 1000 bytes at most
+    monkeypatch.setattr(hf_files, "CHUNK_BYTES", chunk)
     kind = "fp32" if kind == "chunked" else kind
     directory = llama.root / kind
     repl = rp.Replicator(mesh_shape={"data": 2, "model": 4})
@@ -595,10 +596,11 @@ rp.distributed.initialize()
 import jax
 from jax.sharding import PartitionSpec as P
 from replicator.models import hf
+from replicator.models.hf import files as hf_files
 
 source, out, report = sys.argv[1:]
 reads = []
-real = hf._pread_into
+real = hf_files.pread_into
 
 
 def counting(fd, offset, buffer):
@@ -606,7 +608,7 @@ def counting(fd, offset, buffer):
     real(fd, offset, buffer)
 
 
-hf._pread_into = counting
+hf_files.pread_into = counting
 columns, rows = P(None, None, "model"), P(None, "model")
 specs = {
     "embed": {"tokens": P("model")},

@@ -204,7 +204,7 @@ def test_read_config_refuses_what_it_cannot_hold(tmp_path):
     with pytest.raises(ValueError, match=r"mixture of experts.*lacks num_local_experts"):
         hf.read_config(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**SIZES, "model_type": "qwen2_moe"}))
-    with pytest.raises(ValueError, match=r"'qwen2_moe'; only 'llama' .* and 'mixtral' "):
+    with pytest.raises(ValueError, match=r"'qwen2_moe'; only 'llama' .*, 'mixtral' .*, 'qwen2' "):
         hf.read_config(tmp_path)
 
 

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from oracle import rel_err
+from oracle import rel_err, torch_loss_and_grads
 from test_gpt_moe import make_repl, oracle, shard_shapes, train
 
 from replicator.models import gpt, llama
@@ -96,20 +96,14 @@ def test_logits_equal_transformers():
 def test_loss_and_every_gradient_equal_torch_autograd():
     """The next-token cross-entropy and the gradient of every transformers parameter (the
     router's through the renormalised top-2 gates included), against torch's autograd."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     model, config, params = hf_model()
     tokens, targets = hf_batch(seed=4)
-    model.zero_grad()
-    logits = model(input_ids=torch.from_numpy(tokens).long()).logits
-    want_loss = torch.nn.functional.cross_entropy(
-        logits.reshape(-1, config.vocab_size), torch.from_numpy(targets).long().reshape(-1)
-    )
-    want_loss.backward()
-    grads = {name: p.grad for name, p in model.named_parameters()}
+    want_loss, grads = torch_loss_and_grads(model, tokens, targets)
     want = llama.params_from_state_dict(grads, config=config)  # fused -> our tree
     loss_fn = functools.partial(gpt.loss, config=config)
     loss, got = jax.jit(jax.value_and_grad(loss_fn))(params, tokens, targets)
-    assert rel_err(float(loss), want_loss.detach().item()) <= TOL["grads"]
+    assert rel_err(float(loss), want_loss) <= TOL["grads"]
     errs = jax.tree.map(rel_err, jax.tree.map(np.asarray, got), want)
     worst = max(jax.tree.leaves(errs))
     assert worst <= TOL["grads"], errs
@@ -183,7 +177,9 @@ def test_mixtral_configs_the_gpt_cannot_compute_are_refused():
     assert llama.from_hf_config(base | {"sliding_window": 16}, seq_len=16).seq_len == 16
     with pytest.raises(ValueError, match=r"router_jitter_noise=0.01: the router's multiplicative"):
         llama.from_hf_config(base | {"router_jitter_noise": 0.01})
-    with pytest.raises(ValueError, match=r"model_type='qwen2_moe'; this reads Llama and Mixtral"):
+    with pytest.raises(
+        ValueError, match=r"model_type='qwen2_moe'; this reads the configs of llama, mixtral, qwen2"
+    ):
         llama.from_hf_config(base | {"model_type": "qwen2_moe"})
 
 

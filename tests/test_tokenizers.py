@@ -19,6 +19,7 @@ from replicator import cli
 from replicator.cli import config as config_lib
 from replicator.cli import data as data_lib
 from replicator.cli.data import DataConfig
+from replicator.cli.data import tokenizer as data_tokenizer
 
 tokenizers = pytest.importorskip("tokenizers")
 sentencepiece = pytest.importorskip("sentencepiece")
@@ -115,7 +116,7 @@ def test_huggingface_ids_are_the_packages_own_with_eos_after_each_document(
     assert found.vocab_size == tok.get_vocab_size() > 256  # the merges its text had, to 300
     assert tok.token_to_id("<s>") not in found["tokens"]
     data_lib.check(found, LIKE_GPT, path=config.path, global_batch=8, vocab=found.vocab_size)
-    monkeypatch.setattr(data_lib, "ENCODE_CHARS", 100)  # encoded a few files at a time
+    monkeypatch.setattr(data_tokenizer, "ENCODE_CHARS", 100)  # encoded a few files at a time
     assert_examples_equal(data_lib.examples(config, kind="gpt", seq_len=8), want)
     one = corpus / "doc03.txt"  # a file: one document
     found = data_lib.examples(DataConfig(path=str(one), tokenizer=str(path)), kind="gpt", seq_len=8)

@@ -358,11 +358,11 @@ def test_llama_zero3_on_v5p_reduces_in_bf16_and_looks_up_without_the_table(tied)
 
 @pytest.mark.slow  # one compile, about 15 s
 def test_llama_with_splash_on_v5p_copies_no_activation_between_layouts(monkeypatch):
-    """Splash attends heads first (`gpt._attend_heads_first`): queries, keys and values are
-    projected straight into the kernel's ``[B, heads, S, head_dim]``, the output projected out
-    of it, and the attention's ZeRO-3 parts are laid out before their gather. So the TPU
-    program copies no activation between layouts (a transpose of q, k, v or their gradients,
-    forward, in remat and backward)."""
+    """Splash attends heads first (`layers.attention._attend_heads_first`): queries, keys and
+    values are projected straight into the kernel's ``[B, heads, S, head_dim]``, the output
+    projected out of it, and the attention's ZeRO-3 parts are laid out before their gather. So
+    the TPU program copies no activation between layouts (a transpose of q, k, v or their
+    gradients, forward, in remat and backward)."""
     from replicator._src.report import hlo
 
     texts = []

@@ -1,4 +1,5 @@
-"""Llama-family decoders: `replicator.models.gpt` with Llama's options, so that they share its
+"""Llama-family decoders (Llama, Mixtral, Qwen2: `replicator.models.families`):
+`replicator.models.gpt` with Llama's options, so that they share its
 parallel machinery (`gpt.place`, `gpt.place_pipeline`, `gpt.pipeline_value_and_grad`, ZeRO-3,
 the ``context`` axis): RMSNorm, rotary positions (Llama 3's rescaling too), a SwiGLU MLP,
 grouped-query attention with separate ``q``, ``k``, ``v`` matrices, no biases, and optionally a
@@ -32,63 +33,11 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from replicator.models import config_checks, gpt
+from replicator.models import families, gpt
+from replicator.models.families import FAMILIES, family, mixtral
+from replicator.models.hf import config_checks, configs
 
 PyTree = Any
-
-LAYER_NAMES = {  # (our block's leaf) -> (transformers' name in a layer, transposed)
-    ("ln1", "scale"): ("input_layernorm.weight", False),
-    ("attn", "q"): ("self_attn.q_proj.weight", True),
-    ("attn", "k"): ("self_attn.k_proj.weight", True),
-    ("attn", "v"): ("self_attn.v_proj.weight", True),
-    ("attn", "out"): ("self_attn.o_proj.weight", True),
-    ("ln2", "scale"): ("post_attention_layernorm.weight", False),
-    ("mlp", "gate"): ("mlp.gate_proj.weight", True),
-    ("mlp", "up"): ("mlp.up_proj.weight", True),
-    ("mlp", "down"): ("mlp.down_proj.weight", True),
-}
-BIAS_NAMES = {  # with bias=True (transformers' attention_bias and mlp_bias)
-    (group, f"{leaf}_bias"): (name.removesuffix("weight") + "bias", False)
-    for (group, leaf), (name, transposed) in LAYER_NAMES.items()
-    if transposed
-}
-MIXTRAL_LAYER_NAMES = {  # a Mixtral block (gpt.init's mixture-of-experts layout, moe_every=1)
-    **{("moe", *keys): value for keys, value in LAYER_NAMES.items() if keys[0] != "mlp"},
-    ("moe", "moe", "router"): ("block_sparse_moe.gate.weight", True),
-}
-EXPERT_NAMES = {  # one tensor per expert j of a Mixtral block
-    ("moe", "moe", "gate"): ("block_sparse_moe.experts.{j}.w1.weight", True),
-    ("moe", "moe", "up"): ("block_sparse_moe.experts.{j}.w3.weight", True),
-    ("moe", "moe", "down"): ("block_sparse_moe.experts.{j}.w2.weight", True),
-}
-HF_DEFAULTS = {  # transformers' LlamaConfig's and MixtralConfig's, for keys a config.json omits
-    "llama": {
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "rope_scaling": None,
-        "max_position_embeddings": 2048,
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "mlp_bias": False,
-    },
-    "mixtral": {
-        "num_key_value_heads": 8,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 1e6,
-        "rope_scaling": None,
-        "max_position_embeddings": 4096 * 32,
-        "tie_word_embeddings": False,
-        "sliding_window": None,
-        "router_aux_loss_coef": 0.001,
-        "output_router_logits": False,
-        "router_jitter_noise": 0.0,
-    },
-}
-OUTER_NAMES = {  # outside the blocks
-    ("embed", "tokens"): ("model.embed_tokens.weight", False),
-    ("head", "norm", "scale"): ("model.norm.weight", False),
-    ("head", "w"): ("lm_head.weight", True),
-}
 
 
 def config(
@@ -132,10 +81,6 @@ def config(
     )
 
 
-def _refuse(what: str) -> ValueError:
-    return ValueError(f"llama.from_hf_config: {what}")
-
-
 def _rope(hf: Mapping[str, Any], default: float) -> tuple[float, gpt.RopeScaling | None]:
     """``rope_theta`` and the scaling of transformers' ``rope_parameters`` (v5) or
     ``rope_theta`` and ``rope_scaling`` (v4, most ``config.json`` files)."""
@@ -143,39 +88,41 @@ def _rope(hf: Mapping[str, Any], default: float) -> tuple[float, gpt.RopeScaling
     theta = float(rope.get("rope_theta", hf.get("rope_theta", default)))
     kind = rope.get("rope_type", rope.get("type", "default"))
     if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise _refuse("partial_rotary_factor != 1 (rotary positions on part of a head).")
+        raise family.refuse("partial_rotary_factor != 1 (rotary positions on part of a head).")
     if kind == "default":
         return theta, None
     if kind != "llama3":
-        raise _refuse(
+        raise family.refuse(
             f"rope_type={kind!r} is not implemented; 'default' and 'llama3' are (the GPT's "
             f"rotary positions with gpt.RopeScaling)."
         )
     fields = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     missing = [f for f in fields if rope.get(f) is None]
     if missing:  # from_hf_config checked them; a direct call may not have
-        raise _refuse(f"rope_type 'llama3' without {', '.join(missing)}; it needs {fields}.")
+        raise family.refuse(f"rope_type 'llama3' without {', '.join(missing)}; it needs {fields}.")
     return theta, gpt.RopeScaling(**{f: rope[f] for f in fields})
 
 
-def _kind(hf: Mapping[str, Any]) -> str:
-    """``hf``'s ``model_type``, its values checked as `hf.read_config` checks a config.json's."""
-
+def _family(hf: Mapping[str, Any]) -> family.Family:
+    """``hf``'s family, its values checked as `hf.read_config` checks a config.json's."""
     kind = hf.get("model_type", "llama")
-    if not isinstance(kind, str) or kind not in ("llama", "mixtral"):
-        raise _refuse(f"model_type={kind!r}; this reads Llama and Mixtral configs.")
-    sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads")
-    sizes += ("num_hidden_layers",) + ("num_local_experts",) * (kind == "mixtral")
-    defaults = {**HF_DEFAULTS["mixtral"], **HF_DEFAULTS["llama"]}
-    config_checks.check_config(dict(hf), "llama.from_hf_config: config", sizes, defaults)
-    return kind
+    if not isinstance(kind, str) or kind not in FAMILIES:
+        raise family.refuse(
+            f"model_type={kind!r}; this reads the configs of {', '.join(FAMILIES)}."
+        )
+    found = FAMILIES[kind]
+    sizes = configs.REQUIRED + found.required
+    where = "llama.from_hf_config: config"
+    config_checks.check_config(dict(hf), where, sizes, families.defaults())
+    return found
 
 
 def from_hf_config(hf: Mapping[str, Any], **options: Any) -> gpt.GPTConfig:
-    """The `gpt.GPTConfig` of transformers' ``LlamaConfig`` or ``MixtralConfig`` (its
-    ``to_dict()``, or a checkpoint's ``config.json``): sizes, ``rms_norm_eps``, rotary positions
-    (``rope_theta``, Llama 3's ``rope_scaling``), ``tie_word_embeddings``, and biases when
-    ``attention_bias`` and ``mlp_bias`` both say so. ``seq_len`` defaults to
+    """The `gpt.GPTConfig` of transformers' ``LlamaConfig``, ``MixtralConfig`` or
+    ``Qwen2Config`` (its ``to_dict()``, or a checkpoint's ``config.json``; the families are
+    `replicator.models.families.FAMILIES`): sizes, ``rms_norm_eps``, rotary positions
+    (``rope_theta``, Llama 3's ``rope_scaling``), ``tie_word_embeddings``, and a Llama's biases
+    when ``attention_bias`` and ``mlp_bias`` both say so. ``seq_len`` defaults to
     ``max_position_embeddings``; ``options`` are other `gpt.GPTConfig` fields (``seq_len``,
     ``dtype``, ...).
 
@@ -189,6 +136,9 @@ def from_hf_config(hf: Mapping[str, Any], **options: Any) -> gpt.GPTConfig:
     ``aux_weight > 0`` the term is `replicator.moe`'s (per sequence, first choices), not
     transformers' (pooled over the batch and the layers).
 
+    A Qwen2 (``model_type: "qwen2"``) is a Llama with biases on the query, key and value
+    projections only: ``qkv_bias=True``.
+
     >>> from replicator.models import llama
     >>> c = llama.from_hf_config({"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96,
     ...     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1,
@@ -200,41 +150,37 @@ def from_hf_config(hf: Mapping[str, Any], **options: Any) -> gpt.GPTConfig:
     ...     "num_key_value_heads": 2, "num_local_experts": 8, "num_experts_per_tok": 2})
     >>> m.num_experts, m.top_k, m.capacity_factor, m.rope_theta, m.norm_eps
     (8, 2, None, 1000000.0, 1e-05)
+    >>> q = llama.from_hf_config({"model_type": "qwen2", "vocab_size": 128, "hidden_size": 64,
+    ...     "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+    ...     "num_key_value_heads": 2, "rope_theta": 1e6, "tie_word_embeddings": True})
+    >>> q.qkv_bias, q.bias, q.tie_embeddings, q.seq_len
+    (True, False, True, 32768)
 
     Raises:
-      ValueError: for what the GPT does not compute: another ``model_type`` or ``hidden_act``
-        than Llama's, a ``head_dim`` other than ``hidden_size / num_attention_heads``, biases in
-        attention but not the MLP (or the reverse), a rotary scaling other than Llama 3's, or
-        for a Mixtral a sliding window shorter than ``seq_len`` or router jitter; and for a
-        size missing or not a whole number >= 1, or a value of the wrong type or range (as
-        ``hf.read_config`` refuses them).
+      ValueError: for what the GPT does not compute: a ``model_type`` of no family, a
+        ``hidden_act`` other than SiLU, a ``head_dim`` other than ``hidden_size /
+        num_attention_heads``, a Llama's biases in attention but not the MLP (or the reverse),
+        a rotary scaling other than Llama 3's, a sliding window shorter than ``seq_len`` (a
+        Mixtral's or a Qwen2's), or router jitter; and for a size missing or not a whole
+        number >= 1, or a value of the wrong type or range (as ``hf.read_config`` refuses
+        them).
     """
-    kind = _kind(hf)
+    found = _family(hf)
     if hf.get("hidden_act", "silu") != "silu":
-        raise _refuse(f"hidden_act={hf['hidden_act']!r}; the SwiGLU MLP uses 'silu'.")
+        raise family.refuse(f"hidden_act={hf['hidden_act']!r}; the SwiGLU MLP uses 'silu'.")
     d, heads = hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or d // heads
     if head_dim * heads != d:
-        raise _refuse(
+        raise family.refuse(
             f"head_dim={head_dim} with {heads} heads is not hidden_size={d} wide (q_proj.weight "
             f"would be [{head_dim * heads}, {d}]); the GPT's heads are hidden_size / "
             f"num_attention_heads = {d / heads:g} wide. If the checkpoint's q_proj.weight is "
             f"[{d}, {d}], head_dim is wrong: remove it from config.json; else the GPT cannot "
             f"hold this model."
         )
-    bias = bool(hf.get("attention_bias", False))
-    if bias != bool(hf.get("mlp_bias", False)):
-        raise _refuse(
-            f"attention_bias={bias} but mlp_bias={hf.get('mlp_bias', False)}; the GPT has "
-            f"biases in every linear layer or none (bias=True or False)."
-        )
-    unset = HF_DEFAULTS[kind]
-    defaults = {
-        "bias": bias,
-        "seq_len": hf.get("max_position_embeddings", unset["max_position_embeddings"]),
-    }
-    if kind == "mixtral":
-        defaults |= _mixtral(hf, options.get("seq_len", defaults["seq_len"]))
+    unset = found.defaults
+    seq_len = hf.get("max_position_embeddings", unset["max_position_embeddings"])
+    defaults = {"seq_len": seq_len} | found.options(hf, options.get("seq_len", seq_len))
     theta, scaling = _rope(hf, unset["rope_theta"])
     return config(
         vocab_size=hf["vocab_size"],
@@ -251,36 +197,23 @@ def from_hf_config(hf: Mapping[str, Any], **options: Any) -> gpt.GPTConfig:
     )
 
 
-def _mixtral(hf: Mapping[str, Any], seq_len: int) -> dict:
-    """The `gpt.GPTConfig` fields of a Mixtral's experts, refusing what they do not compute."""
-    window = hf.get("sliding_window")
-    if window is not None and window < seq_len:
-        raise _refuse(
-            f"sliding_window={window} is shorter than seq_len={seq_len}; the GPT's attention is "
-            f"causal over the whole sequence. Train with seq_len <= {window}."
-        )
-    if hf.get("router_jitter_noise", 0.0):
-        raise _refuse(
-            f"router_jitter_noise={hf['router_jitter_noise']}: the router's multiplicative "
-            f"noise is not implemented; set it to 0 in config.json."
-        )
-    return dict(
-        num_experts=hf["num_local_experts"],
-        top_k=hf.get("num_experts_per_tok", 2),
-        capacity_factor=None,
-        aux_weight=0.0,
-    )
-
-
 def _check(config: gpt.GPTConfig, api: str) -> None:
     llama = (config.norm, config.position, config.mlp) == ("rms", "rope", "swiglu")
-    biased_experts = config.num_experts and config.bias
+    biased_experts = config.num_experts and (config.bias or config.qkv_bias)
     if not llama or config.num_kv_heads is None or config.moe_every != 1 or biased_experts:
         raise ValueError(
-            f"{api}: config is not a Llama's or a Mixtral's (norm='rms', position='rope', "
-            f"mlp='swiglu', num_kv_heads set, and with experts moe_every=1 and bias=False: a "
-            f"Mixtral has no biases); build it with llama.config or llama.from_hf_config."
+            f"{api}: config is not a Llama's, a Mixtral's or a Qwen2's (norm='rms', "
+            f"position='rope', mlp='swiglu', num_kv_heads set, and with experts moe_every=1 and "
+            f"bias=False: a Mixtral has no biases, nor qkv_bias); build it with llama.config or "
+            f"llama.from_hf_config."
         )
+
+
+def _biases(config: gpt.GPTConfig) -> frozenset[str]:
+    """The linear leaves of ``config``'s blocks that have biases."""
+    if config.bias:
+        return frozenset(family.ATTENTION + family.MLP)
+    return family.QKV if config.qkv_bias else family.NO_BIASES
 
 
 class _Name(NamedTuple):
@@ -293,10 +226,10 @@ class _Name(NamedTuple):
 def _names(config: gpt.GPTConfig) -> list[_Name]:
     """Every transformers tensor of ``config``'s model and where it sits in `gpt.init`'s tree
     (the names of the files: per-expert ``block_sparse_moe.experts.{j}`` for a Mixtral)."""
-    layer = LAYER_NAMES | (BIAS_NAMES if config.bias else {})
     if config.num_experts:
-        layer, experts = MIXTRAL_LAYER_NAMES, EXPERT_NAMES
+        layer, experts = mixtral.LAYER, mixtral.EXPERT_NAMES
     else:
+        layer = family.LAYER_NAMES | family.biased_names(_biases(config))
         experts = {}
     out = [
         _Name(("blocks", *keys), (i,), f"model.layers.{i}.{name}", t)
@@ -311,7 +244,9 @@ def _names(config: gpt.GPTConfig) -> list[_Name]:
     ]
     tied = config.tie_embeddings
     out += [
-        _Name(k, (), n, t) for k, (n, t) in OUTER_NAMES.items() if k != ("head", "w") or not tied
+        _Name(k, (), n, t)
+        for k, (n, t) in family.OUTER_NAMES.items()
+        if k != ("head", "w") or not tied
     ]
     return out
 

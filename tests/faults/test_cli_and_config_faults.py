@@ -17,7 +17,8 @@ import pytest
 import replicator as rp
 from replicator import cli
 from replicator._src.run import rundir
-from replicator.cli import config, jobs
+from replicator.cli import config
+from replicator.cli.jobs import runner
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
@@ -203,7 +204,7 @@ def test_running_a_finished_run_again_exits_0(capsys, tmp_path):
 
 
 def test_a_failure_during_training_keeps_its_traceback(capsys, tmp_path, monkeypatch):
-    build = jobs.build
+    build = runner.build
 
     def failing_build(cfg):
         repl, step_fn, state, input_fn, tokens = build(cfg)
@@ -216,7 +217,7 @@ def test_a_failure_during_training_keeps_its_traceback(capsys, tmp_path, monkeyp
 
         return repl, step_fn, state, broken_input, tokens
 
-    monkeypatch.setattr(jobs, "build", failing_build)
+    monkeypatch.setattr(runner, "build", failing_build)  # where `run` looks it up
     with pytest.raises(ValueError, match="the disk went away"):
         cli.main(["train", str(CONFIGS / "mlp_zero.yaml"), f"out_dir={tmp_path}", "steps=5",
                   "model.layers=2", "plot=false"])  # fmt: skip

@@ -16,8 +16,10 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from replicator.models import config_checks, llama
-from replicator.models.config_checks import json_kind
+from replicator.models import families
+from replicator.models.families import FAMILIES, family
+from replicator.models.hf import config_checks
+from replicator.models.hf.config_checks import json_kind
 
 # bytes per element of every dtype safetensors defines (hf reads the float ones)
 ITEMSIZE = {
@@ -48,8 +50,7 @@ def read_json(path: pathlib.Path, api: str, fix: str) -> Any:
 
 def check_config(config: dict, where: str, required: tuple[str, ...]) -> None:
     """`config_checks.check_config` with transformers' defaults for the examples."""
-    defaults = {**llama.HF_DEFAULTS["mixtral"], **llama.HF_DEFAULTS["llama"]}
-    config_checks.check_config(config, where, required, defaults)
+    config_checks.check_config(config, where, required, families.defaults())
 
 
 # -- the safetensors files -----------------------------------------------------------------------
@@ -238,22 +239,18 @@ def _dims(name: str) -> tuple[str, ...]:
 
 def expected(config: dict) -> list[str]:
     """The Hugging Face tensors of the model ``config`` (a checked ``config.json``) describes."""
-    top = [name for name, _ in llama.OUTER_NAMES.values()]
+    top = [name for name, _ in family.OUTER_NAMES.values()]
     top = top[:2] if config["tie_word_embeddings"] else top
-    if config["model_type"] == "mixtral":
-        layer = [n for n, _ in llama.MIXTRAL_LAYER_NAMES.values()]
-        layer += [
-            n.format(j=j)
-            for n, _ in llama.EXPERT_NAMES.values()
-            for j in range(config["num_local_experts"])
-        ]
-    else:
-        layer = [n for n, _ in llama.LAYER_NAMES.values()]
-        layer += [
-            n
-            for n, _ in llama.BIAS_NAMES.values()
-            if config["attention_bias" if n.startswith("self_attn") else "mlp_bias"]
-        ]
+    found = FAMILIES[config["model_type"]]
+    biases = {name for (_, leaf), (name, _) in family.BIAS_NAMES.items()}
+    biased = {n for (_, leaf), (n, _) in family.biased_names(found.biases(config)).items()}
+    experts = range(config.get("num_local_experts") or 1)
+    layer = [
+        name.format(j=j)
+        for name, _ in found.layer_names.values()
+        if name not in biases or name in biased
+        for j in (experts if "{j}" in name else range(1))
+    ]
     layers = range(config["num_hidden_layers"])
     return top[:1] + [f"model.layers.{i}.{n}" for i in layers for n in layer] + top[1:]
 
@@ -331,7 +328,7 @@ def _numbers(pattern: str, names: list[str] | dict) -> set[int]:
 def _names_fix(config: dict, missing: list[str], extra: list[str], tensors: dict) -> str:
     """What to change in config.json for weights with ``missing`` and ``extra`` tensors."""
     again = f"use the config.json saved with these weights, or {AGAIN}"
-    mixtral = config["model_type"] == "mixtral"
+    mixtral = FAMILIES[config["model_type"]].experts
     if not mixtral and any(".block_sparse_moe." in name for name in extra):
         return 'they are a Mixtral\'s: set "model_type": "mixtral" in config.json'
     if mixtral and any(".mlp." in name for name in extra):

@@ -28,7 +28,10 @@ _OPTIONAL = (
 )  # fmt: skip
 _FLOATS = ("rms_norm_eps", "rope_theta")
 LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "output_router_logits")
+_BOOLS = (
+    "tie_word_embeddings", "attention_bias", "mlp_bias", "output_router_logits",
+    "use_sliding_window",
+)  # fmt: skip
 
 
 def json_kind(value: Any) -> str:

@@ -1,0 +1,222 @@
+"""The checks of a `TrainConfig` that read several of its sections together: the mesh and the
+counts, what each model kind asks of the mesh, the pipeline and the optimizer options, and what
+the ``context`` and ``expert`` axes ask of the model, the batch and the schedule. Each raises a
+``ValueError`` naming the keys, as the sections' own checks do (`replicator.cli.checks`)."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from replicator.cli.checks import _at_least, _where
+from replicator.cli.config.constants import (
+    DATA_AXES,
+    MAX_CPU_DEVICES,
+    MAX_STEPS,
+    RING_IN_ONE_COND,
+)
+from replicator.cli.config.sections import ProfileConfig
+
+if TYPE_CHECKING:
+    from replicator.cli.config.train import TrainConfig
+
+
+def check_mesh_and_counts(config: TrainConfig) -> None:
+    """The mesh, the device and step counts, the profile's window."""
+    where = _where(config)
+    if not config.mesh:
+        raise ValueError(
+            f"{where}mesh must name at least one axis; got {{}}. e.g. mesh: {{data: -1}} (every "
+            f"device a replica) or mesh: {{data: 2, stage: 4}}."
+        )
+    for key, size in config.mesh.items():
+        if not isinstance(key, str) or isinstance(size, bool) or not isinstance(size, int):
+            raise ValueError(
+                f"{where}mesh must map axis names to sizes (ints); got {key!r}: {size!r}. "
+                f"e.g. mesh: {{data: -1}} or mesh: {{data: 2, stage: 4}}."
+            )
+        if size < 1 and size != -1:
+            raise ValueError(
+                f"{where}mesh.{key}={size}: an axis size must be an int >= 1, or -1 for the "
+                f"remaining devices."
+            )
+    _at_least(config, "cpu_devices", 0)
+    if config.cpu_devices > MAX_CPU_DEVICES:
+        raise ValueError(
+            f"{where}cpu_devices={config.cpu_devices} is more CPU devices than this process can "
+            f"emulate (each is a thread pool and its memory; at most {MAX_CPU_DEVICES}); use "
+            f"cpu_devices <= {MAX_CPU_DEVICES} (e.g. cpu_devices=8), or 0 for the platform's "
+            f"own devices."
+        )
+    for name in ("steps", "global_batch", "accumulate_steps", "log_every", "checkpoint_every"):
+        _at_least(config, name, 1)
+    if config.steps > MAX_STEPS:
+        raise ValueError(
+            f"{where}steps={config.steps} is more than the run's step counter holds (an int32, "
+            f"at most {MAX_STEPS}); use fewer steps."
+        )
+    if isinstance(config.profile, ProfileConfig) and config.profile.start_step > config.steps:
+        raise ValueError(
+            f"{where}profile.start_step={config.profile.start_step} comes after the run's last "
+            f"step (steps={config.steps}), so nothing would be traced; use profile.start_step "
+            f"<= {config.steps} (step 1 compiles, e.g. profile.start_step={min(3, config.steps)})."
+        )
+
+
+def check_model_fits_the_job(config: TrainConfig) -> None:
+    """What a model kind asks of the mesh, the pipeline and the optimizer options."""
+    where, kind = _where(config), config.model.kind
+    if kind == "gpt" and "stage" in config.mesh and config.pipeline is None:
+        raise ValueError(
+            f"{where}a mesh with a 'stage' axis needs a pipeline: section, e.g. pipeline: "
+            f"{{schedule: 1f1b, microbatches: 4}}."
+        )
+    if kind in ("mlp", "cnn") and "model" in config.mesh:
+        raise ValueError(
+            f"{where}model.kind={kind!r} has no tensor-parallel layout; use a mesh without "
+            f"'model' (e.g. mesh: {{data: -1}}), or model.kind='gpt'."
+        )
+    t = config.mesh.get("model", 1)
+    if kind == "gpt" and t > 1 and config.model.heads % t:
+        raise ValueError(
+            f"{where}model.heads={config.model.heads} does not split over mesh.model={t} (each "
+            f"device holds whole attention heads); use heads a multiple of {t} (e.g. heads="
+            f"{t * math.ceil(config.model.heads / t)}), or a smaller model axis."
+        )
+    d_ff = config.model.d_ff
+    if kind == "gpt" and t > 1 and d_ff is not None and d_ff % t:
+        raise ValueError(
+            f"{where}model.d_ff={d_ff} does not split over mesh.model={t} (each device holds "
+            f"d_ff / {t} of the MLP's hidden units); use d_ff a multiple of {t} (e.g. d_ff="
+            f"{t * math.ceil(d_ff / t)}), or a smaller model axis."
+        )
+    if kind == "gpt" and "stage" in config.mesh and config.accumulate_steps != 1:
+        raise ValueError(
+            f"{where}accumulate_steps={config.accumulate_steps} does not apply to a pipeline "
+            f"(mesh has a 'stage' axis), which splits each replica's batch into micro-batches "
+            f"already; use pipeline.microbatches instead (e.g. pipeline.microbatches="
+            f"{config.accumulate_steps * (config.pipeline.microbatches if config.pipeline else 4)}"
+            f") with accumulate_steps=1."
+        )
+    if kind == "cnn" and "stage" in config.mesh:
+        raise ValueError(f"{where}model.kind='cnn' is data parallel; use a mesh without 'stage'.")
+    if kind == "cnn" and (config.zero_stage == 3 or config.accumulate_steps != 1):
+        raise ValueError(
+            f"{where}model.kind='cnn' supports zero_stage 0, 1 or 2 and accumulate_steps=1 "
+            f"(its BatchNorm takes statistics over the whole batch); got zero_stage="
+            f"{config.zero_stage}, accumulate_steps={config.accumulate_steps}."
+        )
+    if config.model.reduce_dtype not in (None, "float32") and config.zero_stage != 3:
+        raise ValueError(
+            f"{where}model.reduce_dtype={config.model.reduce_dtype!r} is the dtype ZeRO-3 "
+            f"gathers the parameters and sums their gradients in; with zero_stage="
+            f"{config.zero_stage} the gradients are summed in fp32 and it would change "
+            f"nothing. Use zero_stage=3, or model.reduce_dtype=null."
+        )
+    if config.pipeline and config.pipeline.scatter_grads != "microbatch" and config.zero_stage != 3:
+        raise ValueError(
+            f"{where}pipeline.scatter_grads={config.pipeline.scatter_grads!r} is when ZeRO-3 "
+            f"reduce-scatters the stages' gradients; with zero_stage={config.zero_stage} it "
+            f"would change nothing. Use zero_stage=3, or pipeline.scatter_grads=microbatch."
+        )
+
+
+def check_context_and_experts(config: TrainConfig) -> None:
+    """What the ``context`` and ``expert`` axes ask of the model, the batch and the schedule.
+
+    A size of -1 (the remaining devices) is not known here: what needs it is left to the
+    library, which refuses it before the first step."""
+    where, m, mesh = _where(config), config.model, config.mesh
+    c, e, kind = mesh.get("context", 1), mesh.get("expert", 1), m.kind
+    for axis in ("context", "expert"):
+        if kind in ("mlp", "cnn") and axis in mesh:
+            what = "the sequence" if axis == "context" else "a mixture of experts"
+            raise ValueError(
+                f"{where}mesh.{axis}: model.kind={kind!r} has no {axis} axis (it splits "
+                f"{what} of model.kind='gpt'); use a mesh without {axis!r} (e.g. mesh: "
+                f"{{data: -1}}), or model.kind='gpt'."
+            )
+    if kind != "gpt":
+        return
+    if m.experts and "stage" in mesh:
+        raise ValueError(
+            f"{where}model.experts={m.experts}: the mixture-of-experts GPT has no pipeline "
+            f"layout (its load-balancing loss and routing counts do not travel between "
+            f"stages); use a mesh without 'stage' (e.g. mesh: {{data: 2, expert: 4}}), or "
+            f"model.experts=0."
+        )
+    if e != 1 and not m.experts:
+        raise ValueError(
+            f"{where}mesh.expert={e} with model.experts=0: a dense GPT has no experts to "
+            f"split, and the axis would only split each replica's sequences as data does; "
+            f"use mesh.data for that (e.g. mesh: {{data: -1}}), or set model.experts (a "
+            f"multiple of mesh.expert, e.g. model.experts={8 if e == -1 else 2 * e})."
+        )
+    if c != 1 and e != 1:
+        raise ValueError(
+            f"{where}mesh.context={c} with mesh.expert={e}: a context axis and an expert "
+            f"axis together are not supported yet; use one of them (e.g. mesh: {{data: 2, "
+            f"context: 4}} or mesh: {{data: 2, expert: 4}})."
+        )
+    schedule = config.pipeline.schedule if config.pipeline and "stage" in mesh else None
+    if c != 1 and m.attention == "ring" and schedule in RING_IN_ONE_COND:
+        raise ValueError(
+            f"{where}model.attention='ring' with mesh.context={c} cannot run under "
+            f"pipeline.schedule={schedule!r} (it runs each stage's work under a condition, "
+            f"which the ring's collectives cannot be in); use model.attention=all_to_all, "
+            f"or pipeline.schedule gpipe or circular."
+        )
+    if c > 1:
+        _check_context_axis(config, c)
+    if e > 1:
+        _check_expert_axis(config, e)
+
+
+def _check_context_axis(config: TrainConfig, c: int) -> None:
+    where, m, t = _where(config), config.model, config.mesh.get("model", 1)
+    if m.attention == "all_to_all" and t > 0 and (m.heads // t) % c:
+        per = f"heads / mesh.model = {m.heads // t}" if t > 1 else f"heads={m.heads}"
+        raise ValueError(
+            f"{where}model.attention='all_to_all' splits the heads over mesh.context={c}, "
+            f"but {per} do not split {c} ways; use model.heads a multiple of {c * t} (e.g. "
+            f"model.heads={c * t * math.ceil(m.heads / (c * t))}), or model.attention=ring."
+        )
+    zigzag = m.attention == "ring" and m.zigzag
+    parts = 2 * c if zigzag else c
+    if m.seq_len % parts:
+        why = (
+            f"2 x mesh.context = {parts} chunks (the zigzag layout of a ring)"
+            if zigzag
+            else f"mesh.context={c} chunks"
+        )
+        raise ValueError(
+            f"{where}model.seq_len={m.seq_len} does not split into {why}; use seq_len a "
+            f"multiple of {parts} (e.g. model.seq_len={parts * math.ceil(m.seq_len / parts)})"
+            f"{', or model.zigzag=false' if zigzag and m.seq_len % c == 0 else ''}."
+        )
+
+
+def _check_expert_axis(config: TrainConfig, e: int) -> None:
+    where, m, k = _where(config), config.model, config.accumulate_steps
+    if m.experts % e:
+        raise ValueError(
+            f"{where}model.experts={m.experts} does not split over mesh.expert={e} (each "
+            f"device holds experts / {e} of them); use model.experts a multiple of {e} (e.g. "
+            f"model.experts={e * math.ceil(m.experts / e)}), or a smaller expert axis."
+        )
+    data = [config.mesh.get(axis, 1) for axis in DATA_AXES]
+    if min(data) < 1:
+        return  # a -1 data axis: the library checks the batch against the devices
+    replicas = math.prod(data)
+    if config.global_batch % (replicas * k * e):
+        over = f"{replicas} data replica{'s' * (replicas > 1)}"
+        if k > 1:
+            over += f" and accumulate_steps={k} micro-batches"
+        unit = replicas * k * e
+        raise ValueError(
+            f"{where}global_batch={config.global_batch} over {over} gives "
+            f"{config.global_batch / replicas / k:g} sequences a step, which do not split over "
+            f"mesh.expert={e} (each expert device routes whole sequences); use global_batch "
+            f"a multiple of {unit} (e.g. global_batch="
+            f"{unit * math.ceil(config.global_batch / unit)}), or a smaller expert axis."
+        )

@@ -1,0 +1,49 @@
+"""What the built-in jobs share: the `_Job` each kind's job function returns (its step, its
+state's init, its data), and the helpers of their data."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+import replicator as rp
+
+
+class _Job(NamedTuple):
+    """A built-in job before its state exists: what `build` and `abstract_job` share."""
+
+    step_fn: Callable  # step_fn(state, batch) -> (state, metrics), one replica's step
+    init: Callable[[], Any]  # builds the state: arrays when called, shapes under repl.abstract
+    input_fn: Callable  # the kind's own data; reads nothing until it is iterated
+    batch: Callable[[], dict]  # the global batch, as jax.ShapeDtypeStruct leaves
+    tokens: int | None  # tokens per step, for the metrics
+    vocab: int | None  # token ids below it (checked in data.path's examples)
+
+
+def _sliced(make: Callable[[int], Iterator[dict]], ctx, global_batch: int) -> Iterator[dict]:
+    """This input pipeline's rows of the global batches ``make(global_batch)`` yields: the data
+    does not depend on how many processes read it (a job resized by the launcher sees the same
+    batches)."""
+    per = ctx.per_pipeline_batch_size(global_batch)
+    lo = ctx.input_pipeline_id * per
+    for batch in make(global_batch):
+        yield {k: v[lo : lo + per] for k, v in batch.items()}
+
+
+def _first(input_fn: Callable) -> dict:
+    """``input_fn``'s first global batch (one input pipeline)."""
+    batches = input_fn(rp.InputContext())
+    first = next(iter(batches))
+    if hasattr(batches, "close"):
+        batches.close()
+    return first
+
+
+def _first_batch(input_fn: Callable) -> Callable[[], dict]:
+    """The shapes of ``input_fn``'s first global batch, generated when called."""
+    return lambda: jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), _first(input_fn)
+    )

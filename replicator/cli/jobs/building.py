@@ -1,0 +1,134 @@
+"""A config's job built: the `rp.Replicator` of its mesh, its step (with the learning rate and
+the optional EMA kept in the state), its state and its data (`build`); or the same from shapes,
+allocating nothing (`abstract_job`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+import replicator as rp
+from replicator.cli import data as data_lib
+from replicator.cli import optimizers
+from replicator.cli.config import MODEL_KINDS, TrainConfig
+from replicator.cli.jobs.base import _first
+from replicator.cli.jobs.cnn_job import _cnn
+from replicator.cli.jobs.gpt_job import _gpt
+from replicator.cli.jobs.mlp_job import _mlp
+from replicator.cli.jobs.own_job import own_model
+
+
+def _builtin(config: TrainConfig):
+    """The built-in job function of ``config.model.kind`` (`_gpt`, `_mlp`, `_cnn`), or None."""
+    return {"gpt": _gpt, "mlp": _mlp, "cnn": _cnn}.get(config.model.kind)
+
+
+def _tx_maker(config: TrainConfig) -> Callable:
+    def make_tx(params):  # the weight-decay mask is decided from the whole parameters' shapes
+        return optimizers.make_optimizer(config.optimizer, steps=config.steps, params=params)[0]
+
+    return make_tx
+
+
+def build(config: TrainConfig):
+    """The job a config describes: ``(repl, step_fn, state, input_fn, tokens_per_step)``."""
+    kind = config.model.kind
+    builtin = _builtin(config)
+    own = None if builtin else own_model(kind)  # imports first
+    repl = rp.Replicator(mesh_shape=dict(config.mesh))
+    make_tx = _tx_maker(config)
+    if builtin is not None:
+        job = builtin(config, repl, make_tx)
+        input_fn = _own_data(config, job.input_fn, vocab=job.vocab)  # checked before the state
+        step_fn, state, tokens = job.step_fn, job.init(), job.tokens
+    else:  # its parameters are not known before it runs: the mask is decided on them
+        step_fn, state, input_fn, tokens = own(config, repl, make_tx(None))
+    step_fn, state = _rate_and_ema(repl, step_fn, state, config, make=lambda init: init())
+    return repl, step_fn, state, input_fn, tokens
+
+
+def abstract_job(config: TrainConfig, *, devices: list | None = None):
+    """The job a config describes, built from shapes: ``(repl, step_fn, state, batch)``.
+
+    The same code as `build` (the job's one init function runs under ``repl.abstract``), so
+    nothing is allocated and no data is read: a model too big for this machine can be planned
+    with ``repl.explain(step_fn, state, batch)``, whose report equals that of `build`'s state.
+    The mesh must fit ``jax.devices()`` (emulate CPU devices before JAX starts, as `explain`
+    does).
+
+    Args:
+      config: a built-in model kind's config.
+      devices: the mesh's devices (default ``jax.devices()``), e.g. a TPU target's
+        (``rp.tpu_devices("v5p-16")``) to compile for it on any machine.
+
+    Returns:
+      ``state`` is `build`'s state (with its ``"step"`` and ``"ema"`` entries) as
+      ``jax.ShapeDtypeStruct`` leaves with their shardings, and ``batch`` the global batch as
+      ``jax.ShapeDtypeStruct`` leaves (the built-in data's shapes, which ``data.path``'s
+      examples must have).
+
+    Raises:
+      ValueError: for your own ``module:function`` job (it builds its state itself), or what
+        `build` refuses of the mesh and the model.
+    """
+    builtin = _builtin(config)
+    if builtin is None:
+        raise ValueError(
+            f"abstract_job: model.kind={config.model.kind!r} is your own job, which builds its "
+            f"state itself; only the built-in kinds ({', '.join(map(repr, MODEL_KINDS))}) "
+            f"build from shapes. Use jobs.explain(config), which builds the state."
+        )
+    repl = rp.Replicator(mesh_shape=dict(config.mesh), devices=devices)
+    job = builtin(config, repl, _tx_maker(config))
+    state = repl.abstract(job.init)
+    step_fn, state = _rate_and_ema(repl, job.step_fn, state, config, make=repl.abstract)
+    return repl, step_fn, state, job.batch()
+
+
+def _rate_and_ema(repl, step_fn, state, config: TrainConfig, *, make: Callable):
+    """``step_fn`` that also returns the step's learning rate as the ``learning_rate`` metric,
+    from a step counter kept in the state (``state["step"]``, saved with it), and with
+    ``ema_decay`` keeps ``state["ema"] = d * ema + (1 - d) * params`` after each update (element
+    by element: exact under ZeRO, sharded as the parameters are, and checkpointed).
+
+    ``state`` is the job's, as arrays or as shapes; ``make`` builds the added state the same
+    way: ``make(init)`` calls ``init``, or is ``repl.abstract``."""
+    schedule = optimizers.schedule_fn(config.optimizer, steps=config.steps)
+    ema_decay = config.optimizer.ema_decay
+    if ema_decay is not None and not (isinstance(state, dict) and "params" in state):
+        raise ValueError(
+            "optimizer.ema_decay: the job's state has no 'params' entry to average; return a "
+            "state dict with the parameters under 'params', or drop ema_decay."
+        )
+
+    def with_rate(full, batch):
+        inner, metrics = step_fn(full["job"], batch)
+        new = {"job": inner, "step": full["step"] + 1}
+        if ema_decay is not None:
+            new["ema"] = jax.tree.map(
+                lambda e, p: ema_decay * e + (1 - ema_decay) * p, full["ema"], inner["params"]
+            )
+        return new, {**metrics, "learning_rate": schedule(full["step"])}
+
+    full = {"job": state, "step": make(lambda: repl.replicate(jnp.zeros((), jnp.int32)))}
+    if ema_decay is not None:  # a copy of the parameters, with their shardings (or shapes)
+        full["ema"] = jax.tree.map(_copy, state["params"])
+    return with_rate, full
+
+
+def _copy(x):
+    return x if isinstance(x, jax.ShapeDtypeStruct) else jnp.copy(x)
+
+
+def _own_data(config: TrainConfig, builtin, *, vocab: int | None = None):
+    """``builtin`` (the kind's own data), or the examples of ``config.data.path``, checked
+    against a batch of the built-in data and served resumably (`replicator.cli.data`)."""
+    if config.data.path is None:
+        return builtin
+    found = data_lib.examples(config.data, kind=config.model.kind, seq_len=config.model.seq_len)
+    like = _first(builtin)
+    data_lib.check(found, like, path=config.data.path, global_batch=config.global_batch,
+                   vocab=vocab, init_from=config.init_from)  # fmt: skip
+    return data_lib.input_fn(found, config.data, config.global_batch)

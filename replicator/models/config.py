@@ -1,0 +1,242 @@
+"""The decoder's options: `GPTConfig` (every family, GPT-2, Llama, Mixtral, is one) and
+`RopeScaling`, with their checks."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax.numpy as jnp
+
+from replicator import moe
+from replicator._src.core.errors import positive_int
+from replicator._src.layers import attention as attention_lib
+from replicator._src.pipeline.residuals import as_remat
+
+NORMS = ("layer", "rms")
+POSITIONS = ("learned", "rope")
+MLPS = ("gelu", "swiglu")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3's rescaled rotary frequencies (``rope_type="llama3"``, transformers'
+    ``rope_scaling``): wavelengths longer than ``original_max_position_embeddings /
+    low_freq_factor`` are stretched by ``factor``, those shorter than ``... / high_freq_factor``
+    kept, and those between interpolated smoothly. Frozen, so that `GPTConfig` stays hashable.
+
+    >>> RopeScaling(factor=8.0).rope_type
+    'llama3'
+    """
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    rope_type: str = "llama3"
+
+    def __post_init__(self) -> None:
+        if self.rope_type != "llama3":
+            raise ValueError(
+                f"RopeScaling: rope_type={self.rope_type!r}; only 'llama3' is implemented (use "
+                f"rope_scaling=None for plain rotary positions)."
+            )
+        if not self.high_freq_factor > self.low_freq_factor > 0 or self.factor <= 0:
+            raise ValueError(
+                f"RopeScaling: needs factor > 0 and high_freq_factor > low_freq_factor > 0; got "
+                f"factor={self.factor}, low_freq_factor={self.low_freq_factor}, "
+                f"high_freq_factor={self.high_freq_factor}."
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """Sizes of the decoder. ``d_ff`` defaults to ``4 * d_model``; ``dtype`` is the compute
+    dtype (parameters stay fp32, and the head's logits and loss are fp32); ``remat`` is what each
+    block of `blocks` keeps for the backward pass: ``"none"`` (``False``) all its activations,
+    ``"full"`` (``True``) its input only, recomputing the block, ``"dots"`` the outputs of its
+    linear layers, recomputing attention's scores and the element-wise rest (the same numbers,
+    less memory, more FLOPs). Pipelines take their own ``remat`` (`pipeline_value_and_grad`).
+    ``attention`` is how attention runs over a ``context`` axis (`replicator.attention`:
+    ``"ring"``, ``"all_to_all"``), or ``"dot_product"``: ``jax.nn.dot_product_attention``
+    (cuDNN's fused kernel where XLA picks it, key/value heads grouped without copies), for
+    meshes without a ``context`` axis, or ``"splash"``: the TPU's splash-attention kernel
+    (Pallas; the scores never reach HBM; interpreted off a TPU), for meshes without a
+    ``context`` axis (`replicator._src.layers.splash`). On a TPU, ``"ring"``, ``"all_to_all"``
+    and one device's attention run the same kernel (`replicator._src.layers.kernels`).
+
+    The architecture (defaults: GPT-2's; `replicator.models.llama.config` sets Llama's):
+
+    * ``norm``: ``"layer"`` (LayerNorm) or ``"rms"`` (RMSNorm, ``x * rsqrt(mean(x^2) + eps) *
+      scale``, no bias), both computed in fp32, with ``norm_eps``;
+    * ``position``: ``"learned"`` (a ``[seq_len, d_model]`` table added to the token embeddings)
+      or ``"rope"`` (rotary positions applied to each head's queries and keys, as transformers'
+      Llama does: the two halves of a head rotated, frequencies ``rope_theta ** (-2i / head_dim)``,
+      rescaled by ``rope_scaling``, a `RopeScaling`, or not with None);
+    * ``mlp``: ``"gelu"`` (``down(gelu(up(x)))``) or ``"swiglu"`` (``down(silu(gate(x)) * up(x))``),
+      for the experts of a mixture too (Mixtral's experts are SwiGLU MLPs without biases);
+    * ``num_kv_heads``: None keeps GPT-2's fused ``qkv`` matrix (as many key/value heads as
+      query heads); a number (a divisor of ``num_heads``; equal to it for multi-head attention)
+      gives separate ``q``, ``k`` and ``v`` matrices and grouped-query attention, query head
+      ``h`` attending with key/value head ``h // (num_heads / num_kv_heads)``;
+    * ``bias``: biases in the linear layers and LayerNorms (RMSNorm has none);
+    * ``qkv_bias``: biases on the query, key and value projections (``qkv``, or ``q``, ``k``
+      and ``v``) even without ``bias``: Qwen2's attention;
+    * ``tie_embeddings``: the output matrix is the token table, transposed (the head has no
+      ``"w"``; `output_head` gives it).
+
+    ``reduce_dtype`` is the dtype ZeRO-3 gathers the stored parameters in and reduce-scatters
+    their gradients in (FSDP2's ``reduce_dtype``): None (the default) gathers them and sums the
+    gradients over the replicas in the parameters' own dtype (fp32), as one device sums them;
+    the compute ``dtype`` (``"bfloat16"``) casts each replica's part before the gather, so that
+    the gradients of the bf16 weights are summed in bf16, as MaxText's FSDP sums them: half the
+    gradient bytes on the wire and in HBM, and each gradient rounded to bf16 once more. It
+    changes nothing without ZeRO-3.
+
+    ``scan_layers`` runs the blocks as one ``lax.scan`` (compiled once, whatever the depth);
+    False unrolls it, one copy of the block per layer in the program (MaxText's
+    ``scan_layers=false``: longer to compile, the same numbers, and a program whose cost XLA's
+    ``cost_analysis`` reads whole, where it counts a loop's body once).
+
+    >>> llama_like = GPTConfig(d_model=32, num_heads=4, num_kv_heads=2, norm="rms",
+    ...                        position="rope", mlp="swiglu", bias=False)
+    >>> llama_like.head_dim, llama_like.kv_heads
+    (8, 2)
+    """
+
+    vocab_size: int = 256
+    seq_len: int = 64
+    d_model: int = 64
+    num_heads: int = 4
+    num_layers: int = 4
+    d_ff: int | None = None
+    dtype: Any = jnp.float32
+    remat: bool | str = False
+    attention: str = "ring"
+    zigzag: bool = True
+    num_experts: int = 0
+    moe_every: int = 1
+    top_k: int = 1
+    capacity_factor: float | None = 1.25
+    aux_weight: float = 0.01
+    norm: str = "layer"
+    norm_eps: float = 1e-5
+    position: str = "learned"
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    mlp: str = "gelu"
+    num_kv_heads: int | None = None
+    bias: bool = True
+    tie_embeddings: bool = False
+    scan_layers: bool = True
+    reduce_dtype: Any = None
+    qkv_bias: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "seq_len", "d_model", "num_heads", "num_layers", "moe_every"):
+            positive_int(getattr(self, name), api="GPTConfig", name=name)
+        positive_int(self.d_ff, api="GPTConfig", name="d_ff", none=" or None")
+        if self.attention not in (*attention_lib.IMPLS, "dot_product", "splash"):
+            raise ValueError(
+                f"GPTConfig: attention={self.attention!r}; use 'ring' (K/V blocks round the "
+                f"context axis), 'all_to_all' (heads over it, DeepSpeed-Ulysses), "
+                f"'dot_product' (jax.nn.dot_product_attention, without a context axis) or "
+                f"'splash' (the TPU's splash-attention kernel, whole sequences)."
+            )
+        if self.num_experts:
+            self.routing  # noqa: B018 -- validates num_experts, top_k and capacity_factor
+            if self.num_layers % self.moe_every:
+                raise ValueError(
+                    f"GPTConfig: num_layers={self.num_layers} must divide by moe_every="
+                    f"{self.moe_every} (every moe_every-th block is a mixture of experts); use "
+                    f"num_layers={self.moe_every * math.ceil(self.num_layers / self.moe_every)}."
+                )
+        if not isinstance(self.remat, (bool, str)):
+            raise ValueError(
+                f"GPTConfig: remat must be True, False, 'none', 'full' or 'dots'; got "
+                f"{self.remat!r}."
+            )
+        as_remat(self.remat, "GPTConfig")
+        if self.d_model % self.num_heads:
+            raise ValueError(
+                f"GPTConfig: d_model={self.d_model} must divide by num_heads={self.num_heads}; "
+                f"use e.g. d_model={self.num_heads * math.ceil(self.d_model / self.num_heads)}."
+            )
+        _check_architecture(self)
+        if self.reduce_dtype is not None and not _is_reduce_dtype(self.reduce_dtype, self.dtype):
+            raise ValueError(
+                f"GPTConfig: reduce_dtype={self.reduce_dtype!r} with dtype="
+                f"{jnp.dtype(self.dtype).name}; use None (the parameters' own dtype) or the "
+                f"compute dtype: gathering the weights in a narrower dtype than the one they "
+                f"are used in would round them."
+            )
+
+    @property
+    def hidden(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    def has_bias(self, linear: str) -> bool:
+        """Whether the linear layer ``linear`` (``"q"``, ``"out"``, ``"up"``, ...) has a bias."""
+        return self.bias or (self.qkv_bias and linear in ("qkv", "q", "k", "v"))
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: ``num_kv_heads``, or ``num_heads`` when it is None."""
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def routing(self) -> moe.Routing:
+        """The mixture-of-experts blocks' routing (``num_experts > 0``)."""
+        return moe.Routing(
+            num_experts=self.num_experts, top_k=self.top_k, capacity_factor=self.capacity_factor
+        )
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers // self.moe_every if self.num_experts else 0
+
+
+def _is_reduce_dtype(x: Any, compute: Any) -> bool:
+    try:
+        return jnp.dtype(x) in (jnp.dtype(compute), jnp.dtype(jnp.float32))
+    except TypeError:
+        return False
+
+
+def _check_architecture(config: GPTConfig) -> None:
+    """`GPTConfig`'s checks of the architecture's options (norm, positions, MLP, heads)."""
+    for name, allowed in (("norm", NORMS), ("position", POSITIONS), ("mlp", MLPS)):
+        if getattr(config, name) not in allowed:
+            raise ValueError(
+                f"GPTConfig: {name}={getattr(config, name)!r}; use one of "
+                f"{', '.join(map(repr, allowed))}."
+            )
+    if config.num_kv_heads is not None:
+        positive_int(config.num_kv_heads, api="GPTConfig", name="num_kv_heads", none=" or None")
+        if config.num_heads % config.num_kv_heads:
+            raise ValueError(
+                f"GPTConfig: num_heads={config.num_heads} must divide by num_kv_heads="
+                f"{config.num_kv_heads} (each key/value head serves a group of query heads); "
+                f"use num_kv_heads a divisor of {config.num_heads}."
+            )
+    if config.rope_scaling is not None and not isinstance(config.rope_scaling, RopeScaling):
+        raise ValueError(
+            f"GPTConfig: rope_scaling={config.rope_scaling!r}; pass a gpt.RopeScaling (hashable, "
+            f"unlike a dict), e.g. rope_scaling=gpt.RopeScaling(factor=8.0, low_freq_factor=1.0, "
+            f"high_freq_factor=4.0, original_max_position_embeddings=8192), or None."
+        )
+    if config.position == "rope" and config.head_dim % 2:
+        raise ValueError(
+            f"GPTConfig: rotary positions rotate the two halves of each head, so head_dim = "
+            f"d_model / num_heads = {config.head_dim} must be even."
+        )
+    if config.position != "rope" and config.rope_scaling is not None:
+        raise ValueError("GPTConfig: rope_scaling applies to position='rope' only.")
+
+
+_DEFAULT = GPTConfig()

@@ -1,0 +1,101 @@
+"""What a model family is to Hugging Face: its ``config.json`` (``model_type``, the
+architecture, transformers' defaults for the keys a file omits, the sizes it requires), the
+names of its tensors, which of the decoder's linear layers have biases, and the `GPTConfig`
+options it maps to.
+
+Every family here is the one decoder of `replicator.models.gpt` with options: Llama's RMSNorm,
+rotary positions, SwiGLU MLP and grouped-query attention, and what a family changes on top
+(Mixtral's experts, Qwen2's query/key/value biases). Adding one is a `Family` in a module of
+its own and a line in `replicator.models.families.FAMILIES`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+ATTENTION = ("q", "k", "v", "out")  # the attention's linear leaves
+MLP = ("gate", "up", "down")  # the SwiGLU MLP's
+QKV = frozenset({"q", "k", "v"})
+
+OUTER_NAMES = {  # (our leaf) -> (transformers' name, transposed), outside the blocks
+    ("embed", "tokens"): ("model.embed_tokens.weight", False),
+    ("head", "norm", "scale"): ("model.norm.weight", False),
+    ("head", "w"): ("lm_head.weight", True),
+}
+LAYER_NAMES = {  # (our block's leaf) -> (transformers' name in layer {i}, transposed)
+    ("ln1", "scale"): ("input_layernorm.weight", False),
+    ("attn", "q"): ("self_attn.q_proj.weight", True),
+    ("attn", "k"): ("self_attn.k_proj.weight", True),
+    ("attn", "v"): ("self_attn.v_proj.weight", True),
+    ("attn", "out"): ("self_attn.o_proj.weight", True),
+    ("ln2", "scale"): ("post_attention_layernorm.weight", False),
+    ("mlp", "gate"): ("mlp.gate_proj.weight", True),
+    ("mlp", "up"): ("mlp.up_proj.weight", True),
+    ("mlp", "down"): ("mlp.down_proj.weight", True),
+}
+BIAS_NAMES = {  # each linear leaf's bias, ``{leaf}_bias`` (``[out]``) -> ``..._proj.bias``
+    (group, f"{leaf}_bias"): (name.removesuffix("weight") + "bias", False)
+    for (group, leaf), (name, transposed) in LAYER_NAMES.items()
+    if transposed
+}
+NO_BIASES: frozenset[str] = frozenset()
+
+
+def biased_names(biases: frozenset[str]) -> dict:
+    """`BIAS_NAMES` of the linear leaves in ``biases`` (e.g. `QKV`)."""
+    return {keys: name for keys, name in BIAS_NAMES.items() if keys[1][:-5] in biases}
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One family's ``config.json`` and names.
+
+    Attributes:
+      model_type: ``config.json``'s ``model_type`` (``"llama"``).
+      architecture: transformers' class (``"LlamaForCausalLM"``), written by ``hf.save``.
+      defaults: transformers' config class's defaults, for keys a ``config.json`` omits.
+      layer_names: each block leaf's tensor, ``(keys) -> (name after model.layers.{i}.,
+        transposed)``, biases included (``{j}`` for an expert's).
+      biases: the linear leaves (`ATTENTION`, `MLP`) with biases in the model a checked
+        ``config.json`` describes.
+      bias_keys: the ``config.json`` keys that give a model those biases, or None where the
+        family has no such model (``hf.save`` tells a family by its tree).
+      options: the `GPTConfig` fields of a ``config.json`` besides the decoder's sizes and
+        rotary positions (biases, experts), given the ``seq_len`` trained at; raises
+        ``ValueError`` for what the decoder does not compute.
+      required: sizes the family requires besides every family's.
+      experts: whether every block is a mixture of experts (``blocks.moe``).
+    """
+
+    model_type: str
+    architecture: str
+    defaults: Mapping[str, Any]
+    layer_names: Mapping[tuple, tuple[str, bool]]
+    biases: Callable[[Mapping[str, Any]], frozenset[str]]
+    bias_keys: Callable[[frozenset[str]], dict | None]
+    options: Callable[[Mapping[str, Any], int], dict]
+    required: tuple[str, ...] = ()
+    experts: bool = False
+
+    @property
+    def name(self) -> str:
+        """``"Llama"``, for messages."""
+        return self.architecture.removesuffix("ForCausalLM")
+
+
+def refuse(what: str) -> ValueError:
+    """A refusal of ``llama.from_hf_config``, whose options the families' ``options`` are."""
+    return ValueError(f"llama.from_hf_config: {what}")
+
+
+def check_window(hf: Mapping[str, Any], seq_len: int) -> None:
+    """Refuses a sliding window shorter than ``seq_len`` (the decoder attends causally over
+    the whole sequence, which a window at least as long as it computes exactly)."""
+    window = hf.get("sliding_window")
+    if window is not None and window < seq_len:
+        raise refuse(
+            f"sliding_window={window} is shorter than seq_len={seq_len}; the GPT's attention is "
+            f"causal over the whole sequence. Train with seq_len <= {window}."
+        )

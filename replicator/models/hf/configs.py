@@ -1,0 +1,231 @@
+"""A checkpoint's ``config.json``: read and checked to be of a family
+(`replicator.models.families`), with the family's defaults filled in, and the parameter tree
+it describes (`shapes`, and `abstract` with shardings)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from replicator._src.core import leaf_specs
+from replicator.models import families
+from replicator.models.families import FAMILIES
+from replicator.models.hf import checks, files
+
+PyTree = Any
+
+REQUIRED = (  # every family's sizes
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_hidden_layers",
+)
+_REPLICATED = P()
+
+
+def read_config(directory: str | os.PathLike) -> dict:
+    """The checkpoint's ``config.json``, checked to be of a family (a Llama, a Mixtral or a
+    Qwen2: `replicator.models.families`), with its family's defaults filled in (transformers'
+    ``LlamaConfig``'s, ``MixtralConfig``'s or ``Qwen2Config``'s):
+    ``num_key_value_heads``, ``head_dim``, ``tie_word_embeddings``, ``rms_norm_eps``,
+    ``rope_theta``, ``rope_scaling`` and ``max_position_embeddings`` are always there
+    (``rope_theta`` and ``rope_scaling`` taken from a newer file's ``rope_parameters`` too); so
+    are ``attention_bias`` and ``mlp_bias`` for a Llama, and ``sliding_window``,
+    ``router_aux_loss_coef``, ``output_router_logits`` and ``router_jitter_noise`` for a
+    Mixtral, whose ``num_local_experts`` and ``num_experts_per_tok`` are required, and
+    ``use_sliding_window`` and ``sliding_window`` for a Qwen2.
+
+    >>> import json, pathlib, tempfile
+    >>> from replicator.models import hf
+    >>> directory = pathlib.Path(tempfile.mkdtemp())
+    >>> _ = (directory / "config.json").write_text(json.dumps({"model_type": "llama",
+    ...     "vocab_size": 16, "hidden_size": 8, "intermediate_size": 12,
+    ...     "num_attention_heads": 2, "num_hidden_layers": 2}))
+    >>> config = hf.read_config(directory)
+    >>> config["num_key_value_heads"], config["head_dim"], config["rope_theta"]
+    (2, 4, 10000.0)
+
+    When the directory holds weights (``*.safetensors`` files, or an index), they are checked
+    against the config, from the files' headers only: every tensor the config describes is
+    there with its shape, and no other.
+
+    Raises:
+      FileNotFoundError: if ``directory`` has no ``config.json``.
+      ValueError: for a model of no family (``model_type`` not ``"llama"``, ``"mixtral"`` or
+        ``"qwen2"``), an activation other than SiLU, a missing size or a value of the wrong
+        type or range, a ``config.json``, index or safetensors header that is not JSON, a
+        truncated file, or weights the config does not describe (naming file, key or tensor).
+    """
+    directory = pathlib.Path(directory)
+    config = config_file(directory, "hf.read_config")
+    weights = [*directory.glob("*.safetensors"), *directory.glob("model.safetensors.index.json")]
+    if weights:
+        tensors = files.tensors(directory, "hf.read_config")
+        checks.check_weights(config, tensors, tuple(files.DTYPES), "hf.read_config", directory)
+    return config
+
+
+def config_file(directory: pathlib.Path, api: str) -> dict:
+    """``directory``'s ``config.json``, checked as `read_config` says (without the weights)."""
+    path = directory / "config.json"
+    if not path.is_file():
+        what = f"{directory} is a file, not a directory" if directory.is_file() else ""
+        what = what or f"{path if directory.is_dir() else directory} does not exist"
+        raise FileNotFoundError(
+            f"{api}: {what}; a Hugging Face checkpoint is a directory with config.json next to "
+            f"its *.safetensors files (save_pretrained writes both)."
+        )
+    fix = "repair it, or use the config.json saved with the model (save_pretrained writes it)"
+    config = checks.read_json(path, api, fix)
+    if not isinstance(config, dict):
+        raise ValueError(
+            f"{api}: {path} holds {checks.json_kind(config) or 'a number'}, not a JSON object "
+            f'of settings such as {{"model_type": "llama", "hidden_size": 4096, ...}}; {fix}.'
+        )
+    return checked(config, f"{api}: {path}")
+
+
+def checked(config: dict, where: str) -> dict:
+    """``config`` checked to be of a family we can hold, with the family's defaults filled in."""
+    kind = config.get("model_type")
+    if not isinstance(kind, str) or kind not in FAMILIES:
+        extra = {
+            "mistral": " (Llama's layout with sliding-window attention, not supported yet)",
+        }.get(kind if isinstance(kind, str) else "", "")
+        raise ValueError(
+            f"{where}: model_type={kind!r}{extra}; only {families.names()} checkpoints map onto "
+            f"replicator's parameters. Use one of those, or set model_type to 'llama' if the "
+            f"model truly is one."
+        )
+    family = FAMILIES[kind]
+    required = REQUIRED + family.required
+    missing = [k for k in required if config.get(k) is None]
+    if missing:
+        what = f"model_type={kind!r} (a mixture of experts), but the config" * family.experts
+        raise ValueError(
+            f"{where}: {what or 'the config'} lacks {', '.join(missing)}; a {family.name} "
+            f"config.json gives every size ({', '.join(required)})."
+        )
+    if config.get("hidden_act", "silu") != "silu":
+        raise ValueError(
+            f"{where}: hidden_act={config['hidden_act']!r}; the Llama MLP here is SiLU-gated "
+            f"(hidden_act 'silu')."
+        )
+    checks.check_config(config, where, required)
+    defaults = family.defaults
+    out = {k: v for k, v in config.items() if v is not None or k == "rope_scaling"}
+    kv_heads = config.get("num_key_value_heads", defaults.get("num_key_value_heads"))
+    out["num_key_value_heads"] = kv_heads or config["num_attention_heads"]  # null: as many as q
+    out.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    rope = dict(config.get("rope_parameters") or {})
+    if "rope_theta" in rope:
+        out.setdefault("rope_theta", rope.pop("rope_theta"))
+    if out.get("rope_scaling") is None and rope.get("rope_type", "default") != "default":
+        out["rope_scaling"] = rope
+    if "dtype" in config and "torch_dtype" not in config:
+        out["torch_dtype"] = config["dtype"]
+    return defaults | out
+
+
+def shapes(config: dict, *, dtype: Any = jnp.float32) -> dict:
+    """The parameter tree of a ``config`` (a ``config.json`` dict of a family) as
+    ``jax.ShapeDtypeStruct`` leaves without shardings (`abstract` adds them).
+
+    >>> from replicator.models import hf
+    >>> tree = hf.shapes({"model_type": "llama", "vocab_size": 16, "hidden_size": 8,
+    ...     "intermediate_size": 12, "num_attention_heads": 2, "num_key_value_heads": 1,
+    ...     "num_hidden_layers": 3})
+    >>> tree["blocks"]["attn"]["k"].shape, tree["head"]["w"].shape
+    ((3, 8, 4), (8, 16))
+    >>> tree = hf.shapes({"model_type": "mixtral", "vocab_size": 16, "hidden_size": 8,
+    ...     "intermediate_size": 12, "num_attention_heads": 2, "num_key_value_heads": 1,
+    ...     "num_hidden_layers": 3, "num_local_experts": 4, "num_experts_per_tok": 2})
+    >>> tree["blocks"]["moe"]["moe"]["gate"].shape, tree["blocks"]["moe"]["moe"]["router"].shape
+    ((3, 4, 8, 12), (3, 8, 4))
+    >>> tree = hf.shapes({"model_type": "qwen2", "vocab_size": 16, "hidden_size": 8,
+    ...     "intermediate_size": 12, "num_attention_heads": 2, "num_key_value_heads": 1,
+    ...     "num_hidden_layers": 3})
+    >>> sorted(tree["blocks"]["attn"])
+    ['k', 'k_bias', 'out', 'q', 'q_bias', 'v', 'v_bias']
+    """
+    c = checked(config, "hf.shapes: config")
+    biases = FAMILIES[c["model_type"]].biases(c)
+    v, d, f, n = c["vocab_size"], c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    s = lambda *shape: jax.ShapeDtypeStruct(shape, dtype)
+
+    def linears(weights: dict) -> dict:  # "{name}_bias" after each with a bias
+        out = {}
+        for name, w in weights.items():
+            bias = name in biases
+            out |= {name: w} | ({f"{name}_bias": s(*w.shape[:1], w.shape[-1])} if bias else {})
+        return out
+
+    attn = {"q": s(n, d, q), "k": s(n, d, kv), "v": s(n, d, kv), "out": s(n, q, d)}
+    head = {"norm": {"scale": s(d)}} | ({} if c["tie_word_embeddings"] else {"w": s(d, v)})
+    if FAMILIES[c["model_type"]].experts:
+        e = c["num_local_experts"]
+        moe = {"router": s(n, d, e), "gate": s(n, e, d, f), "up": s(n, e, d, f)}
+        block = {"ln1": {"scale": s(n, d)}, "attn": attn, "ln2": {"scale": s(n, d)}}
+        block["moe"] = moe | {"down": s(n, e, f, d)}
+        return {"embed": {"tokens": s(v, d)}, "blocks": {"moe": block}, "head": head}
+    mlp = {"gate": s(n, d, f), "up": s(n, d, f), "down": s(n, f, d)}
+    return {
+        "embed": {"tokens": s(v, d)},
+        "blocks": {
+            "ln1": {"scale": s(n, d)},
+            "attn": linears(attn),
+            "ln2": {"scale": s(n, d)},
+            "mlp": linears(mlp),
+        },
+        "head": head,
+    }
+
+
+def abstract(
+    config: dict, mesh: Any, specs: P | PyTree = _REPLICATED, *, dtype: Any = jnp.float32
+) -> dict:
+    """`shapes` with the ``NamedSharding`` on ``mesh`` that ``repl.place(params, specs)``
+    would give each leaf: the ``target`` of `load` for a model placed that way.
+
+    >>> import jax
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from replicator.models import hf
+    >>> config = {"model_type": "llama", "vocab_size": 16, "hidden_size": 8,
+    ...     "intermediate_size": 12, "num_attention_heads": 2, "num_hidden_layers": 2}
+    >>> mesh = jax.make_mesh((1,), ("model",), devices=jax.devices()[:1])
+    >>> columns = P(None, None, "model")           # heads over "model"
+    >>> specs = {"embed": P(), "head": P(), "blocks": {"ln1": P(), "ln2": P(),
+    ...     "attn": {"q": columns, "k": columns, "v": columns, "out": P(None, "model")},
+    ...     "mlp": {"gate": columns, "up": columns, "down": P(None, "model")}}}
+    >>> tree = hf.abstract(config, mesh, specs)
+    >>> tree["blocks"]["attn"]["q"].sharding.spec
+    P(None, None, 'model')
+
+    Args:
+      config: the ``config.json`` dict (`read_config`).
+      mesh: a ``jax.sharding.Mesh`` or a ``Replicator`` (its ``mesh``).
+      specs: one ``PartitionSpec`` for every leaf, or a tree of them that is a prefix of
+        `shapes`' tree, as ``Replicator.place`` takes (e.g. ``gpt.partition_specs(...)``).
+      dtype: the parameters' dtype (the checkpoint's values are cast to it).
+
+    Raises:
+      ValueError: as ``Replicator.place`` does for specs that do not fit the tree or mesh.
+    """
+    mesh = getattr(mesh, "mesh", mesh)
+    tree = shapes(config, dtype=dtype)
+    shardings = leaf_specs.leaf_shardings(mesh, tree, specs, api="hf.abstract")
+    return jax.tree.map(
+        lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+        tree,
+        shardings,
+    )
+
+
+# -- the files -----------------------------------------------------------------------------------

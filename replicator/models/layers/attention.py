@@ -1,0 +1,136 @@
+"""A block's causal self-attention: its parameters (GPT-2's fused ``qkv``, or separate ``q``,
+``k`` and ``v`` for grouped-query attention), the projections, and what attends
+(``GPTConfig.attention``): ``jax.nn.dot_product_attention``, the TPU's splash kernel (heads first
+with separate weights), or `replicator.attention` (ring or all-to-all over ``context``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import replicator as rp
+from replicator._src.layers import attention as attention_lib
+from replicator._src.layers import splash
+from replicator.models.config import GPTConfig
+from replicator.models.layers.common import _is_stored, _linear, _linears, _normal, _residual
+from replicator.models.layers.norms import _norm
+from replicator.models.layers.rotary import _layout, _positions, _rope
+
+
+def _attn_params(config: GPTConfig, key, out_key, out_std: float) -> dict:
+    d, hd = config.d_model, config.head_dim
+    if config.num_kv_heads is None:  # GPT-2's fused [q | k | v] columns, grouped by head
+        weights = {"qkv": _normal(key, (d, 3 * d))}
+    else:
+        kq, kk, kv = jax.random.split(key, 3)
+        kv_width = config.kv_heads * hd
+        weights = {
+            "q": _normal(kq, (d, config.num_heads * hd)),
+            "k": _normal(kk, (d, kv_width)),
+            "v": _normal(kv, (d, kv_width)),
+        }
+    return _linears(config, weights | {"out": _normal(out_key, (d, d), out_std)})
+
+
+def _qkv(p: dict, x: jax.Array, config: GPTConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Queries ``[B, S, H, hd]``, keys and values ``[B, S, KV, hd]`` of the normalised ``x``."""
+    b, s, _ = x.shape
+    nh, hd = config.num_heads, config.head_dim
+    if config.num_kv_heads is None:
+        qkv = _linear(p, "qkv", x)
+        # Columns grouped by head, [head, (q, k, v), head_dim] (Megatron's order): a contiguous
+        # split of them over devices gives each device whole heads.
+        return jnp.split(qkv.reshape(b, s, nh, 3 * hd), 3, axis=-1)  # no transpose
+    heads = lambda name, n: _linear(p, name, x).reshape(b, s, n, hd)  # head-major columns
+    return heads("q", nh), heads("k", config.kv_heads), heads("v", config.kv_heads)
+
+
+def _attend(p: dict, x: jax.Array, config: GPTConfig) -> jax.Array:
+    """``x`` plus causal self-attention of its norm (``p``: one block, in ``x.dtype``)."""
+    if _heads_first(config):
+        return _attend_heads_first(p, x, config)
+    b, s, d = x.shape
+    q, k, v = _qkv(p["attn"], _norm(p["ln1"], x, config), config)
+    if config.position == "rope":  # by position in the sequence's layout (zigzag or not)
+        positions = _positions(config, s)
+        q, k = _rope(q, k, positions, config)
+    if config.attention == "dot_product":
+        attn = _dot_product_attention(q, k, v)
+    elif config.attention == "splash":
+        attn = splash.splash_attention(q, k, v)
+    else:  # grouped-query attention: K/V travel with their own heads (replicator.attention)
+        layout = _layout(config, s)
+        attn = attention_lib.attention(q, k, v, causal=True, impl=config.attention, layout=layout)
+    return _residual(x, p["attn"], "out", attn.reshape(b, s, d))
+
+
+def _heads_first(config: GPTConfig) -> bool:
+    """Whether the blocks attend with their heads first (`_attend_heads_first`): the splash
+    kernel's layout, for separate query, key and value weights."""
+    return config.attention == "splash" and config.num_kv_heads is not None
+
+
+def _attend_heads_first(p: dict, x: jax.Array, config: GPTConfig) -> jax.Array:
+    """`_attend` in the splash kernel's layout: queries, keys and values projected straight to
+    ``[B, heads, S, head_dim]``, and the output projected back from it, by weights
+    `_weights_heads_first` laid out ``[heads, head_dim, D]``. No activation changes layout on
+    its way to the kernel and back (each would be a copy of it, forward and backward)."""
+    xn, a = _norm(p["ln1"], x, config), p["attn"]
+
+    def project(name: str) -> jax.Array:
+        y = jnp.einsum("bsd,hkd->bhsk", xn, a[name])
+        bias = a.get(f"{name}_bias")
+        return y if bias is None else y + bias.reshape(-1, 1, config.head_dim)
+
+    q, k, v = project("q"), project("k"), project("v")
+    if config.position == "rope":
+        positions = _positions(config, x.shape[1])
+        q, k = _rope(q, k, positions, config, heads_first=True)
+    y = x + jnp.einsum("bhsk,hkd->bsd", splash.splash_attention_heads_first(q, k, v), a["out"])
+    return y + a["out_bias"] if "out_bias" in a else y
+
+
+def _weights_heads_first(attn: dict, config: GPTConfig) -> dict:
+    """The attention's weights for `_attend_heads_first`: ``q``, ``k``, ``v`` (``[D, heads
+    head_dim]``) and ``out`` (``[heads head_dim, D]``), each as ``[heads, head_dim, D]``.
+
+    A ZeRO-3 weight is rearranged as its part, before its gather: the gather then brings it in
+    the layout the TPU's matmuls read, where a gathered weight rearranged would be copied whole.
+    A part split across a head (or over ``model``) is gathered first."""
+    hd = config.head_dim
+    heads = lambda w: w.reshape(*w.shape[:-1], -1, hd)  # [..., X, H hd] -> [..., X, H, hd]
+    moved = {
+        n: _rearranged(attn[n], lambda w: jnp.moveaxis(heads(w), -3, -1), {-2: -1, -1: -3}, hd)
+        for n in ("q", "k", "v")
+    }
+    out = lambda w: w.reshape(*w.shape[:-2], -1, hd, w.shape[-1])
+    moved["out"] = _rearranged(attn["out"], out, {-2: -3, -1: -1}, hd)
+    return {**attn, **moved}
+
+
+def _rearranged(a: Any, f: Callable, dims: dict, head_dim: int) -> Any:
+    """``f`` of a weight ``a``; of a ZeRO-3 weight's part where ``f`` keeps each replica's part
+    its own (``dims``: its split axis, before to after), else of the gathered weight."""
+    if not _is_stored(a):
+        return f(a)
+    if a.dim is None:
+        return rp.ShardedParam(f(a.value), None, a.auto)
+    new_dim = dims.get(a.dim)
+    if a.auto or new_dim is None or (new_dim == -3 and a.value.shape[a.dim] % head_dim):
+        return f(rp.gather_params(a))
+    return rp.ShardedParam(f(a.value), new_dim, a.auto)
+
+
+def _dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """``jax.nn.dot_product_attention``, causal, with fewer key/value heads as they are."""
+    c = attention_lib.context_size()
+    if c > 1:
+        raise ValueError(
+            f"GPTConfig(attention='dot_product') attends over whole sequences, but the mesh "
+            f"splits them over the {c} devices of 'context'; use attention='ring' or "
+            f"'all_to_all' there."
+        )
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True)

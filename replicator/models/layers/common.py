@@ -1,0 +1,80 @@
+"""What the layers share: the linear layers' weights, biases and residual projections, and
+ZeRO-3's stored parts (`rp.ShardedParam`), cast to ``GPTConfig.reduce_dtype``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import replicator as rp
+from replicator._src.core import binding as binding_lib
+from replicator._src.core.mesh import MODEL_AXIS
+from replicator.models.config import GPTConfig
+
+PyTree = Any
+
+
+def _normal(key, shape, std=0.02):
+    return std * jax.random.normal(key, shape, jnp.float32)
+
+
+def _linears(config: GPTConfig, weights: dict) -> dict:
+    """``{name: weight}`` and ``{name}_bias`` zeros after each that has a bias
+    (``config.has_bias``)."""
+    out = {}
+    for name, w in weights.items():
+        out[name] = w
+        if config.has_bias(name):
+            out[f"{name}_bias"] = jnp.zeros(w.shape[-1:], jnp.float32)
+    return out
+
+
+def _linear(p: dict, name: str, x: jax.Array) -> jax.Array:
+    """``x @ p[name]``, plus ``p[name + "_bias"]`` when the layer has one."""
+    y = x @ p[name]
+    return y + p[f"{name}_bias"] if f"{name}_bias" in p else y
+
+
+def _residual(x: jax.Array, p: dict, name: str, h: jax.Array) -> jax.Array:
+    """``x + h @ p[name]`` (plus its bias): a residual branch's output projection."""
+    y = x + h @ p[name]
+    return y + p[f"{name}_bias"] if f"{name}_bias" in p else y
+
+
+def _is_stored(x: Any) -> bool:
+    return isinstance(x, rp.ShardedParam)
+
+
+def _reduce_cast(params: PyTree, config: GPTConfig) -> PyTree:
+    """``params`` with their ZeRO-3 parts (`rp.ShardedParam`) cast to ``config.reduce_dtype``.
+
+    Raises:
+      ValueError: for bf16 parts in a program for XLA:CPU with a ``model`` axis, whose compiler
+        aborts on it (its AllReducePromotion pass clones a bf16 all-reduce whose reducer is a
+        copy, for the parts kept whole over ``model``, such as the norms'). The TPU compiles it.
+    """
+    if config.reduce_dtype is None:
+        return params
+    dtype = jnp.dtype(config.reduce_dtype)
+    stored = any(_is_stored(a) for a in jax.tree.leaves(params, is_leaf=_is_stored))
+    if stored and dtype != jnp.float32 and _xla_cpu_with(MODEL_AXIS):
+        raise ValueError(
+            f"GPTConfig(reduce_dtype={config.reduce_dtype!r}) under ZeRO-3 with a "
+            f"{MODEL_AXIS!r} axis aborts XLA:CPU's compiler; on the CPU use reduce_dtype=None "
+            f"(model.reduce_dtype: null: the gradients summed in fp32, as on one device) or a "
+            f"mesh without {MODEL_AXIS!r}. A TPU compiles it: `replicator explain CONFIG "
+            f"--target TYPE` reads that program from here."
+        )
+    cast = lambda a: rp.ShardedParam(a.value.astype(dtype), a.dim, a.auto) if _is_stored(a) else a
+    return jax.tree.map(cast, params, is_leaf=_is_stored)
+
+
+def _xla_cpu_with(*axes: str) -> bool:
+    """Whether the program being traced is for XLA:CPU (not a TPU target's devices on a CPU
+    host) on a mesh where each of ``axes`` has more than one device."""
+    platform = binding_lib.current_binding().platform or jax.default_backend()
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = {} if mesh.empty else dict(mesh.shape)
+    return platform == "cpu" and all(sizes.get(axis, 1) > 1 for axis in axes)

@@ -1,0 +1,34 @@
+"""The norms (``GPTConfig.norm``): LayerNorm and RMSNorm, their parameters and their apply, in
+fp32."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from replicator.models.config import GPTConfig
+
+
+def _norm_has_bias(config: GPTConfig) -> bool:
+    return config.norm == "layer" and config.bias
+
+
+def _norm_params(config: GPTConfig) -> dict:
+    d = config.d_model
+    if not _norm_has_bias(config):
+        return {"scale": jnp.ones((d,), jnp.float32)}
+    return {"scale": jnp.ones((d,), jnp.float32), "bias": jnp.zeros((d,), jnp.float32)}
+
+
+def _norm(p: dict, x: jax.Array, config: GPTConfig) -> jax.Array:
+    """LayerNorm or RMSNorm (``config.norm``) of the last axis, in fp32, back in ``x.dtype``."""
+    x32 = x.astype(jnp.float32)
+    if config.norm == "rms":
+        ms = jnp.mean(x32 * x32, -1, keepdims=True)
+        return (x32 * jax.lax.rsqrt(ms + config.norm_eps) * p["scale"]).astype(x.dtype)
+    mean = x32.mean(-1, keepdims=True)
+    var = jnp.mean((x32 - mean) ** 2, -1, keepdims=True)
+    y = (x32 - mean) * jax.lax.rsqrt(var + config.norm_eps) * p["scale"]
+    if "bias" in p:
+        y = y + p["bias"]
+    return y.astype(x.dtype)

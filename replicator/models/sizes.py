@@ -1,0 +1,58 @@
+"""What the decoder weighs and costs: `num_params`, `model_shape` (the sizes `rp.plan` prices a
+layout from) and `flops_per_token`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import replicator as rp
+from replicator.models.config import GPTConfig
+
+PyTree = Any
+
+
+def num_params(params: PyTree) -> int:
+    return int(sum(np.prod(np.shape(a)) for a in jax.tree.leaves(params)))
+
+
+def model_shape(config: GPTConfig, global_batch: int, opt_slots: int = 2):
+    """The sizes `rp.plan` prices a layout of this model's training step from
+    (`rp.ModelShape`): ``global_batch`` sequences a step, ``opt_slots`` fp32 copies of the
+    parameters in the optimizer's state (Adam's 2).
+
+    >>> model_shape(GPTConfig(d_model=64, num_layers=4, seq_len=64), 32).num_params
+    236928
+    """
+    return rp.ModelShape(
+        num_layers=config.num_layers, d_model=config.d_model, num_heads=config.num_heads,
+        kv_heads=config.kv_heads, head_dim=config.head_dim, hidden=config.hidden,
+        vocab=config.vocab_size, seq_len=config.seq_len, global_batch=global_batch,
+        gated=config.mlp == "swiglu", bias=config.bias, layer_norm=config.norm == "layer",
+        learned_positions=config.position == "learned", tied=config.tie_embeddings,
+        compute_bytes=jnp.dtype(config.dtype).itemsize, opt_slots=opt_slots,
+        attention=kernel if (kernel := config.attention) in ("dot_product", "splash")
+        else "blockwise", experts=config.num_experts, top_k=config.top_k,
+        capacity_factor=config.capacity_factor, moe_every=config.moe_every,
+    )  # fmt: skip
+
+
+def flops_per_token(config: GPTConfig) -> float:
+    """Training FLOPs per token, ``6 N + 6 L S D`` (Kaplan et al.): N non-embedding parameters
+    a token uses (``L (2 D^2 + 2 D KV hd + 2 D F)``, ``3 D F`` for SwiGLU; a mixture's layer: its
+    router's ``D E`` and ``top_k`` experts' MLPs, the active parameters, as MaxText and
+    Megatron count them), plus the ``D V`` head, tied or not, and attention over ``S``
+    positions.
+
+    >>> flops_per_token(GPTConfig(d_model=64, num_layers=4, seq_len=64, vocab_size=256))
+    1376256.0
+    """
+    d, f, n_layers = config.d_model, config.hidden, config.num_layers
+    attn = 2 * d * d + 2 * d * config.kv_heads * config.head_dim
+    mlp = (3 if config.mlp == "swiglu" else 2) * d * f
+    moe = config.num_moe_layers * ((config.top_k - 1) * mlp + d * config.num_experts)
+    n = n_layers * (attn + mlp) + moe + d * config.vocab_size
+    return float(6 * n + 6 * n_layers * config.seq_len * d)
