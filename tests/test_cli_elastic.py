@@ -35,7 +35,7 @@ def test_a_shrunk_job_keeps_its_global_batch_in_more_micro_batches():
 def test_the_built_in_data_are_the_same_global_batches_on_any_number_of_processes(kind):
     model = {"kind": kind, **({"seq_len": 16} if kind == "gpt" else {})}
     config = from_dict(TrainConfig, {"model": model})
-    job = building._builtin(config)(config, rp.Replicator(), building._tx_maker(config))
+    job = building.builtin_job(config)(config, rp.Replicator(), building._tx_maker(config))
 
     def first(n):  # the first global batch, as n processes read it
         parts = []

@@ -23,7 +23,7 @@ from replicator import pipeline
 from replicator.cli import config as config_lib
 from replicator.cli import jobs
 from replicator.cli.config import ModelConfig, PipelineConfig, TrainConfig
-from replicator.cli.jobs.gpt_job import _schedule
+from replicator.cli.jobs.gpt_job import pipeline_schedule
 from replicator.cli.optimizers import OptimizerConfig
 from replicator.models import gpt
 
@@ -176,7 +176,7 @@ def test_the_config_takes_interleaved_1f1b_with_its_repeats():
     config keys) or the layers do not split into K x V stages."""
     keys = ["pipeline.schedule=interleaved", "model.layers=16", "pipeline.microbatches=8"]
     config = config_lib.load(PIPE, [*keys, "pipeline.repeats=4"])
-    assert _schedule(config) == pipeline.Interleaved1F1B(repeats=4)
+    assert pipeline_schedule(config) == pipeline.Interleaved1F1B(repeats=4)
     _, _, state, _ = jobs.abstract_job(config)
     assert state["job"]["params"]["stages"]["attn"]["qkv"].shape == (4, 4, 1, 64, 192)
     with pytest.raises(

@@ -43,8 +43,12 @@ def test_model_shape_counts_the_gpts_parameters():
     assert SHAPE.num_params == sum(a.size for a in jax.tree.leaves(params))
     from replicator.cli import jobs
 
-    for name in ("gpt_moe", "mixtral_tiny", "llama_tiny"):  # experts, SwiGLU, GQA, RMSNorm
-        config = jobs.gpt_config(config_lib.load(ROOT / f"configs/{name}.yaml"))
+    configs = {  # experts, SwiGLU, GQA, RMSNorm
+        name: jobs.gpt_config(config_lib.load(ROOT / f"configs/{name}.yaml"))
+        for name in ("gpt_moe", "mixtral_tiny", "llama_tiny")
+    }
+    configs["qwen2"] = dataclasses.replace(configs["llama_tiny"], qkv_bias=True)
+    for name, config in configs.items():
         params = jax.eval_shape(lambda c=config: gpt.init(c, jax.random.key(0)))
         shape = gpt.model_shape(config, 32)
         assert shape.num_params == sum(a.size for a in jax.tree.leaves(params)), name

@@ -7,32 +7,32 @@ import difflib
 import math
 
 
-def _where(obj) -> str:
+def where_of(obj) -> str:
     return f"{type(obj).__name__}: "  # from_dict puts the file and the section in its place
 
 
-def _at_least(obj, name: str, low: int) -> None:
+def at_least(obj, name: str, low: int) -> None:
     value = getattr(obj, name)
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{_where(obj)}{name} must be an int >= {low}; got {value!r}.")
+        raise ValueError(f"{where_of(obj)}{name} must be an int >= {low}; got {value!r}.")
 
 
-def _one_of(obj, name: str, valid: tuple[str, ...], *, what: str) -> None:
+def one_of(obj, name: str, valid: tuple[str, ...], *, what: str) -> None:
     value = getattr(obj, name)
     if value not in valid:
         raise ValueError(
-            f"{_where(obj)}{name}={value!r} is not {what}; use one of "
-            f"{', '.join(map(repr, valid))}.{_did_you_mean(value, valid)}"
+            f"{where_of(obj)}{name}={value!r} is not {what}; use one of "
+            f"{', '.join(map(repr, valid))}.{did_you_mean(value, valid)}"
         )
 
 
-def _did_you_mean(value, valid) -> str:
+def did_you_mean(value, valid) -> str:
     """`` Did you mean 'x'?`` for the closest of ``valid`` to ``value``, or nothing."""
     close = difflib.get_close_matches(str(value), valid, n=1)
     return f" Did you mean {close[0]!r}?" if close else ""
 
 
-def _finite_positive(obj, name: str, *, example: str, none: bool = False) -> None:
+def finite_positive(obj, name: str, *, example: str, none: bool = False) -> None:
     value = getattr(obj, name)
     if (
         isinstance(value, bool)
@@ -41,6 +41,6 @@ def _finite_positive(obj, name: str, *, example: str, none: bool = False) -> Non
     ):
         extra = " or null" if none else ""
         raise ValueError(
-            f"{_where(obj)}{name} must be a finite number > 0{extra}; got {value!r} "
+            f"{where_of(obj)}{name} must be a finite number > 0{extra}; got {value!r} "
             f"(e.g. {example})."
         )

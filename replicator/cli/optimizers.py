@@ -20,7 +20,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from replicator.cli.checks import _at_least, _finite_positive, _one_of, _where
+from replicator.cli.checks import at_least, finite_positive, one_of, where_of
 
 NAMES = ("adam", "adamw", "sgd", "lion", "adafactor")
 SCHEDULES = ("constant", "cosine", "linear")
@@ -45,13 +45,13 @@ class OptimizerConfig:
     ema_decay: float | None = None  # keep ema = d * ema + (1 - d) * params in the state
 
     def __post_init__(self) -> None:
-        where = _where(self)
-        _one_of(self, "name", NAMES, what="an optimizer")
-        _finite_positive(self, "learning_rate", example="learning_rate=3e-3")
-        _one_of(self, "schedule", SCHEDULES, what="a schedule")
-        _at_least(self, "warmup_steps", 0)
+        where = where_of(self)
+        one_of(self, "name", NAMES, what="an optimizer")
+        finite_positive(self, "learning_rate", example="learning_rate=3e-3")
+        one_of(self, "schedule", SCHEDULES, what="a schedule")
+        at_least(self, "warmup_steps", 0)
         if self.decay_steps is not None:
-            _at_least(self, "decay_steps", 1)
+            at_least(self, "decay_steps", 1)
         _in_range(self, "end_factor", 0.0, 1.0, closed=True, example="end_factor=0.1")
         if self.weight_decay is not None:
             _in_range(self, "weight_decay", 0.0, math.inf, example="weight_decay=0.01")
@@ -92,7 +92,7 @@ def _in_range(obj, name: str, low: float, high: float, *, example: str, closed=F
         expected = f"a number >= {low:g}"
     else:
         expected = f"in [{low:g}, {high:g}{']' if closed else ')'}"
-    raise ValueError(f"{_where(obj)}{name} must be {expected}; got {value!r} (e.g. {example}).")
+    raise ValueError(f"{where_of(obj)}{name} must be {expected}; got {value!r} (e.g. {example}).")
 
 
 def schedule_fn(config: OptimizerConfig, *, steps: int) -> Callable:

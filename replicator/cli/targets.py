@@ -85,9 +85,9 @@ def explain(config: TrainConfig, target: rp.Target, *, hints: bool = True, per_l
     does not fit carries the smallest change that does (``report.target.fit_hint``); with
     ``per_layer``, XLA's estimate of a scanned step is read per layer (`_per_layer_xla_seconds`:
     two more compiles)."""
-    from replicator.cli.jobs.building import _builtin
+    from replicator.cli.jobs.building import builtin_job
 
-    if _builtin(config) is None or config.data.path is not None:
+    if builtin_job(config) is None or config.data.path is not None:
         raise ValueError(
             f"--target: model.kind={config.model.kind!r} with data.path builds and reads real "
             f"arrays; a target compiles from shapes only, which the built-in kinds (gpt, llama, "

@@ -47,7 +47,7 @@ class UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def _read(path: str | os.PathLike) -> dict:
+def read_config(path: str | os.PathLike) -> dict:
     """The mapping of the YAML file at ``path``; one-line errors for what is not one."""
     if os.path.isdir(path):
         raise ValueError(
@@ -84,7 +84,7 @@ def _a(name: str) -> str:
     return f"an {name}" if name[:1] in "aeiou" else f"a {name}"
 
 
-def _set(raw: dict, item: str, key: str, value: str) -> None:
+def set_override(raw: dict, item: str, key: str, value: str) -> None:
     """Sets the dotted ``key`` of ``raw`` to the YAML ``value`` of the override ``item``."""
     target = raw
     *parents, leaf = key.split(".")

@@ -239,4 +239,4 @@ def _check_architecture(config: GPTConfig) -> None:
         raise ValueError("GPTConfig: rope_scaling applies to position='rope' only.")
 
 
-_DEFAULT = GPTConfig()
+DEFAULT = GPTConfig()

@@ -19,17 +19,17 @@ from replicator._src.core import sharded_params
 from replicator._src.layers import attention as attention_lib
 from replicator._src.layers import embedding as embedding_lib
 from replicator._src.pipeline.residuals import as_remat, never_gathered
-from replicator.models.config import _DEFAULT, GPTConfig
+from replicator.models.config import DEFAULT, GPTConfig
 from replicator.models.layers.attention import (
-    _attend,
-    _attn_params,
-    _heads_first,
-    _weights_heads_first,
+    attend,
+    attn_params,
+    heads_first,
+    weights_heads_first,
 )
-from replicator.models.layers.common import _is_stored, _reduce_cast
-from replicator.models.layers.experts import _mixture, _moe_params
-from replicator.models.layers.mlp import _mlp, _mlp_params
-from replicator.models.layers.norms import _norm, _norm_params
+from replicator.models.layers.common import is_stored, reduce_cast
+from replicator.models.layers.experts import mixture, moe_params
+from replicator.models.layers.mlp import mlp, mlp_params
+from replicator.models.layers.norms import norm, norm_params
 from replicator.models.layers.rotary import sequence_order
 
 PyTree = Any
@@ -39,14 +39,14 @@ def _block_params(config: GPTConfig, key, *, experts: bool = False) -> dict:
     k = jax.random.split(key, 4)
     out_std = 0.02 / math.sqrt(2 * config.num_layers)  # GPT-2: scaled residual projections
     params = {
-        "ln1": _norm_params(config),
-        "attn": _attn_params(config, k[0], k[1], out_std),
-        "ln2": _norm_params(config),
+        "ln1": norm_params(config),
+        "attn": attn_params(config, k[0], k[1], out_std),
+        "ln2": norm_params(config),
     }
     if experts:
-        params["moe"] = _moe_params(config, k[2], out_std)
+        params["moe"] = moe_params(config, k[2], out_std)
         return params
-    params["mlp"] = _mlp_params(config, k[2], k[3], out_std)
+    params["mlp"] = mlp_params(config, k[2], k[3], out_std)
     return params
 
 
@@ -95,7 +95,7 @@ def init(config: GPTConfig, key: jax.Array) -> dict:
     embed = {"tokens": 0.02 * jax.random.normal(k_tok, (config.vocab_size, d), jnp.float32)}
     if config.position == "learned":
         embed["positions"] = 0.01 * jax.random.normal(k_pos, (config.seq_len, d), jnp.float32)
-    head = {"norm": _norm_params(config)}
+    head = {"norm": norm_params(config)}
     if not config.tie_embeddings:
         head["w"] = 0.02 * jax.random.normal(k_head, (d, config.vocab_size), jnp.float32)
     return {"embed": embed, "blocks": blocks, "head": head}
@@ -130,15 +130,15 @@ def embed(
 def _gathered(params: dict, config: GPTConfig) -> dict:
     """`rp.gather_params` of ``params``, the stored parts cast to ``config.reduce_dtype`` first
     (so their gradients are reduce-scattered in it) when it is set."""
-    return rp.gather_params(_reduce_cast(params, config))
+    return rp.gather_params(reduce_cast(params, config))
 
 
 def _cast(layer_params: dict, config: GPTConfig) -> dict:
     """One layer's parameters, gathered (`_gathered`), in ``config.dtype``; the attention's in
-    `_weights_heads_first`'s layout when the block attends heads first."""
-    p = _reduce_cast(layer_params, config)
-    if _heads_first(config):
-        p = {**p, "attn": _weights_heads_first(p["attn"], config)}
+    `weights_heads_first`'s layout when the block attends heads first."""
+    p = reduce_cast(layer_params, config)
+    if heads_first(config):
+        p = {**p, "attn": weights_heads_first(p["attn"], config)}
     return jax.tree.map(lambda a: a.astype(config.dtype), rp.gather_params(p))
 
 
@@ -149,16 +149,16 @@ def block(layer_params: dict, x: jax.Array, *, config: GPTConfig) -> jax.Array:
     layer scan, one layer at a time. Over a ``context`` axis the block holds each device's
     chunk of the sequence, and attention is `replicator.attention.attention` (``config.attention``)."""
     p = _cast(layer_params, config)
-    x = _attend(p, attention_lib.constrain_tokens(x.astype(config.dtype)), config)
-    return attention_lib.constrain_tokens(_mlp(p, x, config))
+    x = attend(p, attention_lib.constrain_tokens(x.astype(config.dtype)), config)
+    return attention_lib.constrain_tokens(mlp(p, x, config))
 
 
 def moe_block(layer_params: dict, x: jax.Array, *, config: GPTConfig) -> tuple[jax.Array, Any]:
     """A block whose MLP is a mixture of experts (`replicator.moe.apply`, each sequence one
     routing group): ``(x, stats)``, ``stats`` a `replicator.moe.Stats` of per-sequence values."""
     p = _cast(layer_params, config)
-    x = _attend(p, attention_lib.constrain_tokens(x.astype(config.dtype)), config)
-    x, stats = _mixture(p, x, config)
+    x = attend(p, attention_lib.constrain_tokens(x.astype(config.dtype)), config)
+    x, stats = mixture(p, x, config)
     return attention_lib.constrain_tokens(x), stats
 
 
@@ -188,7 +188,7 @@ def blocks_and_stats(
     # ZeRO-3 parts cast to reduce_dtype once, before the scan: the backward scan then stacks
     # their gradients in that dtype too (half the fp32 stack's bytes for bf16), the same values
     # (the cast's transpose converts each reduce-scattered part exactly)
-    stacked_params = _reduce_cast(stacked_params, config)
+    stacked_params = reduce_cast(stacked_params, config)
     remat = as_remat(config.remat, "GPTConfig")
     if remat.recomputes or _stored_sharded(stacked_params):  # ZeRO-3: gathered again backward
         # in a scan XLA cannot merge the recomputation with the forward; unrolled it could
@@ -213,7 +213,7 @@ def blocks(stacked_params: dict, x: jax.Array, *, config: GPTConfig) -> jax.Arra
 
 
 def _stored_sharded(tree: PyTree) -> bool:
-    return any(map(_is_stored, jax.tree.leaves(tree, is_leaf=_is_stored)))
+    return any(map(is_stored, jax.tree.leaves(tree, is_leaf=is_stored)))
 
 
 def stage_fn(config: GPTConfig) -> Callable[[dict, jax.Array], jax.Array]:
@@ -235,21 +235,21 @@ def output_head(params: dict, *, config: GPTConfig) -> dict:
     """
     if not config.tie_embeddings:
         return params["head"]
-    tokens = rp.gather_params(_reduce_cast(params["embed"]["tokens"], config))
+    tokens = rp.gather_params(reduce_cast(params["embed"]["tokens"], config))
     return {**params["head"], "w": tokens.T}
 
 
 def head_logits(head_params: dict, x: jax.Array, *, config: GPTConfig | None = None) -> jax.Array:
     """Final norm and output matrix: ``[B, S, D]`` to fp32 logits ``[B, S, V]``.
     ``head_params`` is `output_head`'s; ``config`` (default: `GPTConfig`'s) gives the norm."""
-    config = _DEFAULT if config is None else config
+    config = DEFAULT if config is None else config
     head_params = _gathered(head_params, config)
     if "w" not in head_params:
         raise ValueError(
             "gpt.head_logits: the head has no output matrix 'w' (a model with "
             "tie_embeddings=True); pass gpt.output_head(params, config=config)."
         )
-    x = _norm(head_params["norm"], x.astype(jnp.float32), config)
+    x = norm(head_params["norm"], x.astype(jnp.float32), config)
     return x @ head_params["w"]
 
 

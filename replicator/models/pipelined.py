@@ -15,7 +15,7 @@ from replicator import pipeline
 from replicator._src.core.mesh import MODEL_AXIS
 from replicator.models.config import GPTConfig
 from replicator.models.decoder import embed, head_loss, output_head, stage_fn
-from replicator.models.layers.common import _reduce_cast, _xla_cpu_with
+from replicator.models.layers.common import reduce_cast, xla_cpu_with
 from replicator.models.layers.rotary import sequence_order
 
 
@@ -102,7 +102,7 @@ def pipeline_value_and_grad(
         x, embed_vjp = jax.vjp(lambda e: embed(e, tokens, order, wire), params["embed"])
         stages, cast_vjp = params["stages"], lambda g: (g,)
         if scatter_grads == "step":  # the pipeline gathers the parts: in reduce_dtype
-            stages, cast_vjp = jax.vjp(lambda p: _reduce_cast(p, config), stages)
+            stages, cast_vjp = jax.vjp(lambda p: reduce_cast(p, config), stages)
         if not config.tie_embeddings:
             head, head_vjp = jax.vjp(rp.gather_params, params["head"])  # ZeRO-3: gathered once
             loss, (g_stages, g_x, g_head) = grad_fn(stages, x, targets, head)
@@ -125,4 +125,4 @@ def _stage_dtype(config: GPTConfig) -> Any:
     AllReducePromotion pass clones an all-reduce whose reducer is a copy:
     tests/test_gpt_pipeline_dtype.py keeps checking that it still does). There the activations
     travel in fp32, which holds every bf16 value exactly."""
-    return jnp.float32 if _xla_cpu_with("stage", MODEL_AXIS) else config.dtype
+    return jnp.float32 if xla_cpu_with("stage", MODEL_AXIS) else config.dtype

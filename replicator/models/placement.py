@@ -15,8 +15,8 @@ from jax.sharding import PartitionSpec as P
 import replicator as rp
 from replicator import moe, pipeline
 from replicator._src.core.mesh import EXPERT_AXIS, MODEL_AXIS
-from replicator.models.config import _DEFAULT, GPTConfig
-from replicator.models.layers.norms import _norm_has_bias
+from replicator.models.config import DEFAULT, GPTConfig
+from replicator.models.layers.norms import has_bias
 
 
 def _with_biases(config: GPTConfig, weights: dict) -> dict:
@@ -32,7 +32,7 @@ def _with_biases(config: GPTConfig, weights: dict) -> dict:
 
 def _block_axes(config: GPTConfig) -> dict:
     norm = {"scale": ("embed",)}
-    if _norm_has_bias(config):
+    if has_bias(config):
         norm["bias"] = ("embed",)
     if config.num_kv_heads is None:
         attn = {"qkv": ("embed", "heads")}  # columns grouped by head (see `_qkv`)
@@ -68,7 +68,7 @@ def _axes(config: GPTConfig) -> dict:
     return {"embed": embed, "blocks": blocks, "head": head}
 
 
-LOGICAL_AXES: dict = _axes(_DEFAULT)
+LOGICAL_AXES: dict = _axes(DEFAULT)
 """The role of each dimension of each leaf of `init`'s parameters (for the default `GPTConfig`;
 `logical_axes` gives any config's): ``"heads"`` (attention heads, each ``head_dim`` wide),
 ``"kv_heads"`` (key/value heads, with ``num_kv_heads``), ``"mlp"`` (the MLP's hidden units),

@@ -18,6 +18,8 @@ class ModelShape:
       global_batch: sequences per step, over all replicas.
       gated: SwiGLU MLPs (three matrices) rather than two.
       bias: biases in the linear layers.
+      qkv_bias: biases on the query, key and value projections only (Qwen2's), without
+        ``bias``.
       layer_norm: LayerNorm (a scale and a bias) rather than RMSNorm (a scale).
       learned_positions: a ``[seq_len, D]`` position table.
       tied: the head is the token table.
@@ -54,6 +56,7 @@ class ModelShape:
     top_k: int = 1
     capacity_factor: float | None = 1.25
     moe_every: int = 1
+    qkv_bias: bool = False
 
     @property
     def qkv_columns(self) -> int:
@@ -110,6 +113,8 @@ class ModelShape:
         if self.bias:
             split += self.qkv_columns + self.hidden * (2 if self.gated else 1)
             whole += 2 * self.d_model
+        elif self.qkv_bias:
+            split += self.qkv_columns
         return split, whole
 
     @property

@@ -29,6 +29,7 @@ from replicator.cli.config.constants import LLAMA_ONLY as LLAMA_ONLY
 from replicator.cli.config.constants import MAX_CPU_DEVICES as MAX_CPU_DEVICES
 from replicator.cli.config.constants import MAX_STEPS as MAX_STEPS
 from replicator.cli.config.constants import MODEL_KINDS as MODEL_KINDS
+from replicator.cli.config.constants import OWN_KIND as OWN_KIND
 from replicator.cli.config.constants import REMAT_POLICIES as REMAT_POLICIES
 from replicator.cli.config.constants import RING_IN_ONE_COND as RING_IN_ONE_COND
 from replicator.cli.config.constants import SCHEDULES as SCHEDULES

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from replicator.cli.checks import _where
+from replicator.cli.checks import where_of
 from replicator.cli.config.sections import ModelConfig
 
 # model: keys that init_from's config.json sets, and where they come from
@@ -25,12 +25,12 @@ CHECKPOINT_SIZES = {
 }
 
 
-def _checkpoint_model(config) -> ModelConfig:
+def checkpoint_model(config) -> ModelConfig:
     """``config.model`` with the sizes of ``init_from``'s Llama, Mixtral or Qwen2 (kind gpt,
     family llama); a size the config sets to another value than the checkpoint's is refused."""
     from replicator.models import hf
 
-    where = f"{_where(config)}init_from={config.init_from!r}"
+    where = f"{where_of(config)}init_from={config.init_from!r}"
     if not isinstance(config.init_from, str) or not config.init_from:
         raise ValueError(
             f"{where} must be a directory (a Hugging Face Llama, Mixtral or Qwen2 checkpoint)."

@@ -33,6 +33,6 @@ FAMILIES = ("gpt", "llama")
 LLAMA_ONLY = {"kv_heads": None, "rope_theta": 10000.0, "norm_eps": 1e-5, "tie_embeddings": False}
 DATA_AXES = ("dcn_data", "data")  # the replicas: the batch is split over these
 RING_IN_ONE_COND = ("1f1b", "interleaved", "zerobubble")  # schedules that cannot run a ring
-_OWN_KIND = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+OWN_KIND = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved", "zerobubble")
 WANDB_MODES = ("offline", "online", "disabled")

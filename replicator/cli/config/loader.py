@@ -10,10 +10,10 @@ import types
 import typing
 from typing import Any
 
-from replicator.cli.checks import _did_you_mean
+from replicator.cli.checks import did_you_mean
 from replicator.cli.config.checkpoint import CHECKPOINT_SIZES
-from replicator.cli.config.train import TrainConfig, _both_rates
-from replicator.cli.yaml_files import _read, _set
+from replicator.cli.config.train import TrainConfig, both_rates
+from replicator.cli.yaml_files import read_config, set_override
 
 
 def load(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> TrainConfig:
@@ -27,7 +27,7 @@ def load(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> Train
       ValueError: naming an unknown key (with the valid keys), a value of the wrong type or out
         of range (with the valid ones), or a file that is not a YAML mapping.
     """
-    raw = _read(path)
+    raw = read_config(path)
     overridden = set()
     for item in overrides:
         key, sep, value = item.partition("=")
@@ -39,7 +39,7 @@ def load(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> Train
                 f"key for a section, e.g. model.layers=2."
             )
         overridden.add(key)
-        _set(raw, item, key, value)
+        set_override(raw, item, key, value)
     if raw.get("init_from") in ("", None):  # empty or null: as if the key were absent
         raw.pop("init_from", None)
         overridden.discard("init_from")
@@ -52,13 +52,13 @@ def load(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> Train
     # An override of the rate replaces it in whichever form the file gives it.
     section = raw.get("optimizer")
     if {"learning_rate", "optimizer.learning_rate"} <= overridden:
-        raise _both_rates("overrides: ")
+        raise both_rates("overrides: ")
     if "learning_rate" in overridden and isinstance(section, dict):
         section.pop("learning_rate", None)
     elif "optimizer.learning_rate" in overridden:
         raw.pop("learning_rate", None)
     if "learning_rate" in raw and isinstance(section, dict) and "learning_rate" in section:
-        raise _both_rates(f"{path}: ")
+        raise both_rates(f"{path}: ")
     return from_dict(TrainConfig, raw, where=str(path))
 
 
@@ -73,7 +73,7 @@ def from_dict(cls, raw: dict, where: str = "config", prefix: str = ""):
     for key, value in raw.items():
         if key not in fields:
             raise ValueError(
-                f"{where}: unknown key {key!r} in {cls.__name__}.{_did_you_mean(key, list(fields))}"
+                f"{where}: unknown key {key!r} in {cls.__name__}.{did_you_mean(key, list(fields))}"
                 f" Valid keys: {', '.join(fields)}."
             )
         values[key] = _check(hints[key], value, f"{where}: {prefix}{key}", where, f"{prefix}{key}.")

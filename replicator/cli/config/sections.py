@@ -6,15 +6,15 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from replicator.cli.checks import _at_least, _finite_positive, _one_of, _where
+from replicator.cli.checks import at_least, finite_positive, one_of, where_of
 from replicator.cli.config.constants import (
-    _OWN_KIND,
     ATTENTIONS,
     DTYPES,
     FAMILIES,
     GPT_ONLY,
     LLAMA_ONLY,
     MODEL_KINDS,
+    OWN_KIND,
     REMAT_POLICIES,
     SCHEDULES,
     WANDB_MODES,
@@ -86,62 +86,62 @@ class ModelConfig:
         if self.kind == "llama":  # short for kind: gpt, family: llama
             object.__setattr__(self, "kind", "gpt")
             object.__setattr__(self, "family", "llama")
-        _one_of(self, "family", FAMILIES, what="a decoder family")
+        one_of(self, "family", FAMILIES, what="a decoder family")
         if self.family != "llama":
             for name, default in LLAMA_ONLY.items():
                 if getattr(self, name) != default:
                     raise ValueError(
-                        f"{_where(self)}{name}={getattr(self, name)!r} is for model.kind='llama' "
+                        f"{where_of(self)}{name}={getattr(self, name)!r} is for model.kind='llama' "
                         f"(or family: llama); remove the key, or use kind: llama."
                     )
         for name, example in (("rope_theta", "rope_theta=10000.0"), ("norm_eps", "norm_eps=1e-5")):
-            _finite_positive(self, name, example=example)  # else NaN from the first step
+            finite_positive(self, name, example=example)  # else NaN from the first step
         if self.kv_heads is not None:
-            _at_least(self, "kv_heads", 1)
+            at_least(self, "kv_heads", 1)
             if self.heads % self.kv_heads:
                 raise ValueError(
-                    f"{_where(self)}kv_heads={self.kv_heads} must divide heads={self.heads} (each "
-                    f"key/value head serves heads / kv_heads query heads)."
+                    f"{where_of(self)}kv_heads={self.kv_heads} must divide heads={self.heads} "
+                    f"(each key/value head serves heads / kv_heads query heads)."
                 )
-        if not _OWN_KIND.fullmatch(str(self.kind)):  # else "module:function", your own model
-            _one_of(self, "kind", MODEL_KINDS, what="a model kind (or 'module:function')")
+        if not OWN_KIND.fullmatch(str(self.kind)):  # else "module:function", your own model
+            one_of(self, "kind", MODEL_KINDS, what="a model kind (or 'module:function')")
         for name in ("d_model", "layers", "heads", "seq_len", "width"):
-            _at_least(self, name, 1)
+            at_least(self, name, 1)
         if self.kind in ("mlp", "cnn"):  # your own job reads what it likes of the section
             for name, default in GPT_ONLY.items():
                 if getattr(self, name) != default:
                     raise ValueError(
-                        f"{_where(self)}{name}={getattr(self, name)!r} is for model.kind='gpt'; "
+                        f"{where_of(self)}{name}={getattr(self, name)!r} is for model.kind='gpt'; "
                         f"model.kind={self.kind!r} has no {name}. Remove the key (or set it to "
                         f"{default!r})."
                     )
-        _at_least(self, "vocab", 1)
+        at_least(self, "vocab", 1)
         if self.d_ff is not None:
-            _at_least(self, "d_ff", 1)
-        _one_of(self, "dtype", DTYPES, what="a compute dtype")
+            at_least(self, "d_ff", 1)
+        one_of(self, "dtype", DTYPES, what="a compute dtype")
         if self.reduce_dtype is not None:
-            _one_of(self, "reduce_dtype", DTYPES, what="a dtype to reduce gradients in (or null)")
+            one_of(self, "reduce_dtype", DTYPES, what="a dtype to reduce gradients in (or null)")
         if not isinstance(self.remat, bool) and self.remat not in REMAT_POLICIES:
             raise ValueError(
-                f"{_where(self)}remat must be one of none, full, dots (or false = none, true = "
+                f"{where_of(self)}remat must be one of none, full, dots (or false = none, true = "
                 f"full); got {self.remat!r}."
             )
         self._check_attention_and_experts()
         if self.kind == "gpt" and self.d_model % self.heads:
             raise ValueError(
-                f"{_where(self)}heads={self.heads} does not divide d_model={self.d_model}; use a "
+                f"{where_of(self)}heads={self.heads} does not divide d_model={self.d_model}; use a "
                 f"d_model that is a multiple of heads (e.g. "
                 f"d_model={self.heads * math.ceil(self.d_model / self.heads)})."
             )
 
     def _check_attention_and_experts(self) -> None:
         """The attention and mixture-of-experts keys, each on its own."""
-        _one_of(self, "attention", ATTENTIONS, what="an attention over the context axis")
-        _at_least(self, "experts", 0)
-        _at_least(self, "moe_every", 1)
-        _at_least(self, "top_k", 1)
+        one_of(self, "attention", ATTENTIONS, what="an attention over the context axis")
+        at_least(self, "experts", 0)
+        at_least(self, "moe_every", 1)
+        at_least(self, "top_k", 1)
         if self.capacity_factor is not None:
-            _finite_positive(self, "capacity_factor", example="capacity_factor=1.25", none=True)
+            finite_positive(self, "capacity_factor", example="capacity_factor=1.25", none=True)
         value = self.aux_weight
         if (
             isinstance(value, bool)
@@ -149,20 +149,20 @@ class ModelConfig:
             or not (math.isfinite(value) and value >= 0)
         ):
             raise ValueError(
-                f"{_where(self)}aux_weight must be a finite number >= 0; got {value!r} (e.g. "
+                f"{where_of(self)}aux_weight must be a finite number >= 0; got {value!r} (e.g. "
                 f"aux_weight=0.01, or 0 for no load-balancing loss)."
             )
         if not self.experts:
             return
         if self.top_k > self.experts:
             raise ValueError(
-                f"{_where(self)}top_k={self.top_k} is more than experts={self.experts} (each "
+                f"{where_of(self)}top_k={self.top_k} is more than experts={self.experts} (each "
                 f"token goes to top_k different experts); use top_k <= {self.experts} (e.g. "
                 f"top_k={min(2, self.experts)}), or more experts."
             )
         if self.layers % self.moe_every:
             raise ValueError(
-                f"{_where(self)}moe_every={self.moe_every} does not divide layers={self.layers} "
+                f"{where_of(self)}moe_every={self.moe_every} does not divide layers={self.layers} "
                 f"(every moe_every-th block is a mixture of experts); use layers a multiple of "
                 f"{self.moe_every} (e.g. layers="
                 f"{self.moe_every * math.ceil(self.layers / self.moe_every)}), or moe_every=1."
@@ -180,13 +180,13 @@ class PipelineConfig:
     scatter_grads: str = "microbatch"
 
     def __post_init__(self) -> None:
-        _one_of(self, "schedule", SCHEDULES, what="a schedule")
-        _one_of(self, "scatter_grads", ("microbatch", "step"), what="a reduce-scatter setting")
-        _at_least(self, "microbatches", 1)
-        _at_least(self, "repeats", 1)
+        one_of(self, "schedule", SCHEDULES, what="a schedule")
+        one_of(self, "scatter_grads", ("microbatch", "step"), what="a reduce-scatter setting")
+        at_least(self, "microbatches", 1)
+        at_least(self, "repeats", 1)
         if self.schedule == "interleaved" and self.repeats < 2:
             raise ValueError(
-                f"{_where(self)}repeats={self.repeats}: schedule='interleaved' needs 2 or more "
+                f"{where_of(self)}repeats={self.repeats}: schedule='interleaved' needs 2 or more "
                 f"virtual stages per device; use repeats=2 (layers a multiple of 2 x the stage "
                 f"axis), or schedule='1f1b' for one stage per device."
             )
@@ -198,8 +198,8 @@ class ProfileConfig:
     num_steps: int = 3
 
     def __post_init__(self) -> None:
-        _at_least(self, "start_step", 1)
-        _at_least(self, "num_steps", 1)
+        at_least(self, "start_step", 1)
+        at_least(self, "num_steps", 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,10 +210,10 @@ class WandbConfig:
     mode: str = "offline"  # nothing sent: `wandb sync` the run later; "online" or "disabled"
 
     def __post_init__(self) -> None:
-        _one_of(self, "mode", WANDB_MODES, what="a wandb mode")
+        one_of(self, "mode", WANDB_MODES, what="a wandb mode")
         for key in ("project", "name"):
             value = getattr(self, key)
             if value is not None and not value.strip():
                 raise ValueError(
-                    f"{_where(self)}{key} must be a non-empty name or null; got {value!r}."
+                    f"{where_of(self)}{key} must be a non-empty name or null; got {value!r}."
                 )

@@ -8,8 +8,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from replicator.cli.checks import _at_least, _finite_positive, _where
-from replicator.cli.config.checkpoint import _checkpoint_model
+from replicator.cli.checks import at_least, finite_positive, where_of
+from replicator.cli.config.checkpoint import checkpoint_model
 from replicator.cli.config.constants import BYTE_VOCAB
 from replicator.cli.config.sections import ModelConfig, PipelineConfig, ProfileConfig, WandbConfig
 from replicator.cli.config.train_checks import (
@@ -61,7 +61,7 @@ class TrainConfig:
     wandb: WandbConfig | bool | None = None  # a W&B run (offline) in out_dir/name/wandb
 
     def __post_init__(self) -> None:
-        where = _where(self)
+        where = where_of(self)
         if not self.name or self.name != os.path.basename(self.name) or self.name in (".", ".."):
             raise ValueError(
                 f"{where}name={self.name!r} must be a plain directory name (the run's outputs go "
@@ -74,11 +74,11 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, str) and value.startswith("~"):
                 object.__setattr__(self, name, os.path.expanduser(value))
-        _at_least(self, "keep", 1)
+        at_least(self, "keep", 1)
         if self.init_from == "":  # empty: the same as no init_from
             object.__setattr__(self, "init_from", None)
         if self.init_from is not None:
-            object.__setattr__(self, "model", _checkpoint_model(self))
+            object.__setattr__(self, "model", checkpoint_model(self))
         m = self.model
         if m.kind == "gpt" and m.vocab < BYTE_VOCAB and self.data.path is None:
             raise ValueError(
@@ -92,7 +92,7 @@ class TrainConfig:
                 f"per step) or 'shrink' (with the data axes); got {self.elastic_batch!r}."
             )
         if self.emergency_after is not None:
-            _at_least(self, "emergency_after", 1)
+            at_least(self, "emergency_after", 1)
         if isinstance(self.optimizer, str):  # optimizer: adam, short for {name: adam}
             try:
                 object.__setattr__(self, "optimizer", OptimizerConfig(name=self.optimizer))
@@ -101,16 +101,16 @@ class TrainConfig:
                     f"{where}optimizer{str(e).removeprefix('OptimizerConfig: ')[4:]}"
                 ) from None
         if self.learning_rate is not None:  # learning_rate: 1e-3, short for the optimizer's
-            _finite_positive(self, "learning_rate", example="learning_rate=3e-3")
+            finite_positive(self, "learning_rate", example="learning_rate=3e-3")
             if self.optimizer.learning_rate not in (DEFAULT_LEARNING_RATE, self.learning_rate):
-                raise _both_rates(where)
+                raise both_rates(where)
             object.__setattr__(
                 self,
                 "optimizer",
                 dataclasses.replace(self.optimizer, learning_rate=float(self.learning_rate)),
             )
         if self.clip_global_norm is not None:
-            _finite_positive(self, "clip_global_norm", example="clip_global_norm=1.0", none=True)
+            finite_positive(self, "clip_global_norm", example="clip_global_norm=1.0", none=True)
         if isinstance(self.wandb, bool):  # wandb: true, short for wandb: {} (offline)
             object.__setattr__(self, "wandb", WandbConfig() if self.wandb else None)
         if self.zero_stage not in (0, 1, 2, 3):
@@ -119,7 +119,7 @@ class TrainConfig:
         check_context_and_experts(self)
 
 
-def _both_rates(where: str) -> ValueError:
+def both_rates(where: str) -> ValueError:
     return ValueError(
         f"{where}learning_rate and optimizer.learning_rate are both set; set one of them (the "
         f"top-level learning_rate is short for optimizer.learning_rate), e.g. "

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from replicator.cli.checks import _at_least, _where
+from replicator.cli.checks import at_least, where_of
 from replicator.cli.config.constants import (
     DATA_AXES,
     MAX_CPU_DEVICES,
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 def check_mesh_and_counts(config: TrainConfig) -> None:
     """The mesh, the device and step counts, the profile's window."""
-    where = _where(config)
+    where = where_of(config)
     if not config.mesh:
         raise ValueError(
             f"{where}mesh must name at least one axis; got {{}}. e.g. mesh: {{data: -1}} (every "
@@ -40,7 +40,7 @@ def check_mesh_and_counts(config: TrainConfig) -> None:
                 f"{where}mesh.{key}={size}: an axis size must be an int >= 1, or -1 for the "
                 f"remaining devices."
             )
-    _at_least(config, "cpu_devices", 0)
+    at_least(config, "cpu_devices", 0)
     if config.cpu_devices > MAX_CPU_DEVICES:
         raise ValueError(
             f"{where}cpu_devices={config.cpu_devices} is more CPU devices than this process can "
@@ -49,7 +49,7 @@ def check_mesh_and_counts(config: TrainConfig) -> None:
             f"own devices."
         )
     for name in ("steps", "global_batch", "accumulate_steps", "log_every", "checkpoint_every"):
-        _at_least(config, name, 1)
+        at_least(config, name, 1)
     if config.steps > MAX_STEPS:
         raise ValueError(
             f"{where}steps={config.steps} is more than the run's step counter holds (an int32, "
@@ -65,7 +65,7 @@ def check_mesh_and_counts(config: TrainConfig) -> None:
 
 def check_model_fits_the_job(config: TrainConfig) -> None:
     """What a model kind asks of the mesh, the pipeline and the optimizer options."""
-    where, kind = _where(config), config.model.kind
+    where, kind = where_of(config), config.model.kind
     if kind == "gpt" and "stage" in config.mesh and config.pipeline is None:
         raise ValueError(
             f"{where}a mesh with a 'stage' axis needs a pipeline: section, e.g. pipeline: "
@@ -126,7 +126,7 @@ def check_context_and_experts(config: TrainConfig) -> None:
 
     A size of -1 (the remaining devices) is not known here: what needs it is left to the
     library, which refuses it before the first step."""
-    where, m, mesh = _where(config), config.model, config.mesh
+    where, m, mesh = where_of(config), config.model, config.mesh
     c, e, kind = mesh.get("context", 1), mesh.get("expert", 1), m.kind
     for axis in ("context", "expert"):
         if kind in ("mlp", "cnn") and axis in mesh:
@@ -173,7 +173,7 @@ def check_context_and_experts(config: TrainConfig) -> None:
 
 
 def _check_context_axis(config: TrainConfig, c: int) -> None:
-    where, m, t = _where(config), config.model, config.mesh.get("model", 1)
+    where, m, t = where_of(config), config.model, config.mesh.get("model", 1)
     if m.attention == "all_to_all" and t > 0 and (m.heads // t) % c:
         per = f"heads / mesh.model = {m.heads // t}" if t > 1 else f"heads={m.heads}"
         raise ValueError(
@@ -197,7 +197,7 @@ def _check_context_axis(config: TrainConfig, c: int) -> None:
 
 
 def _check_expert_axis(config: TrainConfig, e: int) -> None:
-    where, m, k = _where(config), config.model, config.accumulate_steps
+    where, m, k = where_of(config), config.model, config.accumulate_steps
     if m.experts % e:
         raise ValueError(
             f"{where}model.experts={m.experts} does not split over mesh.expert={e} (each "

@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 
-from replicator.cli.data.records import ARRAY_RECORD_NAME, _array_record_files
+from replicator.cli.data.records import ARRAY_RECORD_NAME, array_record_files
 
 
 def windows(tokens: np.ndarray, seq_len: int, path: str) -> dict[str, np.ndarray]:
@@ -23,27 +23,27 @@ def windows(tokens: np.ndarray, seq_len: int, path: str) -> dict[str, np.ndarray
     return {"tokens": window[:, :-1], "targets": window[:, 1:]}
 
 
-def _format_of(path: str) -> str:
+def format_of(path: str) -> str:
     if os.path.isfile(path) and path.endswith(".npy"):
         return "npy"
     if os.path.isfile(path) and path.endswith(".npz"):
         return "npz"
     if os.path.isfile(path) and ARRAY_RECORD_NAME.search(path):
         return "arrayrecord"
-    if os.path.isdir(path) and _array_record_files(path):
+    if os.path.isdir(path) and array_record_files(path):
         return "arrayrecord"
     return "text"
 
 
-def _read_text(path: str, extensions: str) -> bytes:
+def read_text(path: str, extensions: str) -> bytes:
     chunks = []
-    for name in _text_files(path, extensions):
+    for name in text_files(path, extensions):
         with open(name, "rb") as f:
             chunks.append(f.read())
     return b"".join(chunks)
 
 
-def _text_files(path: str, extensions: str) -> list[str]:
+def text_files(path: str, extensions: str) -> list[str]:
     """The text files of ``path``: the file, or the directory's files ending in one of
     ``extensions`` (recursively, sorted; hidden directories skipped). Each is one document."""
     if os.path.isfile(path):
@@ -61,5 +61,5 @@ def _text_files(path: str, extensions: str) -> list[str]:
     return files
 
 
-def _one_line(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
     return " ".join(str(e).split())

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from replicator.cli.data.files import _format_of, _one_line, _read_text, windows
+from replicator.cli.data.files import format_of, one_line, read_text, windows
 from replicator.cli.data.records import RecordBatches, Records
 from replicator.cli.data.tokenizer import Tokenized, encode
 
@@ -38,7 +38,7 @@ def examples(data: DataConfig, *, kind: str, seq_len: int) -> dict[str, np.ndarr
             f"directory of text files, a .npy/.npz file, or ArrayRecord files (a file, a "
             f"directory or a glob of shards)."
         )
-    fmt = data.format if data.format != "auto" else _format_of(path)
+    fmt = data.format if data.format != "auto" else format_of(path)
     if fmt == "arrayrecord":
         return Records.open(data, kind=kind, seq_len=seq_len)
     if fmt == "text":
@@ -47,12 +47,12 @@ def examples(data: DataConfig, *, kind: str, seq_len: int) -> dict[str, np.ndarr
                 f"data.path={data.path!r} is text, which only model.kind='gpt' trains on; "
                 f"give model.kind={kind!r} a .npz with arrays x and y."
             )
-        return windows(np.frombuffer(_read_text(path, data.extensions), np.uint8), seq_len, path)
+        return windows(np.frombuffer(read_text(path, data.extensions), np.uint8), seq_len, path)
     try:
         loaded = np.load(path, allow_pickle=False)
     except (OSError, ValueError) as e:
         write = "np.save(path, ids)" if fmt == "npy" else "np.savez(path, x=x, y=y)"
-        why = "not an array file" if "pickled" in str(e) else _one_line(e)
+        why = "not an array file" if "pickled" in str(e) else one_line(e)
         raise ValueError(
             f"data.path={data.path!r} is not a {fmt} file NumPy reads ({why}); write it with "
             f"{write}, or set data.format to the format it has."

@@ -312,7 +312,7 @@ def _check_seed(seed: int, shuffle: bool) -> None:
         )
 
 
-def _array_record_files(directory: str) -> list[str]:
+def array_record_files(directory: str) -> list[str]:
     names = sorted(n for n in os.listdir(directory) if ARRAY_RECORD_NAME.search(n))
     return [f for f in (os.path.join(directory, n) for n in names) if os.path.isfile(f)]
 
@@ -323,7 +323,7 @@ def _record_paths(path: str) -> list[str]:
     if os.path.isfile(full):
         return [full]
     if os.path.isdir(full):
-        files = _array_record_files(full)
+        files = array_record_files(full)
         if not files:
             raise FileNotFoundError(
                 f"data.path={path!r} is a directory with no ArrayRecord file (a name ending in "

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from replicator.cli.data.files import _format_of, _one_line, _text_files, windows
+from replicator.cli.data.files import format_of, one_line, text_files, windows
 
 if TYPE_CHECKING:
     from replicator.cli.data.section import DataConfig
@@ -103,7 +103,7 @@ def encode(data: DataConfig, *, kind: str, seq_len: int) -> Tokenized:
             f"data.path={data.path!r}: no such file or directory; give a text file or a "
             f"directory of text files for data.tokenizer to encode."
         )
-    fmt = data.format if data.format != "auto" else _format_of(path)
+    fmt = data.format if data.format != "auto" else format_of(path)
     if fmt != "text":
         raise ValueError(
             f"data.path={data.path!r} is {fmt} data (token ids or arrays), and data.tokenizer "
@@ -111,7 +111,7 @@ def encode(data: DataConfig, *, kind: str, seq_len: int) -> Tokenized:
         )
     tokenizer = Tokenizer.open(data)
     eos = np.array([tokenizer.eos_id], np.int32)
-    files, pieces, group, chars = _text_files(path, data.extensions), [], [], 0
+    files, pieces, group, chars = text_files(path, data.extensions), [], [], 0
     for i, name in enumerate(files):
         text = _document(data.path, name)
         if text:
@@ -158,7 +158,7 @@ def _huggingface(data: DataConfig, path: str) -> Tokenizer:
     except Exception as e:  # the package raises Exception itself for what it cannot read
         raise ValueError(
             f"data.tokenizer={data.tokenizer!r} is not a tokenizer.json the tokenizers package "
-            f"reads ({_one_line(e)}); give the file Tokenizer.save(path) writes."
+            f"reads ({one_line(e)}); give the file Tokenizer.save(path) writes."
         ) from e
     vocab = tok.get_vocab(with_added_tokens=True)
     eos, where = data.eos, "data.eos"
@@ -215,7 +215,7 @@ def _sentencepiece(data: DataConfig, path: str) -> Tokenizer:
     except (OSError, RuntimeError) as e:
         raise ValueError(
             f"data.tokenizer={data.tokenizer!r} is not a SentencePiece model sentencepiece "
-            f"reads ({_one_line(e)}); give the .model SentencePieceTrainer.train writes."
+            f"reads ({one_line(e)}); give the .model SentencePieceTrainer.train writes."
         ) from e
     size = sp.get_piece_size()
     if data.eos is not None:

@@ -1,4 +1,4 @@
-"""What the built-in jobs share: the `_Job` each kind's job function returns (its step, its
+"""What the built-in jobs share: the `Job` each kind's job function returns (its step, its
 state's init, its data), and the helpers of their data."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 import replicator as rp
 
 
-class _Job(NamedTuple):
+class Job(NamedTuple):
     """A built-in job before its state exists: what `build` and `abstract_job` share."""
 
     step_fn: Callable  # step_fn(state, batch) -> (state, metrics), one replica's step
@@ -23,7 +23,7 @@ class _Job(NamedTuple):
     vocab: int | None  # token ids below it (checked in data.path's examples)
 
 
-def _sliced(make: Callable[[int], Iterator[dict]], ctx, global_batch: int) -> Iterator[dict]:
+def sliced(make: Callable[[int], Iterator[dict]], ctx, global_batch: int) -> Iterator[dict]:
     """This input pipeline's rows of the global batches ``make(global_batch)`` yields: the data
     does not depend on how many processes read it (a job resized by the launcher sees the same
     batches)."""
@@ -33,7 +33,7 @@ def _sliced(make: Callable[[int], Iterator[dict]], ctx, global_batch: int) -> It
         yield {k: v[lo : lo + per] for k, v in batch.items()}
 
 
-def _first(input_fn: Callable) -> dict:
+def first_of(input_fn: Callable) -> dict:
     """``input_fn``'s first global batch (one input pipeline)."""
     batches = input_fn(rp.InputContext())
     first = next(iter(batches))
@@ -42,8 +42,8 @@ def _first(input_fn: Callable) -> dict:
     return first
 
 
-def _first_batch(input_fn: Callable) -> Callable[[], dict]:
+def first_batch(input_fn: Callable) -> Callable[[], dict]:
     """The shapes of ``input_fn``'s first global batch, generated when called."""
     return lambda: jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), _first(input_fn)
+        lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), first_of(input_fn)
     )

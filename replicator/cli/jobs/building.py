@@ -13,16 +13,17 @@ import replicator as rp
 from replicator.cli import data as data_lib
 from replicator.cli import optimizers
 from replicator.cli.config import MODEL_KINDS, TrainConfig
-from replicator.cli.jobs.base import _first
-from replicator.cli.jobs.cnn_job import _cnn
-from replicator.cli.jobs.gpt_job import _gpt
-from replicator.cli.jobs.mlp_job import _mlp
+from replicator.cli.jobs.base import first_of
+from replicator.cli.jobs.cnn_job import cnn_job
+from replicator.cli.jobs.gpt_job import gpt_job
+from replicator.cli.jobs.mlp_job import mlp_job
 from replicator.cli.jobs.own_job import own_model
 
 
-def _builtin(config: TrainConfig):
-    """The built-in job function of ``config.model.kind`` (`_gpt`, `_mlp`, `_cnn`), or None."""
-    return {"gpt": _gpt, "mlp": _mlp, "cnn": _cnn}.get(config.model.kind)
+def builtin_job(config: TrainConfig):
+    """The built-in job function of ``config.model.kind`` (`gpt_job`, `mlp_job`, `cnn_job`), or
+    None."""
+    return {"gpt": gpt_job, "mlp": mlp_job, "cnn": cnn_job}.get(config.model.kind)
 
 
 def _tx_maker(config: TrainConfig) -> Callable:
@@ -35,7 +36,7 @@ def _tx_maker(config: TrainConfig) -> Callable:
 def build(config: TrainConfig):
     """The job a config describes: ``(repl, step_fn, state, input_fn, tokens_per_step)``."""
     kind = config.model.kind
-    builtin = _builtin(config)
+    builtin = builtin_job(config)
     own = None if builtin else own_model(kind)  # imports first
     repl = rp.Replicator(mesh_shape=dict(config.mesh))
     make_tx = _tx_maker(config)
@@ -73,7 +74,7 @@ def abstract_job(config: TrainConfig, *, devices: list | None = None):
       ValueError: for your own ``module:function`` job (it builds its state itself), or what
         `build` refuses of the mesh and the model.
     """
-    builtin = _builtin(config)
+    builtin = builtin_job(config)
     if builtin is None:
         raise ValueError(
             f"abstract_job: model.kind={config.model.kind!r} is your own job, which builds its "
@@ -128,7 +129,7 @@ def _own_data(config: TrainConfig, builtin, *, vocab: int | None = None):
     if config.data.path is None:
         return builtin
     found = data_lib.examples(config.data, kind=config.model.kind, seq_len=config.model.seq_len)
-    like = _first(builtin)
+    like = first_of(builtin)
     data_lib.check(found, like, path=config.data.path, global_batch=config.global_batch,
                    vocab=vocab, init_from=config.init_from)  # fmt: skip
     return data_lib.input_fn(found, config.data, config.global_batch)

@@ -8,11 +8,11 @@ from flax import nnx
 
 import replicator as rp
 from replicator.cli.config import TrainConfig
-from replicator.cli.jobs.base import _first_batch, _Job, _sliced
+from replicator.cli.jobs.base import Job, first_batch, sliced
 from replicator.models import cnn
 
 
-def _cnn(config: TrainConfig, repl, make_tx) -> _Job:
+def cnn_job(config: TrainConfig, repl, make_tx) -> Job:
     """The CNN with cross-replica BatchNorm on `shape_images`, data parallel: the BatchNorm
     statistics travel in the state next to the parameters, and are the same on every replica."""
 
@@ -27,7 +27,7 @@ def _cnn(config: TrainConfig, repl, make_tx) -> _Job:
     )
 
     def input_fn(ctx):
-        yield from _sliced(lambda n: cnn.shape_batches(n, seed=1000), ctx, config.global_batch)
+        yield from sliced(lambda n: cnn.shape_batches(n, seed=1000), ctx, config.global_batch)
 
     def step_fn(state, batch):
         (loss, (stats, accuracy)), grads = cnn.value_and_grad(
@@ -43,4 +43,4 @@ def _cnn(config: TrainConfig, repl, make_tx) -> _Job:
         params, stats = repl.replicate(params), repl.replicate(stats)
         return {"params": params, "stats": stats, "opt": tx.init(params)}
 
-    return _Job(step_fn, init, input_fn, _first_batch(input_fn), None, len(cnn.SHAPES))
+    return Job(step_fn, init, input_fn, first_batch(input_fn), None, len(cnn.SHAPES))

@@ -14,11 +14,11 @@ import optax
 
 import replicator as rp
 from replicator.cli.config import ModelConfig, TrainConfig
-from replicator.cli.jobs.base import _Job, _sliced
+from replicator.cli.jobs.base import Job, sliced
 from replicator.models import gpt, hf, llama
 
 
-def _schedule(config: TrainConfig):
+def pipeline_schedule(config: TrainConfig):
     """The ``pipeline:`` section's schedule; ``repeats`` is read by circular and interleaved."""
     p = config.pipeline
     if p.schedule == "circular":
@@ -32,7 +32,7 @@ def _schedule(config: TrainConfig):
     }[p.schedule]
 
 
-def _check_schedule(config: TrainConfig, schedule, num_stages: int) -> None:
+def check_schedule(config: TrainConfig, schedule, num_stages: int) -> None:
     """Refuses, before anything is traced, micro-batches that the schedule cannot run on
     ``num_stages`` stages (1F1B, ZeroBubble, circular: M >= K; interleaved: M a multiple of K):
     the library's message, then the config keys to change."""
@@ -102,7 +102,7 @@ def _own(m, options: dict) -> dict:
     return out
 
 
-def _gpt(config: TrainConfig, repl, make_tx) -> _Job:
+def gpt_job(config: TrainConfig, repl, make_tx) -> Job:
     """The GPT on any mesh a config can give: data parallel (ZeRO 0-3, accumulation), tensor
     parallel over ``model``, the sequence over ``context``, the experts of a mixture of experts
     over ``expert``, and pipelined over ``stage`` (ZeRO 0-3, with ``model`` and ``context``)."""
@@ -112,7 +112,7 @@ def _gpt(config: TrainConfig, repl, make_tx) -> _Job:
 
     def input_fn(ctx):
         make = lambda n: gpt.token_batches(text(), batch_size=n, seq_len=m.seq_len, seed=0)
-        yield from _sliced(make, ctx, config.global_batch)
+        yield from sliced(make, ctx, config.global_batch)
 
     def batch():
         shape = jax.ShapeDtypeStruct((config.global_batch, m.seq_len), jnp.int32)
@@ -123,11 +123,11 @@ def _gpt(config: TrainConfig, repl, make_tx) -> _Job:
         step_fn, init = _unpipelined(config, repl, make_tx, model, init_params)
     else:  # the config has a pipeline: section with a stage axis
         step_fn, init = _pipelined(config, repl, make_tx, model, init_params)
-    return _Job(step_fn, init, input_fn, batch, tokens, m.vocab)
+    return Job(step_fn, init, input_fn, batch, tokens, m.vocab)
 
 
 def _unpipelined(config: TrainConfig, repl, make_tx, model: gpt.GPTConfig, init_params):
-    """`_gpt`'s ``(step_fn, init)`` on a mesh without ``stage``: `DistributedOptimizer.step`
+    """`gpt_job`'s ``(step_fn, init)`` on a mesh without ``stage``: `DistributedOptimizer.step`
     (`_moe_step` for a mixture of experts), the parameters placed by `_rules`."""
     zero3 = config.zero_stage == 3
     opt = repl.wrap_optimizer(
@@ -160,12 +160,12 @@ def _unpipelined(config: TrainConfig, repl, make_tx, model: gpt.GPTConfig, init_
 
 
 def _pipelined(config: TrainConfig, repl, make_tx, model: gpt.GPTConfig, init_params):
-    """`_gpt`'s ``(step_fn, init)`` pipelined over ``stage`` with the ``pipeline:`` section's
+    """`gpt_job`'s ``(step_fn, init)`` pipelined over ``stage`` with the ``pipeline:`` section's
     schedule (its rules checked first), the stage blocks placed by `_rules`."""
     zero3 = config.zero_stage == 3
-    schedule = _schedule(config)
+    schedule = pipeline_schedule(config)
     k, v = repl.mesh.shape["stage"], schedule.repeats
-    _check_schedule(config, schedule, k)
+    check_schedule(config, schedule, k)
     grad_fn = gpt.pipeline_value_and_grad(
         model,
         num_microbatches=config.pipeline.microbatches,

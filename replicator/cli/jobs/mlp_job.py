@@ -9,11 +9,11 @@ import numpy as np
 
 import replicator as rp
 from replicator.cli.config import TrainConfig
-from replicator.cli.jobs.base import _first_batch, _Job, _sliced
+from replicator.cli.jobs.base import Job, first_batch, sliced
 from replicator.models import mlp
 
 
-def _mlp(config: TrainConfig, repl, make_tx) -> _Job:
+def mlp_job(config: TrainConfig, repl, make_tx) -> Job:
     m = config.model
 
     def init_params():  # host arrays (the model is small)
@@ -52,10 +52,10 @@ def _mlp(config: TrainConfig, repl, make_tx) -> _Job:
 
     def input_fn(ctx):
         make = lambda n: mlp.regression_batches(n, seed=1)
-        yield from _sliced(make, ctx, config.global_batch)
+        yield from sliced(make, ctx, config.global_batch)
 
     def step_fn(state, batch):
         p, o, metrics = opt.step(loss_fn, state["params"], state["opt"], batch)
         return {"params": p, "opt": o}, metrics
 
-    return _Job(step_fn, init, input_fn, _first_batch(input_fn), None, None)
+    return Job(step_fn, init, input_fn, first_batch(input_fn), None, None)

@@ -8,12 +8,12 @@ import sys
 
 import replicator as rp
 from replicator.cli.config import TrainConfig
-from replicator.cli.jobs.gpt_job import _schedule
+from replicator.cli.jobs.gpt_job import pipeline_schedule
 
 
-def _draw_schedule(config: TrainConfig, num_stages: int, out: str) -> None:
+def draw_schedule(config: TrainConfig, num_stages: int, out: str) -> None:
     """The pipeline schedule as ``schedule.txt`` (ASCII) and, with ``plot``, ``schedule.png``."""
-    args = (_schedule(config), num_stages, config.pipeline.microbatches)
+    args = (pipeline_schedule(config), num_stages, config.pipeline.microbatches)
     png = os.path.join(out, "schedule.png") if config.plot else None
     try:
         picture = rp.pipeline.render(*args, path=png)
@@ -24,7 +24,7 @@ def _draw_schedule(config: TrainConfig, num_stages: int, out: str) -> None:
         f.write(picture + "\n")
 
 
-def _plot(losses, path: str, config: TrainConfig) -> None:
+def plot_loss(losses, path: str, config: TrainConfig) -> None:
     try:
         import matplotlib
 

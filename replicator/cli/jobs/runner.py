@@ -18,9 +18,9 @@ import jax
 import replicator as rp
 from replicator.cli import runs
 from replicator.cli.config import MAX_CPU_DEVICES, TrainConfig
-from replicator.cli.jobs.building import _builtin, abstract_job, build
-from replicator.cli.jobs.gpt_job import _check_schedule, _schedule
-from replicator.cli.jobs.pictures import _draw_schedule, _plot
+from replicator.cli.jobs.building import abstract_job, build, builtin_job
+from replicator.cli.jobs.gpt_job import check_schedule, pipeline_schedule
+from replicator.cli.jobs.pictures import draw_schedule, plot_loss
 
 # What the library raises for a config, a mesh, a run directory or a checkpoint it refuses.
 # NotImplementedError: jax's own refusal of a mesh it cannot lay out on a TPU torus
@@ -71,7 +71,7 @@ def explain(config: TrainConfig, *, json_path: str | None = None):
     if json_path:
         check_writable(json_path, flag="--json")
     _devices(config, cpu_only=True)
-    if _builtin(config) is not None and config.data.path is None:  # from shapes: a model
+    if builtin_job(config) is not None and config.data.path is None:  # from shapes: a model
         repl, step_fn, state, batch = abstract_job(config)  # too big to build here explains too
         check_batch(config, repl)
     else:  # your own job or data: built, and its first batch read
@@ -132,9 +132,9 @@ def run(config: TrainConfig) -> dict:
         "preempted": result.preempted,
     }
     if config.plot and losses and jax.process_index() == 0:
-        _plot(losses, os.path.join(out, "loss.png"), config)
+        plot_loss(losses, os.path.join(out, "loss.png"), config)
     if config.pipeline is not None and "stage" in repl.mesh.shape and jax.process_index() == 0:
-        _draw_schedule(config, repl.mesh.shape["stage"], out)
+        draw_schedule(config, repl.mesh.shape["stage"], out)
     if losses:
         done = (
             f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}, {result.step} steps"
@@ -181,11 +181,11 @@ def _fit(config: TrainConfig, out: str, job: tuple, writers: list):
 def _built(config: TrainConfig):
     """`build`, with the global batch checked against the replicas and a state too big for
     this machine's memory refused in one line."""
-    if _builtin(config) is not None:  # before the state is built: a mesh is cheap
+    if builtin_job(config) is not None:  # before the state is built: a mesh is cheap
         repl = rp.Replicator(mesh_shape=dict(config.mesh))
         pipelined = config.model.kind == "gpt" and config.pipeline is not None
         if pipelined and "stage" in repl.mesh.shape:  # the schedule's rules first
-            _check_schedule(config, _schedule(config), repl.mesh.shape["stage"])
+            check_schedule(config, pipeline_schedule(config), repl.mesh.shape["stage"])
         check_batch(config, repl)
     try:
         job = build(config)
@@ -204,7 +204,7 @@ def check_batch(config: TrainConfig, repl) -> None:
     """Refuses, naming the keys, a ``global_batch`` that does not split over the replicas, or a
     replica's share that does not split into ``accumulate_steps`` (or, in a pipeline,
     ``pipeline.microbatches``) micro-batches: what the built-in jobs' data and step need."""
-    if _builtin(config) is None:  # your own job reads its own batches
+    if builtin_job(config) is None:  # your own job reads its own batches
         return
     n, b = repl.num_replicas, config.global_batch
     if b % n:

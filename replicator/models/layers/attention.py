@@ -15,24 +15,24 @@ import replicator as rp
 from replicator._src.layers import attention as attention_lib
 from replicator._src.layers import splash
 from replicator.models.config import GPTConfig
-from replicator.models.layers.common import _is_stored, _linear, _linears, _normal, _residual
-from replicator.models.layers.norms import _norm
-from replicator.models.layers.rotary import _layout, _positions, _rope
+from replicator.models.layers.common import is_stored, linear, linears, normal, residual
+from replicator.models.layers.norms import norm
+from replicator.models.layers.rotary import layout, positions, rope
 
 
-def _attn_params(config: GPTConfig, key, out_key, out_std: float) -> dict:
+def attn_params(config: GPTConfig, key, out_key, out_std: float) -> dict:
     d, hd = config.d_model, config.head_dim
     if config.num_kv_heads is None:  # GPT-2's fused [q | k | v] columns, grouped by head
-        weights = {"qkv": _normal(key, (d, 3 * d))}
+        weights = {"qkv": normal(key, (d, 3 * d))}
     else:
         kq, kk, kv = jax.random.split(key, 3)
         kv_width = config.kv_heads * hd
         weights = {
-            "q": _normal(kq, (d, config.num_heads * hd)),
-            "k": _normal(kk, (d, kv_width)),
-            "v": _normal(kv, (d, kv_width)),
+            "q": normal(kq, (d, config.num_heads * hd)),
+            "k": normal(kk, (d, kv_width)),
+            "v": normal(kv, (d, kv_width)),
         }
-    return _linears(config, weights | {"out": _normal(out_key, (d, d), out_std)})
+    return linears(config, weights | {"out": normal(out_key, (d, d), out_std)})
 
 
 def _qkv(p: dict, x: jax.Array, config: GPTConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -40,45 +40,44 @@ def _qkv(p: dict, x: jax.Array, config: GPTConfig) -> tuple[jax.Array, jax.Array
     b, s, _ = x.shape
     nh, hd = config.num_heads, config.head_dim
     if config.num_kv_heads is None:
-        qkv = _linear(p, "qkv", x)
+        qkv = linear(p, "qkv", x)
         # Columns grouped by head, [head, (q, k, v), head_dim] (Megatron's order): a contiguous
         # split of them over devices gives each device whole heads.
         return jnp.split(qkv.reshape(b, s, nh, 3 * hd), 3, axis=-1)  # no transpose
-    heads = lambda name, n: _linear(p, name, x).reshape(b, s, n, hd)  # head-major columns
+    heads = lambda name, n: linear(p, name, x).reshape(b, s, n, hd)  # head-major columns
     return heads("q", nh), heads("k", config.kv_heads), heads("v", config.kv_heads)
 
 
-def _attend(p: dict, x: jax.Array, config: GPTConfig) -> jax.Array:
+def attend(p: dict, x: jax.Array, config: GPTConfig) -> jax.Array:
     """``x`` plus causal self-attention of its norm (``p``: one block, in ``x.dtype``)."""
-    if _heads_first(config):
+    if heads_first(config):
         return _attend_heads_first(p, x, config)
     b, s, d = x.shape
-    q, k, v = _qkv(p["attn"], _norm(p["ln1"], x, config), config)
+    q, k, v = _qkv(p["attn"], norm(p["ln1"], x, config), config)
     if config.position == "rope":  # by position in the sequence's layout (zigzag or not)
-        positions = _positions(config, s)
-        q, k = _rope(q, k, positions, config)
+        q, k = rope(q, k, positions(config, s), config)
     if config.attention == "dot_product":
         attn = _dot_product_attention(q, k, v)
     elif config.attention == "splash":
         attn = splash.splash_attention(q, k, v)
     else:  # grouped-query attention: K/V travel with their own heads (replicator.attention)
-        layout = _layout(config, s)
-        attn = attention_lib.attention(q, k, v, causal=True, impl=config.attention, layout=layout)
-    return _residual(x, p["attn"], "out", attn.reshape(b, s, d))
+        order = layout(config, s)
+        attn = attention_lib.attention(q, k, v, causal=True, impl=config.attention, layout=order)
+    return residual(x, p["attn"], "out", attn.reshape(b, s, d))
 
 
-def _heads_first(config: GPTConfig) -> bool:
+def heads_first(config: GPTConfig) -> bool:
     """Whether the blocks attend with their heads first (`_attend_heads_first`): the splash
     kernel's layout, for separate query, key and value weights."""
     return config.attention == "splash" and config.num_kv_heads is not None
 
 
 def _attend_heads_first(p: dict, x: jax.Array, config: GPTConfig) -> jax.Array:
-    """`_attend` in the splash kernel's layout: queries, keys and values projected straight to
+    """`attend` in the splash kernel's layout: queries, keys and values projected straight to
     ``[B, heads, S, head_dim]``, and the output projected back from it, by weights
-    `_weights_heads_first` laid out ``[heads, head_dim, D]``. No activation changes layout on
+    `weights_heads_first` laid out ``[heads, head_dim, D]``. No activation changes layout on
     its way to the kernel and back (each would be a copy of it, forward and backward)."""
-    xn, a = _norm(p["ln1"], x, config), p["attn"]
+    xn, a = norm(p["ln1"], x, config), p["attn"]
 
     def project(name: str) -> jax.Array:
         y = jnp.einsum("bsd,hkd->bhsk", xn, a[name])
@@ -87,13 +86,12 @@ def _attend_heads_first(p: dict, x: jax.Array, config: GPTConfig) -> jax.Array:
 
     q, k, v = project("q"), project("k"), project("v")
     if config.position == "rope":
-        positions = _positions(config, x.shape[1])
-        q, k = _rope(q, k, positions, config, heads_first=True)
+        q, k = rope(q, k, positions(config, x.shape[1]), config, heads_first=True)
     y = x + jnp.einsum("bhsk,hkd->bsd", splash.splash_attention_heads_first(q, k, v), a["out"])
     return y + a["out_bias"] if "out_bias" in a else y
 
 
-def _weights_heads_first(attn: dict, config: GPTConfig) -> dict:
+def weights_heads_first(attn: dict, config: GPTConfig) -> dict:
     """The attention's weights for `_attend_heads_first`: ``q``, ``k``, ``v`` (``[D, heads
     head_dim]``) and ``out`` (``[heads head_dim, D]``), each as ``[heads, head_dim, D]``.
 
@@ -114,7 +112,7 @@ def _weights_heads_first(attn: dict, config: GPTConfig) -> dict:
 def _rearranged(a: Any, f: Callable, dims: dict, head_dim: int) -> Any:
     """``f`` of a weight ``a``; of a ZeRO-3 weight's part where ``f`` keeps each replica's part
     its own (``dims``: its split axis, before to after), else of the gathered weight."""
-    if not _is_stored(a):
+    if not is_stored(a):
         return f(a)
     if a.dim is None:
         return rp.ShardedParam(f(a.value), None, a.auto)

@@ -16,11 +16,11 @@ from replicator.models.config import GPTConfig
 PyTree = Any
 
 
-def _normal(key, shape, std=0.02):
+def normal(key, shape, std=0.02):
     return std * jax.random.normal(key, shape, jnp.float32)
 
 
-def _linears(config: GPTConfig, weights: dict) -> dict:
+def linears(config: GPTConfig, weights: dict) -> dict:
     """``{name: weight}`` and ``{name}_bias`` zeros after each that has a bias
     (``config.has_bias``)."""
     out = {}
@@ -31,23 +31,23 @@ def _linears(config: GPTConfig, weights: dict) -> dict:
     return out
 
 
-def _linear(p: dict, name: str, x: jax.Array) -> jax.Array:
+def linear(p: dict, name: str, x: jax.Array) -> jax.Array:
     """``x @ p[name]``, plus ``p[name + "_bias"]`` when the layer has one."""
     y = x @ p[name]
     return y + p[f"{name}_bias"] if f"{name}_bias" in p else y
 
 
-def _residual(x: jax.Array, p: dict, name: str, h: jax.Array) -> jax.Array:
+def residual(x: jax.Array, p: dict, name: str, h: jax.Array) -> jax.Array:
     """``x + h @ p[name]`` (plus its bias): a residual branch's output projection."""
     y = x + h @ p[name]
     return y + p[f"{name}_bias"] if f"{name}_bias" in p else y
 
 
-def _is_stored(x: Any) -> bool:
+def is_stored(x: Any) -> bool:
     return isinstance(x, rp.ShardedParam)
 
 
-def _reduce_cast(params: PyTree, config: GPTConfig) -> PyTree:
+def reduce_cast(params: PyTree, config: GPTConfig) -> PyTree:
     """``params`` with their ZeRO-3 parts (`rp.ShardedParam`) cast to ``config.reduce_dtype``.
 
     Raises:
@@ -58,8 +58,8 @@ def _reduce_cast(params: PyTree, config: GPTConfig) -> PyTree:
     if config.reduce_dtype is None:
         return params
     dtype = jnp.dtype(config.reduce_dtype)
-    stored = any(_is_stored(a) for a in jax.tree.leaves(params, is_leaf=_is_stored))
-    if stored and dtype != jnp.float32 and _xla_cpu_with(MODEL_AXIS):
+    stored = any(is_stored(a) for a in jax.tree.leaves(params, is_leaf=is_stored))
+    if stored and dtype != jnp.float32 and xla_cpu_with(MODEL_AXIS):
         raise ValueError(
             f"GPTConfig(reduce_dtype={config.reduce_dtype!r}) under ZeRO-3 with a "
             f"{MODEL_AXIS!r} axis aborts XLA:CPU's compiler; on the CPU use reduce_dtype=None "
@@ -67,11 +67,11 @@ def _reduce_cast(params: PyTree, config: GPTConfig) -> PyTree:
             f"mesh without {MODEL_AXIS!r}. A TPU compiles it: `replicator explain CONFIG "
             f"--target TYPE` reads that program from here."
         )
-    cast = lambda a: rp.ShardedParam(a.value.astype(dtype), a.dim, a.auto) if _is_stored(a) else a
-    return jax.tree.map(cast, params, is_leaf=_is_stored)
+    cast = lambda a: rp.ShardedParam(a.value.astype(dtype), a.dim, a.auto) if is_stored(a) else a
+    return jax.tree.map(cast, params, is_leaf=is_stored)
 
 
-def _xla_cpu_with(*axes: str) -> bool:
+def xla_cpu_with(*axes: str) -> bool:
     """Whether the program being traced is for XLA:CPU (not a TPU target's devices on a CPU
     host) on a mesh where each of ``axes`` has more than one device."""
     platform = binding_lib.current_binding().platform or jax.default_backend()

@@ -9,7 +9,7 @@ import jax
 
 from replicator import moe
 from replicator.models.config import GPTConfig
-from replicator.models.layers.norms import _norm
+from replicator.models.layers.norms import norm
 
 
 def _experts(config: GPTConfig) -> dict:
@@ -18,18 +18,18 @@ def _experts(config: GPTConfig) -> dict:
     return dict(num_experts=config.num_experts, gated=config.mlp == "swiglu", bias=config.bias)
 
 
-def _moe_params(config: GPTConfig, key, out_std: float) -> dict:
+def moe_params(config: GPTConfig, key, out_std: float) -> dict:
     """A mixture-of-experts block's MLP: `replicator.moe.init`'s experts (`_experts`)."""
     return moe.init(
         key, d_model=config.d_model, hidden=config.hidden, out_std=out_std, **_experts(config)
     )
 
 
-def _mixture(p: dict, x: jax.Array, config: GPTConfig) -> tuple[jax.Array, Any]:
+def mixture(p: dict, x: jax.Array, config: GPTConfig) -> tuple[jax.Array, Any]:
     """``x`` plus the mixture of experts of its norm (`replicator.moe.apply`, each sequence one
     routing group), and its `replicator.moe.Stats` (``p``: one block, in ``x.dtype``)."""
     act = jax.nn.silu if config.mlp == "swiglu" else jax.nn.gelu
     y, stats = moe.apply(
-        p["moe"], _norm(p["ln2"], x, config), routing=config.routing, activation=act
+        p["moe"], norm(p["ln2"], x, config), routing=config.routing, activation=act
     )
     return x + y, stats

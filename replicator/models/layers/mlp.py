@@ -6,25 +6,25 @@ from __future__ import annotations
 import jax
 
 from replicator.models.config import GPTConfig
-from replicator.models.layers.common import _linear, _linears, _normal, _residual
-from replicator.models.layers.norms import _norm
+from replicator.models.layers.common import linear, linears, normal, residual
+from replicator.models.layers.norms import norm
 
 
-def _mlp_params(config: GPTConfig, key, out_key, out_std: float) -> dict:
+def mlp_params(config: GPTConfig, key, out_key, out_std: float) -> dict:
     d, h = config.d_model, config.hidden
     if config.mlp == "swiglu":
         k_gate, k_up = jax.random.split(key)
-        weights = {"gate": _normal(k_gate, (d, h)), "up": _normal(k_up, (d, h))}
+        weights = {"gate": normal(k_gate, (d, h)), "up": normal(k_up, (d, h))}
     else:
-        weights = {"up": _normal(key, (d, h))}
-    return _linears(config, weights | {"down": _normal(out_key, (h, d), out_std)})
+        weights = {"up": normal(key, (d, h))}
+    return linears(config, weights | {"down": normal(out_key, (h, d), out_std)})
 
 
-def _mlp(p: dict, x: jax.Array, config: GPTConfig) -> jax.Array:
+def mlp(p: dict, x: jax.Array, config: GPTConfig) -> jax.Array:
     """``x`` plus the MLP of its norm (``p``: one block, in ``x.dtype``)."""
-    y, mlp = _norm(p["ln2"], x, config), p["mlp"]
+    y, w = norm(p["ln2"], x, config), p["mlp"]
     if config.mlp == "swiglu":
-        h = jax.nn.silu(_linear(mlp, "gate", y)) * _linear(mlp, "up", y)
+        h = jax.nn.silu(linear(w, "gate", y)) * linear(w, "up", y)
     else:
-        h = jax.nn.gelu(_linear(mlp, "up", y))
-    return _residual(x, mlp, "down", h)
+        h = jax.nn.gelu(linear(w, "up", y))
+    return residual(x, w, "down", h)

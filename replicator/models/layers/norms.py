@@ -9,18 +9,18 @@ import jax.numpy as jnp
 from replicator.models.config import GPTConfig
 
 
-def _norm_has_bias(config: GPTConfig) -> bool:
+def has_bias(config: GPTConfig) -> bool:
     return config.norm == "layer" and config.bias
 
 
-def _norm_params(config: GPTConfig) -> dict:
+def norm_params(config: GPTConfig) -> dict:
     d = config.d_model
-    if not _norm_has_bias(config):
+    if not has_bias(config):
         return {"scale": jnp.ones((d,), jnp.float32)}
     return {"scale": jnp.ones((d,), jnp.float32), "bias": jnp.zeros((d,), jnp.float32)}
 
 
-def _norm(p: dict, x: jax.Array, config: GPTConfig) -> jax.Array:
+def norm(p: dict, x: jax.Array, config: GPTConfig) -> jax.Array:
     """LayerNorm or RMSNorm (``config.norm``) of the last axis, in fp32, back in ``x.dtype``."""
     x32 = x.astype(jnp.float32)
     if config.norm == "rms":

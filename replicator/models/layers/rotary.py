@@ -39,14 +39,14 @@ def rope_frequencies(config: GPTConfig) -> np.ndarray:
     return inv.astype(np.float32)
 
 
-def _positions(config: GPTConfig, seq_len: int) -> jax.Array:
+def positions(config: GPTConfig, seq_len: int) -> jax.Array:
     """Each place's position in the sequence as the model lays it out (`sequence_order`)."""
     order = sequence_order(config, seq_len)
     return jnp.arange(seq_len) if order is None else jnp.asarray(order)
 
 
-def _rope(
-    q: jax.Array, k: jax.Array, positions: jax.Array, config: GPTConfig, heads_first: bool = False
+def rope(
+    q: jax.Array, k: jax.Array, pos: jax.Array, config: GPTConfig, heads_first: bool = False
 ) -> tuple[jax.Array, jax.Array]:
     """Rotary positions on ``[B, S, heads, head_dim]`` queries and keys (``[B, heads, S,
     head_dim]`` with ``heads_first``), as transformers' Llama applies them: ``x * cos +
@@ -55,7 +55,7 @@ def _rope(
     twice), computed in fp32 and rounded to the activations' dtype, in which the rotation is
     computed (transformers' order of operations, so bf16 activations rotate in bf16). One table
     rotates both (under remat's ``prevent_cse`` two would be computed, and fused apart)."""
-    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_frequencies(config))
+    freqs = pos.astype(jnp.float32)[:, None] * jnp.asarray(rope_frequencies(config))
     angles = jnp.concatenate([freqs, freqs], -1)  # [S, head_dim]
     angles = angles if heads_first else angles[:, None]  # [S, 1, head_dim]: over the heads
     cos, sin = jnp.cos(angles).astype(q.dtype), jnp.sin(angles).astype(q.dtype)
@@ -82,5 +82,5 @@ def sequence_order(config: GPTConfig, seq_len: int) -> np.ndarray | None:
     return attention_lib.zigzag_order(seq_len, c)
 
 
-def _layout(config: GPTConfig, seq_len: int) -> str:
+def layout(config: GPTConfig, seq_len: int) -> str:
     return "contiguous" if sequence_order(config, seq_len) is None else "zigzag"
