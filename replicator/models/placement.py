@@ -16,18 +16,13 @@ import replicator as rp
 from replicator import moe, pipeline
 from replicator._src.core.mesh import EXPERT_AXIS, MODEL_AXIS
 from replicator.models.config import DEFAULT, GPTConfig
+from replicator.models.layers.common import with_biases
 from replicator.models.layers.norms import has_bias
 
 
 def _with_biases(config: GPTConfig, weights: dict) -> dict:
-    """``{name: axes}`` of linear layers and their biases' (the last), where they have one
-    (``config.has_bias``)."""
-    out = {}
-    for name, axes in weights.items():
-        out[name] = axes
-        if config.has_bias(name):
-            out[f"{name}_bias"] = axes[-1:]
-    return out
+    """``{name: axes}`` of linear layers and their biases' (the last), where they have one."""
+    return with_biases(config, weights, lambda axes: axes[-1:])
 
 
 def _block_axes(config: GPTConfig) -> dict:

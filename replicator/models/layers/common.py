@@ -3,6 +3,7 @@ ZeRO-3's stored parts (`rp.ShardedParam`), cast to ``GPTConfig.reduce_dtype``.""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -20,15 +21,20 @@ def normal(key, shape, std=0.02):
     return std * jax.random.normal(key, shape, jnp.float32)
 
 
-def linears(config: GPTConfig, weights: dict) -> dict:
-    """``{name: weight}`` and ``{name}_bias`` zeros after each that has a bias
-    (``config.has_bias``)."""
+def with_biases(config: GPTConfig, leaves: dict, bias: Callable[[Any], Any]) -> dict:
+    """``leaves`` (one per linear layer, by name) with ``{name}_bias``, ``bias(leaf)``, after
+    each layer that has one (``config.has_bias``): the parameters' tree, or their roles'."""
     out = {}
-    for name, w in weights.items():
-        out[name] = w
+    for name, leaf in leaves.items():
+        out[name] = leaf
         if config.has_bias(name):
-            out[f"{name}_bias"] = jnp.zeros(w.shape[-1:], jnp.float32)
+            out[f"{name}_bias"] = bias(leaf)
     return out
+
+
+def linears(config: GPTConfig, weights: dict) -> dict:
+    """``{name: weight}`` and ``{name}_bias`` zeros after each that has a bias."""
+    return with_biases(config, weights, lambda w: jnp.zeros(w.shape[-1:], jnp.float32))
 
 
 def linear(p: dict, name: str, x: jax.Array) -> jax.Array:
