@@ -233,3 +233,12 @@ def test_three_sgd_steps_on_data_and_model_axes_equal_one_device(zero_stage):
     want = one_device()
     assert rel_err(got, want) <= 1e-5, rel_err(got, want)
     assert rel_err(got, params) > 1e-3  # training moved them
+    # The biases' own updates, which are small next to the biases: a bias gradient off by a
+    # factor (summed over `model` twice, say) fails here. (k's bias has no gradient: a shift of
+    # every key a query sees leaves its softmax as it was.)
+    moved = lambda tree, name: (
+        np.asarray(tree["blocks"]["attn"][name]) - params["blocks"]["attn"][name]
+    )
+    for name in ("q_bias", "v_bias"):
+        assert np.abs(moved(want, name)).max() > 1e-4, name
+        assert rel_err(moved(got, name), moved(want, name)) <= 1e-3, name

@@ -210,10 +210,8 @@ def _check(config: gpt.GPTConfig, api: str) -> None:
 
 
 def _biases(config: gpt.GPTConfig) -> frozenset[str]:
-    """The linear leaves of ``config``'s blocks that have biases."""
-    if config.bias:
-        return frozenset(family.ATTENTION + family.MLP)
-    return family.QKV if config.qkv_bias else family.NO_BIASES
+    """The linear leaves of ``config``'s blocks that have biases (`gpt.GPTConfig.has_bias`)."""
+    return frozenset(filter(config.has_bias, family.ATTENTION + family.MLP))
 
 
 class _Name(NamedTuple):
