@@ -37,7 +37,7 @@ import os
 import tempfile
 import time
 
-from replicator._src.layers import kernels
+from replicator._src.sharded import kernels
 from replicator.cli import main as cli
 
 CONFIG = "configs/llama3_8b.yaml"

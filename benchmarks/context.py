@@ -51,7 +51,7 @@ import numpy as np
 import optax
 
 import replicator as rp
-from replicator._src.layers import attention as attention_lib
+from replicator._src.sharded import attention as attention_lib
 from replicator.models import gpt
 
 CONTEXTS = (1, 2, 4, 8)
@@ -181,7 +181,7 @@ def token_bytes(config_name: str, overrides: list, axis: str, target, local) -> 
     with `embedding.scatters_locally` forced to ``local`` (None: as it chooses)."""
     from unittest import mock
 
-    from replicator._src.layers import embedding
+    from replicator._src.sharded import embedding
     from replicator.cli import config as cfg_lib
     from replicator.cli import jobs, targets
 

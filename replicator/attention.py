@@ -2,7 +2,7 @@
 attention (key/value blocks passed round the axis, an online softmax, causal blocks skipped,
 the zigzag layout for balance) or all-to-all over heads (DeepSpeed-Ulysses). Without a
 ``context`` axis both are plain attention, the one-device oracle (see
-`replicator._src.layers.attention`).
+`replicator._src.sharded.attention`).
 
 >>> import jax, jax.numpy as jnp
 >>> from replicator import attention
@@ -12,10 +12,10 @@ the zigzag layout for balance) or all-to-all over heads (DeepSpeed-Ulysses). Wit
 True
 """
 
-from replicator._src.layers.attention import IMPLS as IMPLS
-from replicator._src.layers.attention import LAYOUTS as LAYOUTS
-from replicator._src.layers.attention import attention as attention
-from replicator._src.layers.attention import constrain_tokens as constrain_tokens
-from replicator._src.layers.attention import context_size as context_size
-from replicator._src.layers.attention import reference as reference
-from replicator._src.layers.attention import zigzag_order as zigzag_order
+from replicator._src.sharded.attention import IMPLS as IMPLS
+from replicator._src.sharded.attention import LAYOUTS as LAYOUTS
+from replicator._src.sharded.attention import attention as attention
+from replicator._src.sharded.attention import constrain_tokens as constrain_tokens
+from replicator._src.sharded.attention import context_size as context_size
+from replicator._src.sharded.attention import reference as reference
+from replicator._src.sharded.attention import zigzag_order as zigzag_order

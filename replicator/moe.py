@@ -1,7 +1,7 @@
 """Mixture of experts with expert parallelism: tokens routed per sequence (group) to their
 ``top_k`` experts within a capacity, the experts split over the mesh's ``expert`` axis and the
 tokens carried to them by ``all_to_all``. Exact on every mesh: each group is routed, dropped and
-balanced as on one device (see `replicator._src.layers.experts`).
+balanced as on one device (see `replicator._src.sharded.experts`).
 
 >>> import jax
 >>> from replicator import moe
@@ -11,10 +11,10 @@ balanced as on one device (see `replicator._src.layers.experts`).
 ((2, 4, 8), (2,))
 """
 
-from replicator._src.layers.experts import LOGICAL_AXES as LOGICAL_AXES
-from replicator._src.layers.experts import apply as apply
-from replicator._src.layers.experts import init as init
-from replicator._src.layers.experts import logical_axes as logical_axes
-from replicator._src.layers.experts import partition_specs as partition_specs
-from replicator._src.layers.routing import Routing as Routing
-from replicator._src.layers.routing import Stats as Stats
+from replicator._src.sharded.experts import LOGICAL_AXES as LOGICAL_AXES
+from replicator._src.sharded.experts import apply as apply
+from replicator._src.sharded.experts import init as init
+from replicator._src.sharded.experts import logical_axes as logical_axes
+from replicator._src.sharded.experts import partition_specs as partition_specs
+from replicator._src.sharded.routing import Routing as Routing
+from replicator._src.sharded.routing import Stats as Stats

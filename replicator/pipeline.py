@@ -16,7 +16,7 @@ from replicator._src.pipeline.costs import stage_costs as stage_costs
 from replicator._src.pipeline.costs import stage_costs_stacked as stage_costs_stacked
 from replicator._src.pipeline.engine import apply as apply
 from replicator._src.pipeline.engine import value_and_grad as value_and_grad
-from replicator._src.pipeline.layers import scan_layers as scan_layers
+from replicator._src.pipeline.layer_stack import scan_layers as scan_layers
 from replicator._src.pipeline.partition import Partition as Partition
 from replicator._src.pipeline.partition import balance as balance
 from replicator._src.pipeline.partition import stack_stages as stack_stages

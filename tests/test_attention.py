@@ -379,7 +379,7 @@ def test_tiled_blockwise_attention_equals_reference_values_and_gradients(impl, c
     block, on each device of all-to-all for the whole sequence). With tiles of 3 keys, the
     values and the gradients of q, k, v equal plain attention, on one device and on
     {"data": 2, "context": 4} (the ring's half blocks tiled too: 12 tokens a device)."""
-    from replicator._src.layers import attention as impl_module
+    from replicator._src.sharded import attention as impl_module
 
     monkeypatch.setattr(impl_module, "TILE", 3)
     q, k, v, w = jax.random.normal(jax.random.key(5), (4, 4, 48, H, DH))
@@ -468,7 +468,7 @@ def pallas_case(impl, c, kv, causal, layout, seq):
     Pallas's interpreter) on {"context": c} (one device for c = 1) against `reference` at the
     layout's positions; the kernel's calls counted, so a path that fell back to XLA's blockwise
     kernel fails."""
-    from replicator._src.layers import kernels, splash
+    from replicator._src.sharded import kernels, splash
 
     h, dh = 4, 8
     keys = jax.random.split(jax.random.key(11), 4)
@@ -533,7 +533,7 @@ def test_the_kernel_is_chosen_by_platform(monkeypatch):
     """TPU: splash where its tiles divide; GPU: cuDNN for whole bf16/fp16 sequences in natural
     order (a ring block, fp32 or zigzag positions keep XLA's kernel); CPU: XLA's. On a GPU the
     one-device path calls ``jax.nn.dot_product_attention(implementation="cudnn")``."""
-    from replicator._src.layers import kernels, splash
+    from replicator._src.sharded import kernels, splash
 
     pick = lambda platform, **kw: kernels.choose(
         **{"seqs": (1024,), "dtype": jnp.bfloat16, "head_dim": 128, **kw}, platform=platform
@@ -569,7 +569,7 @@ def test_gpt_with_the_splash_kernel_over_context_trains_as_one_device(mesh_shape
     """`replicator.models.gpt` with its attention on the splash kernel (`kernels.forced`: on a
     TPU, the platform's choice), 256 tokens over ``context``: the ring's blocks (128 tokens a
     device) and Ulysses' whole sequences. Three SGD steps equal one device's (XLA's kernel)."""
-    from replicator._src.layers import kernels
+    from replicator._src.sharded import kernels
     from replicator.models import gpt
 
     config = gpt.GPTConfig(vocab_size=64, seq_len=256, d_model=32, num_heads=4, num_kv_heads=2,

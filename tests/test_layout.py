@@ -9,7 +9,7 @@ These read the source, not the behaviour. They keep the "Layout" map of docs/des
 * the import graph of the whole package (``_src``, the public face, the models, the CLI),
   function-local imports included, has no cycle, so every module sits on a floor above
   everything it imports;
-* ``_src``'s packages (``core``, ``optim``, ``report``, ``layers``, ``distributed``,
+* ``_src``'s packages (``core``, ``optim``, ``report``, ``sharded``, ``distributed``,
   ``pipeline``, ``planner``, ``run``, and the ``context`` module that holds the Replicator) sit
   on floors too (`PACKAGE_FLOORS`), and so do the rooms of ``models/`` (`MODEL_FLOORS`): a module
   imports from another package only on a lower floor;
@@ -39,7 +39,7 @@ PACKAGE_FLOORS = {  # _src's packages (and its root module), each above what it 
     "core": 0,  # the Binding, mesh, leaf specs, collectives, lowering, step cache, tracing notes
     "optim": 1,  # wrap_optimizer's chain and ZeRO
     "report": 1,  # compiled programs read: hlo, StepReport
-    "layers": 1,  # attention over `context`, experts over `expert`
+    "sharded": 1,  # attention over `context`, experts over `expert`, their kernels
     "distributed": 1,  # initialize, heartbeat, the launcher
     "pipeline": 2,  # schedules and the scanned engine
     "context": 2,  # the Replicator
@@ -170,7 +170,7 @@ def test_the_floor_rules_can_fail():
         graph = {**GRAPH, name: GRAPH[name] | {dep}}
         assert wrong_imports(graph, list(graph), _part, PART_FLOORS), (name, dep)
     models = [name for name in GRAPH if name.startswith("replicator.models.")]
-    graph = {**GRAPH, "replicator.models.layers.attention": {"replicator.models.decoder"}}
+    graph = {**GRAPH, "replicator.models.layers.self_attention": {"replicator.models.decoder"}}
     assert wrong_imports(graph, models, _model_room, MODEL_FLOORS)
     cycle = {**GRAPH, "replicator.models.config": {"replicator.models.gpt"}}
     with pytest.raises(AssertionError, match="import cycle: replicator.models"):

@@ -17,9 +17,9 @@ from oracle import rel_err
 
 import replicator as rp
 from replicator import moe
-from replicator._src.layers import dropless
-from replicator._src.layers import routing as routing_lib
 from replicator._src.report import hlo
+from replicator._src.sharded import dropless
+from replicator._src.sharded import routing as routing_lib
 
 TOL = 1e-5
 B, S, D, F, E = 8, 16, 32, 32, 8  # global batch: 8 groups of 16 tokens

@@ -15,7 +15,7 @@ import optax
 import pytest
 
 import replicator as rp
-from replicator._src.layers import attention, splash
+from replicator._src.sharded import attention, splash
 from replicator.models import gpt
 
 

@@ -262,7 +262,7 @@ def layouts_for(cfg: TrainConfig, n: int, args: argparse.Namespace):
         max_model = 8 if args.max_model is None else args.max_model
         tokens = _token_options(m, args)
         if getattr(m, "attention", None) == "splash":  # the kernel runs on whole heads and
-            max_model = 1  # sequences, on one device each (`replicator._src.layers.splash`)
+            max_model = 1  # sequences, on one device each (`replicator._src.sharded.splash`)
             tokens.update(max_context=1, max_expert=1)
         return rp.enumerate_layouts(
             n, num_layers=m.layers, num_heads=m.heads, hidden=m.d_ff or 4 * m.d_model,

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 
 from replicator import moe
 from replicator._src.core.errors import positive_int
-from replicator._src.layers import attention as attention_lib
 from replicator._src.pipeline.residuals import as_remat
+from replicator._src.sharded import attention as attention_lib
 
 NORMS = ("layer", "rms")
 POSITIONS = ("learned", "rope")
@@ -63,8 +63,8 @@ class GPTConfig:
     (cuDNN's fused kernel where XLA picks it, key/value heads grouped without copies), for
     meshes without a ``context`` axis, or ``"splash"``: the TPU's splash-attention kernel
     (Pallas; the scores never reach HBM; interpreted off a TPU), for meshes without a
-    ``context`` axis (`replicator._src.layers.splash`). On a TPU, ``"ring"``, ``"all_to_all"``
-    and one device's attention run the same kernel (`replicator._src.layers.kernels`).
+    ``context`` axis (`replicator._src.sharded.splash`). On a TPU, ``"ring"``, ``"all_to_all"``
+    and one device's attention run the same kernel (`replicator._src.sharded.kernels`).
 
     The architecture (defaults: GPT-2's; `replicator.models.llama.config` sets Llama's):
 

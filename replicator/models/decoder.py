@@ -16,21 +16,21 @@ import numpy as np
 import replicator as rp
 from replicator import moe, pipeline
 from replicator._src.core import sharded_params
-from replicator._src.layers import attention as attention_lib
-from replicator._src.layers import embedding as embedding_lib
 from replicator._src.pipeline.residuals import as_remat, never_gathered
+from replicator._src.sharded import attention as attention_lib
+from replicator._src.sharded import embedding as embedding_lib
 from replicator.models.config import DEFAULT, GPTConfig
-from replicator.models.layers.attention import (
+from replicator.models.layers.common import is_stored, reduce_cast
+from replicator.models.layers.mlp import mlp, mlp_params
+from replicator.models.layers.moe_mlp import mixture, moe_params
+from replicator.models.layers.norms import norm, norm_params
+from replicator.models.layers.rotary import sequence_order
+from replicator.models.layers.self_attention import (
     attend,
     attn_params,
     heads_first,
     weights_heads_first,
 )
-from replicator.models.layers.common import is_stored, reduce_cast
-from replicator.models.layers.experts import mixture, moe_params
-from replicator.models.layers.mlp import mlp, mlp_params
-from replicator.models.layers.norms import norm, norm_params
-from replicator.models.layers.rotary import sequence_order
 
 PyTree = Any
 
@@ -113,7 +113,7 @@ def embed(
     pass through (so are `block`'s and `head_logits`'). A token table ZeRO splits by rows (its
     vocabulary) is not gathered: each replica looks up the tokens in its own rows
     (`sharded_params.take_rows`); each device scatters its own tokens' cotangents where that
-    moves fewer bytes (`replicator._src.layers.embedding.lookup`)."""
+    moves fewer bytes (`replicator._src.sharded.embedding.lookup`)."""
     s = tokens.shape[-1]
     positions = rp.gather_params(embed_params.get("positions"))
     positions = None if positions is None else positions[:s]

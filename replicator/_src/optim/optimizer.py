@@ -61,10 +61,10 @@ from replicator._src.optim import (
     clipping,
     loss_scaling,
     replica_mean,
-    stage_blocks,
-    stagewise,
     zero,
 )
+from replicator._src.optim.stages import blocks as stage_blocks
+from replicator._src.optim.stages import transform as stagewise
 
 ZERO_STAGES = (0, 1, 2, 3)
 _EMPTY = optax.EmptyState()

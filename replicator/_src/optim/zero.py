@@ -43,8 +43,9 @@ from replicator._src.core.binding import current_binding
 from replicator._src.core.packed import packed_nodes
 from replicator._src.core.sharded_params import ShardedParam, has_sharded_params, is_sharded_param
 from replicator._src.core.typing import PyTree
-from replicator._src.optim import sharded_eval, shards, stagewise, zero_layout, zero_plan
+from replicator._src.optim import sharded_eval, shards, zero_layout, zero_plan
 from replicator._src.optim.shards import WHOLE, Split
+from replicator._src.optim.stages import transform as stagewise
 
 
 class _Leaf(NamedTuple):

@@ -24,7 +24,7 @@ from replicator._src.core.typing import PyTree
 from replicator._src.pipeline import costs as costs_lib
 from replicator._src.pipeline import pictures, timing, whole_grads
 from replicator._src.pipeline import schedules as schedules_lib
-from replicator._src.pipeline.layers import (
+from replicator._src.pipeline.layer_stack import (
     Program,
     StageFn,
     as_layers,

@@ -27,7 +27,7 @@ import numpy as np
 
 from replicator._src.core.errors import positive_int
 from replicator._src.core.typing import PyTree
-from replicator._src.pipeline.layers import _ScanLayers, describe, same_shapes
+from replicator._src.pipeline.layer_stack import _ScanLayers, describe, same_shapes
 from replicator._src.pipeline.residuals import Remat, SavedLayer, as_remat
 from replicator._src.pipeline.steps import Chain
 from replicator._src.pipeline.timing import StageCosts

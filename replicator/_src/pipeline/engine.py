@@ -39,7 +39,7 @@ from replicator._src.core.typing import PyTree
 from replicator._src.pipeline import gpipe, one_f_one_b, sequential, whole_grads, zero_bubble
 from replicator._src.pipeline import schedules as schedules_lib
 from replicator._src.pipeline.call import PipelineCall
-from replicator._src.pipeline.layers import StageFn
+from replicator._src.pipeline.layer_stack import StageFn
 from replicator._src.pipeline.residuals import as_remat
 from replicator._src.pipeline.ticks import LossFn
 

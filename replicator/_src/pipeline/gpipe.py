@@ -20,7 +20,7 @@ from replicator._src.core.mesh import STAGE_AXIS
 from replicator._src.core.typing import PyTree
 from replicator._src.pipeline import whole_grads
 from replicator._src.pipeline.call import PipelineCall
-from replicator._src.pipeline.layers import vjp_inexact
+from replicator._src.pipeline.layer_stack import vjp_inexact
 from replicator._src.pipeline.residuals import Remat, never_gathered
 from replicator._src.pipeline.ticks import (
     LossFn,

@@ -31,7 +31,7 @@ from jax.extend import core as jcore
 
 from replicator._src.core.sharded_params import regather_policy
 from replicator._src.core.typing import PyTree
-from replicator._src.pipeline.layers import _inexact
+from replicator._src.pipeline.layer_stack import _inexact
 
 _POLICIES = {
     "none": None,

@@ -13,7 +13,7 @@ from jax import lax
 
 from replicator._src.core.typing import PyTree
 from replicator._src.pipeline.call import PipelineCall
-from replicator._src.pipeline.layers import Program, vjp_inexact
+from replicator._src.pipeline.layer_stack import Program, vjp_inexact
 from replicator._src.pipeline.residuals import Remat
 from replicator._src.pipeline.ticks import LossFn, mean_loss, take
 

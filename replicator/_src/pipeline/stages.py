@@ -22,7 +22,7 @@ from replicator._src.core.errors import positive_int
 from replicator._src.core.packed import PackedStages
 from replicator._src.core.packing import Packing
 from replicator._src.core.typing import PyTree
-from replicator._src.pipeline.layers import Program, describe, scan_layers
+from replicator._src.pipeline.layer_stack import Program, describe, scan_layers
 from replicator._src.pipeline.steps import Chain, StageLayout
 
 _API = "rp.pipeline.sequential"

@@ -27,7 +27,7 @@ from jax import lax
 from replicator._src.core.collectives import divergent
 from replicator._src.core.packing import Packing, unpack_leaves
 from replicator._src.core.typing import PyTree
-from replicator._src.pipeline.layers import Program, _ScanLayers
+from replicator._src.pipeline.layer_stack import Program, _ScanLayers
 
 
 @dataclasses.dataclass(frozen=True)

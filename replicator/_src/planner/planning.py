@@ -22,7 +22,6 @@ import time
 from collections.abc import Callable, Sequence
 
 from replicator._src.core import targets
-from replicator._src.layers import kernels
 from replicator._src.planner import pricing, search
 from replicator._src.planner import progress as progress_lib
 from replicator._src.planner.layouts import Family, Layout
@@ -30,6 +29,7 @@ from replicator._src.planner.plan_table import renderable as _renderable
 from replicator._src.report.cost_model import ModelledTime, model_time
 from replicator._src.report.hardware import Hardware, parse_bytes
 from replicator._src.report.hardware import hardware as hardware_lib
+from replicator._src.sharded import kernels
 
 
 @dataclasses.dataclass(frozen=True)

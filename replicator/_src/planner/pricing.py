@@ -35,12 +35,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from replicator._src.layers import embedding
 from replicator._src.planner import search
 from replicator._src.planner.layouts import VIRTUAL, Family, Layout, schedule_of
 from replicator._src.planner.model_shape import TILE, ModelShape
 from replicator._src.report.cost_model import SKIPS_IDLE, CollectiveCost, CompiledStep, model_time
 from replicator._src.report.step_report import format_bytes
+from replicator._src.sharded import embedding
 
 
 @dataclasses.dataclass(frozen=True)

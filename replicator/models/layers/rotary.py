@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from replicator._src.layers import attention as attention_lib
+from replicator._src.sharded import attention as attention_lib
 from replicator.models.config import GPTConfig
 
 

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from replicator._src.core import scoped
-from replicator._src.layers import splash
+from replicator._src.sharded import splash
 
 KERNELS = ("xla", "splash", "cudnn")
 _FORCED: scoped.Stack[str] = scoped.Stack()

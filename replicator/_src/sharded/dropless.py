@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 from replicator._src.core import binding as binding_lib
 from replicator._src.core import collectives
 from replicator._src.core.mesh import EXPERT_AXIS
-from replicator._src.layers.routing import Choices
+from replicator._src.sharded.routing import Choices
 
 KERNEL_FLOPS = "replicator_kernel_flops_{}"  # read by report/hlo.py, as splash attention's
 MAX_TILE = 128  # the TPU kernel's tile of rows

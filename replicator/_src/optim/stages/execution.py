@@ -1,10 +1,10 @@
-"""One update of packed stages: the placed program run in rounds (see `stagewise`).
+"""One update of packed stages: the placed program run in rounds (see `transform`).
 
-`StageRun` runs a `stage_program.StageProgram` inside a step: each device unpacks the rows of
+`StageRun` runs a `program.StageProgram` inside a step: each device unpacks the rows of
 the stages it holds, computes their values under a ``lax.switch`` on its stage index, exports
 what the glue reads (gathered over ``stage``), runs the glue everywhere, and in a last pass packs
 each stage's updates and state back into rows. Values are held as the evaluator holds them:
-plain arrays here; ZeRO's parts in `stage_zero.ZeroStageRun`, which overrides the hooks
+plain arrays here; ZeRO's parts in `zero_parts.ZeroStageRun`, which overrides the hooks
 (``stage_inputs``, ``run``, ``whole``, ``state_value``).
 """
 
@@ -22,8 +22,8 @@ from replicator._src.core.mesh import STAGE_AXIS
 from replicator._src.core.packed import PackedStages, is_packed, packed_nodes
 from replicator._src.core.packing import Packing
 from replicator._src.core.typing import PyTree
-from replicator._src.optim import stage_program as sp
-from replicator._src.optim.stage_program import EVERYWHERE
+from replicator._src.optim.stages import program as sp
+from replicator._src.optim.stages.program import EVERYWHERE
 
 API = "wrap_optimizer"
 

@@ -15,7 +15,8 @@ import optax
 from jax.sharding import Mesh
 
 from replicator._src.core.binding import current_binding
-from replicator._src.optim import sharded_eval, stage_program
+from replicator._src.optim import sharded_eval
+from replicator._src.optim.stages import program as stage_program
 from replicator._src.optim.zero import _NEEDS_PARAMS, Zero
 
 

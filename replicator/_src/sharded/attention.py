@@ -54,7 +54,7 @@ from jax.sharding import PartitionSpec as P
 
 from replicator._src.core import collectives
 from replicator._src.core.mesh import CONTEXT_AXIS, EXPERT_AXIS, MODEL_AXIS
-from replicator._src.layers import kernels, splash
+from replicator._src.sharded import kernels, splash
 
 IMPLS = ("ring", "all_to_all")
 LAYOUTS = ("contiguous", "zigzag")

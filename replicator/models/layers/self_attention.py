@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 
 import replicator as rp
-from replicator._src.layers import attention as attention_lib
-from replicator._src.layers import splash
+from replicator._src.sharded import attention as attention_lib
+from replicator._src.sharded import splash
 from replicator.models.config import GPTConfig
 from replicator.models.layers.common import is_stored, linear, linears, normal, residual
 from replicator.models.layers.norms import norm

@@ -12,7 +12,7 @@ of a group (``ceil(capacity_factor * S * top_k / E)``). They are taken in GShard
 order: every token's first choice in position order, then every token's second choice, and so
 on. A token-choice that finds its expert's ``C`` slots taken is dropped: it adds nothing to
 the token's output, which keeps only its residual path. With ``capacity_factor=None`` no token
-is ever dropped, and no slots are made (**dropless**, `replicator._src.layers.dropless`): the
+is ever dropped, and no slots are made (**dropless**, `replicator._src.sharded.dropless`): the
 token-choices are sorted by expert and each expert computes only its own rows (a grouped
 matmul), ``top_k`` rows a token, where ``C = S`` slots would compute ``E / top_k`` times
 more.
@@ -58,8 +58,8 @@ from jax.sharding import PartitionSpec as P
 from replicator._src.core import collectives
 from replicator._src.core.mesh import EXPERT_AXIS
 from replicator._src.core.sharded_params import gather_params
-from replicator._src.layers import dropless
-from replicator._src.layers.routing import Choices, Routing, Stats, route
+from replicator._src.sharded import dropless
+from replicator._src.sharded.routing import Choices, Routing, Stats, route
 
 LOGICAL_AXES: dict = {
     "router": ("embed", None),

@@ -8,7 +8,7 @@ factored moments, ``multi_transform`` by name, per-leaf clipping.
 
 `stagewise` runs the transformation on the tree it has on one device, in which the rows are
 replaced by the list of the stages' own trees. Its program (``tx.update`` traced on that tree)
-is placed stage by stage (`stage_program.StageProgram`): each device unpacks its stage's row
+is placed stage by stage (`program.StageProgram`): each device unpacks its stage's row
 into the stage's tree, runs that stage's part under a ``lax.switch`` on its stage index, and
 packs the updates back into a row. What mixes stages (a global norm) runs on every device from
 the values each stage exports (a scalar per leaf for a norm), gathered over ``stage``.
@@ -38,10 +38,10 @@ from replicator._src.core.mesh import STAGE_AXIS
 from replicator._src.core.packed import is_packed, packed_nodes
 from replicator._src.core.packing import Packing
 from replicator._src.core.typing import PyTree
-from replicator._src.optim import stage_program as sp
-from replicator._src.optim import stage_zero
-from replicator._src.optim.stage_program import EVERYWHERE
-from replicator._src.optim.stage_run import StageRun, stage_count
+from replicator._src.optim.stages import program as sp
+from replicator._src.optim.stages import zero_parts
+from replicator._src.optim.stages.execution import StageRun, stage_count
+from replicator._src.optim.stages.program import EVERYWHERE
 
 _API = "wrap_optimizer"
 
@@ -176,14 +176,14 @@ def _row_spec(model, mesh: Mesh | None) -> PartitionSpec:
 
 def init(inner, params: PyTree, mesh: Mesh | None, *, zero_n: int = 0) -> StageState:
     """``inner.init`` of the one-device tree, each state leaf with the stage that updates it;
-    with ``zero_n`` replicas, each stage's leaves on their ZeRO parts (`stage_zero`)."""
+    with ``zero_n`` replicas, each stage's leaves on their ZeRO parts (`zero_parts`)."""
     model = _model(params)
     lay = _layout(inner, model, params, params, {})
     trees, _ = _one_device(params, _unpacked_stages(model))
     leaves = jax.tree.leaves(inner.init(trees))
     if zero_n:
-        zs = stage_zero.splits(lay, model, zero_n)
-        rows = stage_zero.init_rows(lay, model, zs, leaves, mesh)
+        zs = zero_parts.splits(lay, model, zero_n)
+        rows = zero_parts.init_rows(lay, model, zs, leaves, mesh)
         shared = tuple(x for x, w in zip(leaves, lay.s_where, strict=True) if w == EVERYWHERE)
         return StageState(rows, placement.put(shared, NamedSharding(mesh, PartitionSpec())))
     s = stage_count(model)
@@ -210,14 +210,14 @@ def _check_state(lay: _Layout, state: Any) -> None:
 
 def update(inner, grads, state, params, extra_args, *, zero_n: int = 0, grad_dtype=None):
     """The updates and new state of ``inner`` on the one-device tree (see the module); with
-    ``zero_n`` replicas, from local gradients, on ZeRO's parts (`stage_zero`)."""
+    ``zero_n`` replicas, from local gradients, on ZeRO's parts (`zero_parts`)."""
     model = _model(params, grads)
     lay = _layout(inner, model, grads, params, extra_args)
     _check_state(lay, state)
     if not zero_n:
         return StageRun(lay, model, grads, state, params)()
-    zs = stage_zero.splits(lay, model, zero_n)
-    return stage_zero.ZeroStageRun(lay, model, grads, state, params, zs, grad_dtype)()
+    zs = zero_parts.splits(lay, model, zero_n)
+    return zero_parts.ZeroStageRun(lay, model, grads, state, params, zs, grad_dtype)()
 
 
 def only_packed(params: PyTree, what: str) -> bool:

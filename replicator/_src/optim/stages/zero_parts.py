@@ -4,7 +4,7 @@ the replicas, updated on their parts as one device updates the stage's tree.
 ZeRO keeps every leaf in its own shape with one axis split over the replicas
 (`zero_layout.split_dim`). For packed stages the leaves are the stages' own: on the devices of
 stage ``j``, each gradient leaf of stage ``j`` is reduce-scattered along its split axis (a leaf
-with none is all-reduced), the stage's part of the placed program (`stage_program`) runs on the
+with none is all-reduced), the stage's part of the placed program (`program`) runs on the
 parts with ZeRO's evaluator (`sharded_eval`: reductions over a split axis completed over the
 replicas: LAMB's trust ratio, a global norm), and each update is all-gathered along the same
 axis: the bytes of an all-reduce, and 1/N of the stage's optimizer state on each device. The
@@ -29,10 +29,10 @@ from replicator._src.core import mesh as mesh_lib
 from replicator._src.core.mesh import STAGE_AXIS
 from replicator._src.core.packing import Packing
 from replicator._src.optim import sharded_eval, zero_layout
-from replicator._src.optim import stage_program as sp
 from replicator._src.optim.shards import WHOLE, Comm, Split, local_shape
-from replicator._src.optim.stage_program import EVERYWHERE
-from replicator._src.optim.stage_run import StageRun, stage_count
+from replicator._src.optim.stages import program as sp
+from replicator._src.optim.stages.execution import StageRun, stage_count
+from replicator._src.optim.stages.program import EVERYWHERE
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from replicator._src.core import collectives, sharded_params
 from replicator._src.core.mesh import CONTEXT_AXIS, EXPERT_AXIS
-from replicator._src.layers import attention as attention_lib
+from replicator._src.sharded import attention as attention_lib
 
 
 def lookup(table: Any, tokens: jax.Array, dtype: Any = None) -> jax.Array:
