@@ -46,17 +46,17 @@ from replicator._src.report.hardware import Hardware as Hardware
 from replicator._src.report.hardware import hardware as hardware
 from replicator._src.report.on_target import OnTarget as OnTarget
 from replicator._src.report.step_report import StepReport as StepReport
-from replicator._src.run.checkpoint import Checkpoints as Checkpoints
-from replicator._src.run.checkpoint import StateMismatchError as StateMismatchError
-from replicator._src.run.full_disk import CheckpointWriteError as CheckpointWriteError
-from replicator._src.run.loop import FitResult as FitResult
-from replicator._src.run.loop import NonFiniteError as NonFiniteError
-from replicator._src.run.loop import fit as fit
-from replicator._src.run.profiling import Profile as Profile
-from replicator._src.run.rundir import RunDirLockedError as RunDirLockedError
-from replicator._src.run.writers import MetricWriter as MetricWriter
-from replicator._src.run.writers import TensorBoardWriter as TensorBoardWriter
-from replicator._src.run.writers import WandbWriter as WandbWriter
+from replicator._src.training.checkpoint import Checkpoints as Checkpoints
+from replicator._src.training.checkpoint import StateMismatchError as StateMismatchError
+from replicator._src.training.full_disk import CheckpointWriteError as CheckpointWriteError
+from replicator._src.training.loop import FitResult as FitResult
+from replicator._src.training.loop import NonFiniteError as NonFiniteError
+from replicator._src.training.loop import fit as fit
+from replicator._src.training.profiling import Profile as Profile
+from replicator._src.training.rundir import RunDirLockedError as RunDirLockedError
+from replicator._src.training.writers import MetricWriter as MetricWriter
+from replicator._src.training.writers import TensorBoardWriter as TensorBoardWriter
+from replicator._src.training.writers import WandbWriter as WandbWriter
 
 __version__ = "0.1.0"
 

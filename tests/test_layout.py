@@ -44,7 +44,7 @@ PACKAGE_FLOORS = {  # _src's packages (and its root module), each above what it 
     "pipeline": 2,  # schedules and the scanned engine
     "context": 2,  # the Replicator
     "planner": 3,  # rp.plan
-    "run": 3,  # rp.fit, checkpoints, logs
+    "training": 3,  # rp.fit, checkpoints, logs
 }
 PART_FLOORS = {  # the package's parts, each above what it imports
     "_src": 0,  # the library

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from replicator._src.run.stop_flag import StopFlag, _Agreement
+from replicator._src.training.stop_flag import StopFlag, _Agreement
 
 
 class FakeStore:

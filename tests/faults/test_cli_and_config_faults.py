@@ -16,7 +16,7 @@ import pytest
 
 import replicator as rp
 from replicator import cli
-from replicator._src.run import rundir
+from replicator._src.training import rundir
 from replicator.cli import config
 from replicator.cli.jobs import runner
 

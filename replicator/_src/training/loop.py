@@ -23,14 +23,14 @@ from replicator._src.core import errors
 from replicator._src.core.typing import PyTree, StepFn
 from replicator._src.distributed import beat
 from replicator._src.distributed import initialize as distributed
-from replicator._src.run.checkpoint import Checkpoints, NoReadableCheckpointError
-from replicator._src.run.fit_log import Report, drop_lines_after, notice
-from replicator._src.run.nonfinite import FiniteGuard
-from replicator._src.run.nonfinite import NonFiniteError as NonFiniteError  # raised by fit
-from replicator._src.run.profiling import Profile, Tracer
-from replicator._src.run.rundir import holds_run_lock
-from replicator._src.run.stop_flag import StopFlag
-from replicator._src.run.writers import MetricWriter, closes_writers
+from replicator._src.training.checkpoint import Checkpoints, NoReadableCheckpointError
+from replicator._src.training.fit_log import Report, drop_lines_after, notice
+from replicator._src.training.nonfinite import FiniteGuard
+from replicator._src.training.nonfinite import NonFiniteError as NonFiniteError  # raised by fit
+from replicator._src.training.profiling import Profile, Tracer
+from replicator._src.training.rundir import holds_run_lock
+from replicator._src.training.stop_flag import StopFlag
+from replicator._src.training.writers import MetricWriter, closes_writers
 
 
 @dataclasses.dataclass

@@ -38,7 +38,7 @@ from replicator._src.core import errors
 from replicator._src.core.mesh import indivisible_split, replicated_sharding
 from replicator._src.core.sharded_params import ShardedParam, is_sharded_param, values
 from replicator._src.core.typing import PyTree
-from replicator._src.run import flat_layout, full_disk
+from replicator._src.training import flat_layout, full_disk
 
 
 class StateMismatchError(ValueError):

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from replicator._src.core.typing import PyTree
-from replicator._src.run.checkpoint import Checkpoints
+from replicator._src.training.checkpoint import Checkpoints
 
 
 class NonFiniteError(FloatingPointError):

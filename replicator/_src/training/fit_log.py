@@ -16,8 +16,8 @@ from collections.abc import Sequence
 
 import jax
 
-from replicator._src.run.checkpoint import Checkpoints
-from replicator._src.run.writers import MetricWriter, TensorBoardWriter
+from replicator._src.training.checkpoint import Checkpoints
+from replicator._src.training.writers import MetricWriter, TensorBoardWriter
 
 
 def drop_lines_after(path: str | os.PathLike, step: int) -> None:
