@@ -189,7 +189,7 @@ def token_bytes(config_name: str, overrides: list, axis: str, target, local) -> 
     cfg = cfg_lib.load(path + ".yaml", overrides)
     devices = None
     if target is not None:
-        cfg = targets.on_target(cfg, target)
+        cfg = targets.mesh_on_target(cfg, target)
         devices = list(targets.devices(target.name, target.slices))
     rule = embedding.scatters_locally if local is None else lambda **_: local
     with mock.patch.object(embedding, "scatters_locally", rule):
@@ -206,7 +206,7 @@ def embedding_bytes(args) -> None:
     print("|---|---|---|---|---|---|")
     platforms = [("XLA:CPU", None)]
     if args.target:
-        platforms.append((args.target, rp.target(args.target)))
+        platforms.append((args.target, rp.targets.tpu_target(args.target)))
     programs = list(EMBEDDING.items())
     for label, target in platforms:
         for name, (config_name, overrides, axis) in programs + (

@@ -359,7 +359,7 @@ def part_model() -> dict:
                     costs = pipeline.StageCosts(*(
                         (c / v,) * (k * v) for c in (cf, cb, cw, cbw)
                     ), unit="units" if label == "equal" else "flops")  # fmt: skip
-                    st = pipeline.step_time(schedule.plan(k, m), costs)
+                    st = pipeline.step_time(schedule.timetable(k, m), costs)
                     row[name] = {"bubble": st.bubble_fraction, "time": st.time}
                 zb, one = row["zerobubble"], row["1f1b"]
                 results["rows"].append(row)

@@ -93,7 +93,7 @@ def measure(schedule: str, scatter: str, args, target, devices) -> dict:
                  f"pipeline.scatter_grads={scatter}", *SCHEDULES[schedule], *args.set]  # fmt: skip
     cfg = cfg_lib.load("configs/lm_pipeline.yaml", overrides)
     if target is not None:
-        cfg = targets.on_target(cfg, target)
+        cfg = targets.mesh_on_target(cfg, target)
     repl, step_fn, state, batch = jobs.abstract_job(cfg, devices=devices)
     r = repl.explain(step_fn, state, batch)
     n = r.mesh["data"]
@@ -161,7 +161,7 @@ def main() -> None:
     start = time.perf_counter()
     target = devices = None
     if args.target:
-        target = rp.target(args.target)
+        target = rp.targets.tpu_target(args.target)
         devices = list(targets.devices(target.name, target.slices))
     rows = []
     for schedule in args.schedules.split(","):

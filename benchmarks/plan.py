@@ -46,19 +46,19 @@ def rank_layouts():
     import replicator as rp
 
     return [
-        rp.Layout(data=8),
-        rp.Layout(data=8, zero_stage=1),
-        rp.Layout(data=8, zero_stage=3),
-        rp.Layout(data=8, remat=True),
-        rp.Layout(data=8, accumulate_steps=4),
-        rp.Layout(data=4, model=2),
-        rp.Layout(data=2, model=4),
-        rp.Layout(data=4, stage=2, schedule="1f1b", microbatches=4),
-        rp.Layout(data=2, stage=4, schedule="1f1b", microbatches=4),
-        rp.Layout(data=2, stage=4, schedule="1f1b", microbatches=8),
-        rp.Layout(data=2, stage=4, schedule="gpipe", microbatches=4),
-        rp.Layout(data=4, stage=2, schedule="circular", microbatches=4, repeats=2),
-        rp.Layout(data=2, stage=2, model=2, schedule="1f1b", microbatches=4),
+        rp.planner.Layout(data=8),
+        rp.planner.Layout(data=8, zero_stage=1),
+        rp.planner.Layout(data=8, zero_stage=3),
+        rp.planner.Layout(data=8, remat=True),
+        rp.planner.Layout(data=8, accumulate_steps=4),
+        rp.planner.Layout(data=4, model=2),
+        rp.planner.Layout(data=2, model=4),
+        rp.planner.Layout(data=4, stage=2, schedule="1f1b", microbatches=4),
+        rp.planner.Layout(data=2, stage=4, schedule="1f1b", microbatches=4),
+        rp.planner.Layout(data=2, stage=4, schedule="1f1b", microbatches=8),
+        rp.planner.Layout(data=2, stage=4, schedule="gpipe", microbatches=4),
+        rp.planner.Layout(data=4, stage=2, schedule="circular", microbatches=4, repeats=2),
+        rp.planner.Layout(data=2, stage=2, model=2, schedule="1f1b", microbatches=4),
     ]
 
 
@@ -68,18 +68,18 @@ def fit_layouts():
     import replicator as rp
 
     return [
-        rp.Layout(data=8, zero_stage=2),
-        rp.Layout(data=8, accumulate_steps=2),
-        rp.Layout(data=8, remat="dots"),
-        rp.Layout(data=8, zero_stage=3, accumulate_steps=2),
-        rp.Layout(data=4, model=2, zero_stage=3),
-        rp.Layout(data=4, model=2, remat=True),
-        rp.Layout(data=4, stage=2, schedule="1f1b", microbatches=8),
-        rp.Layout(data=2, stage=4, schedule="zerobubble", microbatches=8),
-        rp.Layout(data=4, stage=2, schedule="interleaved", microbatches=4, repeats=2),
-        rp.Layout(data=4, stage=2, schedule="gpipe", microbatches=4, remat=True),
-        rp.Layout(data=2, stage=2, model=2, schedule="zerobubble", microbatches=4),
-        rp.Layout(data=2, stage=4, schedule="1f1b", microbatches=4, remat="dots"),
+        rp.planner.Layout(data=8, zero_stage=2),
+        rp.planner.Layout(data=8, accumulate_steps=2),
+        rp.planner.Layout(data=8, remat="dots"),
+        rp.planner.Layout(data=8, zero_stage=3, accumulate_steps=2),
+        rp.planner.Layout(data=4, model=2, zero_stage=3),
+        rp.planner.Layout(data=4, model=2, remat=True),
+        rp.planner.Layout(data=4, stage=2, schedule="1f1b", microbatches=8),
+        rp.planner.Layout(data=2, stage=4, schedule="zerobubble", microbatches=8),
+        rp.planner.Layout(data=4, stage=2, schedule="interleaved", microbatches=4, repeats=2),
+        rp.planner.Layout(data=4, stage=2, schedule="gpipe", microbatches=4, remat=True),
+        rp.planner.Layout(data=2, stage=2, model=2, schedule="zerobubble", microbatches=4),
+        rp.planner.Layout(data=2, stage=4, schedule="1f1b", microbatches=4, remat="dots"),
     ]
 
 
@@ -131,7 +131,7 @@ def part_rank(results: dict) -> None:
     from replicator.cli import plan as plan_cli
     from replicator.models import gpt
 
-    cpu = rp.hardware("cpu")
+    cpu = rp.planner.hardware_profile("cpu")
     print(
         f"cpu profile, measured on one device: {cpu.peak_flops / 1e9:.1f} GFLOP/s (fp32 matmul), "
         f"{cpu.ici_bandwidth / 1e9:.2f} GB/s (copy), cache {cpu.cache_bytes / 2**20:.0f} MiB at "
@@ -323,7 +323,7 @@ def part_published(results: dict) -> None:
 def fmt(layout: dict) -> str:
     import replicator as rp
 
-    return str(rp.Layout(**layout))
+    return str(rp.planner.Layout(**layout))
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ models/tiering.html), each with the recipe it links to:
   Mixtral-8X7B-Maxtext/scripts/run_mixtral-8x7b.sh``: FSDP over every chip, 36 sequences of
   4,096 tokens a chip, remat full, dropless experts through megablox.
 
-For each: the published MFU; replicator's step with MaxText's layout, priced (`rp.Price`,
+For each: the published MFU; replicator's step with MaxText's layout, priced (`rp.planner.Price`,
 the modelled time on the chip's profile) and compiled for the target (``replicator explain
 --target``: peak memory, XLA's estimate and the roofline's MFU); and ``replicator plan
 --target``'s best. Everything is compiled here by libtpu; nothing runs on a TPU, so every
@@ -92,8 +92,8 @@ def priced(run: dict) -> dict:
     shape = gpt.model_shape(jobs.gpt_config(cfg), cfg.global_batch)
     if shape is None:
         return {"priced": None, "why": "not priced: a mixture of experts"}
-    price = pricing.price(rp.Layout(**run["layout"]), shape)
-    profile = rp.hardware(rp.target(run["target"]))
+    price = pricing.price(rp.planner.Layout(**run["layout"]), shape)
+    profile = rp.planner.hardware_profile(rp.targets.tpu_target(run["target"]))
     t = model_time(price.step(), profile, model_flops=jobs.model_flops(cfg))
     return {"priced": {"peak_bytes": price.peak_bytes, "seconds": t.total, "mfu": t.mfu}}
 

@@ -5,7 +5,7 @@ the ideal work and moves the ideal bytes, on 8 emulated CPU devices. Here the sa
 read from the programs libtpu compiles for a TPU target (default ``v5p-16``: 8 chips), ahead of
 time, on this machine: no TPU is attached and nothing runs. The steps are those ``replicator
 train`` runs, built from shapes by the CLI's job code (``jobs.abstract_job`` on
-``rp.tpu_devices``, the mesh fixed by ``targets.on_target``) and read by ``repl.explain``
+``rp.tpu_devices``, the mesh fixed by ``targets.mesh_on_target``) and read by ``repl.explain``
 (FLOPs with loops per trip, collectives by kind, axes, dtype and bytes, ``memory_analysis``).
 
 The model is the GPT of ``configs/lm_dp.yaml`` (``lm_pipeline.yaml`` for the pipelines) at
@@ -170,7 +170,7 @@ class Program:
 class Programs:
     """Compiles each step once per platform, on demand: ``get(name)``."""
 
-    def __init__(self, target: rp.Target, platform_name: str):
+    def __init__(self, target: rp.targets.Target, platform_name: str):
         self.target, self.platform = target, platform_name
         self.devices = None
         if platform_name == "tpu":
@@ -180,7 +180,7 @@ class Programs:
     def config(self, name: str):
         path, overrides = PROGRAMS[name]
         cfg = cfg_lib.load(os.path.join(ROOT, "configs", path + ".yaml"), [*MODEL, *overrides])
-        return targets.on_target(cfg, self.target) if self.platform == "tpu" else cfg
+        return targets.mesh_on_target(cfg, self.target) if self.platform == "tpu" else cfg
 
     def get(self, name: str) -> Program:
         if name not in self.cache:
@@ -450,7 +450,7 @@ def main() -> None:
     parts = set("abcdef") if args.part == "all" else set(args.part.split(","))
     if not parts <= set("abcdef"):
         raise SystemExit(f"--part {args.part}: give checks among a,b,c,d,e,f (or all).")
-    target = rp.target(args.target)
+    target = rp.targets.tpu_target(args.target)
     if target.num_devices != 8:
         raise SystemExit(
             f"--target {args.target}: {target.num_devices} chips; these meshes "

@@ -60,7 +60,7 @@ def replicator_figures(config_path: str, target_name: str, overrides: list[str])
     from replicator.cli import config as config_lib
     from replicator.cli import targets
 
-    target = rp.target(target_name)
+    target = rp.targets.tpu_target(target_name)
     config = config_lib.load(config_path, overrides)
     start = time.perf_counter()
     report = targets.explain(config, target)

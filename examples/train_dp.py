@@ -52,7 +52,7 @@ def main() -> None:
         per_process = ctx.per_pipeline_batch_size(args.global_batch)
         yield from cnn.shape_batches(per_process, seed=1000 + ctx.input_pipeline_id)
 
-    model = cnn.CNN(in_channels=1, num_classes=len(cnn.SHAPES), width=16, rngs=nnx.Rngs(0))
+    model = cnn.CNN(in_channels=1, num_classes=len(cnn.CLASS_NAMES), width=16, rngs=nnx.Rngs(0))
     graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)  # BatchNorm: stats
     tx = repl.wrap_optimizer(optax.adam(args.lr))
 

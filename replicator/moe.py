@@ -11,10 +11,15 @@ balanced as on one device (see `replicator._src.sharded.experts`).
 ((2, 4, 8), (2,))
 """
 
+from replicator._src.core.deprecation import moved_names as _moved_names
 from replicator._src.sharded.experts import LOGICAL_AXES as LOGICAL_AXES
 from replicator._src.sharded.experts import apply as apply
 from replicator._src.sharded.experts import init as init
-from replicator._src.sharded.experts import logical_axes as logical_axes
+from replicator._src.sharded.experts import logical_axes_for as logical_axes_for
 from replicator._src.sharded.experts import partition_specs as partition_specs
 from replicator._src.sharded.routing import Routing as Routing
 from replicator._src.sharded.routing import Stats as Stats
+
+__getattr__ = _moved_names(
+    "replicator.moe", {"logical_axes": "replicator.moe.logical_axes_for"}
+)  # renamed: one release

@@ -11,6 +11,7 @@ the oracle it is tested against. `step_time` models a schedule's step on paralle
 each stage's measured costs (`stage_costs`).
 """
 
+from replicator._src.core.deprecation import moved_names as _moved_names
 from replicator._src.pipeline.costs import layer_costs as layer_costs
 from replicator._src.pipeline.costs import stage_costs as stage_costs
 from replicator._src.pipeline.costs import stage_costs_stacked as stage_costs_stacked
@@ -27,11 +28,19 @@ from replicator._src.pipeline.schedules import Circular as Circular
 from replicator._src.pipeline.schedules import GPipe as GPipe
 from replicator._src.pipeline.schedules import Interleaved1F1B as Interleaved1F1B
 from replicator._src.pipeline.schedules import OneFOneB as OneFOneB
-from replicator._src.pipeline.schedules import Plan as Plan
+from replicator._src.pipeline.schedules import Timetable as Timetable
 from replicator._src.pipeline.schedules import ZeroBubble as ZeroBubble
-from replicator._src.pipeline.stages import Sequential as Sequential
+from replicator._src.pipeline.stages import SequentialStages as SequentialStages
 from replicator._src.pipeline.stages import sequential as sequential
 from replicator._src.pipeline.stages import stages_from_layers as stages_from_layers
 from replicator._src.pipeline.timing import StageCosts as StageCosts
 from replicator._src.pipeline.timing import StepTime as StepTime
 from replicator._src.pipeline.timing import step_time as step_time
+
+__getattr__ = _moved_names(
+    "replicator.pipeline",
+    {
+        "Plan": "replicator.pipeline.Timetable",
+        "Sequential": "replicator.pipeline.SequentialStages",
+    },
+)  # renamed: one release

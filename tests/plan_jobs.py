@@ -21,7 +21,7 @@ class _FakeReplicator:
     """Compiles nothing: its report's peak is 1000 / accumulate_steps, plus 500 without remat;
     remat costs a third more FLOPs, and each accumulation step 1% more."""
 
-    def __init__(self, layout: rp.Layout):
+    def __init__(self, layout: rp.planner.Layout):
         self.layout = layout
         self.mesh = types.SimpleNamespace(shape=layout.mesh_shape)
 
@@ -39,12 +39,12 @@ class _FakeReplicator:
         )  # fmt: skip
 
 
-def fake_build(layout: rp.Layout):
+def fake_build(layout: rp.planner.Layout):
     state = {"w": jax.ShapeDtypeStruct((25,), jnp.float32)}  # 100 bytes, on every device
     return _FakeReplicator(layout), None, state
 
 
-def refusing_build(layout: rp.Layout):
+def refusing_build(layout: rp.planner.Layout):
     raise ValueError("no such layout here")
 
 
@@ -58,7 +58,7 @@ MOE = gpt.GPTConfig(vocab_size=256, seq_len=16, d_model=32, num_heads=4, num_lay
                     num_experts=4)  # fmt: skip
 
 
-def gpt_build(layout: rp.Layout, config: gpt.GPTConfig = CONFIG, batch_size: int = BATCH):
+def gpt_build(layout: rp.planner.Layout, config: gpt.GPTConfig = CONFIG, batch_size: int = BATCH):
     """The GPT's Adam step for ``layout`` (data, model, context with its attention, expert,
     ZeRO, accumulation; pipelines with their schedule), its state from shapes and its batch as
     shapes."""
@@ -120,7 +120,7 @@ context_gpt_build = functools.partial(gpt_build, config=CONTEXT, batch_size=CONT
 moe_gpt_build = functools.partial(gpt_build, config=MOE, batch_size=BATCH)
 
 
-def crashing_build(layout: rp.Layout):
+def crashing_build(layout: rp.planner.Layout):
     """fake_build, except that the process dies on the layout with 4 replicas (as a check
     failure in XLA's compiler would end it)."""
     if layout.data == 4:

@@ -117,7 +117,7 @@ def test_plan_for_a_tpu_target_compiles_each_layout_for_the_tpu(tmp_path):
     assert "plan for 8 devices of tpu-v5p" in run.stdout
     plan = json.loads(report.read_text())
     assert plan["ranked"] and plan["hardware"]["name"] == "tpu-v5p"
-    assert all(c["compiled"]["memory"]["peak"] <= rp.HARDWARE["tpu-v5p"].memory_bytes
+    assert all(c["compiled"]["memory"]["peak"] <= rp.planner.HARDWARE_PROFILES["tpu-v5p"].memory_bytes
                for c in plan["ranked"])  # fmt: skip
     assert yaml.safe_load(out.read_text())["model"]["d_model"] == 32
     refused = replicator("plan", "configs/lm_dp.yaml", "--target", "v5p-16", "--devices", 4)
@@ -158,7 +158,7 @@ def test_a_long_sequence_config_gets_context_layouts_written_into_mesh():
                           "--max-stage", "1"))} == {1, 2}  # fmt: skip
     raw = dataclasses.asdict(cfg)
     raw.pop("learning_rate")
-    written = plan.with_layout(raw, rp.Layout(data=2, context=4, zero_stage=1))
+    written = plan.with_layout(raw, rp.planner.Layout(data=2, context=4, zero_stage=1))
     assert written["mesh"] == {"data": 2, "context": 4} and written["cpu_devices"] == 8
     assert written["model"].get("attention", "ring") == "ring"
     config_lib.from_dict(config_lib.TrainConfig, written, where="plan")  # a valid config
@@ -214,7 +214,10 @@ def test_splash_configs_plan_no_model_axis_and_zero_below_3_without_reduce_dtype
     assert layouts and all(lay.model == lay.context == lay.expert == 1 for lay in layouts)
     raw = dataclasses.asdict(cfg)
     raw.pop("learning_rate")
-    for lay in (rp.Layout(data=256, zero_stage=1), rp.Layout(data=256, zero_stage=3)):
+    for lay in (
+        rp.planner.Layout(data=256, zero_stage=1),
+        rp.planner.Layout(data=256, zero_stage=3),
+    ):
         out = plan_cli.with_layout(raw, lay)
         config_lib.from_dict(config_lib.TrainConfig, out, where="plan")  # not refused
         want = "bfloat16" if lay.zero_stage == 3 else None

@@ -579,10 +579,10 @@ def test_plan_example_builds_the_layouts_it_plans():
     the plan ranks them (the whole plan runs as a script below)."""
     b = block("guides/explain_and_plan.md", "## Plan a layout: `replicator plan`")
     ns = run(b, {"__name__": "guide"})  # not "__main__": the example's plan is not run here
-    layouts = [rp.Layout(data=8), rp.Layout(data=4, model=2, remat=True)]
+    layouts = [rp.planner.Layout(data=8), rp.planner.Layout(data=4, model=2, remat=True)]
     report = rp.plan(ns["build"], layouts, hardware="h100", memory="80GB", workers=0)
     assert {str(c.layout) for c in report.ranked} == {"data=8", "data=4 model=2 remat"}
-    assert 'if __name__ == "__main__":' in b.code and "rp.enumerate_layouts(" in b.code
+    assert 'if __name__ == "__main__":' in b.code and "rp.planner.enumerate_layouts(" in b.code
 
 
 @pytest.mark.slow
@@ -602,7 +602,7 @@ def test_hardware_profile_yaml_loads(tmp_path):
     b = block("guides/explain_and_plan.md", "### Hardware profiles", lang="yaml")
     path = tmp_path / "my_gpu.yaml"
     path.write_text(b.code)
-    profile = rp.hardware(str(path))
+    profile = rp.planner.hardware_profile(str(path))
     assert profile.name == "my-gpu" and profile.peak_flops == 1e15 and profile.island_size == 8
 
 

@@ -63,7 +63,7 @@ MODEL_FLOORS = {  # models/' rooms, each above what it imports
     "decoder": 2,  # the assembly: init, block, apply, loss
     "placement": 3,  # on a mesh: roles, rules, place, ZeRO's stacking
     "pipelined": 3,  # the decoder as a pipeline's stages
-    "sizes": 3,  # parameters, FLOPs, rp.ModelShape
+    "sizes": 3,  # parameters, FLOPs, rp.planner.ModelShape
     "gpt": 4,  # the GPT's face: every name above, as `gpt.X`
     "llama": 5,  # the Llama family's face: configs from transformers', state dicts
 }

@@ -471,7 +471,7 @@ def test_specs_of_the_llama_layout():
     }
     assert specs["embed"] == {"tokens": P(None, None)}
     assert specs["head"] == {"norm": {"scale": P(None)}}
-    roles = jax.tree.structure(gpt.logical_axes(CONFIG), is_leaf=lambda a: isinstance(a, tuple))
+    roles = jax.tree.structure(gpt.logical_axes_for(CONFIG), is_leaf=lambda a: isinstance(a, tuple))
     assert roles == jax.tree.structure(jax.eval_shape(lambda: gpt.init(CONFIG, jax.random.key(0))))
     d, hd, f, v = 32, 4, 48, 64
     n = 4 * (2 * d * d + 2 * d * 4 * hd + 3 * d * f) + d * v

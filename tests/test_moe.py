@@ -335,7 +335,7 @@ def test_specs_by_role():
         "down_bias": P("expert", None),
     }
     params = moe.init(jax.random.key(0), d_model=8, hidden=16, num_experts=4, out_std=0.5)
-    assert {k: len(a) for k, a in moe.logical_axes().items()} == {
+    assert {k: len(a) for k, a in moe.logical_axes_for().items()} == {
         k: v.ndim for k, v in params.items()
     }
     gated = moe.init(jax.random.key(0), d_model=8, hidden=16, num_experts=4, gated=True,

@@ -33,7 +33,7 @@ def _forward_ticks(plan):
 
 @pytest.mark.parametrize(("name", "sched", "k", "m"), CASES, ids=IDS)
 def test_forward_visits_every_logical_stage_once_along_the_ring(name, sched, k, m):
-    plan = sched.plan(k, m)
+    plan = sched.timetable(k, m)
     v = sched.repeats
     assert (plan.num_stages, plan.num_microbatches, plan.repeats) == (k, m, v)
     assert plan.schedule == sched.name
@@ -60,7 +60,7 @@ def test_forward_visits_every_logical_stage_once_along_the_ring(name, sched, k, 
 
 @pytest.mark.parametrize(("k", "m"), SIZES)
 def test_gpipe_tables_and_bubble(k, m):
-    plan = S.GPipe().plan(k, m)
+    plan = S.GPipe().timetable(k, m)
     assert plan.num_ticks == m + k - 1 and plan.stash_slots == 0
     t, s = np.indices(plan.fwd.shape)
     assert np.array_equal(plan.fwd, np.where((t - s >= 0) & (t - s < m), t - s, -1))
@@ -72,7 +72,7 @@ def test_gpipe_tables_and_bubble(k, m):
 @pytest.mark.parametrize("v", [1, 2, 3, 4])
 @pytest.mark.parametrize(("k", "m"), [(1, 1), (2, 2), (2, 6), (4, 4), (4, 8), (4, 16), (3, 7)])
 def test_circular_ticks_and_bubble(k, m, v):
-    plan = S.Circular(repeats=v).plan(k, m)
+    plan = S.Circular(repeats=v).timetable(k, m)
     for (i, r, s), t in _forward_ticks(plan).items():
         assert t == s + (i // k) * k * v + r * k + i % k
     last = (k - 1) + ((m - 1) // k) * k * v + (v - 1) * k + (m - 1) % k
@@ -86,7 +86,7 @@ def test_circular_ticks_and_bubble(k, m, v):
 
 @pytest.mark.parametrize(("k", "m"), [(1, 3), (2, 2), (2, 6), (4, 4), (4, 16), (3, 7)])
 def test_circular_with_one_repeat_is_gpipe(k, m):
-    a, b = S.Circular(repeats=1).plan(k, m), S.GPipe().plan(k, m)
+    a, b = S.Circular(repeats=1).timetable(k, m), S.GPipe().timetable(k, m)
     for name in ("fwd", "fwd_repeat", "bwd"):
         assert np.array_equal(getattr(a, name), getattr(b, name)), name
     assert a.bubble_fraction() == pytest.approx(b.bubble_fraction())
@@ -94,9 +94,9 @@ def test_circular_with_one_repeat_is_gpipe(k, m):
 
 @pytest.mark.parametrize(("k", "m"), [(1, 1), (1, 5), (2, 2), (2, 5), (3, 3), (4, 4), (4, 16)])
 def test_one_f_one_b_backward_and_stash(k, m):
-    plan = S.OneFOneB().plan(k, m)
+    plan = S.OneFOneB().timetable(k, m)
     assert plan.num_ticks == m + 2 * k - 2
-    assert plan.stash_slots == 2 * k - 1 == S.OneFOneB().plan(k, 5 * m).stash_slots
+    assert plan.stash_slots == 2 * k - 1 == S.OneFOneB().timetable(k, 5 * m).stash_slots
     fwd = _forward_ticks(plan)
     bwd = {}
     for t, s in zip(*np.nonzero(plan.bwd >= 0)):
@@ -129,20 +129,20 @@ def test_one_f_one_b_backward_and_stash(k, m):
 
 
 def test_one_f_one_b_bubble():
-    plan = S.OneFOneB().plan(4, 16)
+    plan = S.OneFOneB().timetable(4, 16)
     assert Fraction(plan.bubble_fraction()).limit_denominator(1000) == Fraction(9, 57)
-    assert plan.bubble_fraction() == pytest.approx(S.GPipe().plan(4, 16).bubble_fraction())
+    assert plan.bubble_fraction() == pytest.approx(S.GPipe().timetable(4, 16).bubble_fraction())
     # With equal costs every tick costs its busiest stage's work: recompute by hand.
     f, b = 1.0, 1.0
     time = sum(
         max(f * (x >= 0) + b * (y >= 0) for x, y in zip(*row)) for row in zip(plan.fwd, plan.bwd)
     )
     assert plan.bubble_fraction(f, b) == pytest.approx(1 - 16 * (f + b) / time)
-    assert S.OneFOneB().plan(1, 3).bubble_fraction() == 0.0
+    assert S.OneFOneB().timetable(1, 3).bubble_fraction() == 0.0
 
 
 def test_plan_is_read_only():
-    plan = S.GPipe().plan(2, 2)
+    plan = S.GPipe().timetable(2, 2)
     with pytest.raises(ValueError):
         plan.fwd[0, 0] = 5
     with pytest.raises(AttributeError):
@@ -153,25 +153,31 @@ def test_plan_is_read_only():
     ("call", "match"),
     [
         (
-            lambda: S.Circular().plan(4, 2),
+            lambda: S.Circular().timetable(4, 2),
             r"num_microbatches.*got num_microbatches=2.*num_microbatches >= 4, or GPipe\(\)",
         ),
-        (lambda: S.OneFOneB().plan(4, 3), r"OneFOneB.plan: num_microbatches.*>= 4, or GPipe\(\)"),
+        (
+            lambda: S.OneFOneB().timetable(4, 3),
+            r"OneFOneB.plan: num_microbatches.*>= 4, or GPipe\(\)",
+        ),
         (lambda: S.Circular(repeats=0), r"Circular: repeats must be an int >= 1; got 0"),
         (lambda: S.Circular(repeats=1.5), r"repeats must be an int >= 1; got 1.5"),
         (lambda: S.Circular(repeats=True), r"repeats must be an int >= 1; got True"),
-        (lambda: S.GPipe().plan(4, 0), r"plan: num_microbatches must be an int >= 1; got 0"),
-        (lambda: S.GPipe().plan(0, 4), r"GPipe.plan: num_stages must be an int >= 1; got 0"),
-        (lambda: S.OneFOneB().plan(2.0, 4), r"num_stages must be an int >= 1; got 2.0"),
-        (lambda: S.Circular().plan(2, -1), r"Circular.plan: num_microbatches must be an int >= 1"),
+        (lambda: S.GPipe().timetable(4, 0), r"plan: num_microbatches must be an int >= 1; got 0"),
+        (lambda: S.GPipe().timetable(0, 4), r"GPipe.plan: num_stages must be an int >= 1; got 0"),
+        (lambda: S.OneFOneB().timetable(2.0, 4), r"num_stages must be an int >= 1; got 2.0"),
+        (
+            lambda: S.Circular().timetable(2, -1),
+            r"Circular.plan: num_microbatches must be an int >= 1",
+        ),
         (lambda: S.get("pipedream"), r"unknown schedule 'pipedream'.*'gpipe', 'circular', '1f1b'"),
         (
-            lambda: S.Interleaved1F1B(2).plan(4, 6),
+            lambda: S.Interleaved1F1B(2).timetable(4, 6),
             r"Interleaved1F1B.plan: num_microbatches must be a multiple of num_stages .*got "
             r"num_microbatches=6 with num_stages=4. Use num_microbatches=8, or OneFOneB\(\)",
         ),
         (
-            lambda: S.Interleaved1F1B(3).plan(4, 2),
+            lambda: S.Interleaved1F1B(3).timetable(4, 2),
             r"Interleaved1F1B.plan: num_microbatches must be >= num_stages; got "
             r"num_microbatches=2 with num_stages=4.*num_microbatches >= 4",
         ),
@@ -191,12 +197,12 @@ def test_plan_is_read_only():
         (lambda: S.Interleaved1F1B(True), r"Interleaved1F1B: repeats must be an int.*got True"),
         (lambda: S.Interleaved1F1B("2"), r"Interleaved1F1B: repeats must be an int.*got '2'"),
         (
-            lambda: S.Interleaved1F1B(2).plan(2.0, 4),
+            lambda: S.Interleaved1F1B(2).timetable(2.0, 4),
             r"Interleaved1F1B.plan: num_stages must be an int >= 1; got 2.0",
         ),
-        (lambda: S.GPipe().plan(2, 2).bubble_fraction(-1.0), r"costs must be >= 0"),
+        (lambda: S.GPipe().timetable(2, 2).bubble_fraction(-1.0), r"costs must be >= 0"),
         (lambda: P.render("gpipe"), r"render: pass num_stages and num_microbatches"),
-        (lambda: P.render(S.GPipe().plan(2, 2), 3), r"num_stages=3 does not match"),
+        (lambda: P.render(S.GPipe().timetable(2, 2), 3), r"num_stages=3 does not match"),
     ],
 )
 def test_validation(call, match):
@@ -209,7 +215,7 @@ def test_get():
     assert S.get("circular") == S.Circular(repeats=2)
     sched = S.Circular(repeats=3)
     assert S.get(sched) is sched
-    assert S.GPipe().plan(np.int64(2), np.int32(3)).num_ticks == 4
+    assert S.GPipe().timetable(np.int64(2), np.int32(3)).num_ticks == 4
     with pytest.raises(TypeError, match="got int"):
         S.get(3)
     assert [S.get(n).name for n in ("gpipe", "circular", "1f1b")] == ["gpipe", "circular", "1f1b"]
@@ -217,7 +223,7 @@ def test_get():
     assert S.get("interleaved").name == "interleaved" and S.get("interleaved").repeats == 2
     sched = S.Interleaved1F1B(repeats=3)
     assert S.get(sched) is sched and sched != S.Interleaved1F1B(repeats=2)
-    assert S.Interleaved1F1B(2).plan(np.int64(2), np.int32(2)).num_ticks == 8
+    assert S.Interleaved1F1B(2).timetable(np.int64(2), np.int32(2)).num_ticks == 8
 
 
 def _grid(text, k):
@@ -251,7 +257,7 @@ def test_render_ascii(sched, k, m, columns):
         assert len(re.findall(rf"F{i}(?![0-9])", flat)) == k * v
         assert len(re.findall(rf"B{i}(?![0-9])", flat)) == k * v
     assert rest[0].startswith("legend:")
-    plan = S.get(sched).plan(k, m)
+    plan = S.get(sched).timetable(k, m)
     assert rest[1] == (
         f"schedule={plan.schedule} K={k} M={m} V={v} ticks={plan.num_ticks} "
         f"bubble={plan.bubble_fraction():.4f} (f=1, b=2)"
@@ -270,7 +276,7 @@ def test_render_cells():
 
 
 def test_render_wraps_to_width():
-    plan = S.Circular(3).plan(4, 8)
+    plan = S.Circular(3).timetable(4, 8)
     text = P.render(plan, width=60)
     blocks = text.split("\n\n")
     assert len(blocks) > 1
@@ -311,7 +317,7 @@ def _pass_ticks(table, m):
 
 @pytest.mark.parametrize(("k", "m"), ZB_SIZES)
 def test_zero_bubble_tables_follow_the_engine_contract(k, m):
-    plan = S.ZeroBubble(pass_costs=(1, 1, 1)).plan(k, m)
+    plan = S.ZeroBubble(pass_costs=(1, 1, 1)).timetable(k, m)
     assert (plan.schedule, plan.num_stages, plan.num_microbatches, plan.repeats) == (
         "zerobubble", k, m, 1,
     )  # fmt: skip
@@ -335,23 +341,23 @@ def test_zero_bubble_tables_follow_the_engine_contract(k, m):
 
 @pytest.mark.parametrize(("k", "m"), ZB_SIZES)
 def test_zero_bubble_ticks_bubble_and_memory(k, m):
-    plan = S.ZeroBubble(pass_costs=(1, 1, 1)).plan(k, m)
+    plan = S.ZeroBubble(pass_costs=(1, 1, 1)).timetable(k, m)
     assert plan.num_ticks == 3 * m + k - 1  # ZB-H1: one unit of bubble per stage boundary
     assert plan.bubble_fraction() == pytest.approx((k - 1) / (3 * m + k - 1))
-    assert plan.bubble_fraction() <= S.OneFOneB().plan(k, m).bubble_fraction()
+    assert plan.bubble_fraction() <= S.OneFOneB().timetable(k, m).bubble_fraction()
     assert (plan.stash_slots, plan.grad_slots) == (k, k)  # 2K, like 1F1B's 2K - 1 (+1 spare)
     assert (plan.stash_slots, plan.grad_slots) == S.ring_slots(plan.fwd, plan.bwd, plan.wgt)
 
 
 def test_zero_bubble_targets_at_k4_m8():
-    zb, one = S.ZeroBubble(pass_costs=(1, 1, 1)).plan(4, 8), S.OneFOneB().plan(4, 8)
+    zb, one = S.ZeroBubble(pass_costs=(1, 1, 1)).timetable(4, 8), S.OneFOneB().timetable(4, 8)
     assert zb.bubble_fraction() <= 0.5 * one.bubble_fraction()
     assert Fraction(zb.bubble_fraction()).limit_denominator(1000) == Fraction(3, 27)
     assert zb.stash_slots + zb.grad_slots <= 1.5 * (2 * 4)
 
 
 def test_zero_bubble_cells_and_wait_rule():
-    plan = S.ZeroBubble(pass_costs=(1, 1, 1)).plan(2, 3)
+    plan = S.ZeroBubble(pass_costs=(1, 1, 1)).timetable(2, 3)
     cells = _grid(P.render(plan), 2)[1]
     assert cells[0] == ["F0", "F1", ".", "B0", "W0", "F2", "B1", "W1", "B2", "W2"]
     assert cells[1] == [".", "F0", "B0", "F1", "B1", "W0", "F2", "B2", "W1", "W2"]
@@ -401,7 +407,7 @@ def _replay_rings(plan, stash_slots, grad_slots):
     + [(S.OneFOneB(), k, m) for k, m in [(2, 5), (4, 8), (3, 3)]],
 )
 def test_ring_slots_are_enough_and_tight(sched, k, m):
-    plan = sched.plan(k, m)
+    plan = sched.timetable(k, m)
     stash, grad = S.ring_slots(plan.fwd, plan.bwd, plan.wgt)
     if sched.name == "1f1b":
         assert (stash, grad) == (min(2 * k - 1, m), 1) and plan.stash_slots >= stash
@@ -428,13 +434,13 @@ def test_zero_bubble_with_unequal_passes_is_never_slower_than_1f1b(k):
     f, b, w = GPT_PASSES
     costs = _measured(k, f, b, w)
     for m in (k, 2 * k, 4 * k, 16 * k):
-        plan = S.ZeroBubble(pass_costs=GPT_PASSES).plan(k, m)
+        plan = S.ZeroBubble(pass_costs=GPT_PASSES).timetable(k, m)
         S.check_dependencies(plan)
-        one = T.step_time(S.OneFOneB().plan(k, m), costs)  # its fused backward: B + W
+        one = T.step_time(S.OneFOneB().timetable(k, m), costs)  # its fused backward: B + W
         zb = T.step_time(plan, costs)
         assert zb.time < one.time, (k, m)
         f1, b1, w1 = S._zero_bubble_tables(k, m)
-        one_pass = S.Plan("zerobubble", k, m, 1, f1, np.zeros_like(f1), b1, stash_slots=k,
+        one_pass = S.Timetable("zerobubble", k, m, 1, f1, np.zeros_like(f1), b1, stash_slots=k,
                           wgt=w1, grad_slots=k)  # fmt: skip
         assert zb.time <= T.step_time(one_pass, costs).time  # the better of the two
     one_pass_64 = T.step_time(one_pass, costs).time / one.time
@@ -459,26 +465,26 @@ def test_zero_bubble_aligned_table_by_hand():
     assert b.T.tolist() == [[-1, -1, 0, 1, 2, 3, -1, -1, -1], [-1, 0, 1, 2, 3, -1, -1, -1, -1]]
     assert w.T.tolist() == [[-1, -1, -1, -1, 0, -1, 1, 2, 3], [-1, -1, -1, -1, -1, 0, 1, 2, 3]]
     stash, grad = S.ring_slots(f, b, w)
-    plan = S.Plan("zerobubble", 2, 4, 1, f, np.zeros_like(f), b, stash_slots=stash, wgt=w,
+    plan = S.Timetable("zerobubble", 2, 4, 1, f, np.zeros_like(f), b, stash_slots=stash, wgt=w,
                   grad_slots=grad)  # fmt: skip
     S.check_dependencies(plan)
     costs = _measured(2, 1.0, 1.2, 0.8)
     assert T.step_time(plan, costs).time == pytest.approx(13.4)
-    one = T.step_time(S.OneFOneB().plan(2, 4), dataclasses.replace(costs, backward=(2.0, 2.0)))
+    one = T.step_time(S.OneFOneB().timetable(2, 4), dataclasses.replace(costs, backward=(2.0, 2.0)))
     assert one.time == pytest.approx(15.0)
 
 
 def test_zero_bubble_meets_its_target_at_k4_m8_with_the_gpts_passes():
     f, b, w = GPT_PASSES
     costs = _measured(4, f, b, w)
-    zb = T.step_time(S.ZeroBubble().plan(4, 8), costs).time
-    one = T.step_time(S.OneFOneB().plan(4, 8), costs)  # the fused backward: B + W
+    zb = T.step_time(S.ZeroBubble().timetable(4, 8), costs).time
+    one = T.step_time(S.OneFOneB().timetable(4, 8), costs)  # the fused backward: B + W
     assert zb / one.time <= 0.85  # 0.833: the ZB-H1 optimum with these passes
 
 
 def test_zero_bubble_rings_stay_flat_in_m():
     for k in (2, 4, 8):
-        slots = {m: S.ZeroBubble().plan(k, m) for m in (4 * k, 8 * k, 16 * k)}
+        slots = {m: S.ZeroBubble().timetable(k, m) for m in (4 * k, 8 * k, 16 * k)}
         assert len({(p.stash_slots, p.grad_slots) for p in slots.values()}) == 1
         assert slots[4 * k].stash_slots <= 3 * k  # 1F1B's 2K - 1, and at most 2K W's waiting
 
@@ -493,15 +499,20 @@ def _tables(plan, **change):
     tables = {"fwd": plan.fwd, "bwd": plan.bwd, "wgt": plan.wgt, **change}
     kw = dict(stash_slots=plan.stash_slots, grad_slots=plan.grad_slots)
     kw.update({n: change.pop(n) for n in list(change) if n.endswith("_slots")})
-    return S.Plan(
+    return S.Timetable(
         plan.schedule, plan.num_stages, plan.num_microbatches, 1, tables["fwd"],
         plan.fwd_repeat, tables["bwd"], wgt=tables["wgt"], **kw,
     )  # fmt: skip
 
 
 def test_check_dependencies_refuses_each_broken_rule():
-    plan = S.ZeroBubble(pass_costs=(1, 1, 1)).plan(3, 4)
-    for good in (plan, S.OneFOneB().plan(3, 4), S.GPipe().plan(3, 2), S.Circular(2).plan(2, 4)):
+    plan = S.ZeroBubble(pass_costs=(1, 1, 1)).timetable(3, 4)
+    for good in (
+        plan,
+        S.OneFOneB().timetable(3, 4),
+        S.GPipe().timetable(3, 2),
+        S.Circular(2).timetable(2, 4),
+    ):
         S.check_dependencies(good)
     f, b, w = plan.fwd, plan.bwd, plan.wgt
     tb, tw = _pass_ticks(b, 4), _pass_ticks(w, 4)
@@ -532,12 +543,12 @@ def test_check_dependencies_refuses_each_broken_rule():
         ):
             S.check_dependencies(_tables(plan, **change))
     # Forward-only plans (GPipe, Circular): the logical stages in order, each once.
-    circ = S.Circular(2).plan(2, 2)
+    circ = S.Circular(2).timetable(2, 2)
     for fwd, match in [
         (np.where(circ.fwd == 1, -1, circ.fwd), r"micro-batch 1 never runs logical stage 0 in fwd"),
         (circ.fwd[[1, 0, 2, 3, 4]], r"F of micro-batch 0 runs at tick 0 on logical stage 1 but needs F of the previous logical stage at an earlier tick"),
     ]:  # fmt: skip
-        bad = S.Plan("circular", 2, 2, 2, fwd, circ.fwd_repeat, circ.bwd)
+        bad = S.Timetable("circular", 2, 2, 2, fwd, circ.fwd_repeat, circ.bwd)
         with pytest.raises(ValueError, match=r"check_dependencies\(circular, K=2, M=2\): " + match):
             S.check_dependencies(bad)
 
@@ -547,7 +558,7 @@ def test_zero_bubble_get_and_refusal():
     sched = S.ZeroBubble()
     assert S.get(sched) is sched and sched.name == "zerobubble" and sched.repeats == 1
     with pytest.raises(ValueError, match=r"ZeroBubble.plan: num_microbatches must be >= num_stages; got num_microbatches=3 with num_stages=4: .*>= 4, or GPipe\(\)"):  # fmt: skip
-        sched.plan(4, 3)
+        sched.timetable(4, 3)
     with pytest.raises(ValueError, match=r"unknown schedule 'z'.*'zerobubble', 'zb'"):
         S.get("z")
 
@@ -556,7 +567,7 @@ def test_zero_bubble_get_and_refusal():
 
 
 def test_render_zero_bubble_shows_w():
-    text = P.render(S.ZeroBubble(pass_costs=(1, 1, 1)).plan(4, 8))
+    text = P.render(S.ZeroBubble(pass_costs=(1, 1, 1)).timetable(4, 8))
     ticks, cells, rest = _grid(text, 4)
     assert ticks == list(range(27)) and all(len(row) == 27 for row in cells)
     flat = " ".join(" ".join(row) for row in cells)
@@ -569,7 +580,7 @@ def test_render_zero_bubble_shows_w():
 
 def test_render_cell_with_f_b_and_w_in_one_tick():
     one = np.zeros((1, 1), np.int32)
-    plan = S.Plan("zerobubble", 1, 1, 1, one, one, one, stash_slots=1, wgt=one, grad_slots=1)
+    plan = S.Timetable("zerobubble", 1, 1, 1, one, one, one, stash_slots=1, wgt=one, grad_slots=1)
     S.check_dependencies(plan)
     assert _grid(P.render(plan), 1)[1] == [["F0B0W0"]]
 
@@ -586,7 +597,7 @@ def _scaled(text, k):
 def test_render_to_scale_places_each_pass_at_its_modelled_time():
     costs = T.StageCosts(forward=(1, 2), backward_input=(1, 1), backward_weight=(1, 1),
                          backward=(2, 4))  # fmt: skip
-    plan = S.GPipe().plan(2, 3)
+    plan = S.GPipe().timetable(2, 3)
     st = T.step_time(plan, costs)
     text = P.render(plan, costs=costs)
     header, rows, rest = _scaled(text, 2)
@@ -611,7 +622,7 @@ def test_render_to_scale_places_each_pass_at_its_modelled_time():
 
 def test_render_to_scale_zero_bubble_wraps_and_keeps_ticks():
     text = P.render(
-        S.ZeroBubble(pass_costs=(1, 1, 1)).plan(4, 8), costs=T.StageCosts.equal(4), width=70
+        S.ZeroBubble(pass_costs=(1, 1, 1)).timetable(4, 8), costs=T.StageCosts.equal(4), width=70
     )
     blocks = text.split("\n\n")
     assert len(blocks) == 2 and all(len(line) <= 70 for b in blocks for line in b.splitlines()[:5])
@@ -627,7 +638,7 @@ def test_render_to_scale_zero_bubble_wraps_and_keeps_ticks():
 
 
 def test_render_without_costs_is_unchanged():
-    plan = S.OneFOneB().plan(2, 2)
+    plan = S.OneFOneB().timetable(2, 2)
     assert P.render(plan) == (
         "tick     0    1    2    3\n"
         "stage 0  F0   F1   B0   B1\n"
@@ -697,7 +708,7 @@ def _megatron_order(k, m, v):
 @pytest.mark.parametrize(("k", "v"), IL_GRID)
 def test_interleaved_runs_each_pass_once_in_megatrons_order(k, v):
     for m in range(k, 8 * k + 1, k):
-        plan = S.Interleaved1F1B(repeats=v).plan(k, m)
+        plan = S.Interleaved1F1B(repeats=v).timetable(k, m)
         assert (plan.schedule, plan.num_stages, plan.num_microbatches, plan.repeats) == (
             "interleaved", k, m, v,
         )  # fmt: skip
@@ -732,21 +743,21 @@ def test_interleaved_forwards_are_circulars_and_backwards_mirror_them(k, v):
     """The closed form worked out above: one tick per hop, the forwards of `Circular`."""
     n = v * k
     for m in range(k, 8 * k + 1, k):
-        plan = S.Interleaved1F1B(repeats=v).plan(k, m)
+        plan = S.Interleaved1F1B(repeats=v).timetable(k, m)
         f = _virtual_ticks(plan.fwd, plan.fwd_repeat, k, v, m)
         b = _virtual_ticks(plan.bwd, plan.bwd_repeat, k, v, m)
         i, j = np.indices((m, n))
         assert np.array_equal(f, ((i // k) * n + i % k)[:, :1] + j)
         assert np.array_equal(b, f[:, -1:] + (n - 1 - j))
         assert plan.num_ticks == v * m + v * k + k - 2
-        circ = S.Circular(repeats=v).plan(k, m)
+        circ = S.Circular(repeats=v).timetable(k, m)
         assert np.array_equal(plan.fwd[: circ.num_ticks], circ.fwd)
         assert np.array_equal(plan.fwd_repeat[: circ.num_ticks], circ.fwd_repeat)
         assert (plan.fwd[circ.num_ticks :] == -1).all()
 
 
 def test_interleaved_by_hand_at_k2_v2_m4():
-    plan = S.Interleaved1F1B(repeats=2).plan(2, 4)
+    plan = S.Interleaved1F1B(repeats=2).timetable(2, 4)
     text = P.render(plan)
     ticks, cells, rest = _grid(text, 2)
     assert ticks == list(range(12))  # the example worked by hand above
@@ -810,7 +821,7 @@ def test_interleaved_memory_is_flat_in_m(k, v):
     min(M, 2K) and 1 micro-batches per virtual stage, whatever M."""
     slots = set()
     for m in (k, 2 * k, 4 * k, 16 * k):
-        plan = S.Interleaved1F1B(repeats=v).plan(k, m)
+        plan = S.Interleaved1F1B(repeats=v).timetable(k, m)
         assert (plan.stash_slots, plan.grad_slots) == (min(m, 2 * k), 1), m
         assert _replay_virtual_rings(plan, plan.stash_slots, plan.grad_slots), m
         if plan.stash_slots > 1:

@@ -438,7 +438,7 @@ def test_explain_reports_the_padding_and_the_packed_activation_sent_each_tick():
     assert f"of which {padding:,} bytes padding over all 4 stages" in note.padding
     assert "activations 4,096 bytes per micro-batch (boundaries use 80-4,096)" in note.padding
     assert " ".join(note.padding.split()) in " ".join(str(report).split())
-    plan = pipeline.OneFOneB().plan(4, 4)
+    plan = pipeline.OneFOneB().timetable(4, 4)
     assert report.bytes_by(kind="collective-permute") == 2 * plan.num_ticks * 4096
 
 

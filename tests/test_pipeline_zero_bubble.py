@@ -70,12 +70,12 @@ def make_plan(fwd, bwd, wgt):
     k, m = fwd.shape[1], int(fwd.max()) + 1
     ss, gs = ring_sizes(fwd, bwd, wgt)
     z = np.zeros_like(fwd)
-    return S.Plan("zerobubble", k, m, 1, fwd, z, bwd, stash_slots=ss, wgt=wgt, grad_slots=gs)
+    return S.Timetable("zerobubble", k, m, 1, fwd, z, bwd, stash_slots=ss, wgt=wgt, grad_slots=gs)
 
 
 def delayed_plan(k, m, d):
     """1F1B's tables with each W run d ticks after its B (d idle ticks appended)."""
-    base = S.OneFOneB().plan(k, m)
+    base = S.OneFOneB().timetable(k, m)
     idle = np.full((d, k), -1, np.int32)
     fwd, bwd = np.concatenate([base.fwd, idle]), np.concatenate([base.bwd, idle])
     return make_plan(fwd, bwd, np.concatenate([idle, base.bwd]))
@@ -317,7 +317,7 @@ def test_ring_sizes_are_what_the_ring_simulation_needs():
     plans = [delayed_plan(K, M, d) for d in (0, 1, 4)] + [
         random_plan(k, m, seed) for seed, (k, m) in enumerate([(2, 3), (4, 8), (3, 7), (4, 5)])
     ]
-    plans += [S.ZeroBubble().plan(k, m) for k, m in ((2, 2), (4, 8), (3, 10))]
+    plans += [S.ZeroBubble().timetable(k, m) for k, m in ((2, 2), (4, 8), (3, 10))]
     for plan in plans:
         got = S.ring_slots(plan.fwd, plan.bwd, plan.wgt)
         assert got == ring_sizes(plan.fwd, plan.bwd, plan.wgt)
@@ -325,7 +325,7 @@ def test_ring_sizes_are_what_the_ring_simulation_needs():
         S.check_dependencies(plan)
     plan = delayed_plan(K, M, 2)
     assert plan.stash_slots > 2 * K - 1  # W two ticks late keeps two more inputs
-    short = S.Plan(
+    short = S.Timetable(
         plan.schedule, K, M, 1, plan.fwd, plan.fwd_repeat, plan.bwd,
         stash_slots=plan.stash_slots - 1, wgt=plan.wgt, grad_slots=plan.grad_slots,
     )  # fmt: skip
@@ -336,7 +336,7 @@ def test_ring_sizes_are_what_the_ring_simulation_needs():
 def test_plans_that_break_a_dependency_are_refused():
     plan = delayed_plan(K, M, 2)
     early_w = np.concatenate([plan.bwd[1:], plan.bwd[:1]])  # W one tick before its B
-    bad = S.Plan(
+    bad = S.Timetable(
         "zerobubble", K, M, 1, plan.fwd, plan.fwd_repeat, plan.bwd,
         stash_slots=M, wgt=early_w, grad_slots=M,
     )  # fmt: skip
@@ -382,7 +382,7 @@ def test_explain_counts_the_busy_phases_and_two_shifts_per_tick(remat):
     placed = place(params, r, lv)
     h = np.ones((2 * M * b, D), np.float32)
     report = r.explain(step, placed, h, np.ones((2 * M * b, D_OUT), np.float32))
-    plan = S.ZeroBubble().plan(K, M)
+    plan = S.ZeroBubble().timetable(K, M)
     (note,) = report.pipelines
     assert (note.schedule, note.ticks, note.sends_per_step) == ("zerobubble", plan.num_ticks,
                                                                 2 * plan.num_ticks)  # fmt: skip

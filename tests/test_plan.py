@@ -22,7 +22,9 @@ def meshes(families):
 def test_enumeration_of_8_devices_for_4_layers_and_4_heads():
     """data x stage x model = 8 with model | 4 heads (not 8), stage | 4 layers, data | 16;
     worked by hand: 8 meshes."""
-    families = rp.enumerate_layouts(8, global_batch=16, num_layers=4, num_heads=4, hidden=16)
+    families = rp.planner.enumerate_layouts(
+        8, global_batch=16, num_layers=4, num_heads=4, hidden=16
+    )
     assert meshes(families) == [
         (1, 2, 4), (1, 4, 2), (2, 1, 4), (2, 2, 2), (2, 4, 1), (4, 1, 2), (4, 2, 1), (8, 1, 1)
     ]  # fmt: skip
@@ -56,7 +58,7 @@ def test_interleaved_is_listed_where_its_micro_batches_and_layers_allow():
     divides 12 at stage 2, 8 does not at stage 4. stage=2 (data=4): 12 examples a replica, so
     of M in (2, 3, 4, 6) all divide it; 1F1B takes every M >= 2, interleaved the even ones.
     stage=4 (data=2): 24 a replica; 1F1B takes 4 and 6 (>= K), interleaved none (layers)."""
-    families = rp.enumerate_layouts(
+    families = rp.planner.enumerate_layouts(
         8, global_batch=48, num_layers=12, schedules=("1f1b", "interleaved"), zero_stages=(0,),
         microbatches=(2, 3, 4, 6), max_model=1, remat=(False,),
     )  # fmt: skip
@@ -73,7 +75,7 @@ def test_interleaved_is_listed_where_its_micro_batches_and_layers_allow():
     # (data=4, 3 a replica): 1F1B falls back to M=3; no even M divides 3. stage=4 (data=2, 6
     # a replica): 1F1B M=6; no multiple of 4 divides 6. stage=8 (data=1, 12 examples): 1F1B
     # M=12; interleaved needs 16 layers. Interleaved has no layout at all.
-    families = rp.enumerate_layouts(
+    families = rp.planner.enumerate_layouts(
         8, global_batch=12, num_layers=8, schedules=("1f1b", "interleaved"), zero_stages=(0,),
         max_model=1, remat=(False,),
     )  # fmt: skip
@@ -82,7 +84,7 @@ def test_interleaved_is_listed_where_its_micro_batches_and_layers_allow():
     assert piped == [(2, "1f1b", 3), (4, "1f1b", 6), (8, "1f1b", 12)]
     # repeats=4: K*V = 8 layers at stage 2 only (data=4, 4 a replica: M = 2K = 4; 4K = 8 does
     # not divide 4)
-    families = rp.enumerate_layouts(
+    families = rp.planner.enumerate_layouts(
         8, global_batch=16, num_layers=8, schedules=("interleaved",), repeats=4, max_model=1,
     )  # fmt: skip
     assert {(lay.stage, lay.microbatches, lay.repeats) for f in families for lay in f.layouts
@@ -92,8 +94,8 @@ def test_interleaved_is_listed_where_its_micro_batches_and_layers_allow():
         match=r"interleaved schedule needs repeats >= 2.*got "
         r"repeats=1. Use repeats=2 or more, or leave 'interleaved' out",
     ):
-        rp.enumerate_layouts(8, global_batch=16, num_layers=8, repeats=1)
-    assert rp.enumerate_layouts(8, global_batch=16, num_layers=8, repeats=1,
+        rp.planner.enumerate_layouts(8, global_batch=16, num_layers=8, repeats=1)
+    assert rp.planner.enumerate_layouts(8, global_batch=16, num_layers=8, repeats=1,
                                 schedules=("circular",))  # fmt: skip
 
 
@@ -101,14 +103,15 @@ def test_a_family_is_ordered_fastest_first():
     """No remat, then "dots", then full remat; within each, fewer accumulation steps first (2
     examples per replica: 1 or 2 steps); ZeRO-2 only with accumulation; pipelines of every
     schedule under each policy."""
-    families = rp.enumerate_layouts(8, global_batch=16, num_layers=4, num_heads=4)
+    families = rp.planner.enumerate_layouts(8, global_batch=16, num_layers=4, num_heads=4)
     first = {str(f): f for f in families}
     assert first["data=8"].groups == tuple(
-        (rp.Layout(data=8, remat=r), rp.Layout(data=8, accumulate_steps=2, remat=r))
+        (rp.planner.Layout(data=8, remat=r), rp.planner.Layout(data=8, accumulate_steps=2, remat=r))
         for r in (False, "dots", True)
     )
     assert first["data=8 zero=2 accum=2"].layouts == [
-        rp.Layout(data=8, zero_stage=2, accumulate_steps=2, remat=r) for r in (False, "dots", True)
+        rp.planner.Layout(data=8, zero_stage=2, accumulate_steps=2, remat=r)
+        for r in (False, "dots", True)
     ]
     for schedule in ("1f1b", "interleaved", "zerobubble"):
         fams = [f for f in families if f.layouts[0].schedule == schedule]
@@ -116,7 +119,7 @@ def test_a_family_is_ordered_fastest_first():
 
 
 def test_enumeration_options_and_refusals():
-    families = rp.enumerate_layouts(
+    families = rp.planner.enumerate_layouts(
         8, global_batch=16, num_layers=8, num_heads=8, schedules=("1f1b",), zero_stages=(1,),
         microbatches=(4, 8), max_model=2, max_stage=2, remat=(True,),
     )  # fmt: skip
@@ -124,41 +127,41 @@ def test_enumeration_options_and_refusals():
     assert {f.layouts[0].microbatches for f in families if f.layouts[0].stage > 1} == {4, 8}
     assert all(lay.remat for f in families for lay in f.layouts)
     with pytest.raises(ValueError, match=r"enumerate_layouts: schedules=\['zb'\]; choose"):
-        rp.enumerate_layouts(8, global_batch=8, num_layers=4, schedules=("zb",))
+        rp.planner.enumerate_layouts(8, global_batch=8, num_layers=4, schedules=("zb",))
     with pytest.raises(ValueError, match=r"enumerate_layouts: global_batch must be an int >= 1"):
-        rp.enumerate_layouts(8, global_batch=0, num_layers=4)
+        rp.planner.enumerate_layouts(8, global_batch=0, num_layers=4)
 
 
 def test_layout_checks_and_names():
-    lay = rp.Layout(data=2, stage=4, schedule="1f1b", microbatches=8)
+    lay = rp.planner.Layout(data=2, stage=4, schedule="1f1b", microbatches=8)
     assert not lay.remat and str(lay) == "data=2 stage=4 1f1b M=8"  # 1F1B keeps residuals
-    assert str(rp.Layout(data=8, remat="full")) == "data=8 remat"
+    assert str(rp.planner.Layout(data=8, remat="full")) == "data=8 remat"
     with pytest.raises(ValueError, match=r"Layout: remat must be False \('none'\), 'dots' or"):
-        rp.Layout(data=8, remat="some")
+        rp.planner.Layout(data=8, remat="some")
     assert lay.mesh_shape == {"data": 2, "stage": 4} and lay.num_devices == 8
-    assert rp.Layout(data=2, model=4).mesh_shape == {"data": 2, "model": 4}
+    assert rp.planner.Layout(data=2, model=4).mesh_shape == {"data": 2, "model": 4}
     with pytest.raises(ValueError, match=r"stage=4 needs a schedule"):
-        rp.Layout(data=2, stage=4)
+        rp.planner.Layout(data=2, stage=4)
     with pytest.raises(ValueError, match=r"use microbatches, not accumulate_steps"):
-        rp.Layout(data=2, stage=2, schedule="gpipe", accumulate_steps=2)
+        rp.planner.Layout(data=2, stage=2, schedule="gpipe", accumulate_steps=2)
     with pytest.raises(ValueError, match=r"Layout: zero_stage must be 0, 1, 2 or 3"):
-        rp.Layout(zero_stage=4)
-    inter = rp.Layout(data=2, stage=4, schedule="interleaved", microbatches=8, repeats=2)
+        rp.planner.Layout(zero_stage=4)
+    inter = rp.planner.Layout(data=2, stage=4, schedule="interleaved", microbatches=8, repeats=2)
     assert str(inter) == "data=2 stage=4 interleaved V=2 M=8"
     assert str(dataclasses.replace(inter, schedule="circular")) == "data=2 stage=4 circular V=2 M=8"
     with pytest.raises(ValueError, match=r"Layout: the interleaved schedule needs repeats >= 2"):
-        rp.Layout(data=2, stage=4, schedule="interleaved", microbatches=8)
+        rp.planner.Layout(data=2, stage=4, schedule="interleaved", microbatches=8)
     with pytest.raises(
         ValueError,
         match=r"repeats \(virtual stages\) are for the circular and "
         r"interleaved schedules; got repeats=2 with schedule='1f1b'",
     ):
-        rp.Layout(data=2, stage=4, schedule="1f1b", microbatches=8, repeats=2)
+        rp.planner.Layout(data=2, stage=4, schedule="1f1b", microbatches=8, repeats=2)
 
 
 # -- the time model -------------------------------------------------------------------------------
 
-HW = rp.Hardware("toy", peak_flops=1e12, memory_bytes="1GiB", ici_bandwidth=1e10,
+HW = rp.planner.Hardware("toy", peak_flops=1e12, memory_bytes="1GiB", ici_bandwidth=1e10,
                  dcn_bandwidth=1e9, island_size=4, collective_latency=1e-3)  # fmt: skip
 
 
@@ -255,29 +258,29 @@ def test_pipeline_idle_time_only_where_the_schedule_skips_its_bubble():
 
 def test_hardware_profiles_have_sources_and_load_from_files(tmp_path):
     for name in ("tpu-v4", "tpu-v5e", "tpu-v5p", "h100", "a100"):
-        profile = rp.hardware(name)
+        profile = rp.planner.hardware_profile(name)
         assert profile.source and profile.peak_flops >= 1.9e14 and profile.island_size >= 8
-    assert rp.hardware("tpu-v5e").memory_bytes == 16 * 2**30
+    assert rp.planner.hardware_profile("tpu-v5e").memory_bytes == 16 * 2**30
     path = tmp_path / "mine.yaml"
     path.write_text(
         "name: mine\npeak_flops: 1.0e+15\nmemory_bytes: 96GB\nici_bandwidth: 4.5e+11\n"
         "dcn_bandwidth: 5.0e+10\nisland_size: 8\nsource: my datasheet\n"
     )
-    mine = rp.hardware(str(path))
+    mine = rp.planner.hardware_profile(str(path))
     assert mine.memory_bytes == 96 * 10**9 and mine.island_size == 8
     with pytest.raises(ValueError, match=r"hardware='tpu-v9' is neither a known profile"):
-        rp.hardware("tpu-v9")
+        rp.planner.hardware_profile("tpu-v9")
     path.write_text("name: mine\npeak_flops: 1.0e+15\n")
     with pytest.raises(ValueError, match=r"missing key\(s\) dcn_bandwidth, ici_bandwidth"):
-        rp.hardware(str(path))
+        rp.planner.hardware_profile(str(path))
     with pytest.raises(ValueError, match=r"memory='16 gigs' is not a size"):
-        rp.plan(plan_jobs.fake_build, [rp.Layout(data=8)], hardware=HW, memory="16 gigs")
+        rp.plan(plan_jobs.fake_build, [rp.planner.Layout(data=8)], hardware=HW, memory="16 gigs")
 
 
 def test_the_cpu_profile_is_measured_once():
-    cpu = rp.hardware("cpu")
+    cpu = rp.planner.hardware_profile("cpu")
     assert cpu.shared and cpu.peak_flops > 1e9 and cpu.ici_bandwidth > 1e8
-    assert rp.hardware("cpu") is cpu
+    assert rp.planner.hardware_profile("cpu") is cpu
 
 
 # -- the search -----------------------------------------------------------------------------------
@@ -289,8 +292,8 @@ def test_a_family_is_searched_by_bisection_and_stops_at_the_first_fit():
     remat fits from 4 accumulation steps (250). Compiled: the most frugal of each group first,
     then the bisection; everything else is skipped with the reason."""
     plan_jobs.COMPILED.clear()
-    family = rp.Family(tuple(
-        tuple(rp.Layout(data=8, accumulate_steps=a, remat=r) for a in (1, 2, 4, 8, 16))
+    family = rp.planner.Ladder(tuple(
+        tuple(rp.planner.Layout(data=8, accumulate_steps=a, remat=r) for a in (1, 2, 4, 8, 16))
         for r in (False, True)
     ))  # fmt: skip
     report = rp.plan(plan_jobs.fake_build, [family], hardware=HW, memory=260, workers=0)
@@ -301,7 +304,7 @@ def test_a_family_is_searched_by_bisection_and_stops_at_the_first_fit():
         "data=8 accum=4 remat",
         "data=8 accum=16 remat",
     ]
-    assert report.best == rp.Layout(data=8, accumulate_steps=4, remat=True)
+    assert report.best == rp.planner.Layout(data=8, accumulate_steps=4, remat=True)
     status = {str(c.layout): (c.outcome.status, c.outcome.reason) for c in report.rejected}
     assert status["data=8 accum=16"][0] == "too big"
     assert status["data=8 accum=2 remat"] == ("too big", "compiled peak 500 B per device")
@@ -315,7 +318,9 @@ def test_a_family_is_searched_by_bisection_and_stops_at_the_first_fit():
 
 def test_a_family_whose_state_alone_is_too_big_is_not_compiled():
     plan_jobs.COMPILED.clear()
-    family = rp.Family(((rp.Layout(data=8), rp.Layout(data=8, accumulate_steps=2)),))
+    family = rp.planner.Ladder(
+        ((rp.planner.Layout(data=8), rp.planner.Layout(data=8, accumulate_steps=2)),)
+    )
     report = rp.plan(plan_jobs.fake_build, [family], hardware=HW, memory=99, workers=0)
     assert plan_jobs.COMPILED == [] and report.best is None
     assert {c.outcome.status for c in report.rejected} == {"state too big"}
@@ -327,8 +332,8 @@ def test_remat_is_tried_only_with_fewer_accumulation_steps_than_the_fit_without_
     """Without remat the fit is at 2 steps (peak 1000); remat does more work, so only its
     1-step layout may be faster, and it is the only remat layout compiled."""
     plan_jobs.COMPILED.clear()
-    family = rp.Family(tuple(
-        tuple(rp.Layout(data=8, accumulate_steps=a, remat=r) for a in (1, 2, 4))
+    family = rp.planner.Ladder(tuple(
+        tuple(rp.planner.Layout(data=8, accumulate_steps=a, remat=r) for a in (1, 2, 4))
         for r in (False, True)
     ))  # fmt: skip
     report = rp.plan(plan_jobs.fake_build, [family], hardware=HW, memory=1000, workers=0)
@@ -345,7 +350,7 @@ def test_remat_is_tried_only_with_fewer_accumulation_steps_than_the_fit_without_
 
 def test_a_refused_layout_is_rejected_with_the_librarys_reason():
     plan_jobs.COMPILED.clear()
-    report = rp.plan(plan_jobs.refusing_build, [rp.Layout(data=8)], hardware=HW, workers=0)
+    report = rp.plan(plan_jobs.refusing_build, [rp.planner.Layout(data=8)], hardware=HW, workers=0)
     (c,) = report.rejected
     assert c.outcome.status == "error" and "ValueError: no such layout here" in c.outcome.reason
 
@@ -353,7 +358,11 @@ def test_a_refused_layout_is_rejected_with_the_librarys_reason():
 def test_a_worker_that_dies_takes_only_its_family_with_it():
     """The process compiling data=4 x model=2 dies; that family is an error saying so, and a
     new worker plans the families after it."""
-    layouts = [rp.Layout(data=8), rp.Layout(data=4, model=2), rp.Layout(data=2, model=4)]
+    layouts = [
+        rp.planner.Layout(data=8),
+        rp.planner.Layout(data=4, model=2),
+        rp.planner.Layout(data=2, model=4),
+    ]
     report = rp.plan(plan_jobs.crashing_build, layouts, hardware=HW, memory=2000, workers=1)
     assert [str(c.layout) for c in report.ranked] == ["data=8", "data=2 model=4"]
     (dead,) = report.rejected
@@ -363,9 +372,13 @@ def test_a_worker_that_dies_takes_only_its_family_with_it():
 
 def test_plan_refuses_mixed_device_counts_and_bad_workers():
     with pytest.raises(ValueError, match=r"the layouts use \[4, 8\] devices"):
-        rp.plan(plan_jobs.fake_build, [rp.Layout(data=8), rp.Layout(data=4)], hardware=HW)
+        rp.plan(
+            plan_jobs.fake_build,
+            [rp.planner.Layout(data=8), rp.planner.Layout(data=4)],
+            hardware=HW,
+        )
     with pytest.raises(ValueError, match=r"workers=0 compiles in this process, which has 8"):
-        rp.plan(plan_jobs.fake_build, [rp.Layout(data=4)], hardware=HW, workers=0)
+        rp.plan(plan_jobs.fake_build, [rp.planner.Layout(data=4)], hardware=HW, workers=0)
     with pytest.raises(ValueError, match=r"layouts is empty"):
         rp.plan(plan_jobs.fake_build, [], hardware=HW)
 
@@ -379,10 +392,10 @@ def test_a_real_plan_ranks_the_compiled_gpt():
     ranking follows the modelled time; tensor parallelism moves bytes over `model`; 1F1B
     waits in its bubble (3/7 at K=4, M=4) while GPipe computes through it (in its FLOPs)."""
     layouts = [
-        rp.Layout(data=8),
-        rp.Layout(data=4, model=2),
-        rp.Layout(data=2, stage=4, schedule="1f1b", microbatches=4),
-        rp.Layout(data=2, stage=4, schedule="gpipe", microbatches=4),
+        rp.planner.Layout(data=8),
+        rp.planner.Layout(data=4, model=2),
+        rp.planner.Layout(data=2, stage=4, schedule="1f1b", microbatches=4),
+        rp.planner.Layout(data=2, stage=4, schedule="gpipe", microbatches=4),
     ]
     report = rp.plan(plan_jobs.gpt_build, layouts, hardware="tpu-v5e", memory="1GiB", workers=0)
     assert report.compiled == 4 and len(report.ranked) == 4
@@ -405,8 +418,8 @@ def test_a_real_plan_models_interleaved_1f1b_as_1f1b_with_a_smaller_bubble():
     against 1F1B's (K-1)/(M+K-1) = 1/5, and, as 1F1B, it waits in it (idle time, not FLOPs);
     the GPT's stages are equal, so its idle FLOPs are about half of 1F1B's."""
     layouts = [
-        rp.Layout(data=4, stage=2, schedule="interleaved", microbatches=4, repeats=2),
-        rp.Layout(data=4, stage=2, schedule="1f1b", microbatches=4),
+        rp.planner.Layout(data=4, stage=2, schedule="interleaved", microbatches=4, repeats=2),
+        rp.planner.Layout(data=4, stage=2, schedule="1f1b", microbatches=4),
     ]
     report = rp.plan(plan_jobs.gpt_build, layouts, hardware="tpu-v5e", memory="1GiB", workers=0)
     by_name = {str(c.layout): c for c in report.ranked}
@@ -423,12 +436,12 @@ def test_a_real_plan_models_interleaved_1f1b_as_1f1b_with_a_smaller_bubble():
 def test_plan_in_worker_processes_with_another_device_count():
     """4 devices, planned from this 8-device process by a worker that starts with 4 emulated
     devices; the results equal the same plan made in a process of 4 devices."""
-    layouts = [rp.Layout(data=4), rp.Layout(data=2, model=2)]
+    layouts = [rp.planner.Layout(data=4), rp.planner.Layout(data=2, model=2)]
     report = rp.plan(plan_jobs.gpt_build, layouts, hardware="tpu-v5e", memory="1GiB", workers=1)
     assert report.workers == 1 and len(report.ranked) == 2
     by_name = {str(c.layout): c for c in report.ranked}
     assert by_name["data=2 model=2"].outcome.compiled.mesh == {"data": 2, "model": 2}
-    here = rp.plan(plan_jobs.gpt_build, [rp.Layout(data=8)], hardware="tpu-v5e", workers=0)
+    here = rp.plan(plan_jobs.gpt_build, [rp.planner.Layout(data=8)], hardware="tpu-v5e", workers=0)
     # a quarter of the batch per device instead of an eighth: about twice the FLOPs
     ratio = by_name["data=4"].outcome.compiled.flops / here.ranked[0].outcome.compiled.flops
     assert 1.8 < ratio < 2.05, ratio

@@ -24,7 +24,7 @@ def splits(families):
 
 def long_gpt(n=8, **options):
     defaults = dict(global_batch=16, num_layers=4, num_heads=HEADS, hidden=128, seq_len=512)
-    return rp.enumerate_layouts(n, **{**defaults, **options})
+    return rp.planner.enumerate_layouts(n, **{**defaults, **options})
 
 
 # -- enumeration ----------------------------------------------------------------------------------
@@ -113,28 +113,28 @@ def test_a_mixture_of_experts_gets_expert_axes_and_no_pipeline_or_context():
 
 
 def test_layouts_with_context_and_expert_axes():
-    ring = rp.Layout(data=2, context=4)
+    ring = rp.planner.Layout(data=2, context=4)
     assert ring.attention == "ring" and str(ring) == "data=2 context=4 ring"
     assert ring.mesh_shape == {"data": 2, "context": 4} and ring.num_devices == 8
-    a2a = rp.Layout(data=1, stage=2, schedule="1f1b", microbatches=4, context=2,
+    a2a = rp.planner.Layout(data=1, stage=2, schedule="1f1b", microbatches=4, context=2,
                     attention="all_to_all", model=2, zero_stage=1)  # fmt: skip
     assert str(a2a) == "data=1 stage=2 1f1b M=4 context=2 all_to_all model=2 zero=1"
     assert list(a2a.mesh_shape) == ["data", "stage", "context", "model"]  # the mesh's order
-    moe = rp.Layout(data=2, expert=4, accumulate_steps=2)
+    moe = rp.planner.Layout(data=2, expert=4, accumulate_steps=2)
     assert repr(moe) == "Layout(data=2 expert=4 accum=2)" and moe.attention is None
     assert moe.mesh_shape == {"data": 2, "expert": 4}
-    assert rp.Layout(**a2a.to_dict()) == a2a  # what worker processes send back
+    assert rp.planner.Layout(**a2a.to_dict()) == a2a  # what worker processes send back
     with pytest.raises(ValueError, match=r"attention='ring' is how attention crosses a context"):
-        rp.Layout(data=8, attention="ring")
+        rp.planner.Layout(data=8, attention="ring")
     with pytest.raises(ValueError, match=r"attention must be one of 'ring', 'all_to_all'"):
-        rp.Layout(data=2, context=4, attention="flash")
+        rp.planner.Layout(data=2, context=4, attention="flash")
     with pytest.raises(ValueError, match=r"Layout: context must be an int >= 1"):
-        rp.Layout(context=0)
+        rp.planner.Layout(context=0)
 
 
 # -- the time model -------------------------------------------------------------------------------
 
-HW = rp.Hardware("toy", peak_flops=1e12, memory_bytes="1GiB", ici_bandwidth=1e10,
+HW = rp.planner.Hardware("toy", peak_flops=1e12, memory_bytes="1GiB", ici_bandwidth=1e10,
                  dcn_bandwidth=1e9, island_size=4, collective_latency=1e-3)  # fmt: skip
 
 
@@ -201,7 +201,10 @@ def test_a_plan_prices_the_ring_and_the_all_to_all_of_a_context_layout():
     (C-1)/C of it on the wire; the modelled time spends them at the ICI bandwidth."""
     config, batch, c = plan_jobs.CONTEXT, plan_jobs.CONTEXT_BATCH, 4
     layers = config.num_layers
-    ring, a2a = rp.Layout(data=2, context=c), rp.Layout(data=2, context=c, attention="all_to_all")
+    ring, a2a = (
+        rp.planner.Layout(data=2, context=c),
+        rp.planner.Layout(data=2, context=c, attention="all_to_all"),
+    )
     report = rp.plan(plan_jobs.context_gpt_build, [ring, a2a], hardware="tpu-v5e",
                      memory="1GiB", workers=0)  # fmt: skip
     assert report.compiled == 2 and len(report.ranked) == 2
@@ -224,7 +227,7 @@ def test_a_plan_prices_the_ring_and_the_all_to_all_of_a_context_layout():
 def test_the_plans_collective_bytes_are_those_of_repl_explain():
     """A ring layout's collectives as the plan holds them (what it prices) against
     `repl.explain`'s report of the same layout, kind by kind and axes by axes, within 5%."""
-    layout = rp.Layout(data=2, context=4)
+    layout = rp.planner.Layout(data=2, context=4)
     report = rp.plan(plan_jobs.context_gpt_build, [layout], hardware="tpu-v5e", memory="1GiB",
                      workers=0)  # fmt: skip
     mine: dict = {}
@@ -253,7 +256,7 @@ def test_a_plan_prices_the_expert_all_to_alls_of_a_mixture_of_experts():
         config.capacity_factor * config.seq_len * config.top_k / config.num_experts
     )
     buffer = groups * config.num_experts * capacity * config.d_model * 4
-    layout = rp.Layout(data=data, expert=n)
+    layout = rp.planner.Layout(data=data, expert=n)
     report = rp.plan(plan_jobs.moe_gpt_build, [layout], hardware="tpu-v5e", memory="1GiB",
                      workers=0)  # fmt: skip
     (cand,) = report.ranked

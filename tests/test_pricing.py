@@ -21,15 +21,15 @@ SHAPE = pricing.ModelShape(num_layers=4, d_model=128, num_heads=4, kv_heads=4, h
 # low (about half: what else it sums is not modelled).
 UNPRICED = {("all-reduce", ("stage",))}
 LAYOUTS = [
-    rp.Layout(data=8, zero_stage=3, remat=True),
-    rp.Layout(data=4, model=2),
-    rp.Layout(data=2, model=4, zero_stage=1),
-    rp.Layout(data=2, stage=4, schedule="1f1b", microbatches=8),
-    rp.Layout(data=4, stage=2, schedule="gpipe", microbatches=4, remat=True, zero_stage=1),
-    rp.Layout(data=8, zero_stage=3, accumulate_steps=2, remat="dots"),
-    rp.Layout(data=4, model=2, zero_stage=2, accumulate_steps=4),
-    rp.Layout(data=2, context=4, zero_stage=3),  # ring attention
-    rp.Layout(data=4, context=2, attention="all_to_all"),
+    rp.planner.Layout(data=8, zero_stage=3, remat=True),
+    rp.planner.Layout(data=4, model=2),
+    rp.planner.Layout(data=2, model=4, zero_stage=1),
+    rp.planner.Layout(data=2, stage=4, schedule="1f1b", microbatches=8),
+    rp.planner.Layout(data=4, stage=2, schedule="gpipe", microbatches=4, remat=True, zero_stage=1),
+    rp.planner.Layout(data=8, zero_stage=3, accumulate_steps=2, remat="dots"),
+    rp.planner.Layout(data=4, model=2, zero_stage=2, accumulate_steps=4),
+    rp.planner.Layout(data=2, context=4, zero_stage=3),  # ring attention
+    rp.planner.Layout(data=4, context=2, attention="all_to_all"),
 ]
 
 
@@ -59,9 +59,9 @@ def test_model_shape_counts_the_gpts_parameters():
 PEAK_GAP = 0.10 if jax.__version_info__ < (0, 12) else 0.20
 # configs/gpt_moe.yaml: 8 experts in every layer, each token to its top 2, capacity 1.25
 MOE_LAYOUTS = [
-    rp.Layout(data=2, expert=4),
-    rp.Layout(data=4, expert=2, zero_stage=3),
-    rp.Layout(data=2, expert=4, zero_stage=1, remat="dots"),
+    rp.planner.Layout(data=2, expert=4),
+    rp.planner.Layout(data=4, expert=2, zero_stage=3),
+    rp.planner.Layout(data=2, expert=4, zero_stage=1, remat="dots"),
 ]
 
 
@@ -121,8 +121,10 @@ def test_front_runners_drop_what_cannot_fit_and_rank_the_fastest_families_first(
     """8 devices, the model above: a budget under every layout's priced peak drops every
     family, not compiled; under a roomy one every family is ranked by its fastest layout, and
     the layouts not compiled are listed with why."""
-    families = rp.enumerate_layouts(8, global_batch=32, num_layers=4, num_heads=4, hidden=512)
-    profile = rp.hardware("tpu-v5e")
+    families = rp.planner.enumerate_layouts(
+        8, global_batch=32, num_layers=4, num_heads=4, hidden=512
+    )
+    profile = rp.planner.hardware_profile("tpu-v5e")
     timing = {"overlap": 0.0, "model_flops": None}
     ranked, dropped, prices = pricing.front_runners(families, SHAPE, 2**20, profile, timing)
     assert ranked == [] and {o.status for o in dropped} == {"too big (priced)"}
@@ -159,7 +161,9 @@ def test_a_priced_plan_compiles_only_its_front_runners():
 
     from replicator.models import gpt
 
-    families = rp.enumerate_layouts(8, global_batch=plan_jobs.BATCH, num_layers=4, num_heads=4)
+    families = rp.planner.enumerate_layouts(
+        8, global_batch=plan_jobs.BATCH, num_layers=4, num_heads=4
+    )
     shape = gpt.model_shape(plan_jobs.CONFIG, plan_jobs.BATCH)
     report = rp.plan(plan_jobs.gpt_build, families, hardware="tpu-v5e", memory="1GiB",
                      workers=0, model=shape, compile_top=2)  # fmt: skip
@@ -180,8 +184,10 @@ def test_a_priced_plan_compiles_the_next_families_while_none_fits():
     from replicator._src.planner import planning, search
     from replicator._src.report.cost_model import CompiledStep
 
-    families = rp.enumerate_layouts(8, global_batch=32, num_layers=4, num_heads=4, hidden=512)
-    profile, timing = rp.hardware("tpu-v5e"), {"overlap": 0.0, "model_flops": None}
+    families = rp.planner.enumerate_layouts(
+        8, global_batch=32, num_layers=4, num_heads=4, hidden=512
+    )
+    profile, timing = rp.planner.hardware_profile("tpu-v5e"), {"overlap": 0.0, "model_flops": None}
     ranked, _, prices = pricing.front_runners(families, SHAPE, 2**34, profile, timing)
     scales = []
 
@@ -237,6 +243,6 @@ def test_a_tpu_prices_attention_on_the_kernel_it_compiles_to():
             mp.setattr(pricing, "front_runners", front)
             planning._priced_rounds(None, [], shape, 1, None, {}, 1, False, on_cpu)
         assert seen.pop() == want
-    lay = rp.Layout(data=8, zero_stage=3)
+    lay = rp.planner.Layout(data=8, zero_stage=3)
     blocks = lambda m: sum(b for _, b in pricing.price(lay, m).roofline[1:2])
     assert blocks(wide) > 0 and blocks(dataclasses.replace(wide, attention="splash")) == 0

@@ -37,17 +37,17 @@ def test_a_run_that_ends_inside_the_traced_steps_still_writes_the_trace(tmp_path
     repl = rp.Replicator()
     step = lambda s, x: (s + 1, {"s": s})
     rp.fit(repl, step, repl.replicate(jnp.zeros(())), lambda ctx: iter([np.ones(8)] * 3),
-           steps=10, progress=False, profile=rp.Profile(tmp_path, start_step=2, num_steps=5))  # fmt: skip
+           steps=10, progress=False, profile=rp.training.Profile(tmp_path, start_step=2, num_steps=5))  # fmt: skip
     assert traces(tmp_path) and traces(tmp_path)[0].stat().st_size > 0
 
 
 def test_bad_profiles_are_refused_naming_the_field():
-    with pytest.raises(ValueError, match=r"rp.Profile: start_step must be"):
-        rp.Profile("/tmp/x", start_step=0)
+    with pytest.raises(ValueError, match=r"rp.training.Profile: start_step must be"):
+        rp.training.Profile("/tmp/x", start_step=0)
     with pytest.raises(ValueError, match=r"profile has unknown keys \['steps'\]"):
-        rp.Profile.of({"dir": "/tmp/x", "steps": 3})
-    with pytest.raises(TypeError, match=r"profile must be an rp.Profile or a dict"):
-        rp.Profile.of(3)
+        rp.training.Profile.of({"dir": "/tmp/x", "steps": 3})
+    with pytest.raises(TypeError, match=r"profile must be an rp.training.Profile or a dict"):
+        rp.training.Profile.of(3)
 
 
 @pytest.mark.slow

@@ -218,7 +218,7 @@ def test_pipeline_moves_one_activation_per_tick_each_way(name):
     }
     report = repl.explain(step, state, x, x[:, :2])
 
-    plan = schedule.plan(k, m)
+    plan = schedule.timetable(k, m)
     (note,) = report.pipelines
     mb = global_batch // d // m  # rows of one micro-batch on one device
     assert note.activation_bytes == 4 * mb * w
@@ -264,7 +264,7 @@ def test_pipeline_apply_notes_the_forward_plan_it_runs(name):
         x,
     )
 
-    plan = runs.plan(k, m)
+    plan = runs.timetable(k, m)
     (note,) = report.pipelines
     assert (note.schedule, note.repeats, note.ticks, note.sends_per_step) == (
         runs.name, runs.repeats, plan.num_ticks, plan.num_ticks,
@@ -303,7 +303,7 @@ def test_pipeline_step_time_is_modelled_from_the_stages_flops(name):
     report = repl.explain(step, stages, x, x)
 
     (note,) = report.pipelines
-    plan = schedule.plan(k, m)
+    plan = schedule.timetable(k, m)
     mb, lv = global_batch // d // m, layers // k
     one = lv * 2 * mb * w * w  # one stage's pass on one micro-batch
     want_costs = pipeline.StageCosts(
@@ -358,7 +358,7 @@ def test_pipeline_of_unequal_stages_models_their_measured_bubble():
         backward=(2 * f0, 2 * f1), unit="flops",
     )  # fmt: skip
     assert note.stage_costs == want_costs
-    want = pipeline.step_time(pipeline.OneFOneB().plan(2, 2), want_costs)
+    want = pipeline.step_time(pipeline.OneFOneB().timetable(2, 2), want_costs)
     assert note.modelled_time == want.time
     assert note.modelled_bubble == pytest.approx(want.bubble_fraction)
     # Stage 1 idles most of each tick: far more bubble than with equal costs.
@@ -381,7 +381,7 @@ def test_pipeline_apply_models_the_forward_and_says_why_a_stage_is_not_measured(
     )
     placed = repl.place(stages, pipeline.stage_spec())
     x = rng.normal(size=(global_batch, w)).astype(np.float32)
-    plan = pipeline.GPipe().plan(k, m)
+    plan = pipeline.GPipe().timetable(k, m)
 
     def explain(stage_fn):
         f = pipeline.apply(stage_fn, num_microbatches=m)

@@ -32,7 +32,7 @@ if importlib.util.find_spec("libtpu") is None:
     pytest.skip('libtpu is not installed (pip install "replicator[tpu]")', allow_module_level=True)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# OnTarget's keys, at the top level of report.to_json()
+# TargetReport's keys, at the top level of report.to_json()
 TARGET_KEYS = (
     "target", "platform", "num_devices", "device_kind", "hbm_bytes", "peak_bytes", "fits",
     "over_bytes", "fit_hint", "step_seconds", "xla_seconds", "xla_seconds_how", "model_flops",
@@ -91,7 +91,7 @@ def _noise(stderr: str) -> list[str]:
     ],
 )
 def test_target_names_as_gcloud_spells_them(name, canonical, chips, topology):
-    t = rp.target(name)
+    t = rp.targets.tpu_target(name)
     assert (t.name, t.chips, t.topology, t.slices) == (canonical, chips, topology, 1)
     assert t.num_devices == chips and t.label == canonical
 
@@ -117,13 +117,13 @@ def test_target_names_as_gcloud_spells_them(name, canonical, chips, topology):
 )  # fmt: skip
 def test_target_refuses_a_name_cloud_tpu_does_not_have(name, match):
     with pytest.raises(ValueError, match=match):
-        rp.target(name)
+        rp.targets.tpu_target(name)
 
 
 @pytest.mark.parametrize("slices", [0, -1, 1.5, True, "2"])
 def test_target_refuses_slices_that_are_not_a_count(slices):
     with pytest.raises(ValueError, match=r"target: slices must be an int >= 1"):
-        rp.target("v5p-16", slices=slices)
+        rp.targets.tpu_target("v5p-16", slices=slices)
 
 
 @pytest.mark.parametrize(
@@ -140,7 +140,7 @@ def test_target_refuses_slices_that_are_not_a_count(slices):
 def test_tpu_devices_a_device_per_chip(name, count, kind):
     """A megacore chip is one JAX device: as many devices as the target has chips."""
     devices = rp.tpu_devices(name)
-    assert len(devices) == rp.target(name).chips == count
+    assert len(devices) == rp.targets.tpu_target(name).chips == count
     assert {d.platform for d in devices} == {"tpu"}
     assert {d.device_kind for d in devices} == {kind}
     assert len({d.id for d in devices}) == count
@@ -151,7 +151,7 @@ def test_two_slices_have_twice_the_devices_each_with_its_slice_index():
     devices = rp.tpu_devices("v5p-16", slices=2)
     assert len(devices) == 16 and len({d.id for d in devices}) == 16
     assert collections.Counter(d.slice_index for d in devices) == {0: 8, 1: 8}
-    t = rp.target("v5p-16", slices=2)
+    t = rp.targets.tpu_target("v5p-16", slices=2)
     assert (t.num_devices, t.label) == (16, "2 x v5p-16")
 
 
@@ -224,9 +224,9 @@ def test_explain_on_v5p_reads_the_tpu_program(mlp_on_v5p):
     _, state, report, flops = mlp_on_v5p
     assert report.platform == "tpu" and report.num_devices == 8
     t = report.target
-    assert isinstance(t, rp.OnTarget)
+    assert isinstance(t, rp.targets.TargetReport)
     assert (t.target, t.device_kind, t.slices, t.hardware) == ("v5p-16", "TPU v5", 1, "tpu-v5p")
-    assert t.hbm_bytes == rp.HARDWARE["tpu-v5p"].memory_bytes
+    assert t.hbm_bytes == rp.planner.HARDWARE_PROFILES["tpu-v5p"].memory_bytes
     assert t.fits and t.over_bytes == 0 and t.fit_hint is None
     assert 0 < t.peak_bytes == report.memory.peak < t.hbm_bytes
     assert t.step_seconds > 0 and t.compute_seconds > 0
@@ -246,7 +246,7 @@ def test_explain_on_v5p_to_json_has_the_target_keys_at_the_top(mlp_on_v5p):
     assert set(TARGET_KEYS) <= set(data), set(TARGET_KEYS) - set(data)
     assert (data["target"], data["platform"], data["num_devices"]) == ("v5p-16", "tpu", 8)
     assert data["device_kind"] == "TPU v5" and data["fits"] is True
-    assert data["hbm_bytes"] == rp.HARDWARE["tpu-v5p"].memory_bytes
+    assert data["hbm_bytes"] == rp.planner.HARDWARE_PROFILES["tpu-v5p"].memory_bytes
     assert data["step_seconds"] > 0 and data["model_flops"] == flops and 0 < data["mfu"] <= 1
     assert data["xla_seconds"] is None or data["xla_seconds"] > 0
 
@@ -264,9 +264,9 @@ def test_explain_on_each_generation_names_its_chip(name, kind, hardware):
     repl, init, step_fn, batch = _mlp_job(rp.tpu_devices(name))
     report = repl.explain(step_fn, repl.abstract(init), batch)
     t = report.target
-    assert report.platform == "tpu" and report.num_devices == rp.target(name).chips
+    assert report.platform == "tpu" and report.num_devices == rp.targets.tpu_target(name).chips
     assert (t.target, t.device_kind, t.hardware) == (name, kind, hardware)
-    assert t.hbm_bytes == rp.HARDWARE[hardware].memory_bytes and t.fits
+    assert t.hbm_bytes == rp.planner.HARDWARE_PROFILES[hardware].memory_bytes and t.fits
     assert t.step_seconds > 0
 
 
@@ -296,7 +296,7 @@ def test_a_step_over_the_hbm_is_does_not_fit_error():
     def step_fn(state, batch):
         return {"w": state["w"] * 1.5 + batch["x"].sum()}, {}
 
-    with pytest.raises(rp.DoesNotFitError, match=r"does not fit v5e-8: the TPU compiler "
+    with pytest.raises(rp.targets.DoesNotFitError, match=r"does not fit v5e-8: the TPU compiler "
                        r"refused it: .*exceeds available HBM") as info:  # fmt: skip
         repl.explain(step_fn, state, {"x": jax.ShapeDtypeStruct((8, 4), jnp.float32)})
     assert isinstance(info.value, ValueError)
@@ -461,7 +461,7 @@ def test_every_config_compiles_for_a_tpu_of_its_mesh_and_fits(name, tmp_path):
     assert not _noise(run.stderr), _noise(run.stderr)
     report = json.loads(out.read_text())
     assert report["platform"] == "tpu" and report["target"] == target
-    assert report["num_devices"] == rp.target(target).chips
+    assert report["num_devices"] == rp.targets.tpu_target(target).chips
     if name == "llama2_7b":  # under MaxText's program of the same step (31.57 GiB a chip): the
         # layer scan stacks its gradients in bf16 (fp32 stacks peaked at 32.21 GiB; 29.01 now)
         assert report["peak_bytes"] < 30 * 2**30, report["peak_bytes"] / 2**30
@@ -520,7 +520,7 @@ def test_cli_explain_target_writes_the_report_json(tmp_path, capsys):
     assert data["device_kind"] == "TPU v5" and data["fits"] is True and data["slices"] == 1
     assert data["mesh"] == {"data": 8}
     assert data["step_seconds"] > 0 and data["model_flops"] > 0 and 0 < data["mfu"] <= 1
-    assert data["hbm_bytes"] == rp.HARDWARE["tpu-v5p"].memory_bytes
+    assert data["hbm_bytes"] == rp.planner.HARDWARE_PROFILES["tpu-v5p"].memory_bytes
 
 
 @pytest.mark.xfail(
@@ -572,7 +572,7 @@ def test_cli_a_bad_target_is_refused_in_one_line(capsys, bad, valid):
     """The message names the bad target and a valid one."""
     line = _refused(capsys, "--target", bad)
     assert f"target {bad!r}" in line and valid in line
-    rp.target(valid)
+    rp.targets.tpu_target(valid)
 
 
 def test_cli_a_mesh_that_is_not_the_targets_chips_is_refused(capsys):

@@ -61,7 +61,7 @@ class ListWriter:
 
 def test_your_own_writer_gets_exactly_the_logged_records_and_is_closed(tmp_path):
     writer = ListWriter()
-    assert isinstance(writer, rp.MetricWriter)
+    assert isinstance(writer, rp.training.MetricWriter)
     result = fit(
         4,
         writers=[writer],
@@ -102,7 +102,7 @@ def test_fit_refuses_writers_that_are_not_a_list_of_writers():
     with pytest.raises(
         TypeError,
         match=r"rp.fit: writers\[1\] \(a str\) has no write\(step, metrics\) method; "
-        r"give objects with write\(step, metrics\) and close\(\) \(rp.MetricWriter\)",
+        r"give objects with write\(step, metrics\) and close\(\) \(rp.training.MetricWriter\)",
     ):
         fit(1, writers=[ListWriter(), "tb"])
 
@@ -116,7 +116,7 @@ def test_fit_refuses_writers_that_are_not_a_list_of_writers():
 
 def test_tensorboard_writer_leaves_event_files(tmp_path):
     pytest.importorskip("tensorboardX")
-    result = fit(3, writers=[rp.TensorBoardWriter(tmp_path / "tb")])
+    result = fit(3, writers=[rp.training.TensorBoardWriter(tmp_path / "tb")])
     scalars = read_tensorboard_scalars(tmp_path / "tb")
     assert [step for step, _ in scalars["loss"]] == [1, 2, 3]
     np.testing.assert_allclose([v for _, v in scalars["loss"]], [r["loss"] for r in result.history])
@@ -125,7 +125,7 @@ def test_tensorboard_writer_leaves_event_files(tmp_path):
 def test_without_tensorboardx_a_tensorboard_writer_warns_and_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorboardX", None)  # import tensorboardX fails
     with pytest.warns(UserWarning, match=r'tensorboardX is not installed.*"replicator\[tens'):
-        writer = rp.TensorBoardWriter(tmp_path / "tb")
+        writer = rp.training.TensorBoardWriter(tmp_path / "tb")
     with pytest.warns(UserWarning, match=r"rp.fit: tensorboard_dir is set but tensorboardX"):
         result = fit(2, writers=[writer], tensorboard_dir=tmp_path / "tb2")
     assert result.step == 2
@@ -238,7 +238,7 @@ def _offline_runs(directory):
 
 
 def test_wandb_writer_leaves_an_offline_run_with_the_logged_history(tmp_path, wandb):
-    writer = rp.WandbWriter(project="replicator-tests", name="linear", dir=tmp_path, config={
+    writer = rp.training.WandbWriter(project="replicator-tests", name="linear", dir=tmp_path, config={
         "lr": 0.1})  # fmt: skip
     result = fit(4, writers=[writer], eval_fn=lambda s: {"w0": s["w"][0, 0]}, eval_every=2)
     ((run, rows),) = offline_runs(tmp_path).values()
@@ -253,8 +253,8 @@ def test_wandb_writer_leaves_an_offline_run_with_the_logged_history(tmp_path, wa
 
 def test_a_resumed_fit_starts_a_new_offline_run_from_the_checkpoint(tmp_path, wandb):
     ckpt = {"checkpoint_dir": tmp_path / "ckpt", "checkpoint_every": 2}
-    first = fit(4, writers=[rp.WandbWriter(project="p", dir=tmp_path)], **ckpt)
-    second = fit(6, writers=[rp.WandbWriter(project="p", dir=tmp_path)], **ckpt)
+    first = fit(4, writers=[rp.training.WandbWriter(project="p", dir=tmp_path)], **ckpt)
+    second = fit(6, writers=[rp.training.WandbWriter(project="p", dir=tmp_path)], **ckpt)
     assert second.resumed_from == 4
     runs = sorted(offline_runs(tmp_path).values(), key=lambda run: run[1][0]["step"])
     assert len(runs) == 2 and runs[0][0].run_id != runs[1][0].run_id
@@ -265,10 +265,12 @@ def test_a_resumed_fit_starts_a_new_offline_run_from_the_checkpoint(tmp_path, wa
 
 
 def test_wandb_writer_skips_steps_below_the_last_one_with_a_warning(tmp_path, wandb):
-    writer = rp.WandbWriter(project="p", dir=tmp_path)
+    writer = rp.training.WandbWriter(project="p", dir=tmp_path)
     writer.write(5, {"loss": 1.0})
     writer.write(5, {"eval_loss": 2.0})  # the same step: the same row
-    with pytest.warns(UserWarning, match=r"rp.WandbWriter: step 3 is below step 5, .* skipped"):
+    with pytest.warns(
+        UserWarning, match=r"rp.training.WandbWriter: step 3 is below step 5, .* skipped"
+    ):
         writer.write(3, {"loss": 9.0})
     writer.write(4, {"loss": 9.0})  # skipped without another warning
     writer.write(6, {"loss": 0.5})
@@ -295,7 +297,7 @@ def test_wandb_writer_calls_wandb_init_once_and_continues_a_resumed_run(monkeypa
         return Run()
 
     monkeypatch.setattr(wandb, "init", init)
-    writer = rp.WandbWriter(project="p", name="n", dir=tmp_path, mode="online", config={"a": 1},
+    writer = rp.training.WandbWriter(project="p", name="n", dir=tmp_path, mode="online", config={"a": 1},
                             id="abc", resume="allow")  # fmt: skip
     assert calls == []  # the run starts at the first write (on process 0 only, in rp.fit)
     with pytest.warns(UserWarning, match=r"step 6 is below step 7, the next step of the resumed"):
@@ -313,15 +315,17 @@ def test_wandb_writer_calls_wandb_init_once_and_continues_a_resumed_run(monkeypa
 
 def test_wandb_writer_refuses_bad_arguments_and_says_how_to_install_wandb(monkeypatch):
     pytest.importorskip("wandb")
-    with pytest.raises(ValueError, match=r"rp.WandbWriter: project must be a non-empty str"):
-        rp.WandbWriter(project="")
     with pytest.raises(
-        ValueError, match=r"rp.WandbWriter: mode='onlin' is not one of 'offline', 'online'"
+        ValueError, match=r"rp.training.WandbWriter: project must be a non-empty str"
     ):
-        rp.WandbWriter(project="p", mode="onlin")
+        rp.training.WandbWriter(project="")
+    with pytest.raises(
+        ValueError, match=r"rp.training.WandbWriter: mode='onlin' is not one of 'offline', 'online'"
+    ):
+        rp.training.WandbWriter(project="p", mode="onlin")
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb fails
     with pytest.raises(ImportError, match=r"wandb is not installed; pip install wandb \(or pip"):
-        rp.WandbWriter(project="p")
+        rp.training.WandbWriter(project="p")
 
 
 # The CLI: `wandb:` in a config, or on the command line.
@@ -371,6 +375,7 @@ def test_a_cli_run_without_wandb_installed_is_refused_before_any_work(
     )
     assert code == 2
     assert (
-        "replicator train: wandb: rp.WandbWriter: wandb is not installed" in capsys.readouterr().err
+        "replicator train: wandb: rp.training.WandbWriter: wandb is not installed"
+        in capsys.readouterr().err
     )
     assert not (tmp_path / "lm_dp" / "checkpoints").exists()

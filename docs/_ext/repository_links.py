@@ -74,7 +74,7 @@ def _register_labels(app, doctree) -> None:
 
 
 def _drop_type_docstring(app, what, name, obj, options, lines) -> None:
-    """A constant (``rp.HARDWARE``, a dict) has no docstring of its own: show none, rather than
+    """A constant (``rp.planner.HARDWARE_PROFILES``, a dict) has no docstring of its own: show none, rather than
     the one of its type (``dict``'s)."""
     if what == "data" and lines and inspect.getdoc(type(obj)) == "\n".join(lines).strip():
         lines.clear()

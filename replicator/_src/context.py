@@ -441,7 +441,7 @@ class Replicator:
         On a TPU target's devices (``Replicator(devices=rp.tpu_devices("v5p-16"))``, any
         machine with libtpu) the program is the TPU's, and the report's ``target`` says what
         it means there: HBM and ``fits``, the roofline ``step_seconds``, XLA's own
-        ``xla_seconds``, and the MFU (`OnTarget`).
+        ``xla_seconds``, and the MFU (`TargetReport`).
 
         Returns:
           A `StepReport`: print it for tables, ``to_json()`` for everything.

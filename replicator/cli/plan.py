@@ -2,7 +2,7 @@
 config's model on N devices, ranked by modelled step time, written as a config that
 ``replicator train`` runs.
 
-The layouts come from the config's model sizes (`rp.enumerate_layouts`): for a GPT of long
+The layouts come from the config's model sizes (`rp.planner.enumerate_layouts`): for a GPT of long
 sequences (``model.seq_len`` at least ``--min-context-seq`` and ``model.d_model``) context axes
 too, and for a mixture of experts (``model.experts`` > 0) expert axes. Each is the config with
 its ``mesh``, ``zero_stage``, ``pipeline``, ``accumulate_steps``, ``model.remat`` and, over a
@@ -55,7 +55,7 @@ def add_parser(commands) -> None:
     )  # fmt: skip
     p.add_argument(
         "--hardware", default="cpu", metavar="NAME_OR_FILE",
-        help=f"a profile: {', '.join([*rp.HARDWARE, 'cpu'])} (this machine, measured), or a "
+        help=f"a profile: {', '.join([*rp.planner.HARDWARE_PROFILES, 'cpu'])} (this machine, measured), or a "
         "YAML file with name, peak_flops, memory_bytes, ici_bandwidth, dcn_bandwidth, "
         "island_size (default: cpu)",
     )  # fmt: skip
@@ -108,14 +108,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(no_layouts(cfg, n, args))
     target = targets.check_args(args)
     if target is not None:  # compiled for the TPU here; its chip is the profile
-        cfg = targets.on_target(cfg, target)
+        cfg = targets.mesh_on_target(cfg, target)
     elif args.hardware == "cpu":  # measured here, with the N devices the plan emulates
         import jax
 
         jax.config.update("jax_num_cpu_devices", n)
         jax.config.update("jax_platforms", "cpu")
     budget = None if args.memory is None else parse_size(args.memory, "--memory")
-    profile = rp.hardware(args.hardware if target is None else target)
+    profile = rp.planner.hardware_profile(args.hardware if target is None else target)
     budget = profile.memory_bytes if budget is None else budget
     check_state_fits(cfg, n, budget, given=args.memory is not None)
     raw = dataclasses.asdict(cfg)
@@ -264,23 +264,23 @@ def layouts_for(cfg: TrainConfig, n: int, args: argparse.Namespace):
         if getattr(m, "attention", None) == "splash":  # the kernel runs on whole heads and
             max_model = 1  # sequences, on one device each (`replicator._src.sharded.splash`)
             tokens.update(max_context=1, max_expert=1)
-        return rp.enumerate_layouts(
+        return rp.planner.enumerate_layouts(
             n, num_layers=m.layers, num_heads=m.heads, hidden=m.d_ff or 4 * m.d_model,
             zero_stages=zero, max_model=max_model, **tokens, **common,
         )  # fmt: skip
     if m.kind == "mlp":  # data parallel with ZeRO; its layers are always rematerialised
-        return rp.enumerate_layouts(
+        return rp.planner.enumerate_layouts(
             n, num_layers=1, zero_stages=zero, max_model=1, remat=(False,), **common
         )
     if m.kind == "cnn":  # BatchNorm over the whole batch: ZeRO 0-2, no accumulation
         zero = tuple(z for z in zero if z < 3) or (0,)
-        return rp.enumerate_layouts(
+        return rp.planner.enumerate_layouts(
             n, num_layers=1, zero_stages=zero, max_model=1, accumulate_steps=(1,),
             remat=(False,), **common,
         )  # fmt: skip
     raise ValueError(
         f"model.kind={m.kind!r}: plan lays out the built-in kinds (gpt, mlp, cnn); for your own "
-        f"model call rp.plan(build, rp.enumerate_layouts(...)) with a build(layout) of yours."
+        f"model call rp.plan(build, rp.planner.enumerate_layouts(...)) with a build(layout) of yours."
     )
 
 
@@ -354,7 +354,7 @@ def _model_keys() -> set[str]:
 
 
 def _token_options(m, args: argparse.Namespace) -> dict:
-    """`rp.enumerate_layouts`' context and expert options for the GPT section ``m``: its
+    """`rp.planner.enumerate_layouts`' context and expert options for the GPT section ``m``: its
     sequence, its experts (``model.experts``, 0 if the config has no such key), its zigzag, and
     the attentions asked for that the config can say (``ring`` alone, the GPT's default,
     without a ``model.attention`` key)."""
@@ -376,7 +376,7 @@ def _token_options(m, args: argparse.Namespace) -> dict:
     return options
 
 
-def with_layout(raw: dict, layout: rp.Layout) -> dict:
+def with_layout(raw: dict, layout: rp.planner.Layout) -> dict:
     """The config ``raw`` (``dataclasses.asdict`` of a `TrainConfig`) with ``layout``'s keys."""
     out = dict(raw)
     out["mesh"] = dict(layout.mesh_shape)
@@ -397,7 +397,7 @@ def with_layout(raw: dict, layout: rp.Layout) -> dict:
     return out
 
 
-def build_layout(raw: dict, layout: rp.Layout, target: rp.Target | None = None):
+def build_layout(raw: dict, layout: rp.planner.Layout, target: rp.targets.Target | None = None):
     """``rp.plan``'s build: the config ``raw`` with ``layout``, built from shapes (on the
     target's devices with ``target``)."""
     from replicator.cli import jobs

@@ -33,13 +33,13 @@ def add_args(parser, *, what: str) -> None:
     )  # fmt: skip
 
 
-def check_args(args) -> rp.Target | None:
+def check_args(args) -> rp.targets.Target | None:
     """The target ``--target``/``--slices`` name, or None; refuses ``--slices`` alone."""
     if args.target is None:
         if args.slices != 1:
             raise ValueError("--slices counts TPU slices of a --target; give --target too.")
         return None
-    return rp.target(args.target, slices=args.slices)
+    return rp.targets.tpu_target(args.target, slices=args.slices)
 
 
 @functools.cache
@@ -52,7 +52,7 @@ def devices(name: str, slices: int) -> tuple:
     return tuple(rp.tpu_devices(name, slices=slices))
 
 
-def on_target(config: TrainConfig, target: rp.Target) -> TrainConfig:
+def mesh_on_target(config: TrainConfig, target: rp.targets.Target) -> TrainConfig:
     """``config`` with its mesh over the target's devices: a ``dcn_data`` axis of the slices
     when the mesh has none (and several slices), and the mesh's size checked.
 
@@ -80,7 +80,9 @@ def model_flops_per_chip(config: TrainConfig, num_devices: int) -> float | None:
     return None if total is None else total / num_devices
 
 
-def explain(config: TrainConfig, target: rp.Target, *, hints: bool = True, per_layer: bool = True):
+def explain(
+    config: TrainConfig, target: rp.targets.Target, *, hints: bool = True, per_layer: bool = True
+):
     """The `StepReport` of ``config``'s step compiled for ``target``; with ``hints``, one that
     does not fit carries the smallest change that does (``report.target.fit_hint``); with
     ``per_layer``, XLA's estimate of a scanned step is read per layer (`_per_layer_xla_seconds`:
@@ -93,14 +95,14 @@ def explain(config: TrainConfig, target: rp.Target, *, hints: bool = True, per_l
             f"arrays; a target compiles from shapes only, which the built-in kinds (gpt, llama, "
             f"mlp, cnn) on their built-in data do. Drop data.path, or explain on the CPU."
         )
-    config = on_target(config, target)
+    config = mesh_on_target(config, target)
     try:
         report = _compile(config, target)
-    except rp.DoesNotFitError as e:  # the TPU compiler refused it: no program to report
+    except rp.targets.DoesNotFitError as e:  # the TPU compiler refused it: no program to report
         if not hints:
             raise
         hint = fit_hint(config, target, None)
-        raise rp.DoesNotFitError(
+        raise rp.targets.DoesNotFitError(
             f"{config.name} does not fit {target.label}: the TPU compiler refused the step: "
             f"{e.shortfall}. {hint}.", target=e.target, shortfall=e.shortfall,
         ) from None  # fmt: skip
@@ -114,7 +116,7 @@ def explain(config: TrainConfig, target: rp.Target, *, hints: bool = True, per_l
     return dataclasses.replace(report, step=f"{config.name} ({config.model.kind})")
 
 
-def _compile(config: TrainConfig, target: rp.Target):
+def _compile(config: TrainConfig, target: rp.targets.Target):
     from replicator.cli import jobs
 
     repl, step_fn, state, batch = jobs.abstract_job(
@@ -125,10 +127,10 @@ def _compile(config: TrainConfig, target: rp.Target):
     return repl.explain(step_fn, state, batch, model_flops=flops)
 
 
-def _per_layer_xla_seconds(config: TrainConfig, target: rp.Target, report):
+def _per_layer_xla_seconds(config: TrainConfig, target: rp.targets.Target, report):
     """XLA's estimate of a step whose layers are scanned, from the same step with one and with
     two layers unrolled (XLA reads those whole), extrapolated per layer: ``x1 + (L - 1) (x2 -
-    x1)``. Kept as `OnTarget` scaled it where that cannot be read: no scanned layers, a
+    x1)``. Kept as `TargetReport` scaled it where that cannot be read: no scanned layers, a
     pipeline, or other loops in the small programs."""
     t, m = report.target, config.model
     if (
@@ -183,7 +185,7 @@ def _changes(config: TrainConfig) -> list[tuple[str, dict]]:
     return out
 
 
-def fit_hint(config: TrainConfig, target: rp.Target, report=None) -> str:
+def fit_hint(config: TrainConfig, target: rp.targets.Target, report=None) -> str:
     """The first of `_changes` whose step fits, compiled; or each one's peak if none does."""
     from replicator._src.report.step_report import format_bytes
 
@@ -192,7 +194,7 @@ def fit_hint(config: TrainConfig, target: rp.Target, report=None) -> str:
         print(f"  does not fit: trying {override} ...", file=sys.stderr, flush=True)
         try:
             changed = _compile(dataclasses.replace(config, **change), target)
-        except rp.DoesNotFitError as e:
+        except rp.targets.DoesNotFitError as e:
             tried.append(f"{override}: {e.shortfall}")
             continue
         except Exception as e:  # refused (e.g. heads not divisible): not a way to fit

@@ -7,7 +7,7 @@ the parameters and the BatchNorm statistics travel in the training state as plai
 >>> import numpy as np
 >>> from flax import nnx
 >>> from replicator.models import cnn
->>> model = cnn.CNN(in_channels=1, num_classes=len(cnn.SHAPES), width=4, rngs=nnx.Rngs(0))
+>>> model = cnn.CNN(in_channels=1, num_classes=len(cnn.CLASS_NAMES), width=4, rngs=nnx.Rngs(0))
 >>> graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
 >>> batch = next(cnn.shape_batches(8, seed=0))
 >>> (loss, (stats, accuracy)), grads = cnn.value_and_grad(graphdef, params, stats, batch)
@@ -56,11 +56,11 @@ class CNN(nnx.Module):
         return self.head(jnp.mean(x, axis=(1, 2)))
 
 
-SHAPES = ("horizontal bar", "vertical bar", "diagonal", "square", "disk", "cross")
+CLASS_NAMES = ("horizontal bar", "vertical bar", "diagonal", "square", "disk", "cross")
 
 
 def shape_images(rng: np.random.Generator, n: int, size: int = 16) -> tuple[np.ndarray, np.ndarray]:
-    """``n`` noisy images of the `SHAPES`, at random positions and sizes, with their labels.
+    """``n`` noisy images of the `CLASS_NAMES`, at random positions and sizes, with their labels.
 
     Each image holds one shape (value 1 on a background of 0) plus Gaussian noise of standard
     deviation 0.3. Deterministic for the state of ``rng``: a generator seeded per input pipeline
@@ -73,24 +73,24 @@ def shape_images(rng: np.random.Generator, n: int, size: int = 16) -> tuple[np.n
 
     Returns:
       ``(images, labels)``: float32 ``[n, size, size, 1]`` and int32 ``[n]`` indices into
-      `SHAPES`.
+      `CLASS_NAMES`.
 
     >>> images, labels = shape_images(np.random.default_rng(0), 4)
     >>> images.shape, images.dtype, labels.shape, labels.dtype
     ((4, 16, 16, 1), dtype('float32'), (4,), dtype('int32'))
-    >>> SHAPES[labels[0]] in SHAPES
+    >>> CLASS_NAMES[labels[0]] in CLASS_NAMES
     True
     """
     if size < 9:
         raise ValueError(f"shape_images: size={size} is too small for the shapes; use 9 or more.")
-    labels = rng.integers(0, len(SHAPES), size=n)
+    labels = rng.integers(0, len(CLASS_NAMES), size=n)
     images = np.zeros((n, size, size, 1), np.float32)
     yy, xx = np.mgrid[:size, :size]
     for i, label in enumerate(labels):
         cy, cx = rng.integers(4, size - 4, size=2)
         r = rng.integers(2, 4)
         dy, dx = abs(yy - cy), abs(xx - cx)
-        kind = SHAPES[label]
+        kind = CLASS_NAMES[label]
         if kind == "horizontal bar":
             mask = (dy <= 1) & (dx <= r + 2)
         elif kind == "vertical bar":

@@ -53,7 +53,7 @@ def _block_params(config: GPTConfig, key, *, experts: bool = False) -> dict:
 def init(config: GPTConfig, key: jax.Array) -> dict:
     """Parameters: ``{"embed": {...}, "blocks": <stacked over num_layers>, "head": {...}}``.
 
-    The leaves of one block (`LOGICAL_AXES`, `logical_axes`): ``ln1`` and ``ln2`` (``scale``,
+    The leaves of one block (`LOGICAL_AXES`, `logical_axes_for`): ``ln1`` and ``ln2`` (``scale``,
     and ``bias`` for a LayerNorm with biases), ``attn`` (``qkv`` ``[D, 3 D]``, or with
     ``num_kv_heads`` ``q`` ``[D, H hd]``, ``k`` and ``v`` ``[D, KV hd]``, their columns
     head-major; then ``out`` ``[H hd, D]``) and ``mlp`` (``gate`` for SwiGLU, ``up`` ``[D, F]``,

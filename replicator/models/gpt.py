@@ -42,6 +42,7 @@ The parts live in modules of their own, which this one gathers:
 5.5
 """
 
+from replicator._src.core.deprecation import moved_names as _moved_names
 from replicator.models.config import MLPS as MLPS
 from replicator.models.config import NORMS as NORMS
 from replicator.models.config import POSITIONS as POSITIONS
@@ -65,7 +66,7 @@ from replicator.models.layers.rotary import sequence_order as sequence_order
 from replicator.models.pipelined import pipeline_value_and_grad as pipeline_value_and_grad
 from replicator.models.placement import LOGICAL_AXES as LOGICAL_AXES
 from replicator.models.placement import MEGATRON_RULES as MEGATRON_RULES
-from replicator.models.placement import logical_axes as logical_axes
+from replicator.models.placement import logical_axes_for as logical_axes_for
 from replicator.models.placement import partition_specs as partition_specs
 from replicator.models.placement import pipeline_params as pipeline_params
 from replicator.models.placement import place as place
@@ -77,3 +78,7 @@ from replicator.models.sizes import model_shape as model_shape
 from replicator.models.sizes import num_params as num_params
 from replicator.models.text import stdlib_text as stdlib_text
 from replicator.models.text import token_batches as token_batches
+
+__getattr__ = _moved_names(
+    "replicator.models.gpt", {"logical_axes": "replicator.models.gpt.logical_axes_for"}
+)  # renamed: one release

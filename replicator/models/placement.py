@@ -1,5 +1,5 @@
 """The decoder's parameters on a mesh: the role of each dimension of each parameter
-(`LOGICAL_AXES`, `logical_axes`), roles to mesh axes (`MEGATRON_RULES`, `partition_specs`),
+(`LOGICAL_AXES`, `logical_axes_for`), roles to mesh axes (`MEGATRON_RULES`, `partition_specs`),
 `place` and `place_pipeline` (and `pipeline_params`, the stages' layout unplaced), and the
 arguments of ZeRO-3's ``shard_params`` (`zero_stacked`, `zero_split`)."""
 
@@ -54,7 +54,7 @@ def _axes(config: GPTConfig) -> dict:
     if not config.num_experts:
         blocks = jax.tree.map(lambda a: ("layers", *a), block, is_leaf=is_axes)
         return {"embed": embed, "blocks": blocks, "head": head}
-    experts = moe.logical_axes(gated=config.mlp == "swiglu", bias=config.bias)
+    experts = moe.logical_axes_for(gated=config.mlp == "swiglu", bias=config.bias)
     moe_block = {k: v for k, v in block.items() if k != "mlp"} | {"moe": experts}
     group = {"moe": moe_block}
     if config.moe_every > 1:
@@ -65,20 +65,20 @@ def _axes(config: GPTConfig) -> dict:
 
 LOGICAL_AXES: dict = _axes(DEFAULT)
 """The role of each dimension of each leaf of `init`'s parameters (for the default `GPTConfig`;
-`logical_axes` gives any config's): ``"heads"`` (attention heads, each ``head_dim`` wide),
+`logical_axes_for` gives any config's): ``"heads"`` (attention heads, each ``head_dim`` wide),
 ``"kv_heads"`` (key/value heads, with ``num_kv_heads``), ``"mlp"`` (the MLP's hidden units),
 ``"embed"`` (the model width), ``"vocab"``, ``"seq"`` (positions) and ``"layers"`` (the stacked
 blocks)."""
 
 
-def logical_axes(config: GPTConfig | None = None) -> dict:
+def logical_axes_for(config: GPTConfig | None = None) -> dict:
     """`LOGICAL_AXES` for ``config``'s parameters (`init`'s leaves: the architecture's norms,
     attention and MLP matrices, biases, positions and output matrix); with ``num_experts`` the
     grouped layout of `init` (``"layers"`` for the group axis and the dense blocks' own,
     ``"experts"`` for the experts of `replicator.moe.LOGICAL_AXES`).
 
     >>> config = GPTConfig(num_heads=4, num_kv_heads=2, mlp="swiglu", bias=False)
-    >>> logical_axes(config)["blocks"]["attn"]["k"], logical_axes(config)["blocks"]["mlp"]["gate"]
+    >>> logical_axes_for(config)["blocks"]["attn"]["k"], logical_axes_for(config)["blocks"]["mlp"]["gate"]
     (('layers', 'embed', 'kv_heads'), ('layers', 'embed', 'mlp'))
     """
     return LOGICAL_AXES if config is None else _axes(config)
@@ -139,7 +139,7 @@ def partition_specs(
         (an axis XLA partitions inside a step, so that ``step_fn`` sees whole parameters);
         ``"experts"`` (the mixture-of-experts blocks' experts) goes to ``"expert"`` unless
         ``rules`` says otherwise.
-      config: the model's sizes, for a mixture-of-experts model's layout (`logical_axes`).
+      config: the model's sizes, for a mixture-of-experts model's layout (`logical_axes_for`).
 
     Raises:
       ValueError: for a role `LOGICAL_AXES` does not use, or an axis other than ``"model"``
@@ -161,14 +161,14 @@ def partition_specs(
             )
     return jax.tree.map(
         lambda axes: P(*(rules.get(a) for a in axes)),
-        logical_axes(config),
+        logical_axes_for(config),
         is_leaf=lambda a: isinstance(a, tuple),
     )
 
 
 def _check_layout(params: dict, config: GPTConfig | None, api: str) -> None:
     """Refuses parameters whose leaves are not those of ``config``'s `init`."""
-    axes = jax.tree.structure(logical_axes(config), is_leaf=lambda a: isinstance(a, tuple))
+    axes = jax.tree.structure(logical_axes_for(config), is_leaf=lambda a: isinstance(a, tuple))
     if jax.tree.structure(params) != axes:
         made = "the default GPTConfig" if config is None else "config"
         raise ValueError(

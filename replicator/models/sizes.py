@@ -21,13 +21,13 @@ def num_params(params: PyTree) -> int:
 
 def model_shape(config: GPTConfig, global_batch: int, opt_slots: int = 2):
     """The sizes `rp.plan` prices a layout of this model's training step from
-    (`rp.ModelShape`): ``global_batch`` sequences a step, ``opt_slots`` fp32 copies of the
+    (`rp.planner.ModelShape`): ``global_batch`` sequences a step, ``opt_slots`` fp32 copies of the
     parameters in the optimizer's state (Adam's 2).
 
     >>> model_shape(GPTConfig(d_model=64, num_layers=4, seq_len=64), 32).num_params
     236928
     """
-    return rp.ModelShape(
+    return rp.planner.ModelShape(
         num_layers=config.num_layers, d_model=config.d_model, num_heads=config.num_heads,
         kv_heads=config.kv_heads, head_dim=config.head_dim, hidden=config.hidden,
         vocab=config.vocab_size, seq_len=config.seq_len, global_batch=global_batch,

@@ -19,7 +19,7 @@ from replicator._src.core.typing import PyTree
 
 
 class StageRows(Protocol):
-    """What a packed row of each logical stage holds (``rp.pipeline.Sequential`` is one)."""
+    """What a packed row of each logical stage holds (``rp.pipeline.SequentialStages`` is one)."""
 
     num_stages: int  # K, the rows along the 'stage' axis
     repeats: int  # V, rows per device (virtual stages); K x V logical stages

@@ -95,19 +95,19 @@ def _torus(chips: int, dims: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def target(name: str, *, slices: int = 1) -> Target:
+def tpu_target(name: str, *, slices: int = 1) -> Target:
     """The `Target` named ``name`` (``"v5p-16"``, ``"v5litepod-8"``, ``"v5p:2x2x2"``).
 
-    >>> target("v5p-16")
+    >>> tpu_target("v5p-16")
     Target(name='v5p-16', generation='v5p', chips=8, slices=1, topology='v5p:2x2x2')
-    >>> target("v5e-256", slices=2).num_devices
+    >>> tpu_target("v5e-256", slices=2).num_devices
     512
 
     Raises:
       ValueError: for a name or size Cloud TPU does not have, naming the ones it does.
     """
     if isinstance(slices, bool) or not isinstance(slices, int) or slices < 1:
-        raise ValueError(f"target: slices must be an int >= 1; got {slices!r}.")
+        raise ValueError(f"tpu_target: slices must be an int >= 1; got {slices!r}.")
     text = str(name).strip().lower()
     given = re.fullmatch(r"(v\d+\w*):(\d+(?:x\d+)*)", text)
     sized = re.fullmatch(r"(v\d+\w*)-(\d+)", text)
@@ -170,7 +170,7 @@ def tpu_devices(name: str, *, slices: int = 1) -> list[jax.Device]:
       ValueError: for a name that is not a TPU target.
       ImportError: without libtpu, naming the extra to install.
     """
-    t = target(name, slices=slices)
+    t = tpu_target(name, slices=slices)
     if importlib.util.find_spec("libtpu") is None:
         raise ImportError(
             f"tpu_devices({name!r}) compiles for TPUs with libtpu, which is not installed; "

@@ -4,7 +4,7 @@
 or ``apply``, before any tick is traced: it refuses a batch that does not split into M
 micro-batches, an M that the schedule cannot run on K stages, stage params that are not stacked
 and sharded for the mesh, and a ``stage_fn`` that changes the activation's shape. It makes the
-schedule's `Plan` once, for the schedules to run, and notes it for ``Replicator.explain`` with
+schedule's `Timetable` once, for the schedules to run, and notes it for ``Replicator.explain`` with
 the step time it would take on K parallel devices, modelled from each stage's measured FLOPs.
 """
 
@@ -33,7 +33,7 @@ from replicator._src.pipeline.layer_stack import (
     same_shapes,
 )
 from replicator._src.pipeline.residuals import Remat
-from replicator._src.pipeline.stages import Sequential
+from replicator._src.pipeline.stages import SequentialStages
 from replicator._src.pipeline.ticks import take
 
 
@@ -41,7 +41,7 @@ from replicator._src.pipeline.ticks import take
 class PipelineCall:
     """One traced pipeline call: the plan that runs, the micro-batched inputs and the stage rows."""
 
-    plan: schedules_lib.Plan | None  # the tick tables that run; None without a stage axis
+    plan: schedules_lib.Timetable | None  # the tick tables that run; None without a stage axis
     num_stages: int  # K: the size of the stage axis in this program (1 without one)
     num_microbatches: int  # M
     rows: PyTree  # stage params as [rows, ...]: [V, ...] per device, or [S, ...] in order
@@ -50,21 +50,21 @@ class PipelineCall:
     param_shapes: PyTree  # the stage params as passed (ShapeDtypeStructs), to undo `rows`
     batch: int  # the per-replica batch B
     unroll: bool  # ticks as a Python loop instead of lax.scan
-    stage_fn: StageFn  # the call's stage_fn, or a `Sequential` model
-    wire: Packing | None = None  # a Sequential's activations at its stage boundaries
+    stage_fn: StageFn  # the call's stage_fn, or a `SequentialStages` model
+    wire: Packing | None = None  # a SequentialStages's activations at its stage boundaries
     scatter_grads: str = "microbatch"  # ZeRO-3's stage gradients: "microbatch" or "step"
 
     def program(self, rows: PyTree) -> Program:
         """What the schedules run on this stage, for stage rows ``rows`` (``call.rows`` or a
         traced stand-in for them)."""
-        if isinstance(self.stage_fn, Sequential):
+        if isinstance(self.stage_fn, SequentialStages):
             return self.stage_fn.program(rows, self.wire)
         return as_layers(self.stage_fn, rows)
 
     def layers_as_rows(self, layers: PyTree, shared: PyTree) -> PyTree:
         """The inverse of `program`'s layout: gradients of the layers ``[V, Lv, ...]`` and of
         the shared parameters ``[V, ...]`` as gradients of the rows."""
-        if isinstance(self.stage_fn, Sequential):
+        if isinstance(self.stage_fn, SequentialStages):
             return self.stage_fn.params_layout.as_rows(layers, shared)
         return layers_as_rows(self.stage_fn, layers)
 
@@ -108,11 +108,11 @@ class PipelineCall:
             )
         # Validates M against K, with the schedule's own message, before the other checks.
         if k > 1 and asked is not None and asked != schedule:
-            asked.plan(k, m)
-        plan = schedule.plan(k, m) if k > 1 else None
+            asked.timetable(k, m)
+        plan = schedule.timetable(k, m) if k > 1 else None
         xs = _microbatch(inputs, m)
         wire = None
-        if isinstance(stage_fn, Sequential):
+        if isinstance(stage_fn, SequentialStages):
             wire = _check_model(name, stage_fn, schedule.repeats, k, stage_params, xs, api)
         rows = _stage_rows(name, stage_params, schedule.repeats, k)
         call = cls(
@@ -146,7 +146,7 @@ class PipelineCall:
 
 
 def note_plan(
-    plan: schedules_lib.Plan,
+    plan: schedules_lib.Timetable,
     activation_bytes: int,
     *,
     backward: bool,
@@ -159,7 +159,7 @@ def note_plan(
 ) -> None:
     """Notes ``plan`` for `Replicator.explain` (a no-op unless a report is being made).
 
-    With ``stage_fn`` (a ``stage_fn`` of identical stages or a `Sequential`), its stage params
+    With ``stage_fn`` (a ``stage_fn`` of identical stages or a `SequentialStages`), its stage params
     as passed (one device's, inside the mesh) and one micro-batch's input, the note also holds
     the step time modelled on K parallel devices (`timing.step_time`) from each stage's FLOPs
     (`costs.stage_costs`, under the call's ``remat`` policy), and with equal costs. A
@@ -208,7 +208,7 @@ def note_plan(
 
 
 def _measured_costs(
-    plan: schedules_lib.Plan, stage_fn: StageFn, stage_params: PyTree, x: PyTree, backward: bool,
+    plan: schedules_lib.Timetable, stage_fn: StageFn, stage_params: PyTree, x: PyTree, backward: bool,
     remat: Remat | None,
 ) -> tuple[timing.StageCosts | None, str]:  # fmt: skip
     """Each logical stage's FLOPs on one micro-batch ``x`` (backward passes at 0 unless
@@ -218,7 +218,7 @@ def _measured_costs(
     v, k = plan.repeats, plan.num_stages
     try:
         with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
-            if isinstance(stage_fn, Sequential):
+            if isinstance(stage_fn, SequentialStages):
                 layout = stage_fn.params_layout
                 params = [layout.abstract(j) for j in range(len(stage_fn))]
                 measured = costs_lib.stage_costs(
@@ -336,9 +336,15 @@ def _check_stage_fn(name: str, stage_fn: StageFn, call: PipelineCall) -> None:
 
 
 def _check_model(
-    name: str, model: Sequential, repeats: int, k: int, stage_params: PyTree, xs: PyTree, api: str
+    name: str,
+    model: SequentialStages,
+    repeats: int,
+    k: int,
+    stage_params: PyTree,
+    xs: PyTree,
+    api: str,
 ) -> Packing:
-    """Refuses a `Sequential` that does not fit the mesh or the schedule; its activations' layout."""
+    """Refuses a `SequentialStages` that does not fit the mesh or the schedule; its activations' layout."""
     if model.repeats != repeats:
         raise ValueError(
             f"{name}: the model was built with repeats={model.repeats} but the schedule runs "
@@ -354,7 +360,7 @@ def _check_model(
     keys = sorted(model.params_layout.sizes)
     if not isinstance(stage_params, dict) or sorted(stage_params) != keys:
         raise ValueError(
-            f"{name}: with a Sequential model, stage_params must be its packed parameters, "
+            f"{name}: with a SequentialStages model, stage_params must be its packed parameters, "
             f"a dict with keys {keys} as model.pack(params) returns; got "
             f"{describe(stage_params) if hasattr(stage_params, 'keys') else type(stage_params).__name__}."
         )
@@ -391,7 +397,7 @@ def _check_model(
     return model.wire(take(xs, 0))
 
 
-def _check_packed_by(name: str, model: Sequential, stage_params: dict) -> None:
+def _check_packed_by(name: str, model: SequentialStages, stage_params: dict) -> None:
     """Refuses rows that do not carry ``model`` (or a model of the same stages): the
     optimizer reads each stage's tree from the model the rows carry."""
     packer = getattr(stage_params, "model", None)
@@ -420,7 +426,7 @@ def _check_packed_by(name: str, model: Sequential, stage_params: dict) -> None:
 
 
 def _padding(stage_fn: StageFn, wire: Packing | None) -> str:
-    """For ``Replicator.explain``: what a `Sequential` model's packing costs in padding."""
+    """For ``Replicator.explain``: what a `SequentialStages` model's packing costs in padding."""
     if wire is None:
         return ""
     params = stage_fn.params_layout

@@ -87,7 +87,7 @@ def ring_slots(
       ``(stash_slots, grad_slots)``.
 
     >>> from replicator._src.pipeline.schedules import OneFOneB
-    >>> p = OneFOneB().plan(3, 6)
+    >>> p = OneFOneB().timetable(3, 6)
     >>> ring_slots(p.fwd, p.bwd, p.wgt)
     (5, 1)
     """
@@ -120,13 +120,13 @@ def check_dependencies(plan: Any) -> None:
     ``stash_slots`` and ``grad_slots`` are at least `ring_slots`.
 
     Args:
-      plan: the `schedules.Plan` to check.
+      plan: the `schedules.Timetable` to check.
 
     Raises:
       ValueError: naming the first broken rule.
 
     >>> from replicator._src.pipeline.schedules import ZeroBubble
-    >>> check_dependencies(ZeroBubble().plan(4, 8))
+    >>> check_dependencies(ZeroBubble().timetable(4, 8))
     """
     api = f"check_dependencies({plan.schedule}, K={plan.num_stages}, M={plan.num_microbatches})"
     k, m, v = plan.num_stages, plan.num_microbatches, plan.repeats

@@ -1,7 +1,7 @@
 """The pipeline engine: one ``lax.scan`` over the ticks of a schedule, inside ``step_fn``.
 
 Called inside a ``step_fn`` that ``Replicator.run`` traces over a mesh with a ``stage`` axis of
-size K, each device runs one stage: it reads its row of the schedule's tables (`schedules.Plan`)
+size K, each device runs one stage: it reads its row of the schedule's tables (`schedules.Timetable`)
 at every tick, runs ``stage_fn`` on a micro-batch, and passes the activation to the next stage
 with ``lax.ppermute``. Gradients are per replica, like everything in ``step_fn``: they are not
 reduced over the data axes (``wrap_optimizer`` does that), but they are complete over the

@@ -1,6 +1,6 @@
 """Pictures of pipeline schedules: an ASCII grid of ticks, a Gantt chart to scale, a PNG.
 
-`render` draws a `schedules.Plan` one column per tick; with ``costs`` (`timing.StageCosts`) it
+`render` draws a `schedules.Timetable` one column per tick; with ``costs`` (`timing.StageCosts`) it
 draws the ticks to scale on a common time axis instead, each tick as long as its modelled
 duration (`timing.step_time`) and each pass as long as it takes.
 """
@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from replicator._src.pipeline import timing
-from replicator._src.pipeline.schedules import Plan, Schedule, get
+from replicator._src.pipeline.schedules import Schedule, Timetable, get
 
 _PHASES = "FBW"
 
@@ -25,7 +25,7 @@ def _label(kind: str, i: int, r: int, repeats: int) -> str:
     return f"{kind}{i}{chr(ord('a') + r)}" if repeats <= 26 else f"{kind}{i}.{r}"
 
 
-def _passes(plan: Plan) -> list[tuple[np.ndarray, np.ndarray]]:
+def _passes(plan: Timetable) -> list[tuple[np.ndarray, np.ndarray]]:
     """``(table, repeat)`` ``[C, K]`` of the F, B and W phases of each column, as run."""
     cf, cfr, cb, cbr, cw = timing.columns(plan)
     return [(cf, cfr), (cb, cbr), (cw, np.zeros_like(cw))]
@@ -36,11 +36,11 @@ def _cell(passes, c: int, s: int, v: int) -> list[str]:
     return [_label(p, int(t[c, s]), int(r[c, s]), v) for p, (t, r) in zip(_PHASES, passes)]
 
 
-def _split(plan: Plan) -> bool:
+def _split(plan: Timetable) -> bool:
     return bool((plan.wgt >= 0).any())
 
 
-def _summary(plan: Plan) -> str:
+def _summary(plan: Timetable) -> str:
     k, m, v, t = plan.num_stages, plan.num_microbatches, plan.repeats, plan.num_ticks
     costs = "(f=1, b=1, w=1)" if _split(plan) else "(f=1, b=2)"
     return (
@@ -49,7 +49,7 @@ def _summary(plan: Plan) -> str:
     )
 
 
-def _legend(plan: Plan, scaled: bool = False) -> str:
+def _legend(plan: Timetable, scaled: bool = False) -> str:
     text = "legend: F3 = forward of micro-batch 3, B3 = its backward, . = idle (bubble)"
     if _split(plan):
         text = (
@@ -70,7 +70,7 @@ def _legend(plan: Plan, scaled: bool = False) -> str:
     return text + f"; ticks 0-{t - 1} forward, {t}-{2 * t - 1} backward (the forward replayed)"
 
 
-def _modelled(plan: Plan, st: timing.StepTime) -> str:
+def _modelled(plan: Timetable, st: timing.StepTime) -> str:
     return (
         f"modelled: time={st.time:.6g} {st.unit}, bubble={st.bubble_fraction:.4f}, "
         f"work per device=[{', '.join(f'{w:.6g}' for w in st.work)}], "
@@ -80,7 +80,7 @@ def _modelled(plan: Plan, st: timing.StepTime) -> str:
 
 
 def render(
-    schedule_or_plan: Plan | Schedule | str,
+    schedule_or_plan: Timetable | Schedule | str,
     num_stages: int | None = None,
     num_microbatches: int | None = None,
     *,
@@ -103,7 +103,7 @@ def render(
     modelled time and bubble follows.
 
     Args:
-      schedule_or_plan: a :class:`Plan`, or a schedule (object or name) with the sizes.
+      schedule_or_plan: a :class:`Timetable`, or a schedule (object or name) with the sizes.
       num_stages: K, when a schedule is given.
       num_microbatches: M, when a schedule is given.
       path: if given, also save a PNG there (needs ``pip install "replicator[plot]"``).
@@ -141,22 +141,22 @@ def render(
     return text
 
 
-def _plan(schedule_or_plan, num_stages, num_microbatches) -> Plan:
-    if isinstance(schedule_or_plan, Plan):
+def _plan(schedule_or_plan, num_stages, num_microbatches) -> Timetable:
+    if isinstance(schedule_or_plan, Timetable):
         plan = schedule_or_plan
         for name, want in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
             if want is not None and want != getattr(plan, name):
                 raise ValueError(
                     f"render: {name}={want} does not match the plan's "
-                    f"{getattr(plan, name)}; omit it when passing a Plan."
+                    f"{getattr(plan, name)}; omit it when passing a Timetable."
                 )
         return plan
     if num_stages is None or num_microbatches is None:
         raise ValueError(
             "render: pass num_stages and num_microbatches with a schedule, "
-            "e.g. render('1f1b', 4, 8), or pass a Plan."
+            "e.g. render('1f1b', 4, 8), or pass a Timetable."
         )
-    return get(schedule_or_plan).plan(num_stages, num_microbatches)
+    return get(schedule_or_plan).timetable(num_stages, num_microbatches)
 
 
 def _blocks(header: str, rows: list[str], lw: int, per: int, cuts=None) -> str:
@@ -175,7 +175,7 @@ def _blocks(header: str, rows: list[str], lw: int, per: int, cuts=None) -> str:
     return "\n\n".join(out)
 
 
-def _grid(plan: Plan, width: int | None) -> str:
+def _grid(plan: Timetable, width: int | None) -> str:
     passes, v = _passes(plan), plan.repeats
     ncol = passes[0][0].shape[0]
     cells = [
@@ -191,7 +191,7 @@ def _grid(plan: Plan, width: int | None) -> str:
     return text + "\n" + _legend(plan) + "\n" + _summary(plan)
 
 
-def _scale(plan: Plan, step: timing.StepTime) -> float:
+def _scale(plan: Timetable, step: timing.StepTime) -> float:
     """Characters per cost unit: the shortest pass fits ``[label]``, within a sane width."""
     passes, v = _passes(plan), plan.repeats
     ncol, k = passes[0][0].shape[0], plan.num_stages
@@ -201,7 +201,7 @@ def _scale(plan: Plan, step: timing.StepTime) -> float:
     return min(scale, 8 * ncol * (longest + 2) / step.time)
 
 
-def _gantt(plan: Plan, step: timing.StepTime, width: int | None) -> str:
+def _gantt(plan: Timetable, step: timing.StepTime, width: int | None) -> str:
     passes, v, k = _passes(plan), plan.repeats, plan.num_stages
     scale = _scale(plan, step)
 
@@ -240,7 +240,7 @@ def _box(label: str, n: int) -> str:
     return ("[" + label)[:n] if n > len(label) else label[:n]
 
 
-def _draw_png(plan: Plan, path: str, step: timing.StepTime | None) -> None:
+def _draw_png(plan: Timetable, path: str, step: timing.StepTime | None) -> None:
     try:
         import matplotlib
         from matplotlib.figure import Figure
@@ -279,7 +279,7 @@ def _draw_png(plan: Plan, path: str, step: timing.StepTime | None) -> None:
     fig.savefig(path, dpi=120)
 
 
-def _png_boxes(plan: Plan, passes, c: int, s: int, step: timing.StepTime | None) -> list:
+def _png_boxes(plan: Timetable, passes, c: int, s: int, step: timing.StepTime | None) -> list:
     """``(phase, i, r, x, y, w, h, parts)`` of the boxes of stage ``s`` in column ``c``."""
     parts = [(p, int(t[c, s]), int(r[c, s])) for p, (t, r) in enumerate(passes) if t[c, s] >= 0]
     if step is None:
@@ -295,7 +295,7 @@ def _png_boxes(plan: Plan, passes, c: int, s: int, step: timing.StepTime | None)
     return out
 
 
-def _draw_box(ax, rectangle, maps, plan: Plan, box) -> None:
+def _draw_box(ax, rectangle, maps, plan: Timetable, box) -> None:
     p, i, r, x, y, w, h, n = box
     if p < 0:
         ax.add_patch(rectangle((x, y), w, h, color="#eeeeee"))

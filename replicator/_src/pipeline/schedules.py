@@ -1,7 +1,7 @@
 """Pipeline schedules as pure objects: NumPy tick tables, their dependencies and ring buffers.
 
 K devices ("stages") run M micro-batches. A schedule is a small frozen dataclass whose
-``plan(num_stages, num_microbatches)`` returns a :class:`Plan`: tables ``[T, K]`` telling which
+``timetable(num_stages, num_microbatches)`` returns a :class:`Timetable`: tables ``[T, K]`` telling which
 micro-batch each stage runs at each tick. The scanned engine reads them; nothing here needs JAX.
 Their modelled step time is in `timing`, their pictures in `pictures`.
 
@@ -13,6 +13,7 @@ the micro-batches. A schedule only decides *when* and *where* each piece runs.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import ClassVar, TypeAlias
 
 import numpy as np
@@ -47,7 +48,7 @@ def _check_enough(api: str, k: int, m: int, why: str) -> None:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Plan:
+class Timetable:
     """The tick tables of a schedule for K stages and M micro-batches (read-only arrays).
 
     Attributes:
@@ -94,7 +95,7 @@ class Plan:
             table = np.array(getattr(self, name), dtype=np.int32)
             if table.ndim != 2 or table.shape[1] != self.num_stages:
                 raise ValueError(
-                    f"Plan: {name} must have shape [T, {self.num_stages}]; got {table.shape}."
+                    f"Timetable: {name} must have shape [T, {self.num_stages}]; got {table.shape}."
                 )
             table.setflags(write=False)
             object.__setattr__(self, name, table)
@@ -103,11 +104,11 @@ class Plan:
             == self.bwd_repeat.shape
         ):  # fmt: skip
             raise ValueError(
-                "Plan: fwd, fwd_repeat, bwd, bwd_repeat and wgt must have the same shape [T, K]."
+                "Timetable: fwd, fwd_repeat, bwd, bwd_repeat and wgt must have the same shape [T, K]."
             )
         if self.repeats > 1 and (self.wgt >= 0).any():
             raise ValueError(
-                "Plan: weight-gradient passes (wgt) with virtual stages (repeats > 1) are not "
+                "Timetable: weight-gradient passes (wgt) with virtual stages (repeats > 1) are not "
                 "supported; split the backward with repeats=1 (ZeroBubble) only."
             )
 
@@ -136,7 +137,7 @@ class Plan:
         f, b = float(fwd_cost), float(bwd_cost)
         if not (f >= 0 and b >= 0 and f + b > 0):
             raise ValueError(
-                f"Plan.bubble_fraction: costs must be >= 0 and not both 0; got "
+                f"Timetable.bubble_fraction: costs must be >= 0 and not both 0; got "
                 f"fwd_cost={fwd_cost}, bwd_cost={bwd_cost}."
             )
         costs = timing.StageCosts.equal(
@@ -146,8 +147,22 @@ class Plan:
         return timing.step_time(self, costs).bubble_fraction
 
 
+class _RenamedPlan:
+    """``plan``, the old name of ``timetable``: kept for one release."""
+
+    def plan(self, num_stages: int, num_microbatches: int) -> Timetable:
+        """Deprecated: use ``timetable``."""
+        warnings.warn(
+            f"{type(self).__name__}.plan is deprecated and will be removed in the next release; "
+            f"use {type(self).__name__}.timetable.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.timetable(num_stages, num_microbatches)
+
+
 @dataclasses.dataclass(frozen=True)
-class GPipe:
+class GPipe(_RenamedPlan):
     """All forwards, then all backwards (by autodiff of the forward scan).
 
     Stage ``s`` runs the forward of micro-batch ``i`` at tick ``t = i + s``, so ``T = M + K - 1``
@@ -156,7 +171,7 @@ class GPipe:
     ``M >= 1`` works; the bubble is ``(K-1)/(M+K-1)``.
 
     Example:
-      >>> plan = GPipe().plan(num_stages=2, num_microbatches=3)
+      >>> plan = GPipe().timetable(num_stages=2, num_microbatches=3)
       >>> plan.fwd.T.tolist()
       [[0, 1, 2, -1], [-1, 0, 1, 2]]
       >>> plan.num_ticks, plan.bubble_fraction()
@@ -166,15 +181,15 @@ class GPipe:
     name: ClassVar[str] = "gpipe"
     repeats: ClassVar[int] = 1
 
-    def plan(self, num_stages: int, num_microbatches: int) -> Plan:
+    def timetable(self, num_stages: int, num_microbatches: int) -> Timetable:
         """The tick tables for ``num_stages`` devices and ``num_microbatches`` micro-batches."""
-        k, m = _check_sizes("GPipe.plan", num_stages, num_microbatches)
+        k, m = _check_sizes("GPipe.timetable", num_stages, num_microbatches)
         fwd = _diagonal(k, m, m + k - 1)
-        return Plan(self.name, k, m, 1, fwd, np.zeros_like(fwd), np.full_like(fwd, -1))
+        return Timetable(self.name, k, m, 1, fwd, np.zeros_like(fwd), np.full_like(fwd, -1))
 
 
 @dataclasses.dataclass(frozen=True)
-class Circular:
+class Circular(_RenamedPlan):
     """Interleaved (looped) GPipe: V virtual stages per device around a ring.
 
     The model has ``S = V*K`` logical stages; logical stage ``j = r*K + s`` lives on device ``s``
@@ -187,7 +202,7 @@ class Circular:
     each micro-batch through logical stages ``0..V*K-1`` in order. Needs ``M >= K``.
 
     Example:
-      >>> plan = Circular(repeats=2).plan(num_stages=2, num_microbatches=2)
+      >>> plan = Circular(repeats=2).timetable(num_stages=2, num_microbatches=2)
       >>> plan.fwd.T.tolist(), plan.fwd_repeat.T.tolist()
       ([[0, 1, 0, 1, -1], [-1, 0, 1, 0, 1]], [[0, 0, 1, 1, 0], [0, 0, 0, 1, 1]])
       >>> plan.num_ticks, plan.bubble_fraction()
@@ -203,22 +218,22 @@ class Circular:
             fix="Use Circular(repeats=2) or more, or GPipe() for one stage per device.",
         )  # fmt: skip
 
-    def plan(self, num_stages: int, num_microbatches: int) -> Plan:
+    def timetable(self, num_stages: int, num_microbatches: int) -> Timetable:
         """The tick tables for ``num_stages`` devices and ``num_microbatches`` micro-batches."""
-        k, m = _check_sizes("Circular.plan", num_stages, num_microbatches)
+        k, m = _check_sizes("Circular.timetable", num_stages, num_microbatches)
         why = "with fewer micro-batches than stages every repeat has idle ring slots and the "
-        _check_enough("Circular.plan", k, m, why + "bubble is worse than GPipe's")
+        _check_enough("Circular.timetable", k, m, why + "bubble is worse than GPipe's")
         v = int(self.repeats)
         i, r, s = np.meshgrid(np.arange(m), np.arange(v), np.arange(k), indexing="ij")
         t = s + (i // k) * k * v + r * k + i % k
         fwd = np.full((int(t.max()) + 1, k), -1, np.int32)
         rep = np.zeros_like(fwd)
         fwd[t, s], rep[t, s] = i, r
-        return Plan(self.name, k, m, v, fwd, rep, np.full_like(fwd, -1))
+        return Timetable(self.name, k, m, v, fwd, rep, np.full_like(fwd, -1))
 
 
 @dataclasses.dataclass(frozen=True)
-class OneFOneB:
+class OneFOneB(_RenamedPlan):
     """Synchronous one-forward-one-backward, in one scan with explicit backward ticks.
 
     Stage ``s`` runs the forward of micro-batch ``i`` at tick ``i + s`` and its backward at tick
@@ -230,7 +245,7 @@ class OneFOneB:
     Needs ``M >= K``.
 
     Example:
-      >>> plan = OneFOneB().plan(num_stages=2, num_microbatches=2)
+      >>> plan = OneFOneB().timetable(num_stages=2, num_microbatches=2)
       >>> plan.fwd.T.tolist(), plan.bwd.T.tolist(), plan.stash_slots
       ([[0, 1, -1, -1], [-1, 0, 1, -1]], [[-1, -1, 0, 1], [-1, 0, 1, -1]], 3)
     """
@@ -238,20 +253,20 @@ class OneFOneB:
     name: ClassVar[str] = "1f1b"
     repeats: ClassVar[int] = 1
 
-    def plan(self, num_stages: int, num_microbatches: int) -> Plan:
+    def timetable(self, num_stages: int, num_microbatches: int) -> Timetable:
         """The tick tables for ``num_stages`` devices and ``num_microbatches`` micro-batches."""
-        k, m = _check_sizes("OneFOneB.plan", num_stages, num_microbatches)
+        k, m = _check_sizes("OneFOneB.timetable", num_stages, num_microbatches)
         why = "1F1B needs at least K micro-batches in flight to reach its steady state"
-        _check_enough("OneFOneB.plan", k, m, why)
+        _check_enough("OneFOneB.timetable", k, m, why)
         num_ticks = m + 2 * k - 2
         fwd = _diagonal(k, m, num_ticks)
         t = np.arange(num_ticks)[:, None] - 2 * (k - 1) + np.arange(k)[None, :]
         bwd = np.where((t >= 0) & (t < m), t, -1)
-        return Plan(self.name, k, m, 1, fwd, np.zeros_like(fwd), bwd, stash_slots=2 * k - 1)
+        return Timetable(self.name, k, m, 1, fwd, np.zeros_like(fwd), bwd, stash_slots=2 * k - 1)
 
 
 @dataclasses.dataclass(frozen=True)
-class ZeroBubble:
+class ZeroBubble(_RenamedPlan):
     """Zero bubble (Qi et al., ICLR 2024): 1F1B with its backward split into B and W.
 
     The backward of a stage splits into B, the input gradient that the previous stage waits for,
@@ -285,7 +300,7 @@ class ZeroBubble:
         `costs.stage_costs`); the numbers never change the result, only when passes run.
 
     Example:
-      >>> plan = ZeroBubble(pass_costs=(1, 1, 1)).plan(num_stages=2, num_microbatches=2)
+      >>> plan = ZeroBubble(pass_costs=(1, 1, 1)).timetable(num_stages=2, num_microbatches=2)
       >>> plan.fwd.T.tolist()
       [[0, 1, -1, -1, -1, -1, -1], [-1, 0, -1, 1, -1, -1, -1]]
       >>> plan.bwd.T.tolist()
@@ -315,18 +330,18 @@ class ZeroBubble:
             )
         object.__setattr__(self, "pass_costs", tuple(float(c) for c in costs))
 
-    def plan(self, num_stages: int, num_microbatches: int) -> Plan:
+    def timetable(self, num_stages: int, num_microbatches: int) -> Timetable:
         """The tick tables for ``num_stages`` devices and ``num_microbatches`` micro-batches."""
-        k, m = _check_sizes("ZeroBubble.plan", num_stages, num_microbatches)
+        k, m = _check_sizes("ZeroBubble.timetable", num_stages, num_microbatches)
         why = "ZeroBubble keeps 1F1B's order, which needs K micro-batches in flight"
-        _check_enough("ZeroBubble.plan", k, m, why)
+        _check_enough("ZeroBubble.timetable", k, m, why)
         f, b, w = self.pass_costs
         costs = timing.StageCosts.equal(k, forward=f, backward_input=b, backward_weight=w)
         best = None
         for tables in (_zero_bubble_tables(k, m), _aligned_tables(k, m, f, b, w)):
             fwd, bwd, wgt = tables
             stash, grad = ring_slots(fwd, bwd, wgt)
-            plan = Plan(
+            plan = Timetable(
                 self.name, k, m, 1, fwd, np.zeros_like(fwd), bwd,
                 stash_slots=stash, wgt=wgt, grad_slots=grad,
             )  # fmt: skip
@@ -337,7 +352,7 @@ class ZeroBubble:
 
 
 @dataclasses.dataclass(frozen=True)
-class Interleaved1F1B:
+class Interleaved1F1B(_RenamedPlan):
     """Interleaved 1F1B (Megatron-LM's virtual pipeline): V virtual stages per device, 1F1B's order.
 
     The model has ``S = V*K`` logical stages laid out as in `Circular`: logical stage
@@ -354,7 +369,7 @@ class Interleaved1F1B:
     Needs ``M`` to be a multiple of K.
 
     Example:
-      >>> plan = Interleaved1F1B(repeats=2).plan(num_stages=2, num_microbatches=2)
+      >>> plan = Interleaved1F1B(repeats=2).timetable(num_stages=2, num_microbatches=2)
       >>> plan.fwd.T.tolist()
       [[0, 1, 0, 1, -1, -1, -1, -1], [-1, 0, 1, 0, 1, -1, -1, -1]]
       >>> plan.bwd.T.tolist(), plan.bwd_repeat.T.tolist()
@@ -375,11 +390,11 @@ class Interleaved1F1B:
                 f"per device."
             )
 
-    def plan(self, num_stages: int, num_microbatches: int) -> Plan:
+    def timetable(self, num_stages: int, num_microbatches: int) -> Timetable:
         """The tick tables for ``num_stages`` devices and ``num_microbatches`` micro-batches."""
-        k, m = _check_sizes("Interleaved1F1B.plan", num_stages, num_microbatches)
+        k, m = _check_sizes("Interleaved1F1B.timetable", num_stages, num_microbatches)
         why = "1F1B's order needs K micro-batches in flight"
-        _check_enough("Interleaved1F1B.plan", k, m, why)
+        _check_enough("Interleaved1F1B.timetable", k, m, why)
         if m % k:
             raise ValueError(
                 f"Interleaved1F1B.plan: num_microbatches must be a multiple of num_stages (the "
@@ -390,7 +405,7 @@ class Interleaved1F1B:
         v = int(self.repeats)
         fwd, frep, bwd, brep = _interleaved_tables(k, m, v)
         stash, grad = ring_slots(fwd, bwd, np.full_like(fwd, -1), frep, brep, v)
-        return Plan(
+        return Timetable(
             self.name, k, m, v, fwd, frep, bwd, stash_slots=stash, grad_slots=grad,
             bwd_repeat=brep,
         )  # fmt: skip

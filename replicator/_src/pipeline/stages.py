@@ -28,7 +28,7 @@ from replicator._src.pipeline.steps import Chain, StageLayout
 _API = "rp.pipeline.sequential"
 
 
-class Sequential:
+class SequentialStages:
     """S stages in order, each ``fn(params, x) -> y`` with its own parameters and shapes.
 
     Build it with `sequential`. ``pack`` lays the stages' parameters out for the mesh, ``unpack``
@@ -47,7 +47,7 @@ class Sequential:
 
     def __repr__(self) -> str:
         names = ", ".join(getattr(f, "__name__", repr(f)) for f in self.fns)
-        return f"Sequential([{names}], num_stages={self.num_stages}, repeats={self.repeats})"
+        return f"SequentialStages([{names}], num_stages={self.num_stages}, repeats={self.repeats})"
 
     def pack(self, params: Sequence[PyTree]) -> PackedStages:
         """The stages' parameters as ``{dtype: [K, n]}`` (``[V, K, n]`` with repeats), padded.
@@ -83,7 +83,7 @@ class Sequential:
         if not isinstance(packed, dict) or set(packed) != set(self.params_layout.sizes):
             raise ValueError(
                 f"{_API}(...).unpack: expected the packed stage parameters, a dict with keys "
-                f"{sorted(self.params_layout.sizes)} as Sequential.pack returns; got "
+                f"{sorted(self.params_layout.sizes)} as SequentialStages.pack returns; got "
                 f"{describe(packed) if isinstance(packed, dict) else type(packed).__name__}."
             )
         for k, a in packed.items():
@@ -159,7 +159,7 @@ class Sequential:
 
 def sequential(
     stages: Sequence[Callable], params: Sequence[PyTree], /, *, repeats: int = 1
-) -> Sequential:
+) -> SequentialStages:
     """A pipelined model of S stages that may all differ, for `value_and_grad` and `apply`.
 
     Stage ``j`` is ``stages[j](params[j], x) -> y``: its own function, its own parameter tree,
@@ -169,7 +169,7 @@ def sequential(
 
     The model runs as one SPMD program on a mesh whose ``stage`` axis has K = S / repeats
     devices: each device's parameters are packed into one buffer per dtype, padded to the largest
-    stage (`Sequential.pack`), the activation is passed on in buffers padded to the largest stage
+    stage (`SequentialStages.pack`), the activation is passed on in buffers padded to the largest stage
     boundary, and each device runs its stage under ``lax.switch``, one layer of a
     `stages_from_layers` run per step. Padding costs
     ``K x (largest stage) - (all stages)`` of parameter memory (and as much for gradients and
@@ -183,7 +183,7 @@ def sequential(
       repeats: V, virtual stages per device for ``Circular(repeats=V)``; S must be a multiple.
 
     Returns:
-      A `Sequential`: pass it as the ``stage_fn`` of `value_and_grad` or `apply`, with
+      A `SequentialStages`: pass it as the ``stage_fn`` of `value_and_grad` or `apply`, with
       ``model.pack(params)`` as the stage parameters; ``model.unpack(grads)`` gives one
       gradient tree per stage.
 
@@ -234,7 +234,7 @@ def sequential(
                 )
     if not any(jax.tree.leaves(p) for p in params):
         raise ValueError(f"{_API}: no stage has parameters; a pipeline needs some to train.")
-    return Sequential(stages, params, repeats)
+    return SequentialStages(stages, params, repeats)
 
 
 def stages_from_layers(

@@ -1,4 +1,4 @@
-"""A `Sequential` model as steps: what each pipeline iteration runs on each stage.
+"""A `SequentialStages` model as steps: what each pipeline iteration runs on each stage.
 
 A stage is one or more parts in order (`stages_from_layers` chains them): a plain part is one
 step, and a `scan_layers` run of L layers is L steps of its layer function, so the schedules step

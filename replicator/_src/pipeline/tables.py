@@ -1,7 +1,7 @@
 """Tick tables of the schedules with explicit backward ticks, built in NumPy.
 
 Each builder returns ``[T, K]`` int tables (-1 where a stage is idle) that `schedules` wraps
-in a `schedules.Plan`: 1F1B's diagonals, ZeroBubble's two tables (ZB-H1's one pass per tick, and
+in a `schedules.Timetable`: 1F1B's diagonals, ZeroBubble's two tables (ZB-H1's one pass per tick, and
 1F1B's ticks with each weight-gradient pass where it fits) and Megatron-LM's interleaved order.
 """
 

@@ -2,7 +2,7 @@
 
 Emulated CPU devices share cores, so wall time measures total work and cannot show a bubble. The
 step time a schedule takes on K parallel devices is modelled instead, from its tick tables
-(`schedules.Plan`) and each stage's costs (`StageCosts`: FLOPs or seconds of one micro-batch's
+(`schedules.Timetable`) and each stage's costs (`StageCosts`: FLOPs or seconds of one micro-batch's
 forward, input-gradient and weight-gradient passes, as the engine runs them).
 
 Two times are modelled. ``time`` is lock-step, what the SPMD scan does: every tick ends with a
@@ -12,7 +12,7 @@ inputs are done, which is what an asynchronous (MPMD) runtime could reach at bes
 
 This module reads a plan's tables only (``fwd``, ``fwd_repeat``, ``bwd``, ``bwd_repeat``,
 ``wgt``, ``num_stages``, ``repeats``); it does not import the schedules, which define
-``Plan.bubble_fraction`` through it.
+``Timetable.bubble_fraction`` through it.
 """
 
 from __future__ import annotations
@@ -260,7 +260,7 @@ def step_time(plan: Any, costs: StageCosts | None = None) -> StepTime:
         time = sum(tick_times)
 
     Args:
-      plan: a `schedules.Plan`.
+      plan: a `schedules.Timetable`.
       costs: the costs of each logical stage; equal costs (F = B = W = 1, fused backward = 2)
         when ``None``.
 
@@ -272,7 +272,7 @@ def step_time(plan: Any, costs: StageCosts | None = None) -> StepTime:
         no time (all costs of the passes that run are 0).
 
     >>> from replicator._src.pipeline.schedules import GPipe
-    >>> t = step_time(GPipe().plan(num_stages=2, num_microbatches=3))
+    >>> t = step_time(GPipe().timetable(num_stages=2, num_microbatches=3))
     >>> t.time, t.bubble_fraction, t.tick_times.tolist()
     (12.0, 0.25, [1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0])
     """

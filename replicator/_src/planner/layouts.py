@@ -218,7 +218,7 @@ def enumerate_layouts(
     max_context: int | None = None,
     num_experts: int = 0,
     max_expert: int | None = None,
-) -> list[Family]:
+) -> list[Ladder]:
     """The layouts of ``num_devices`` devices that a model's sizes allow, in families.
 
     Every ``data x stage x expert x context x model = num_devices`` split is tried where
@@ -249,7 +249,7 @@ def enumerate_layouts(
     axis (the library runs context and expert axes not together); a dense model gets no expert
     axis.
 
-    A `Family` holds the layouts of one mesh, ZeRO stage, schedule and micro-batch count that
+    A `Ladder` holds the layouts of one mesh, ZeRO stage, schedule and micro-batch count that
     trade memory for time, fastest first: without rematerialisation, then recomputing what the
     products' outputs do not keep (``"dots"``), then whole layers (more FLOPs each time);
     within each, fewer accumulation steps, then more (the same FLOPs in smaller pieces, no less
@@ -308,7 +308,7 @@ def enumerate_layouts(
         min_context_seq=max(min_context_seq, d_model or 0), max_context=max_context,
         num_experts=num_experts, max_expert=max_expert,
     )  # fmt: skip
-    families: list[Family] = []
+    families: list[Ladder] = []
     for expert, context, attn in splits:
         rest = n // (expert * context)
         for model in divisors(rest):
@@ -345,7 +345,7 @@ def _pipeline_families(
     mesh: dict, layers: int, per_replica: int, schedules: Sequence[str],
     microbatches: Sequence[int] | None, repeats: int, zero_stages: Sequence[int],
     rematerialise: Sequence[bool | str],
-) -> list[Family]:  # fmt: skip
+) -> list[Ladder]:  # fmt: skip
     """The families of a pipelined mesh: one per schedule (no ring attention under a schedule
     of per-stage conds), micro-batch count and ZeRO stage, its layouts the remat policies."""
     gated = GATED if mesh["attention"] == "ring" else ()
@@ -363,14 +363,14 @@ def _pipeline_families(
                             repeats=v, remat=r),)
                     for r in rematerialise
                 )  # fmt: skip
-                families.append(Family(groups))
+                families.append(Ladder(groups))
     return families
 
 
 def _plain_families(
     mesh: dict, per_replica: int, accumulate_steps: Sequence[int] | None,
     zero_stages: Sequence[int], rematerialise: Sequence[bool | str],
-) -> list[Family]:  # fmt: skip
+) -> list[Ladder]:  # fmt: skip
     """The families of a mesh without a pipeline: one per ZeRO stage, its layouts the
     accumulation steps (each micro-batch of a replica divisible by the expert axis) under each
     remat policy."""
@@ -388,7 +388,7 @@ def _plain_families(
             for r in rematerialise
         )
         if steps:
-            families.append(Family(groups))
+            families.append(Ladder(groups))
     return families
 
 
@@ -422,7 +422,7 @@ def _check_choices(
 
 
 @dataclasses.dataclass(frozen=True)
-class Family:
+class Ladder:
     """Layouts that differ only in what they trade memory for, in the order to try them.
 
     ``groups`` are tried in order (no rematerialisation, then rematerialisation); inside a group
@@ -463,7 +463,7 @@ def _microbatch_options(
         if m < 1 or per_replica % m:
             return False
         try:
-            sched.plan(stage, m)
+            sched.timetable(stage, m)
         except ValueError:  # the schedule's own rule (e.g. 1F1B needs M >= K)
             return False
         return True

@@ -24,11 +24,10 @@ from collections.abc import Callable, Sequence
 from replicator._src.core import targets
 from replicator._src.planner import pricing, search
 from replicator._src.planner import progress as progress_lib
-from replicator._src.planner.layouts import Family, Layout
+from replicator._src.planner.layouts import Ladder, Layout
 from replicator._src.planner.plan_table import renderable as _renderable
 from replicator._src.report.cost_model import ModelledTime, model_time
-from replicator._src.report.hardware import Hardware, parse_bytes
-from replicator._src.report.hardware import hardware as hardware_lib
+from replicator._src.report.hardware import Hardware, hardware_profile, parse_bytes
 from replicator._src.sharded import kernels
 
 
@@ -145,7 +144,7 @@ class PlanReport:
 def plan(
     build: Callable[[Layout], tuple] | str,
     /,
-    layouts: Sequence[Family | Layout],
+    layouts: Sequence[Ladder | Layout],
     *,
     hardware: Hardware | str | dict = "cpu",
     memory: int | str | None = None,
@@ -190,7 +189,7 @@ def plan(
         (this process must have exactly N devices). Default: here if this process has N
         devices, else ``min(2, cpu_count)``.
       progress: show a progress bar (on a terminal; elsewhere a line per family planned).
-      target: a TPU target (``"v5p-16"`` or `rp.target`): ``build`` makes its Replicator on
+      target: a TPU target (``"v5p-16"`` or `rp.targets.tpu_target`): ``build`` makes its Replicator on
         ``rp.tpu_devices(target)``, the layouts compile for that TPU with libtpu (in this
         process by default; in ``workers`` processes when given, each loading libtpu with
         ``ALLOW_MULTIPLE_LIBTPU_LOAD=1``), and ``hardware`` defaults to the target's chip,
@@ -214,13 +213,15 @@ def plan(
         ``workers=0`` in a process without N devices.
     """
     start = time.perf_counter()
-    families = [f if isinstance(f, Family) else Family(((f,),)) for f in layouts]
+    families = [f if isinstance(f, Ladder) else Ladder(((f,),)) for f in layouts]
     if not families:
-        raise ValueError("rp.plan: layouts is empty; pass rp.enumerate_layouts(...)'s families.")
+        raise ValueError(
+            "rp.plan: layouts is empty; pass rp.planner.enumerate_layouts(...)'s families."
+        )
     for f in families:
-        if not isinstance(f, Family) or not all(isinstance(x, Layout) for x in f.layouts):
+        if not isinstance(f, Ladder) or not all(isinstance(x, Layout) for x in f.layouts):
             raise ValueError(
-                f"rp.plan: layouts must hold rp.Layout or families from rp.enumerate_layouts; "
+                f"rp.plan: layouts must hold rp.planner.Layout or families from rp.planner.enumerate_layouts; "
                 f"got {f!r}."
             )
     sizes = {lay.num_devices for f in families for lay in f.layouts}
@@ -230,14 +231,14 @@ def plan(
         )
     (n,) = sizes
     if target is not None:
-        target = targets.target(target) if isinstance(target, str) else target
+        target = targets.tpu_target(target) if isinstance(target, str) else target
         if target.num_devices != n:
             raise ValueError(
                 f"rp.plan: the layouts use {n} devices, and target {target.label} has "
                 f"{target.num_devices}; enumerate layouts for {target.num_devices}."
             )
         hardware = target if hardware == "cpu" else hardware
-    profile = hardware_lib(hardware)
+    profile = hardware_profile(hardware)
     budget = profile.memory_bytes if memory is None else parse_bytes(memory, "memory")
     if not 0 <= overlap <= 1:
         raise ValueError(f"rp.plan: overlap must be between 0 and 1; got {overlap!r}.")

@@ -36,7 +36,7 @@ import dataclasses
 import functools
 
 from replicator._src.planner import search
-from replicator._src.planner.layouts import VIRTUAL, Family, Layout, schedule_of
+from replicator._src.planner.layouts import VIRTUAL, Ladder, Layout, schedule_of
 from replicator._src.planner.model_shape import TILE, ModelShape
 from replicator._src.report.cost_model import SKIPS_IDLE, CollectiveCost, CompiledStep, model_time
 from replicator._src.report.step_report import format_bytes
@@ -365,14 +365,14 @@ def _context(layout: Layout, m: ModelShape):
 def _in_flight(schedule: str, stages: int, microbatches: int, repeats: int) -> int:
     """The micro-batches whose residuals a stage keeps at once: its table's ring buffer (one a
     virtual stage), or every tick's (GPipe's and circular's scans keep them all)."""
-    plan = schedule_of(schedule, repeats).plan(stages, microbatches)
+    plan = schedule_of(schedule, repeats).timetable(stages, microbatches)
     return plan.stash_slots or int(plan.fwd.shape[0])
 
 
 @functools.cache
 def _ticks(schedule: str, stages: int, microbatches: int, repeats: int) -> int:
     """The ticks of a schedule's table (GPipe's and circular's backward replays them)."""
-    plan = schedule_of(schedule, repeats).plan(stages, microbatches)
+    plan = schedule_of(schedule, repeats).timetable(stages, microbatches)
     return int(plan.fwd.shape[0])
 
 
@@ -431,11 +431,11 @@ def front_runners(families, model, budget, profile, timing, scale=1.0, prices=No
     return [(seconds, f, tries) for seconds, _, f, tries in order], dropped, prices
 
 
-def to_compile(ranked) -> list[Family]:
+def to_compile(ranked) -> list[Ladder]:
     """The families of ``ranked`` (`front_runners`) as the search compiles them: each layout
     to try in a group of its own, so it compiles them in turn and stops at the first that
     fits."""
-    return [Family(tuple((lay,) for lay in tries)) for _, _, tries in ranked]
+    return [Ladder(tuple((lay,) for lay in tries)) for _, _, tries in ranked]
 
 
 def not_compiled(ranked, compiled: int, prices) -> list:

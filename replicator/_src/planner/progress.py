@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 
 from replicator._src.planner import search
-from replicator._src.planner.layouts import Family
+from replicator._src.planner.layouts import Ladder
 
 
 class Progress:
@@ -21,7 +21,7 @@ class Progress:
     >>> with contextlib.redirect_stderr(err):
     ...     p = Progress(2, True, score=lambda o: 0.25)
     ...     lay = Layout(data=8)
-    ...     p.advance(Family(((lay,),)), [search.Outcome(lay, search.FITS, compiled=object())])
+    ...     p.advance(Ladder(((lay,),)), [search.Outcome(lay, search.FITS, compiled=object())])
     >>> print(err.getvalue().splitlines()[-1].split(") ", 1)[1])
     1 compiled: data=8; best so far data=8, 250 ms
     """
@@ -40,7 +40,7 @@ class Progress:
             self.lines = True
             print(f"planning: {total} layout families to compile", file=sys.stderr, flush=True)
 
-    def advance(self, family: Family, outcomes=()) -> None:
+    def advance(self, family: Ladder, outcomes=()) -> None:
         self.done += 1
         self.compiled += sum(o.compiled is not None for o in outcomes)
         for o in outcomes:

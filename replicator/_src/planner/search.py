@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from replicator._src.core import targets
-from replicator._src.planner.layouts import Family, Layout
+from replicator._src.planner.layouts import Ladder, Layout
 from replicator._src.report.cost_model import CompiledStep
 from replicator._src.report.step_report import format_bytes
 
@@ -155,7 +155,7 @@ class _Searcher:
         except Exception as e:
             return e
 
-    def family(self, family: Family) -> list[Outcome]:
+    def family(self, family: Ladder) -> list[Outcome]:
         layouts = family.layouts
         size = self.state_size(layouts[0])
         if isinstance(size, Exception):
@@ -213,7 +213,7 @@ class _Searcher:
         return group[hi]
 
 
-def sibling_key(family: Family) -> tuple:
+def sibling_key(family: Ladder) -> tuple:
     """Families with one key differ only in their ZeRO stage: `search_siblings` takes them
     together."""
     lay = family.layouts[0]
@@ -221,7 +221,7 @@ def sibling_key(family: Family) -> tuple:
             lay.microbatches, lay.repeats)  # fmt: skip
 
 
-def search_siblings(build: Callable, families: list[Family], budget: int) -> list[list[Outcome]]:
+def search_siblings(build: Callable, families: list[Ladder], budget: int) -> list[list[Outcome]]:
     """The outcomes of families that differ only in their ZeRO stage, searched from the highest
     stage (the least memory) down. Once a stage has no layout that fits, the lower stages need
     more memory for every layout (replicated state or gradients where it shards them), so they
@@ -254,7 +254,7 @@ def search_siblings(build: Callable, families: list[Family], budget: int) -> lis
     return out
 
 
-def search_family(build: Callable | str, family: Family, budget: int) -> list[dict]:
+def search_family(build: Callable | str, family: Ladder, budget: int) -> list[dict]:
     """The outcomes of ``family`` as plain dicts (for a worker process to send back)."""
     return [o.to_dict() for o in _Searcher(resolve(build), budget).family(family)]
 

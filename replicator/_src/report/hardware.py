@@ -52,7 +52,7 @@ class Hardware:
       cache_bandwidth: bytes per second a device reads and writes data that sits in that cache.
       source: where the figures come from.
 
-    >>> HARDWARE["tpu-v5e"].peak_flops
+    >>> HARDWARE_PROFILES["tpu-v5e"].peak_flops
     197000000000000.0
     >>> Hardware.from_dict({"name": "my-gpu", "peak_flops": 1e15, "memory_bytes": "80GB",
     ...     "ici_bandwidth": 4.5e11, "dcn_bandwidth": 5e10, "island_size": 8}).memory_bytes
@@ -138,7 +138,7 @@ class Hardware:
             raise ValueError(
                 f"Hardware {raw.get('name', '?')!r}: missing key(s) {', '.join(missing)}; a "
                 f"profile gives name, peak_flops, memory_bytes, ici_bandwidth, dcn_bandwidth "
-                f"and island_size (see rp.HARDWARE['tpu-v5e'] for one)."
+                f"and island_size (see rp.planner.HARDWARE_PROFILES['tpu-v5e'] for one)."
             )
         return cls(**raw)
 
@@ -189,7 +189,7 @@ def _gpu(name, flops, memory, hbm, nvlink, ib, source) -> Hardware:
                     hbm_bandwidth=hbm, source=source)  # fmt: skip
 
 
-HARDWARE: dict[str, Hardware] = {
+HARDWARE_PROFILES: dict[str, Hardware] = {
     "tpu-v4": _tpu(
         "tpu-v4", 275e12, 32 * GiB, 1200e9, 1.1e15 / 4096, 50e9 / 8, 4096,
         "cloud.google.com/tpu/docs/v4: 275 TFLOP/s bf16, 32 GiB HBM2 at 1200 GB/s, all-reduce "
@@ -229,15 +229,15 @@ HARDWARE: dict[str, Hardware] = {
     ),
 }  # fmt: skip
 """The built-in profiles by name: TPU v4, v5e, v5p and v6e, H100 and A100 (SXM, 8 per node). The
-emulated CPU is ``hardware("cpu")``, measured on this machine."""
+emulated CPU is ``hardware_profile("cpu")``, measured on this machine."""
 
 
-def hardware(spec: str | os.PathLike | dict | Hardware | targets.Target, /) -> Hardware:
-    """A profile: a built-in name (`HARDWARE`, or ``"cpu"`` measured here), a YAML/JSON file of
+def hardware_profile(spec: str | os.PathLike | dict | Hardware | targets.Target, /) -> Hardware:
+    """A profile: a built-in name (`HARDWARE_PROFILES`, or ``"cpu"`` measured here), a YAML/JSON file of
     `Hardware`'s keys, a mapping of them, a `Hardware`, or a TPU `Target` (its chip's profile,
     with the target's slice as the island: collectives across slices cross the DCN).
 
-    >>> hardware(targets.target("v5p-16")).island_size
+    >>> hardware_profile(targets.tpu_target("v5p-16")).island_size
     8
 
     Raises:
@@ -246,12 +246,14 @@ def hardware(spec: str | os.PathLike | dict | Hardware | targets.Target, /) -> H
     if isinstance(spec, Hardware):
         return spec
     if isinstance(spec, targets.Target):
-        return dataclasses.replace(HARDWARE[f"tpu-{spec.generation}"], island_size=spec.chips)
+        return dataclasses.replace(
+            HARDWARE_PROFILES[f"tpu-{spec.generation}"], island_size=spec.chips
+        )
     if isinstance(spec, dict):
         return Hardware.from_dict(spec)
     text = os.fspath(spec)
-    if text in HARDWARE:
-        return HARDWARE[text]
+    if text in HARDWARE_PROFILES:
+        return HARDWARE_PROFILES[text]
     if text == "cpu":
         return calibrate_cpu()
     if os.path.isfile(text):
@@ -270,7 +272,7 @@ def hardware(spec: str | os.PathLike | dict | Hardware | targets.Target, /) -> H
             raise ValueError(f"hardware file {text}: {e}") from None
     raise ValueError(
         f"hardware={text!r} is neither a known profile nor a file; use one of "
-        f"{', '.join(map(repr, [*HARDWARE, 'cpu']))}, or the path of a YAML file with the keys "
+        f"{', '.join(map(repr, [*HARDWARE_PROFILES, 'cpu']))}, or the path of a YAML file with the keys "
         f"name, peak_flops, memory_bytes, ici_bandwidth, dcn_bandwidth, island_size."
     )
 

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from replicator._src.core import targets
 from replicator._src.core.tracing import PipelineNote, ZeroNote
 from replicator._src.report import hlo
-from replicator._src.report.on_target import OnTarget, lines, on_target
+from replicator._src.report.target_report import TargetReport, lines, target_report
 
 Collective = hlo.Collective
 
@@ -89,7 +89,7 @@ class StepReport:
       kernel_flops: the share of ``flops`` in kernels XLA's cost analysis does not see (Pallas
         kernels such as splash attention), from the work each names in its scope.
       target: for a step compiled for a TPU target (`replicator.tpu_devices`), what it means
-        on that TPU (`OnTarget`: HBM and ``fits``, ``step_seconds``, ``xla_seconds``, MFU);
+        on that TPU (`TargetReport`: HBM and ``fits``, ``step_seconds``, ``xla_seconds``, MFU);
         None on other devices. In ``to_json()`` its keys stand at the top level.
     """
 
@@ -110,7 +110,7 @@ class StepReport:
     bytes_accessed: float = 0.0
     roofline: tuple[tuple[float, float], ...] = ()
     zero: tuple[ZeroNote, ...] = ()
-    target: OnTarget | None = None
+    target: TargetReport | None = None
     kernel_flops: float = 0.0
 
     @property
@@ -357,7 +357,7 @@ def report(
     target: targets.Target | None = None, model_flops: float | None = None,
 ) -> StepReport:  # fmt: skip
     """A `StepReport` from a compiled program (``jax.stages.Compiled``); with ``target``, its
-    `OnTarget` too (``model_flops`` per device per step for the MFU)."""
+    `TargetReport` too (``model_flops`` per device per step for the MFU)."""
     stats = compiled.memory_analysis()
     memory = Memory(
         arguments=int(stats.argument_size_in_bytes),
@@ -396,7 +396,7 @@ def report(
     if target is None:
         return result
     optimal = analysis.get("optimal_seconds")
-    return dataclasses.replace(result, target=on_target(
+    return dataclasses.replace(result, target=target_report(
         result, target, optimal_seconds=None if optimal is None else float(optimal),
         model_flops=model_flops,
     ))  # fmt: skip

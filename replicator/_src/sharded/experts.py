@@ -76,11 +76,11 @@ width) and ``"mlp"`` (each expert's hidden units)."""
 _EXPERT_LEAVES = ("gate", "up", "up_bias", "down", "down_bias")
 
 
-def logical_axes(*, gated: bool = False, bias: bool = True) -> dict:
+def logical_axes_for(*, gated: bool = False, bias: bool = True) -> dict:
     """`LOGICAL_AXES` of the leaves `init` makes with these options.
 
     >>> from replicator import moe
-    >>> sorted(moe.logical_axes(gated=True, bias=False))
+    >>> sorted(moe.logical_axes_for(gated=True, bias=False))
     ['down', 'gate', 'router', 'up']
     """
     drop = (set() if gated else {"gate"}) | (set() if bias else {"up_bias", "down_bias"})
@@ -97,7 +97,7 @@ def partition_specs(*, gated: bool = False, bias: bool = True) -> dict:
     (P('expert', None, None), P(None, None))
     """
     entry = lambda role: EXPERT_AXIS if role == "experts" else None
-    axes = logical_axes(gated=gated, bias=bias)
+    axes = logical_axes_for(gated=gated, bias=bias)
     return {name: P(*map(entry, roles)) for name, roles in axes.items()}
 
 
@@ -138,7 +138,7 @@ def init(
     }
     if gated:
         params["gate"] = normal(k[3], (e, d, f))
-    return {name: params[name] for name in logical_axes(gated=gated, bias=bias)}
+    return {name: params[name] for name in logical_axes_for(gated=gated, bias=bias)}
 
 
 def apply(

@@ -117,7 +117,7 @@ def fit(
         save, or no ``checkpoint_dir``), those of every step.
       tensorboard_dir: also write the metrics as TensorBoard scalars there (needs
         ``tensorboardX``: ``pip install "replicator[tensorboard]"``); the same as
-        ``writers=[rp.TensorBoardWriter(tensorboard_dir)]``.
+        ``writers=[rp.training.TensorBoardWriter(tensorboard_dir)]``.
       eval_fn: ``eval_fn(state) -> dict`` of numbers, called every ``eval_every`` steps with
         the training state, logged with an ``eval_`` prefix. It may run steps on that state
         with ``repl.run`` (``repl.run(eval_step, state, batch)``): while it runs, ``repl``
@@ -128,10 +128,10 @@ def fit(
       tokens_per_step: tokens per global batch, for the tokens/s figure of language models.
       progress: show a progress bar (in a terminal, or in Jupyter with ipywidgets) or else a
         line per log, and a summary at the end; on stderr, on process 0 only.
-      profile: an `rp.Profile` (or a dict of its fields: ``dir``, ``start_step``,
+      profile: an `rp.training.Profile` (or a dict of its fields: ``dir``, ``start_step``,
         ``num_steps``): a ``jax.profiler`` trace of those steps, for TensorBoard or Perfetto.
-      writers: `rp.MetricWriter`s (objects with ``write(step, metrics)`` and ``close()``),
-        e.g. ``rp.TensorBoardWriter(dir)``, ``rp.WandbWriter(project=...)`` or your own: each
+      writers: `rp.training.MetricWriter`s (objects with ``write(step, metrics)`` and ``close()``),
+        e.g. ``rp.training.TensorBoardWriter(dir)``, ``rp.training.WandbWriter(project=...)`` or your own: each
         gets every logged record (those of ``history``, without ``step``) on process 0, and
         is closed on every process when fit returns or raises.
       async_checkpoints: write checkpoints in a background thread (orbax's asynchronous

@@ -29,10 +29,10 @@ class Profile:
     num_steps: int = 3
 
     def __post_init__(self) -> None:
-        positive_int(self.start_step, api="rp.Profile", name="start_step")
-        positive_int(self.num_steps, api="rp.Profile", name="num_steps")
+        positive_int(self.start_step, api="rp.training.Profile", name="start_step")
+        positive_int(self.num_steps, api="rp.training.Profile", name="num_steps")
         if not isinstance(self.dir, str | os.PathLike) or not os.fspath(self.dir):
-            raise TypeError(f"rp.Profile: dir must be a directory path; got {self.dir!r}.")
+            raise TypeError(f"rp.training.Profile: dir must be a directory path; got {self.dir!r}.")
 
     def steps(self) -> range:
         """The steps the trace covers."""
@@ -52,7 +52,7 @@ class Profile:
                 )
             return cls(**profile)
         raise TypeError(
-            f"rp.fit: profile must be an rp.Profile or a dict with dir, start_step and "
+            f"rp.fit: profile must be an rp.training.Profile or a dict with dir, start_step and "
             f"num_steps; got {type(profile).__name__}."
         )
 

@@ -42,7 +42,7 @@ class MetricWriter(Protocol):
     ...     def close(self):
     ...         print("closed")
     >>> printer = Printer()
-    >>> isinstance(printer, rp.MetricWriter)
+    >>> isinstance(printer, rp.training.MetricWriter)
     True
     >>> repl = rp.Replicator()
     >>> step_fn = lambda state, x: (state + 1.0, {"loss": state})
@@ -65,8 +65,8 @@ class MetricWriter(Protocol):
 
 NOT_A_WRITER = """\
 {api}: writers[{i}] (a {kind}) has no {method} method; give objects with write(step, metrics) \
-and close() (rp.MetricWriter), e.g. writers=[rp.TensorBoardWriter("runs/tb")] or \
-writers=[rp.WandbWriter(project="my-project")]."""
+and close() (rp.training.MetricWriter), e.g. writers=[rp.training.TensorBoardWriter("runs/tb")] or \
+writers=[rp.training.WandbWriter(project="my-project")]."""
 
 
 def check_writers(writers: Any, *, api: str = "rp.fit") -> list:
@@ -79,7 +79,7 @@ def check_writers(writers: Any, *, api: str = "rp.fit") -> list:
         return []
     if not isinstance(writers, list | tuple):
         raise TypeError(
-            f"{api}: writers must be a list of writers (rp.MetricWriter); got a "
+            f"{api}: writers must be a list of writers (rp.training.MetricWriter); got a "
             f"{type(writers).__name__}. Give writers=[writer]."
         )
     for i, writer in enumerate(writers):
@@ -131,7 +131,7 @@ def _close_all(writers: Sequence, *, raise_errors: bool) -> None:
 class TensorBoardWriter:
     """Writes the metrics as TensorBoard scalars (tensorboardX) to ``directory``.
 
-    ``rp.fit(..., tensorboard_dir=d)`` is ``rp.fit(..., writers=[rp.TensorBoardWriter(d)])``.
+    ``rp.fit(..., tensorboard_dir=d)`` is ``rp.fit(..., writers=[rp.training.TensorBoardWriter(d)])``.
     The event file is created at the first write, so that a writer made on every process of a
     multi-process job leaves files from process 0 only (the one `fit` writes on). Each write is
     flushed. A resumed run writes a new event file into the same directory; TensorBoard shows
@@ -151,7 +151,7 @@ class TensorBoardWriter:
             from tensorboardX import SummaryWriter
         except ImportError:
             warnings.warn(
-                f"rp.TensorBoardWriter: tensorboardX is not installed, so no TensorBoard scalars "
+                f"rp.training.TensorBoardWriter: tensorboardX is not installed, so no TensorBoard scalars "
                 f"go to {self.directory} (the other writers and metrics_path are not affected). "
                 f'pip install "replicator[tensorboard]" to write them.',
                 stacklevel=2,
@@ -181,7 +181,7 @@ class TensorBoardWriter:
 WANDB_MODES = ("offline", "online", "disabled")
 
 NO_WANDB = (
-    "rp.WandbWriter: wandb is not installed; pip install wandb (or pip install "
+    "rp.training.WandbWriter: wandb is not installed; pip install wandb (or pip install "
     '"replicator[wandb]").'
 )
 
@@ -228,7 +228,7 @@ class WandbWriter:
 
     Example::
 
-        writer = rp.WandbWriter(project="my-project", name="run1", dir="runs/run1")
+        writer = rp.training.WandbWriter(project="my-project", name="run1", dir="runs/run1")
         rp.fit(repl, step_fn, state, input_fn, steps=1000, writers=[writer])
         # then, with network: wandb sync runs/run1/wandb/offline-run-*
     """
@@ -245,12 +245,12 @@ class WandbWriter:
     ) -> None:
         if not isinstance(project, str) or not project.strip():
             raise ValueError(
-                f"rp.WandbWriter: project must be a non-empty str (the W&B project); got "
+                f"rp.training.WandbWriter: project must be a non-empty str (the W&B project); got "
                 f"{project!r}."
             )
         if mode not in WANDB_MODES:
             raise ValueError(
-                f"rp.WandbWriter: mode={mode!r} is not one of "
+                f"rp.training.WandbWriter: mode={mode!r} is not one of "
                 f"{', '.join(map(repr, WANDB_MODES))}; use mode='offline' to write the run "
                 f"here and upload it later with wandb sync."
             )
@@ -295,7 +295,7 @@ class WandbWriter:
                     else "the last step written"
                 )
                 warnings.warn(
-                    f"rp.WandbWriter: step {step} is below step {self._floor}, {which}; W&B "
+                    f"rp.training.WandbWriter: step {step} is below step {self._floor}, {which}; W&B "
                     f"takes the steps of a run in increasing order only, so the records of "
                     f"steps below {self._floor} are skipped and the later ones are written.",
                     stacklevel=2,

@@ -18,7 +18,10 @@ def cnn_job(config: TrainConfig, repl, make_tx) -> Job:
 
     def new_model():
         return cnn.CNN(
-            in_channels=1, num_classes=len(cnn.SHAPES), width=config.model.width, rngs=nnx.Rngs(0)
+            in_channels=1,
+            num_classes=len(cnn.CLASS_NAMES),
+            width=config.model.width,
+            rngs=nnx.Rngs(0),
         )
 
     graphdef, shapes, _ = nnx.split(nnx.eval_shape(new_model), nnx.Param, nnx.BatchStat)
@@ -43,4 +46,4 @@ def cnn_job(config: TrainConfig, repl, make_tx) -> Job:
         params, stats = repl.replicate(params), repl.replicate(stats)
         return {"params": params, "stats": stats, "opt": tx.init(params)}
 
-    return Job(step_fn, init, input_fn, first_batch(input_fn), None, len(cnn.SHAPES))
+    return Job(step_fn, init, input_fn, first_batch(input_fn), None, len(cnn.CLASS_NAMES))

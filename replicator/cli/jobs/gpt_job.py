@@ -38,7 +38,9 @@ def check_schedule(config: TrainConfig, schedule, num_stages: int) -> None:
     the library's message, then the config keys to change."""
     p = config.pipeline
     try:
-        schedule.plan(num_stages, p.microbatches)  # NumPy tick tables: the schedule's own rules
+        schedule.timetable(
+            num_stages, p.microbatches
+        )  # NumPy tick tables: the schedule's own rules
     except ValueError as e:
         raise ValueError(
             f"{e} In the config: pipeline.microbatches={p.microbatches} with mesh.stage="

@@ -24,7 +24,13 @@ from replicator.cli.jobs.pictures import draw_schedule, plot_loss
 
 # What the library raises for a config, a mesh, a run directory or a checkpoint it refuses.
 # NotImplementedError: jax's own refusal of a mesh it cannot lay out on a TPU torus
-USER_ERRORS = (ValueError, TypeError, FileNotFoundError, NotImplementedError, rp.RunDirLockedError)
+USER_ERRORS = (
+    ValueError,
+    TypeError,
+    FileNotFoundError,
+    NotImplementedError,
+    rp.training.RunDirLockedError,
+)
 # What it raises during training that its message says all of (what failed, what to do).
 RUN_ERRORS = (rp.CheckpointWriteError,)
 
@@ -303,11 +309,13 @@ def elastic(config: TrainConfig, factor: int, planned: int) -> TrainConfig:
     return dataclasses.replace(config, **changes)
 
 
-def _profile(config: TrainConfig, out: str) -> rp.Profile | None:
+def _profile(config: TrainConfig, out: str) -> rp.training.Profile | None:
     p = config.profile
     if p is None:
         return None
-    return rp.Profile(os.path.join(out, "profile"), start_step=p.start_step, num_steps=p.num_steps)
+    return rp.training.Profile(
+        os.path.join(out, "profile"), start_step=p.start_step, num_steps=p.num_steps
+    )
 
 
 def _writers(config: TrainConfig, out: str) -> list:
@@ -320,7 +328,7 @@ def _writers(config: TrainConfig, out: str) -> list:
     if w is None:
         return []
     try:
-        writer = rp.WandbWriter(
+        writer = rp.training.WandbWriter(
             project=w.project or config.name,
             name=w.name or config.name,
             dir=out,

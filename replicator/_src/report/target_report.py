@@ -1,7 +1,7 @@
 """What a step compiled for a TPU target means on that TPU: does it fit, how long, what MFU.
 
 `Replicator.explain` on a target's devices (`replicator.tpu_devices`) reads the TPU program.
-This module adds the chip's figures (`hardware.HARDWARE`, each with its public source):
+This module adds the chip's figures (`hardware.HARDWARE_PROFILES`, each with its public source):
 
 * ``fits``: the program's peak bytes per device (``memory.peak``) within the chip's HBM;
 * ``step_seconds``: the roofline of the TPU program (`cost_model.model_time`): each group of
@@ -25,11 +25,11 @@ import math
 
 from replicator._src.core import targets
 from replicator._src.report import cost_model
-from replicator._src.report.hardware import hardware
+from replicator._src.report.hardware import hardware_profile
 
 
 @dataclasses.dataclass(frozen=True)
-class OnTarget:
+class TargetReport:
     """A step's figures on the TPU it was compiled for; per chip and per step.
 
     Attributes:
@@ -94,9 +94,9 @@ def _xla_seconds(optimal: float | None, flops: float, xla_flops: float | None,
     )
 
 
-def on_target(report, target: targets.Target, *, optimal_seconds: float | None,
-              model_flops: float | None = None) -> OnTarget:  # fmt: skip
-    """The `OnTarget` of a `StepReport` compiled for ``target``.
+def target_report(report, target: targets.Target, *, optimal_seconds: float | None,
+              model_flops: float | None = None) -> TargetReport:  # fmt: skip
+    """The `TargetReport` of a `StepReport` compiled for ``target``.
 
     Args:
       report: the step's `StepReport`.
@@ -104,7 +104,7 @@ def on_target(report, target: targets.Target, *, optimal_seconds: float | None,
       optimal_seconds: ``cost_analysis()["optimal_seconds"]`` of the compiled program.
       model_flops: the model's FLOPs per chip per step, for the MFU.
     """
-    hw = hardware(target)
+    hw = hardware_profile(target)
     step = cost_model.CompiledStep.from_report(report)
     time = cost_model.model_time(step, hw, overlap=1.0)
     xla, how = _xla_seconds(
@@ -123,7 +123,7 @@ def on_target(report, target: targets.Target, *, optimal_seconds: float | None,
             None if model_flops is None or not seconds else model_flops / (seconds * hw.peak_flops)
         )
 
-    return OnTarget(
+    return TargetReport(
         target=target.label, device_kind=target_kind(target), slices=target.slices,
         hbm_bytes=hw.memory_bytes, peak_bytes=peak, fits=peak <= hw.memory_bytes,
         over_bytes=max(0, peak - hw.memory_bytes), fit_hint=None, peak_flops=hw.peak_flops,
@@ -139,7 +139,7 @@ def target_kind(target: targets.Target) -> str:
     return gen.device_kind if gen else target.generation
 
 
-def lines(t: OnTarget, format_bytes) -> list[str]:
+def lines(t: TargetReport, format_bytes) -> list[str]:
     """The report's lines for a target."""
     room = (
         f"fits: peak {format_bytes(t.peak_bytes)} of {format_bytes(t.hbm_bytes)} "

@@ -1,0 +1,14 @@
+"""The training run: `fit`, what it returns, its checkpoints, metric writers and profiles, and
+the errors a run raises."""
+
+from replicator._src.training.checkpoint import Checkpoints as Checkpoints
+from replicator._src.training.checkpoint import StateMismatchError as StateMismatchError
+from replicator._src.training.full_disk import CheckpointWriteError as CheckpointWriteError
+from replicator._src.training.loop import FitResult as FitResult
+from replicator._src.training.loop import NonFiniteError as NonFiniteError
+from replicator._src.training.loop import fit as fit
+from replicator._src.training.profiling import Profile as Profile
+from replicator._src.training.rundir import RunDirLockedError as RunDirLockedError
+from replicator._src.training.writers import MetricWriter as MetricWriter
+from replicator._src.training.writers import TensorBoardWriter as TensorBoardWriter
+from replicator._src.training.writers import WandbWriter as WandbWriter
