@@ -1,7 +1,8 @@
-"""Attention that is exact across a sequence split over the mesh's ``context`` axis: ring
-attention (key/value blocks passed round the axis, an online softmax, causal blocks skipped,
-the zigzag layout for balance) or all-to-all over heads (DeepSpeed-Ulysses). Without a
-``context`` axis both are plain attention, the one-device oracle (see
+"""Attention that is exact across a sequence split over the mesh's ``context`` axis.
+
+Two ways: ring attention (key/value blocks passed round the axis, an online softmax, causal
+blocks skipped, the zigzag layout for balance) or all-to-all over heads (DeepSpeed-Ulysses).
+Without a ``context`` axis both are plain attention, the one-device oracle (see
 `replicator._src.sharded.attention`).
 
 >>> import jax, jax.numpy as jnp

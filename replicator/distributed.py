@@ -1,5 +1,8 @@
-"""Multi-process jobs on JAX's distributed runtime: `initialize`, and `launch`, the local launcher
-(restarts, elastic resizing)."""
+"""Multi-process jobs on JAX's distributed runtime.
+
+`initialize` joins a process to its job; `launch` is the local launcher (restarts, elastic
+resizing); `heartbeat` reports a process's progress to it.
+"""
 
 from replicator._src.distributed.initialize import ProcessInfo as ProcessInfo
 from replicator._src.distributed.initialize import heartbeat as heartbeat

@@ -1,7 +1,8 @@
-"""Mixture of experts with expert parallelism: tokens routed per sequence (group) to their
-``top_k`` experts within a capacity, the experts split over the mesh's ``expert`` axis and the
-tokens carried to them by ``all_to_all``. Exact on every mesh: each group is routed, dropped and
-balanced as on one device (see `replicator._src.sharded.experts`).
+"""Mixture of experts with expert parallelism, exact on every mesh.
+
+Tokens are routed per sequence (group) to their ``top_k`` experts within a capacity, the experts
+split over the mesh's ``expert`` axis and the tokens carried to them by ``all_to_all``. Each
+group is routed, dropped and balanced as on one device (see `replicator._src.sharded.experts`).
 
 >>> import jax
 >>> from replicator import moe

@@ -1,5 +1,7 @@
-"""TPU targets: a TPU slice's devices, compiled for on any machine with libtpu installed
-(``pip install "replicator[tpu]"``), and what a step costs on it (``repl.explain``).
+"""TPU targets: a TPU slice's devices to compile for, and what a step costs on them.
+
+A target compiles on any machine with libtpu installed (``pip install "replicator[tpu]"``);
+``repl.explain`` says what a step costs there.
 
 >>> from replicator import targets
 >>> targets.tpu_target("v5p-16")

@@ -1,41 +1,44 @@
-"""The shape of the house: imports go one way, collectives have one way down, modules stay small.
+"""The package's layout: imports go one way, collectives have one way down, modules stay small,
+public functions take few parameters.
 
 These read the source, not the behaviour. They keep the "Layout" map of docs/design.md true:
 
-* the package's parts sit on floors (`PART_FLOORS`): ``_src``, then the public API
+* the package's parts have levels (`PART_LEVELS`): ``_src``, then the public API
   (``replicator`` and its thin faces), then ``models/``, then ``cli/``; a module imports from
-  another part only on a lower floor (so no ``_src`` module imports the public face, and
+  another part only at a lower level (so no ``_src`` module imports the public face, and
   nothing below the CLI imports it);
 * the import graph of the whole package (``_src``, the public face, the models, the CLI),
-  function-local imports included, has no cycle, so every module sits on a floor above
-  everything it imports;
+  function-local imports and imports under ``if TYPE_CHECKING:`` included (an annotation is a
+  dependency too), has no cycle, so every module sits at a level above everything it imports;
 * ``_src``'s packages (``core``, ``optim``, ``report``, ``sharded``, ``distributed``,
-  ``pipeline``, ``planner``, ``run``, and the ``context`` module that holds the Replicator) sit
-  on floors too (`PACKAGE_FLOORS`), and so do the rooms of ``models/`` (`MODEL_FLOORS`): a module
-  imports from another package only on a lower floor;
+  ``pipeline``, ``planner``, ``training``, and the ``context`` module that holds the
+  Replicator) have levels too (`PACKAGE_LEVELS`), and so do the packages and root modules of
+  ``models/`` (`MODEL_LEVELS`): a module imports from another package only at a lower level;
 * a replica collective (``lax.psum`` and kin) is written only in ``collectives.py``; the pipeline
   engine writes its stage transfers (``lax.ppermute``) itself;
 * no module of the package is over 500 lines, and no function over 80 lines, its docstring
-  aside.
+  aside; no public function or method takes more than 10 parameters (options go in records).
 
 Each rule's checker is also run on a graph or a source that breaks it (``test_*_can_fail``),
 so that a rule that no longer looks at anything fails.
-
-An import under ``if TYPE_CHECKING:`` runs no code and makes no edge (annotations only).
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
+import importlib
+import inspect
 import pathlib
 import re
+import types
 
 import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "replicator"
 MODULE_LINES = 500
 FUNCTION_LINES = 80
-PACKAGE_FLOORS = {  # _src's packages (and its root module), each above what it imports
+PACKAGE_LEVELS = {  # _src's packages (and its root module), each above what it imports
     "core": 0,  # the Binding, mesh, leaf specs, collectives, lowering, step cache, tracing notes
     "optim": 1,  # wrap_optimizer's chain and ZeRO
     "report": 1,  # compiled programs read: hlo, StepReport
@@ -46,13 +49,13 @@ PACKAGE_FLOORS = {  # _src's packages (and its root module), each above what it 
     "planner": 3,  # rp.plan
     "training": 3,  # rp.fit, checkpoints, logs
 }
-PART_FLOORS = {  # the package's parts, each above what it imports
+PART_LEVELS = {  # the package's parts, each above what it imports
     "_src": 0,  # the library
     "api": 1,  # the public face: replicator/__init__.py, attention, moe, pipeline, distributed
     "models": 2,  # the reference models users copy, on the public API
     "cli": 3,  # the `replicator` application (and `python -m replicator.launch`, its launcher)
 }
-MODEL_FLOORS = {  # models/' rooms, each above what it imports
+MODEL_LEVELS = {  # models/' packages and root modules, each above what it imports
     "config": 0,  # GPTConfig: the decoder's options (every family's)
     "families": 0,  # each Hugging Face family's config.json and names, one module each
     "text": 0,  # the built-in jobs' data
@@ -83,20 +86,11 @@ def _modules() -> dict[str, pathlib.Path]:
 MODULES = _modules()
 
 
-def _imports(path: pathlib.Path) -> set[str]:
-    """Every ``replicator`` module that ``path`` imports, at any depth of its code."""
+def imports_of(source: str) -> set[str]:
+    """Every ``replicator`` module that ``source`` imports, at any depth of its code, under
+    ``if TYPE_CHECKING:`` too."""
     found = set()
-    tree = ast.parse(path.read_text())
-    typing_only = {  # the nodes inside `if TYPE_CHECKING:` blocks
-        id(inner)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-        for statement in node.body
-        for inner in ast.walk(statement)
-    }
-    for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -111,25 +105,42 @@ def _imports(path: pathlib.Path) -> set[str]:
     return found
 
 
-GRAPH = {name: _imports(path) - {name} for name, path in MODULES.items()}
+GRAPH = {name: imports_of(path.read_text()) - {name} for name, path in MODULES.items()}
+
+
+def test_an_import_for_annotations_only_is_an_edge_too():
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n"
+        "    from replicator.cli.config.train import TrainConfig\n"
+    )
+    assert imports_of(source) == {"replicator.cli.config.train"}
+    cycle = {
+        **GRAPH,
+        "replicator.cli.config.sections": GRAPH["replicator.cli.config.sections"]
+        | imports_of(source),
+    }
+    with pytest.raises(AssertionError, match="import cycle"):
+        levels(cycle)
 
 
 def _part(name: str) -> str:
-    """The part of the package a module belongs to (`PART_FLOORS`)."""
+    """The part of the package a module belongs to (`PART_LEVELS`)."""
     if name == "replicator.launch":  # `python -m replicator.launch`: the CLI's launcher
         return "cli"
     second = name.split(".")[1] if name.count(".") else ""
     return second if second in ("_src", "models", "cli") else "api"
 
 
-def _model_room(name: str) -> str:
-    """The room of ``models/`` a module belongs to: its package, or itself at the root."""
+def _model_unit(name: str) -> str:
+    """The package or module of ``models/`` a module belongs to: its package, or itself at
+    the root."""
     return name.split(".")[2] if name.count(".") >= 2 else ""
 
 
-def wrong_imports(graph: dict, members: list[str], part, floors: dict) -> list[str]:
-    """The imports of ``members`` (modules of ``graph``) that do not go down a floor: from one
-    part (``part(name)``) to another whose floor (``floors``) is not lower. A package's own
+def wrong_imports(graph: dict, members: list[str], part, level_of: dict) -> list[str]:
+    """The imports of ``members`` (modules of ``graph``) that do not go down a level: from one
+    part (``part(name)``) to another whose level (``level_of``) is not lower. A package's own
     ``__init__`` (a module's parent) is not an import of it, except the root's: ``replicator``
     is the public face."""
     wrong = []
@@ -139,28 +150,30 @@ def wrong_imports(graph: dict, members: list[str], part, floors: dict) -> list[s
             if parent or dep not in members:
                 continue
             here, there = part(name), part(dep)
-            if here != there and floors[there] >= floors[here]:
+            if here != there and level_of[there] >= level_of[here]:
                 wrong.append(
-                    f"{name} (floor {floors[here]}) imports {dep} ({there}, floor {floors[there]})"
+                    f"{name} (level {level_of[here]}) imports {dep} ({there}, level {level_of[there]})"
                 )
     return wrong
 
 
-def test_the_parts_import_only_lower_floors():
-    wrong = wrong_imports(GRAPH, list(GRAPH), _part, PART_FLOORS)
-    assert not wrong, "imports that do not go down a floor:\n" + "\n".join(wrong)
+def test_the_parts_import_only_lower_levels():
+    wrong = wrong_imports(GRAPH, list(GRAPH), _part, PART_LEVELS)
+    assert not wrong, "imports that do not go down a level:\n" + "\n".join(wrong)
 
 
-def test_the_models_rooms_import_only_lower_floors():
+def test_the_models_packages_import_only_lower_levels():
     models = [name for name in GRAPH if name.startswith("replicator.models.")]
-    unplaced = sorted({_model_room(name) for name in models} - set(MODEL_FLOORS))
-    assert not unplaced, f"rooms of models/ without a floor in MODEL_FLOORS: {unplaced}"
-    wrong = wrong_imports(GRAPH, models, _model_room, MODEL_FLOORS)
-    assert not wrong, "imports that do not go down a floor:\n" + "\n".join(wrong)
+    unplaced = sorted({_model_unit(name) for name in models} - set(MODEL_LEVELS))
+    assert not unplaced, (
+        f"packages and modules of models/ without a level in MODEL_LEVELS: {unplaced}"
+    )
+    wrong = wrong_imports(GRAPH, models, _model_unit, MODEL_LEVELS)
+    assert not wrong, "imports that do not go down a level:\n" + "\n".join(wrong)
 
 
-def test_the_floor_rules_can_fail():
-    """An import up a floor (the public API importing models/, models/ importing the CLI, a
+def test_the_level_rules_can_fail():
+    """An import up a level (the public API importing models/, models/ importing the CLI, a
     layer importing a family's assembly) and a cycle are each found."""
     for name, dep in [
         ("replicator.pipeline", "replicator.models.gpt"),
@@ -168,44 +181,44 @@ def test_the_floor_rules_can_fail():
         ("replicator._src.core.mesh", "replicator"),
     ]:
         graph = {**GRAPH, name: GRAPH[name] | {dep}}
-        assert wrong_imports(graph, list(graph), _part, PART_FLOORS), (name, dep)
+        assert wrong_imports(graph, list(graph), _part, PART_LEVELS), (name, dep)
     models = [name for name in GRAPH if name.startswith("replicator.models.")]
     graph = {**GRAPH, "replicator.models.layers.self_attention": {"replicator.models.decoder"}}
-    assert wrong_imports(graph, models, _model_room, MODEL_FLOORS)
+    assert wrong_imports(graph, models, _model_unit, MODEL_LEVELS)
     cycle = {**GRAPH, "replicator.models.config": {"replicator.models.gpt"}}
     with pytest.raises(AssertionError, match="import cycle: replicator.models"):
-        floors(cycle)
+        levels(cycle)
 
 
-def floors(graph: dict | None = None) -> dict[str, int]:
-    """Each module's floor: 0 if it imports no other module, else one above its highest import
+def levels(graph: dict | None = None) -> dict[str, int]:
+    """Each module's level: 0 if it imports no other module, else one above its highest import
     (in ``graph``, by default the package's).
 
-    Raises ``AssertionError`` naming a cycle if there is one (the floors are then undefined).
+    Raises ``AssertionError`` naming a cycle if there is one (the levels are then undefined).
     """
     graph = GRAPH if graph is None else graph
-    floor: dict[str, int] = {}
+    level: dict[str, int] = {}
     visiting: list[str] = []
 
     def visit(name: str) -> int:
-        if name in floor:
-            return floor[name]
+        if name in level:
+            return level[name]
         assert name not in visiting, "import cycle: " + " -> ".join(
             [*visiting[visiting.index(name) :], name]
         )
         visiting.append(name)
         deps = [d for d in graph[name] if not name.startswith(d + ".")]  # a package's parent
-        floor[name] = 1 + max(map(visit, deps), default=-1)
+        level[name] = 1 + max(map(visit, deps), default=-1)
         visiting.pop()
-        return floor[name]
+        return level[name]
 
     for name in graph:  # the whole package: _src, the public face, the models and the CLI
         visit(name)
-    return floor
+    return level
 
 
-def test_src_imports_form_floors_without_a_cycle():
-    assert floors()
+def test_the_package_imports_form_levels_without_a_cycle():
+    assert levels()
 
 
 def _package(name: str) -> str:
@@ -213,12 +226,12 @@ def _package(name: str) -> str:
     return name.split(".")[2]
 
 
-def test_src_packages_import_only_lower_floors():
+def test_src_packages_import_only_lower_levels():
     src = [name for name in GRAPH if name.count(".") >= 2 and name.startswith("replicator._src.")]
-    unplaced = sorted({_package(name) for name in src} - set(PACKAGE_FLOORS))
-    assert not unplaced, f"packages of _src without a floor in PACKAGE_FLOORS: {unplaced}"
-    wrong = wrong_imports(GRAPH, src, _package, PACKAGE_FLOORS)
-    assert not wrong, "imports that do not go down a floor:\n" + "\n".join(wrong)
+    unplaced = sorted({_package(name) for name in src} - set(PACKAGE_LEVELS))
+    assert not unplaced, f"packages of _src without a level in PACKAGE_LEVELS: {unplaced}"
+    wrong = wrong_imports(GRAPH, src, _package, PACKAGE_LEVELS)
+    assert not wrong, "imports that do not go down a level:\n" + "\n".join(wrong)
 
 
 def test_src_root_holds_packages_and_the_replicator_only():
@@ -289,3 +302,84 @@ def test_functions_are_short():
         for where in long_functions(path.read_text())
     ]
     assert not long, f"functions over {FUNCTION_LINES} lines, docstrings aside:\n" + "\n".join(long)
+
+
+PARAMETERS = 10
+FACES = [  # the public modules: every function, class and method they export
+    "replicator",
+    "replicator.attention",
+    "replicator.distributed",
+    "replicator.moe",
+    "replicator.pipeline",
+    "replicator.planner",
+    "replicator.targets",
+    "replicator.training",
+    "replicator.models",
+    "replicator.models.gpt",
+    "replicator.models.llama",
+    "replicator.models.hf",
+    "replicator.models.families",
+]
+
+
+def _parameters(fn) -> int:
+    """``fn``'s parameters, ``self`` and ``cls`` aside (``*args`` and ``**kwargs`` count one)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature
+        return 0
+    return len([name for name in signature.parameters if name not in ("self", "cls")])
+
+
+def long_signatures(module) -> list[str]:
+    """The public functions, methods and hand-written ``__init__`` of ``module``'s public names
+    that take more than `PARAMETERS` parameters (a dataclass's fields are its record)."""
+    found = {}
+    for name in dir(module):
+        obj = getattr(module, name)
+        if name.startswith("_") or isinstance(obj, types.ModuleType):
+            continue
+        if inspect.isfunction(obj):
+            found[name] = _parameters(obj)
+        elif inspect.isclass(obj):
+            members = dict(vars(obj))
+            if dataclasses.is_dataclass(obj):
+                members.pop("__init__", None)
+            for attr, member in members.items():
+                if attr.startswith("_") and attr != "__init__":
+                    continue
+                member = getattr(member, "__func__", member)  # static and class methods
+                if inspect.isfunction(member):
+                    found[f"{name}.{attr}"] = _parameters(member)
+    return [
+        f"{module.__name__}.{name}: {n} parameters"
+        for name, n in sorted(found.items())
+        if n > PARAMETERS
+    ]
+
+
+def test_public_functions_take_at_most_10_parameters():
+    long = [line for face in FACES for line in long_signatures(importlib.import_module(face))]
+    assert not long, (
+        f"public functions over {PARAMETERS} parameters (group options in records):\n"
+        + "\n".join(long)
+    )
+
+
+def test_the_parameter_rule_can_fail(tmp_path, monkeypatch):
+    args = ", ".join(f"a{i}" for i in range(PARAMETERS))
+    (tmp_path / "wide_face.py").write_text(
+        f"def ten({args}): pass\n"
+        f"def eleven({args}, extra): pass\n"
+        f"class C:\n"
+        f"    def __init__(self, {args}, extra): pass\n"
+        f"    def method(self, {args}): pass\n"
+        f"    @staticmethod\n"
+        f"    def wide(*args, {args}, **kwargs): pass\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert long_signatures(importlib.import_module("wide_face")) == [
+        f"wide_face.C.__init__: {PARAMETERS + 1} parameters",
+        f"wide_face.C.wide: {PARAMETERS + 2} parameters",
+        f"wide_face.eleven: {PARAMETERS + 1} parameters",
+    ]

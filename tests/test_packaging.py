@@ -68,3 +68,23 @@ def test_the_jax_bounds_compat_names_are_pyprojects():
     message = compat.untested_jax((*high, 0))
     assert spec in message and "is installed" in message
     assert compat.untested_jax((0, 10, 1)) is not None
+
+
+def test_the_built_in_text_ships_with_its_license_and_reads_the_same_everywhere():
+    """The quickstart's text is a file of the package (the same bytes on every Python), with
+    the license of the sources it holds; its hash is the one its README states."""
+    import hashlib
+    import re
+
+    from replicator.models import text
+
+    corpus = text.CORPUS.parent
+    assert "models/corpus/*" in PYPROJECT["tool"]["setuptools"]["package-data"]["replicator"]
+    license_text = (corpus / "LICENSE-PYTHON.txt").read_text()
+    assert "PYTHON SOFTWARE FOUNDATION LICENSE VERSION 2" in license_text
+    stated = re.search(
+        r"SHA-256, uncompressed: `([0-9a-f]{64})`", (corpus / "README.md").read_text()
+    )
+    data = text.stdlib_text()
+    assert len(data) == text.CORPUS_BYTES == 2_000_000
+    assert hashlib.sha256(data).hexdigest() == stated[1]

@@ -44,33 +44,14 @@ class Replicator:
         ``"pmap"``: ``jax.pmap`` over the replicas (data axes only); ``"local"``: one replica on
         one device, ``step_fn`` run eagerly on the whole batch, for debugging.
       devices: the devices to use; default ``jax.devices()`` (the first one for ``"local"``).
-      check_replicas: when to compare every replicated state leaf (one not split over the
-        replicas) across replicas after a step, and raise `ReplicasDivergedError` naming the
-        first that differs: the sign of gradients applied without an all-reduce (a plain
-        ``optax.adam`` instead of ``repl.wrap_optimizer(optax.adam(...))``), or of BatchNorm
-        statistics taken over one replica's examples.
-
-        * ``None`` (default): after each of the first 2 runs of each compiled step, then never
-          again; the same as ``2``.
-        * an int ``n >= 0``: after each of the first ``n`` runs of each compiled step. The check
-          is a separate small program, compiled once per placement of the state; the step is
-          not recompiled, and costs nothing once the ``n`` runs are done. A leaf that starts to
-          differ later is not caught.
-        * ``True``: after every run, inside the step. It costs a host sync per step: a
-          debugging aid.
-        * ``False`` (or ``0``): never, for state whose "replicated" leaves are meant to differ
-          per replica (``np.asarray(leaf)`` then shows replica 0's value).
-
-        Nothing is checked with one replica or under the local lowering.
+      check_replicas: after which runs of each compiled step to compare replicated state
+        leaves across replicas (`ReplicasDivergedError` says what each setting catches and
+        costs): ``None`` (default: 2) or ``n``, the first ``n``; ``True``: all; ``False``: none.
       donate: donate the state's buffers to the step (default), so that the new state reuses
         their memory. The state passed to ``run`` is then deleted: use the returned one.
-      max_in_flight: how many steps ``run`` may have dispatched but not finished; ``run``
-        waits for the oldest before dispatching another. Default: 2 on CPU devices with jax
-        0.10.2, where XLA's collectives across emulated devices deadlock when many programs are
-        queued (64 queued steps of an 8-device ``psum`` program hung; not with jax 0.12, nor
-        on TPUs and GPUs), and on CPU devices of several processes; unbounded elsewhere.
-
-    Example:
+      max_in_flight: how many steps ``run`` may have dispatched but not finished (it waits for
+        the oldest first). Default: 2 on several CPU devices where queued collectives may hang
+        (several processes, or a jax that ``_src/core/compat.py`` names); else unbounded.
 
     >>> import jax, jax.numpy as jnp, replicator as rp
     >>> repl = rp.Replicator(mesh_shape={"data": -1}, devices=jax.devices()[:2])
@@ -120,6 +101,7 @@ class Replicator:
 
     @property
     def lowering(self) -> str:
+        """The lowering: ``"shard_map"``, ``"pmap"`` or ``"local"``."""
         return self._lowering
 
     @property
@@ -145,6 +127,9 @@ class Replicator:
         Entering the context does not change what the collectives mean: they are bound only
         while ``run`` traces ``step_fn``. Within it, ``rp.replica_axis_name()`` outside a trace
         answers what ``run`` binds, for layers built here (a BatchNorm's ``axis_name``).
+
+        Yields:
+          This `Replicator`.
         """
         axes = lowering_lib.binding_axes(self._lowering, self._mesh)
         with _CURRENT.push(self), binding_lib.context_axes(axes):
@@ -152,9 +137,8 @@ class Replicator:
 
     @contextlib.contextmanager
     def _donation_suspended(self) -> Iterator[None]:
-        """Within the block, ``run`` donates no buffers: it runs (and caches apart) programs that
-        keep their inputs alive. `fit` calls ``eval_fn`` so, as ``eval_fn`` may pass the training
-        state, which training goes on with, to ``run``."""
+        """Within the block, ``run`` donates no buffers (its programs cached apart): `fit` calls
+        ``eval_fn`` so, as ``eval_fn`` may pass the training state, still in use, to ``run``."""
         with self._steps.donation_suspended():
             yield
 
@@ -163,11 +147,15 @@ class Replicator:
     def replicate(self, tree: PyTree) -> PyTree:
         """Places a copy of every leaf of ``tree`` on every device of the mesh.
 
-        Leaves become global ``jax.Array``s with ``NamedSharding(mesh, P())`` that own their
-        buffers (``run`` donates the state, and the arrays passed in here stay valid) and are not
-        weakly typed (so a step's new state has the same types and reuses the program). With several
-        processes, process 0's values are broadcast first, so every process starts from the
-        same state even if each initialised it with a different seed.
+        The copies own their buffers (``run`` donates the state; the arrays passed in stay
+        valid) and are not weakly typed (a step's new state has the same types and reuses the
+        program). With several processes they hold process 0's values, broadcast first.
+
+        Args:
+          tree: a pytree of arrays (or scalars).
+
+        Returns:
+          ``tree`` with global ``jax.Array`` leaves of ``NamedSharding(mesh, P())``.
         """
         return self.place(tree, PartitionSpec())
 
@@ -175,16 +163,21 @@ class Replicator:
         """Places every leaf of ``tree`` on the mesh with ``spec``, as `replicate` does with P().
 
         For state sharded over a mesh axis, such as pipeline stages:
-        ``repl.place(stacked, rp.pipeline.stage_spec())``. ``spec`` may also be a tree of specs
-        with the structure of ``tree`` or of a prefix of it, one spec per leaf or subtree: the
-        Megatron layout of an MLP on a ``model`` axis is ``repl.place(params, {"w1": P(None,
-        "model"), "b1": P("model"), "w2": P("model", None), "b2": P()})``. With several
-        processes, process 0's values are broadcast first and each process builds its own
-        shards from them.
+        ``repl.place(stacked, rp.pipeline.stage_spec())``; the Megatron layout of an MLP on a
+        ``model`` axis is ``repl.place(params, {"w1": P(None, "model"), "b1": P("model"), "w2":
+        P("model", None), "b2": P()})``. With several processes, process 0's values are
+        broadcast first and each process builds its own shards from them. A mesh axis
+        replicator knows but this mesh lacks counts as an axis of size 1, so it is dropped from
+        ``spec``: ``stage_spec()`` places a whole copy under the local lowering or on a
+        ``{"data": N}`` mesh, where the pipeline runs every stage in order.
 
-        A mesh axis replicator knows but this mesh lacks counts as an axis of size 1, so it is
-        dropped from ``spec``: ``stage_spec()`` places a whole copy under the local lowering or
-        on a ``{"data": N}`` mesh, where the pipeline runs every stage in order.
+        Args:
+          tree: a pytree of arrays.
+          spec: one ``PartitionSpec`` for every leaf, or a tree of them with the structure of
+            ``tree`` or of a prefix of it (one spec per leaf or subtree).
+
+        Returns:
+          ``tree`` with global ``jax.Array`` leaves that own their buffers.
 
         Raises:
           TypeError: if ``spec`` is not a ``PartitionSpec`` or a tree of them.
@@ -214,8 +207,7 @@ class Replicator:
     ) -> optim.DistributedOptimizer:
         """An optax transformation that takes the cross-replica mean of the gradients, then ``tx``.
 
-        Use it inside ``step_fn`` like any optax optimizer (for example through Flax's
-        ``TrainState.apply_gradients``).
+        Use it inside ``step_fn`` like any optax optimizer (Flax's ``TrainState.apply_gradients``).
 
         Args:
           tx: the inner optax transformation.
@@ -231,8 +223,10 @@ class Replicator:
           loss_scale: ``None``, a static scale, or ``"dynamic"`` (skip non-finite steps, halve
             the scale; double it after ``loss_scale_period`` finite steps). Use ``opt.step``,
             which scales the loss, or multiply the loss by ``state.loss_scale.scale`` yourself.
+          loss_scale_period: finite steps before a dynamic scale doubles.
 
-        See `replicator._src.optim.optimizer.wrap_optimizer`.
+        Returns:
+          A `DistributedOptimizer`.
         """
         return optim.wrap_optimizer(
             tx,
@@ -248,23 +242,21 @@ class Replicator:
     def abstract(self, init_fn: Callable[[], PyTree], /) -> PyTree:
         """The state ``init_fn()`` builds, as shapes with their shardings, allocating nothing.
 
-        ``init_fn`` is the code that builds the state, with the same calls as for training
-        (``repl.replicate``, ``repl.place``, ``opt.init``, ``opt.shard_params``). It runs under
-        ``jax.eval_shape``: no parameter is allocated and nothing is computed, so a model too big
-        for this machine can be planned with `explain`. Every leaf comes back as a
-        ``jax.ShapeDtypeStruct`` with the ``NamedSharding`` on this mesh that the real call
-        would give it.
+        ``init_fn`` builds the state with the same calls as for training (``repl.replicate``,
+        ``repl.place``, ``opt.init``, ``opt.shard_params``) and runs under ``jax.eval_shape``:
+        nothing is allocated or computed, so a model too big for this machine can be planned
+        with `explain`.
 
         Args:
           init_fn: a function of no arguments that returns the state.
 
         Returns:
-          The state's pytree with ``jax.ShapeDtypeStruct`` leaves, for `explain`.
+          The state's pytree with ``jax.ShapeDtypeStruct`` leaves, each with the
+          ``NamedSharding`` on this mesh that the real call would give it, for `explain`.
 
         Raises:
           ValueError: if a leaf was not placed on the mesh (by ``replicate``, ``place``,
-            ``opt.init``, ``opt.shard_params`` or ``jax.device_put``), since its sharding would
-            be a guess.
+            ``opt.init``, ``opt.shard_params`` or ``jax.device_put``): its sharding is unknown.
 
         >>> import jax, jax.numpy as jnp, optax, replicator as rp
         >>> repl = rp.Replicator(devices=jax.devices()[:2])
@@ -295,14 +287,13 @@ class Replicator:
     ) -> data_lib.DistributedIterator:
         """Iterates ``input_fn(ctx)``'s batches as global arrays split over the replicas.
 
-        ``input_fn`` runs once per process and yields that process's part of each global batch:
-        a pytree of arrays whose first axis is the batch. Each batch is checked (its first axis
-        must divide by this process's replica count; structure, shapes and dtypes must not change
-        between batches) and becomes a ``jax.Array`` whose first axis is split over the data
-        axes, ready for ``run``.
+        ``input_fn`` runs once per process. Each batch is checked (its first axis must divide by
+        this process's replica count; structure, shapes and dtypes must not change between
+        batches) and becomes a ``jax.Array`` whose first axis is split over the data axes.
 
         Args:
-          input_fn: ``input_fn(ctx: InputContext) -> iterable of batches``.
+          input_fn: ``input_fn(ctx: InputContext) -> iterable of batches``: this process's part
+            of each global batch, a pytree of arrays whose first axis is the batch.
           prefetch: how many batches to prepare ahead in a background thread (0: none).
           skip: batches of ``input_fn`` to pass over first, unplaced: resuming a run at its
             checkpointed input position with a deterministic ``input_fn``.
@@ -310,7 +301,11 @@ class Replicator:
             ``input_fn`` whose iterator has ``get_state``/``set_state`` (`rp.Batches`, grain's
             iterators); unlike ``skip`` it does not replay the batches before it.
 
+        Returns:
+          A `DistributedIterator` of global batches.
+
         Raises:
+          ValueError: if ``prefetch`` or ``skip`` is not an int >= 0.
           TypeError, ValueError: from ``next()``, naming the batch and the leaf path.
         """
         if not isinstance(prefetch, int) or prefetch < 0:
@@ -340,38 +335,35 @@ class Replicator:
         ``step_fn`` is written for one replica: it sees each state leaf as laid out on its
         device (the whole leaf when replicated) and its own slice of each batch. Its gradients
         are local, as on one device; reduce them with ``wrap_optimizer`` or ``rp.all_reduce``.
-
-        Placement of the inputs:
-
-        * state: leaves keep their sharding on this mesh (``replicate`` gives ``P()``); other
-          arrays are replicated. The new state has the same sharding.
-        * args: ``jax.Array``s already on this mesh keep their layout (a batch from
-          ``distribute`` is split over replicas, a ``replicate``-d value is seen whole); any
-          other array is a global batch, split along its first axis; scalars are seen whole.
-
         The program is compiled once per placement and shapes of the inputs, and cached.
+
+        Args:
+          step_fn: ``step_fn(state, *args) -> (state, outputs)``, one replica's step.
+          state: leaves keep their sharding on this mesh (``replicate`` gives ``P()``), in the
+            new state too; other arrays are replicated.
+          *args: ``jax.Array``s already on this mesh keep their layout (a batch from
+            ``distribute`` is split over replicas, a ``replicate``-d value is seen whole); any
+            other array is a global batch, split along its first axis; scalars are seen whole.
 
         Returns:
           ``(state, outputs)``: every leaf of ``outputs`` stacked along a new leading axis of
-          size ``num_replicas``, one row per replica. Rows of a reduced output are equal.
+          size ``num_replicas``, one row per replica; rows of a reduced output are equal.
           Outputs come back whole: on a mesh with ``stage`` or ``model`` axes, a leaf that
-          differs across them (a pipeline's gradient of its stage parameters, or the stage
-          parameters themselves) is also concatenated along its own first axis over those
-          axes, in mesh order: a ``[1, 4, 8, 8]`` block per stage on ``{"data": 2, "stage":
-          4}`` comes back ``[2, 4, 4, 8, 8]``, the global ``P("stage")`` array once per
-          replica. A leaf equal on every stage (a loss reduced by ``rp.pipeline``) keeps
-          ``[num_replicas, ...]``. Which leaves differ is found when the step is traced.
+          differs across them (found when the step is traced: a pipeline's stage parameters or
+          their gradient) is also concatenated along its own first axis over those axes, in
+          mesh order: a ``[1, 4, 8, 8]`` block per stage on ``{"data": 2, "stage": 4}`` comes
+          back ``[2, 4, 4, 8, 8]``. A leaf equal on every stage (a loss reduced by
+          ``rp.pipeline``) keeps ``[num_replicas, ...]``.
 
         Raises:
           TypeError, ValueError: if ``step_fn`` does not return ``(state, outputs)`` with the
             state's structure, shapes and dtypes, or an argument does not split over replicas.
           ValueError: before the step runs, if an output that differs across a ``stage`` or
-            ``model`` axis is a scalar (return ``x[None]`` for one row per stage, or reduce it
-            over the stages), or if a state leaf whose sharding does not name such an axis
-            differs across it (reduce it there, or place it with a spec over that axis).
+            ``model`` axis is a scalar (return ``x[None]``, or reduce it over the stages), or a
+            state leaf whose sharding does not name such an axis differs across it (reduce it
+            there, or place it with a spec over that axis).
           ReplicasDivergedError: if a replicated state leaf differs across replicas after a
-            checked run: by default the first 2 runs of each compiled step (see
-            ``check_replicas``).
+            checked run (``check_replicas``).
         """
         self._refuse_compile_only("run")
         state_leaves, state_def = jax.tree.flatten(state)
@@ -391,6 +383,17 @@ class Replicator:
         Nothing is executed and no buffer is donated. Call ``.compile()`` on the result for the
         compiled program: its ``memory_analysis()``, ``cost_analysis()`` and ``as_text()`` (the
         optimized HLO, with its collectives) describe one step on this mesh.
+
+        Args:
+          step_fn: one replica's step, as for `run`.
+          state: the state, or its shapes; as for `run`.
+          *args: the arguments, e.g. a global batch, or their shapes.
+
+        Returns:
+          A ``jax.stages.Lowered``.
+
+        Raises:
+          ValueError: under the local lowering, which has no program.
 
         >>> import jax, jax.numpy as jnp, replicator as rp
         >>> repl = rp.Replicator(devices=jax.devices()[:2])
@@ -418,33 +421,31 @@ class Replicator:
         """What ``run(step_fn, state, *args)`` would cost per device, without running it.
 
         Compiles the step for this mesh and reads the compiled program: per-device memory
-        (arguments, outputs, temporaries), FLOPs per step, every collective with its mesh axes,
-        dtype and bytes per step (loops counted per trip), and for each pipeline in the step its
-        schedule, bubble fraction and picture. Nothing is executed and nothing is donated.
-
-        To plan for a mesh bigger than this machine, emulate its devices on the CPU
-        (``jax.config.update("jax_num_cpu_devices", 64)`` before JAX starts), or run
-        ``replicator explain CONFIG``. To avoid allocating a big state, pass
-        ``jax.ShapeDtypeStruct`` leaves (``sharding=NamedSharding(repl.mesh, spec)`` for
-        leaves that are not replicated), e.g. from ``jax.eval_shape``.
+        (arguments, outputs, temporaries), FLOPs, every collective with its mesh axes, dtype and
+        bytes per step (loops counted per trip), and each pipeline's schedule, bubble fraction
+        and picture. Nothing is executed and nothing is donated. For a mesh bigger than this
+        machine, emulate its devices (``jax.config.update("jax_num_cpu_devices", 64)`` before
+        JAX starts) or run ``replicator explain CONFIG``. On a TPU target's devices
+        (``Replicator(devices=rp.tpu_devices("v5p-16"))``, any machine with libtpu) the program
+        is the TPU's, and the report's ``target`` (`TargetReport`) gives HBM and ``fits``, the
+        roofline ``step_seconds``, XLA's own ``xla_seconds`` and the MFU.
 
         Args:
           step_fn: one replica's step, as for `run`.
-          state: the state, or its shapes; as for `run`.
+          state: the state, or its shapes: ``jax.ShapeDtypeStruct`` leaves (from `abstract` or
+            ``jax.eval_shape``, with ``sharding=`` where not replicated) allocate nothing.
           *args: the arguments, e.g. a global batch, or their shapes.
-          stage_costs: for each pipeline, compile each stage's passes alone to count their
-            FLOPs and model the step with them; False models it with equal stage costs
-            (about half the compile time; the same for identical stages).
+          stage_costs: model each pipeline with its stages' FLOPs, each stage's passes compiled
+            alone; False: with equal stage costs (half the compile time; same for equal stages).
           model_flops: the model's own FLOPs per device per step (e.g. ``6 N T / devices``
             plus attention), for the report's MFU on a TPU target.
 
-        On a TPU target's devices (``Replicator(devices=rp.tpu_devices("v5p-16"))``, any
-        machine with libtpu) the program is the TPU's, and the report's ``target`` says what
-        it means there: HBM and ``fits``, the roofline ``step_seconds``, XLA's own
-        ``xla_seconds``, and the MFU (`TargetReport`).
-
         Returns:
           A `StepReport`: print it for tables, ``to_json()`` for everything.
+
+        Raises:
+          ValueError: under the local lowering, which has no program.
+          DoesNotFitError: on a TPU target, if its compiler refuses the program for its HBM.
 
         >>> import jax, jax.numpy as jnp, replicator as rp
         >>> repl = rp.Replicator(devices=jax.devices()[:2])

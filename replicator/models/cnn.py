@@ -35,6 +35,12 @@ class CNN(nnx.Module):
     BatchNorm statistics are global (over every replica's examples), so training on N replicas
     equals training on one device with the whole batch.
 
+    Args:
+      in_channels: the images' channels (NHWC images).
+      num_classes: the head's outputs.
+      width: the first block's channels (the second has twice as many).
+      rngs: the random streams of the initial weights.
+
     >>> from flax import nnx
     >>> model = CNN(in_channels=1, num_classes=10, rngs=nnx.Rngs(0))
     >>> model(jnp.ones((2, 8, 8, 1))).shape

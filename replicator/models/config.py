@@ -1,5 +1,7 @@
-"""The decoder's options: `GPTConfig` (every family, GPT-2, Llama, Mixtral, is one) and
-`RopeScaling`, with their checks."""
+"""The decoder's options: `GPTConfig` and `RopeScaling`, with their checks.
+
+Every family (GPT-2, Llama, Mixtral, Qwen2) is a `GPTConfig`.
+"""
 
 from __future__ import annotations
 
@@ -21,10 +23,16 @@ MLPS = ("gelu", "swiglu")
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3's rescaled rotary frequencies (``rope_type="llama3"``, transformers'
-    ``rope_scaling``): wavelengths longer than ``original_max_position_embeddings /
-    low_freq_factor`` are stretched by ``factor``, those shorter than ``... / high_freq_factor``
-    kept, and those between interpolated smoothly. Frozen, so that `GPTConfig` stays hashable.
+    """Llama 3's rescaled rotary frequencies (transformers' ``rope_scaling``, ``"llama3"``).
+
+    Wavelengths longer than ``original_max_position_embeddings / low_freq_factor`` are
+    stretched by ``factor``, those shorter than ``original_max_position_embeddings /
+    high_freq_factor`` kept, and those between interpolated smoothly. Frozen, so that
+    `GPTConfig` stays hashable.
+
+    Raises:
+      ValueError: for another ``rope_type``, or unless ``factor > 0`` and
+        ``high_freq_factor > low_freq_factor > 0``.
 
     >>> RopeScaling(factor=8.0).rope_type
     'llama3'
@@ -52,52 +60,13 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
-    """Sizes of the decoder. ``d_ff`` defaults to ``4 * d_model``; ``dtype`` is the compute
-    dtype (parameters stay fp32, and the head's logits and loss are fp32); ``remat`` is what each
-    block of `blocks` keeps for the backward pass: ``"none"`` (``False``) all its activations,
-    ``"full"`` (``True``) its input only, recomputing the block, ``"dots"`` the outputs of its
-    linear layers, recomputing attention's scores and the element-wise rest (the same numbers,
-    less memory, more FLOPs). Pipelines take their own ``remat`` (`pipeline_value_and_grad`).
-    ``attention`` is how attention runs over a ``context`` axis (`replicator.attention`:
-    ``"ring"``, ``"all_to_all"``), or ``"dot_product"``: ``jax.nn.dot_product_attention``
-    (cuDNN's fused kernel where XLA picks it, key/value heads grouped without copies), for
-    meshes without a ``context`` axis, or ``"splash"``: the TPU's splash-attention kernel
-    (Pallas; the scores never reach HBM; interpreted off a TPU), for meshes without a
-    ``context`` axis (`replicator._src.sharded.splash`). On a TPU, ``"ring"``, ``"all_to_all"``
-    and one device's attention run the same kernel (`replicator._src.sharded.kernels`).
+    """The decoder's sizes and architecture; the defaults are GPT-2's.
 
-    The architecture (defaults: GPT-2's; `replicator.models.llama.config` sets Llama's):
+    Each field is documented where it is declared. `replicator.models.llama.config` sets
+    Llama's architecture. The config is frozen and hashable, and checks its fields when made.
 
-    * ``norm``: ``"layer"`` (LayerNorm) or ``"rms"`` (RMSNorm, ``x * rsqrt(mean(x^2) + eps) *
-      scale``, no bias), both computed in fp32, with ``norm_eps``;
-    * ``position``: ``"learned"`` (a ``[seq_len, d_model]`` table added to the token embeddings)
-      or ``"rope"`` (rotary positions applied to each head's queries and keys, as transformers'
-      Llama does: the two halves of a head rotated, frequencies ``rope_theta ** (-2i / head_dim)``,
-      rescaled by ``rope_scaling``, a `RopeScaling`, or not with None);
-    * ``mlp``: ``"gelu"`` (``down(gelu(up(x)))``) or ``"swiglu"`` (``down(silu(gate(x)) * up(x))``),
-      for the experts of a mixture too (Mixtral's experts are SwiGLU MLPs without biases);
-    * ``num_kv_heads``: None keeps GPT-2's fused ``qkv`` matrix (as many key/value heads as
-      query heads); a number (a divisor of ``num_heads``; equal to it for multi-head attention)
-      gives separate ``q``, ``k`` and ``v`` matrices and grouped-query attention, query head
-      ``h`` attending with key/value head ``h // (num_heads / num_kv_heads)``;
-    * ``bias``: biases in the linear layers and LayerNorms (RMSNorm has none);
-    * ``qkv_bias``: biases on the query, key and value projections (``qkv``, or ``q``, ``k``
-      and ``v``) even without ``bias``: Qwen2's attention;
-    * ``tie_embeddings``: the output matrix is the token table, transposed (the head has no
-      ``"w"``; `output_head` gives it).
-
-    ``reduce_dtype`` is the dtype ZeRO-3 gathers the stored parameters in and reduce-scatters
-    their gradients in (FSDP2's ``reduce_dtype``): None (the default) gathers them and sums the
-    gradients over the replicas in the parameters' own dtype (fp32), as one device sums them;
-    the compute ``dtype`` (``"bfloat16"``) casts each replica's part before the gather, so that
-    the gradients of the bf16 weights are summed in bf16, as MaxText's FSDP sums them: half the
-    gradient bytes on the wire and in HBM, and each gradient rounded to bf16 once more. It
-    changes nothing without ZeRO-3.
-
-    ``scan_layers`` runs the blocks as one ``lax.scan`` (compiled once, whatever the depth);
-    False unrolls it, one copy of the block per layer in the program (MaxText's
-    ``scan_layers=false``: longer to compile, the same numbers, and a program whose cost XLA's
-    ``cost_analysis`` reads whole, where it counts a loop's body once).
+    Raises:
+      ValueError: for a field out of its range or of an unknown name, naming the fix.
 
     >>> llama_like = GPTConfig(d_model=32, num_heads=4, num_kv_heads=2, norm="rms",
     ...                        position="rope", mlp="swiglu", bias=False)
@@ -106,32 +75,89 @@ class GPTConfig:
     """
 
     vocab_size: int = 256
+    """Tokens in the vocabulary."""
     seq_len: int = 64
+    """Tokens per sequence (the length of the learned position table)."""
     d_model: int = 64
+    """The model width D."""
     num_heads: int = 4
+    """Query heads; ``d_model`` divides by them, ``head_dim = d_model // num_heads``."""
     num_layers: int = 4
+    """Transformer blocks."""
     d_ff: int | None = None
+    """The MLP's hidden width; None for ``4 * d_model``."""
     dtype: Any = jnp.float32
+    """The compute dtype. Parameters stay fp32, and the head's logits and loss are fp32."""
     remat: bool | str = False
+    """What each block of `blocks` keeps for the backward pass: ``"none"`` (``False``) all its
+    activations; ``"full"`` (``True``) its input only, recomputing the block; ``"dots"`` the
+    outputs of its linear layers, recomputing attention's scores and the element-wise rest.
+    Recomputing gives the same numbers with less memory and more FLOPs. Pipelines take their
+    own ``remat`` (`pipeline_value_and_grad`)."""
     attention: str = "ring"
+    """How attention runs. Over a ``context`` axis: ``"ring"`` or ``"all_to_all"``
+    (`replicator.attention`). On meshes without one: ``"dot_product"``,
+    ``jax.nn.dot_product_attention`` (cuDNN's fused kernel where XLA picks it, key/value heads
+    grouped without copies), or ``"splash"``, the TPU's splash-attention kernel (Pallas: the
+    scores never reach HBM; interpreted off a TPU; `replicator._src.sharded.splash`). On a TPU,
+    ``"ring"``, ``"all_to_all"`` and one device's attention run the same kernel
+    (`replicator._src.sharded.kernels`)."""
     zigzag: bool = True
+    """Causal ring attention over a ``context`` axis lays the sequence out in the zigzag order,
+    so that every device does the same work (`sequence_order`)."""
     num_experts: int = 0
+    """Experts of the mixture-of-experts blocks; 0 for a dense model."""
     moe_every: int = 1
+    """With experts, every ``moe_every``-th block is a mixture of experts (the others dense);
+    ``num_layers`` divides by it."""
     top_k: int = 1
+    """Experts each token is routed to (`replicator.moe.Routing`)."""
     capacity_factor: float | None = 1.25
+    """Each expert's slots relative to an even share; None drops no token
+    (`replicator.moe.Routing`)."""
     aux_weight: float = 0.01
+    """The weight of the load-balancing loss in `loss` (with experts)."""
     norm: str = "layer"
+    """``"layer"`` (LayerNorm) or ``"rms"`` (RMSNorm, ``x * rsqrt(mean(x^2) + eps) * scale``,
+    no bias); both are computed in fp32."""
     norm_eps: float = 1e-5
+    """The norms' epsilon."""
     position: str = "learned"
+    """``"learned"`` (a ``[seq_len, d_model]`` table added to the token embeddings) or
+    ``"rope"`` (rotary positions on each head's queries and keys, as transformers' Llama: the
+    two halves of a head rotated, frequencies ``rope_theta ** (-2i / head_dim)``)."""
     rope_theta: float = 10000.0
+    """The rotary base frequency."""
     rope_scaling: RopeScaling | None = None
+    """Llama 3's rescaled rotary frequencies (a `RopeScaling`), or None for plain ones."""
     mlp: str = "gelu"
+    """``"gelu"`` (``down(gelu(up(x)))``) or ``"swiglu"`` (``down(silu(gate(x)) * up(x))``),
+    for the experts of a mixture too (Mixtral's experts are SwiGLU MLPs without biases)."""
     num_kv_heads: int | None = None
+    """None keeps GPT-2's fused ``qkv`` matrix (as many key/value heads as query heads). A
+    divisor of ``num_heads`` (or ``num_heads`` itself) gives separate ``q``, ``k`` and ``v``
+    matrices and grouped-query attention: query head ``h`` attends with key/value head
+    ``h // (num_heads / num_kv_heads)``."""
     bias: bool = True
+    """Biases in the linear layers and LayerNorms (RMSNorm has none)."""
     tie_embeddings: bool = False
+    """The output matrix is the token table, transposed (the head has no ``"w"``;
+    `output_head` gives it)."""
     scan_layers: bool = True
+    """Run the blocks as one ``lax.scan``, compiled once whatever the depth. False unrolls it,
+    one copy of the block per layer (MaxText's ``scan_layers=false``): longer to compile, the
+    same numbers, and a program whose cost XLA's ``cost_analysis`` reads whole, where it
+    counts a loop's body once."""
     reduce_dtype: Any = None
+    """The dtype ZeRO-3 gathers the stored parameters in and reduce-scatters their gradients
+    in (FSDP2's ``reduce_dtype``). None gathers them and sums the gradients in the parameters'
+    own dtype (fp32), as one device sums them. The compute ``dtype`` (``"bfloat16"``) casts
+    each replica's part before the gather, so that the gradients of the bf16 weights are summed
+    in bf16, as MaxText's FSDP sums them: half the gradient bytes on the wire and in HBM, and
+    each gradient rounded to bf16 once more. Nothing changes without ZeRO-3."""
     qkv_bias: bool = False
+    """Biases on the query, key and value projections (``qkv``, or ``q``, ``k`` and ``v``) even
+    without ``bias``: Qwen2's attention."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "d_model", "num_heads", "num_layers", "moe_every"):
@@ -174,10 +200,12 @@ class GPTConfig:
 
     @property
     def hidden(self) -> int:
+        """The MLP's hidden width: ``d_ff``, or ``4 * d_model`` when it is None."""
         return self.d_ff or 4 * self.d_model
 
     @property
     def head_dim(self) -> int:
+        """The width of one attention head: ``d_model // num_heads``."""
         return self.d_model // self.num_heads
 
     def has_bias(self, linear: str) -> bool:
@@ -198,6 +226,7 @@ class GPTConfig:
 
     @property
     def num_moe_layers(self) -> int:
+        """The mixture-of-experts blocks: ``num_layers // moe_every`` with experts, else 0."""
         return self.num_layers // self.moe_every if self.num_experts else 0
 
 

@@ -1,7 +1,9 @@
-"""The decoder, assembled from its layers (`replicator.models.layers`): `init`'s parameters,
-`embed`, the pre-norm `block` (and `moe_block`, its MLP a mixture of experts), the stacked
-`blocks` as one ``lax.scan``, the pipeline's `stage_fn`, the head (`output_head`, `head_logits`,
-`head_loss`), and the whole model on one device: `apply`, `loss`."""
+"""The decoder, assembled from its layers (`replicator.models.layers`).
+
+`init`'s parameters, `embed`, the pre-norm `block` (and `moe_block`, its MLP a mixture of
+experts), the stacked `blocks` as one ``lax.scan``, the pipeline's `stage_fn`, the head
+(`output_head`, `head_logits`, `head_loss`), and the whole model on one device: `apply`, `loss`.
+"""
 
 from __future__ import annotations
 
@@ -60,6 +62,16 @@ def init(config: GPTConfig, key: jax.Array) -> dict:
     ``down`` ``[F, D]``), each linear layer followed by its ``*_bias`` when ``config.bias``.
     ``embed`` holds ``tokens`` ``[V, D]`` (and ``positions`` ``[seq_len, D]`` with learned
     positions), ``head`` its ``norm`` and ``w`` ``[D, V]`` (none when ``tie_embeddings``).
+    With ``num_experts`` the blocks come in groups of ``moe_every``, stacked over the
+    ``num_layers / moe_every`` groups: ``{"moe": <the group's mixture-of-experts block>}`` and,
+    when ``moe_every > 1``, ``"dense"``: its ``moe_every - 1`` dense blocks, stacked again.
+
+    Args:
+      config: the model's `GPTConfig`.
+      key: the random key.
+
+    Returns:
+      fp32 parameters: weights normal, biases zero, norm scales one.
 
     >>> import jax
     >>> config = GPTConfig(d_model=32, num_heads=4, num_kv_heads=2, num_layers=2, d_ff=48,
@@ -70,10 +82,7 @@ def init(config: GPTConfig, key: jax.Array) -> dict:
     {'k': (2, 32, 16), 'out': (2, 32, 32), 'q': (2, 32, 32), 'v': (2, 32, 16)}
     >>> sorted(params["embed"]), sorted(params["head"]), sorted(params["blocks"]["mlp"])
     (['tokens'], ['norm'], ['down', 'gate', 'up'])
-
-    With ``num_experts`` the blocks come in groups of ``moe_every``, stacked over the
-    ``num_layers / moe_every`` groups: ``{"moe": <the group's mixture-of-experts block>}`` and,
-    when ``moe_every > 1``, ``"dense"``: its ``moe_every - 1`` dense blocks, stacked again."""
+    """
     k_tok, k_pos, k_head, k_blocks = jax.random.split(key, 4)
     d = config.d_model
     keys = jax.random.split(k_blocks, config.num_layers)
@@ -104,16 +113,26 @@ def init(config: GPTConfig, key: jax.Array) -> dict:
 def embed(
     embed_params: dict, tokens: jax.Array, order: np.ndarray | None = None, dtype: Any = None
 ) -> jax.Array:
-    """Token plus position embeddings: ``[B, S]`` int tokens to ``[B, S, D]`` (as ``dtype``,
-    default the table's); with ``order`` (`sequence_order`) the tokens are taken, and their
-    positions given, in that order. With rotary positions (no ``"positions"`` table) the tokens'
-    embeddings only: the blocks rotate queries and keys by the positions of that same order.
+    """Token plus position embeddings: ``[B, S]`` int tokens to ``[B, S, D]``.
 
-    ZeRO-3 parameters (`rp.ShardedParam`) are gathered here, where they are used; plain arrays
-    pass through (so are `block`'s and `head_logits`'). A token table ZeRO splits by rows (its
-    vocabulary) is not gathered: each replica looks up the tokens in its own rows
-    (`sharded_params.take_rows`); each device scatters its own tokens' cotangents where that
-    moves fewer bytes (`replicator._src.sharded.embedding.lookup`)."""
+    With rotary positions (no ``"positions"`` table) these are the tokens' embeddings only: the
+    blocks rotate queries and keys by the positions of the same order. ZeRO-3 parameters
+    (`rp.ShardedParam`) are gathered here, where they are used; plain arrays pass through (so
+    are `block`'s and `head_logits`'). A token table ZeRO splits by rows (its vocabulary) is not
+    gathered: each replica looks up the tokens in its own rows (`sharded_params.take_rows`);
+    each device scatters its own tokens' cotangents where that moves fewer bytes
+    (`replicator._src.sharded.embedding.lookup`).
+
+    Args:
+      embed_params: ``params["embed"]`` of `init`.
+      tokens: ``[B, S]`` int tokens.
+      order: a `sequence_order`: the tokens are taken, and their positions given, in that
+        order; None for the natural one.
+      dtype: the result's dtype; None for the table's.
+
+    Returns:
+      ``[B, S, D]`` embeddings, held split over the token axes.
+    """
     s = tokens.shape[-1]
     positions = rp.gather_params(embed_params.get("positions"))
     positions = None if positions is None else positions[:s]
@@ -145,17 +164,36 @@ def _cast(layer_params: dict, config: GPTConfig) -> dict:
 def block(layer_params: dict, x: jax.Array, *, config: GPTConfig) -> jax.Array:
     """One pre-norm decoder block: causal self-attention, then an MLP, each residual.
 
-    ``layer_params`` may be one layer of ZeRO-3 parameters: they are gathered here, inside the
-    layer scan, one layer at a time. Over a ``context`` axis the block holds each device's
-    chunk of the sequence, and attention is `replicator.attention.attention` (``config.attention``)."""
+    Over a ``context`` axis the block holds each device's chunk of the sequence, and attention
+    is `replicator.attention.attention` (``config.attention``).
+
+    Args:
+      layer_params: one layer of ``params["blocks"]``; ZeRO-3 parameters are gathered here,
+        inside the layer scan, one layer at a time.
+      x: ``[B, S, D]`` activations.
+      config: the model's `GPTConfig`.
+
+    Returns:
+      ``[B, S, D]`` in ``config.dtype``.
+    """
     p = _cast(layer_params, config)
     x = attend(p, attention_lib.constrain_tokens(x.astype(config.dtype)), config)
     return attention_lib.constrain_tokens(mlp(p, x, config))
 
 
 def moe_block(layer_params: dict, x: jax.Array, *, config: GPTConfig) -> tuple[jax.Array, Any]:
-    """A block whose MLP is a mixture of experts (`replicator.moe.apply`, each sequence one
-    routing group): ``(x, stats)``, ``stats`` a `replicator.moe.Stats` of per-sequence values."""
+    """A block whose MLP is a mixture of experts (`replicator.moe.apply`).
+
+    Each sequence is one routing group.
+
+    Args:
+      layer_params: the ``"moe"`` block of one group of ``params["blocks"]``.
+      x: ``[B, S, D]`` activations.
+      config: the model's `GPTConfig`.
+
+    Returns:
+      ``(x, stats)``: ``stats`` a `replicator.moe.Stats` of per-sequence values.
+    """
     p = _cast(layer_params, config)
     x = attend(p, attention_lib.constrain_tokens(x.astype(config.dtype)), config)
     x, stats = mixture(p, x, config)
@@ -172,11 +210,21 @@ def _group(params: dict, x: jax.Array, config: GPTConfig) -> tuple[jax.Array, An
 def blocks_and_stats(
     stacked_params: dict, x: jax.Array, *, config: GPTConfig
 ) -> tuple[jax.Array, Any]:
-    """Every block in order, as a ``lax.scan`` over the leading layer (group) axis, and the
-    mixture-of-experts statistics summed over its blocks (None for a dense model); with
-    ``config.remat`` each block keeps what its policy says for the backward pass
-    (``jax.checkpoint``), and ZeRO-3 parameters are gathered again there
-    (`rp.regather_policy`) rather than kept."""
+    """Every block in order, and the mixture-of-experts statistics summed over its blocks.
+
+    The blocks run as a ``lax.scan`` over the leading layer (group) axis. With ``config.remat``
+    each block keeps what its policy says for the backward pass (``jax.checkpoint``), and
+    ZeRO-3 parameters are gathered again there (`rp.regather_policy`) rather than kept.
+
+    Args:
+      stacked_params: ``params["blocks"]`` of `init`, stacked over the layers (or groups).
+      x: ``[B, S, D]`` activations.
+      config: the model's `GPTConfig`.
+
+    Returns:
+      ``(x, stats)``: ``stats`` a `replicator.moe.Stats` summed over the MoE blocks, or None
+      for a dense model.
+    """
     if config.num_experts:
         step = lambda carry, p: _summed(carry, _group(p, carry[0], config))
         b = x.shape[0]
@@ -208,6 +256,14 @@ def blocks(stacked_params: dict, x: jax.Array, *, config: GPTConfig) -> jax.Arra
     """Every block in order (`blocks_and_stats` without the statistics).
 
     Equivalent to: ``for p in stacked_params: x = block(p, x, config=config)``.
+
+    Args:
+      stacked_params: ``params["blocks"]`` of `init`.
+      x: ``[B, S, D]`` activations.
+      config: the model's `GPTConfig`.
+
+    Returns:
+      ``[B, S, D]`` activations.
     """
     return blocks_and_stats(stacked_params, x, config=config)[0]
 
@@ -217,15 +273,30 @@ def _stored_sharded(tree: PyTree) -> bool:
 
 
 def stage_fn(config: GPTConfig) -> Callable[[dict, jax.Array], jax.Array]:
-    """``f(stage_params, x) -> x`` for the pipeline: the blocks of one stage (``[Lv, ...]``),
-    built with `replicator.pipeline.scan_layers` so the pipeline steps through them one by one."""
+    """``f(stage_params, x) -> x`` for the pipeline: the blocks of one stage (``[Lv, ...]``).
+
+    It is built with `replicator.pipeline.scan_layers`, so the pipeline steps through the
+    blocks one by one.
+
+    Args:
+      config: the model's `GPTConfig`.
+
+    Returns:
+      The stage function; its output has ``x``'s dtype.
+    """
     return pipeline.scan_layers(lambda p, x: block(p, x, config=config).astype(x.dtype))
 
 
 def output_head(params: dict, *, config: GPTConfig) -> dict:
-    """The head's parameters with its output matrix: ``params["head"]``, and with
-    ``tie_embeddings`` ``"w"``, the token table transposed (gathered, for ZeRO-3). What
-    `head_logits` and `head_loss` take.
+    """The head's parameters with its output matrix: what `head_logits` and `head_loss` take.
+
+    Args:
+      params: `init`'s parameters.
+      config: the model's `GPTConfig`.
+
+    Returns:
+      ``params["head"]``; with ``tie_embeddings``, with ``"w"`` too: the token table
+      transposed (gathered, for ZeRO-3).
 
     >>> import jax
     >>> config = GPTConfig(d_model=16, num_heads=2, num_layers=1, tie_embeddings=True)
@@ -241,7 +312,18 @@ def output_head(params: dict, *, config: GPTConfig) -> dict:
 
 def head_logits(head_params: dict, x: jax.Array, *, config: GPTConfig | None = None) -> jax.Array:
     """Final norm and output matrix: ``[B, S, D]`` to fp32 logits ``[B, S, V]``.
-    ``head_params`` is `output_head`'s; ``config`` (default: `GPTConfig`'s) gives the norm."""
+
+    Args:
+      head_params: `output_head`'s.
+      x: ``[B, S, D]`` activations.
+      config: gives the norm; None for `GPTConfig`'s defaults.
+
+    Returns:
+      fp32 logits ``[B, S, V]``.
+
+    Raises:
+      ValueError: if the head has no output matrix (pass `output_head`'s parameters).
+    """
     config = DEFAULT if config is None else config
     head_params = _gathered(head_params, config)
     if "w" not in head_params:
@@ -261,8 +343,18 @@ def head_loss(
     Each token's loss is ``logsumexp(logits) - logits[target]``, the target's logit picked by a
     sum against its one-hot mask (exact: one non-zero term), so that the loss and its gradient
     (``softmax - one_hot``) fuse into passes over the logits, with no ``[B, S, V]`` log-softmax
-    kept and no gather or scatter on it (forward-mode autodiff applies too). Targets index as
-    JAX indexes (negative ones from the end, others clamped)."""
+    kept and no gather or scatter on it (forward-mode autodiff applies too).
+
+    Args:
+      head_params: `output_head`'s.
+      x: ``[B, S, D]`` activations.
+      targets: ``[B, S]`` int targets, indexed as JAX indexes (negative ones from the end,
+        others clamped).
+      config: gives the norm; None for `GPTConfig`'s defaults.
+
+    Returns:
+      The mean loss, an fp32 scalar.
+    """
     logits = head_logits(head_params, x, config=config)
     v = logits.shape[-1]
     targets = sharded_params.in_range(targets, v)
@@ -274,7 +366,13 @@ def head_loss(
 
 
 def apply(params: dict, tokens: jax.Array, *, config: GPTConfig) -> jax.Array:
-    """The whole model: fp32 logits ``[B, S, V]``."""
+    """The whole model: ``[B, S]`` tokens to fp32 logits ``[B, S, V]``, in the tokens' order.
+
+    Args:
+      params: `init`'s parameters.
+      tokens: ``[B, S]`` int tokens.
+      config: the model's `GPTConfig`.
+    """
     order = sequence_order(config, tokens.shape[-1])
     x = embed(params["embed"], tokens, order, config.dtype)
     x = blocks(params["blocks"], x, config=config)
@@ -285,10 +383,20 @@ def apply(params: dict, tokens: jax.Array, *, config: GPTConfig) -> jax.Array:
 def loss_and_stats(
     params: dict, tokens: jax.Array, targets: jax.Array, *, config: GPTConfig
 ) -> tuple[jax.Array, dict]:
-    """`loss`, and what the mixture-of-experts blocks did: ``{"cross_entropy", "aux_loss",
-    "dropped", "routed"}`` (the counts summed over the batch and the MoE blocks; ``aux_loss``
-    the mean over sequences and MoE blocks; empty for a dense model). The loss is the
-    cross-entropy plus ``aux_weight * aux_loss``."""
+    """`loss`, and what the mixture-of-experts blocks did.
+
+    Args:
+      params: `init`'s parameters.
+      tokens: ``[B, S]`` int tokens.
+      targets: ``[B, S]`` int targets.
+      config: the model's `GPTConfig`.
+
+    Returns:
+      ``(loss, stats)``: the loss is the cross-entropy plus ``aux_weight * aux_loss``;
+      ``stats`` is ``{"cross_entropy", "aux_loss", "dropped", "routed"}`` (the counts summed
+      over the batch and the MoE blocks, ``aux_loss`` the mean over sequences and MoE blocks),
+      empty for a dense model.
+    """
     order = sequence_order(config, tokens.shape[-1])
     if order is not None:  # a mean over tokens: the same in any order (`embed` takes its own)
         targets = targets[..., order]
@@ -304,6 +412,17 @@ def loss_and_stats(
 
 
 def loss(params: dict, tokens: jax.Array, targets: jax.Array, *, config: GPTConfig) -> jax.Array:
-    """The whole model's mean cross-entropy on one device: the oracle for the pipeline (plus
-    ``aux_weight`` times the load-balancing loss with ``num_experts``)."""
+    """The whole model's mean cross-entropy on one device: the oracle for the pipeline.
+
+    With ``num_experts``, plus ``aux_weight`` times the load-balancing loss.
+
+    Args:
+      params: `init`'s parameters.
+      tokens: ``[B, S]`` int tokens.
+      targets: ``[B, S]`` int targets.
+      config: the model's `GPTConfig`.
+
+    Returns:
+      The mean loss, an fp32 scalar.
+    """
     return loss_and_stats(params, tokens, targets, config=config)[0]

@@ -1,5 +1,6 @@
-"""A small GPT-style decoder, written for pipeline parallelism, and byte-level text that ships
-with Python.
+"""A small GPT-style decoder, written for pipeline parallelism, and text to train it on.
+
+The text is byte-level: Python's standard library, shipped with the package.
 
 The parameters are plain pytrees. The transformer blocks are *stacked*: every leaf of
 ``params["blocks"]`` has a leading layer axis, so `replicator.pipeline.stack_stages` splits them

@@ -1,9 +1,10 @@
-"""Llama-family decoders (Llama, Mixtral, Qwen2: `replicator.models.families`):
-`replicator.models.gpt` with Llama's options, so that they share its
-parallel machinery (`gpt.place`, `gpt.place_pipeline`, `gpt.pipeline_value_and_grad`, ZeRO-3,
-the ``context`` axis): RMSNorm, rotary positions (Llama 3's rescaling too), a SwiGLU MLP,
-grouped-query attention with separate ``q``, ``k``, ``v`` matrices, no biases, and optionally a
-head tied to the token table.
+"""Llama-family decoders (Llama, Mixtral, Qwen2): `replicator.models.gpt` with Llama's options.
+
+The families are listed in `replicator.models.families`. Their options: RMSNorm, rotary
+positions (Llama 3's rescaling too), a SwiGLU MLP, grouped-query attention with separate ``q``,
+``k``, ``v`` matrices, no biases, and optionally a head tied to the token table. So they share
+the GPT's parallel machinery: `gpt.place`, `gpt.place_pipeline`, `gpt.pipeline_value_and_grad`,
+ZeRO-3 and the ``context`` axis.
 
 `config` builds such a `gpt.GPTConfig`; `from_hf_config` reads transformers' ``LlamaConfig``
 (``config.json``, or ``LlamaConfig.to_dict()``); `params_from_state_dict` and
@@ -27,8 +28,7 @@ stacked).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import numpy as np
@@ -36,6 +36,9 @@ import numpy as np
 from replicator.models import families, gpt
 from replicator.models.families import FAMILIES, family, mixtral
 from replicator.models.hf import config_checks, configs
+
+if TYPE_CHECKING:  # annotations only: not a name of this module
+    from collections.abc import Mapping
 
 PyTree = Any
 
@@ -54,11 +57,26 @@ def config(
     tie_embeddings: bool = False,
     **options: Any,
 ) -> gpt.GPTConfig:
-    """A `gpt.GPTConfig` of a Llama: RMSNorm, rotary positions, SwiGLU, no biases, and separate
-    ``q``/``k``/``v`` matrices with ``num_kv_heads`` key/value heads (default ``num_heads``).
+    """A `gpt.GPTConfig` of a Llama: RMSNorm, rotary positions, SwiGLU, no biases.
 
-    ``options`` are other `gpt.GPTConfig` fields (``seq_len``, ``dtype``, ``remat``,
-    ``attention``, ``bias``, ...).
+    The attention has separate ``q``/``k``/``v`` matrices with ``num_kv_heads`` key/value heads.
+
+    Args:
+      vocab_size: tokens in the vocabulary.
+      d_model: the model width.
+      num_layers: transformer blocks.
+      num_heads: query heads.
+      d_ff: the MLP's hidden width.
+      num_kv_heads: key/value heads; None for ``num_heads``.
+      rope_theta: the rotary base frequency.
+      rope_scaling: Llama 3's rescaling (a `gpt.RopeScaling`), or None.
+      norm_eps: RMSNorm's epsilon.
+      tie_embeddings: the output matrix is the token table.
+      **options: other `gpt.GPTConfig` fields (``seq_len``, ``dtype``, ``remat``,
+        ``attention``, ``bias``, ...).
+
+    Returns:
+      The `gpt.GPTConfig`.
 
     >>> from replicator.models import llama
     >>> c = llama.config(vocab_size=256, d_model=64, num_layers=2, num_heads=8, d_ff=128)
@@ -118,13 +136,12 @@ def _family(hf: Mapping[str, Any]) -> family.Family:
 
 
 def from_hf_config(hf: Mapping[str, Any], **options: Any) -> gpt.GPTConfig:
-    """The `gpt.GPTConfig` of transformers' ``LlamaConfig``, ``MixtralConfig`` or
-    ``Qwen2Config`` (its ``to_dict()``, or a checkpoint's ``config.json``; the families are
-    `replicator.models.families.FAMILIES`): sizes, ``rms_norm_eps``, rotary positions
-    (``rope_theta``, Llama 3's ``rope_scaling``), ``tie_word_embeddings``, and a Llama's biases
-    when ``attention_bias`` and ``mlp_bias`` both say so. ``seq_len`` defaults to
-    ``max_position_embeddings``; ``options`` are other `gpt.GPTConfig` fields (``seq_len``,
-    ``dtype``, ...).
+    """The `gpt.GPTConfig` of transformers' ``LlamaConfig``, ``MixtralConfig`` or ``Qwen2Config``.
+
+    It reads the sizes, ``rms_norm_eps``, rotary positions (``rope_theta``, Llama 3's
+    ``rope_scaling``), ``tie_word_embeddings``, and a Llama's biases when ``attention_bias``
+    and ``mlp_bias`` both say so. ``seq_len`` defaults to ``max_position_embeddings``. The
+    families are `replicator.models.families.FAMILIES`.
 
     A Mixtral (``model_type: "mixtral"``) is a Llama whose every MLP is a mixture of
     ``num_local_experts`` SwiGLU experts, each token going to its ``num_experts_per_tok`` most
@@ -138,6 +155,22 @@ def from_hf_config(hf: Mapping[str, Any], **options: Any) -> gpt.GPTConfig:
 
     A Qwen2 (``model_type: "qwen2"``) is a Llama with biases on the query, key and value
     projections only: ``qkv_bias=True``.
+
+    Args:
+      hf: the config's ``to_dict()``, or a checkpoint's ``config.json``.
+      **options: other `gpt.GPTConfig` fields (``seq_len``, ``dtype``, ...).
+
+    Returns:
+      The `gpt.GPTConfig`.
+
+    Raises:
+      ValueError: for what the GPT does not compute: a ``model_type`` of no family, a
+        ``hidden_act`` other than SiLU, a ``head_dim`` other than ``hidden_size /
+        num_attention_heads``, a Llama's biases in attention but not the MLP (or the reverse),
+        a rotary scaling other than Llama 3's, a sliding window shorter than ``seq_len`` (a
+        Mixtral's or a Qwen2's), or router jitter; and for a size missing or not a whole
+        number >= 1, or a value of the wrong type or range (as ``hf.read_config`` refuses
+        them).
 
     >>> from replicator.models import llama
     >>> c = llama.from_hf_config({"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96,
@@ -155,15 +188,6 @@ def from_hf_config(hf: Mapping[str, Any], **options: Any) -> gpt.GPTConfig:
     ...     "num_key_value_heads": 2, "rope_theta": 1e6, "tie_word_embeddings": True})
     >>> q.qkv_bias, q.bias, q.tie_embeddings, q.seq_len
     (True, False, True, 32768)
-
-    Raises:
-      ValueError: for what the GPT does not compute: a ``model_type`` of no family, a
-        ``hidden_act`` other than SiLU, a ``head_dim`` other than ``hidden_size /
-        num_attention_heads``, a Llama's biases in attention but not the MLP (or the reverse),
-        a rotary scaling other than Llama 3's, a sliding window shorter than ``seq_len`` (a
-        Mixtral's or a Qwen2's), or router jitter; and for a size missing or not a whole
-        number >= 1, or a value of the wrong type or range (as ``hf.read_config`` refuses
-        them).
     """
     found = _family(hf)
     if hf.get("hidden_act", "silu") != "silu":
@@ -275,16 +299,25 @@ def _unfused(state_dict: Mapping[str, Any], config: gpt.GPTConfig) -> Mapping[st
 
 
 def params_from_state_dict(state_dict: Mapping[str, Any], *, config: gpt.GPTConfig) -> dict:
-    """`gpt.init`'s tree (fp32 NumPy) from transformers' Llama or Mixtral parameters
-    (``LlamaForCausalLM.state_dict()``, torch tensors, or a safetensors file's arrays): weights
-    transposed to ``[in, out]`` (``q``'s columns stay head-major), the layers (and a Mixtral's
-    experts) stacked. A Mixtral's experts may come as the files hold them (``block_sparse_moe.
-    experts.{j}.w1``, ``w2``, ``w3``) or as transformers 5 holds them in memory (``mlp.experts.
-    gate_up_proj``, ``down_proj``).
+    """`gpt.init`'s tree (fp32 NumPy) from transformers' Llama-family parameters.
+
+    Weights are transposed to ``[in, out]`` (``q``'s columns stay head-major), and the layers
+    (and a Mixtral's experts) stacked.
+
+    Args:
+      state_dict: ``LlamaForCausalLM.state_dict()`` (torch tensors), or a safetensors file's
+        arrays. A Mixtral's experts may come as the files hold them (``block_sparse_moe.
+        experts.{j}.w1``, ``w2``, ``w3``) or as transformers 5 holds them in memory
+        (``mlp.experts.gate_up_proj``, ``down_proj``).
+      config: the model's `gpt.GPTConfig` (`from_hf_config`'s).
+
+    Returns:
+      `gpt.init`'s tree, fp32 NumPy.
 
     Raises:
-      ValueError: if ``config`` is not a Llama's or a Mixtral's, or a name is missing, or left
-        over (except ``lm_head.weight`` for a tied head, which is the token table).
+      ValueError: if ``config`` is not a Llama-family one, or a name is missing, or left over
+        (except ``lm_head.weight`` for a tied head, which is the token table), or a tensor's
+        shape is not the config's.
     """
     _check(config, "llama.params_from_state_dict")
     state_dict, names = _unfused(state_dict, config), _names(config)
@@ -320,10 +353,22 @@ def params_from_state_dict(state_dict: Mapping[str, Any], *, config: gpt.GPTConf
 
 
 def state_dict_from_params(params: PyTree, *, config: gpt.GPTConfig) -> dict[str, np.ndarray]:
-    """transformers' names and ``[out, in]`` layout of `gpt.init`'s tree (or of its gradients):
-    the inverse of `params_from_state_dict`, fp32 NumPy, without ``lm_head.weight`` for a tied
-    head, and a Mixtral's experts named as its files name them (``block_sparse_moe.experts.{j}.
-    w1``...; ``MixtralForCausalLM.from_pretrained`` reads those)."""
+    """transformers' names and ``[out, in]`` layout of `gpt.init`'s tree.
+
+    The inverse of `params_from_state_dict`.
+
+    Args:
+      params: `gpt.init`'s tree, or its gradients.
+      config: the model's `gpt.GPTConfig`.
+
+    Returns:
+      ``{name: fp32 NumPy array}``, without ``lm_head.weight`` for a tied head, and a
+      Mixtral's experts named as its files name them (``block_sparse_moe.experts.{j}.w1``...;
+      ``MixtralForCausalLM.from_pretrained`` reads those).
+
+    Raises:
+      ValueError: if ``config`` is not a Llama-family one.
+    """
     _check(config, "llama.state_dict_from_params")
     out = {}
     for n in _names(config):

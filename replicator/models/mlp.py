@@ -13,6 +13,10 @@ from flax import nnx
 class MLP(nnx.Module):
     """Dense layers with GELU between them.
 
+    Args:
+      sizes: the widths, input first: ``len(sizes) - 1`` dense layers.
+      rngs: the random streams of the initial weights.
+
     >>> import jax.numpy as jnp
     >>> from flax import nnx
     >>> MLP([4, 8, 2], rngs=nnx.Rngs(0))(jnp.ones((5, 4))).shape

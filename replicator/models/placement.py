@@ -72,10 +72,16 @@ blocks)."""
 
 
 def logical_axes_for(config: GPTConfig | None = None) -> dict:
-    """`LOGICAL_AXES` for ``config``'s parameters (`init`'s leaves: the architecture's norms,
-    attention and MLP matrices, biases, positions and output matrix); with ``num_experts`` the
-    grouped layout of `init` (``"layers"`` for the group axis and the dense blocks' own,
-    ``"experts"`` for the experts of `replicator.moe.LOGICAL_AXES`).
+    """`LOGICAL_AXES` for ``config``'s parameters: the role of each dimension of each leaf.
+
+    Args:
+      config: the model's `GPTConfig`; None for the default architecture.
+
+    Returns:
+      A tree like `init`'s (the architecture's norms, attention and MLP matrices, biases,
+      positions and output matrix) of tuples of roles; with ``num_experts``, the grouped
+      layout of `init` (``"layers"`` for the group axis and the dense blocks' own,
+      ``"experts"`` for the experts of `replicator.moe.LOGICAL_AXES`).
 
     >>> config = GPTConfig(num_heads=4, num_kv_heads=2, mlp="swiglu", bias=False)
     >>> logical_axes_for(config)["blocks"]["attn"]["k"], logical_axes_for(config)["blocks"]["mlp"]["gate"]
@@ -85,18 +91,32 @@ def logical_axes_for(config: GPTConfig | None = None) -> dict:
 
 
 def zero_stacked(config: GPTConfig) -> dict[str, int]:
-    """The ``stacked`` argument of ZeRO-3's ``shard_params`` for `init`'s parameters: the blocks'
-    leading layer axes, which a layer scan slices (two with ``moe_every > 1``: groups, then each
-    group's dense blocks)."""
+    """The ``stacked`` argument of ZeRO-3's ``shard_params`` for `init`'s parameters.
+
+    Args:
+      config: the model's `GPTConfig`.
+
+    Returns:
+      ``{"blocks": n}``: the blocks' leading layer axes, which a layer scan slices (two with
+      ``moe_every > 1``: groups, then each group's dense blocks).
+    """
     return {"blocks": 2 if config.num_experts and config.moe_every > 1 else 1}
 
 
 def zero_split(config: GPTConfig) -> dict[str, int]:
-    """The ``split`` argument of ZeRO-3's ``shard_params`` for `init`'s parameters: the
-    embedding tables by their width (columns), so that `embed` looks up each replica's columns
-    of every token's row and exchanges them (one all-to-all of the activations' size) instead
-    of gathering the ``[V, D]`` table and reduce-scattering its gradient (MaxText's FSDP
-    layout of the embedding)."""
+    """The ``split`` argument of ZeRO-3's ``shard_params`` for `init`'s parameters.
+
+    The embedding tables are split by their width (columns), so that `embed` looks up each
+    replica's columns of every token's row and exchanges them (one all-to-all of the
+    activations' size) instead of gathering the ``[V, D]`` table and reduce-scattering its
+    gradient (MaxText's FSDP layout of the embedding).
+
+    Args:
+      config: the model's `GPTConfig` (every architecture has the same split).
+
+    Returns:
+      ``{"embed": -1}``.
+    """
     del config
     return {"embed": -1}
 
@@ -125,14 +145,11 @@ _ROLE_SIZES = {
 def partition_specs(
     *, rules: Mapping[str, str | None] = MEGATRON_RULES, config: GPTConfig | None = None
 ) -> dict:
-    """The ``PartitionSpec`` of every leaf of `init`'s parameters: `LOGICAL_AXES` mapped to mesh
-    axes by ``rules`` (roles not in ``rules`` are whole). On a mesh without the axes they name,
-    ``Replicator.place`` drops them: the same specs place a replicated model on ``{"data": 8}``.
+    """The ``PartitionSpec`` of every leaf of `init`'s parameters, by role.
 
-    >>> from replicator.models import gpt
-    >>> specs = gpt.partition_specs()
-    >>> specs["blocks"]["attn"]["qkv"], specs["blocks"]["mlp"]["down"], specs["head"]["w"]
-    (P(None, None, 'model'), P(None, 'model', None), P(None, None))
+    `LOGICAL_AXES` are mapped to mesh axes by ``rules`` (roles not in ``rules`` are whole). On
+    a mesh without the axes they name, ``Replicator.place`` drops them: the same specs place a
+    replicated model on ``{"data": 8}``.
 
     Args:
       rules: role to mesh axis; the roles are those of `LOGICAL_AXES` and the axis ``"model"``
@@ -141,9 +158,17 @@ def partition_specs(
         ``rules`` says otherwise.
       config: the model's sizes, for a mixture-of-experts model's layout (`logical_axes_for`).
 
+    Returns:
+      A tree like `init`'s of ``PartitionSpec``.
+
     Raises:
       ValueError: for a role `LOGICAL_AXES` does not use, or an axis other than ``"model"``
         (and ``"expert"`` for ``"experts"``).
+
+    >>> from replicator.models import gpt
+    >>> specs = gpt.partition_specs()
+    >>> specs["blocks"]["attn"]["qkv"], specs["blocks"]["mlp"]["down"], specs["head"]["w"]
+    (P(None, None, 'model'), P(None, 'model', None), P(None, None))
     """
     rules = {"experts": EXPERT_AXIS, **rules}
     roles = ("heads", "kv_heads", "mlp", "vocab", "embed", "seq", "layers", "experts")
@@ -226,15 +251,6 @@ def place(
     backward). On a mesh without ``model`` every leaf is replicated, as
     ``repl.replicate(params)``.
 
-    >>> import jax, replicator as rp
-    >>> from replicator.models import gpt
-    >>> config = gpt.GPTConfig(seq_len=8, d_model=16, num_heads=2, num_layers=2)
-    >>> repl = rp.Replicator(mesh_shape={"data": 2, "model": 2}, devices=jax.devices()[:4])
-    >>> placed = gpt.place(repl, gpt.init(config, jax.random.key(0)), config=config)
-    >>> qkv = placed["blocks"]["attn"]["qkv"]      # [layers, d_model, 3 d_model]
-    >>> qkv.shape, qkv.addressable_shards[0].data.shape    # one head's q, k, v columns each
-    ((2, 16, 48), (2, 16, 24))
-
     Args:
       repl: the Replicator whose mesh holds the parameters.
       params: `init`'s ``{"embed", "blocks", "head"}``.
@@ -249,6 +265,15 @@ def place(
       ValueError: if a role split over ``model`` (``num_heads``, ``num_kv_heads``, the hidden
         units) does not divide by its size, or ``config`` is missing for that check, or
         ``params`` do not have ``config``'s leaves.
+
+    >>> import jax, replicator as rp
+    >>> from replicator.models import gpt
+    >>> config = gpt.GPTConfig(seq_len=8, d_model=16, num_heads=2, num_layers=2)
+    >>> repl = rp.Replicator(mesh_shape={"data": 2, "model": 2}, devices=jax.devices()[:4])
+    >>> placed = gpt.place(repl, gpt.init(config, jax.random.key(0)), config=config)
+    >>> qkv = placed["blocks"]["attn"]["qkv"]      # [layers, d_model, 3 d_model]
+    >>> qkv.shape, qkv.addressable_shards[0].data.shape    # one head's q, k, v columns each
+    ((2, 16, 48), (2, 16, 24))
     """
     specs = partition_specs(rules=rules, config=config)
     _check_layout(params, config, "gpt.place")
@@ -267,10 +292,10 @@ def place_pipeline(
 ) -> dict:
     """`init`'s parameters placed on ``repl``'s mesh for `pipeline_value_and_grad`.
 
-    The blocks are stacked into ``num_stages`` stages (``repeats`` virtual stages per device, for
-    the circular and interleaved schedules) and sharded over the ``stage`` axis; inside each stage, and in the
-    embedding and head, every leaf is split as `partition_specs` says (heads and MLP units over
-    ``model`` when the mesh has it; else replicated).
+    The blocks are stacked into ``num_stages`` stages (``repeats`` virtual stages per device,
+    for the circular and interleaved schedules) and sharded over the ``stage`` axis; inside
+    each stage, and in the embedding and head, every leaf is split as `partition_specs` says
+    (heads and MLP units over ``model`` when the mesh has it; else replicated).
 
     Args:
       repl: the Replicator whose mesh holds the parameters.
@@ -310,8 +335,16 @@ def place_pipeline(
 
 
 def pipeline_params(params: dict, *, num_stages: int, repeats: int = 1) -> dict:
-    """`init`'s parameters in `pipeline_value_and_grad`'s layout, unplaced: the blocks stacked
-    into stages (`replicator.pipeline.stack_stages`), the embedding and head as they are.
+    """`init`'s parameters in `pipeline_value_and_grad`'s layout, unplaced.
+
+    Args:
+      params: `init`'s ``{"embed", "blocks", "head"}``.
+      num_stages: pipeline stages.
+      repeats: virtual stages per device.
+
+    Returns:
+      ``{"embed", "stages", "head"}``: the blocks stacked into stages
+      (`replicator.pipeline.stack_stages`), the embedding and head as they are.
 
     >>> import jax
     >>> from replicator.models import gpt

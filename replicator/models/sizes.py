@@ -16,13 +16,24 @@ PyTree = Any
 
 
 def num_params(params: PyTree) -> int:
+    """The number of parameters: the elements of every leaf of ``params``.
+
+    >>> num_params({"w": np.zeros((2, 3)), "b": np.zeros(3)})
+    9
+    """
     return int(sum(np.prod(np.shape(a)) for a in jax.tree.leaves(params)))
 
 
 def model_shape(config: GPTConfig, global_batch: int, opt_slots: int = 2):
-    """The sizes `rp.plan` prices a layout of this model's training step from
-    (`rp.planner.ModelShape`): ``global_batch`` sequences a step, ``opt_slots`` fp32 copies of the
-    parameters in the optimizer's state (Adam's 2).
+    """The sizes `rp.plan` prices a layout of this model's training step from.
+
+    Args:
+      config: the model's `GPTConfig`.
+      global_batch: sequences a step.
+      opt_slots: fp32 copies of the parameters in the optimizer's state (Adam's 2).
+
+    Returns:
+      An `rp.planner.ModelShape`.
 
     >>> model_shape(GPTConfig(d_model=64, num_layers=4, seq_len=64), 32).num_params
     236928
@@ -42,11 +53,18 @@ def model_shape(config: GPTConfig, global_batch: int, opt_slots: int = 2):
 
 
 def flops_per_token(config: GPTConfig) -> float:
-    """Training FLOPs per token, ``6 N + 6 L S D`` (Kaplan et al.): N non-embedding parameters
-    a token uses (``L (2 D^2 + 2 D KV hd + 2 D F)``, ``3 D F`` for SwiGLU; a mixture's layer: its
-    router's ``D E`` and ``top_k`` experts' MLPs, the active parameters, as MaxText and
-    Megatron count them), plus the ``D V`` head, tied or not, and attention over ``S``
-    positions.
+    """Training FLOPs per token, ``6 N + 6 L S D`` (Kaplan et al.).
+
+    N is the parameters a token uses: ``L (2 D^2 + 2 D KV hd + 2 D F)`` for the blocks
+    (``3 D F`` for SwiGLU; a mixture's layer: its router's ``D E`` and ``top_k`` experts' MLPs,
+    the active parameters, as MaxText and Megatron count them), plus the ``D V`` head, tied or
+    not; ``6 L S D`` is attention over ``S`` positions.
+
+    Args:
+      config: the model's `GPTConfig`.
+
+    Returns:
+      FLOPs per token of a training step (forward and backward).
 
     >>> flops_per_token(GPTConfig(d_model=64, num_layers=4, seq_len=64, vocab_size=256))
     1376256.0

@@ -115,7 +115,12 @@ def reduce_scatter(x: PyTree, *, axis: int = 0, op: str = "sum") -> PyTree:
 def broadcast(x: PyTree, *, source: int = 0) -> PyTree:
     """Every replica gets replica ``source``'s value of ``x``.
 
-    Equivalent to ``[x on replica source] * num_replicas()``.
+    Args:
+      x: a pytree of arrays.
+      source: the index of the replica whose value every replica gets.
+
+    Returns:
+      A pytree like ``x``. Equivalent to ``[x on replica source] * num_replicas()``.
 
     Raises:
       ValueError: if ``source`` is not a replica index.

@@ -5,15 +5,25 @@ differences this module hides, each named where it is handled:
 
 - ``scan``'s parameters: ``num_consts``/``num_carry`` (0.10.2), a flat tree ``ft_in`` (0.12):
   `scan_counts`.
-- XLA's ``replica_groups``: explicit or iota lists (0.10.2), mesh axes such as
-  ``mesh['data'=2,'model'=4] {'model'}`` (0.12): read in ``report/hlo.py``'s
+- XLA's ``replica_groups``: explicit or iota lists (0.10.2), also mesh axes such as
+  ``mesh['data'=2,'model'=4] {'model'}`` (from 0.11): read in ``report/hlo.py``'s
   ``replica_groups``, which knows every form.
 - Open MPI 5 jobs: not found by JAX (0.10.2), joined through mpi4py (0.12):
   `OPEN_MPI_5_THROUGH_MPI4PY` and `detect_cluster`.
 - Many steps queued on emulated CPU devices: XLA:CPU's collectives hang (0.10.2), not (0.12):
   `CPU_COLLECTIVES_HANG_WHEN_QUEUED`, read by ``Replicator``'s default ``max_in_flight``.
+- ``jax.device_put`` reuses a device buffer that already holds the value, even with
+  ``may_alias=False`` (0.10.2): ``leaf_specs.place`` copies first, so a placed state owns its
+  buffers.
+
+The same on both:
+
 - The private modules read here (``mesh_utils``, ``xla_bridge``, ``clusters``, ``distributed``,
-  ``lax._convert_element_type``) have the same names and meaning on both.
+  ``lax._convert_element_type``) have the same names and meaning.
+- XLA:CPU has no ``ragged-all-to-all`` (``UNIMPLEMENTED``): ``sharded/dropless.py`` sends whole
+  chunks there.
+- Splash attention's private backward, ``_splash_attention_bwd``, which ``sharded/splash.py``
+  calls, has the same signature.
 """
 
 from __future__ import annotations
@@ -195,9 +205,11 @@ def _needs_missing_mpi4py(env) -> bool:
 OPEN_MPI_5_THROUGH_MPI4PY = jax.__version_info__ >= (0, 11)
 
 
-# XLA:CPU's collectives across emulated devices deadlock when many programs are queued with jax
-# 0.10.2 (64 queued steps of an 8-device psum hung; 500 aborted in a rendezvous timeout), and not
-# with jax 0.12 (5,000 queued steps of a psum, ppermute and all-gather program ran in 7 s).
+# XLA:CPU's collectives across emulated devices deadlock when many programs that contain them are
+# queued: with jax 0.10.2, and not with jax 0.12 on one process (with several processes it is not
+# measured, so there the bound stays on every jax). Replicator's default max_in_flight (2 where they
+# may hang, step_cache.default_max_in_flight) reads it. The runs that show it: BENCHMARKS.md, "CPU
+# collectives" and "Two JAX releases side by side".
 CPU_COLLECTIVES_HANG_WHEN_QUEUED = jax.__version_info__ < (0, 12)
 
 

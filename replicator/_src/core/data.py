@@ -136,9 +136,14 @@ class DistributedIterator(Iterator[PyTree]):
         return batch
 
     def get_state(self) -> Any:
-        """The input position after the last batch ``next()`` returned (batches prefetched but
-        not yet taken are not counted), as JSON-able data for ``distribute(..., state=)``; None
-        if ``input_fn``'s iterator has no ``get_state`` (then resume with ``skip``)."""
+        """The input position after the last batch ``next()`` returned.
+
+        Batches prefetched but not yet taken are not counted.
+
+        Returns:
+          JSON-able data for ``distribute(..., state=)``; None if ``input_fn``'s iterator has
+          no ``get_state`` (then resume with ``skip``).
+        """
         return self._position
 
     def _pull(self) -> tuple[PyTree, Any]:
@@ -352,6 +357,7 @@ class Batches(Iterator[dict]):
 
     @property
     def batches_per_epoch(self) -> int:
+        """The global batches of one epoch (a last partial batch is dropped)."""
         return self._size // self._global
 
     def __iter__(self) -> Batches:
@@ -375,9 +381,15 @@ class Batches(Iterator[dict]):
         return jax.tree.map(lambda a: a[rows], self._data)
 
     def get_state(self) -> dict:
+        """The position after the last batch returned: ``{"epoch": int, "batch": int}``."""
         return {"epoch": self._epoch, "batch": self._batch}
 
     def set_state(self, state: dict) -> None:
+        """Resumes at a position that `get_state` returned, on any number of processes.
+
+        Raises:
+          ValueError: if ``state`` is not ``{"epoch": int, "batch": int}``.
+        """
         if not isinstance(state, dict) or set(state) != {"epoch", "batch"}:
             raise ValueError(
                 f"rp.Batches.set_state: expected {{'epoch': int, 'batch': int}} from get_state(); "

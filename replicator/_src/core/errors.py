@@ -34,9 +34,11 @@ def positive_int(value: Any, *, api: str, name: str, none: str | None = None, fi
 
 
 class DoesNotFitError(ValueError):
-    """A step compiled for a TPU target (``rp.tpu_devices``) does not fit the chip's HBM: the
-    TPU compiler refused the program (``Replicator.explain``). A step that compiles but
-    peaks over the HBM is reported instead, with ``report.target.fits`` False.
+    """A step compiled for a TPU target does not fit the chip's HBM.
+
+    Raised by ``Replicator.explain`` on a TPU target's devices (``rp.tpu_devices``) when the
+    TPU compiler refuses the program. A step that compiles but peaks over the HBM is reported
+    instead, with ``report.target.fits`` False.
 
     Attributes:
       target: the target's accelerator type, e.g. ``"v5p-8"``.
@@ -53,11 +55,30 @@ class DoesNotFitError(ValueError):
 class ReplicasDivergedError(RuntimeError):
     """A replicated state leaf differs across replicas after a step.
 
-    Raised by ``repl.run`` after a checked run: by default each of the first 2 runs of each
-    compiled step, every run with ``Replicator(check_replicas=True)``, never with
-    ``check_replicas=False`` (see `Replicator`). The step's results are kept on the error, so
-    nothing is lost: ``err.state`` is the new state as replica 0 holds it, ``err.outputs`` the
-    step's outputs and ``err.path`` the path of the first leaf that differs.
+    A replicated leaf is one not split over the replicas. One that differs is the sign of
+    gradients applied without an all-reduce (a plain ``optax.adam`` instead of
+    ``repl.wrap_optimizer(optax.adam(...))``), or of BatchNorm statistics taken over one
+    replica's examples. ``repl.run`` checks after the runs ``Replicator(check_replicas=...)``
+    names:
+
+    * ``None`` (default): after each of the first 2 runs of each compiled step, then never
+      again; the same as ``2``.
+    * an int ``n >= 0``: after each of the first ``n`` runs of each compiled step. The check is
+      a separate small program, compiled once per placement of the state; the step is not
+      recompiled, and costs nothing once the ``n`` runs are done. A leaf that starts to differ
+      later is not caught.
+    * ``True``: after every run, inside the step. It costs a host sync per step: a debugging
+      aid.
+    * ``False`` (or ``0``): never, for state whose "replicated" leaves are meant to differ per
+      replica (``np.asarray(leaf)`` then shows replica 0's value).
+
+    Nothing is checked with one replica or under the local lowering. The step's results are
+    kept on the error, so nothing is lost.
+
+    Attributes:
+      path: the path of the first leaf that differs.
+      state: the new state, as replica 0 holds it.
+      outputs: the step's outputs.
     """
 
     def __init__(self, message: str, *, path: str, state: Any, outputs: Any) -> None:

@@ -33,8 +33,8 @@ def place(mesh: Mesh, tree: PyTree, spec: PartitionSpec | PyTree) -> PyTree:
         tree = broadcast_one_to_all(tree)
         return jax.tree.map(lambda x, s: _global_copy(np.asarray(x), s), tree, shardings)
     # ``device_put`` reuses a device buffer that already holds the value (even with
-    # ``may_alias=False`` in jax 0.10.2); ``run`` donates the state, which would delete the
-    # caller's array. Copy first, so the placed state owns all of its buffers.
+    # ``may_alias=False``, on the jax releases compat.py names); ``run`` donates the state,
+    # which would delete the caller's array. Copy first, so the placed state owns its buffers.
     # An explicit dtype also drops JAX's weak type (jnp.full(3, 0.1) is weakly typed), which
     # the step's new state would not have: the second step would compile again.
     tree = jax.tree.map(

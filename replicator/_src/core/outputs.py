@@ -16,6 +16,12 @@ def local_row(outputs: PyTree) -> PyTree:
     reads one from this process's own shards: no transfer between processes, no gather of the
     whole array, and it works the same on one process or many (log on process 0).
 
+    Args:
+      outputs: ``run``'s outputs, each leaf ``[num_replicas, ...]``.
+
+    Returns:
+      ``outputs`` with each leaf's first local row, a NumPy value.
+
     >>> import jax, jax.numpy as jnp, replicator as rp
     >>> repl = rp.Replicator(devices=jax.devices()[:2])
     >>> step = lambda s, x: (s, {"loss": rp.all_reduce(jnp.mean(x), "mean")})

@@ -23,6 +23,14 @@ class Policy:
 
     Only floating-point leaves are cast; integer leaves (token ids, step counts) pass through.
 
+    Attributes:
+      param_dtype: the dtype parameters are stored in.
+      compute_dtype: the dtype ``cast_to_compute`` gives, for the step's arithmetic.
+      output_dtype: the dtype ``cast_to_output`` gives, for losses and metrics.
+
+    Raises:
+      ValueError: for a dtype that is not floating-point.
+
     >>> import jax.numpy as jnp, replicator as rp
     >>> policy = rp.Policy(compute_dtype=jnp.bfloat16)
     >>> params = {"w": jnp.ones((2, 2)), "step": jnp.int32(3)}

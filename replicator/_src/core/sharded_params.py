@@ -57,13 +57,16 @@ class ShardedParam:
         self.auto = tuple(auto)
 
     def tree_flatten_with_keys(self):
+        """The pytree protocol: ``value`` under the key ``.value``; ``dim`` and ``auto`` static."""
         return ((jax.tree_util.GetAttrKey("value"), self.value),), (self.dim, self.auto)
 
     def tree_flatten(self):
+        """The pytree protocol: ``value`` is the only child."""
         return (self.value,), (self.dim, self.auto)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
+        """The pytree protocol: a `ShardedParam` of ``children[0]``, unchecked."""
         node = object.__new__(cls)  # no validation: children may be anything jax puts there
         node.value, (node.dim, node.auto) = children[0], aux
         return node
@@ -143,6 +146,13 @@ def gather_params(tree: PyTree) -> PyTree:
     only: a parameter split over ``model`` stays split over it. Other leaves pass through, so
     the same code runs on one device with plain parameters.
 
+    Args:
+      tree: a pytree of parameters, some of them `ShardedParam`.
+
+    Returns:
+      ``tree`` with each `ShardedParam` replaced by the whole parameter (each device's own
+      part of it over ``model``).
+
     >>> import jax.numpy as jnp, replicator as rp
     >>> rp.gather_params({"w": rp.ShardedParam(jnp.arange(3.0), -1)})["w"]   # one replica
     Array([0., 1., 2.], dtype=float32)
@@ -164,17 +174,20 @@ GATHERED = "replicator_gathered_params"
 
 
 def regather_policy():
-    """A ``jax.checkpoint`` policy that saves everything for the backward pass but ZeRO-3's
-    gathered parameters, which are gathered again there: FSDP's ``reshard_after_forward``.
+    """A ``jax.checkpoint`` policy that gathers ZeRO-3's parameters again in the backward pass.
 
-    Without it, the backward pass of a layer scan keeps every layer's gathered weights (the
-    whole model, 1/T of it with ``model``): 2 Psi words on the wire per step. With it, each
-    layer's weights are gathered again in the backward pass instead (3 Psi words, only one
-    layer's weights whole at a time), and nothing else is recomputed. ``gpt.blocks`` applies
-    it; wrap your own layer with it:
+    It saves everything for the backward pass but the parameters `gather_params` gathered:
+    FSDP's ``reshard_after_forward``. Without it, the backward pass of a layer scan keeps every
+    layer's gathered weights (the whole model, 1/T of it with ``model``): 2 Psi words on the
+    wire per step. With it, each layer's weights are gathered again in the backward pass
+    instead (3 Psi words, only one layer's weights whole at a time), and nothing else is
+    recomputed. ``gpt.blocks`` applies it; wrap your own layer with it::
 
         step = jax.checkpoint(layer, policy=rp.regather_policy(), prevent_cse=False)
         h, _ = jax.lax.scan(step, h, params["layers"])
+
+    Returns:
+      A policy: a function ``jax.checkpoint`` calls on each primitive.
 
     >>> import jax, replicator as rp
     >>> policy = rp.regather_policy()   # a function jax.checkpoint calls on each primitive

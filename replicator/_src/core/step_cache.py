@@ -110,9 +110,11 @@ class StepCache:
 
 
 def default_max_in_flight(mesh: Mesh) -> int:
-    """``max_in_flight``'s default: 2 on several CPU devices where XLA:CPU's collectives hang
-    with many programs queued (jax 0.10.2; with jax 0.12 only across processes, where it was not
-    measured), else unbounded (see `Replicator`)."""
+    """``max_in_flight``'s default: 2 on several CPU devices where queued collectives may hang.
+
+    They may hang on one process with the jax releases `compat.CPU_COLLECTIVES_HANG_WHEN_QUEUED`
+    names, and with several processes on any; elsewhere the default is unbounded.
+    """
     on_cpu = mesh.devices.flat[0].platform == "cpu" and mesh.devices.size > 1
     hangs = compat.CPU_COLLECTIVES_HANG_WHEN_QUEUED or jax.process_count() > 1
     return 2 if on_cpu and hangs else sys.maxsize

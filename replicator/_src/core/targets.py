@@ -72,6 +72,7 @@ class Target:
 
     @property
     def num_devices(self) -> int:
+        """JAX devices of the target: one per chip, over every slice."""
         return self.chips * self.slices
 
     @property
@@ -98,13 +99,21 @@ def _torus(chips: int, dims: int) -> tuple[int, ...]:
 def tpu_target(name: str, *, slices: int = 1) -> Target:
     """The `Target` named ``name`` (``"v5p-16"``, ``"v5litepod-8"``, ``"v5p:2x2x2"``).
 
+    Args:
+      name: an accelerator type (``"v5p-16"``, ``"v5litepod-8"``) or libtpu's topology name
+        of one slice (``"v5p:2x2x2"``).
+      slices: slices joined over the data-centre network.
+
+    Returns:
+      The `Target`.
+
+    Raises:
+      ValueError: for a name or size Cloud TPU does not have, naming the ones it does.
+
     >>> tpu_target("v5p-16")
     Target(name='v5p-16', generation='v5p', chips=8, slices=1, topology='v5p:2x2x2')
     >>> tpu_target("v5e-256", slices=2).num_devices
     512
-
-    Raises:
-      ValueError: for a name or size Cloud TPU does not have, naming the ones it does.
     """
     if isinstance(slices, bool) or not isinstance(slices, int) or slices < 1:
         raise ValueError(f"tpu_target: slices must be an int >= 1; got {slices!r}.")
@@ -159,7 +168,7 @@ def tpu_devices(name: str, *, slices: int = 1) -> list[jax.Device]:
 
     Args:
       name: an accelerator type: ``"v4-8"``, ``"v5e-8"``, ``"v5p-16"`` (8 chips), ``"v5p-512"``,
-        ``"v6e-256"``, ...; see `target`.
+        ``"v6e-256"``, ...; see `tpu_target`.
       slices: slices joined over the data-centre network (``mesh_shape`` then has a
         ``dcn_data`` axis of this size).
 

@@ -14,14 +14,10 @@ import contextlib
 import dataclasses
 import re
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import jax
 
 from replicator._src.core import scoped
-
-if TYPE_CHECKING:
-    from replicator._src.pipeline.timing import StageCosts
 
 RUNS_MARK = re.compile(r"replicator_runs_(\d+)_of_(\d+)")
 
@@ -92,7 +88,7 @@ class PipelineNote:
     modelled_bubble: float = 0.0
     dataflow_time: float = 0.0
     cost_unit: str = "units"
-    stage_costs: StageCosts | None = None
+    stage_costs: object | None = None  # a pipeline `timing.StageCosts` (core does not import it)
     equal_time: float = 0.0
     equal_bubble: float = 0.0
     cost_note: str = ""

@@ -44,15 +44,24 @@ ENV_LAUNCHER_FD = "REPLICATOR_LAUNCHER_FD"  # a pipe's read end: end of file whe
 
 @dataclasses.dataclass(frozen=True)
 class ProcessInfo:
-    """Where this process stands: ``source`` says how the arguments were found, and ``cluster``
-    which of JAX's cluster environments found them when ``source == "cluster"``."""
+    """Where this process stands in its job, as `initialize` found it.
+
+    Attributes:
+      process_index: this process's index in ``[0, process_count)``.
+      process_count: the processes of the job.
+      source: how the arguments were found: ``"arguments"``, ``"launcher"``, ``"cluster"`` or
+        ``"single"``.
+      cluster: which of JAX's cluster environments found them when ``source == "cluster"``
+        (its ``ClusterEnv`` class, e.g. ``"SlurmCluster"``), else None.
+      planned_count: the processes the job was started with: more than ``process_count`` when
+        ``replicator launch --min-processes`` has shrunk it after a host was lost (see
+        `elastic_factor`).
+    """
 
     process_index: int
     process_count: int
-    source: str  # "arguments", "launcher", "cluster" or "single"
-    cluster: str | None = None  # JAX's ClusterEnv class, e.g. "SlurmCluster"; None unless "cluster"
-    # The processes the job was started with: more than process_count when `replicator launch
-    # --min-processes` has shrunk it after a host was lost (see `elastic_factor`).
+    source: str
+    cluster: str | None = None
     planned_count: int | None = None
 
     def __post_init__(self) -> None:
@@ -85,18 +94,6 @@ def initialize(
 ) -> ProcessInfo:
     """Joins this process to the others of the job; call it first, before any JAX work.
 
-    Args:
-      coordinator_address: ``host:port`` of process 0's coordinator.
-      num_processes: how many processes the job has.
-      process_id: this process's index.
-      local_device_ids: the local devices this process uses (default: all).
-      cpu_devices: emulate this many CPU devices in this process (``jax_num_cpu_devices``);
-        the launcher passes its ``--devices-per-process``.
-      initialization_timeout: seconds to wait for every process to join.
-      heartbeat_timeout: seconds after which a silent peer counts as dead, so that a stuck or
-        killed process ends the job with an error instead of a hang.
-      shutdown_timeout: seconds a process waits for the others at exit.
-
     Without arguments or the launcher's variables, JAX's own cluster detection is asked, in
     JAX's order: SLURM (under ``srun``), Open MPI (``mpirun``), Cloud TPU on GKE
     (``TPU_WORKER_HOSTNAMES``), Cloud TPU on GCE, Kubernetes indexed Jobs (with the
@@ -116,6 +113,18 @@ def initialize(
     makes a failing worker (an uncaught exception, or ``sys.exit`` with a non-zero code) exit
     at once with its code instead of waiting in JAX's shutdown barrier, so that the launcher
     sees the first failure first. ``rp.fit``'s own SIGTERM handling, while it runs, comes first.
+
+    Args:
+      coordinator_address: ``host:port`` of process 0's coordinator.
+      num_processes: how many processes the job has.
+      process_id: this process's index.
+      local_device_ids: the local devices this process uses (default: all).
+      cpu_devices: emulate this many CPU devices in this process (``jax_num_cpu_devices``);
+        the launcher passes its ``--devices-per-process``.
+      initialization_timeout: seconds to wait for every process to join.
+      heartbeat_timeout: seconds after which a silent peer counts as dead, so that a stuck or
+        killed process ends the job with an error instead of a hang.
+      shutdown_timeout: seconds a process waits for the others at exit.
 
     Returns:
       A `ProcessInfo`.
@@ -339,13 +348,15 @@ def _exit_now(code: int, how: float) -> None:
 def heartbeat(step: int | None = None) -> None:
     """Reports progress to ``replicator launch``; a no-op without the launcher.
 
-    Call it once per step, at the start of the step (``rp.fit`` does), with the number of the
-    step it starts if there is one. It costs a clock read and a 48-byte store into a page shared
-    with the launcher, with no system call. The launcher's watchdog (``--watchdog``) ends the
-    job when a process goes that many seconds without a report, once the first report of any
-    process has armed it; with ``--max-restarts``, the step is how the launcher says where a
-    rank failed, and tells a failure that repeats at the same step (which it does not restart
-    again) from one that does not.
+    Call it once per step, at the start of the step (``rp.fit`` does). It costs a clock read and
+    a 48-byte store into a page shared with the launcher, with no system call. The launcher's
+    watchdog (``--watchdog``) ends the job when a process goes that many seconds without a
+    report, once the first report of any process has armed it.
+
+    Args:
+      step: the number of the step it starts, if there is one. With ``--max-restarts``, it is
+        how the launcher says where a rank failed, and tells a failure that repeats at the
+        same step (which it does not restart again) from one that does not.
 
     Example, in a training loop of one's own::
 

@@ -164,8 +164,9 @@ class _Job(Job):
 
 
 def elastic_size(available: int, planned: int, minimum: int) -> int | None:
-    """The processes a job of ``planned`` goes on with when ``available`` hosts are up: the
-    largest ``p <= available`` with ``p >= minimum`` that divides ``planned``, or None.
+    """The processes a job of ``planned`` goes on with when ``available`` hosts are up.
+
+    It is the largest ``p <= available`` with ``p >= minimum`` that divides ``planned``, or None.
 
     >>> elastic_size(3, 4, 2), elastic_size(4, 4, 2), elastic_size(1, 4, 2), elastic_size(5, 6, 2)
     (2, 4, None, 3)

@@ -2,13 +2,11 @@
 
 Options follow Horovod and DeepSpeed:
 
-* ``zero_stage=1`` or ``2`` (ZeRO): the optimizer state is sharded over the replicas. Each leaf
-  is flattened and padded to ``N * c`` elements; replica r owns elements ``[r c, (r+1) c)`` of
-  every state leaf. ``update`` reduce-scatters the gradients (each replica gets the mean of its
-  slice), runs the inner transformation on its slice, and all-gathers the updates: the same
-  bytes on the wire as an all-reduce, and 1/N of the optimizer state per device. Within one step
-  stages 1 and 2 are the same program; they differ in where accumulated gradients live, which
-  matters with gradient accumulation.
+* ``zero_stage=1`` or ``2`` (ZeRO): the optimizer state is sharded over the replicas, each leaf
+  in its own shape with one axis split (`zero`). ``update`` reduce-scatters the gradients, runs
+  the inner transformation on this replica's part, and all-gathers the updates: the bytes of an
+  all-reduce, 1/N of the optimizer state per device. Stages 1 and 2 differ only in where
+  accumulated gradients live.
 * ``clip_global_norm``: clip by the norm of the whole mean gradient, summed over the shards, as
   ``optax.clip_by_global_norm`` on one device.
 * ``grad_dtype``: communicate the gradients in this dtype (e.g. ``jnp.bfloat16``, Horovod's
@@ -28,12 +26,10 @@ parts of their whole leaves (`zero.on_stage_blocks`), and the packed stages of
 ``rp.pipeline.sequential`` are each stage's own tree (`stagewise`). So masks by name, LAMB,
 Adafactor and global norms in a chain are exact, or refused before a step runs.
 
-ZeRO on 3-D meshes: with ``zero_stage=1`` or ``2``, parameters split over ``stage`` (pipeline
-stage blocks) keep 1/(K N) of their state per device, split over the stages and the replicas,
-and every state leaf is also split over ``model`` when the mesh has one (1/(N T) per device;
-``model`` is XLA's, so the step sees each replica's slice whole). ``zero_stage=3`` stores the
-parameters flat over the replicas and ``model``, and a stage block's layers flat layer by layer
-(1/(K N) per device), gathered one layer at a time inside ``rp.pipeline.scan_layers``.
+ZeRO on 3-D meshes: a leaf keeps its split over ``stage`` (a pipeline's stage blocks) and
+``model``, and one more of its axes is split over the replicas (`zero`), so a stage block's
+state is 1/(K N) per device; with ``zero_stage=3`` its parameters are gathered one layer at a
+time inside ``rp.pipeline.scan_layers``.
 
 This module checks the options and chains the transformations that do the work, one concern
 each: `replica_mean` (the all-reduce), `zero` (ZeRO's reduce-scatter and sharded update),
@@ -92,11 +88,11 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
     of its own, in ``parts`` (a `Parts`); `wrap_optimizer` builds them.
     """
 
-    # Still a NamedTuple of exactly (init, update), on purpose: optax tells a transformation by
-    # isinstance (optax.with_extra_args_support, which otherwise drops the extra arguments, and
-    # wrap_optimizer's own check), and optax.chain unpacks each one as an (init, update) pair
-    # (`init_fns, update_fns = zip(*transforms)`), so there is no room for a third field. The
-    # two items call the methods below; `parts` is set once, here in the constructor.
+    # A NamedTuple of exactly (init, update): optax tells a transformation by isinstance
+    # (optax.with_extra_args_support, which otherwise drops the extra arguments, and
+    # wrap_optimizer's own check), and optax.chain unpacks each as an (init, update) pair, so
+    # there is no room for a third field. The two items call the methods below; `parts` is set
+    # once, in the constructor.
 
     parts: Parts
 
@@ -115,13 +111,15 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
         return (self.parts,)
 
     def init(self, params: PyTree) -> optax.OptState:
-        """The optimizer state for ``params``.
+        """The optimizer state for ``params``; with ZeRO, call it outside ``step_fn``.
 
         Returns:
           ``tx``'s own state when ``zero_stage == 0`` and there is no loss scaling, else a
-          `loss_scaling.WrappedState`. With ``zero_stage >= 1`` call it outside ``step_fn``: it
-          returns global arrays sharded over the data axes.
-        """
+          `loss_scaling.WrappedState`; with ``zero_stage >= 1``, global arrays sharded over the
+          data axes.
+
+        Raises:
+          ValueError: for ZeRO with clipping or dynamic loss scaling on ``pipeline.sequential``."""
         p = self.parts
         if p.layout is not None and packed_nodes(params) and p.norm.keywords.get("why"):
             raise ValueError(
@@ -142,6 +140,12 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
             grads = rp.all_reduce(grads, "mean")   # ZeRO: this replica's slice of the mean
             if clip_global_norm: grads = clip_by_global_norm(grads, clip_global_norm)
             updates, state = tx.update(grads, state, params, **extra_args)
+
+        Args:
+          grads: this replica's local gradients.
+          state: this optimizer's state.
+          params: the parameters (needed with ZeRO, and by a ``tx`` that reads them).
+          **extra_args: passed on to ``tx``.
         """
         p = self.parts
         if p.layout is not None:
@@ -167,9 +171,9 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
           batch: this replica's batch; its leading axis must divide by ``accumulate_steps``.
 
         Returns:
-          ``metrics`` holds ``loss`` (the mean over replicas), ``grad_norm`` (of the mean
-          gradient, before clipping), and with loss scaling ``loss_scale`` and ``skipped`` (the
-          number of steps skipped so far).
+          ``(params, state, metrics)``: ``metrics`` holds ``loss`` (the mean over replicas),
+          ``grad_norm`` (of the mean gradient, before clipping), and with loss scaling
+          ``loss_scale`` and ``skipped`` (the number of steps skipped so far).
         """
         p = self.parts
         if p.layout is not None:
@@ -211,14 +215,16 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
             token table ``[V, D]`` by columns, so that each replica looks up its own columns of
             every token's row instead of gathering the table (``gpt.zero_split``).
 
-        Inside ``step_fn``, ``loss_fn`` receives these and calls ``rp.gather_params``, which
-        gathers over the data axes only: a parameter split over ``model`` stays split over it,
-        and the product that uses it is computed once.
+        Inside ``step_fn``, ``loss_fn`` receives these and calls ``rp.gather_params`` (over the
+        data axes only, so a product split over ``model`` is computed once).
 
         A leaf split over ``stage`` (`rp.pipeline.stage_spec`) is a stage block of stacked
         layers: its stage and layer axes are never split, whether or not its key is in
         ``stacked``, and the layer function gathers its layer inside the scan,
         ``rp.pipeline.scan_layers(lambda p, h: layer_fn(rp.gather_params(p), h))``.
+
+        Returns:
+          ``params`` with `ShardedParam` leaves, global arrays on the mesh.
 
         Raises:
           ValueError: without ``zero_stage=3``.
@@ -232,8 +238,14 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
         return layout.shard_params(params, stacked, split)
 
     def plan(self, params: PyTree) -> zero.ZeroPlan:
-        """Where ZeRO keeps each parameter and state leaf for ``params`` (as ``init`` takes them),
-        and which operations of the update, if any, gather; nothing is allocated.
+        """Where ZeRO keeps each parameter and state leaf, and what the update gathers.
+
+        Args:
+          params: the parameters, as ``init`` takes them.
+
+        Returns:
+          A `ZeroPlan` (nothing is allocated): each leaf's split axis and bytes, and which
+          operations of the update gather.
 
         >>> import jax, jax.numpy as jnp, optax, replicator as rp
         >>> repl = rp.Replicator(devices=jax.devices()[:2])
@@ -323,10 +335,8 @@ def wrap_optimizer(
       loss_scale_period: finite steps after which a dynamic scale doubles.
 
     Returns:
-      A `DistributedOptimizer`. Its state is ``tx``'s own when ``zero_stage == 0`` and there is
-      no loss scaling, else a `loss_scaling.WrappedState`. With ``zero_stage >= 1`` its ``init``
-      must run outside ``step_fn`` (it returns global arrays sharded over the data axes) and
-      ``update`` inside, with the parameters.
+      A `DistributedOptimizer` (its ``init`` runs outside ``step_fn`` with ZeRO, ``update``
+      inside).
 
     Raises:
       TypeError: if ``tx`` is not an optax transformation.

@@ -168,10 +168,23 @@ def apply(
 ) -> Callable[[PyTree, PyTree], PyTree]:
     """The forward pass of a pipelined model, for evaluation: ``f(stage_params, inputs) -> y``.
 
-    ``y`` is the output of the last stage for the whole batch, on every stage. Equivalent to
-    running every stage in order on each micro-batch (see `value_and_grad`); a ``OneFOneB()``
-    schedule runs its forward ticks, which are GPipe's (and ``Replicator.explain`` notes that
-    GPipe plan).
+    Equivalent to running every stage in order on each micro-batch (see `value_and_grad`); a
+    ``OneFOneB()`` schedule runs its forward ticks, which are GPipe's (and
+    ``Replicator.explain`` notes that GPipe plan).
+
+    Args:
+      stage_fn: ``stage_fn(one_stage_params, x) -> x``, one stage, as for `value_and_grad`.
+      num_microbatches: M, the number of micro-batches per replica's batch.
+      schedule: a schedule or its name, as for `value_and_grad`.
+      unroll: run the ticks as a Python loop instead of a ``lax.scan``, for debugging.
+
+    Returns:
+      ``f(stage_params, inputs) -> y``: ``y`` is the output of the last stage for the whole
+      batch, on every stage.
+
+    Raises:
+      ValueError: as `value_and_grad` does, for the options and, when ``f`` is called, the
+        batch and the stage parameters.
 
     >>> import jax.numpy as jnp, replicator as rp
     >>> f = rp.pipeline.apply(lambda w, x: x @ w, num_microbatches=2)

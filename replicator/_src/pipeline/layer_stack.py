@@ -32,6 +32,13 @@ def scan_layers(layer_fn: Callable[[PyTree, PyTree], PyTree], /) -> StageFn:
 
     Equivalent to: ``for p in stage_params: x = layer_fn(p, x)`` (``p``: one row of each leaf).
 
+    Args:
+      layer_fn: ``layer_fn(layer_params, x) -> x``, one layer; the activation keeps its
+        structure, shapes and dtypes.
+
+    Returns:
+      ``stage_fn(stage_params, x) -> x``, for `value_and_grad` or `apply`.
+
     Raises:
       ValueError: when the stage is called (or traced by the pipeline), if ``layer_fn`` returns
         an activation whose structure, shapes or dtypes differ from its input's, checked with

@@ -107,6 +107,17 @@ def stack_stages(layers: Sequence[PyTree] | PyTree, num_stages: int, repeats: in
 def unstack_stages(stacked: PyTree, repeats: int = 1) -> PyTree:
     """The inverse of `stack_stages`: one pytree with a leading layer axis, in model order.
 
+    Args:
+      stacked: `stack_stages`' output, ``[K, L/K, ...]`` (``[V, K, L/(V K), ...]`` with
+        ``repeats``) leaves.
+      repeats: the ``repeats`` it was stacked with.
+
+    Returns:
+      The tree with ``[L, ...]`` leaves.
+
+    Raises:
+      ValueError: if ``repeats`` is not an int >= 1.
+
     >>> import jax.numpy as jnp, replicator as rp
     >>> w = jnp.arange(8.0)
     >>> bool((rp.pipeline.unstack_stages(rp.pipeline.stack_stages(w, 2, repeats=2), 2) == w).all())
@@ -124,6 +135,15 @@ def stage_spec(repeats: int = 1) -> PartitionSpec:
     ``Replicator.place`` drops the axis and replicates the stages, and the pipeline runs them in
     order: the sequential model, so the same placement serves every mesh.
 
+    Args:
+      repeats: the ``repeats`` of `stack_stages` (virtual stages per device).
+
+    Returns:
+      ``P("stage")``, or ``P(None, "stage")`` with ``repeats > 1``.
+
+    Raises:
+      ValueError: if ``repeats`` is not an int >= 1.
+
     >>> import replicator as rp
     >>> rp.pipeline.stage_spec(), rp.pipeline.stage_spec(2)
     (P('stage',), P(None, 'stage'))
@@ -137,7 +157,13 @@ def stage_spec(repeats: int = 1) -> PartitionSpec:
 
 @dataclasses.dataclass(frozen=True)
 class Partition:
-    """A contiguous split of layers into stages: stage k holds ``[boundaries[k], boundaries[k+1])``."""
+    """A contiguous split of layers into stages, as `balance` makes it.
+
+    Attributes:
+      boundaries: ``K + 1`` layer indices: stage k holds ``[boundaries[k], boundaries[k+1])``.
+      stage_costs: each stage's cost, the sum of its layers'.
+      layer_costs: each layer's cost, as given.
+    """
 
     boundaries: tuple[int, ...]
     stage_costs: tuple[float, ...]
@@ -145,6 +171,7 @@ class Partition:
 
     @property
     def num_stages(self) -> int:
+        """K, the number of stages."""
         return len(self.stage_costs)
 
     @property
@@ -185,6 +212,13 @@ def balance(costs: Sequence[float], num_stages: int) -> Partition:
       costs: one non-negative cost per layer, in model order: FLOPs or seconds from
         `layer_costs`, or any estimate.
       num_stages: K; every stage gets at least one layer.
+
+    Returns:
+      The `Partition`; ``print`` it for a table of the stages.
+
+    Raises:
+      ValueError: if ``costs`` is empty, negative or not finite, or there are fewer layers
+        than stages.
 
     >>> import replicator as rp
     >>> p = rp.pipeline.balance([1, 1, 1, 1, 4, 4], num_stages=2)

@@ -201,6 +201,9 @@ class Circular(_RenamedPlan):
     bubble ``(K-1)/(V*M+K-1)``. The backward is autodiff of the forward scan. Sequential meaning:
     each micro-batch through logical stages ``0..V*K-1`` in order. Needs ``M >= K``.
 
+    Args:
+      repeats: V, the virtual stages per device.
+
     Example:
       >>> plan = Circular(repeats=2).timetable(num_stages=2, num_microbatches=2)
       >>> plan.fwd.T.tolist(), plan.fwd_repeat.T.tolist()
@@ -288,11 +291,11 @@ class ZeroBubble(_RenamedPlan):
       in the same tick, so unequal costs waste nothing there; the rings hold up to about 3K
       micro-batches.
 
-    With the library's GPT block (F : B : W = 1 : 1.08 : 0.91, the default ``pass_costs``) at
-    K = 4 the aligned table wins from M = 2K on: its modelled step is 0.83x 1F1B's at M = 8
-    and 0.99x at M = 64, where the one-pass table is 1.05x. Sequential meaning: each
-    micro-batch through stages ``0..K-1``, then its gradient back through ``K-1..0``, each
-    stage's weight gradient from the same cotangent. Needs ``M >= K``.
+    The default ``pass_costs`` are the relative FLOPs of the library's GPT block's passes;
+    with them the aligned table wins from ``M = 2K`` on (BENCHMARKS.md, "Pipeline schedules on
+    the GPT", has both tables' modelled steps). Sequential meaning: each micro-batch through
+    stages ``0..K-1``, then its gradient back through ``K-1..0``, each stage's weight gradient
+    from the same cotangent. Needs ``M >= K``.
 
     Args:
       pass_costs: the relative costs ``(F, B, W)`` of a stage's forward, input-gradient and
@@ -367,6 +370,9 @@ class Interleaved1F1B(_RenamedPlan):
     residuals of at most ``stash_slots`` micro-batches per virtual stage, whatever M. Sequential
     meaning: each micro-batch through logical stages ``0..V*K-1``, then its gradient back.
     Needs ``M`` to be a multiple of K.
+
+    Args:
+      repeats: V, the virtual stages per device.
 
     Example:
       >>> plan = Interleaved1F1B(repeats=2).timetable(num_stages=2, num_microbatches=2)

@@ -152,8 +152,10 @@ class SequentialStages:
         return self.params_layout.wire(x)
 
     def program(self, rows: PyTree, wire: Packing) -> Program:
-        """The engine's view of stage rows ``{dtype: [V, n]}``: the stages' steps as layers
-        (`steps.StageLayout.program`)."""
+        """The engine's view of stage rows ``{dtype: [V, n]}``: the stages' steps as layers.
+
+        See `steps.StageLayout.program`.
+        """
         return self.params_layout.program(rows, wire)
 
 

@@ -247,11 +247,12 @@ def _dataflow_time(plan: Any, phase_times: np.ndarray) -> float:
 def step_time(plan: Any, costs: StageCosts | None = None) -> StepTime:
     """The modelled time of one step of ``plan`` on K parallel devices in lock-step.
 
-    Plans with backward ticks (1F1B, Interleaved1F1B, ZeroBubble): a tick costs ``max_s`` of the sum of its active
-    phases: F is the forward of logical stage ``fwd_repeat[t, s] * K + s``; B is ``backward``
-    (the fused backward) when ``wgt`` is all -1, else ``backward_input``; W is
-    ``backward_weight``. GPipe and Circular run their forward ticks, then replay them in reverse
-    as backward ticks, each costing ``max_s`` of the ``backward`` of its active stages.
+    Plans with backward ticks (1F1B, Interleaved1F1B, ZeroBubble): a tick costs ``max_s`` of
+    the sum of its active phases: F is the forward of logical stage
+    ``fwd_repeat[t, s] * K + s``; B is ``backward`` (the fused backward) when ``wgt`` is all
+    -1, else ``backward_input``; W is ``backward_weight``. GPipe and Circular run their
+    forward ticks, then replay them in reverse as backward ticks, each costing ``max_s`` of the
+    ``backward`` of its active stages.
 
     Equivalent to::
 

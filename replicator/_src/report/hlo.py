@@ -183,9 +183,10 @@ def _elements(shape: str) -> int:
 
 
 def replica_groups(attrs: str, num_devices: int) -> list[list[int]]:
-    """The device groups of a collective, from its ``replica_groups``: explicit, iota, or by
-    mesh axes (``mesh['data'=2,'model'=4] {'model'}``, XLA from jax 0.11; ids are positions in
-    that mesh, as in the other forms).
+    """The device groups of a collective, from its ``replica_groups``.
+
+    The groups are explicit, iota, or by mesh axes (``mesh['data'=2,'model'=4] {'model'}``;
+    which jax emits which: `compat`); ids are positions in that mesh, as in the other forms.
 
     >>> replica_groups("replica_groups=mesh['data'=2,'model'=2] {'data'}, x=1", 4)
     [[0, 2], [1, 3]]

@@ -1,10 +1,10 @@
 """Attention that is exact across a sequence split over the ``context`` axis.
 
 Inside ``Replicator.run`` the ``context`` axis is left to XLA: ``step_fn`` sees whole sequences,
-and a model keeps its activations split along their sequence dimension over ``context``
-(`constrain_tokens`). Everything in a transformer block but attention works token by token, so it runs
-on each device's chunk as it is. Attention needs every key for every query, and `attention`
-gets them one of two ways, mapped by hand over ``context`` (`collectives.map_over`):
+and a model keeps its activations split along their sequence over ``context`` (`constrain_tokens`).
+Everything in a transformer block but attention works token by token, on each device's chunk.
+Attention needs every key for every query, and `attention` gets them one of two ways, mapped by
+hand over ``context`` (`collectives.map_over`):
 
 * ``impl="ring"`` (ring attention; Liu et al. 2023, Megatron-Core's context parallelism): each
   device keeps its queries, and the key/value blocks travel around the ring of ``C`` devices
@@ -22,11 +22,11 @@ gets them one of two ways, mapped by hand over ``context`` (`collectives.map_ove
 
 Without a ``context`` axis (or one of size 1) both are plain attention: the one-device oracle.
 
-**Kernels.** The attention itself runs on the platform's kernel (`kernels.choose`): on a TPU
-the splash Pallas kernel (whole sequences, each device's after the all-to-all, masked at the
-zigzag positions, and each block of the ring, folded in by its log-sum-exp), on a GPU cuDNN's
-for whole sequences, elsewhere XLA's blockwise kernel below (tiles of `TILE` keys, an online
-softmax), which is also where a kernel does not apply. `kernels.forced` picks one by hand.
+**Kernels.** Attention runs on the platform's kernel (`kernels.choose`): on a TPU the splash
+Pallas kernel (whole sequences, each device's after the all-to-all, masked at the zigzag
+positions, and each block of the ring, folded in by its log-sum-exp), on a GPU cuDNN's for whole
+sequences, elsewhere (and where a kernel does not apply) XLA's blockwise kernel below (tiles of
+`TILE` keys, an online softmax). `kernels.forced` picks one by hand.
 
 **Grouped-query attention.** Keys and values may have fewer heads than the queries (``KV``
 dividing ``H``: key/value head ``j`` serves query heads ``j G .. j G + G - 1``, ``G = H / KV``).
@@ -66,10 +66,21 @@ part of the sequence, and a causal block skips the tile pairs its mask covers wh
 
 
 def zigzag_order(seq_len: int, parts: int) -> np.ndarray:
-    """The positions in the ``"zigzag"`` layout: the sequence cut in ``2 * parts`` chunks, part
-    ``c`` holding chunks ``c`` and ``2 * parts - 1 - c``, so that under a causal mask every part
-    of the ring does the same work. ``x[:, zigzag_order(S, C)]`` lays out a ``[B, S, ...]``
-    sequence; the loss of a model that is a mean over tokens does not change.
+    """The positions of a sequence in the ``"zigzag"`` layout, which balances a causal ring.
+
+    Of ``2 * parts`` chunks, part ``c`` holds chunks ``c`` and ``2 * parts - 1 - c``, so under a
+    causal mask every part of the ring does the same work. ``x[:, zigzag_order(S, C)]`` lays
+    out a ``[B, S, ...]`` sequence; a loss that is a mean over tokens does not change.
+
+    Args:
+      seq_len: the sequence length S.
+      parts: the ``context`` size C.
+
+    Returns:
+      ``[S]`` int positions: the token at each place of the layout.
+
+    Raises:
+      ValueError: if ``seq_len`` does not divide into ``2 * parts`` chunks.
 
     >>> zigzag_order(8, 2).tolist()
     [0, 1, 6, 7, 2, 3, 4, 5]
@@ -94,10 +105,15 @@ def context_size() -> int:
 
 
 def constrain_tokens(x: jax.Array) -> jax.Array:
-    """``x`` (``[batch, seq, ...]`` activations) held split over the token axes (a sharding
-    constraint): its sequence over ``context`` and its sequences over ``expert``, so that every
-    activation of a block is held in chunks, and the expert axis, outside the experts, shares
-    out each data replica's sequences as a data axis would; identity without either axis."""
+    """``x`` held split over the token axes: a sharding constraint on activations.
+
+    The sequence goes over ``context`` and the sequences over ``expert``: every activation of a
+    block is held in chunks, and outside the experts ``expert`` shares out sequences as data.
+    Without either axis, ``x`` is returned as it is.
+
+    Args:
+      x: ``[batch, seq, ...]`` activations, inside a step.
+    """
     spec = [None] * x.ndim
     if collectives.auto_axis_size(EXPERT_AXIS) > 1:
         spec[0] = EXPERT_AXIS
@@ -120,9 +136,17 @@ def _narrow(dx: jax.Array, kv_heads: int) -> jax.Array:
 
 
 def reference(q, k, v, *, causal: bool, positions=None) -> jax.Array:
-    """Plain softmax attention over ``[B, S, H, D]`` (fp32 scores): the oracle. ``positions``
-    (``[S]``, default ``arange(S)``) gives each token's place for the causal mask; ``k`` and
-    ``v`` may have fewer heads (grouped-query attention, module docstring)."""
+    """Plain softmax attention over ``[B, S, H, D]`` with fp32 scores: the oracle.
+
+    Args:
+      q, k, v: ``[batch, seq, heads, head_dim]``; ``k`` and ``v`` may have fewer heads, a
+        divisor of ``q``'s (grouped-query attention).
+      causal: each token attends to itself and the tokens before it.
+      positions: ``[S]``, each token's place for the causal mask (default ``arange(S)``).
+
+    Returns:
+      ``[B, S, H, D]`` in ``v``'s dtype.
+    """
     k, v = _widen(k, q.shape[2]), _widen(v, q.shape[2])
     scale = 1.0 / math.sqrt(q.shape[-1])
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * scale
@@ -142,8 +166,7 @@ def attention(
     impl: str = "ring",
     layout: str = "contiguous",
 ) -> jax.Array:
-    """Softmax attention over ``[B, S, H, D]`` queries, keys and values whose sequence is split
-    over the ``context`` axis; exact, whatever the split.
+    """Softmax attention over a sequence split over the ``context`` axis, exact for any split.
 
     Args:
       q, k, v: ``[batch, seq, heads, head_dim]``, as ``step_fn`` sees them (whole); ``k`` and
@@ -314,10 +337,9 @@ def _grads_tile(q, k, v, do, lse, delta, qpos, kpos):
 
 
 def _live_pairs(positions: tuple, sc: int, ring: bool) -> list[tuple[int, int]] | None:
-    """The (query tile, key tile) pairs of a device's own causal block that are not all
-    masked, or None when every pair is live (one tile, or no pair masked). A device's own
-    positions increase in both layouts (zigzag's second chunk comes after its first), so on a
-    ring the pattern is the same on every device; one device's comes from its positions."""
+    """The (query tile, key tile) pairs of a device's own causal block not all masked, or None
+    when every pair is live. A device's own positions increase in both layouts (zigzag's second
+    chunk comes after its first), so on a ring every device has one device's pattern."""
     tile = _tile(sc)
     n = sc // tile
     pos = np.asarray(positions[:sc] if ring else positions)
@@ -333,10 +355,9 @@ def _all_pairs(sq: int, sk: int) -> list[tuple[int, int]]:
 
 
 def _fold(acc, q, k, v, qpos=None, kpos=None, pairs=None):
-    """Folds one key/value block into the running ``(o, m, l)`` of an online softmax, a
-    (query tile, key tile) pair at a time, so that at most `TILE` x `TILE` scores are held;
-    ``pairs`` (`_live_pairs`) leaves out those a causal mask covers whole. ``qpos``/``kpos``
-    (positions) mask it causally, None not at all."""
+    """Folds one key/value block into the running ``(o, m, l)`` of an online softmax, one
+    (query tile, key tile) pair at a time (`TILE` x `TILE` scores held); ``pairs`` (`_live_pairs`)
+    leaves out those a causal mask covers whole; ``qpos``/``kpos`` mask causally (None: no)."""
     tq, tk = _tile(q.shape[1]), _tile(k.shape[1])
     pairs = _all_pairs(q.shape[1], k.shape[1]) if pairs is None else pairs
     if len(pairs) == 1:

@@ -24,8 +24,8 @@ chunks of ``R`` rows, one for each sender: every routed row of every device may 
 device's experts, so nothing smaller drops nothing (MaxText sizes its buffer the same way). The
 received rows are sorted again by local expert, run through the grouped matmul, and sent back.
 On a TPU the rows travel by ``jax.lax.ragged_all_to_all``, which sends only the routed rows;
-XLA:CPU has no ``ragged-all-to-all`` (jax 0.10.2 and 0.12: ``UNIMPLEMENTED``), so there (and
-elsewhere) each chunk travels whole in an ``all_to_all`` (``N`` times the routed rows' bytes).
+XLA:CPU has no ``ragged-all-to-all`` (``UNIMPLEMENTED``; the jax releases: `compat`), so there
+(and elsewhere) each chunk travels whole in an ``all_to_all`` (``N`` times the routed rows' bytes).
 """
 
 from __future__ import annotations

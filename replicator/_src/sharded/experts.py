@@ -79,6 +79,13 @@ _EXPERT_LEAVES = ("gate", "up", "up_bias", "down", "down_bias")
 def logical_axes_for(*, gated: bool = False, bias: bool = True) -> dict:
     """`LOGICAL_AXES` of the leaves `init` makes with these options.
 
+    Args:
+      gated: as for `init`.
+      bias: as for `init`.
+
+    Returns:
+      A dict: each parameter's name to the role of each of its dimensions.
+
     >>> from replicator import moe
     >>> sorted(moe.logical_axes_for(gated=True, bias=False))
     ['down', 'gate', 'router', 'up']
@@ -88,9 +95,16 @@ def logical_axes_for(*, gated: bool = False, bias: bool = True) -> dict:
 
 
 def partition_specs(*, gated: bool = False, bias: bool = True) -> dict:
-    """The ``PartitionSpec`` of each of `init`'s parameters (made with these options): the
-    experts split over ``expert``, everything else whole. On a mesh without ``expert``,
-    ``Replicator.place`` drops the axis.
+    """The ``PartitionSpec`` of each of `init`'s parameters: the experts split over ``expert``.
+
+    Everything else is whole. On a mesh without ``expert``, ``Replicator.place`` drops the axis.
+
+    Args:
+      gated: as for `init`.
+      bias: as for `init`.
+
+    Returns:
+      A dict of ``PartitionSpec``, one per parameter `init` makes with these options.
 
     >>> from replicator import moe
     >>> moe.partition_specs()["up"], moe.partition_specs()["router"]
@@ -111,11 +125,26 @@ def init(
     gated: bool = False,
     bias: bool = True,
 ) -> dict:
-    """fp32 parameters of `apply`: ``{"router": [D, E], "up": [E, D, F], "up_bias": [E, F],
-    "down": [E, F, D], "down_bias": [E, D]}``, weights normal with standard deviation 0.02
-    (``out_std`` for ``down``; GPT-2 scales it by ``1 / sqrt(2 * num_layers)``), biases zero.
-    ``gated=True`` adds ``"gate": [E, D, F]`` (SwiGLU experts, as Mixtral's); ``bias=False``
-    leaves the biases out.
+    """The fp32 parameters of `apply`: a router and ``num_experts`` MLPs.
+
+    Weights are normal with standard deviation 0.02 (``out_std`` for ``down``), biases zero.
+
+    Args:
+      key: the random key.
+      d_model: the model width D.
+      hidden: each expert's hidden width F.
+      num_experts: the number of experts E.
+      out_std: the standard deviation of ``down`` (GPT-2 scales it by
+        ``1 / sqrt(2 * num_layers)``).
+      gated: add ``"gate": [E, D, F]`` (SwiGLU experts, as Mixtral's).
+      bias: with the biases (False leaves them out).
+
+    Returns:
+      A dict with ``router`` ``[D, E]``, ``up`` ``[E, D, F]``, ``up_bias`` ``[E, F]``,
+      ``down`` ``[E, F, D]`` and ``down_bias`` ``[E, D]``, and ``gate`` as ``gated`` says.
+
+    Raises:
+      ValueError: if ``d_model``, ``hidden`` or ``num_experts`` is not an int >= 1.
 
     >>> import jax
     >>> from replicator import moe
@@ -154,23 +183,15 @@ def apply(
     Each expert is ``down(activation(x @ up + up_bias)) + down_bias``, or with a ``gate`` leaf
     (``init(gated=True)``) ``down(activation(x @ gate) * (x @ up))`` (SwiGLU with
     ``activation=jax.nn.silu``, as Mixtral's experts); biases are added where ``params`` have
-    them. Each token's output is
-    the sum over its kept token-choices of the gate times the chosen expert's output: zero for
-    a token whose every choice was dropped (add the residual yourself). The router's logits and
-    softmax are fp32; the experts run in ``dtype`` (default ``x.dtype``), which the result has.
-    ZeRO-3 parameters (`rp.ShardedParam`) are gathered here; plain arrays pass through.
+    them. Each token's output is the sum over its kept token-choices of the gate times the
+    chosen expert's output: zero for a token whose every choice was dropped (add the residual
+    yourself). The router's logits and softmax are fp32; the experts run in ``dtype`` (default
+    ``x.dtype``), which the result has. ZeRO-3 parameters (`rp.ShardedParam`) are gathered
+    here; plain arrays pass through.
 
     Inside ``Replicator.run`` on a mesh with an ``expert`` axis, each device runs its own
     experts (``params`` placed by `partition_specs`) on the tokens routed to them, which travel
     by ``all_to_all``; the result is the same as on one device (module docstring).
-
-    >>> import jax
-    >>> from replicator import moe
-    >>> params = moe.init(jax.random.key(0), d_model=8, hidden=16, num_experts=4)
-    >>> x = jax.random.normal(jax.random.key(1), (2, 6, 8))          # 2 groups of 6 tokens
-    >>> y, stats = moe.apply(params, x, routing=moe.Routing(num_experts=4, top_k=2))
-    >>> y.shape, stats.routed.tolist()                                 # 6 tokens x 2 choices
-    ((2, 6, 8), [12, 12])
 
     Args:
       params: `init`'s parameters (or ZeRO-3's `rp.ShardedParam` versions of them).
@@ -183,9 +204,18 @@ def apply(
       ``(y, stats)``: ``y`` of ``x``'s shape in the compute dtype, and the `Stats` of each group.
 
     Raises:
+      TypeError: if ``routing`` is not a `Routing`.
       ValueError: if ``x`` is not ``[B, S, D]``, ``params`` do not match ``x`` and ``routing``,
         or, on an ``expert`` axis of N devices, ``num_experts`` or the B groups of the step do
         not divide by N.
+
+    >>> import jax
+    >>> from replicator import moe
+    >>> params = moe.init(jax.random.key(0), d_model=8, hidden=16, num_experts=4)
+    >>> x = jax.random.normal(jax.random.key(1), (2, 6, 8))          # 2 groups of 6 tokens
+    >>> y, stats = moe.apply(params, x, routing=moe.Routing(num_experts=4, top_k=2))
+    >>> y.shape, stats.routed.tolist()                                 # 6 tokens x 2 choices
+    ((2, 6, 8), [12, 12])
     """
     if not isinstance(routing, Routing):
         raise TypeError(f"moe.apply: routing must be a moe.Routing; got {routing!r}.")

@@ -74,7 +74,8 @@ class Routing:
             )
 
     def capacity(self, group_size: int) -> int:
-        """The slots of each expert in a group of ``group_size`` tokens:
+        """The slots of each expert in a group of ``group_size`` tokens.
+
         ``ceil(capacity_factor * group_size * top_k / num_experts)``, at most ``group_size``
         (a token never picks an expert twice); ``group_size`` when ``capacity_factor`` is None.
         """
@@ -85,8 +86,10 @@ class Routing:
 
 
 class Stats(NamedTuple):
-    """Routing statistics, one entry per group (sequence), so that they are exact under any
-    split of the batch: sum or average them as the loss needs.
+    """Routing statistics, one entry per group (sequence).
+
+    Per-group entries are exact under any split of the batch: sum or average them as the loss
+    needs.
 
     Attributes:
       aux_loss: ``[G]`` fp32, the Switch/GShard load-balancing loss of each group,

@@ -13,7 +13,7 @@ reads key/value head ``j`` for query heads ``j G .. j G + G - 1``).
   the forward returns the block's log-sum-exp with its output, which the ring folds in with an
   online softmax; the backward takes the ring's global output and log-sum-exp, so each block's
   gradients are the global attention's. The backward calls the kernel's own backward function
-  (``_splash_attention_bwd``, private: its signature is the same in jax 0.10.2 and 0.12).
+  (``_splash_attention_bwd``, private: the jax releases it is read on are in `compat`).
 * `splash_attention` (``attention='splash'`` of `replicator.models.gpt`): `attend`, causal,
   mapped by hand over the mesh's axes left to XLA (`by_hand`): heads over ``model``, batches
   over ``expert``.

@@ -69,6 +69,18 @@ or start the new structure in a new checkpoint_dir (a new run directory)."""
 class Checkpoints:
     """The checkpoints of one run, in ``directory``, keeping the newest ``keep``.
 
+    Args:
+      directory: the run's checkpoint directory, created if need be.
+      keep: how many of the newest checkpoints to keep.
+      async_save: ``save`` returns once the arrays are copied off the devices, and orbax
+        writes the files in a background thread while training goes on. A step is still
+        complete or absent (written to a temporary directory, renamed when done); ``steps``,
+        ``restore``, the next ``save`` and ``close`` wait for a write and raise its error.
+
+    Raises:
+      ValueError: if ``keep`` is not an int >= 1.
+      TypeError: if ``async_save`` is not a bool.
+
     >>> import tempfile, jax.numpy as jnp, replicator as rp
     >>> ckpt = rp.Checkpoints(tempfile.mkdtemp(), keep=2)
     >>> for step in (10, 20, 30):
@@ -83,17 +95,6 @@ class Checkpoints:
     def __init__(
         self, directory: str | os.PathLike, *, keep: int = 3, async_save: bool = False
     ) -> None:
-        """Opens (or creates) the checkpoint directory.
-
-        Args:
-          directory: the run's checkpoint directory.
-          keep: how many of the newest checkpoints to keep.
-          async_save: ``save`` returns once the arrays are copied off the devices, and orbax
-            writes the files in a background thread (training goes on meanwhile). A step is
-            still complete or absent (written to a temporary directory, renamed when done);
-            ``steps``, ``restore``, the next ``save`` and ``close`` wait for a write in
-            progress, and an error in it is raised there.
-        """
         import orbax.checkpoint as ocp
 
         errors.positive_int(keep, api="rp.Checkpoints", name="keep")
@@ -126,19 +127,28 @@ class Checkpoints:
         return sorted(self._manager.all_steps())
 
     def wait(self) -> None:
-        """Waits for an asynchronous save in progress to be written; raises its error if any
-        (`CheckpointWriteError` if the disk is full)."""
+        """Waits for an asynchronous save in progress to be written.
+
+        Raises:
+          CheckpointWriteError: if the disk is full; any other error of the write, as it is.
+        """
         step, self._writing = self._writing, None
         with self._out_of_space(step):
             self._manager.wait_until_finished()
 
     def latest_step(self) -> int | None:
+        """The newest complete step, or None without one (after a write in progress ends)."""
         steps = self.steps()
         return steps[-1] if steps else None
 
     def save(self, step: int, state: PyTree, **record: Any) -> None:
-        """Writes ``state`` and a JSON ``record`` (``step`` plus the keyword arguments, such as
-        ``data_position``) as checkpoint ``step``, then drops the oldest beyond ``keep``.
+        """Saves ``state`` and a JSON record as checkpoint ``step``; drops the oldest over ``keep``.
+
+        Args:
+          step: the step number.
+          state: a pytree of arrays (a `ShardedParam` is saved as the parameter it stores).
+          **record: JSON-able values saved beside ``step`` in the record, such as
+            ``data_position``.
 
         Raises:
           ValueError: before anything is written, if a leaf of ``state`` was donated to
@@ -169,6 +179,12 @@ class Checkpoints:
     ) -> tuple[PyTree, dict]:
         """``(state, record)`` of checkpoint ``step`` (default: the newest readable one).
 
+        Without ``step``, an unreadable step (a corrupt or truncated file, an empty step
+        directory) is reported in a warning naming the exception, and the step before is tried.
+        Once one restores, the unreadable newer steps are moved aside: renamed to
+        ``<step>.broken-<time>`` in ``directory`` (never deleted), so that the run can save
+        those step numbers again.
+
         Args:
           like: a tree with the state's structure whose leaves are arrays or
             ``jax.ShapeDtypeStruct`` values; their shardings say where the restored arrays go
@@ -177,11 +193,8 @@ class Checkpoints:
           cast: restore a leaf saved in another dtype by casting it to ``like``'s dtype
             (e.g. an fp32 checkpoint into a bf16 state); without it that is an error.
 
-        Without ``step``, an unreadable step (a corrupt or truncated file, an empty step
-        directory) is reported in a warning naming the exception, and the step before is tried.
-        Once one restores, the unreadable newer steps are moved aside: renamed to
-        ``<step>.broken-<time>`` in ``directory`` (never deleted), so that the run can save
-        those step numbers again.
+        Returns:
+          ``(state, record)``: the state, placed as ``like`` says, and the saved record.
 
         Raises:
           FileNotFoundError: if there is no readable checkpoint (then nothing is moved: when

@@ -1,5 +1,7 @@
-"""The model families Hugging Face checkpoints are read as and written as (`Family`): one
-module each, listed in `FAMILIES`."""
+"""The model families Hugging Face checkpoints are read and written as.
+
+Each family is a `Family`, in a module of its own, listed in `FAMILIES`.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ def names() -> str:
 
 
 def defaults() -> dict:
-    """Every family's defaults in one dict (the first family's where two differ), for the
-    examples of messages."""
+    """Every family's defaults in one dict, for the examples of messages.
+
+    Where two families differ, the first family's value is kept.
+    """
     return {k: v for f in reversed(FAMILIES.values()) for k, v in f.defaults.items()}

@@ -1,5 +1,6 @@
-"""Hugging Face checkpoints in and out (Llama, Mixtral, Qwen2: `replicator.models.families`),
-one device's slice at a time.
+"""Hugging Face checkpoints in and out, one device's slice at a time.
+
+The families are Llama, Mixtral and Qwen2 (`replicator.models.families`).
 
 `load` builds every parameter as a global ``jax.Array`` whose devices each get only the slice
 they hold, straight from the checkpoint's ``*.safetensors`` files (fp32, fp16 or bf16), in a
@@ -69,7 +70,7 @@ into a `gpt.GPTConfig`) and load it into the layout training uses:
 >>> bool(np.array_equal(loaded["blocks"]["attn"]["q"], params["blocks"]["attn"]["q"]))
 True
 
-The rooms: `configs` (``config.json`` read and checked, the tree it describes), `files` (the
+The modules: `configs` (``config.json`` read and checked, the tree it describes), `files` (the
 safetensors files read), `leaves` (our leaves against Hugging Face's names), `reading`
 (`load`), `entries` and `writing` (`save`), `checks` and `config_checks` (refusals, each in
 one line).

@@ -30,9 +30,10 @@ _REPLICATED = P()
 
 
 def read_config(directory: str | os.PathLike) -> dict:
-    """The checkpoint's ``config.json``, checked to be of a family (a Llama, a Mixtral or a
-    Qwen2: `replicator.models.families`), with its family's defaults filled in (transformers'
-    ``LlamaConfig``'s, ``MixtralConfig``'s or ``Qwen2Config``'s):
+    """The checkpoint's ``config.json``, checked, with its family's defaults filled in.
+
+    The family is a Llama, a Mixtral or a Qwen2 (`replicator.models.families`); its defaults
+    are transformers' ``LlamaConfig``'s, ``MixtralConfig``'s or ``Qwen2Config``'s:
     ``num_key_value_heads``, ``head_dim``, ``tie_word_embeddings``, ``rms_norm_eps``,
     ``rope_theta``, ``rope_scaling`` and ``max_position_embeddings`` are always there
     (``rope_theta`` and ``rope_scaling`` taken from a newer file's ``rope_parameters`` too); so
@@ -40,6 +41,23 @@ def read_config(directory: str | os.PathLike) -> dict:
     ``router_aux_loss_coef``, ``output_router_logits`` and ``router_jitter_noise`` for a
     Mixtral, whose ``num_local_experts`` and ``num_experts_per_tok`` are required, and
     ``use_sliding_window`` and ``sliding_window`` for a Qwen2.
+
+    When the directory holds weights (``*.safetensors`` files, or an index), they are checked
+    against the config, from the files' headers only: every tensor the config describes is
+    there with its shape, and no other.
+
+    Args:
+      directory: the checkpoint's directory.
+
+    Returns:
+      The ``config.json`` dict, defaults filled in.
+
+    Raises:
+      FileNotFoundError: if ``directory`` has no ``config.json``.
+      ValueError: for a model of no family (``model_type`` not ``"llama"``, ``"mixtral"`` or
+        ``"qwen2"``), an activation other than SiLU, a missing size or a value of the wrong
+        type or range, a ``config.json``, index or safetensors header that is not JSON, a
+        truncated file, or weights the config does not describe (naming file, key or tensor).
 
     >>> import json, pathlib, tempfile
     >>> from replicator.models import hf
@@ -50,17 +68,6 @@ def read_config(directory: str | os.PathLike) -> dict:
     >>> config = hf.read_config(directory)
     >>> config["num_key_value_heads"], config["head_dim"], config["rope_theta"]
     (2, 4, 10000.0)
-
-    When the directory holds weights (``*.safetensors`` files, or an index), they are checked
-    against the config, from the files' headers only: every tensor the config describes is
-    there with its shape, and no other.
-
-    Raises:
-      FileNotFoundError: if ``directory`` has no ``config.json``.
-      ValueError: for a model of no family (``model_type`` not ``"llama"``, ``"mixtral"`` or
-        ``"qwen2"``), an activation other than SiLU, a missing size or a value of the wrong
-        type or range, a ``config.json``, index or safetensors header that is not JSON, a
-        truncated file, or weights the config does not describe (naming file, key or tensor).
     """
     directory = pathlib.Path(directory)
     config = config_file(directory, "hf.read_config")
@@ -134,8 +141,19 @@ def checked(config: dict, where: str) -> dict:
 
 
 def shapes(config: dict, *, dtype: Any = jnp.float32) -> dict:
-    """The parameter tree of a ``config`` (a ``config.json`` dict of a family) as
-    ``jax.ShapeDtypeStruct`` leaves without shardings (`abstract` adds them).
+    """The parameter tree of a ``config.json`` dict as ``jax.ShapeDtypeStruct`` leaves.
+
+    The leaves have no shardings (`abstract` adds them).
+
+    Args:
+      config: a ``config.json`` dict of a family (`read_config`).
+      dtype: the leaves' dtype.
+
+    Returns:
+      The tree of the module docstring's layout.
+
+    Raises:
+      ValueError: for a config of no family, or with a size missing or out of range.
 
     >>> from replicator.models import hf
     >>> tree = hf.shapes({"model_type": "llama", "vocab_size": 16, "hidden_size": 8,
@@ -191,8 +209,22 @@ def shapes(config: dict, *, dtype: Any = jnp.float32) -> dict:
 def abstract(
     config: dict, mesh: Any, specs: P | PyTree = _REPLICATED, *, dtype: Any = jnp.float32
 ) -> dict:
-    """`shapes` with the ``NamedSharding`` on ``mesh`` that ``repl.place(params, specs)``
-    would give each leaf: the ``target`` of `load` for a model placed that way.
+    """`shapes` with the ``NamedSharding`` that ``repl.place(params, specs)`` would give each leaf.
+
+    It is the ``target`` of `load` for a model placed that way.
+
+    Args:
+      config: the ``config.json`` dict (`read_config`).
+      mesh: a ``jax.sharding.Mesh`` or a ``Replicator`` (its ``mesh``).
+      specs: one ``PartitionSpec`` for every leaf, or a tree of them that is a prefix of
+        `shapes`' tree, as ``Replicator.place`` takes (e.g. ``gpt.partition_specs(...)``).
+      dtype: the parameters' dtype (the checkpoint's values are cast to it).
+
+    Returns:
+      `shapes`' tree of ``jax.ShapeDtypeStruct`` leaves with their shardings.
+
+    Raises:
+      ValueError: as ``Replicator.place`` does for specs that do not fit the tree or mesh.
 
     >>> import jax
     >>> from jax.sharding import PartitionSpec as P
@@ -207,16 +239,6 @@ def abstract(
     >>> tree = hf.abstract(config, mesh, specs)
     >>> tree["blocks"]["attn"]["q"].sharding.spec
     P(None, None, 'model')
-
-    Args:
-      config: the ``config.json`` dict (`read_config`).
-      mesh: a ``jax.sharding.Mesh`` or a ``Replicator`` (its ``mesh``).
-      specs: one ``PartitionSpec`` for every leaf, or a tree of them that is a prefix of
-        `shapes`' tree, as ``Replicator.place`` takes (e.g. ``gpt.partition_specs(...)``).
-      dtype: the parameters' dtype (the checkpoint's values are cast to it).
-
-    Raises:
-      ValueError: as ``Replicator.place`` does for specs that do not fit the tree or mesh.
     """
     mesh = getattr(mesh, "mesh", mesh)
     tree = shapes(config, dtype=dtype)

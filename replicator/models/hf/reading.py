@@ -192,8 +192,7 @@ def _build(reader: Reader, plan: _Plan) -> jax.Array:
 
 
 def load(directory: str | os.PathLike, target: PyTree, *, dtype: Any = jnp.float32) -> PyTree:
-    """A Hugging Face checkpoint (a Llama, Mixtral or Qwen2) as global ``jax.Array``
-    parameters placed as ``target``.
+    """A Hugging Face checkpoint (a Llama, Mixtral or Qwen2) as parameters placed as ``target``.
 
     Each leaf is a global array of its device's blocks, read from the ``*.safetensors``
     files (one tensor per layer for the stacked blocks, per layer and expert for a Mixtral's
@@ -208,19 +207,6 @@ def load(directory: str | os.PathLike, target: PyTree, *, dtype: Any = jnp.float
     byte of the checkpoint at most once, and only of the rows its blocks touch. Values are
     cast to each leaf's dtype after the read (bf16 files load exactly into fp32). With
     several processes, each reads the rows of its own devices' blocks only.
-
-    >>> import pathlib, tempfile, jax, numpy as np
-    >>> from replicator.models import hf
-    >>> config = {"model_type": "llama", "vocab_size": 16, "hidden_size": 8,
-    ...     "intermediate_size": 12, "num_attention_heads": 2, "num_hidden_layers": 2}
-    >>> ones = jax.tree.map(lambda s: np.ones(s.shape, s.dtype), hf.shapes(config))
-    >>> path = hf.save(pathlib.Path(tempfile.mkdtemp()) / "llama", ones, config)
-    >>> mesh = jax.make_mesh((1,), ("model",), devices=jax.devices()[:1])
-    >>> shardings = jax.tree.map(lambda s: s.sharding, hf.abstract(hf.read_config(path), mesh))
-    >>> params = hf.load(path, shardings)          # bare shardings: shapes from the files
-    >>> down = params["blocks"]["mlp"]["down"]     # [layers, F, d]
-    >>> down.shape, down.dtype, float(down.sum())
-    ((2, 12, 8), dtype('float32'), 192.0)
 
     On a mesh, ``target`` is the layout training uses, e.g. ``hf.abstract(hf.read_config(path),
     repl, gpt.partition_specs(config=config))`` or ``repl.abstract(lambda: gpt.place(repl,
@@ -241,10 +227,23 @@ def load(directory: str | os.PathLike, target: PyTree, *, dtype: Any = jnp.float
 
     Raises:
       ValueError: for a model of no family (`replicator.models.families`), a leaf with no
-        Hugging Face tensor or no sharding, a leaf of another number of layers or experts, a tensor that is
-        missing or of another shape, a file that is truncated or not safetensors, or a tensor
-        that holds a NaN or an infinity (naming file and tensor).
+        Hugging Face tensor or no sharding, a leaf of another number of layers or experts, a
+        tensor that is missing or of another shape, a file that is truncated or not
+        safetensors, or a tensor that holds a NaN or an infinity (naming file and tensor).
       FileNotFoundError: if ``directory`` lacks ``config.json`` or ``*.safetensors`` files.
+
+    >>> import pathlib, tempfile, jax, numpy as np
+    >>> from replicator.models import hf
+    >>> config = {"model_type": "llama", "vocab_size": 16, "hidden_size": 8,
+    ...     "intermediate_size": 12, "num_attention_heads": 2, "num_hidden_layers": 2}
+    >>> ones = jax.tree.map(lambda s: np.ones(s.shape, s.dtype), hf.shapes(config))
+    >>> path = hf.save(pathlib.Path(tempfile.mkdtemp()) / "llama", ones, config)
+    >>> mesh = jax.make_mesh((1,), ("model",), devices=jax.devices()[:1])
+    >>> shardings = jax.tree.map(lambda s: s.sharding, hf.abstract(hf.read_config(path), mesh))
+    >>> params = hf.load(path, shardings)          # bare shardings: shapes from the files
+    >>> down = params["blocks"]["mlp"]["down"]     # [layers, F, d]
+    >>> down.shape, down.dtype, float(down.sum())
+    ((2, 12, 8), dtype('float32'), 192.0)
     """
     directory = pathlib.Path(directory)
     config = configs.config_file(directory, "hf.load")

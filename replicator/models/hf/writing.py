@@ -154,11 +154,13 @@ def save(
     max_shard_bytes: int = 5 * 2**30,
     overwrite: bool = False,
 ) -> pathlib.Path:
-    """Writes ``params`` as a Hugging Face Llama checkpoint that
-    ``transformers.LlamaForCausalLM.from_pretrained(directory)`` loads, or as a Mixtral's
-    (``MixtralForCausalLM``, one tensor per expert) when they are a Mixtral's tree
-    (``blocks.moe``), or as a Qwen2's (``Qwen2ForCausalLM``) when ``config`` says
-    ``"model_type": "qwen2"`` or the tree has biases on ``q``, ``k`` and ``v`` only.
+    """Writes ``params`` as a Hugging Face checkpoint that transformers loads.
+
+    A Llama's checkpoint is what ``transformers.LlamaForCausalLM.from_pretrained(directory)``
+    loads; a Mixtral's (``MixtralForCausalLM``, one tensor per expert) is written when
+    ``params`` are a Mixtral's tree (``blocks.moe``), and a Qwen2's (``Qwen2ForCausalLM``)
+    when ``config`` says ``"model_type": "qwen2"`` or the tree has biases on ``q``, ``k`` and
+    ``v`` only.
 
     The directory gets ``config.json`` and ``model.safetensors`` (or, past ``max_shard_bytes``,
     ``model-0000k-of-0000n.safetensors`` files and ``model.safetensors.index.json``). One tensor
@@ -167,18 +169,6 @@ def save(
     model. Every process must call this (the gathers are collective); process 0 writes, into a
     temporary directory that one rename makes ``directory``, so a reader never sees half a
     checkpoint.
-
-    >>> import pathlib, tempfile, numpy as np, jax
-    >>> from replicator.models import hf
-    >>> config = {"model_type": "llama", "vocab_size": 16, "hidden_size": 8,
-    ...     "intermediate_size": 12, "num_attention_heads": 2, "num_hidden_layers": 2,
-    ...     "rope_theta": 500000.0}
-    >>> params = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), hf.shapes(config))
-    >>> out = hf.save(pathlib.Path(tempfile.mkdtemp()) / "llama", params, config,
-    ...     dtype="bfloat16")
-    >>> saved = hf.read_config(out)
-    >>> saved["torch_dtype"], saved["rope_theta"], saved["num_key_value_heads"]
-    ('bfloat16', 500000.0, 2)
 
     Args:
       directory: where to write; it must not exist or be empty, unless ``overwrite``.
@@ -200,6 +190,18 @@ def save(
       ValueError: if ``params`` lack a leaf of their family, have one that is not, hold
         different numbers of layers or experts, or disagree with ``config``.
       FileExistsError: if ``directory`` is not empty and not ``overwrite``.
+
+    >>> import pathlib, tempfile, numpy as np, jax
+    >>> from replicator.models import hf
+    >>> config = {"model_type": "llama", "vocab_size": 16, "hidden_size": 8,
+    ...     "intermediate_size": 12, "num_attention_heads": 2, "num_hidden_layers": 2,
+    ...     "rope_theta": 500000.0}
+    >>> params = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), hf.shapes(config))
+    >>> out = hf.save(pathlib.Path(tempfile.mkdtemp()) / "llama", params, config,
+    ...     dtype="bfloat16")
+    >>> saved = hf.read_config(out)
+    >>> saved["torch_dtype"], saved["rope_theta"], saved["num_key_value_heads"]
+    ('bfloat16', 500000.0, 2)
     """
     directory = pathlib.Path(directory)
     chosen, entries = entries_lib.entries(params, dtype, dict(config))

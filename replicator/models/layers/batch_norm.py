@@ -13,7 +13,8 @@ class CrossReplicaBatchNorm(nnx.BatchNorm):
     The statistics are reduced over the replicas of whatever lowering runs the step (mean and
     mean of squares, with ``rp.replica_axis_name()``), so they equal those of the whole global
     batch on one device: the cross-replica BatchNorm of BigGAN. Under the local lowering, or
-    outside any replicator, it is a plain ``nnx.BatchNorm``. Any ``axis_name`` given is ignored.
+    outside any replicator, it is a plain ``nnx.BatchNorm``. It takes ``nnx.BatchNorm``'s
+    arguments; any ``axis_name`` given is ignored.
 
     >>> import jax.numpy as jnp
     >>> from flax import nnx

@@ -15,9 +15,14 @@ from replicator.models.config import GPTConfig
 
 
 def rope_frequencies(config: GPTConfig) -> np.ndarray:
-    """The rotary inverse frequencies of one head, ``[head_dim / 2]`` fp32:
-    ``rope_theta ** (-2 i / head_dim)``, rescaled by ``config.rope_scaling`` (Llama 3's
-    formula, as transformers computes it).
+    """The rotary inverse frequencies of one head.
+
+    Args:
+      config: the model's `GPTConfig`.
+
+    Returns:
+      ``[head_dim / 2]`` fp32: ``rope_theta ** (-2 i / head_dim)``, rescaled by
+      ``config.rope_scaling`` (Llama 3's formula, as transformers computes it).
 
     >>> rope_frequencies(GPTConfig(d_model=8, num_heads=1, position="rope")).tolist()
     [1.0, 0.10000000149011612, 0.009999999776482582, 0.0010000000474974513]
@@ -68,14 +73,22 @@ def rope(
 
 
 def sequence_order(config: GPTConfig, seq_len: int) -> np.ndarray | None:
-    """The order the model lays its sequence out in inside a step: ``None`` (natural) unless
-    causal ring attention runs over a ``context`` axis of ``C > 1`` devices with ``zigzag``,
-    where it is `replicator.attention.zigzag_order` ``(seq_len, C)`` (each device then does the
-    same work). `loss`, `apply` and `pipeline_value_and_grad` reorder tokens and targets by it
-    (the loss, a mean over tokens, is the same) and `apply` puts the logits back.
+    """The order the model lays its sequence out in inside a step.
 
-    A mixture-of-experts model keeps the natural order: its routing gives priority by position
-    in the sequence, so with a capacity the dropped tokens would depend on the order."""
+    `loss`, `apply` and `pipeline_value_and_grad` reorder tokens and targets by it (the loss,
+    a mean over tokens, is the same) and `apply` puts the logits back. A mixture-of-experts
+    model keeps the natural order: its routing gives priority by position in the sequence, so
+    with a capacity the dropped tokens would depend on the order.
+
+    Args:
+      config: the model's `GPTConfig`.
+      seq_len: the sequence length.
+
+    Returns:
+      ``None`` (natural) unless causal ring attention runs over a ``context`` axis of
+      ``C > 1`` devices with ``zigzag``, where it is `replicator.attention.zigzag_order`
+      ``(seq_len, C)`` (each device then does the same work).
+    """
     c = attention_lib.context_size()
     if c == 1 or config.attention != "ring" or not config.zigzag or config.num_experts:
         return None
