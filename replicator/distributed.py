@@ -10,3 +10,4 @@ from replicator._src.distributed.initialize import initialize as initialize
 from replicator._src.distributed.launcher import elastic_size as elastic_size
 from replicator._src.distributed.launcher import free_port as free_port
 from replicator._src.distributed.launcher import launch as launch
+from replicator._src.distributed.restarts import Restarts as Restarts

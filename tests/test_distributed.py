@@ -313,3 +313,32 @@ def test_a_second_call_after_joining_returns_what_jax_sees(joins, monkeypatch):
     info = rp.distributed.initialize()
     assert (info.process_index, info.process_count, info.source) == (0, 1, "launcher")
     assert joins == []
+
+
+def test_launch_takes_its_restart_options_as_a_record_and_the_old_keywords_with_a_warning():
+    """`rp.distributed.Restarts` holds what the five restart keywords held; the old keywords
+    still work for one release, with a warning, and run the same job."""
+    code = "print('ran')"
+    out = io.StringIO()
+    rc = rp.distributed.launch(
+        [sys.executable, "-c", code], num_processes=1, grace=1, out=out,
+        restarts=rp.distributed.Restarts(max_restarts=1, backoff=0.0),
+    )  # fmt: skip
+    assert rc == 0 and "ran" in out.getvalue()
+    old = io.StringIO()
+    with pytest.warns(DeprecationWarning, match=r"launch\(max_restarts, restart_backoff=...\)"):
+        rc = rp.distributed.launch(
+            [sys.executable, "-c", code], num_processes=1, grace=1, out=old,
+            max_restarts=1, restart_backoff=0.0,
+        )  # fmt: skip
+    assert rc == 0 and old.getvalue() == out.getvalue()
+    with pytest.raises(ValueError, match="restarts= and max_restarts are both given"):
+        rp.distributed.launch(
+            ["true"], num_processes=1, restarts=rp.distributed.Restarts(), max_restarts=1
+        )
+    with pytest.raises(TypeError, match="unexpected keyword argument 'max_restart'"):
+        rp.distributed.launch(["true"], num_processes=1, max_restart=1)
+    with pytest.raises(ValueError, match="--max-restarts must be an int >= 0"):
+        rp.distributed.launch(
+            ["true"], num_processes=1, restarts=rp.distributed.Restarts(max_restarts=-1)
+        )

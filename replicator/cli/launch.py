@@ -124,11 +124,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             port=args.port,
             grace=args.grace,
             watchdog=args.watchdog,
-            max_restarts=args.max_restarts,
-            min_processes=args.min_processes,
-            restart_backoff=args.restart_backoff,
-            join_timeout=args.join_timeout,
-            rejoin_interval=args.rejoin_interval,
+            restarts=rp.distributed.Restarts(
+                max_restarts=args.max_restarts,
+                min_processes=args.min_processes,
+                backoff=args.restart_backoff,
+                join_timeout=args.join_timeout,
+                rejoin_interval=args.rejoin_interval,
+            ),
         )
     except ValueError as e:
         print(str(e).splitlines()[0], file=sys.stderr)

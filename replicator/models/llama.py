@@ -51,10 +51,6 @@ def config(
     num_heads: int,
     d_ff: int,
     num_kv_heads: int | None = None,
-    rope_theta: float = 10000.0,
-    rope_scaling: gpt.RopeScaling | None = None,
-    norm_eps: float = 1e-5,
-    tie_embeddings: bool = False,
     **options: Any,
 ) -> gpt.GPTConfig:
     """A `gpt.GPTConfig` of a Llama: RMSNorm, rotary positions, SwiGLU, no biases.
@@ -68,12 +64,10 @@ def config(
       num_heads: query heads.
       d_ff: the MLP's hidden width.
       num_kv_heads: key/value heads; None for ``num_heads``.
-      rope_theta: the rotary base frequency.
-      rope_scaling: Llama 3's rescaling (a `gpt.RopeScaling`), or None.
-      norm_eps: RMSNorm's epsilon.
-      tie_embeddings: the output matrix is the token table.
-      **options: other `gpt.GPTConfig` fields (``seq_len``, ``dtype``, ``remat``,
-        ``attention``, ``bias``, ...).
+      **options: other `gpt.GPTConfig` fields: ``rope_theta`` (the rotary base frequency,
+        10000.0), ``rope_scaling`` (Llama 3's rescaling, a `gpt.RopeScaling`, or None),
+        ``norm_eps`` (RMSNorm's epsilon, 1e-5), ``tie_embeddings`` (the output matrix is the
+        token table, False), ``seq_len``, ``dtype``, ``remat``, ``attention``, ``bias``, ...
 
     Returns:
       The `gpt.GPTConfig`.
@@ -91,10 +85,6 @@ def config(
         num_heads=num_heads,
         d_ff=d_ff,
         num_kv_heads=num_kv_heads or num_heads,
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
-        norm_eps=norm_eps,
-        tie_embeddings=tie_embeddings,
         **(llama | options),
     )
 

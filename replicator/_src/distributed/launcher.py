@@ -29,6 +29,7 @@ from collections.abc import Sequence
 
 from replicator._src.core import errors
 from replicator._src.distributed import beat
+from replicator._src.distributed.restarts import Restarts, check, from_keywords, seconds
 from replicator._src.distributed.rounds import (
     FAILURE_GRACE,
     WATCHDOG_EXIT_CODE,
@@ -55,13 +56,10 @@ def launch(
     port: int | None = None,
     grace: float = 10.0,
     watchdog: float | None = None,
-    max_restarts: int = 0,
-    min_processes: int | None = None,
-    restart_backoff: float = 1.0,
-    join_timeout: float = 60.0,
-    rejoin_interval: float = 60.0,
+    restarts: Restarts | None = None,
     out=None,
     err=None,
+    **deprecated,
 ) -> int:
     """Runs ``command`` as ``num_processes`` local processes of one job; returns its exit code.
 
@@ -78,13 +76,13 @@ def launch(
       watchdog is armed by the first report of any process; a process that is exiting is not
       watched. When several ranks stopped in the same step, it names them all.
 
-    Then, while restarts are left (``max_restarts``), it waits ``restart_backoff`` seconds
+    Then, while restarts are left (``restarts.max_restarts``), it waits ``restarts.backoff`` seconds
     (doubled after each restart, up to 60) and starts every process again: ``rp.fit`` resumes
     from the newest good checkpoint. Each restart is logged with the failing rank, its cause and
     its step. A rank that fails at a step where a rank failed before ends the job with "failed
     twice at step N": a deterministic crash is not retried forever.
 
-    Elastic resizing (``min_processes`` < ``num_processes``): on a restart, a process that exits
+    Elastic resizing (``restarts.min_processes`` < ``num_processes``): on a restart, a process that exits
     before it reaches ``initialize``, or has not within ``join_timeout`` seconds, is a host that
     is gone. The job goes on with the largest count ``p`` of the hosts that are up with
     ``min_processes <= p`` and ``p`` dividing ``num_processes`` (so the data axes shrink by a
@@ -108,16 +106,13 @@ def launch(
         each restart takes a free one).
       grace: seconds between the SIGTERM passed on from the launcher and SIGKILL.
       watchdog: seconds without progress after which a process counts as stuck (None: off).
-      max_restarts: how many times the job is started again after a failure (0: never).
-      min_processes: the fewest processes the job may go on with when hosts are lost (default
-        ``num_processes``: no resizing). Needs ``max_restarts >= 1``.
-      restart_backoff: seconds before the first restart (doubled for each next one).
-      join_timeout: seconds for a process of a restart to reach ``initialize`` before its host
-        counts as gone (with ``min_processes`` only).
-      rejoin_interval: seconds between the probes of a lost host.
+      restarts: a `Restarts`: how often the job starts again after a failure, and how it
+        resizes when hosts are lost (default: never restarted).
       out: where the processes' output goes (default: sys.stdout).
       err: where the launcher's own lines go, ``replicator launch: ...`` (default:
         sys.stderr; ``out`` when only ``out`` is given).
+      **deprecated: the keywords `Restarts` replaced (``max_restarts``, ``min_processes``,
+        ``restart_backoff``, ``join_timeout``, ``rejoin_interval``), for one release.
 
     Returns:
       0 if every process of a round exited 0, else the code of the failure that ended the job
@@ -128,13 +123,13 @@ def launch(
 
     Example, as ``replicator launch -n 4 --max-restarts 3 --min-processes 2 -- python train.py``::
 
-        code = rp.distributed.launch(["python", "train.py"], num_processes=4,
-                                     max_restarts=3, min_processes=2)
+        code = rp.distributed.launch(
+            ["python", "train.py"], num_processes=4,
+            restarts=rp.distributed.Restarts(max_restarts=3, min_processes=2))
     """
+    r = from_keywords(restarts, deprecated)
     _check_launch_args(command, num_processes, devices_per_process, port, grace, watchdog)
-    _check_restart_args(
-        num_processes, max_restarts, min_processes, restart_backoff, join_timeout, rejoin_interval
-    )
+    check(num_processes, r)
     read_end, write_end = os.pipe()  # the launcher's lifeline: its end closes with the launcher
     job = _Job(
         tuple(command), num_processes, devices_per_process, grace, watchdog,
@@ -143,8 +138,8 @@ def launch(
     signals: queue.Queue = queue.Queue()
     previous = _install_forwarding(signals)
     try:
-        policy = _Policy(job, max_restarts, min_processes or num_processes, restart_backoff)
-        return policy.run(signals, port, join_timeout, rejoin_interval)
+        policy = _Policy(job, r.max_restarts, r.min_processes or num_processes, r.backoff)
+        return policy.run(signals, port, r.join_timeout, r.rejoin_interval)
     finally:
         _restore_signals(previous)
         os.close(read_end)
@@ -423,10 +418,6 @@ def _restore_signals(previous: dict) -> None:
         signal.signal(sig, handler)
 
 
-def _seconds(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x and x != x + 1
-
-
 def _check_launch_args(command, num_processes, devices_per_process, port, grace, watchdog):
     api = "replicator launch"
     errors.positive_int(num_processes, api=api, name="-n")
@@ -445,11 +436,11 @@ def _check_launch_args(command, num_processes, devices_per_process, port, grace,
             f"replicator launch: --port must be an int in 1..65535 (or left out for a free "
             f"one); got {port!r}."
         )
-    if not _seconds(grace) or grace < 0:
+    if not seconds(grace) or grace < 0:
         raise ValueError(
             f"replicator launch: --grace must be a number of seconds >= 0; got {grace!r}."
         )
-    if watchdog is not None and (not _seconds(watchdog) or watchdog <= 0):
+    if watchdog is not None and (not seconds(watchdog) or watchdog <= 0):
         raise ValueError(
             f"replicator launch: --watchdog must be a number of seconds > 0 (or left out for "
             f"no watchdog); got {watchdog!r}."
@@ -464,37 +455,3 @@ def _check_launch_args(command, num_processes, devices_per_process, port, grace,
             f"replicator launch: command {command[0]!r} not found (not an executable file, "
             f"nor on PATH); check its name, or give its path."
         )
-
-
-def _check_restart_args(n, max_restarts, min_processes, backoff, join_timeout, rejoin_interval):
-    api = "replicator launch"
-    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
-        raise ValueError(f"{api}: --max-restarts must be an int >= 0; got {max_restarts!r}.")
-    if min_processes is not None:
-        errors.positive_int(min_processes, api=api, name="--min-processes")
-        if min_processes > n:
-            raise ValueError(
-                f"{api}: --min-processes {min_processes} is more than -n {n}; give at most {n}."
-            )
-        if min_processes < n and max_restarts < 1:
-            raise ValueError(
-                f"{api}: --min-processes {min_processes} resizes the job on a restart, and "
-                f"--max-restarts is {max_restarts}; give --max-restarts 1 or more."
-            )
-        smaller = [p for p in range(1, n) if n % p == 0]
-        if min_processes < n and not [p for p in smaller if p >= min_processes]:
-            valid = ", ".join(map(str, smaller[::-1]))
-            raise ValueError(
-                f"{api}: --min-processes {min_processes} can never act with -n {n}: the job "
-                f"shrinks to a count that divides {n}, and none lies in [{min_processes}, {n}); "
-                f"give --min-processes {valid} or {n} (no resizing)."
-            )
-    for name, value in (
-        ("--restart-backoff", backoff),
-        ("--join-timeout", join_timeout),
-        ("--rejoin-interval", rejoin_interval),
-    ):
-        least = 0 if name == "--restart-backoff" else 1e-9
-        if not _seconds(value) or value < least:
-            bound = ">= 0" if least == 0 else "> 0"
-            raise ValueError(f"{api}: {name} must be a number of seconds {bound}; got {value!r}.")
