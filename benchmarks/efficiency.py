@@ -37,7 +37,7 @@ Part ``pipelines`` reads the same figures for the pipeline schedules, on the GPT
 M = 8 micro-batches on ``{data: 2, stage: 4}``:
 
 * **FLOPs per device** of each schedule under each remat policy against plain data
-  parallelism's (``{data: 8}``) on the same batch. The 1F1B family skips its idle ticks under
+  parallelism's (``{data: 8}``) on the same batch. 1F1B and its kin (interleaved, ZeroBubble) skip its idle ticks under
   ``lax.cond``, so its count is the work it executes; GPipe and Circular compute through their
   bubbles. With 4 layers for GPipe, 1F1B and ZeroBubble; with 8 layers (K x V = 8) for
   Interleaved1F1B and Circular beside 1F1B and data parallelism at 8 layers.

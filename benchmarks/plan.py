@@ -158,8 +158,9 @@ def part_rank(results: dict) -> None:
         )
         print("|---|---|---|---|---|---|---|")
         for which, layouts in sets.items():
+            timing = rp.planner.TimingOptions(model_flops=jobs.model_flops(cfg))
             report = rp.plan(build, layouts, hardware=cpu, memory="8GiB", workers=0,
-                             model_flops=jobs.model_flops(cfg))  # fmt: skip
+                             timing=timing)  # fmt: skip
             planned = {str(c.layout): c for c in report.ranked}
             for lay in layouts:
                 c = planned.get(str(lay))

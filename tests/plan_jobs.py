@@ -1,6 +1,7 @@
 """Jobs for rp.plan's tests, importable by its worker processes: fake compiled programs with
 chosen peaks (to test the search), and the GPT built from shapes for any layout (a long-sequence
-GPT for context axes, a mixture-of-experts GPT for expert axes)."""
+GPT for context axes, a mixture-of-experts GPT for expert axes); `ladders`, the layouts of a
+model from the option records' fields."""
 
 import dataclasses
 import functools
@@ -128,3 +129,17 @@ def crashing_build(layout: rp.planner.Layout):
 
         os._exit(7)
     return fake_build(layout)
+
+
+def ladders(n: int, **fields) -> list:
+    """`rp.planner.enumerate_layouts` of ``n`` devices, each keyword put in the record that has
+    it (`ModelSizes`, `SearchOptions` or `AxisLimits`)."""
+    planner = rp.planner
+    records = {}
+    for name, cls in (("sizes", planner.ModelSizes), ("search", planner.SearchOptions),
+                      ("limits", planner.AxisLimits)):  # fmt: skip
+        mine = {f.name for f in dataclasses.fields(cls)} & set(fields)
+        if mine or name == "sizes":
+            records[name] = cls(**{key: fields.pop(key) for key in mine})
+    assert not fields, f"no record has {sorted(fields)}"
+    return planner.enumerate_layouts(n, **records)

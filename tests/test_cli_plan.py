@@ -6,7 +6,9 @@ import json
 import pathlib
 import subprocess
 import sys
+import types
 
+import plan_jobs
 import pytest
 import yaml
 
@@ -23,20 +25,28 @@ def replicator(*args, timeout=600):
     )  # fmt: skip
 
 
-@pytest.mark.slow
-def test_plan_writes_the_best_layout_as_a_config_that_trains(tmp_path):
-    """A small GPT on 8 devices, ZeRO-1 layouts with 1F1B or none, model and stage axes up to
-    2: the table ranks the layouts that fit 4 MiB, the written config holds the best layout
-    and `replicator train` runs it."""
-    out, report = tmp_path / "best.yaml", tmp_path / "plan.json"
+@pytest.fixture(scope="module")
+def small_plan(tmp_path_factory):
+    """`replicator plan` of a small GPT on 8 devices: ZeRO-1 layouts with 1F1B or none, model
+    and stage axes up to 2, within 4 MiB; every layout priced and the 2 fastest ladders
+    compiled; the wide table. Its run, the written config's path and the JSON."""
+    tmp = tmp_path_factory.mktemp("small_plan")
+    out, report = tmp / "best.yaml", tmp / "plan.json"
     run = replicator(
         "plan", "configs/lm_dp.yaml", *SMALL, "--devices", 8, "--memory", "4MiB",
         "--hardware", "tpu-v5e", "--schedules", "1f1b", "--max-model", 2, "--max-stage", 2,
-        "--zero-stages", 1, "--out", out, "--json", report,
+        "--zero-stages", 1, "--compile-top", 2, "--wide", "--out", out, "--json", report,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
+    return types.SimpleNamespace(run=run, out=out, plan=json.loads(report.read_text()))
+
+
+@pytest.mark.slow
+def test_plan_writes_the_best_layout_as_a_config_that_trains(small_plan, tmp_path):
+    """The table ranks the layouts that fit 4 MiB, the written config holds the best layout
+    and `replicator train` runs it."""
+    run, out, plan = small_plan.run, small_plan.out, small_plan.plan
     assert "layouts that fit, fastest first" in run.stdout and f"wrote {out}" in run.stdout
-    plan = json.loads(report.read_text())
     best = plan["best"]
     assert plan["ranked"][0]["layout"] == best and best["zero_stage"] == 1
     assert all(c["compiled"]["memory"]["peak"] <= 4 * 2**20 for c in plan["ranked"])
@@ -54,56 +64,110 @@ def test_plan_writes_the_best_layout_as_a_config_that_trains(tmp_path):
     assert [json.loads(line)["step"] for line in metrics] == [1, 2]
 
 
-@pytest.mark.slow  # 4.5 s
-def test_plan_refusals_exit_2_with_the_message():
-    run = replicator("plan", "configs/lm_dp.yaml", "--devices", 8, "--hardware", "tpu-v9")
-    assert run.returncode == 2
-    assert "replicator plan: hardware='tpu-v9' is neither a known profile" in run.stderr
-    run = replicator("plan", "configs/lm_dp.yaml", "--devices", 0)
-    assert run.returncode == 2 and "--devices must be 1 or more; got 0" in run.stderr
-    run = replicator("plan", "configs/lm_dp.yaml", "--devices", 8, "--memory", "lots")
-    assert run.returncode == 2 and "memory='lots' is not a size" in run.stderr
-    run = replicator("plan", "configs/mlp_zero.yaml", "--devices", 8, "--compile-top", 2)
-    assert run.returncode == 2 and "--compile-top prices a GPT; " in run.stderr
-    run = replicator("plan", "configs/lm_dp.yaml", "--devices", 8, "--compile-top", "some")
-    assert run.returncode == 2 and "--compile-top must be a number >= 1 or 'all'" in run.stderr
-
-
-@pytest.mark.slow  # two families compiled on 8 emulated devices
-def test_plan_compile_top_prices_every_layout_and_compiles_two_families(tmp_path):
-    out = tmp_path / "plan.json"
-    run = replicator("plan", "configs/lm_dp.yaml", *SMALL, "--devices", 8, "--hardware",
-                     "tpu-v5e", "--compile-top", 2, "--json", out, "--out", tmp_path / "p.yaml")  # fmt: skip
-    assert run.returncode == 0, run.stderr[-2000:]
-    report = json.loads(out.read_text())
+@pytest.mark.slow
+def test_plan_compile_top_prices_every_layout_and_compiles_two_ladders(small_plan):
+    """``--compile-top 2``: every layout priced, at most 3 layouts of each of 2 ladders
+    compiled; ``--wide`` shows the step's parts and the priced figures beside the compiled."""
+    run, report = small_plan.run, small_plan.plan
     everything = [*report["ranked"], *report["rejected"]]
     assert report["priced"] == len(everything) and all(c["priced"] for c in everything)
     tried = [c for c in everything if c["status"] not in ("skipped", "too big (priced)")]
-    assert 1 <= len(tried) <= 2 * 3  # at most 3 layouts of each of the 2 families
-    assert "priced first" in run.stdout and "compiling the 2 fastest families" in run.stderr
-    assert "priced peak" in run.stdout  # the formulas' figures beside each program's
+    assert 1 <= len(tried) <= 2 * 3  # at most 3 layouts of each of the 2 ladders
+    assert "priced first" in run.stdout and "compiling the 2 fastest ladders" in run.stderr
+    header = next(line for line in run.stdout.splitlines() if "peak/device" in line)
+    assert [c.strip() for c in header.split("┃")[1:-1]] == [
+        "#", "layout", "peak/device", "step", "compute", "bubble", "ICI", "DCN", "MFU",
+        "priced peak", "priced step",
+    ]  # fmt: skip
 
 
-def test_plan_prices_a_gpt_first_by_default_and_compiles_every_family_when_told(monkeypatch):
-    """Without --compile-top a GPT is priced and 4 families compiled; ``all`` compiles every
-    family, as does the default for a model the formulas do not price."""
+def test_plan_prints_the_columns_to_choose_by_in_120_columns_and_every_column_with_wide(
+    monkeypatch, capsys, tmp_path
+):
+    """The default table fits a 120-column terminal with the layouts' longest names, and
+    names what ``--wide`` and ``--json`` add; ``--wide`` prints the step's parts and the priced
+    figures; the JSON carries them all. (`rp.plan` here plans fake programs, at once.)"""
+    from replicator import cli
+    from replicator.cli import plan
+
+    layouts = [
+        rp.planner.Layout(data=1, stage=2, schedule="interleaved", microbatches=4, repeats=2,
+                          context=2, attention="all_to_all", model=2, zero_stage=1,
+                          remat="dots"),
+        rp.planner.Layout(data=4, model=2, zero_stage=3, accumulate_steps=16, remat=True),
+    ]  # fmt: skip
+    real = rp.plan
+
+    def fake_plan(build, ladders, **kw):
+        return real(plan_jobs.fake_build, layouts, **{**kw, "workers": 0, "progress": False})
+
+    monkeypatch.setattr(plan.rp, "plan", fake_plan)
+    shown = {}
+    for flag in ([], ["--wide"]):
+        report = tmp_path / f"plan{len(flag)}.json"
+        argv = ["plan", str(ROOT / "configs/lm_dp.yaml"), *SMALL, "--devices", "8",
+                "--hardware", "tpu-v5e", "--out", str(tmp_path / "p.yaml"), "--json",
+                str(report), *flag]  # fmt: skip
+        assert cli.main(argv) == 0
+        shown[bool(flag)] = capsys.readouterr().out
+    narrow, wide = (shown[w].split("\nwrote ")[0] for w in (False, True))  # the paths aside
+    assert max(map(len, narrow.splitlines())) <= 120, narrow
+    header = lambda text: next(line for line in text.splitlines() if "peak/device" in line)
+    names = lambda text: [c.strip() for c in header(text).split("┃")[1:-1]]
+    assert names(narrow) == ["#", "layout", "peak/device", "step", "MFU"]
+    assert "or --wide; every figure: to_json() or --json" in narrow
+    assert names(wide) == ["#", "layout", "peak/device", "step", "compute", "bubble", "ICI",
+                           "DCN", "MFU", "priced peak", "priced step"]  # fmt: skip
+    assert str(layouts[0]) in wide
+    for c in json.loads(report.read_text())["ranked"]:
+        assert {"total", "compute", "bubble", "ici", "dcn", "mfu"} <= set(c["time"])
+        assert c["compiled"]["memory"]["peak"] and c["priced"]["peak_bytes"]
+
+
+def test_plan_prices_a_gpt_first_by_default_and_compiles_every_ladder_when_told(monkeypatch):
+    """Without --compile-top a GPT is priced and 4 ladders compiled; ``all`` compiles every
+    ladder, as does the default for a model the formulas do not price."""
     from replicator import cli
     from replicator.cli import plan
 
     seen = {}
-    monkeypatch.setattr(plan.rp, "plan", lambda build, families, **kw: seen.update(kw) or 0 / 0)
+    monkeypatch.setattr(plan.rp, "plan", lambda build, ladders, **kw: seen.update(kw) or 0 / 0)
     for flag, priced in (([], 4), (["--compile-top", "all"], None), (["--compile-top", "7"], 7)):
         seen.clear()
         with pytest.raises(ZeroDivisionError):
             cli.main(["plan", str(ROOT / "configs/lm_dp.yaml"), *SMALL, "--devices", "8", *flag])
-        assert seen.get("compile_top") == priced and ("model" in seen) == bool(priced)
+        pricing = seen["pricing"]
+        assert (None if pricing is None else pricing.compile_top) == priced
+        assert pricing is None or pricing.model.d_model == 32  # the config's GPT
     seen.clear()
     with pytest.raises(ZeroDivisionError):
         cli.main(["plan", str(ROOT / "configs/mlp_zero.yaml"), "--devices", "8"])
-    assert "model" not in seen and "compile_top" not in seen
+    assert seen["pricing"] is None
 
 
-@pytest.mark.slow  # 12 TPU programs compiled here
+def test_plan_refusals_exit_2_with_the_message(capsys):
+    """Each refused before anything compiles, with exit code 2 and one line naming the
+    option (`replicator.cli.main`, which ``replicator`` exits with)."""
+    from replicator import cli
+
+    config = str(ROOT / "configs/lm_dp.yaml")
+    for argv, message in [
+        ([config, "--devices", "8", "--hardware", "tpu-v9"],
+         "replicator plan: hardware='tpu-v9' is neither a known profile"),
+        ([config, "--devices", "0"], "--devices must be 1 or more; got 0"),
+        ([config, "--devices", "8", "--memory", "lots"], "memory='lots' is not a size"),
+        ([str(ROOT / "configs/mlp_zero.yaml"), "--devices", "8", "--compile-top", "2"],
+         "--compile-top prices a GPT; "),
+        ([config, "--devices", "8", "--compile-top", "some"],
+         "--compile-top must be a number >= 1 or 'all'"),
+        ([config, "--target", "v5p-16", "--devices", "4"], "which has 8 chips; drop --devices"),
+        ([config], "give --devices N"),
+    ]:  # fmt: skip
+        assert cli.main(["plan", *argv]) == 2, argv
+        assert message in capsys.readouterr().err, argv
+
+
+@pytest.mark.slow  # 4 TPU programs compiled here
 def test_plan_for_a_tpu_target_compiles_each_layout_for_the_tpu(tmp_path):
     """--target v5p-16: the layouts of 8 chips, each compiled by libtpu for TPU v5p and priced
     on its chip (peak under its HBM); the best is written as a config."""
@@ -117,13 +181,9 @@ def test_plan_for_a_tpu_target_compiles_each_layout_for_the_tpu(tmp_path):
     assert "plan for 8 devices of tpu-v5p" in run.stdout
     plan = json.loads(report.read_text())
     assert plan["ranked"] and plan["hardware"]["name"] == "tpu-v5p"
-    assert all(c["compiled"]["memory"]["peak"] <= rp.planner.HARDWARE_PROFILES["tpu-v5p"].memory_bytes
-               for c in plan["ranked"])  # fmt: skip
+    hbm = rp.planner.HARDWARE_PROFILES["tpu-v5p"].memory_bytes
+    assert all(c["compiled"]["memory"]["peak"] <= hbm for c in plan["ranked"])
     assert yaml.safe_load(out.read_text())["model"]["d_model"] == 32
-    refused = replicator("plan", "configs/lm_dp.yaml", "--target", "v5p-16", "--devices", 4)
-    assert refused.returncode == 2 and "which has 8 chips; drop --devices" in refused.stderr
-    refused = replicator("plan", "configs/lm_dp.yaml")
-    assert refused.returncode == 2 and "give --devices N" in refused.stderr
 
 
 # -- context and expert axes ----------------------------------------------------------------------
@@ -146,8 +206,8 @@ def test_a_long_sequence_config_gets_context_layouts_written_into_mesh():
 
     args = plan_args("--max-model", "1", "--max-stage", "1", "--zero-stages", "1")
     cfg = config_lib.load(str(ROOT / "configs/lm_dp.yaml"), LONG)
-    families = plan.layouts_for(cfg, 8, args)
-    contexts = {(f.layouts[0].context, f.layouts[0].attention) for f in families}
+    ladders = plan.layouts_for(cfg, 8, args)
+    contexts = {(f.layouts[0].context, f.layouts[0].attention) for f in ladders}
     attention = {"ring", "all_to_all"} if "attention" in plan._model_keys() else {"ring"}
     assert contexts == {(1, None)} | {(c, a) for c in (2, 4, 8) for a in attention
                                       if a == "ring" or 4 % c == 0}  # fmt: skip
@@ -157,7 +217,7 @@ def test_a_long_sequence_config_gets_context_layouts_written_into_mesh():
         cfg, 8, plan_args("--max-context", "2", "--attention", "ring", "--max-model", "1",
                           "--max-stage", "1"))} == {1, 2}  # fmt: skip
     raw = dataclasses.asdict(cfg)
-    raw.pop("learning_rate")
+    raw.pop("learning_rate", None)
     written = plan.with_layout(raw, rp.planner.Layout(data=2, context=4, zero_stage=1))
     assert written["mesh"] == {"data": 2, "context": 4} and written["cpu_devices"] == 8
     assert written["model"].get("attention", "ring") == "ring"
@@ -173,15 +233,19 @@ def test_a_long_sequence_config_gets_context_layouts_written_into_mesh():
 def test_plan_lists_context_layouts_for_a_long_sequence(tmp_path):
     """`replicator plan` on configs/lm_dp.yaml with 512-token sequences: the table lists the
     context layouts (compiled: the ring's and the all-to-all's bytes in the JSON) beside data
-    parallelism, and writes the best."""
+    parallelism, and writes the best. Its 5 ladders (data parallel; a context axis of 2 or 4,
+    ring or all-to-all) are all compiled, each from its fastest priced layout; the table fits
+    120 columns."""
     out, report = tmp_path / "best.yaml", tmp_path / "plan.json"
     run = replicator(
         "plan", "configs/lm_dp.yaml", *LONG, "--devices", 8, "--memory", "1GiB",
         "--hardware", "tpu-v5e", "--max-model", 1, "--max-stage", 1, "--zero-stages", 1,
-        "--max-context", 4, "--compile-top", "all", "--out", out, "--json", report,
+        "--max-context", 4, "--compile-top", 5, "--out", out, "--json", report,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     assert "data=2 context=4 ring zero=1" in run.stdout, run.stdout
+    table = run.stdout.split("\nwrote ")[0]  # the paths written aside
+    assert max(map(len, table.splitlines())) <= 120, run.stdout
     plan = json.loads(report.read_text())
     ranked = {(c["layout"]["context"], c["layout"]["attention"]): c for c in plan["ranked"]}
     assert {(2, "ring"), (4, "ring"), (1, None)} <= set(ranked)
@@ -209,11 +273,11 @@ def test_splash_configs_plan_no_model_axis_and_zero_below_3_without_reduce_dtype
     parser = argparse.ArgumentParser()
     plan_cli.add_parser(parser.add_subparsers())
     args = parser.parse_args(["plan", "configs/llama2_70b.yaml", "--devices", "256"])
-    families = plan_cli.layouts_for(cfg, 256, args)
-    layouts = [lay for f in families for lay in f.layouts]
+    ladders = plan_cli.layouts_for(cfg, 256, args)
+    layouts = [lay for f in ladders for lay in f.layouts]
     assert layouts and all(lay.model == lay.context == lay.expert == 1 for lay in layouts)
     raw = dataclasses.asdict(cfg)
-    raw.pop("learning_rate")
+    raw.pop("learning_rate", None)
     for lay in (
         rp.planner.Layout(data=256, zero_stage=1),
         rp.planner.Layout(data=256, zero_stage=3),

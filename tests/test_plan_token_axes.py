@@ -16,15 +16,16 @@ from replicator._src.report.cost_model import CollectiveCost, CompiledStep
 HEADS = 4
 
 
-def splits(families):
-    """The (expert, context, attention) splits of the families' layouts."""
-    return sorted({(lay.expert, lay.context, lay.attention or "") for f in families
+def splits(ladders):
+    """The (expert, context, attention) splits of the ladders' layouts."""
+    return sorted({(lay.expert, lay.context, lay.attention or "") for f in ladders
                    for lay in f.layouts})  # fmt: skip
 
 
 def long_gpt(n=8, **options):
+    """The ladders of a 512-token GPT on ``n`` devices, ``options`` the records' fields."""
     defaults = dict(global_batch=16, num_layers=4, num_heads=HEADS, hidden=128, seq_len=512)
-    return rp.planner.enumerate_layouts(n, **{**defaults, **options})
+    return plan_jobs.ladders(n, **{**defaults, **options})
 
 
 # -- enumeration ----------------------------------------------------------------------------------
@@ -34,12 +35,12 @@ def test_a_long_sequence_gets_context_axes_with_each_attention_its_heads_allow()
     """seq_len 512 on 8 devices: C = 2, 4, 8 divide 8 and keep >= 64 tokens a device; the ring
     at each (512 divides into 2C zigzag chunks), all-to-all where the 4 heads per model device
     divide by C (C = 2, 4 at model=1; C = 2 at model=2; none at model=4)."""
-    families = long_gpt()
-    assert splits(families) == [
+    ladders = long_gpt()
+    assert splits(ladders) == [
         (1, 1, ""), (1, 2, "all_to_all"), (1, 2, "ring"), (1, 4, "all_to_all"), (1, 4, "ring"),
         (1, 8, "ring"),
     ]  # fmt: skip
-    lays = [lay for f in families for lay in f.layouts]
+    lays = [lay for f in ladders for lay in f.layouts]
     assert all(lay.num_devices == 8 and lay.expert == 1 for lay in lays)
     a2a = {(lay.context, lay.model) for lay in lays if lay.attention == "all_to_all"}
     assert a2a == {(2, 1), (2, 2), (4, 1)}
@@ -56,7 +57,7 @@ def test_a_long_sequence_gets_context_axes_with_each_attention_its_heads_allow()
         "gpipe", "1f1b", "circular", "interleaved", "zerobubble"
     }  # fmt: skip
     # each split is a mesh of its own: the layouts of the plain split are those without seq_len
-    plain = [str(f) for f in families if f.layouts[0].context == 1]
+    plain = [str(f) for f in ladders if f.layouts[0].context == 1]
     assert plain == [str(f) for f in long_gpt(seq_len=None)]
 
 
@@ -84,7 +85,7 @@ def test_the_context_rule_sequence_length_chunks_zigzag_and_limits():
     assert (1, 8, "all_to_all") in splits(long_gpt(seq_len=520, num_heads=8))
     assert (1, 8, "ring") in splits(long_gpt(seq_len=520, num_heads=8, zigzag=False))
     assert splits(long_gpt(max_context=2, attention=("ring",))) == [(1, 1, ""), (1, 2, "ring")]
-    with pytest.raises(ValueError, match=r"enumerate_layouts: attention=\['flash'\]; choose"):
+    with pytest.raises(ValueError, match=r"SearchOptions: attention=\['flash'\]; choose"):
         long_gpt(attention=("flash",))
 
 
@@ -93,9 +94,9 @@ def test_a_mixture_of_experts_gets_expert_axes_and_no_pipeline_or_context():
     (the MoE GPT has no pipeline layout), no context axis even at seq_len 512 (context and
     expert do not go together), and every micro-batch of a replica splits over the expert
     axis."""
-    families = long_gpt(num_experts=4)
-    assert splits(families) == [(1, 1, ""), (2, 1, ""), (4, 1, "")]
-    lays = [lay for f in families for lay in f.layouts]
+    ladders = long_gpt(num_experts=4)
+    assert splits(ladders) == [(1, 1, ""), (2, 1, ""), (4, 1, "")]
+    lays = [lay for f in ladders for lay in f.layouts]
     assert all(lay.stage == 1 and lay.context == 1 for lay in lays)
     for lay in lays:
         micro = 16 // lay.data // lay.accumulate_steps
@@ -108,7 +109,7 @@ def test_a_mixture_of_experts_gets_expert_axes_and_no_pipeline_or_context():
     assert (2, 4) not in {(lay.data, lay.expert) for f in small for lay in f.layouts}
     assert splits(long_gpt(num_experts=6)) == [(1, 1, ""), (2, 1, "")]  # 6 experts split by 2
     assert splits(long_gpt(num_experts=8, max_expert=4)) == [(1, 1, ""), (2, 1, ""), (4, 1, "")]
-    with pytest.raises(ValueError, match=r"num_experts must be an int >= 0"):
+    with pytest.raises(ValueError, match=r"ModelSizes: num_experts must be an int >= 0"):
         long_gpt(num_experts=-1)
 
 
@@ -193,20 +194,28 @@ def by_kind(outcome, kind, axes):
     return sum(c.wire_bytes for c in found), sum(c.count for c in found)
 
 
+RING = rp.planner.Layout(data=2, context=4)
+ALL_TO_ALL = rp.planner.Layout(data=2, context=4, attention="all_to_all")
+
+
+@pytest.fixture(scope="module")
+def context_plan():
+    """The GPT (2 layers, seq 128, 4 heads) on data=2 x context=4, ring and all-to-all, planned
+    here: each compiled once for the tests below."""
+    return rp.plan(plan_jobs.context_gpt_build, [RING, ALL_TO_ALL], hardware="tpu-v5e",
+                   memory="1GiB", workers=0)  # fmt: skip
+
+
 @pytest.mark.slow
-def test_a_plan_prices_the_ring_and_the_all_to_all_of_a_context_layout():
-    """The GPT (2 layers, seq 128, 4 heads) on data=2 x context=4, planned here: the ring
-    sends 2 (C-1) K/V blocks a layer forward and 2 (C-1) + 2 C backward (K, V, dK, dV and their
-    trip home), the all-to-all 4 local activation blocks a layer forward and 4 backward, each
-    (C-1)/C of it on the wire; the modelled time spends them at the ICI bandwidth."""
+def test_a_plan_prices_the_ring_and_the_all_to_all_of_a_context_layout(context_plan):
+    """The ring sends 2 (C-1) K/V blocks a layer forward and 2 (C-1) + 2 C backward (K, V,
+    dK, dV and their trip home), the all-to-all 4 local activation blocks a layer forward and
+    4 backward, each (C-1)/C of it on the wire; the modelled time spends them at the ICI
+    bandwidth."""
     config, batch, c = plan_jobs.CONTEXT, plan_jobs.CONTEXT_BATCH, 4
     layers = config.num_layers
-    ring, a2a = (
-        rp.planner.Layout(data=2, context=c),
-        rp.planner.Layout(data=2, context=c, attention="all_to_all"),
-    )
-    report = rp.plan(plan_jobs.context_gpt_build, [ring, a2a], hardware="tpu-v5e",
-                     memory="1GiB", workers=0)  # fmt: skip
+    ring, a2a = RING, ALL_TO_ALL
+    report = context_plan
     assert report.compiled == 2 and len(report.ranked) == 2
     got = {str(cand.layout): cand for cand in report.ranked}
     block = block_bytes(config, batch, 2, c)
@@ -224,14 +233,13 @@ def test_a_plan_prices_the_ring_and_the_all_to_all_of_a_context_layout():
 
 
 @pytest.mark.slow
-def test_the_plans_collective_bytes_are_those_of_repl_explain():
+def test_the_plans_collective_bytes_are_those_of_repl_explain(context_plan):
     """A ring layout's collectives as the plan holds them (what it prices) against
     `repl.explain`'s report of the same layout, kind by kind and axes by axes, within 5%."""
-    layout = rp.planner.Layout(data=2, context=4)
-    report = rp.plan(plan_jobs.context_gpt_build, [layout], hardware="tpu-v5e", memory="1GiB",
-                     workers=0)  # fmt: skip
+    layout = RING
+    (planned,) = [c for c in context_plan.ranked if c.layout == layout]
     mine: dict = {}
-    for col in report.ranked[0].outcome.compiled.collectives:
+    for col in planned.outcome.compiled.collectives:
         mine[col.kind, col.axes] = mine.get((col.kind, col.axes), 0.0) + col.wire_bytes
     repl, step_fn, state, *args = plan_jobs.context_gpt_build(layout)
     theirs: dict = {}

@@ -5,6 +5,7 @@ import dataclasses
 import pathlib
 
 import jax
+import plan_jobs
 import pytest
 
 import replicator as rp
@@ -90,7 +91,7 @@ def test_priced_mixture_of_experts_is_within_10_percent_of_its_compiled_program(
 def _check_against_compiled(config, overrides, layout, shape):
     cfg = config_lib.load(ROOT / f"configs/{config}.yaml", overrides)
     raw = dataclasses.asdict(cfg)
-    raw.pop("learning_rate")
+    raw.pop("learning_rate", None)
     repl, step_fn, state, batch = plan_cli.build_layout(raw, layout)
     report = repl.explain(step_fn, state, batch)
     priced = pricing.price(layout, shape)
@@ -117,26 +118,24 @@ def _check_against_compiled(config, overrides, layout, shape):
 # -- the planner's first stage ---------------------------------------------------------------
 
 
-def test_front_runners_drop_what_cannot_fit_and_rank_the_fastest_families_first():
+def test_front_runners_drop_what_cannot_fit_and_rank_the_fastest_ladders_first():
     """8 devices, the model above: a budget under every layout's priced peak drops every
-    family, not compiled; under a roomy one every family is ranked by its fastest layout, and
+    ladder, not compiled; under a roomy one every ladder is ranked by its fastest layout, and
     the layouts not compiled are listed with why."""
-    families = rp.planner.enumerate_layouts(
-        8, global_batch=32, num_layers=4, num_heads=4, hidden=512
-    )
+    ladders = plan_jobs.ladders(8, global_batch=32, num_layers=4, num_heads=4, hidden=512)
     profile = rp.planner.hardware_profile("tpu-v5e")
     timing = {"overlap": 0.0, "model_flops": None}
-    ranked, dropped, prices = pricing.front_runners(families, SHAPE, 2**20, profile, timing)
+    ranked, dropped, prices = pricing.front_runners(ladders, SHAPE, 2**20, profile, timing)
     assert ranked == [] and {o.status for o in dropped} == {"too big (priced)"}
-    assert len(prices) == len(dropped) == sum(len(f.layouts) for f in families)
-    ranked, dropped, prices = pricing.front_runners(families, SHAPE, 2**34, profile, timing)
-    assert dropped == [] and len(ranked) == len(families)
-    # each family: at most 3 of its layouts to try, fastest first, each a group of its own
+    assert len(prices) == len(dropped) == sum(len(f.layouts) for f in ladders)
+    ranked, dropped, prices = pricing.front_runners(ladders, SHAPE, 2**34, profile, timing)
+    assert dropped == [] and len(ranked) == len(ladders)
+    # each ladder: at most 3 of its layouts to try, fastest first, each a group of its own
     assert all(1 <= len(tries) <= 3 for _, _, tries in ranked)
     assert all(len(f.groups) == len(f.layouts) <= 3 for f in pricing.to_compile(ranked))
     seconds = lambda lay: model_time(prices[lay].step(), profile).total
-    # 16 GiB: every layout fits, so each family is priced by its fastest layout (its first);
-    # each kind's fastest family comes first (pipelined or not, with a model axis or not),
+    # 16 GiB: every layout fits, so each ladder is priced by its fastest layout (its first);
+    # each kind's fastest ladder comes first (pipelined or not, with a model axis or not),
     # then the others, each group fastest first
     firsts = [tries[0] for _, _, tries in ranked]
     assert [s for s, _, _ in ranked] == list(map(seconds, firsts))
@@ -150,45 +149,40 @@ def test_front_runners_drop_what_cannot_fit_and_rank_the_fastest_families_first(
     others = pricing.not_compiled(ranked, 3, prices)
     tried = {lay for _, _, tries in ranked[:3] for lay in tries}
     assert len(others) == len(prices) - len(tried) and {o.status for o in others} == {"skipped"}
-    assert any("priced slower than the 3 families compiled" in o.reason for o in others)
-    with pytest.raises(ValueError, match="compile_top must be an int >= 1"):
-        rp.plan(lambda lay: None, families, model=SHAPE, compile_top=0, workers=0)
+    assert any("priced slower than the 3 ladders compiled" in o.reason for o in others)
+    with pytest.raises(ValueError, match="PricingOptions: compile_top must be an int >= 1"):
+        rp.planner.PricingOptions(model=SHAPE, compile_top=0)
 
 
-@pytest.mark.slow  # compiles two families of a small GPT
+@pytest.mark.slow  # compiles two ladders of a small GPT
 def test_a_priced_plan_compiles_only_its_front_runners():
-    import plan_jobs
-
     from replicator.models import gpt
 
-    families = rp.planner.enumerate_layouts(
-        8, global_batch=plan_jobs.BATCH, num_layers=4, num_heads=4
-    )
+    ladders = plan_jobs.ladders(8, global_batch=plan_jobs.BATCH, num_layers=4, num_heads=4)
     shape = gpt.model_shape(plan_jobs.CONFIG, plan_jobs.BATCH)
-    report = rp.plan(plan_jobs.gpt_build, families, hardware="tpu-v5e", memory="1GiB",
-                     workers=0, model=shape, compile_top=2)  # fmt: skip
+    pricing_options = rp.planner.PricingOptions(model=shape, compile_top=2)
+    report = rp.plan(plan_jobs.gpt_build, ladders, hardware="tpu-v5e", memory="1GiB",
+                     workers=0, pricing=pricing_options)  # fmt: skip
     everything = [*report.ranked, *report.rejected]
-    assert report.priced == len(everything) == sum(len(f.layouts) for f in families)
+    assert report.priced == len(everything) == sum(len(f.layouts) for f in ladders)
     assert all(c.priced is not None and c.priced_time is not None for c in everything)
     compiled = [c for c in everything if c.outcome.compiled is not None]
-    owners = {id(f) for f in families for c in compiled if c.layout in f.layouts}
+    owners = {id(f) for f in ladders for c in compiled if c.layout in f.layouts}
     assert compiled and len(owners) <= 2 and report.compiled == len(compiled)
     assert report.best is not None and report.ranked[0].time.total <= report.ranked[-1].time.total
     assert "priced first" in str(report) and '"priced"' in report.to_json()
 
 
-def test_a_priced_plan_compiles_the_next_families_while_none_fits():
-    """`planning._rounds`: the first ``compile_top`` families, then, while none fits, the next
+def test_a_priced_plan_compiles_the_next_ladders_while_none_fits():
+    """`planning._rounds`: the first ``compile_top`` ladders, then, while none fits, the next
     ones repriced by how far the compiled peaks were over their prices (`pricing.ROUNDS`
     rounds at most); the others are listed as not compiled."""
     from replicator._src.planner import planning, search
     from replicator._src.report.cost_model import CompiledStep
 
-    families = rp.planner.enumerate_layouts(
-        8, global_batch=32, num_layers=4, num_heads=4, hidden=512
-    )
+    ladders = plan_jobs.ladders(8, global_batch=32, num_layers=4, num_heads=4, hidden=512)
     profile, timing = rp.planner.hardware_profile("tpu-v5e"), {"overlap": 0.0, "model_flops": None}
-    ranked, _, prices = pricing.front_runners(families, SHAPE, 2**34, profile, timing)
+    ranked, _, prices = pricing.front_runners(ladders, SHAPE, 2**34, profile, timing)
     scales = []
 
     def reprice(rest, scale):

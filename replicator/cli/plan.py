@@ -27,8 +27,6 @@ from replicator.cli import jobs, targets
 from replicator.cli.config import MAX_CPU_DEVICES, TrainConfig
 from replicator.models import gpt
 
-COMPILE_TOP = 4  # families compiled after pricing, unless --compile-top says otherwise
-
 
 def add_parser(commands) -> None:
     """The ``plan`` subcommand's options."""
@@ -55,13 +53,17 @@ def add_parser(commands) -> None:
     )  # fmt: skip
     p.add_argument(
         "--hardware", default="cpu", metavar="NAME_OR_FILE",
-        help=f"a profile: {', '.join([*rp.planner.HARDWARE_PROFILES, 'cpu'])} (this machine, measured), or a "
-        "YAML file with name, peak_flops, memory_bytes, ici_bandwidth, dcn_bandwidth, "
-        "island_size (default: cpu)",
+        help=f"a profile: {', '.join([*rp.planner.HARDWARE_PROFILES, 'cpu'])} (this machine, "
+        "measured), or a YAML file with name, peak_flops, memory_bytes, ici_bandwidth, "
+        "dcn_bandwidth, island_size (default: cpu)",
     )  # fmt: skip
     p.add_argument("--out", metavar="PATH", help="where to write the best layout's config "
                    "(default: out_dir/name/plan.yaml)")  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="also write every layout's figures as JSON")
+    p.add_argument("--wide", action="store_true",
+                   help="print every column of the ranked table (the step's compute, bubble, "
+                   "ICI and DCN; the priced peak and step), not only those that fit 120 "
+                   "columns (peak, step, MFU)")  # fmt: skip
     p.add_argument("--workers", type=int, default=None, metavar="W",
                    help="processes that compile (default: 2, or 1 on one core)")  # fmt: skip
     p.add_argument("--overlap", type=float, default=0.0, metavar="F",
@@ -88,11 +90,12 @@ def add_parser(commands) -> None:
     p.add_argument("--zero-stages", default="0,1,2,3",
                    help="ZeRO stages to try, comma-separated (default: 0,1,2,3)")  # fmt: skip
     p.add_argument("--top", type=int, default=20, help="rows of each table to print")
+    top = rp.planner.PricingOptions.compile_top  # the record's default
     p.add_argument("--compile-top", default=None, metavar="K",
                    help="price every layout from formulas first (no compile: state, peak "
-                   "memory, FLOPs, collective bytes) and compile only the K families that "
-                   f"model fastest (default {COMPILE_TOP} for a GPT); 'all' "
-                   "compiles every family (the default for other models)")  # fmt: skip
+                   "memory, FLOPs, collective bytes) and compile only the K ladders of layouts "
+                   f"that model fastest (default {top} for a GPT); 'all' compiles every ladder "
+                   "(the default for other models)")  # fmt: skip
     targets.add_args(p, what="plan (compile every layout)")
 
 
@@ -103,9 +106,11 @@ def run(args: argparse.Namespace) -> int:
     anything compiles."""
     cfg = config_lib.load(args.config, args.overrides)
     n = check_args(args)
-    families = layouts_for(cfg, n, args)
-    if not families:
+    ladders = layouts_for(cfg, n, args)
+    if not ladders:
         raise ValueError(no_layouts(cfg, n, args))
+    budget = None if args.memory is None else parse_size(args.memory, "--memory")
+    pricing = pricing_options(cfg, args)
     target = targets.check_args(args)
     if target is not None:  # compiled for the TPU here; its chip is the profile
         cfg = targets.mesh_on_target(cfg, target)
@@ -114,19 +119,18 @@ def run(args: argparse.Namespace) -> int:
 
         jax.config.update("jax_num_cpu_devices", n)
         jax.config.update("jax_platforms", "cpu")
-    budget = None if args.memory is None else parse_size(args.memory, "--memory")
     profile = rp.planner.hardware_profile(args.hardware if target is None else target)
     budget = profile.memory_bytes if budget is None else budget
     check_state_fits(cfg, n, budget, given=args.memory is not None)
     raw = dataclasses.asdict(cfg)
-    raw.pop("learning_rate")  # short for optimizer.learning_rate, which holds it
+    raw.pop("learning_rate", None)  # a short form: optimizer.learning_rate holds it
     build = functools.partial(build_layout, raw, target=target)
+    timing = rp.planner.TimingOptions(overlap=args.overlap, model_flops=jobs.model_flops(cfg))
     report = rp.plan(
-        build, families, hardware=profile, memory=budget, model_flops=jobs.model_flops(cfg),
-        overlap=args.overlap, workers=args.workers or min(2, os.cpu_count() or 1),
-        progress=True, target=target, **_priced(cfg, args),
+        build, ladders, hardware=profile, memory=budget, timing=timing, pricing=pricing,
+        target=target, workers=args.workers or min(2, os.cpu_count() or 1), progress=True,
     )  # fmt: skip
-    print(report.table(top=args.top))
+    print(report.table(top=args.top, wide=args.wide))
     if args.json:
         with open(args.json, "w") as f:
             f.write(report.to_json() + "\n")
@@ -139,13 +143,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _priced(cfg: TrainConfig, args: argparse.Namespace) -> dict:
-    """`rp.plan`'s ``model`` and ``compile_top`` for ``--compile-top``: the GPT's sizes, and
-    `COMPILE_TOP` families unless told; nothing (compile every family) for ``all``, and by
+def pricing_options(cfg: TrainConfig, args: argparse.Namespace):
+    """`rp.plan`'s ``pricing`` for ``--compile-top``: the GPT's sizes, and the record's
+    default number of ladders unless told; None (compile every ladder) for ``all``, and by
     default for a model that cannot be priced."""
     top = args.compile_top
     if top == "all":
-        return {}
+        return None
     if top is not None and (not str(top).isdigit() or int(top) < 1):
         raise ValueError(f"--compile-top must be a number >= 1 or 'all'; got {top!r}.")
     shape = None
@@ -154,13 +158,15 @@ def _priced(cfg: TrainConfig, args: argparse.Namespace) -> dict:
         opt_slots = slots.get(cfg.optimizer.name, 2)
         shape = gpt.model_shape(jobs.gpt_config(cfg), cfg.global_batch, opt_slots)
     if shape is None and top is None:
-        return {}
+        return None
     if shape is None:
         raise ValueError(
             f"--compile-top prices a GPT; {args.config} has model.kind={cfg.model.kind!r}: "
-            f"leave --compile-top out (or give 'all') to compile every family."
+            f"leave --compile-top out (or give 'all') to compile every ladder."
         )
-    return {"model": shape, "compile_top": COMPILE_TOP if top is None else int(top)}
+    if top is None:
+        return rp.planner.PricingOptions(model=shape)
+    return rp.planner.PricingOptions(model=shape, compile_top=int(top))
 
 
 def check_args(args: argparse.Namespace) -> int:
@@ -245,7 +251,7 @@ def parse_size(text: str, flag: str) -> int:
 
 
 def layouts_for(cfg: TrainConfig, n: int, args: argparse.Namespace):
-    """The families of layouts the config's model allows on ``n`` devices."""
+    """The ladders of layouts the config's model allows on ``n`` devices."""
     m = cfg.model
     schedules = tuple(s for s in args.schedules.split(",") if s)
     try:
@@ -257,30 +263,26 @@ def layouts_for(cfg: TrainConfig, n: int, args: argparse.Namespace):
             f"--zero-stages={args.zero_stages!r}: give ZeRO stages 0, 1, 2 or 3, comma-separated, "
             f"e.g. --zero-stages 1,3."
         )
-    common = dict(global_batch=cfg.global_batch, schedules=schedules, max_stage=args.max_stage)
+    planner = rp.planner
     if m.kind == "gpt":
-        max_model = 8 if args.max_model is None else args.max_model
-        tokens = _token_options(m, args)
-        if getattr(m, "attention", None) == "splash":  # the kernel runs on whole heads and
-            max_model = 1  # sequences, on one device each (`replicator._src.sharded.splash`)
-            tokens.update(max_context=1, max_expert=1)
-        return rp.planner.enumerate_layouts(
-            n, num_layers=m.layers, num_heads=m.heads, hidden=m.d_ff or 4 * m.d_model,
-            zero_stages=zero, max_model=max_model, **tokens, **common,
-        )  # fmt: skip
+        sizes, attention, limits = _gpt_options(m, cfg.global_batch, args)
+        search = planner.SearchOptions(schedules=schedules, zero_stages=zero, attention=attention)
+        return planner.enumerate_layouts(n, sizes=sizes, search=search, limits=limits)
+    sizes = planner.ModelSizes(global_batch=cfg.global_batch, num_layers=1)
+    limits = planner.AxisLimits(max_model=1, max_stage=args.max_stage)
     if m.kind == "mlp":  # data parallel with ZeRO; its layers are always rematerialised
-        return rp.planner.enumerate_layouts(
-            n, num_layers=1, zero_stages=zero, max_model=1, remat=(False,), **common
-        )
+        search = planner.SearchOptions(schedules=schedules, zero_stages=zero, remat=(False,))
+        return planner.enumerate_layouts(n, sizes=sizes, search=search, limits=limits)
     if m.kind == "cnn":  # BatchNorm over the whole batch: ZeRO 0-2, no accumulation
         zero = tuple(z for z in zero if z < 3) or (0,)
-        return rp.planner.enumerate_layouts(
-            n, num_layers=1, zero_stages=zero, max_model=1, accumulate_steps=(1,),
-            remat=(False,), **common,
-        )  # fmt: skip
+        search = planner.SearchOptions(
+            schedules=schedules, zero_stages=zero, accumulate_steps=(1,), remat=(False,)
+        )
+        return planner.enumerate_layouts(n, sizes=sizes, search=search, limits=limits)
     raise ValueError(
         f"model.kind={m.kind!r}: plan lays out the built-in kinds (gpt, mlp, cnn); for your own "
-        f"model call rp.plan(build, rp.planner.enumerate_layouts(...)) with a build(layout) of yours."
+        f"model call rp.plan(build, rp.planner.enumerate_layouts(...)) with a build(layout) of "
+        f"yours."
     )
 
 
@@ -353,11 +355,14 @@ def _model_keys() -> set[str]:
     return {f.name for f in dataclasses.fields(config_lib.ModelConfig)}
 
 
-def _token_options(m, args: argparse.Namespace) -> dict:
-    """`rp.planner.enumerate_layouts`' context and expert options for the GPT section ``m``: its
-    sequence, its experts (``model.experts``, 0 if the config has no such key), its zigzag, and
-    the attentions asked for that the config can say (``ring`` alone, the GPT's default,
-    without a ``model.attention`` key)."""
+def _gpt_options(m, global_batch: int, args: argparse.Namespace):
+    """`rp.planner.enumerate_layouts`' ``sizes``, ``search.attention`` and ``limits`` for the
+    GPT section ``m``: its sizes, sequence, experts (``model.experts``, 0 if the config has no
+    such key) and zigzag; the attentions asked for that the config can say (``ring`` alone, the
+    GPT's default, without a ``model.attention`` key); the axis limits (a ``model`` axis of at
+    most 8 unless told, and none of ``model``, ``context`` or ``expert`` for splash attention,
+    which runs on whole heads and sequences on one device each:
+    `replicator._src.sharded.splash`)."""
     attention = tuple(a for a in args.attention.split(",") if a)
     bad = [a for a in attention if a not in ("ring", "all_to_all")]
     if bad or not attention:
@@ -366,14 +371,20 @@ def _token_options(m, args: argparse.Namespace) -> dict:
         )
     if "attention" not in _model_keys():
         attention = tuple(a for a in attention if a == "ring") or ("ring",)
-    options = dict(
-        seq_len=m.seq_len, d_model=m.d_model, attention=attention,
-        zigzag=bool(getattr(m, "zigzag", True)), max_context=args.max_context,
-        num_experts=int(getattr(m, "experts", 0) or 0), max_expert=args.max_expert,
+    sizes = rp.planner.ModelSizes(
+        global_batch=global_batch, num_layers=m.layers, num_heads=m.heads,
+        hidden=m.d_ff or 4 * m.d_model, seq_len=m.seq_len, d_model=m.d_model,
+        num_experts=int(getattr(m, "experts", 0) or 0), zigzag=bool(getattr(m, "zigzag", True)),
+    )  # fmt: skip
+    limits = dict(
+        max_model=8 if args.max_model is None else args.max_model, max_stage=args.max_stage,
+        max_context=args.max_context, max_expert=args.max_expert,
     )  # fmt: skip
     if args.min_context_seq is not None:  # else the library's rule (512 tokens)
-        options["min_context_seq"] = args.min_context_seq
-    return options
+        limits["min_context_seq"] = args.min_context_seq
+    if getattr(m, "attention", None) == "splash":
+        limits.update(max_model=1, max_context=1, max_expert=1)
+    return sizes, attention, rp.planner.AxisLimits(**limits)
 
 
 def with_layout(raw: dict, layout: rp.planner.Layout) -> dict:

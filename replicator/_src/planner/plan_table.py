@@ -10,8 +10,9 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.4g}"
 
 
-def renderable(r, top: int = 20):
-    """The rich renderable of a `planning.PlanReport` ``r``, its ``top`` rows each."""
+def renderable(r, top: int = 20, *, wide: bool = False):
+    """The rich renderable of a `planning.PlanReport` ``r``, its ``top`` rows each: the
+    columns to choose a layout by, or with ``wide`` every column (`COLUMNS`, `WIDE_COLUMNS`)."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -35,21 +36,27 @@ def renderable(r, top: int = 20):
         f"fit; {r.seconds:.1f} s with {r.workers or 'no'} worker process(es)"
         + (f"; {r.priced} priced first, in {r.priced_seconds:.1f} s" if r.priced else "")
     )
-    ranked = Table(title="layouts that fit, fastest first (modelled ms per step)",
-                   title_justify="left")  # fmt: skip
-    columns = ["#", "layout", "peak/device", "step", "compute", "bubble", "ICI", "DCN", "MFU"]
-    if r.priced:
-        columns += ["priced peak", "priced step"]
+    title = Text("layouts that fit, fastest first (modelled ms per step)")
+    ranked = Table()
+    columns = list(WIDE_COLUMNS if wide else COLUMNS)
+    if r.priced and wide:
+        columns += PRICED_COLUMNS
     for name in columns:
         ranked.add_column(name, justify="left" if name == "layout" else "right")
     for i, c in enumerate(r.ranked[:top], 1):
-        ranked.add_row(str(i), str(c.layout), *_figures(c, r.priced))
-    parts = [head, ranked]
+        figures = _figures(c)
+        ranked.add_row(*(str(i) if name == "#" else figures[name] for name in columns))
+    parts = [head, title, ranked]
     if len(r.ranked) > top:
         parts.append(Text(f"... and {len(r.ranked) - top} more that fit (to_json() has all)"))
+    if not wide:
+        more = ", priced peak and step" if r.priced else ""
+        parts.append(Text(f"compute, bubble, ICI, DCN{more}: table(wide=True) or --wide; every "
+                          f"figure: to_json() or --json"))  # fmt: skip
     shown = [c for c in r.rejected if c.outcome.status != search.SKIPPED][:top]
     if shown:
-        rejected = Table(title="rejected", title_justify="left")
+        parts.append(Text("rejected"))
+        rejected = Table()
         rejected.add_column("layout")
         rejected.add_column("memory/device", justify="right")
         rejected.add_column("why")
@@ -66,7 +73,7 @@ def renderable(r, top: int = 20):
         notes.append(f"{hidden} more rejected")
     if skipped:
         notes.append(
-            f"{skipped} not compiled: a layout of the same family that does no more work fits, "
+            f"{skipped} not compiled: a layout of the same ladder that does no more work fits, "
             f"or one that needs less memory does not"
         )
     if notes:
@@ -78,12 +85,20 @@ def renderable(r, top: int = 20):
     return Group(*parts)
 
 
-def _figures(c, priced: bool) -> list[str]:
-    """A ranked row's figures: the compiled peak and modelled times, and the priced ones."""
-    t = c.time
-    row = [format_bytes(c.peak_bytes), _ms(t.total), _ms(t.compute), _ms(t.bubble), _ms(t.ici),
-           _ms(t.dcn), "-" if t.mfu is None else f"{t.mfu:.1%}"]  # fmt: skip
-    if priced:  # the formulas' figures beside the program's
-        p = c.priced
-        row += ["-", "-"] if p is None else [format_bytes(p.peak_bytes), _ms(c.priced_time.total)]
+# The ranked table's columns: those to choose a layout by, and the wide table's.
+COLUMNS = ("#", "layout", "peak/device", "step", "MFU")
+WIDE_COLUMNS = ("#", "layout", "peak/device", "step", "compute", "bubble", "ICI", "DCN", "MFU")
+PRICED_COLUMNS = ("priced peak", "priced step")  # wide, for a plan that priced first
+
+
+def _figures(c) -> dict[str, str]:
+    """A ranked row's figures by column: the compiled peak, the modelled step and its parts,
+    the MFU, and the priced peak and step."""
+    t, p = c.time, c.priced
+    row = {"layout": str(c.layout), "peak/device": format_bytes(c.peak_bytes),
+           "step": _ms(t.total), "MFU": "-" if t.mfu is None else f"{t.mfu:.1%}",
+           "compute": _ms(t.compute), "bubble": _ms(t.bubble), "ICI": _ms(t.ici),
+           "DCN": _ms(t.dcn)}  # fmt: skip
+    row["priced peak"] = "-" if p is None else format_bytes(p.peak_bytes)
+    row["priced step"] = "-" if p is None else _ms(c.priced_time.total)
     return row

@@ -2,10 +2,10 @@
 decoder-only transformer's training step, from its sizes and the layout alone.
 
 The planner's first stage: every layout the search space holds is priced here in microseconds,
-and only the front-runners are compiled (`planning.plan`). The formulas are the ones the
-library's programs are checked against (ZeRO's gathers and scatters, Megatron's all-reduces,
-the pipeline's sends), written for the GPT of `replicator.models.gpt`; `tests/test_pricing.py`
-keeps them within 10% of the compiled programs.
+and only the front-runners are compiled (`planning.plan` with `PricingOptions`). The formulas
+are the ones the library's programs are checked against (ZeRO's gathers and scatters,
+Megatron's all-reduces, the pipeline's sends), written for the GPT of `replicator.models.gpt`;
+`tests/test_pricing.py` keeps them within 10% of the compiled programs.
 
 Counted per device and per step, as `Replicator.explain` reads a compiled program:
 
@@ -55,10 +55,16 @@ class Price:
       peak_bytes: the state plus what the step holds beside it (`_working_bytes`): the
         gradients, the activations the layers keep for their backward pass (by the remat
         policy, for the micro-batches a schedule keeps in flight), the weights in the compute
-        dtype, and the larger of the head's backward and a layer's. Within 10% of the compiled
-        peak for the layouts of `tests/test_pricing.py`, 0.79-1.08 of it for Llama 3 8B and
-        Llama 2 70B on TPU v5p. GPipe and circular keep more a tick than is modelled: for them
-        it is a floor (`FLOOR`).
+        dtype, and the larger of the head's backward and a layer's. GPipe and circular keep
+        more a tick than is modelled: for them it is a floor (`FLOOR`).
+      roofline: ``(FLOPs, HBM bytes)`` of the step's kernels by kind (the matmuls, attention,
+        the memory-bound rest), as `cost_model.kernel_time` reads a compiled program's.
+
+    >>> shape = ModelShape(num_layers=4, d_model=256, num_heads=8, kv_heads=8, head_dim=32,
+    ...                    hidden=1024, vocab=256, seq_len=128, global_batch=32)
+    >>> p = price(Layout(data=8, zero_stage=3), shape)
+    >>> p.state_bytes < p.peak_bytes and p.bytes_by("all-gather", "data") > 0
+    True
     """
 
     layout: Layout
@@ -69,8 +75,10 @@ class Price:
     roofline: tuple[tuple[float, float], ...] = ()
 
     def step(self) -> CompiledStep:
-        """These figures as the cost model reads a compiled program's (`cost_model.model_time`):
-        a schedule that skips its idle ticks idles for its bubble's share."""
+        """These figures as a compiled program's, for `cost_model.model_time`.
+
+        A schedule that skips its idle ticks idles for its bubble's share.
+        """
         lay = self.layout
         bubble = idle = 0.0
         if lay.stage > 1:
@@ -86,10 +94,13 @@ class Price:
         )  # fmt: skip
 
     def to_dict(self) -> dict:
+        """The figures as a dict (``collective_bytes``: all kinds and axes together)."""
         return {"state_bytes": self.state_bytes, "peak_bytes": self.peak_bytes,
                 "flops": self.flops, "collective_bytes": self.bytes_by()}  # fmt: skip
 
     def bytes_by(self, kind: str | None = None, axis: str | None = None) -> float:
+        """Bytes on the wire per device of the collectives of ``kind`` over ``axis`` (None:
+        any)."""
         return sum(c.wire_bytes for c in self.collectives
                    if (kind is None or c.kind == kind) and (axis is None or axis in c.axes))  # fmt: skip
 
@@ -100,7 +111,7 @@ def price(layout: Layout, shape: ModelShape) -> Price:
     >>> m = ModelShape(num_layers=4, d_model=256, num_heads=8, kv_heads=8, head_dim=32,
     ...                hidden=1024, vocab=256, seq_len=128, global_batch=32)
     >>> p = price(Layout(data=8, zero_stage=3), m)
-    >>> round(p.state_bytes / 1e6, 2), round(p.flops / 1e9, 2)  # compiled: 4.99 MB, 10.75 GFLOP
+    >>> round(p.state_bytes / 1e6, 2), round(p.flops / 1e9, 2)
     (4.99, 10.67)
     >>> sorted({(c.kind, c.axes) for c in p.collectives})
     [('all-gather', ('data',)), ('reduce-scatter', ('data',))]
@@ -377,62 +388,63 @@ def _ticks(schedule: str, stages: int, microbatches: int, repeats: int) -> int:
 
 
 # The lowest a compiled program's peak has been against its priced one (`Price.peak_bytes`):
-# a family is dropped only where every layout's priced peak times this is over the budget.
+# a ladder is dropped only where every layout's priced peak times this is over the budget.
 MARGIN = 0.8
 # The share of the compiled peak that the priced one has been for GPipe and circular, whose
 # scans keep more a tick than is modelled: their priced peak is a floor.
 FLOOR = 0.5
-TRIES = 3  # layouts compiled at most in each family kept
-ROUNDS = 4  # rounds of ``compile_top`` families compiled at most while none fits
+TRIES = 3  # layouts compiled at most in each ladder kept
+ROUNDS = 4  # rounds of ``compile_top`` ladders compiled at most while none fits
 
 
-def front_runners(families, model, budget, profile, timing, scale=1.0, prices=None):
-    """``(ranked, dropped, prices)``: the families that may fit, each as ``(modelled seconds,
-    family, layouts to try)``, fastest first; the outcomes of the layouts of those that cannot;
+def front_runners(ladders, model, budget, profile, timing, scale=1.0, prices=None):
+    """``(ranked, dropped, prices)``: the ladders that may fit, each as ``(modelled seconds,
+    ladder, layouts to try)``, fastest first; the outcomes of the layouts of those that cannot;
     every layout's price.
 
-    A family is dropped where even `MARGIN` of every layout's priced peak (times ``scale``:
+    A ladder is dropped where even `MARGIN` of every layout's priced peak (times ``scale``:
     what compiled programs have shown of the prices) is over ``budget``.
-    In each other family the layouts to try are, fastest first, those whose priced peak fits
+    In each other ladder the layouts to try are, fastest first, those whose priced peak fits
     (GPipe's and circular's: over `FLOOR`), then the others that may: at most `TRIES`. The
-    families are ordered by the modelled time of their first layout to try, each kind's
+    ladders are ordered by the modelled time of their first layout to try, each kind's
     fastest first (with a pipeline or not, with a ``model``, ``context`` or ``expert`` axis or
     not)."""
     prices = {} if prices is None else prices
-    prices.update({lay: price(lay, model) for f in families for lay in f.layouts
+    prices.update({lay: price(lay, model) for ladder in ladders for lay in ladder.layouts
                    if lay not in prices})  # fmt: skip
     peak = lambda lay: prices[lay].peak_bytes * scale
     likely = lambda lay: peak(lay) / (FLOOR if _floor_only(lay) else 1)
     dropped, ranked = [], []
-    for f in families:
-        fits = [lay for lay in f.layouts if peak(lay) * MARGIN <= budget]
+    for ladder in ladders:
+        fits = [lay for lay in ladder.layouts if peak(lay) * MARGIN <= budget]
         if not fits:
-            least = min(peak(lay) for lay in f.layouts)
+            least = min(peak(lay) for lay in ladder.layouts)
             times = "" if scale == 1 else f" (priced x {scale:.2f}, as the compiled peaks were)"
             reason = f"priced: {format_bytes(least)} per device{times}"
             dropped += [search.Outcome(lay, search.PRICED_TOO_BIG, reason,
-                                       int(prices[lay].state_bytes)) for lay in f.layouts]  # fmt: skip
+                                       int(prices[lay].state_bytes))
+                        for lay in ladder.layouts]  # fmt: skip
             continue
         first = [lay for lay in fits if likely(lay) <= budget]
         tries = (first + [lay for lay in fits if lay not in first])[:TRIES]
         seconds = model_time(prices[tries[0]].step(), profile, **timing).total
-        ranked.append((seconds, len(ranked), f, tries))
+        ranked.append((seconds, len(ranked), ladder, tries))
     ranked.sort(key=lambda r: r[:2])
-    # each kind of layout's fastest family first (pipelined or not, with a model, context or
-    # expert axis or not), then the others, fastest first: the prices rank the families of one
-    # kind better than they rank the kinds, so the first families compiled span the kinds
-    kind = lambda f: tuple(
-        getattr(f.layouts[0], a) > 1 for a in ("stage", "model", "context", "expert")
+    # each kind of layout's fastest ladder first (pipelined or not, with a model, context or
+    # expert axis or not), then the others, fastest first: the prices rank the ladders of one
+    # kind better than they rank the kinds, so the first ladders compiled span the kinds
+    kind = lambda ladder: tuple(
+        getattr(ladder.layouts[0], a) > 1 for a in ("stage", "model", "context", "expert")
     )
     firsts = {}
     for r in ranked:
         firsts.setdefault(kind(r[2]), r)
     order = [*firsts.values(), *(r for r in ranked if firsts[kind(r[2])] is not r)]
-    return [(seconds, f, tries) for seconds, _, f, tries in order], dropped, prices
+    return [(seconds, ladder, tries) for seconds, _, ladder, tries in order], dropped, prices
 
 
 def to_compile(ranked) -> list[Ladder]:
-    """The families of ``ranked`` (`front_runners`) as the search compiles them: each layout
+    """The ladders of ``ranked`` (`front_runners`) as the search compiles them: each layout
     to try in a group of its own, so it compiles them in turn and stops at the first that
     fits."""
     return [Ladder(tuple((lay,) for lay in tries)) for _, _, tries in ranked]
@@ -440,16 +452,16 @@ def to_compile(ranked) -> list[Ladder]:
 
 def not_compiled(ranked, compiled: int, prices) -> list:
     """The outcomes of the layouts the search did not compile: those not tried in the first
-    ``compiled`` families of ``ranked``, and every layout of the others."""
+    ``compiled`` ladders of ``ranked``, and every layout of the others."""
     out = []
-    for i, (seconds, f, tries) in enumerate(ranked):
+    for i, (seconds, ladder, tries) in enumerate(ranked):
         if i < compiled:
-            reason = f"not tried: {tries[0]} and up to {TRIES - 1} more of its family were"
+            reason = f"not tried: {tries[0]} and up to {TRIES - 1} more of its ladder were"
         else:
-            reason = (f"priced slower than the {compiled} families compiled "
+            reason = (f"priced slower than the {compiled} ladders compiled "
                       f"({seconds * 1e3:.4g} ms modelled)")  # fmt: skip
         out += [search.Outcome(lay, search.SKIPPED, reason, int(prices[lay].state_bytes))
-                for lay in f.layouts if i >= compiled or lay not in tries]  # fmt: skip
+                for lay in ladder.layouts if i >= compiled or lay not in tries]  # fmt: skip
     return out
 
 

@@ -1,4 +1,4 @@
-"""`rp.plan`'s progress: a bar on a terminal, a line per family planned elsewhere."""
+"""`rp.plan`'s progress: a bar on a terminal, a line per ladder planned elsewhere."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from replicator._src.planner.layouts import Ladder
 
 class Progress:
     """A bar on a terminal; elsewhere (a log file, a notebook's captured stderr) one line per
-    family planned: the count and the time so far, the layouts compiled, and the best layout so
+    ladder planned: the count and the time so far, the layouts compiled, and the best layout so
     far with its modelled time (``score(outcome)``, seconds).
 
     >>> import io, contextlib
@@ -34,13 +34,14 @@ class Progress:
             from rich.progress import Progress as Bar
 
             self.bar = Bar(transient=True)
-            self.task = self.bar.add_task("planning: compiling layout families", total=total)
+            self.task = self.bar.add_task("planning: compiling ladders of layouts", total=total)
             self.bar.start()
         elif show:
             self.lines = True
-            print(f"planning: {total} layout families to compile", file=sys.stderr, flush=True)
+            print(f"planning: {total} ladders of layouts to compile", file=sys.stderr, flush=True)
 
-    def advance(self, family: Ladder, outcomes=()) -> None:
+    def advance(self, ladder: Ladder, outcomes=()) -> None:
+        """One more ``ladder`` planned, with its ``outcomes``."""
         self.done += 1
         self.compiled += sum(o.compiled is not None for o in outcomes)
         for o in outcomes:
@@ -51,11 +52,11 @@ class Progress:
         best = "" if self.best is None else (
             f"; best so far {self.best[1]}, {self.best[0] * 1e3:.4g} ms")  # fmt: skip
         if self.bar is not None:
-            self.bar.update(self.task, advance=1, description=f"planned {family}{best}")
+            self.bar.update(self.task, advance=1, description=f"planned {ladder}{best}")
         elif self.lines:
             took = time.perf_counter() - self.start
             line = f"planned {self.done}/{self.total} ({took:.0f} s) {self.compiled} compiled: "
-            print(f"{line}{family}{best}", file=sys.stderr, flush=True)
+            print(f"{line}{ladder}{best}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

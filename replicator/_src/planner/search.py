@@ -1,4 +1,4 @@
-"""Compiling a family of layouts, from the fastest to the most frugal, until one fits.
+"""A ladder of layouts compiled from the fastest to the most frugal, until one fits.
 
 This is the part of the planner that runs where the devices are: in this process when it has
 the layout's devices, or in a worker process started with that many emulated CPU devices. It
@@ -155,8 +155,11 @@ class _Searcher:
         except Exception as e:
             return e
 
-    def family(self, family: Ladder) -> list[Outcome]:
-        layouts = family.layouts
+    def ladder(self, ladder: Ladder) -> list[Outcome]:
+        """The outcome of each layout of ``ladder``: its state's size read once, then its groups
+        searched in order, each by bisection, stopping where an earlier group's fit does less
+        work."""
+        layouts = ladder.layouts
         size = self.state_size(layouts[0])
         if isinstance(size, Exception):
             reason = _first_line(size)
@@ -166,7 +169,7 @@ class _Searcher:
             return [Outcome(lay, STATE_TOO_BIG, reason, size) for lay in layouts]
         skipped: dict[Layout, str] = {}
         found: Layout | None = None  # the first fitting layout of an earlier group
-        for group in family.groups:
+        for group in ladder.groups:
             if found is not None:
                 # More FLOPs (remat) and no fewer bytes moved at as many accumulation steps:
                 # only fewer accumulation steps than the earlier fit can be faster.
@@ -207,56 +210,51 @@ class _Searcher:
             if lay in self.outcomes:
                 continue
             if i < hi:
-                skipped[lay] = "needs more memory than a layout of its family that does not fit"
+                skipped[lay] = "needs more memory than a layout of its ladder that does not fit"
             else:
                 skipped[lay] = f"{group[hi]} fits with fewer accumulation steps"
         return group[hi]
 
 
-def sibling_key(family: Ladder) -> tuple:
-    """Families with one key differ only in their ZeRO stage: `search_siblings` takes them
+def sibling_key(ladder: Ladder) -> tuple:
+    """Ladders with one key differ only in their ZeRO stage: `search_siblings` takes them
     together."""
-    lay = family.layouts[0]
+    lay = ladder.layouts[0]
     return (lay.data, lay.stage, lay.model, lay.context, lay.expert, lay.attention, lay.schedule,
             lay.microbatches, lay.repeats)  # fmt: skip
 
 
-def search_siblings(build: Callable, families: list[Ladder], budget: int) -> list[list[Outcome]]:
-    """The outcomes of families that differ only in their ZeRO stage, searched from the highest
+def search_siblings(build: Callable, ladders: list[Ladder], budget: int) -> list[list[Outcome]]:
+    """The outcomes of ladders that differ only in their ZeRO stage, searched from the highest
     stage (the least memory) down. Once a stage has no layout that fits, the lower stages need
     more memory for every layout (replicated state or gradients where it shards them), so they
     are not compiled: only their state's size is read."""
     searcher = _Searcher(build, budget)
-    order = sorted(range(len(families)), key=lambda i: -families[i].layouts[0].zero_stage)
-    out: list = [None] * len(families)
+    order = sorted(range(len(ladders)), key=lambda i: -ladders[i].layouts[0].zero_stage)
+    out: list = [None] * len(ladders)
     evidence: Layout | None = None  # a frugal sibling that does not fit
     for i in order:
-        family = families[i]
+        ladder = ladders[i]
         if evidence is None:
-            out[i] = searcher.family(family)
+            out[i] = searcher.ladder(ladder)
             statuses = {o.status for o in out[i]}
             if FITS not in statuses and statuses <= {TOO_BIG, STATE_TOO_BIG, SKIPPED}:
-                evidence = family.groups[-1][-1]
+                evidence = ladder.groups[-1][-1]
             continue
-        size = searcher.state_size(family.layouts[0])
+        size = searcher.state_size(ladder.layouts[0])
         if isinstance(size, Exception):
             reason = _first_line(size)
-            out[i] = [Outcome(lay, ERROR, reason) for lay in family.layouts]
+            out[i] = [Outcome(lay, ERROR, reason) for lay in ladder.layouts]
         elif size > budget:
             reason = f"its state alone is {format_bytes(size)} per device"
-            out[i] = [Outcome(lay, STATE_TOO_BIG, reason, size) for lay in family.layouts]
+            out[i] = [Outcome(lay, STATE_TOO_BIG, reason, size) for lay in ladder.layouts]
         else:
             reason = (
                 f"needs more memory than {evidence} (ZeRO-{evidence.zero_stage} shards more), "
                 f"which does not fit"
             )
-            out[i] = [Outcome(lay, SKIPPED, reason, size) for lay in family.layouts]
+            out[i] = [Outcome(lay, SKIPPED, reason, size) for lay in ladder.layouts]
     return out
-
-
-def search_family(build: Callable | str, family: Ladder, budget: int) -> list[dict]:
-    """The outcomes of ``family`` as plain dicts (for a worker process to send back)."""
-    return [o.to_dict() for o in _Searcher(resolve(build), budget).family(family)]
 
 
 def outcome_from_dict(raw: dict) -> Outcome:
@@ -272,7 +270,7 @@ def outcome_from_dict(raw: dict) -> Outcome:
 
 def worker_main(conn, num_devices: int, build) -> None:
     """A planning worker process: ``num_devices`` emulated CPU devices (set before JAX starts),
-    then ``(families, budget)`` tasks from ``conn`` (siblings: `search_siblings`) searched and
+    then ``(ladders, budget)`` tasks from ``conn`` (siblings: `search_siblings`) searched and
     answered until None comes."""
     import jax
 
@@ -280,7 +278,7 @@ def worker_main(conn, num_devices: int, build) -> None:
     jax.config.update("jax_platforms", "cpu")
     build = resolve(build)
     while (task := conn.recv()) is not None:
-        families, budget = task
-        found = search_siblings(build, families, budget)
+        ladders, budget = task
+        found = search_siblings(build, ladders, budget)
         conn.send([[o.to_dict() for o in outcomes] for outcomes in found])
     conn.close()

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from replicator._src.core.errors import positive_int
-
 # Attention over a context axis: K/V blocks round a ring, or all-to-alls over the heads.
 ATTENTIONS = ("ring", "all_to_all")
 # Context axes are tried for sequences of at least this many tokens (`enumerate_layouts`).
@@ -25,29 +23,20 @@ def _divisors(n: int) -> list[int]:
 
 
 def token_splits(
-    api: str, n: int, *, seq_len: int | None, attention: Sequence[str], zigzag: bool,
+    n: int, *, seq_len: int | None, attention: Sequence[str], zigzag: bool,
     min_context_seq: int, max_context: int | None, num_experts: int, max_expert: int | None,
 ) -> list[tuple[int, int, str | None]]:  # fmt: skip
     """The ``(expert, context, attention)`` splits of ``n`` devices to try, the plain one
-    ``(1, 1, None)`` first (the rule is `enumerate_layouts`'):
+    ``(1, 1, None)`` first (the rule is `enumerate_layouts`'; its options are checked by their
+    records):
 
-    >>> token_splits("f", 8, seq_len=512, attention=ATTENTIONS, zigzag=True,
+    >>> token_splits(8, seq_len=512, attention=ATTENTIONS, zigzag=True,
     ...              min_context_seq=512, max_context=4, num_experts=0, max_expert=None)
     [(1, 1, None), (1, 2, 'ring'), (1, 2, 'all_to_all'), (1, 4, 'ring'), (1, 4, 'all_to_all')]
-    >>> token_splits("f", 8, seq_len=64, attention=ATTENTIONS, zigzag=True,
+    >>> token_splits(8, seq_len=64, attention=ATTENTIONS, zigzag=True,
     ...              min_context_seq=512, max_context=None, num_experts=6, max_expert=None)
     [(1, 1, None), (2, 1, None)]
     """
-    bad = [a for a in attention if a not in ATTENTIONS]
-    if bad or not attention:
-        raise ValueError(
-            f"{api}: attention={list(attention)!r}; choose one or more of "
-            f"{', '.join(map(repr, ATTENTIONS))}."
-        )
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 0:
-        raise ValueError(
-            f"{api}: num_experts must be an int >= 0 (0 for a dense model); got {num_experts!r}."
-        )
     splits: list[tuple[int, int, str | None]] = [(1, 1, None)]
     if num_experts:
         splits += [
@@ -55,11 +44,9 @@ def token_splits(
             if e > 1 and num_experts % e == 0 and (max_expert is None or e <= max_expert)
         ]  # fmt: skip
         return splits
-    if seq_len is None:
+    if seq_len is None or seq_len < min_context_seq:
         return splits
-    seq = positive_int(seq_len, api=api, name="seq_len")
-    if seq < min_context_seq:
-        return splits
+    seq = seq_len
     for c in _divisors(n):
         if c == 1 or (max_context is not None and c > max_context):
             continue

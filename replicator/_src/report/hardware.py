@@ -52,6 +52,10 @@ class Hardware:
       cache_bandwidth: bytes per second a device reads and writes data that sits in that cache.
       source: where the figures come from.
 
+    Raises:
+      ValueError: for a figure out of range (a bandwidth or FLOP/s not > 0, a size that is not
+        one), or ``cache_bytes`` without ``cache_bandwidth``.
+
     >>> HARDWARE_PROFILES["tpu-v5e"].peak_flops
     197000000000000.0
     >>> Hardware.from_dict({"name": "my-gpu", "peak_flops": 1e15, "memory_bytes": "80GB",
@@ -143,6 +147,7 @@ class Hardware:
         return cls(**raw)
 
     def to_dict(self) -> dict[str, Any]:
+        """The profile's keys and values: ``Hardware.from_dict(h.to_dict()) == h``."""
         return dataclasses.asdict(self)
 
 
@@ -233,15 +238,26 @@ emulated CPU is ``hardware_profile("cpu")``, measured on this machine."""
 
 
 def hardware_profile(spec: str | os.PathLike | dict | Hardware | targets.Target, /) -> Hardware:
-    """A profile: a built-in name (`HARDWARE_PROFILES`, or ``"cpu"`` measured here), a YAML/JSON file of
-    `Hardware`'s keys, a mapping of them, a `Hardware`, or a TPU `Target` (its chip's profile,
-    with the target's slice as the island: collectives across slices cross the DCN).
+    """The `Hardware` profile that ``spec`` names, gives or describes.
 
-    >>> hardware_profile(targets.tpu_target("v5p-16")).island_size
-    8
+    Args:
+      spec: a built-in profile's name (a key of `HARDWARE_PROFILES`, or ``"cpu"``: this
+        machine, measured once by `calibrate_cpu`), the path of a YAML or JSON file of
+        `Hardware`'s keys, a mapping of them, a `Hardware` (returned as it is), or a TPU
+        `Target` (its chip's profile, with the target's slice as the island: collectives
+        across slices cross the DCN).
+
+    Returns:
+      The profile.
 
     Raises:
-      ValueError: for an unknown name (listing the known ones) or a file that is not a profile.
+      ValueError: for an unknown name (listing the known ones), or a file or mapping that is
+        not a profile.
+
+    >>> hardware_profile("tpu-v5e").memory_bytes == 16 * 2**30
+    True
+    >>> hardware_profile(targets.tpu_target("v5p-16")).island_size
+    8
     """
     if isinstance(spec, Hardware):
         return spec
@@ -272,8 +288,8 @@ def hardware_profile(spec: str | os.PathLike | dict | Hardware | targets.Target,
             raise ValueError(f"hardware file {text}: {e}") from None
     raise ValueError(
         f"hardware={text!r} is neither a known profile nor a file; use one of "
-        f"{', '.join(map(repr, [*HARDWARE_PROFILES, 'cpu']))}, or the path of a YAML file with the keys "
-        f"name, peak_flops, memory_bytes, ici_bandwidth, dcn_bandwidth, island_size."
+        f"{', '.join(map(repr, [*HARDWARE_PROFILES, 'cpu']))}, or the path of a YAML file with "
+        f"the keys name, peak_flops, memory_bytes, ici_bandwidth, dcn_bandwidth, island_size."
     )
 
 
@@ -335,9 +351,8 @@ def _effective_cache(device, rate_memory: float) -> tuple[int, float]:
     """``(bytes, copy rate)`` of the cache a copy runs in on this machine: four times the
     largest copy (from 2 MiB, doubling, up to a quarter of the last-level cache sysfs reports)
     at least twice as fast as memory, and that copy's rate. A virtual machine may be shown its
-    host's whole last-level cache (260 MiB here) and get a slice of it: the copies say how
-    much it gets. With no copy that fast: the reported cache, at memory speed (no cache term
-    in effect)."""
+    host's whole last-level cache and get a slice of it: the copies say how much it gets. With
+    no copy that fast: the reported cache, at memory speed (no cache term in effect)."""
     import jax
     import jax.numpy as jnp
 

@@ -1,0 +1,142 @@
+"""Where `rp.plan` compiles: in this process, or in worker processes of their own.
+
+A worker process starts with the layouts' number of emulated CPU devices (or loads libtpu for a
+TPU target) and searches one task at a time: the ladders that differ only in their ZeRO stage
+(`search.search_siblings`). A process that dies takes only its task with it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+
+from replicator._src.planner import progress as progress_lib
+from replicator._src.planner import search
+
+
+def count(workers: int | None, n: int, here: bool = True) -> int:
+    """How many worker processes compile: ``workers`` checked (0: this process, which must then
+    have ``n`` devices when it compiles ``here``), or by default none where this process has
+    ``n`` CPU devices, else ``min(2, cpu_count)``."""
+    if workers is not None:
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+            raise ValueError(f"rp.plan: workers must be an int >= 0; got {workers!r}.")
+        if workers == 0 and here:
+            import jax
+
+            if jax.device_count() != n:
+                raise ValueError(
+                    f"rp.plan: workers=0 compiles in this process, which has "
+                    f"{jax.device_count()} devices, not the layouts' {n}; use workers=1 or more "
+                    f"(processes with {n} emulated CPU devices)."
+                )
+        return workers
+    import jax
+
+    if jax.device_count() == n and jax.devices()[0].platform == "cpu":
+        return 0
+    return max(1, min(2, os.cpu_count() or 1))
+
+
+def run(build, ladders, budget, n, workers, progress, score) -> list[search.Outcome]:
+    """Every ladder's outcomes, in the order of ``ladders``; siblings (ladders that differ in
+    their ZeRO stage only) are searched together, by one process."""
+    groups: dict[tuple, list[int]] = {}
+    for i, ladder in enumerate(ladders):
+        groups.setdefault(search.sibling_key(ladder), []).append(i)
+    tasks = list(groups.values())
+    bar = progress_lib.Progress(len(ladders), progress, score)
+    results: list = [None] * len(ladders)
+    try:
+        if workers == 0:
+            fn = search.resolve(build)
+            for task in tasks:
+                found = search.search_siblings(fn, [ladders[i] for i in task], budget)
+                for i, outcomes in zip(task, found, strict=True):
+                    results[i] = outcomes
+                    bar.advance(ladders[i], outcomes)
+        else:
+            _in_processes(build, ladders, tasks, budget, n, workers, results, bar)
+    finally:
+        bar.close()
+    return [o for outcomes in results for o in outcomes]
+
+
+def _in_processes(build, ladders, tasks, budget, n, workers, results, bar) -> None:
+    """Fills ``results`` from ``workers`` processes with ``n`` emulated CPU devices, each
+    searching one task (a list of sibling ladders) at a time. A process that dies (out of
+    memory, a check failure in XLA's compiler) takes only its task with it: those ladders are
+    errors that say so, and a new process goes on with the others."""
+    context = multiprocessing.get_context("spawn")
+    todo = list(range(len(tasks)))[::-1]
+    idle: list = []
+    busy: dict = {}  # connection -> task index
+    procs: dict = {}  # connection -> process
+    finished = 0
+
+    def start():
+        parent, child = context.Pipe()
+        proc = context.Process(target=search.worker_main, args=(child, n, build), daemon=True)
+        proc.start()
+        child.close()
+        procs[parent] = proc
+        idle.append(parent)
+
+    try:
+        for _ in range(min(workers, len(tasks))):
+            start()
+        while todo or busy:
+            while todo and idle:
+                conn = idle.pop()
+                t = todo.pop()
+                conn.send(([ladders[i] for i in tasks[t]], budget))
+                busy[conn] = t
+            ready = multiprocessing.connection.wait([*busy, *(procs[c].sentinel for c in busy)])
+            for conn in list(busy):
+                proc, t = procs[conn], busy[conn]
+                if conn not in ready and proc.sentinel not in ready:
+                    continue
+                del busy[conn]
+                try:
+                    found = [[search.outcome_from_dict(o) for o in f] for f in conn.recv()]
+                    finished += 1
+                    idle.append(conn)
+                except (EOFError, OSError):  # died before it answered
+                    proc.join()
+                    conn.close()
+                    del procs[conn]
+                    if finished == 0 and proc.exitcode == 1:
+                        raise RuntimeError(WORKERS_DIED) from None
+                    reason = (
+                        f"its worker process died (exit code {proc.exitcode}) compiling this "
+                        f"ladder: out of memory, or a crash in XLA's CPU compiler"
+                    )
+                    found = [[search.Outcome(lay, search.ERROR, reason)
+                              for lay in ladders[i].layouts] for i in tasks[t]]  # fmt: skip
+                    if todo:
+                        start()
+                for i, outcomes in zip(tasks[t], found, strict=True):
+                    results[i] = outcomes
+                    bar.advance(ladders[i], outcomes)
+    finally:
+        for conn, proc in procs.items():
+            try:
+                conn.send(None)  # done: the worker returns
+            except OSError:
+                pass
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+            conn.close()
+
+
+WORKERS_DIED = """\
+rp.plan: the first worker process failed before planning one ladder of layouts. Workers start \
+a fresh Python (multiprocessing's "spawn"), which imports your script again: run it under
+
+    if __name__ == "__main__":
+        report = rp.plan(build, layouts, ...)
+
+and make `build` a module-level function (or "module:function"), importable there. Or plan in \
+this process with workers=0, if it has the layouts' number of devices."""
