@@ -2,6 +2,8 @@
 
 import os
 import re
+import shutil
+import tempfile
 
 # The suite's programs are small and compiled once each, so XLA:CPU's LLVM passes cost more than
 # they save: at level 0 a pipeline oracle runs about a quarter faster. Only code generation
@@ -10,6 +12,21 @@ import re
 _FAST_COMPILE = "--xla_backend_optimization_level=0"
 if _FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
+
+# One persistent compilation cache for the whole run: pytest's workers and the processes the
+# tests start (the CLI, the launcher's workers) read a program another one compiled instead of
+# compiling it again. A run starts with an empty one (a directory of its own, removed at the
+# end), so every program is still compiled once per run; compile-only TPU programs stay out of
+# it (`compat.skip_persistent_cache_for_compile_only`). Set JAX_COMPILATION_CACHE_DIR to keep
+# your own.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="replicator-tests-jax-")
+    _OWN_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"]  # this process made it: it removes it
+else:
+    _OWN_CACHE = None
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# a size bound turns on the cache's file lock: no process reads an entry another is writing
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 * 2**30))
 
 import jax  # noqa: E402  (after XLA_FLAGS: the backend reads them when it starts)
 import pytest  # noqa: E402
@@ -40,3 +57,8 @@ def pytest_collection_modifyitems(items):
             if function not in seen:
                 seen.add(function)
                 item.add_marker(pytest.mark.oracle_first)
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE is not None:
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)

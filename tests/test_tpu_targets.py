@@ -680,3 +680,28 @@ def test_libtpu_start_up_warnings_do_not_reach_the_user(args):
         assert "CpuDevice" in run.stdout
     else:
         assert "on v5p-16 (TPU v5, tpu-v5p): fits" in run.stdout
+
+
+def test_a_target_program_stays_out_of_the_persistent_compilation_cache(tmp_path):
+    """JAX writes a compile-only TPU executable to its persistent cache and then cannot read it
+    back (a warning on every later compile): replicator leaves those programs out, and the CPU
+    programs of the same process in. Two processes compile the same TPU and CPU programs."""
+    code = (
+        "import warnings, jax, jax.numpy as jnp, numpy as np, replicator as rp\n"
+        "from jax.sharding import Mesh, NamedSharding, PartitionSpec as P\n"
+        "warnings.simplefilter('error')\n"
+        "mesh = Mesh(np.array(rp.tpu_devices('v5p-8')), ('d',))\n"
+        "x = jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=NamedSharding(mesh, P('d')))\n"
+        "jax.jit(lambda x: (jnp.sin(x) @ x.T).sum()).lower(x).compile()\n"
+        "print(float(jax.jit(lambda v: (v * 2).sum())(jnp.ones(3))))\n"
+    )
+    env = {**_fresh_env(), "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}  # fmt: skip
+    for _ in range(2):
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             cwd=ROOT, env=env, timeout=300)  # fmt: skip
+        assert run.returncode == 0 and "persistent compilation cache" not in run.stderr, run.stderr
+        assert run.stdout.strip() == "6.0"
+    names = [p.name for p in (tmp_path / "cache").glob("*-cache")]
+    assert any(n.startswith("jit__lambda") for n in names)  # the CPU program, cached
+    assert len([n for n in names if n.startswith("jit__lambda")]) == 1, names  # not the TPU's

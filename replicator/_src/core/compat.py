@@ -16,6 +16,10 @@ differences this module hides, each named where it is handled:
   ``may_alias=False`` (0.10.2): ``leaf_specs.place`` copies first, so a placed state owns its
   buffers.
 
+- The persistent compilation cache (``jax_compilation_cache_dir``) writes a compile-only
+  TPU target's executable, then cannot read it back ("PjRtCompiler must be constructed with a
+  Client"; both): `skip_persistent_cache_for_compile_only` leaves those programs out of it.
+
 The same on both:
 
 - The private modules read here (``mesh_utils``, ``xla_bridge``, ``clusters``, ``distributed``,
@@ -243,3 +247,25 @@ def scan_counts(params) -> tuple[int, int]:
         return params["num_consts"], params["num_carry"]
     consts, carry, _ = params["ft_in"].unpack()
     return len(consts), len(carry)
+
+
+def skip_persistent_cache_for_compile_only() -> None:
+    """Leaves the programs of compile-only devices (``rp.tpu_devices``) out of JAX's persistent
+    compilation cache; every other program keeps it. Idempotent.
+
+    JAX writes a compile-only executable to the cache and then fails to read it back, with a
+    warning, on every later compile of the same program (jax 0.10.2 and 0.12).
+    """
+    from jax._src import compiler
+
+    key = compiler._get_cache_key
+    if getattr(key, "_replicator_skips_compile_only", False):
+        return
+
+    def cache_key(options, backend, *args, **kwargs):
+        if getattr(backend, "runtime_type", None) == "compile_only_runtime":
+            return None  # compiled every time, never written
+        return key(options, backend, *args, **kwargs)
+
+    cache_key._replicator_skips_compile_only = True
+    compiler._get_cache_key = cache_key

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import jax
 
-from replicator._src.core import errors
+from replicator._src.core import compat, errors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +187,7 @@ def tpu_devices(name: str, *, slices: int = 1) -> list[jax.Device]:
         )
     from jax.experimental import topologies
 
+    compat.skip_persistent_cache_for_compile_only()  # JAX cannot read those programs back
     kwargs = {"num_slices": slices} if slices > 1 else {}
     if t.generation == "v4":  # one device a chip (megacore), as on a v4 VM; else one a core
         kwargs["chip_config_name"] = "megacore"
@@ -274,6 +275,8 @@ def refuse_compile_only(target: Target | None, api: str) -> None:
 
 def compile_for(target: Target | None, lowered) -> jax.stages.Compiled:
     """``lowered.compile()``; a TPU target's refusal for want of HBM as `DoesNotFitError`."""
+    if target is not None:
+        compat.skip_persistent_cache_for_compile_only()
     try:
         return lowered.compile()
     except Exception as e:
