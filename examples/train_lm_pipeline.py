@@ -83,18 +83,23 @@ def main() -> None:
     print(f"{repl}: GPT with {gpt.num_params(params):,} parameters, {args.schedule}, "
           f"{len(text):,} bytes of stdlib text")  # fmt: skip
     print(pipeline.render(schedule, 4, args.microbatches).splitlines()[-1])
+    checkpointing = None  # with --out: checkpoints every 50 steps, resumed when run again
+    if args.out is not None:
+        checkpointing = rp.training.CheckpointOptions(f"{args.out}/checkpoints", every=50)
+    logging = rp.training.LoggingOptions(
+        every=args.log_every,
+        metrics_path=None if args.out is None else f"{args.out}/metrics.jsonl",
+        examples_per_step=args.global_batch,
+        tokens_per_step=args.global_batch * args.seq_len,
+    )
     result = rp.fit(
         repl,
         step_fn,
         state,
         input_fn,
         steps=args.steps,
-        checkpoint_dir=None if args.out is None else f"{args.out}/checkpoints",
-        checkpoint_every=None if args.out is None else 50,
-        metrics_path=None if args.out is None else f"{args.out}/metrics.jsonl",
-        log_every=args.log_every,
-        examples_per_step=args.global_batch,
-        tokens_per_step=args.global_batch * args.seq_len,
+        checkpointing=checkpointing,
+        logging=logging,
     )
     first, last = result.history[0]["loss"], result.history[-1]["loss"]
     print(f"loss {first:.3f} -> {last:.3f} in {result.step} steps (tokens/s in the log)")

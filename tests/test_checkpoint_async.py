@@ -70,11 +70,15 @@ def test_fit_with_async_checkpoints_saves_every_step_it_says_and_resumes_exactly
     def fresh():
         return repl.replicate(mlp_state(repl.wrap_optimizer(OPTIMIZERS["adam"]())))
 
-    straight = rp.fit(repl, mlp_step, fresh(), input_fn, steps=10, progress=False)
-    options = dict(checkpoint_dir=tmp_path, checkpoint_every=2, progress=False)
-    first = rp.fit(repl, mlp_step, fresh(), input_fn, steps=6, async_checkpoints=True, **options)
+    logging = rp.training.LoggingOptions(progress=False)
+    straight = rp.fit(repl, mlp_step, fresh(), input_fn, steps=10, logging=logging)
+    options = dict(
+        checkpointing=rp.training.CheckpointOptions(tmp_path, every=2, async_save=True),
+        logging=logging,
+    )
+    first = rp.fit(repl, mlp_step, fresh(), input_fn, steps=6, **options)
     assert first.step == 6 and rp.Checkpoints(tmp_path).steps() == [2, 4, 6]  # written on return
-    second = rp.fit(repl, mlp_step, fresh(), input_fn, steps=10, async_checkpoints=True, **options)
+    second = rp.fit(repl, mlp_step, fresh(), input_fn, steps=10, **options)
     assert second.resumed_from == 6 and rp.Checkpoints(tmp_path).steps() == [6, 8, 10]
     for got, want in zip(
         jax.tree.leaves(second.state.params), jax.tree.leaves(straight.state.params)
@@ -82,8 +86,15 @@ def test_fit_with_async_checkpoints_saves_every_step_it_says_and_resumes_exactly
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-def test_fit_refuses_an_async_checkpoints_that_is_not_a_bool(tmp_path):
+def test_fit_refuses_an_async_save_that_is_not_a_bool(tmp_path):
     with pytest.raises(
-        TypeError, match=r"rp.fit: async_checkpoints must be True or False; got 'yes'"
+        TypeError, match=r"rp.training.CheckpointOptions: async_save must be True or False; got"
+    ):
+        rp.training.CheckpointOptions(tmp_path, async_save="yes")
+    with (
+        pytest.warns(DeprecationWarning),
+        pytest.raises(
+            TypeError, match=r"rp.fit: async_checkpoints must be True or False; got 'yes'"
+        ),
     ):
         rp.fit(None, None, None, None, steps=1, checkpoint_dir=tmp_path, async_checkpoints="yes")

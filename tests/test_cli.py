@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from replicator import cli
-from replicator.cli import config
+from replicator.cli import config, jobs
+from replicator.cli.jobs import pictures
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -36,7 +37,7 @@ def test_config_errors_name_the_key_and_list_the_valid_ones(tmp_path):
     ) == config.TrainConfig(
         name="x",
         model=config.ModelConfig(layers=8),
-        learning_rate=1.0,
+        optimizer=config.OptimizerConfig(learning_rate=1.0),
         pipeline=config.PipelineConfig(microbatches=8),
     )
     with pytest.raises(ValueError, match=r"write key=value"):
@@ -48,12 +49,12 @@ def test_config_errors_name_the_key_and_list_the_valid_ones(tmp_path):
 def test_shipped_configs_train(name, tmp_path):
     run = subprocess.run(
         [sys.executable, "-m", "replicator.cli", "train", str(ROOT / "configs" / f"{name}.yaml"),
-         "steps=12", "log_every=4", "checkpoint_every=6", f"out_dir={tmp_path}"],
+         "steps=8", "log_every=4", "checkpoint_every=4", f"out_dir={tmp_path}"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in lines] == [4, 8, 12]
+    assert [r["step"] for r in lines] == [1, 4, 8]  # the first step too: the curve's start
     assert lines[-1]["loss"] < lines[0]["loss"]
     assert (tmp_path / name / "loss.png").read_bytes()[:4] == b"\x89PNG"
     if name == "lm_pipeline":  # the schedule's picture, as text and as a PNG
@@ -64,32 +65,30 @@ def test_shipped_configs_train(name, tmp_path):
         assert "schedule=1f1b K=2" in (tmp_path / name / "schedule.txt").read_text()
 
 
-def _train(config_path, out_dir, *overrides):
-    run = subprocess.run(
-        [sys.executable, "-m", "replicator.cli", "train", str(config_path), f"out_dir={out_dir}",
-         *overrides],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run
+def _train(capsys, config_path, out_dir, *overrides) -> str:
+    """``replicator train`` in this process (`cli.main`): what it printed."""
+    code = cli.main(["train", str(config_path), f"out_dir={out_dir}", *overrides])
+    said = "".join(capsys.readouterr())
+    assert code == 0, said[-3000:]
+    return said
 
 
 @pytest.mark.slow
-def test_cnn_bn_trains_and_resumes_on_the_same_data(tmp_path):
+def test_cnn_bn_trains_and_resumes_on_the_same_data(tmp_path, capsys):
     cfg = ROOT / "configs" / "cnn_bn.yaml"
-    args = ("log_every=4", "checkpoint_every=8", "plot=false")
-    _train(cfg, tmp_path / "a", "steps=16", *args)
+    args = ("log_every=2", "checkpoint_every=4", "plot=false")
+    _train(capsys, cfg, tmp_path / "a", "steps=8", *args)
     rows = [json.loads(x) for x in (tmp_path / "a/cnn_bn/metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [4, 8, 12, 16]
+    assert [r["step"] for r in rows] == [1, 2, 4, 6, 8]
     assert all(math.isfinite(r["loss"]) and 0 <= r["accuracy"] <= 1 for r in rows), rows
     assert rows[-1]["loss"] < 0.9 * rows[0]["loss"], rows
-    # Stopped at step 8 and run again: restored from the checkpoint, the input_fn replays the
-    # same batches, so steps 12 and 16 match the uninterrupted run.
-    _train(cfg, tmp_path / "b", "steps=8", *args)
-    resumed = _train(cfg, tmp_path / "b", "steps=16", *args)
-    assert "resumed from the checkpoint of step 8" in resumed.stdout + resumed.stderr
+    # Stopped at step 4 and run again: restored from the checkpoint, the input_fn replays the
+    # same batches, so steps 6 and 8 match the uninterrupted run.
+    _train(capsys, cfg, tmp_path / "b", "steps=4", *args)
+    resumed = _train(capsys, cfg, tmp_path / "b", "steps=8", *args)
+    assert "resumed from the checkpoint of step 4" in resumed
     again = [json.loads(x) for x in (tmp_path / "b/cnn_bn/metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in again] == [4, 8, 12, 16]
+    assert [r["step"] for r in again] == [1, 2, 4, 6, 8]
     for r, s in zip(rows, again):
         assert math.isclose(r["loss"], s["loss"], rel_tol=1e-5), (rows, again)
         assert r["accuracy"] == s["accuracy"]
@@ -150,7 +149,9 @@ def test_explain_zero3_config_shows_its_gathers_and_scatters():
 def test_explain_of_an_impossible_config_says_why_and_exits_2():
     run = _explain("lm_pipeline.yaml", "mesh.stage=8", "mesh.data=1", "model.layers=8")
     assert run.returncode == 2
-    assert "replicator explain: OneFOneB.plan: num_microbatches must be >= num_stages" in run.stderr
+    assert "replicator explain: OneFOneB.timetable: num_microbatches must be >= num_stages" in (
+        run.stderr
+    )
     assert "Traceback" not in run.stderr
 
 
@@ -215,3 +216,116 @@ def test_reduce_dtype_without_zero3_is_refused_naming_the_fix(stage):
         config.load(path, [f"zero_stage={stage}"])
     config.load(path, [f"zero_stage={stage}", "model.reduce_dtype=null"])
     config.load(path, [f"zero_stage={stage}", "model.reduce_dtype=float32"])
+
+
+def test_the_config_families_are_the_gpt_and_the_hugging_face_families():
+    """``model.family`` means a model family: the GPT's own or one of `FAMILIES` (the config
+    keeps its own list, imported before JAX starts)."""
+    from replicator.models.families import FAMILIES
+
+    assert config.MODEL_FAMILIES == ("gpt", *FAMILIES)
+    assert config.EXPERT_FAMILIES == tuple(name for name, f in FAMILIES.items() if f.experts)
+
+
+QWEN2_TINY = """\
+name: qwen2_tiny
+model: {kind: gpt, family: qwen2, d_model: 32, layers: 2, heads: 4, kv_heads: 2, seq_len: 16,
+        tie_embeddings: true}
+mesh: {data: -1}
+steps: 2
+global_batch: 8
+log_every: 1
+"""
+
+
+def test_a_qwen2_from_scratch_has_query_key_value_biases_and_trains(tmp_path):
+    path = tmp_path / "qwen2.yaml"
+    path.write_text(QWEN2_TINY)
+    cfg = config.load(path, [f"out_dir={tmp_path}", "plot=false"])
+    model = jobs.gpt_config(cfg)  # Llama's block with the family's options
+    assert (model.qkv_bias, model.bias, model.norm, model.mlp) == (True, False, "rms", "swiglu")
+    _, _, state, _, _ = jobs.build(cfg)
+    attention = state["job"]["params"]["blocks"]["attn"]
+    assert sorted(attention) == ["k", "k_bias", "out", "q", "q_bias", "v", "v_bias"]
+    summary = jobs.run(cfg)
+    lines = [
+        json.loads(x) for x in (tmp_path / "qwen2_tiny/metrics.jsonl").read_text().splitlines()
+    ]
+    assert summary["steps"] == 2 and [r["step"] for r in lines] == [1, 2]
+    assert all(math.isfinite(r["loss"]) for r in lines)
+    assert lines[0]["loss"] == pytest.approx(math.log(256), rel=0.05)  # from scratch: uniform
+
+
+@pytest.mark.parametrize(
+    "model, words",
+    [
+        ("{kind: gpt, family: mixtral}",
+         r"model\.family='mixtral' has a mixture of experts in every block; got experts=0, "
+         r"moe_every=1\. Set model\.experts \(e\.g\. model\.experts=8, with model\.top_k=2\) "
+         r"and model\.moe_every=1, or use model\.family=llama for a dense model\."),
+        ("{kind: gpt, family: qwen}",
+         r"model\.family='qwen' is not a model family; use one of 'gpt', 'llama', 'mixtral', "
+         r"'qwen2'\. Did you mean 'qwen2'\?"),
+        ("{kind: gpt, kv_heads: 2}",
+         r"model\.kv_heads=2 is for the families on Llama's block \(family: llama, mixtral, "
+         r"qwen2\); remove the key, or use kind: llama\."),
+    ],
+)  # fmt: skip
+def test_a_family_the_model_cannot_be_is_refused_naming_the_key_and_the_fix(tmp_path, model, words):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"model: {model}\n")
+    with pytest.raises(ValueError, match=f"^{path}: {words}"):
+        config.load(path)
+
+
+def test_a_mixtral_from_scratch_is_llama_with_experts():
+    cfg = config.from_dict(config.TrainConfig, {
+        "model": {"kind": "gpt", "family": "mixtral", "experts": 4, "top_k": 2, "d_model": 32,
+                  "heads": 4, "layers": 2}})  # fmt: skip
+    model = jobs.gpt_config(cfg)
+    assert (model.num_experts, model.top_k, model.norm, model.bias) == (4, 2, "rms", False)
+    assert (model.capacity_factor, model.aux_weight) == (1.25, 0.01)  # the config's keys
+
+
+def test_the_short_forms_become_long_forms_before_any_config_is_built(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    raw = {"model": {"kind": "llama", "heads": 4, "kv_heads": 2}, "optimizer": "sgd",
+           "learning_rate": "1e-2", "wandb": True, "out_dir": "~/runs", "init_from": ""}  # fmt: skip
+    cfg = config.from_dict(config.TrainConfig, raw)
+    assert (cfg.model.kind, cfg.model.family, cfg.model.kv_heads) == ("gpt", "llama", 2)
+    assert cfg.optimizer == config.OptimizerConfig(name="sgd", learning_rate=0.01)
+    assert cfg.wandb == config.WandbConfig() and cfg.init_from is None
+    assert cfg.out_dir == str(tmp_path / "runs")
+    assert raw["optimizer"] == "sgd"  # the data read is not changed
+    assert config.from_dict(config.TrainConfig, {"wandb": False}).wandb is None
+    # a frozen config only checks: built in Python, a short form is refused with its long form
+    for build, words in [
+        (lambda: config.ModelConfig(kind="llama"),
+         r"ModelConfig: kind='llama' is a config file's short form of kind='gpt' with "
+         r"family='llama'; build ModelConfig\(kind='gpt', family='llama'\)"),
+        (lambda: config.TrainConfig(wandb=True),
+         r"TrainConfig: wandb=True is a config file's short form of wandb: \{\}; give "
+         r"wandb=WandbConfig\(\)"),
+        (lambda: config.TrainConfig(out_dir="~/runs"),
+         r"TrainConfig: out_dir='~/runs' is a config file's short form of the home directory; "
+         r"give out_dir=os.path.expanduser\('~/runs'\)"),
+        (lambda: config.TrainConfig(init_from="/ckpt"),
+         r"TrainConfig: init_from='/ckpt' starts a model of a Hugging Face family"),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError, match=f"^{words}"):
+            build()
+
+
+def test_no_frozen_config_is_changed_after_it_is_built():
+    sources = (ROOT / "replicator" / "cli").rglob("*.py")
+    assert not [p for p in sources if "object.__setattr__" in p.read_text()]
+
+
+def test_the_loss_picture_starts_at_the_first_logged_step(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    records = [{"step": 1, "loss": 5.5}, {"step": 20, "loss": 3.0}, {"step": 20, "eval_loss": 3.1}]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 40, "lo')
+    assert pictures.logged_losses(str(metrics)) == [(1, 5.5), (20, 3.0)]  # a cut line passed over
+    cfg = config.TrainConfig(name="x")
+    pictures.plot_loss(str(metrics), str(tmp_path / "loss.png"), cfg)
+    assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"

@@ -52,11 +52,18 @@ def test_the_old_forms_a_name_alone_and_a_top_level_learning_rate():
     assert c.optimizer == OptimizerConfig(name="lion", learning_rate=1e-4)
     c = config_lib.load(PIPE, ["optimizer=sgd", "optimizer.momentum=0.9"])
     assert c.optimizer == OptimizerConfig(name="sgd", learning_rate=0.003, momentum=0.9)
-    assert config_lib.TrainConfig(optimizer="adamw", learning_rate=0.1).optimizer == (
+    short = {"optimizer": "adamw", "learning_rate": 0.1}
+    assert config_lib.from_dict(config_lib.TrainConfig, short).optimizer == (
         OptimizerConfig(name="adamw", learning_rate=0.1)
     )
     # the defaults, as before the section: Adam at a constant 3e-3
     assert config_lib.TrainConfig().optimizer == OptimizerConfig(name="adam", learning_rate=3e-3)
+    # built in Python, a config takes the long forms only, and says which to write
+    with pytest.raises(ValueError, match=r"^TrainConfig: optimizer='adamw' is a config file's "
+                       r"short form of optimizer: \{name: adamw\}; give optimizer=OptimizerConfig"
+                       r"\(name='adamw'\), or read the config with replicator.cli.config."
+                       r"from_dict"):  # fmt: skip
+        config_lib.TrainConfig(optimizer="adamw")
 
 
 def test_a_learning_rate_set_twice_is_refused_naming_both_keys(tmp_path):
@@ -67,8 +74,10 @@ def test_a_learning_rate_set_twice_is_refused_naming_both_keys(tmp_path):
         config_lib.load(path)
     with pytest.raises(ValueError, match=rf"^overrides: {both}"):
         config_lib.load(DP, ["learning_rate=1e-3", "optimizer.learning_rate=1e-3"])
-    with pytest.raises(ValueError, match=rf"^TrainConfig: {both}"):
-        config_lib.TrainConfig(learning_rate=1e-3, optimizer=OptimizerConfig(learning_rate=0.1))
+    with pytest.raises(ValueError, match=rf"^config: {both}"):
+        config_lib.from_dict(
+            config_lib.TrainConfig, {"learning_rate": 1e-3, "optimizer": {"learning_rate": 0.1}}
+        )
 
 
 @pytest.mark.parametrize(
@@ -76,7 +85,8 @@ def test_a_learning_rate_set_twice_is_refused_naming_both_keys(tmp_path):
     [
         (["optimizer=adamx"], r"optimizer='adamx' is not an optimizer; use one of 'adam', 'adamw'"),
         (["optimizer.name=lino"], r"optimizer\.name=.lino. is not an optimizer.*mean .lion.\?"),
-        (["optimizer.schedule=cos"], r"optimizer\.schedule='cos' is not a schedule.*'cosine'"),
+        (["optimizer.schedule=cos"],
+         r"optimizer\.schedule='cos' is not a learning-rate schedule.*'cosine'"),
         (["optimizer.warmup_steps=-1"], r"optimizer\.warmup_steps must be an int >= 0; got -1"),
         (["optimizer.learning_rate=0"], r"optimizer\.learning_rate must be a finite number > 0"),
         (["optimizer.weight_decay=0.1"],
@@ -238,6 +248,8 @@ def test_the_learning_rate_is_logged_with_the_metrics(tmp_path, capsys):
     schedule = optax.join_schedules(
         [optax.linear_schedule(0.0, 1e-3, 2), optax.linear_schedule(1e-3, 0.0, 2)], [2]
     )
-    # the rate of the step logged: steps 2 and 4 ran with schedule(1) and schedule(3)
-    assert [r["step"] for r in rows] == [2, 4]
-    assert [r["learning_rate"] for r in rows] == pytest.approx([float(schedule(s)) for s in (1, 3)])
+    # the rate of the step logged: steps 1, 2 and 4 ran with schedule(0), (1) and (3)
+    assert [r["step"] for r in rows] == [1, 2, 4]
+    assert [r["learning_rate"] for r in rows] == pytest.approx(
+        [float(schedule(s)) for s in (0, 1, 3)]
+    )

@@ -47,11 +47,11 @@ def train(cwd, *overrides):
 def test_a_function_named_by_model_kind_is_the_job(tmp_path):
     (tmp_path / "linear.py").write_text(JOB)
     run = train(
-        tmp_path, "model.kind=linear:build", "steps=20", "log_every=10", "learning_rate=0.1"
+        tmp_path, "model.kind=linear:build", "steps=10", "log_every=10", "learning_rate=0.1"
     )
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [json.loads(x) for x in (tmp_path / "lm_dp/metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [10, 20]
+    assert [r["step"] for r in rows] == [1, 10]
     assert rows[-1]["loss"] < 0.5 * rows[0]["loss"], rows
     missing = train(tmp_path, "model.kind=nowhere:build")
     assert missing.returncode == 2

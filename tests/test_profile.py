@@ -1,4 +1,5 @@
-"""rp.fit(profile=...) and the `profile:` config key: a jax.profiler trace of steady steps."""
+"""rp.training.LoggingOptions(profile=...) and the `profile:` config key: a jax.profiler trace of
+steady steps."""
 
 from __future__ import annotations
 
@@ -24,9 +25,10 @@ def test_fit_traces_the_steps_it_is_asked_for(tmp_path):
     repl = rp.Replicator()
     step = lambda s, x: (s + rp.all_reduce(jnp.sum(x), "mean"), {"s": s})
     x = np.ones((repl.num_replicas * 2, 3), np.float32)
+    profile = rp.training.Profile(str(tmp_path), start_step=3, num_steps=2)
     result = rp.fit(
         repl, step, repl.replicate(jnp.zeros(())), lambda ctx: (x for _ in range(100)),
-        steps=6, progress=False, profile={"dir": str(tmp_path), "start_step": 3, "num_steps": 2},
+        steps=6, logging=rp.training.LoggingOptions(progress=False, profile=profile),
     )  # fmt: skip
     assert result.step == 6
     (trace,) = traces(tmp_path)
@@ -36,8 +38,9 @@ def test_fit_traces_the_steps_it_is_asked_for(tmp_path):
 def test_a_run_that_ends_inside_the_traced_steps_still_writes_the_trace(tmp_path):
     repl = rp.Replicator()
     step = lambda s, x: (s + 1, {"s": s})
+    profile = rp.training.Profile(tmp_path, start_step=2, num_steps=5)
     rp.fit(repl, step, repl.replicate(jnp.zeros(())), lambda ctx: iter([np.ones(8)] * 3),
-           steps=10, progress=False, profile=rp.training.Profile(tmp_path, start_step=2, num_steps=5))  # fmt: skip
+           steps=10, logging=rp.training.LoggingOptions(progress=False, profile=profile))  # fmt: skip
     assert traces(tmp_path) and traces(tmp_path)[0].stat().st_size > 0
 
 

@@ -8,6 +8,8 @@ an axis does not divide, is refused before a step runs; and the kernel compiles 
 model, expert and context axes.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -85,6 +87,14 @@ def _train(repl, config, zero_stage, steps=3, split=None):
     return losses, jax.tree.map(np.asarray, rp.gather_params(state["params"]))
 
 
+@functools.cache
+def _one_device(attention_impl: str, d_model: int = 256, heads: int = 2):
+    """Three SGD steps on one device, computed once a process: the oracle several tests share."""
+    return _train(
+        rp.Replicator(devices=jax.devices()[:1]), _model(attention_impl, d_model, heads), 0
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("split", ["rows", "columns"])
 def test_gpt_with_splash_on_data_x_zero3_equals_one_device_with_dot_product(split):
@@ -93,13 +103,13 @@ def test_gpt_with_splash_on_data_x_zero3_equals_one_device_with_dot_product(spli
     ``D`` (q, k, v) or of a head (out: gathered first); by columns (512 wide, 4 heads), each
     part of q and out holds a head or a quarter of ``D``, and k's and v's half a head (gathered
     first). Every way equals one device."""
-    config = lambda impl: _model(impl, *((256, 2) if split == "rows" else (512, 4)))
-    one, _ = _train(rp.Replicator(devices=jax.devices()[:1]), config("dot_product"), 0)
+    sizes = (256, 2) if split == "rows" else (512, 4)
+    one, _ = _one_device("dot_product", *sizes)
     many, params = _train(
-        rp.Replicator(mesh_shape={"data": 4}, devices=jax.devices()[:4]), config("splash"), 3,
-        split=None if split == "rows" else {"blocks": -1},
+        rp.Replicator(mesh_shape={"data": 4}, devices=jax.devices()[:4]), _model("splash", *sizes),
+        3, split=None if split == "rows" else {"blocks": -1},
     )  # fmt: skip
-    ref_losses, ref_params = _train(rp.Replicator(devices=jax.devices()[:1]), config("splash"), 0)
+    ref_losses, ref_params = _one_device("splash", *sizes)
     np.testing.assert_allclose(many, ref_losses, rtol=1e-5)
     np.testing.assert_allclose(many, one, rtol=1e-5)  # the kernel is the reference's numbers
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
@@ -115,10 +125,9 @@ def test_gpt_with_splash_on_a_mesh_naming_model_of_size_1_equals_one_device():
 
 def _trains_as_one_device(mesh_shape):
     """Three SGD steps of the splash GPT on 4 devices of ``mesh_shape`` equal one device's."""
-    config = _model("splash")
-    one, ref = _train(rp.Replicator(devices=jax.devices()[:1]), config, 0)
+    one, ref = _one_device("splash")
     repl = rp.Replicator(mesh_shape=mesh_shape, devices=jax.devices()[:4])
-    many, params = _train(repl, config, 0)
+    many, params = _train(repl, _model("splash"), 0)
     np.testing.assert_allclose(many, one, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -176,8 +176,9 @@ def test_a_resumed_fit_reads_the_batches_of_an_uninterrupted_one(tmp_path, corpu
     def fit(directory, steps):
         repl = rp.Replicator()
         state = repl.replicate({"n": np.zeros((), np.int32)})
-        return rp.fit(repl, step_fn, state, input_fn, steps=steps, checkpoint_dir=directory,
-                      checkpoint_every=2, log_every=1, progress=False)  # fmt: skip
+        return rp.fit(repl, step_fn, state, input_fn, steps=steps,
+                      checkpointing=rp.training.CheckpointOptions(directory, every=2),
+                      logging=rp.training.LoggingOptions(every=1, progress=False))  # fmt: skip
 
     batches_per_epoch = len(found["tokens"]) // 8
     steps = batches_per_epoch + 3  # into a second epoch
@@ -307,7 +308,9 @@ def test_a_tokenizer_without_one_eos_needs_data_eos(tmp_path, corpus):
 
 
 @pytest.mark.slow
-def test_replicator_train_with_a_tokenizer_trains_and_resumes_exactly(tmp_path, corpus, bpe):
+def test_replicator_train_with_a_tokenizer_trains_and_resumes_exactly(
+    tmp_path, corpus, bpe, capsys
+):
     """`replicator train configs/lm_dp.yaml data.path=... data.tokenizer=tokenizer.json`: a run
     stopped at step 2 resumes with the next batch; a model.vocab under the tokenizer's is one
     line and exit status 2."""
@@ -315,16 +318,14 @@ def test_replicator_train_with_a_tokenizer_trains_and_resumes_exactly(tmp_path, 
             "model.d_model=16", "model.layers=1", "model.seq_len=8", "global_batch=8",
             "log_every=1", "checkpoint_every=2", "plot=false"]  # fmt: skip
 
-    def train(out, steps, *more):
-        run = subprocess.run(
-            [sys.executable, "-m", "replicator.cli", "train", str(ROOT / "configs/lm_dp.yaml"),
-             f"out_dir={out}", f"steps={steps}", *args, *more],
-            capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-        if run.returncode:
-            return run
+    def train(out, steps, *more):  # in this process: its metrics and output, or its refusal
+        code = cli.main(["train", str(ROOT / "configs/lm_dp.yaml"), f"out_dir={out}",
+                         f"steps={steps}", *args, *more])  # fmt: skip
+        said = capsys.readouterr()
+        if code:
+            return code, said.err
         rows = (out / "lm_dp" / "metrics.jsonl").read_text().splitlines()
-        return [json.loads(x) for x in rows], run.stdout + run.stderr
+        return [json.loads(x) for x in rows], said.out + said.err
 
     whole, _ = train(tmp_path / "a", 4)
     train(tmp_path / "b", 2)
@@ -332,12 +333,10 @@ def test_replicator_train_with_a_tokenizer_trains_and_resumes_exactly(tmp_path, 
     assert "resumed from the checkpoint of step 2" in said
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]  # the same metrics.jsonl, appended
     assert [r["loss"] for r in resumed] == [r["loss"] for r in whole]
-    small = train(tmp_path / "c", 4, "model.vocab=256")
-    assert small.returncode == 2 and small.stderr.count("\n") == 1, small.stderr
+    code, err = train(tmp_path / "c", 4, "model.vocab=256")
+    assert code == 2 and err.count("\n") == 1, err
     n = bpe[0].get_vocab_size()
-    assert f"has {n} token ids (0-{n - 1}), more than model.vocab=256; set model.vocab={n}" in (
-        small.stderr
-    )
+    assert f"has {n} token ids (0-{n - 1}), more than model.vocab=256; set model.vocab={n}" in err
 
 
 @pytest.mark.slow
@@ -352,7 +351,7 @@ def test_the_tokenizer_example_trains_a_bpe_tokenizer_then_the_gpt_through_it(tm
     first, last = map(float, re.search(r"loss (\d+\.\d+) -> (\d+\.\d+)", run.stdout).groups())
     assert last < 0.9 * first, run.stdout
     assert (tmp_path / "tokenizer.json").exists()
-    assert (tmp_path / "lm_tokenizer" / "metrics.jsonl").read_text().count("\n") == 4
+    assert (tmp_path / "lm_tokenizer" / "metrics.jsonl").read_text().count("\n") == 5  # 1, 5, ..
 
 
 def test_a_vocabulary_below_256_takes_a_small_tokenizer_and_refuses_bytes(tmp_path, corpus):

@@ -1,4 +1,5 @@
-"""rp.fit(writers=[...]): your own metric writer, TensorBoard, and Weights & Biases offline."""
+"""rp.fit(logging=rp.training.LoggingOptions(writers=[...])): your own metric writer,
+TensorBoard, and Weights & Biases offline."""
 
 from __future__ import annotations
 
@@ -39,11 +40,17 @@ def input_fn(ctx):
     return rp.Batches({"x": x, "y": y}, global_batch_size=8, ctx=ctx, seed=0)
 
 
-def fit(steps=4, **kwargs):
+def fit(steps=4, *, checkpoint_dir=None, eval_fn=None, **logging):
+    """`rp.fit` of the linear step, checkpoints every 2 steps in ``checkpoint_dir`` (None:
+    none), ``eval_fn`` every 2 steps, a log every step (``logging``: other `LoggingOptions`)."""
     repl = rp.Replicator()
     state = repl.replicate({"w": np.zeros((3, 1), np.float32)})
-    kwargs = {"log_every": 1, "progress": False, **kwargs}
-    return rp.fit(repl, linear_step, state, input_fn, steps=steps, **kwargs)
+    logging = rp.training.LoggingOptions(**{"every": 1, "progress": False, **logging})
+    return rp.fit(
+        repl, linear_step, state, input_fn, steps=steps, logging=logging,
+        checkpointing=checkpoint_dir and rp.training.CheckpointOptions(checkpoint_dir, every=2),
+        evaluation=eval_fn and rp.training.EvalOptions(eval_fn, every=2),
+    )  # fmt: skip
 
 
 class ListWriter:
@@ -67,7 +74,6 @@ def test_your_own_writer_gets_exactly_the_logged_records_and_is_closed(tmp_path)
         writers=[writer],
         metrics_path=tmp_path / "metrics.jsonl",
         eval_fn=lambda state: {"w0": state["w"][0, 0]},
-        eval_every=2,
     )
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert writer.records == result.history == lines
@@ -82,7 +88,7 @@ def test_writers_are_closed_when_fit_fails_refuses_or_has_nothing_to_do(tmp_path
 
     writer = ListWriter()
     with pytest.raises(RuntimeError, match="eval failed"):
-        fit(4, writers=[writer], eval_fn=boom, eval_every=2)
+        fit(4, writers=[writer], eval_fn=boom)
     assert [r["step"] for r in writer.records] == [1, 2] and writer.closed == 1
 
     writer = ListWriter()
@@ -97,12 +103,14 @@ def test_writers_are_closed_when_fit_fails_refuses_or_has_nothing_to_do(tmp_path
 
 
 def test_fit_refuses_writers_that_are_not_a_list_of_writers():
-    with pytest.raises(TypeError, match=r"rp.fit: writers must be a list .* got a ListWriter"):
+    with pytest.raises(
+        TypeError, match=r"rp.training.LoggingOptions: writers must be a list .* got a ListWriter"
+    ):
         fit(1, writers=ListWriter())
     with pytest.raises(
         TypeError,
-        match=r"rp.fit: writers\[1\] \(a str\) has no write\(step, metrics\) method; "
-        r"give objects with write\(step, metrics\) and close\(\) \(rp.training.MetricWriter\)",
+        match=r"rp.training.LoggingOptions: writers\[1\] \(a str\) has no write\(step, metrics\) "
+        r"method; give objects with write\(step, metrics\) and close\(\) \(rp.training.MetricWriter\)",
     ):
         fit(1, writers=[ListWriter(), "tb"])
 
@@ -240,7 +248,7 @@ def _offline_runs(directory):
 def test_wandb_writer_leaves_an_offline_run_with_the_logged_history(tmp_path, wandb):
     writer = rp.training.WandbWriter(project="replicator-tests", name="linear", dir=tmp_path, config={
         "lr": 0.1})  # fmt: skip
-    result = fit(4, writers=[writer], eval_fn=lambda s: {"w0": s["w"][0, 0]}, eval_every=2)
+    result = fit(4, writers=[writer], eval_fn=lambda s: {"w0": s["w"][0, 0]})
     ((run, rows),) = offline_runs(tmp_path).values()
     assert run.project == "replicator-tests" and run.display_name == "linear"
     assert items(run.config.update)["lr"] == 0.1
@@ -252,7 +260,7 @@ def test_wandb_writer_leaves_an_offline_run_with_the_logged_history(tmp_path, wa
 
 
 def test_a_resumed_fit_starts_a_new_offline_run_from_the_checkpoint(tmp_path, wandb):
-    ckpt = {"checkpoint_dir": tmp_path / "ckpt", "checkpoint_every": 2}
+    ckpt = {"checkpoint_dir": tmp_path / "ckpt"}
     first = fit(4, writers=[rp.training.WandbWriter(project="p", dir=tmp_path)], **ckpt)
     second = fit(6, writers=[rp.training.WandbWriter(project="p", dir=tmp_path)], **ckpt)
     assert second.resumed_from == 4

@@ -12,18 +12,26 @@ def where_of(obj) -> str:
 
 
 def at_least(obj, name: str, low: int) -> None:
-    value = getattr(obj, name)
+    int_at_least(where_of(obj), name, getattr(obj, name), low)
+
+
+def int_at_least(where: str, name: str, value, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{where_of(obj)}{name} must be an int >= {low}; got {value!r}.")
+        raise ValueError(f"{where}{name} must be an int >= {low}; got {value!r}.")
 
 
 def one_of(obj, name: str, valid: tuple[str, ...], *, what: str) -> None:
     value = getattr(obj, name)
     if value not in valid:
-        raise ValueError(
-            f"{where_of(obj)}{name}={value!r} is not {what}; use one of "
-            f"{', '.join(map(repr, valid))}.{did_you_mean(value, valid)}"
-        )
+        raise not_one_of(where_of(obj), name, value, valid, what=what)
+
+
+def not_one_of(where: str, name: str, value, valid: tuple[str, ...], *, what: str) -> ValueError:
+    """``{where}{name}={value!r} is not {what}; use one of ...``, with the closest valid value."""
+    return ValueError(
+        f"{where}{name}={value!r} is not {what}; use one of "
+        f"{', '.join(map(repr, valid))}.{did_you_mean(value, valid)}"
+    )
 
 
 def did_you_mean(value, valid) -> str:

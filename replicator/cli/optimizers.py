@@ -23,7 +23,7 @@ from typing import Any
 from replicator.cli.checks import at_least, finite_positive, one_of, where_of
 
 NAMES = ("adam", "adamw", "sgd", "lion", "adafactor")
-SCHEDULES = ("constant", "cosine", "linear")
+LR_SCHEDULES = ("constant", "cosine", "linear")  # learning-rate schedules
 _DECAYS = ("adamw", "lion")  # the optimizers with decoupled weight decay
 _BETAS = ("adam", "adamw", "lion")  # the optimizers with b1 and b2
 _DEFAULT_DECAY = {"adamw": 1e-4, "lion": 1e-3}  # optax's
@@ -48,7 +48,7 @@ class OptimizerConfig:
         where = where_of(self)
         one_of(self, "name", NAMES, what="an optimizer")
         finite_positive(self, "learning_rate", example="learning_rate=3e-3")
-        one_of(self, "schedule", SCHEDULES, what="a schedule")
+        one_of(self, "schedule", LR_SCHEDULES, what="a learning-rate schedule")
         at_least(self, "warmup_steps", 0)
         if self.decay_steps is not None:
             at_least(self, "decay_steps", 1)

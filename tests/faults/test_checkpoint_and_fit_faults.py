@@ -51,17 +51,23 @@ def linear_step(lr=0.1):
     return step_fn
 
 
-def fit(directory, steps, data, *, lr=0.1, step_fn=None, **kwargs):
+def fit(directory, steps, data, *, lr=0.1, step_fn=None, every=2, logging=(), **checkpointing):
+    """`rp.fit` of the linear step on ``data``, checkpoints in ``directory`` (None: none) every
+    ``every`` steps with the other ``checkpointing`` options, a log every step (``logging``:
+    other `LoggingOptions`)."""
     repl = rp.Replicator()
-    kwargs = {"checkpoint_every": 2, "log_every": 1, "progress": False, **kwargs}
+    saving = None
+    if directory is not None:
+        saving = rp.training.CheckpointOptions(directory, every=every, **checkpointing)
+    logging = {"every": 1, "progress": False, **dict(logging)}
     return rp.fit(
         repl,
         step_fn or linear_step(lr),
         repl.replicate(LIKE),
         lambda ctx: iter(data),
         steps=steps,
-        checkpoint_dir=directory,
-        **kwargs,
+        checkpointing=saving,
+        logging=rp.training.LoggingOptions(**logging),
     )
 
 
@@ -228,12 +234,12 @@ def test_a_nan_loss_at_step_1_saves_nothing(tmp_path):
 
 def test_without_checkpoints_the_error_says_nothing_was_saved():
     with pytest.raises(rp.NonFiniteError, match=r"there is no checkpoint_dir, so nothing"):
-        fit(None, 4, batches(4, {2: nan_rows}), checkpoint_every=None)
+        fit(None, 4, batches(4, {2: nan_rows}))
 
 
 def test_between_logs_the_save_step_checks_the_outputs(tmp_path):
     with pytest.raises(rp.NonFiniteError, match=r"'loss' is nan at step 4\."):
-        fit(tmp_path, 8, batches(8, {3: nan_rows}), log_every=100)
+        fit(tmp_path, 8, batches(8, {3: nan_rows}), logging={"every": 100})
     assert rp.Checkpoints(tmp_path).steps() == [2]
 
 
@@ -271,10 +277,8 @@ def test_a_step_skipped_by_dynamic_loss_scaling_is_not_an_error(tmp_path):
         state,
         lambda ctx: iter(data),
         steps=6,
-        checkpoint_dir=tmp_path,
-        checkpoint_every=2,
-        log_every=1,
-        progress=False,
+        checkpointing=rp.training.CheckpointOptions(tmp_path, every=2),
+        logging=rp.training.LoggingOptions(every=1, progress=False),
     )
     by_step = {r["step"]: r for r in result.history}
     assert np.isnan(by_step[3]["loss"]) and by_step[3]["skipped"] == 1
@@ -324,15 +328,12 @@ def test_after_a_crash_metrics_have_each_step_once(tmp_path):
             repl.replicate(LIKE),
             crashing,
             steps=8,
-            checkpoint_dir=tmp_path / "ckpt",
-            checkpoint_every=2,
-            log_every=1,
-            metrics_path=metrics,
-            progress=False,
+            checkpointing=rp.training.CheckpointOptions(tmp_path / "ckpt", every=2),
+            logging=rp.training.LoggingOptions(every=1, metrics_path=metrics, progress=False),
         )
     with open(metrics, "a") as f:
         f.write('{"step": 6, "lo')  # a line cut short by a kill
-    resumed = fit(tmp_path / "ckpt", 8, data, metrics_path=metrics)
+    resumed = fit(tmp_path / "ckpt", 8, data, logging={"metrics_path": metrics})
     lines = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert resumed.resumed_from == 4
     assert [r["step"] for r in lines] == list(range(1, 9))
@@ -415,7 +416,7 @@ def test_a_full_disk_is_one_clear_error_and_the_good_checkpoints_resume(
     ckpt = tmp_path / "ckpt"
     full_disk(ckpt, 6)
     with pytest.raises(rp.CheckpointWriteError) as caught:
-        fit(ckpt, 8, data, async_checkpoints=async_checkpoints)
+        fit(ckpt, 8, data, async_save=async_checkpoints)
     e = caught.value
     assert isinstance(e, OSError) and e.errno == errno.ENOSPC and e.step == 6
     assert str(e) == (
@@ -430,7 +431,7 @@ def test_a_full_disk_is_one_clear_error_and_the_good_checkpoints_resume(
     assert not [r for r in caplog.records if "No space left" in r.getMessage()]  # orbax's logs
     assert leftovers(ckpt) == [] and rp.Checkpoints(ckpt).steps() == [2, 4]
     full_disk(None)  # space again: the rerun resumes from step 4, exactly
-    resumed = fit(ckpt, 8, data, async_checkpoints=async_checkpoints)
+    resumed = fit(ckpt, 8, data, async_save=async_checkpoints)
     straight = fit(tmp_path / "straight", 8, data)
     assert resumed.resumed_from == 4 and rp.Checkpoints(ckpt).steps() == [4, 6, 8]
     np.testing.assert_array_equal(np.asarray(resumed.state["w"]), np.asarray(straight.state["w"]))
@@ -456,10 +457,12 @@ def test_a_full_disk_in_replicator_train_is_one_line(capsys, tmp_path, full_disk
             "steps=6", "checkpoint_every=2", "model.layers=2", "keep=2"]  # fmt: skip
     assert cli.main(argv) == 1
     err = capsys.readouterr().err
-    assert err.startswith(
+    logged, message = err.splitlines(keepends=True)  # step 1's log line, then the error's line
+    assert logged.startswith("step      1/6  "), err
+    assert message.startswith(
         "replicator train: rp.Checkpoints.save: checkpoint step 4 could not be written to "
     ), err
-    assert "(newest: step 2)" in err and "keep=2 now" in err and err.count("\n") == 1, err
+    assert "(newest: step 2)" in message and "keep=2 now" in message, err
 
 
 def _can_mount_a_tmpfs():
@@ -483,8 +486,10 @@ def test_a_really_full_disk_in_replicator_train_is_one_line(tmp_path):
     )
     err = run.stderr
     assert "Traceback" not in err and "ERROR" not in err, err[-3000:]
-    assert err.count("\n") == 1 and err.startswith("replicator train: rp.Checkpoints.save: "), err
-    assert "no space left on device (ENOSPC)" in err and "keep=3 now" in err, err
+    logged, message = err.splitlines(keepends=True)  # step 1's log line, then the error's line
+    assert logged.startswith("step      1/30  "), err
+    assert message.startswith("replicator train: rp.Checkpoints.save: "), err
+    assert "no space left on device (ENOSPC)" in message and "keep=3 now" in message, err
     assert "exit=1" in run.stdout, run.stdout
     left = run.stdout.split("exit=1")[1].split()
     assert not [n for n in left if "tmp" in n], left  # the partial step was removed
@@ -511,16 +516,13 @@ def test_a_run_killed_before_its_first_checkpoint_leaves_each_step_once(tmp_path
             repl.replicate(LIKE),
             killed,
             steps=8,
-            log_every=1,
-            checkpoint_dir=directory,
-            checkpoint_every=5 if checkpoints else None,
-            metrics_path=metrics,
-            progress=False,
+            checkpointing=rp.training.CheckpointOptions(directory, every=5)
+            if checkpoints
+            else None,
+            logging=rp.training.LoggingOptions(every=1, metrics_path=metrics, progress=False),
         )
     assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == [1, 2, 3]
-    again = fit(
-        directory, 8, data, checkpoint_every=5 if checkpoints else None, metrics_path=metrics
-    )
+    again = fit(directory, 8, data, every=5, logging={"metrics_path": metrics})
     lines = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert again.resumed_from is None and [r["step"] for r in lines] == list(range(1, 9))
     assert [r["loss"] for r in lines] == [r["loss"] for r in again.history]
@@ -618,8 +620,8 @@ def test_emergency_after_decides_the_save_on_sigterm(tmp_path, capsys, emergency
         tmp_path,
         12,
         data,
-        checkpoint_every=4,
-        writers=[SigtermAt(5)],
+        every=4,
+        logging={"writers": [SigtermAt(5)]},
         emergency_after=emergency_after,
     )
     assert result.preempted and result.step == 6  # the signal at step 5's log: stops after 6
@@ -632,8 +634,8 @@ def test_emergency_after_decides_the_save_on_sigterm(tmp_path, capsys, emergency
             f"rp.fit: stopped by SIGTERM at step 6; no checkpoint saved (emergency_after="
             f"{emergency_after}; newest: step 4): running again resumes from step 4" in err
         ), err
-    resumed = fit(tmp_path, 12, data, checkpoint_every=4)
-    straight = fit(tmp_path / "straight", 12, data, checkpoint_every=4)
+    resumed = fit(tmp_path, 12, data, every=4)
+    straight = fit(tmp_path / "straight", 12, data, every=4)
     assert resumed.resumed_from == saved[-1]
     np.testing.assert_array_equal(np.asarray(resumed.state["w"]), np.asarray(straight.state["w"]))
 
@@ -642,7 +644,7 @@ def test_emergency_after_is_checked_in_fit_and_in_configs(tmp_path):
     for bad in (0, -1, 1.5, True):
         with pytest.raises(
             ValueError,
-            match=r"rp\.fit: emergency_after must be an int >= 1 or "
+            match=r"rp\.training\.CheckpointOptions: emergency_after must be an int >= 1 or "
             r"None",
         ):
             fit(tmp_path, 2, batches(2), emergency_after=bad)

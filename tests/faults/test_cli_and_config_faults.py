@@ -18,7 +18,7 @@ import replicator as rp
 from replicator import cli
 from replicator._src.training import rundir
 from replicator.cli import config
-from replicator.cli.jobs import runner
+from replicator.cli.jobs import building
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
@@ -171,14 +171,16 @@ def test_library_refusals_before_the_first_step_are_messages(case, capsys, tmp_p
 def test_learning_rate_in_e_notation_is_a_float(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("learning_rate: 1e-3\n")
-    assert config.load(path, ["clip_global_norm=2e-1"]).learning_rate == 1e-3
+    assert config.load(path, ["clip_global_norm=2e-1"]).optimizer.learning_rate == 1e-3
     assert config.load(path, ["clip_global_norm=2e-1"]).clip_global_norm == 0.2
-    assert config.load(path, ["learning_rate=5E-4"]).learning_rate == 5e-4
+    assert config.load(path, ["learning_rate=5E-4"]).optimizer.learning_rate == 5e-4
 
 
 def test_configs_built_in_python_are_checked_too():
-    with pytest.raises(ValueError, match=r"TrainConfig: learning_rate must be a finite number"):
-        config.TrainConfig(learning_rate=float("nan"))
+    with pytest.raises(ValueError, match=r"^config: learning_rate must be a finite number"):
+        config.from_dict(config.TrainConfig, {"learning_rate": float("nan")})
+    with pytest.raises(ValueError, match=r"OptimizerConfig: learning_rate must be a finite number"):
+        config.OptimizerConfig(learning_rate=float("nan"))
     with pytest.raises(ValueError, match=r"PipelineConfig: schedule='zigzag' is not a schedule"):
         config.PipelineConfig(schedule="zigzag")
     with pytest.raises(ValueError, match=r"TrainConfig: cpu_devices must be an int >= 0"):
@@ -204,7 +206,7 @@ def test_running_a_finished_run_again_exits_0(capsys, tmp_path):
 
 
 def test_a_failure_during_training_keeps_its_traceback(capsys, tmp_path, monkeypatch):
-    build = runner.build
+    build = building.build
 
     def failing_build(cfg):
         repl, step_fn, state, input_fn, tokens = build(cfg)
@@ -217,7 +219,7 @@ def test_a_failure_during_training_keeps_its_traceback(capsys, tmp_path, monkeyp
 
         return repl, step_fn, state, broken_input, tokens
 
-    monkeypatch.setattr(runner, "build", failing_build)  # where `run` looks it up
+    monkeypatch.setattr(building, "build", failing_build)  # where `run` looks it up
     with pytest.raises(ValueError, match="the disk went away"):
         cli.main(["train", str(CONFIGS / "mlp_zero.yaml"), f"out_dir={tmp_path}", "steps=5",
                   "model.layers=2", "plot=false"])  # fmt: skip
@@ -253,7 +255,8 @@ def _fit(ckpt_dir, metrics_path, job=None):
     repl, state = job
     return rp.fit(
         repl, mlp_step, state, lambda ctx: iter(batches(20)), steps=20,
-        checkpoint_dir=ckpt_dir, checkpoint_every=5, metrics_path=metrics_path, progress=False,
+        checkpointing=rp.training.CheckpointOptions(ckpt_dir, every=5),
+        logging=rp.training.LoggingOptions(metrics_path=metrics_path, progress=False),
     )  # fmt: skip
 
 
@@ -297,7 +300,7 @@ def test_a_second_run_into_a_directory_is_refused_and_a_killed_run_does_not_bloc
         pass
     with pytest.raises(ValueError, match="steps must be an int"):
         rp.fit(rp.Replicator(), lambda s, b: (s, None), {}, lambda ctx: iter([]), steps=0,
-               checkpoint_dir=ckpt)  # fmt: skip
+               checkpointing=rp.training.CheckpointOptions(ckpt))  # fmt: skip
     with rundir.RunLock(rundir.lock_paths(ckpt, None)):
         pass
     np.testing.assert_equal(jax.process_index(), 0)

@@ -332,9 +332,9 @@ def test_a_refused_run_leaves_no_directory(case, capsys, tmp_path):
 def test_a_refusal_inside_fit_removes_the_directory_it_made(capsys, tmp_path, monkeypatch):
     import replicator as rp
 
-    def refusing_fit(repl, step_fn, state, input_fn, *, checkpoint_dir, metrics_path, **kw):
-        os.makedirs(checkpoint_dir)  # as rp.fit does before it refuses
-        pathlib.Path(metrics_path).write_text("")
+    def refusing_fit(repl, step_fn, state, input_fn, *, checkpointing, logging, **kw):
+        os.makedirs(checkpointing.directory)  # as rp.fit does before it refuses
+        pathlib.Path(logging.metrics_path).write_text("")
         raise ValueError("rp.fit: refused on purpose")
 
     monkeypatch.setattr(rp, "fit", refusing_fit)
@@ -462,7 +462,14 @@ def test_the_readmes_sample_output_has_the_first_line_the_job_prints():
     first = re.search(r"^replicator train lm_pipeline: Replicator\(.*$", readme, re.MULTILINE)
     assert first, "no sample output in the README"
     assert re.search(r" on cpu \(.+, 8 emulated devices\)$", first[0]), first[0]
-    assert "last digits" in readme and "2.4757" in readme
+    sample = readme[first.start() : readme.index("```", first.start())].strip().splitlines()
+    assert len(sample) <= 5, sample  # the front page's sample: the first and last lines
+    assert re.fullmatch(
+        r"replicator train lm_pipeline: loss \d\.\d{4} -> \d\.\d{4}, 200 steps in [\d.]+ s; "
+        r"outputs in runs/lm_pipeline",
+        sample[-1],
+    ), sample[-1]
+    assert "last digits" in readme
 
 
 # -- the launcher: processes (slow) --------------------------------------------------------------

@@ -35,6 +35,16 @@ def heal(directory: Path, n: int, steps: int, faults=(), *, extra=(), pace=0.0, 
     return run.returncode, run.stdout + run.stderr
 
 
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory) -> dict:
+    """The job's parameters after 20 steps on 2 processes without a fault: what every healed
+    run of the module must end with (bitwise on 2 processes, to 1e-5 after a resize)."""
+    directory = tmp_path_factory.mktemp("plain")
+    code, out = heal(directory, 2, 20)
+    assert code == 0, out[-3000:]
+    return params(directory)
+
+
 def params(directory: Path) -> dict:
     with np.load(directory / "params.npz") as f:
         return {k: f[k] for k in f.files}
@@ -95,9 +105,7 @@ def test_no_worker_outlives_a_launcher_killed_by_sigkill(tmp_path, pdeathsig):
 
 
 @pytest.mark.slow
-def test_two_kills_are_healed_by_restarts_bitwise(tmp_path):
-    code, out = heal(tmp_path / "plain", 2, 20)
-    assert code == 0, out[-3000:]
+def test_two_kills_are_healed_by_restarts_bitwise(tmp_path, plain):
     faults = [{"step": 7, "rank": 1, "how": "kill"}, {"step": 15, "rank": 0, "how": "kill"}]
     code, out = heal(tmp_path / "healed", 2, 20, faults, extra=["--max-restarts", "3"])
     log = last_lines(out)
@@ -108,25 +116,23 @@ def test_two_kills_are_healed_by_restarts_bitwise(tmp_path):
     assert "resuming from the checkpoint of step 10" in log, log
     starts = [e["step"] for e in events(tmp_path / "healed") if e["kind"] == "first_step"]
     assert starts == [1, 1, 6, 6, 11, 11], starts
-    plain, healed = params(tmp_path / "plain"), params(tmp_path / "healed")
+    healed = params(tmp_path / "healed")
     for k in plain:
         np.testing.assert_array_equal(healed[k], plain[k], err_msg=k)
 
 
 @pytest.mark.slow
-def test_random_kills_of_random_ranks_are_healed_bitwise(tmp_path):
+def test_random_kills_of_random_ranks_are_healed_bitwise(tmp_path, plain):
     """The fault-injection harness: 3 SIGKILLs of random ranks at distinct random steps of one
     run (seeded by ``REPLICATOR_FAULT_SEED``, default 0: rerun with another seed to explore)."""
     rng = random.Random(int(os.environ.get("REPLICATOR_FAULT_SEED", "0")))
     faults = [
-        {"step": s, "rank": rng.randrange(2), "how": "kill"} for s in rng.sample(range(3, 24), 3)
+        {"step": s, "rank": rng.randrange(2), "how": "kill"} for s in rng.sample(range(3, 20), 3)
     ]
-    code, out = heal(tmp_path / "plain", 2, 24)
-    assert code == 0, out[-3000:]
-    code, out = heal(tmp_path / "healed", 2, 24, faults, extra=["--max-restarts", "3"])
+    code, out = heal(tmp_path / "healed", 2, 20, faults, extra=["--max-restarts", "3"])
     assert code == 0, out[-3000:]
     assert last_lines(out).count("Restart ") == 3, last_lines(out)
-    plain, healed = params(tmp_path / "plain"), params(tmp_path / "healed")
+    healed = params(tmp_path / "healed")
     for k in plain:
         np.testing.assert_array_equal(healed[k], plain[k], err_msg=k)
 
@@ -154,9 +160,10 @@ def test_restarts_that_run_out_end_the_job_with_the_last_failure(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_host_lost_for_good_shrinks_the_job_and_keeps_its_global_batch(tmp_path):
-    code, out = heal(tmp_path / "plain", 4, 20)
-    assert code == 0, out[-3000:]
+def test_a_host_lost_for_good_shrinks_the_job_and_keeps_its_global_batch(tmp_path, plain):
+    """4 processes, one lost for good at step 8: the job goes on with 2 from the checkpoint of
+    step 5 and ends with the parameters of the job without a fault (the same global batch in
+    twice the micro-batches), to 1e-5."""
     faults = [{"step": 8, "rank": 3, "how": "kill", "lose": True}]
     extra = ["--max-restarts", "2", "--min-processes", "2", "--join-timeout", "60"]
     code, out = heal(tmp_path / "shrunk", 4, 20, faults, extra=extra)
@@ -166,14 +173,14 @@ def test_a_host_lost_for_good_shrinks_the_job_and_keeps_its_global_batch(tmp_pat
     assert "process slot(s) [3] did not come up" in log and "going on with 2" in log, log
     runs = [(e["step"], e["n"]) for e in events(tmp_path / "shrunk") if e["kind"] == "first_step"]
     assert runs == [(1, 4)] * 4 + [(6, 2)] * 2, runs
-    plain, shrunk = params(tmp_path / "plain"), params(tmp_path / "shrunk")
+    shrunk = params(tmp_path / "shrunk")
     for k in plain:
         np.testing.assert_allclose(shrunk[k], plain[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
 @pytest.mark.slow
 def test_a_lost_host_that_comes_back_grows_the_job_at_a_checkpoint(tmp_path):
-    code, out = heal(tmp_path / "plain", 2, 60, pace=0.1)
+    code, out = heal(tmp_path / "plain", 2, 60)  # without a fault, at full speed: the same result
     assert code == 0, out[-3000:]
     faults = [{"step": 4, "rank": 1, "how": "kill", "lose": True}]
     extra = ["--max-restarts", "2", "--min-processes", "1", "--rejoin-interval", "1"]

@@ -126,10 +126,8 @@ result = rp.fit(
     state,
     input_fn,
     steps=steps,
-    checkpoint_dir=os.path.join(out_dir, "ckpt"),
-    checkpoint_every=5,
-    log_every=1000,
-    progress=False,
+    checkpointing=rp.training.CheckpointOptions(os.path.join(out_dir, "ckpt"), every=5),
+    logging=rp.training.LoggingOptions(every=1000, progress=False),
 )
 if info.process_index == 0 and result.step == steps:
     leaves = jax.tree.map(

@@ -53,10 +53,15 @@ def input_fn_with_flag(flag_step):
     return input_fn
 
 
-def fit(repl, step_fn, directory, input_fn, **kwargs):
+def fit(repl, step_fn, directory, input_fn, *, log_every, checkpoint_every=2, start_over=False):
     state = repl.replicate({"w": np.ones((2,), np.float32)})
-    kwargs = {"checkpoint_every": 2, "progress": False, **kwargs}
-    return rp.fit(repl, step_fn, state, input_fn, steps=STEPS, checkpoint_dir=directory, **kwargs)
+    return rp.fit(
+        repl, step_fn, state, input_fn, steps=STEPS,
+        checkpointing=rp.training.CheckpointOptions(
+            directory, every=checkpoint_every, start_over_if_unreadable=start_over
+        ),
+        logging=rp.training.LoggingOptions(every=log_every, progress=False),
+    )  # fmt: skip
 
 
 def nonfinite_output(directory):
@@ -107,7 +112,7 @@ def move_aside(directory):
 
 
 def start_over(directory):
-    """Every checkpoint corrupted: fit(start_over_if_unreadable=True) moves them aside (process
+    """Every checkpoint corrupted: start_over_if_unreadable=True moves them aside (process
     0) and trains from step 0 on both processes."""
 
     def step_fn(state, batch):
@@ -120,7 +125,7 @@ def start_over(directory):
     for step in (4, 8):
         corrupt(Path(directory, str(step)))
     again = fit(repl, step_fn, directory, input_fn_with_flag(0), log_every=100,
-                checkpoint_every=4, start_over_if_unreadable=True)  # fmt: skip
+                checkpoint_every=4, start_over=True)  # fmt: skip
     barrier("second run")
     listing = sorted(n for n in os.listdir(directory) if not n.startswith("."))
     return {"resumed_from": again.resumed_from, "step": again.step, "listing": listing}

@@ -44,9 +44,8 @@ result = rp.fit(
     state,
     input_fn,
     steps=steps,
-    checkpoint_dir=os.path.join(out_dir, "ckpt"),
-    log_every=1000,
-    progress=False,
+    checkpointing=rp.training.CheckpointOptions(os.path.join(out_dir, "ckpt")),
+    logging=rp.training.LoggingOptions(every=1000, progress=False),
 )
 record = {"step": result.step, "preempted": result.preempted, "resumed_from": result.resumed_from}
 with open(os.path.join(out_dir, f"result{info.process_index}.json"), "w") as f:

@@ -36,11 +36,8 @@ result = rp.fit(
     state,
     input_fn,
     steps=20,
-    checkpoint_dir=ckpt_dir,
-    checkpoint_every=5,
-    log_every=1,
-    metrics_path=metrics_path,
-    examples_per_step=64,
+    checkpointing=rp.training.CheckpointOptions(ckpt_dir, every=5),
+    logging=rp.training.LoggingOptions(every=1, metrics_path=metrics_path, examples_per_step=64),
 )
 print(f"done step={result.step} preempted={result.preempted} resumed_from={result.resumed_from}")
 if not result.preempted:

@@ -51,9 +51,8 @@ for name, (zero_stage, opt) in RUNS.items():
         state,
         input_fn,
         steps=steps,
-        checkpoint_dir=f"{root}/{name}",
-        checkpoint_every=3,
-        progress=False,
+        checkpointing=rp.training.CheckpointOptions(f"{root}/{name}", every=3),
+        logging=rp.training.LoggingOptions(progress=False),
     )
     leaves = jax.tree.leaves(result.state)
     shapes = ";".join("x".join(map(str, x.shape)) for x in leaves)

@@ -252,13 +252,17 @@ def _draw_png(plan: Timetable, path: str, step: timing.StepTime | None) -> None:
     passes, k = _passes(plan), plan.num_stages
     ncol = passes[0][0].shape[0]
     span = ncol if step is None else step.time
-    fig = Figure(figsize=(min(2 + 0.45 * ncol, 60), 1.2 + 0.55 * k))
+    boxes = [
+        box for c in range(ncol) for s in range(k) for box in _png_boxes(plan, passes, c, s, step)
+    ]
+    # A tick's passes share its cell: the rows grow with them, so that their digits keep the
+    # size of a whole cell's.
+    parts = max(n for *_, n in boxes)
+    fig = Figure(figsize=(min(2 + 0.45 * ncol, 60), 1.2 + 0.55 * k * max(1.0, 0.75 * parts)))
     ax = fig.add_subplot()
     maps = [matplotlib.colormaps[n] for n in ("Blues", "Oranges", "Greens")]
-    for c in range(ncol):
-        for s in range(k):
-            for box in _png_boxes(plan, passes, c, s, step):
-                _draw_box(ax, Rectangle, maps, plan, box)
+    for box in boxes:
+        _draw_box(ax, Rectangle, maps, plan, box)
     if not (plan.bwd >= 0).any():
         x = plan.num_ticks if step is None else step.start[plan.num_ticks]
         ax.axvline(x - 0.025 * span / ncol, color="black", linewidth=1)
@@ -267,7 +271,7 @@ def _draw_png(plan: Timetable, path: str, step: timing.StepTime | None) -> None:
     ax.set_yticks(np.arange(k) + 0.475, [f"stage {s}" for s in range(k)])
     what = "blue: forward, orange: backward, " + ("green: W, " if _split(plan) else "")
     if step is None:
-        ax.set_xticks(np.arange(ncol) + 0.475, [str(c) for c in range(ncol)], fontsize=6)
+        ax.set_xticks(np.arange(ncol) + 0.475, [str(c) for c in range(ncol)], fontsize=8)
         ax.set_xlabel(f"tick ({what}grey: idle)")
         ax.set_title(_summary(plan), fontsize=9)
     else:
@@ -276,6 +280,13 @@ def _draw_png(plan: Timetable, path: str, step: timing.StepTime | None) -> None:
     for spine in ax.spines.values():
         spine.set_visible(False)
     fig.tight_layout()
+    where = ax.get_position()  # the axes in the figure, once laid out: points per data unit
+    points = (
+        72 * where.width * fig.get_figwidth() / span,
+        72 * where.height * fig.get_figheight() / k,
+    )
+    for box in boxes:
+        _draw_label(ax, plan, box, points)
     fig.savefig(path, dpi=120)
 
 
@@ -295,15 +306,34 @@ def _png_boxes(plan: Timetable, passes, c: int, s: int, step: timing.StepTime | 
     return out
 
 
+def _shade(plan: Timetable, i: int, r: int) -> float:
+    """The colour of micro-batch ``i`` in repeat ``r``: later ones darker."""
+    m, v = plan.num_microbatches, plan.repeats
+    return 0.3 + 0.5 * (r * m + i) / max(v * m - 1, 1)
+
+
 def _draw_box(ax, rectangle, maps, plan: Timetable, box) -> None:
-    p, i, r, x, y, w, h, n = box
+    p, i, r, x, y, w, h, _ = box
     if p < 0:
         ax.add_patch(rectangle((x, y), w, h, color="#eeeeee"))
         return
-    m, v = plan.num_microbatches, plan.repeats
-    shade = 0.3 + 0.5 * (r * m + i) / max(v * m - 1, 1)
-    ax.add_patch(rectangle((x, y), w, h, color=maps[p](shade), linewidth=0.3, ec="white"))
+    color = maps[p](_shade(plan, i, r))
+    ax.add_patch(rectangle((x, y), w, h, color=color, linewidth=0.3, ec="white"))
+
+
+def _draw_label(ax, plan: Timetable, box, points: tuple[float, float]) -> None:
+    """The micro-batch (and repeat) of ``box`` in its middle, as large as the box allows (at
+    most 9 points): as wide as it is, and about half as tall; none where it would be smaller
+    than 4 points (a pass drawn to scale that is too short)."""
+    p, i, r, x, y, w, h, _ = box
+    if p < 0:
+        return
+    text = _label(_PHASES[p], i, r, plan.repeats)[1:]
+    width, height = w * points[0], h * points[1]
+    size = min(9.0, 0.55 * height, 0.9 * width / (0.62 * len(text) + 0.3))
+    if size < 4:
+        return
     ax.text(
-        x + w / 2, y + h / 2, _label(_PHASES[p], i, r, v)[1:], ha="center", va="center",
-        fontsize=7 if n == 1 else 6, color="white" if shade > 0.6 else "black",
+        x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=size,
+        color="white" if _shade(plan, i, r) > 0.6 else "black",
     )  # fmt: skip

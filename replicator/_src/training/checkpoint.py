@@ -239,8 +239,8 @@ class Checkpoints:
             + "; ".join(f"step {s}: {_described(e)}" for s, e in broken)
             + ". None was moved or deleted: as no step restores, the state to restore into "
             "(`like`) may be what is wrong. If the checkpoints are indeed broken, start the run "
-            "over with rp.fit(..., start_over_if_unreadable=True) (replicator train: "
-            "start_over_if_unreadable=true), which moves them aside (renamed "
+            "over with rp.fit's CheckpointOptions(start_over_if_unreadable=True) (replicator "
+            "train: start_over_if_unreadable=true), which moves them aside (renamed "
             "<step>.broken-<time>, not deleted) and trains from step 0.",
             broken,
         )

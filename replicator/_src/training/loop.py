@@ -1,19 +1,19 @@
 """The training loop: `fit` drives ``repl.run`` over ``repl.distribute(input_fn)``.
 
 It shows a progress bar, logs metrics (JSONL, TensorBoard), evaluates now and then, checkpoints every
-``checkpoint_every`` steps and when the process is asked to stop (SIGTERM, SIGINT: preemption),
-and resumes from the newest checkpoint, input position included, so that a killed run loses at
-most one checkpoint interval and continues exactly where it stopped. What it shows and writes is
-`fit_log`'s, its non-finite checks are `nonfinite`'s and its stop signals `stop_flag`'s.
+few steps and when the process is asked to stop (SIGTERM, SIGINT: preemption), and resumes from
+the newest checkpoint, input position included, so that a killed run loses at most one
+checkpoint interval and continues exactly where it stopped. Its options are `options`' records
+(the keywords of the previous release: `fit_keywords`); what it shows and writes is `fit_log`'s,
+its non-finite checks are `nonfinite`'s and its stop signals `stop_flag`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -23,14 +23,16 @@ from replicator._src.core import errors
 from replicator._src.core.typing import PyTree, StepFn
 from replicator._src.distributed import beat
 from replicator._src.distributed import initialize as distributed
+from replicator._src.training import fit_keywords
 from replicator._src.training.checkpoint import Checkpoints, NoReadableCheckpointError
 from replicator._src.training.fit_log import Report, drop_lines_after, notice
 from replicator._src.training.nonfinite import FiniteGuard
 from replicator._src.training.nonfinite import NonFiniteError as NonFiniteError  # raised by fit
-from replicator._src.training.profiling import Profile, Tracer
+from replicator._src.training.options import CheckpointOptions, EvalOptions, LoggingOptions
+from replicator._src.training.profiling import Tracer
 from replicator._src.training.rundir import holds_run_lock
 from replicator._src.training.stop_flag import StopFlag
-from replicator._src.training.writers import MetricWriter, closes_writers
+from replicator._src.training.writers import closes_writers
 
 
 @dataclasses.dataclass
@@ -40,12 +42,10 @@ class FitResult:
     state: PyTree
     step: int  # the number of steps done, over all runs of this checkpoint directory
     history: list[dict]  # the logged metrics of this run
-    preempted: bool  # stopped by SIGTERM/SIGINT (a checkpoint saved as emergency_after says)
+    preempted: bool  # stopped by SIGTERM/SIGINT (saved as CheckpointOptions.emergency_after says)
     resumed_from: int | None  # the checkpoint step this run started from
 
 
-@closes_writers  # writers checked before the run and closed after it, whatever happens
-@holds_run_lock  # the run directory is this run's alone, until fit returns or raises
 def fit(
     repl: Replicator,
     step_fn: StepFn,
@@ -53,107 +53,69 @@ def fit(
     input_fn: Callable[[Any], Iterable[PyTree]],
     *,
     steps: int,
-    checkpoint_dir: str | os.PathLike | None = None,
-    checkpoint_every: int | None = None,
-    keep: int = 3,
-    log_every: int = 10,
-    metrics_path: str | os.PathLike | None = None,
-    tensorboard_dir: str | os.PathLike | None = None,
-    eval_fn: Callable[[PyTree], dict] | None = None,
-    eval_every: int | None = None,
-    examples_per_step: int | None = None,
-    tokens_per_step: int | None = None,
-    progress: bool = True,
-    profile: Profile | dict | None = None,
-    writers: list[MetricWriter] | tuple[MetricWriter, ...] = (),
-    async_checkpoints: bool = False,
-    emergency_after: int | None = 1,
-    start_over_if_unreadable: bool = False,
+    checkpointing: CheckpointOptions | None = None,
+    logging: LoggingOptions | None = None,
+    evaluation: EvalOptions | None = None,
+    on_step: Callable[[int], None] | None = None,
+    **deprecated: Any,
 ) -> FitResult:
-    """Trains for ``steps`` steps, resuming from ``checkpoint_dir`` if it holds a checkpoint.
+    """Trains for ``steps`` steps, resuming from the newest checkpoint if there is one.
 
     Equivalent to::
 
         for batch in repl.distribute(input_fn):            # from the checkpointed position
             state, outputs = repl.run(step_fn, state, batch)
+            on_step(step)
 
     plus a progress bar, logging, evaluation, checkpoints and a summary at the end. The scalar
-    ``outputs`` of ``step_fn`` are the logged metrics (``loss`` first among them).
+    ``outputs`` of ``step_fn`` are the logged metrics (``loss`` first among them). What is
+    saved, shown and evaluated, and when, is said by three option records:
+    `rp.training.CheckpointOptions`, `rp.training.LoggingOptions` and
+    `rp.training.EvalOptions`.
 
     Non-finite training stops the run with `NonFiniteError` (naming the step and the metric or
     state leaf) before anything non-finite is saved, so every good checkpoint is kept and
     running again resumes from the newest. Checked: the scalar outputs of ``step_fn`` at every
-    step that logs them (``log_every``) or saves a checkpoint, and the whole state (one small
-    jitted reduction) right before each checkpoint is saved. With loss scaling, a step that the
+    step that logs them or saves a checkpoint, and the whole state (one small jitted
+    reduction) right before each checkpoint is saved. With loss scaling, a step that the
     optimizer skipped (its ``skipped`` output grew: the state did not change) may show a
     non-finite loss; that is handled, not an error. Evaluation outputs are not checked.
 
     Running a finished run again (its newest checkpoint is at ``steps`` or beyond) does no
     step: it says that the run is complete and returns the restored state. If ``input_fn``
-    ends before ``steps``, the state at that step is saved (with ``checkpoint_dir``) and a line
-    says where the input ended.
+    ends before ``steps``, the state at that step is saved (with checkpoints) and a line says
+    where the input ended.
 
     The input position is part of each checkpoint. If ``input_fn``'s iterator has
     ``get_state``/``set_state`` (`rp.Batches`, grain's iterators) its state is saved and a
     resumed run continues from it; otherwise ``input_fn`` must be deterministic, and on resume
     the batches before the checkpointed step are passed over.
 
+    The keyword arguments of the previous release (``checkpoint_dir``, ``checkpoint_every``,
+    ``keep``, ``async_checkpoints``, ``emergency_after``, ``start_over_if_unreadable``,
+    ``log_every``, ``metrics_path``, ``tensorboard_dir``, ``writers``, ``examples_per_step``,
+    ``tokens_per_step``, ``progress``, ``profile``, ``eval_fn``, ``eval_every``) still work,
+    each with a ``DeprecationWarning`` naming its field in the records, until the next release.
+
     Args:
-      repl, step_fn, state, input_fn: as for ``repl.run`` and ``repl.distribute``; ``state``
-        is the initial state (placed), also the template that checkpoints restore into (on this
-        mesh, whatever the mesh that saved them). Its buffers are donated to the first step:
-        use ``result.state`` afterwards.
+      repl: the `rp.Replicator` whose ``run`` and ``distribute`` train.
+      step_fn: one replica's step, ``step_fn(state, batch) -> (state, outputs)``.
+      state: the initial state (placed), also the template that checkpoints restore into (on
+        this mesh, whatever the mesh that saved them). Its buffers are donated to the first
+        step: use ``result.state`` afterwards.
+      input_fn: ``input_fn(ctx)``, an iterable of this process's batches (as for
+        ``repl.distribute``).
       steps: the total number of steps of the run (resumed runs count from where they were).
-      checkpoint_dir: where checkpoints go; None: no checkpoints, no resume.
-      checkpoint_every: save every this many steps (and at the end, and on SIGTERM/SIGINT as
-        ``emergency_after`` says).
-      keep: checkpoints to keep.
-      log_every: steps between metric logs (each log reads the outputs: a host sync).
-      metrics_path: a JSONL file that gets one line per log and per evaluation, written by
-        process 0 (appended, so a resumed run continues it). The lines of steps after the one
-        the run starts from, logged by an earlier run that stopped later, are dropped first, so
-        that each step appears once: on resume, those after the restored checkpoint; in a run
-        that starts at step 0 (no checkpoint yet, e.g. the first was killed before its first
-        save, or no ``checkpoint_dir``), those of every step.
-      tensorboard_dir: also write the metrics as TensorBoard scalars there (needs
-        ``tensorboardX``: ``pip install "replicator[tensorboard]"``); the same as
-        ``writers=[rp.training.TensorBoardWriter(tensorboard_dir)]``.
-      eval_fn: ``eval_fn(state) -> dict`` of numbers, called every ``eval_every`` steps with
-        the training state, logged with an ``eval_`` prefix. It may run steps on that state
-        with ``repl.run`` (``repl.run(eval_step, state, batch)``): while it runs, ``repl``
-        donates nothing, so training goes on with the same state. It must not delete the
-        state otherwise (e.g. through ``jax.jit(..., donate_argnums=0)``): fit raises a
-        ValueError naming ``eval_fn`` if it does.
-      examples_per_step: the global batch size, for the examples/s figure.
-      tokens_per_step: tokens per global batch, for the tokens/s figure of language models.
-      progress: show a progress bar (in a terminal, or in Jupyter with ipywidgets) or else a
-        line per log, and a summary at the end; on stderr, on process 0 only.
-      profile: an `rp.training.Profile` (or a dict of its fields: ``dir``, ``start_step``,
-        ``num_steps``): a ``jax.profiler`` trace of those steps, for TensorBoard or Perfetto.
-      writers: `rp.training.MetricWriter`s (objects with ``write(step, metrics)`` and ``close()``),
-        e.g. ``rp.training.TensorBoardWriter(dir)``, ``rp.training.WandbWriter(project=...)`` or your own: each
-        gets every logged record (those of ``history``, without ``step``) on process 0, and
-        is closed on every process when fit returns or raises.
-      async_checkpoints: write checkpoints in a background thread (orbax's asynchronous
-        saving): each save returns once the state is copied off the devices and training goes
-        on while the files are written. A step is still complete or absent on disk (written
-        aside, renamed when done); the next save, and fit's return (or its error), wait for
-        the write in progress.
-      emergency_after: on SIGTERM or SIGINT (a preemption; `rp.fit` stops every process after
-        the same step), save a checkpoint of the step reached only if the newest checkpoint is
-        at least this many steps older (none yet counts from step 0); None: never save on a
-        stop signal (a rerun resumes from the newest checkpoint). The default, 1, saves unless
-        the stop comes right after a save. It applies to those signals only: after a *peer's*
-        failure in a multi-process job (a process that crashed or was killed) no emergency
-        save is made, because orbax's multi-process save waits for every process at its
-        barriers and, when the state is split over processes (ZeRO, ``model``, ``stage``
-        axes), the dead peer's shards are gone; the job restarts from the newest checkpoint.
-      start_over_if_unreadable: if ``checkpoint_dir`` holds checkpoints and none of them is
-        readable, move them all aside (renamed ``<step>.broken-<time>``, never deleted, as a
-        broken newest step is when an older one restores) and train from step 0, with a
-        warning per step. By default (False) that is a FileNotFoundError and nothing is moved:
-        when no step restores, ``state`` (the template they restore into) may be what is wrong,
-        so set it only once the checkpoints are known to be broken.
+      checkpointing: where and when to save checkpoints (`rp.training.CheckpointOptions`);
+        None: no checkpoints, no resume.
+      logging: what to show and write (`rp.training.LoggingOptions`); None: its defaults (a
+        log every 10 steps, a progress bar, no files).
+      evaluation: what to evaluate and when (`rp.training.EvalOptions`); None: no evaluation.
+      on_step: ``on_step(step)``, called after each step with its number (counted from 1 over
+        every run of the checkpoint directory) once ``repl.run`` has returned, before the
+        step's logs, evaluation and checkpoint: e.g. to tell a failure of the first step from
+        one later on, or to stop from outside (raise).
+      **deprecated: the keyword arguments of the previous release (see above).
 
     Returns:
       A `FitResult`; ``history`` holds this run's logged metrics.
@@ -163,9 +125,11 @@ def fit(
       CheckpointWriteError: (an OSError) if a checkpoint cannot be written because its
         filesystem is full or over quota; its partial directory is removed and the complete
         checkpoints are kept, so running again (with space) resumes from the newest.
-      FileNotFoundError: if no checkpoint of ``checkpoint_dir`` is readable and not
+      FileNotFoundError: if no checkpoint of the checkpoint directory is readable and not
         ``start_over_if_unreadable``.
-      TypeError: if ``writers`` is not a list of objects with ``write`` and ``close``.
+      ValueError: if ``steps`` is not an int >= 1, or an old keyword argument is given with
+        its record.
+      TypeError: for an unknown keyword argument, or an option that is not its record.
 
     Example (one epoch of a regression, on whatever devices there are)::
 
@@ -173,17 +137,69 @@ def fit(
             return rp.Batches({"x": x, "y": y}, global_batch_size=256, ctx=ctx, num_epochs=1)
 
         result = rp.fit(repl, step_fn, state, input_fn, steps=1000,
-                        checkpoint_dir="/tmp/run", checkpoint_every=100)
+                        checkpointing=rp.training.CheckpointOptions("/tmp/run", every=100),
+                        logging=rp.training.LoggingOptions(every=50))
     """
-    _check_arguments(steps, checkpoint_dir, checkpoint_every, eval_every, log_every)
-    _check_options(emergency_after, async_checkpoints, start_over_if_unreadable)
-    tracer = Tracer(Profile.of(profile))
+    given = {"checkpointing": checkpointing, "logging": logging, "evaluation": evaluation}
+    if deprecated:
+        given = fit_keywords.translate(deprecated, given)
+    options = _options(given, on_step)
+    directory = None if options.checkpointing is None else options.checkpointing.directory
+    return _fit(
+        repl,
+        step_fn,
+        state,
+        input_fn,
+        steps=steps,
+        checkpoint_dir=directory,
+        metrics_path=options.logging.metrics_path,
+        writers=options.logging.writers,
+        options=options,
+    )
+
+
+class _Options(NamedTuple):
+    """`fit`'s options, each checked to be of its record's type."""
+
+    checkpointing: CheckpointOptions | None
+    logging: LoggingOptions
+    evaluation: EvalOptions | None
+    on_step: Callable[[int], None] | None
+
+
+def _options(given: dict[str, Any], on_step: Any) -> _Options:
+    """`fit`'s option records, checked; ``logging``'s defaults when it is None."""
+    for name, cls in fit_keywords.RECORDS.items():
+        value = given[name]
+        if value is not None and not isinstance(value, cls):
+            raise TypeError(
+                f"rp.fit: {name} must be an rp.training.{cls.__name__} or None; got "
+                f"{type(value).__name__}. e.g. {name}=rp.training.{cls.__name__}(...)."
+            )
+    if on_step is not None and not callable(on_step):
+        raise TypeError(
+            f"rp.fit: on_step must be a function on_step(step) or None; got {on_step!r}."
+        )
+    logging = given["logging"] or LoggingOptions()
+    return _Options(given["checkpointing"], logging, given["evaluation"], on_step)
+
+
+@closes_writers  # writers checked before the run and closed after it, whatever happens
+@holds_run_lock  # the run directory is this run's alone, until fit returns or raises
+def _fit(repl, step_fn, state, input_fn, *, steps, checkpoint_dir, metrics_path, writers, options):
+    """`fit` with its options checked; ``checkpoint_dir``, ``metrics_path`` and ``writers``
+    (the options') are read by the decorators."""
+    del checkpoint_dir, writers
+    errors.positive_int(steps, api="rp.fit", name="steps")
+    saving, logging = options.checkpointing, options.logging
+    tracer = Tracer(logging.profile)
     ckpt = None
-    if checkpoint_dir is not None:
-        ckpt = Checkpoints(checkpoint_dir, keep=keep, async_save=async_checkpoints)
+    if saving is not None:
+        ckpt = Checkpoints(saving.directory, keep=saving.keep, async_save=saving.async_save)
     try:
+        start_over = saving is not None and saving.start_over_if_unreadable
         state, start, resumed_from, input_state = _resume(
-            ckpt, state, metrics_path, start_over=start_over_if_unreadable
+            ckpt, state, metrics_path, start_over=start_over
         )
         if start >= steps:
             notice(
@@ -194,30 +210,16 @@ def fit(
         report = Report(
             steps,
             start,
-            progress,
+            logging.progress,
             metrics_path,
-            tensorboard_dir,
-            examples_per_step,
-            tokens_per_step,
-            writers=writers,
+            logging.tensorboard_dir,
+            logging.examples_per_step,
+            logging.tokens_per_step,
+            writers=logging.writers,
         )
         if resumed_from is not None:
             report.say(f"rp.fit: resumed from the checkpoint of step {start} in {ckpt.directory}")
-        run = _Training(
-            repl,
-            step_fn,
-            state,
-            start=start,
-            steps=steps,
-            ckpt=ckpt,
-            checkpoint_every=checkpoint_every,
-            log_every=log_every or steps,
-            eval_fn=eval_fn,
-            eval_every=eval_every,
-            report=report,
-            tracer=tracer,
-            emergency_after=emergency_after,
-        )
+        run = _Training(repl, step_fn, state, start, steps, ckpt, options, report, tracer)
         try:
             run.train(input_fn, input_state)
             run.conclude()
@@ -228,34 +230,6 @@ def fit(
     finally:
         if ckpt is not None:
             ckpt.close()  # after the write in progress, if any
-
-
-def _check_arguments(steps, checkpoint_dir, checkpoint_every, eval_every, log_every) -> None:
-    """Refuses `fit`'s counts that are not positive ints, and checkpoints without a directory."""
-    errors.positive_int(steps, api="rp.fit", name="steps")
-    for name, value in (
-        ("checkpoint_every", checkpoint_every),
-        ("eval_every", eval_every),
-        ("log_every", log_every),
-    ):
-        errors.positive_int(value, api="rp.fit", name=name, none=" or None")
-    if checkpoint_every and checkpoint_dir is None:
-        raise ValueError(
-            "rp.fit: checkpoint_every is set but checkpoint_dir is None; give checkpoint_dir "
-            "(a directory) to save checkpoints."
-        )
-
-
-def _check_options(emergency_after, async_checkpoints, start_over_if_unreadable) -> None:
-    """Refuses `fit`'s checkpoint options of the wrong type."""
-    errors.positive_int(emergency_after, api="rp.fit", name="emergency_after", none=" or None")
-    flags = {
-        "async_checkpoints": async_checkpoints,
-        "start_over_if_unreadable": start_over_if_unreadable,
-    }
-    for name, flag in flags.items():
-        if not isinstance(flag, bool):
-            raise TypeError(f"rp.fit: {name} must be True or False; got {flag!r}.")
 
 
 def _resume(ckpt: Checkpoints | None, state: PyTree, metrics_path, *, start_over: bool) -> tuple:
@@ -287,24 +261,20 @@ class _Training:
         repl: Replicator,
         step_fn: StepFn,
         state: PyTree,
-        *,
         start: int,
         steps: int,
         ckpt: Checkpoints | None,
-        checkpoint_every: int | None,
-        log_every: int,
-        eval_fn: Callable[[PyTree], dict] | None,
-        eval_every: int | None,
+        options: _Options,
         report: Report,
         tracer: Tracer,
-        emergency_after: int | None = 1,
     ) -> None:
         self.repl, self.step_fn, self.state = repl, step_fn, state
-        self.emergency_after = emergency_after  # see fit
         self.start = self.step = start
-        self.steps, self.log_every = steps, log_every
-        self.ckpt, self.checkpoint_every = ckpt, checkpoint_every
-        self.eval_fn, self.eval_every = eval_fn, eval_every
+        self.steps, self.ckpt, self.options = steps, ckpt, options
+        self.log_every = options.logging.every or steps
+        saving = options.checkpointing
+        self.checkpoint_every = None if saving is None else saving.every
+        self.emergency_after = 1 if saving is None else saving.emergency_after  # see fit
         self.report, self.tracer = report, tracer
         self.preempted = False
         self.stop = StopFlag()
@@ -348,9 +318,12 @@ class _Training:
         self.step += 1
         stop = self.stop.after_step(self.step)  # before anything waits on the step's results
         self.tracer.after(self.step, self.state)
-        step, report = self.step, self.report
+        step, report, options = self.step, self.report, self.options
+        if options.on_step is not None:
+            options.on_step(step)
         report.advance(step)
         logs = step % self.log_every == 0 or step == self.steps
+        logs = logs or (step == 1 and options.logging.first_step)
         every = self.checkpoint_every
         saves = self.ckpt is not None and every and step % every == 0
         if logs or saves:
@@ -358,10 +331,10 @@ class _Training:
             if logs:
                 report.log(step, metrics)
             self.guard.check_outputs(step, metrics)
-        if self.eval_fn is not None and self.eval_every and step % self.eval_every == 0:
-            report.log(
-                step, _numbers(_evaluate(self.repl, self.eval_fn, self.state)), prefix="eval_"
-            )
+        evaluation = options.evaluation
+        if evaluation is not None and step % evaluation.every == 0:
+            metrics = _evaluate(self.repl, evaluation.fn, self.state)
+            report.log(step, _numbers(metrics), prefix="eval_")
         if saves:
             self._save(batches)
         if stop:
@@ -407,21 +380,21 @@ class _Training:
         report.summary(step, ckpt)
 
 
-def _evaluate(repl: Replicator, eval_fn: Callable[[PyTree], dict], state: PyTree) -> Any:
-    """``eval_fn(state)``, with ``repl``'s donation suspended so that the state outlives it."""
+def _evaluate(repl: Replicator, fn: Callable[[PyTree], dict], state: PyTree) -> Any:
+    """``fn(state)`` (`EvalOptions.fn`), with ``repl``'s donation suspended so that the state
+    outlives it."""
     with repl._donation_suspended():
-        metrics = eval_fn(state)
+        metrics = fn(state)
     path = errors.deleted_leaf(state)
     if path is not None:
-        name = getattr(eval_fn, "__qualname__", None) or repr(eval_fn)
+        name = getattr(fn, "__qualname__", None) or repr(fn)
         raise ValueError(
-            f"rp.fit: eval_fn ({name}) deleted state leaf "
-            f"{path} of the training state, which "
-            f"training goes on with: it donated it to a program (a jax.jit with "
-            f"donate_argnums, or another Replicator with donate=True) or deleted it. Let "
-            f"eval_fn only read the state: run its steps through fit's replicator (fit "
-            f"suspends its donation during eval_fn), jit without donate_argnums, or give "
-            f"another replicator donate=False."
+            f"rp.fit: the evaluation's fn ({name}) deleted state leaf {path} of the training "
+            f"state, which training goes on with: it donated it to a program (a jax.jit with "
+            f"donate_argnums, or another Replicator with donate=True) or deleted it. Let it "
+            f"only read the state: run its steps through fit's replicator (fit suspends its "
+            f"donation during the evaluation), jit without donate_argnums, or give another "
+            f"replicator donate=False."
         )
     return metrics
 

@@ -47,8 +47,9 @@ class MetricWriter(Protocol):
     >>> repl = rp.Replicator()
     >>> step_fn = lambda state, x: (state + 1.0, {"loss": state})
     >>> batches = lambda ctx: (np.ones((8, 2), np.float32) for _ in range(4))
+    >>> logging = rp.training.LoggingOptions(every=2, progress=False, writers=[printer])
     >>> result = rp.fit(repl, step_fn, repl.replicate(np.float32(0.0)), batches, steps=4,
-    ...                 log_every=2, progress=False, writers=[printer])
+    ...                 logging=logging)
     2 1.0
     4 3.0
     closed
@@ -131,7 +132,7 @@ def _close_all(writers: Sequence, *, raise_errors: bool) -> None:
 class TensorBoardWriter:
     """Writes the metrics as TensorBoard scalars (tensorboardX) to ``directory``.
 
-    ``rp.fit(..., tensorboard_dir=d)`` is ``rp.fit(..., writers=[rp.training.TensorBoardWriter(d)])``.
+    ``LoggingOptions(tensorboard_dir=d)`` is ``LoggingOptions(writers=[TensorBoardWriter(d)])``.
     The event file is created at the first write, so that a writer made on every process of a
     multi-process job leaves files from process 0 only (the one `fit` writes on). Each write is
     flushed. A resumed run writes a new event file into the same directory; TensorBoard shows
@@ -229,7 +230,8 @@ class WandbWriter:
     Example::
 
         writer = rp.training.WandbWriter(project="my-project", name="run1", dir="runs/run1")
-        rp.fit(repl, step_fn, state, input_fn, steps=1000, writers=[writer])
+        rp.fit(repl, step_fn, state, input_fn, steps=1000,
+               logging=rp.training.LoggingOptions(writers=[writer]))
         # then, with network: wandb sync runs/run1/wandb/offline-run-*
     """
 

@@ -7,9 +7,11 @@ range, or one the model kind cannot use, is a ``ValueError`` naming the key.
 
 - `sections`: the ``model:``, ``pipeline:``, ``profile:`` and ``wandb:`` sections (``data:`` is
   `replicator.cli.data`'s, ``optimizer:`` `replicator.cli.optimizers`'), each checked alone;
-- `train`: `TrainConfig`, the whole config, with `train_checks` (the sections checked together)
-  and `checkpoint` (the ``model:`` of an ``init_from`` checkpoint);
-- `loader`: `load` (a YAML file with ``key=value`` overrides) and `from_dict`;
+- `train`: `TrainConfig`, the whole config, with `train_checks` (the sections checked together);
+- `short_forms`: a file's short forms turned into their long forms, as plain data, before any
+  dataclass is built (with `checkpoint`: the ``model:`` of an ``init_from`` checkpoint);
+- `loader`: `load` (a YAML file with ``key=value`` overrides) and `from_dict` (plain data, its
+  short forms taken, to the frozen dataclasses, which only check it);
 - `constants`: the values the keys may take.
 
 >>> TrainConfig(model=ModelConfig(kind="cnn"), zero_stage=3)
@@ -23,11 +25,12 @@ from replicator.cli.config.constants import ATTENTIONS as ATTENTIONS
 from replicator.cli.config.constants import BYTE_VOCAB as BYTE_VOCAB
 from replicator.cli.config.constants import DATA_AXES as DATA_AXES
 from replicator.cli.config.constants import DTYPES as DTYPES
-from replicator.cli.config.constants import FAMILIES as FAMILIES
+from replicator.cli.config.constants import EXPERT_FAMILIES as EXPERT_FAMILIES
 from replicator.cli.config.constants import GPT_ONLY as GPT_ONLY
-from replicator.cli.config.constants import LLAMA_ONLY as LLAMA_ONLY
+from replicator.cli.config.constants import LLAMA_BLOCK_ONLY as LLAMA_BLOCK_ONLY
 from replicator.cli.config.constants import MAX_CPU_DEVICES as MAX_CPU_DEVICES
 from replicator.cli.config.constants import MAX_STEPS as MAX_STEPS
+from replicator.cli.config.constants import MODEL_FAMILIES as MODEL_FAMILIES
 from replicator.cli.config.constants import MODEL_KINDS as MODEL_KINDS
 from replicator.cli.config.constants import OWN_KIND as OWN_KIND
 from replicator.cli.config.constants import REMAT_POLICIES as REMAT_POLICIES

@@ -1,12 +1,13 @@
-"""The ``model:`` section of a config with ``init_from``: the sizes of the Hugging Face Llama,
-Mixtral or Qwen2 it starts from (`CHECKPOINT_SIZES`, read from its config.json; the family's
-own options, such as Qwen2's query/key/value biases, come with it)."""
+"""The ``model:`` section of a config with ``init_from``: the sizes and the family of the
+Hugging Face Llama, Mixtral or Qwen2 it starts from (`CHECKPOINT_SIZES`, read from its
+config.json; the family's own options, such as Qwen2's query/key/value biases, come with it),
+merged into the section as plain data before the config is built (`short_forms`)."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
-from replicator.cli.checks import where_of
 from replicator.cli.config.sections import ModelConfig
 
 # model: keys that init_from's config.json sets, and where they come from
@@ -23,45 +24,72 @@ CHECKPOINT_SIZES = {
     "experts": "num_local_experts",
     "top_k": "num_experts_per_tok",
 }
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
 
 
-def checkpoint_model(config) -> ModelConfig:
-    """``config.model`` with the sizes of ``init_from``'s Llama, Mixtral or Qwen2 (kind gpt,
-    family llama); a size the config sets to another value than the checkpoint's is refused."""
+def _same(mine: Any, value: Any) -> bool:
+    """Whether a config's ``mine`` is the checkpoint's ``value`` (a number written as YAML 1.1
+    reads ``1e-5``, a string, is the number)."""
+    if isinstance(mine, str) and isinstance(value, float):
+        try:
+            return float(mine) == value
+        except ValueError:
+            return False
+    return mine == value
+
+
+def checkpoint_model(model: dict, init_from: Any, where: str) -> dict:
+    """The ``model:`` section ``model`` (a mapping, its short forms long) with the sizes and
+    the family of ``init_from``'s Llama, Mixtral or Qwen2 (kind gpt); a size the section sets
+    to another value than the checkpoint's is refused.
+
+    Args:
+      model: the section as read (plain data).
+      init_from: the checkpoint's directory.
+      where: the config's file, for the messages.
+
+    Returns:
+      The section, a new mapping, with the checkpoint's sizes, ``kind: gpt`` and its family.
+
+    Raises:
+      ValueError: naming ``init_from`` and the key, with the fix.
+    """
     from replicator.models import hf
 
-    where = f"{where_of(config)}init_from={config.init_from!r}"
-    if not isinstance(config.init_from, str) or not config.init_from:
+    where = f"{where}: init_from={init_from!r}"
+    if not isinstance(init_from, str) or not init_from:
         raise ValueError(
             f"{where} must be a directory (a Hugging Face Llama, Mixtral or Qwen2 checkpoint)."
         )
     try:
-        hf_config = hf.read_config(config.init_from)
+        hf_config = hf.read_config(init_from)
     except (OSError, ValueError) as e:
         raise ValueError(f"{where}: {str(e).splitlines()[0]}") from None
-    model, defaults = config.model, ModelConfig()
     sizes = {key: hf_config.get(name) for key, name in CHECKPOINT_SIZES.items()}
     sizes = {key: value for key, value in sizes.items() if value is not None}
     for key, value in sizes.items():
-        mine = getattr(model, key)
-        if mine != getattr(defaults, key) and mine != value:
+        mine = model.get(key, DEFAULTS[key])
+        if not _same(mine, DEFAULTS[key]) and not _same(mine, value):
             raise ValueError(
                 f"{where}: model.{key}={mine!r}, but the checkpoint's config.json has "
                 f"{CHECKPOINT_SIZES[key]}={value!r}; remove model.{key} (the checkpoint sets it)."
             )
-    if model.kind not in ("gpt", "llama"):
+    kind, family = model.get("kind", "gpt"), model.get("family", "gpt")
+    if kind != "gpt":
         raise ValueError(
-            f"{where}: model.kind={model.kind!r}; init_from loads a Llama (kind: llama)."
+            f"{where}: model.kind={kind!r}; init_from loads a Llama, Mixtral or Qwen2 (kind: "
+            f"llama)."
         )
-    if model.experts and "experts" not in sizes:
+    found = hf_config.get("model_type", "llama")
+    if family not in ("gpt", "llama", found):
         raise ValueError(
-            f"{where}: model.experts={model.experts}, but the checkpoint is a dense Llama (its "
+            f"{where}: model.family={family!r}, but the checkpoint's config.json has "
+            f"model_type={found!r}; remove model.family (the checkpoint sets it)."
+        )
+    if model.get("experts") and "experts" not in sizes:
+        raise ValueError(
+            f"{where}: model.experts={model['experts']}, but the checkpoint is a dense Llama (its "
             f"config.json has no num_local_experts); remove model.experts, or start from a "
             f"Mixtral checkpoint."
         )
-    fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)}
-    try:
-        return ModelConfig(**(fields | sizes | {"kind": "gpt", "family": "llama"}))
-    except ValueError as e:  # e.g. a rope_theta of 0 in config.json
-        message = str(e).removeprefix("ModelConfig: ")
-        raise ValueError(f"{where}: with the sizes of its config.json, model.{message}") from None
+    return model | sizes | {"kind": "gpt", "family": found}

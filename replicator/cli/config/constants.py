@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-MODEL_KINDS = ("gpt", "llama", "mlp", "cnn")
+MODEL_KINDS = ("gpt", "llama", "mlp", "cnn")  # in a file; kind: llama is short for family: llama
 # The most CPU devices one process emulates: 4096 take about 8 s to start, 100000 minutes.
 MAX_CPU_DEVICES = 4096
 MAX_STEPS = 2**31 - 1  # the state's step counter is an int32
@@ -29,10 +29,20 @@ GPT_ONLY = {  # the gpt-only keys' defaults
     "aux_weight": 0.01,
 }
 ATTENTIONS = ("ring", "all_to_all", "dot_product", "splash")
-FAMILIES = ("gpt", "llama")
-LLAMA_ONLY = {"kv_heads": None, "rope_theta": 10000.0, "norm_eps": 1e-5, "tie_embeddings": False}
+# model.family: the GPT's own, or a family of replicator.models.families.FAMILIES (Llama's block
+# and what the family adds). Importing that module imports jax (through the replicator package),
+# so the config keeps its own list; tests/test_cli.py checks that it is FAMILIES'.
+MODEL_FAMILIES = ("gpt", "llama", "mixtral", "qwen2")
+EXPERT_FAMILIES = ("mixtral",)  # the families with a mixture of experts in every block
+# the keys of the families on Llama's block (every one of MODEL_FAMILIES but gpt), and defaults
+LLAMA_BLOCK_ONLY = {
+    "kv_heads": None,
+    "rope_theta": 10000.0,
+    "norm_eps": 1e-5,
+    "tie_embeddings": False,
+}
 DATA_AXES = ("dcn_data", "data")  # the replicas: the batch is split over these
 RING_IN_ONE_COND = ("1f1b", "interleaved", "zerobubble")  # schedules that cannot run a ring
 OWN_KIND = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
-SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved", "zerobubble")
+SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved", "zerobubble")  # pipeline schedules
 WANDB_MODES = ("offline", "online", "disabled")

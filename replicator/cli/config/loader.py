@@ -1,5 +1,6 @@
-"""A YAML config file read into a `TrainConfig`: ``key=value`` overrides applied (`load`), then
-every key, type and range checked (`from_dict`)."""
+"""A YAML config file read into a `TrainConfig`: ``key=value`` overrides applied (`load`), the
+short forms turned into their long forms (`short_forms`), then every key, type and range checked
+as the frozen dataclasses are built (`from_dict`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from typing import Any
 
 from replicator.cli.checks import did_you_mean
 from replicator.cli.config.checkpoint import CHECKPOINT_SIZES
-from replicator.cli.config.train import TrainConfig, both_rates
+from replicator.cli.config.short_forms import both_rates, long_forms
+from replicator.cli.config.train import TrainConfig
 from replicator.cli.yaml_files import read_config, set_override
 
 
@@ -41,7 +43,6 @@ def load(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> Train
         overridden.add(key)
         set_override(raw, item, key, value)
     if raw.get("init_from") in ("", None):  # empty or null: as if the key were absent
-        raw.pop("init_from", None)
         overridden.discard("init_from")
     if "init_from" in overridden and isinstance(raw.get("model"), dict):
         # The file's sizes describe the model it trains from scratch; the checkpoint's replace
@@ -57,24 +58,33 @@ def load(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> Train
         section.pop("learning_rate", None)
     elif "optimizer.learning_rate" in overridden:
         raw.pop("learning_rate", None)
-    if "learning_rate" in raw and isinstance(section, dict) and "learning_rate" in section:
-        raise both_rates(f"{path}: ")
     return from_dict(TrainConfig, raw, where=str(path))
 
 
+SHORT_KEYS = {TrainConfig: ("learning_rate",)}  # keys of a file that only its short forms have
+
+
 def from_dict(cls, raw: dict, where: str = "config", prefix: str = ""):
-    """A ``cls`` dataclass from ``raw``, checking every key, type and range.
+    """A ``cls`` dataclass from ``raw`` (plain data, as YAML reads it), checking every key, type
+    and range; a `TrainConfig`'s short forms are turned into their long forms first
+    (`short_forms.long_forms`).
 
     ``prefix`` is the section's dotted path (``"model."``) in the messages.
+
+    >>> from_dict(TrainConfig, {"optimizer": "sgd", "learning_rate": 0.1}).optimizer.name
+    'sgd'
     """
+    if cls is TrainConfig and not prefix:
+        raw = long_forms(raw, where)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     values = {}
     for key, value in raw.items():
         if key not in fields:
+            valid = [*fields, *SHORT_KEYS.get(cls, ())]
             raise ValueError(
-                f"{where}: unknown key {key!r} in {cls.__name__}.{did_you_mean(key, list(fields))}"
-                f" Valid keys: {', '.join(fields)}."
+                f"{where}: unknown key {key!r} in {cls.__name__}.{did_you_mean(key, valid)}"
+                f" Valid keys: {', '.join(valid)}."
             )
         values[key] = _check(hints[key], value, f"{where}: {prefix}{key}", where, f"{prefix}{key}.")
     try:
@@ -100,11 +110,6 @@ def _check(hint, value, where: str, file: str = "config", prefix: str = "") -> A
                 return _check(option, value, where, file, prefix)
             except ValueError as e:
                 errors.append(str(e))
-        if bool in options and not isinstance(value, dict):  # e.g. wandb: a section or true
-            if any(dataclasses.is_dataclass(option) for option in options):
-                raise ValueError(
-                    f"{where}: expected a section (mapping) or true/false; got {value!r}."
-                )
         raise ValueError(errors[0] if errors else f"{where}: unexpected value {value!r}.")
     if dataclasses.is_dataclass(hint):
         if not isinstance(value, dict):

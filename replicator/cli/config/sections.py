@@ -10,9 +10,10 @@ from replicator.cli.checks import at_least, finite_positive, one_of, where_of
 from replicator.cli.config.constants import (
     ATTENTIONS,
     DTYPES,
-    FAMILIES,
+    EXPERT_FAMILIES,
     GPT_ONLY,
-    LLAMA_ONLY,
+    LLAMA_BLOCK_ONLY,
+    MODEL_FAMILIES,
     MODEL_KINDS,
     OWN_KIND,
     REMAT_POLICIES,
@@ -72,10 +73,13 @@ class ModelConfig:
     top_k: int = 1
     capacity_factor: float | None = 1.25
     aux_weight: float = 0.01
-    # gpt: the decoder's family: gpt (LayerNorm, learned positions, GELU MLP, biases) or llama
-    # (RMSNorm, rotary positions, SwiGLU, no biases, grouped-query attention); kind: llama is
-    # short for kind: gpt with family: llama. The llama-only keys: kv_heads (key/value heads;
-    # null: heads), rope_theta, norm_eps, tie_embeddings (the head is the token table).
+    # gpt: the model family: gpt (LayerNorm, learned positions, GELU MLP, biases), or one of
+    # replicator.models.families: llama (RMSNorm, rotary positions, SwiGLU, no biases,
+    # grouped-query attention), qwen2 (Llama's block with biases on the query, key and value
+    # projections), mixtral (Llama's block with a mixture of `experts` in every block). In a
+    # file, kind: llama is short for kind: gpt with family: llama. The keys of the families on
+    # Llama's block: kv_heads (key/value heads; null: heads), rope_theta, norm_eps,
+    # tie_embeddings (the head is the token table).
     family: str = "gpt"
     kv_heads: int | None = None
     rope_theta: float = 10000.0
@@ -83,17 +87,13 @@ class ModelConfig:
     tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
-        if self.kind == "llama":  # short for kind: gpt, family: llama
-            object.__setattr__(self, "kind", "gpt")
-            object.__setattr__(self, "family", "llama")
-        one_of(self, "family", FAMILIES, what="a decoder family")
-        if self.family != "llama":
-            for name, default in LLAMA_ONLY.items():
-                if getattr(self, name) != default:
-                    raise ValueError(
-                        f"{where_of(self)}{name}={getattr(self, name)!r} is for model.kind='llama' "
-                        f"(or family: llama); remove the key, or use kind: llama."
-                    )
+        if self.kind == "llama":
+            raise ValueError(
+                f"{where_of(self)}kind='llama' is a config file's short form of kind='gpt' "
+                f"with family='llama'; build ModelConfig(kind='gpt', family='llama'), or read "
+                f"the config with replicator.cli.config.from_dict, which takes the short forms."
+            )
+        self._check_family()
         for name, example in (("rope_theta", "rope_theta=10000.0"), ("norm_eps", "norm_eps=1e-5")):
             finite_positive(self, name, example=example)  # else NaN from the first step
         if self.kv_heads is not None:
@@ -134,6 +134,18 @@ class ModelConfig:
                 f"d_model={self.heads * math.ceil(self.d_model / self.heads)})."
             )
 
+    def _check_family(self) -> None:
+        """The model family, and the keys only the families on Llama's block read."""
+        one_of(self, "family", MODEL_FAMILIES, what="a model family")
+        if self.family == "gpt":
+            for name, default in LLAMA_BLOCK_ONLY.items():
+                if getattr(self, name) != default:
+                    raise ValueError(
+                        f"{where_of(self)}{name}={getattr(self, name)!r} is for the families on "
+                        f"Llama's block (family: {', '.join(MODEL_FAMILIES[1:])}); remove the "
+                        f"key, or use kind: llama."
+                    )
+
     def _check_attention_and_experts(self) -> None:
         """The attention and mixture-of-experts keys, each on its own."""
         one_of(self, "attention", ATTENTIONS, what="an attention over the context axis")
@@ -151,6 +163,13 @@ class ModelConfig:
             raise ValueError(
                 f"{where_of(self)}aux_weight must be a finite number >= 0; got {value!r} (e.g. "
                 f"aux_weight=0.01, or 0 for no load-balancing loss)."
+            )
+        if self.family in EXPERT_FAMILIES and (not self.experts or self.moe_every != 1):
+            raise ValueError(
+                f"{where_of(self)}family={self.family!r} has a mixture of experts in every "
+                f"block; got experts={self.experts}, moe_every={self.moe_every}. Set "
+                f"model.experts (e.g. model.experts=8, with model.top_k=2) and "
+                f"model.moe_every=1, or use model.family=llama for a dense model."
             )
         if not self.experts:
             return

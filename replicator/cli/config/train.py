@@ -1,7 +1,16 @@
-"""`TrainConfig`: a whole run's config, its sections and its top-level keys. Building one checks
-every value (the sections' own checks, then `train_checks`' of the sections together) and fills
-in the short forms (``optimizer: adam``, ``learning_rate``, ``wandb: true``, ``init_from``'s
-model sizes)."""
+"""`TrainConfig`: a whole run's config, its sections and its top-level keys, frozen and checked.
+
+Building one checks every value (the sections' own checks, then `train_checks`' of the sections
+together) and changes none: a config file's short forms (``optimizer: adam``,
+``learning_rate``, ``wandb: true``, ``kind: llama``, ``~``, ``init_from``'s model sizes) are
+turned into their long forms before it is built, as plain data (`short_forms`, which
+`replicator.cli.config.load` and ``from_dict`` apply).
+
+>>> TrainConfig(optimizer="adam")
+Traceback (most recent call last):
+...
+ValueError: TrainConfig: optimizer='adam' is a config file's short form of optimizer: {name: adam}; give optimizer=OptimizerConfig(name='adam'), or read the config with replicator.cli.config.from_dict, which takes the short forms.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +18,6 @@ import dataclasses
 import os
 
 from replicator.cli.checks import at_least, finite_positive, where_of
-from replicator.cli.config.checkpoint import checkpoint_model
 from replicator.cli.config.constants import BYTE_VOCAB
 from replicator.cli.config.sections import ModelConfig, PipelineConfig, ProfileConfig, WandbConfig
 from replicator.cli.config.train_checks import (
@@ -18,7 +26,7 @@ from replicator.cli.config.train_checks import (
     check_model_fits_the_job,
 )
 from replicator.cli.data import DataConfig
-from replicator.cli.optimizers import DEFAULT_LEARNING_RATE, OptimizerConfig
+from replicator.cli.optimizers import OptimizerConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,9 +37,9 @@ class TrainConfig:
     cpu_devices: int = 8  # emulated when JAX has one CPU device only; 0: never emulate
     steps: int = 100
     global_batch: int = 32
-    # {name, learning_rate, schedule, warmup_steps, ...} (`replicator.cli.optimizers`), or a name
-    optimizer: OptimizerConfig | str = dataclasses.field(default_factory=OptimizerConfig)
-    learning_rate: float | None = None  # short for optimizer.learning_rate
+    # {name, learning_rate, schedule, warmup_steps, ...} (`replicator.cli.optimizers`); in a
+    # file, a name alone (optimizer: adam) and a top-level learning_rate are short forms
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     clip_global_norm: float | None = 1.0
     zero_stage: int = 0
     accumulate_steps: int = 1
@@ -48,17 +56,19 @@ class TrainConfig:
     # on fewer processes than launched (replicator launch --min-processes): "keep" the global
     # batch (more micro-batches per step), or "shrink" it with the data axes
     elastic_batch: str = "keep"
-    # a Hugging Face Llama or Mixtral directory (config.json, *.safetensors) to start from: its
-    # sizes are the model's (model.kind becomes llama; a Mixtral's experts and top_k too, its
-    # routing dropless and its aux_weight 0 as in transformers, unless model: sets them), its
-    # weights the initial parameters. Given on the command line, it replaces the file's model
-    # sizes; a size given there too, or beside init_from in the file, must agree.
+    # a Hugging Face Llama, Mixtral or Qwen2 directory (config.json, *.safetensors) to start
+    # from: its sizes are the model's (model.family becomes its family; a Mixtral's experts and
+    # top_k too, its routing dropless and its aux_weight 0 as in transformers, unless model:
+    # sets them), its weights the initial parameters. Given on the command line, it replaces
+    # the file's model sizes; a size given there too, or beside init_from in the file, must
+    # agree. In a file, an empty init_from is none.
     init_from: str | None = None
     out_dir: str = "runs"
     plot: bool = True
     tensorboard: bool = False  # also write the metrics to out_dir/name/tensorboard
     profile: ProfileConfig | None = None  # a jax.profiler trace in out_dir/name/profile
-    wandb: WandbConfig | bool | None = None  # a W&B run (offline) in out_dir/name/wandb
+    # a W&B run (offline) in out_dir/name/wandb; in a file, wandb: true is short for wandb: {}
+    wandb: WandbConfig | None = None
 
     def __post_init__(self) -> None:
         where = where_of(self)
@@ -69,17 +79,19 @@ class TrainConfig:
             )
         if not self.out_dir:
             raise ValueError(f"{where}out_dir must be a directory; got {self.out_dir!r}.")
-        check_mesh_and_counts(self)
-        for name in ("out_dir", "init_from"):  # ~ is the home directory, in a file too
-            value = getattr(self, name)
-            if isinstance(value, str) and value.startswith("~"):
-                object.__setattr__(self, name, os.path.expanduser(value))
+        counts = ("cpu_devices", "steps", "global_batch", "accumulate_steps", "log_every")
+        counts = {name: getattr(self, name) for name in (*counts, "checkpoint_every")}
+        check_mesh_and_counts(self.mesh, counts, self.profile)
+        self._check_short_forms()
         at_least(self, "keep", 1)
-        if self.init_from == "":  # empty: the same as no init_from
-            object.__setattr__(self, "init_from", None)
-        if self.init_from is not None:
-            object.__setattr__(self, "model", checkpoint_model(self))
         m = self.model
+        if self.init_from is not None and (m.kind != "gpt" or m.family == "gpt"):
+            raise ValueError(
+                f"{where}init_from={self.init_from!r} starts a model of a Hugging Face family "
+                f"(llama, mixtral or qwen2) from its checkpoint; got model.kind={m.kind!r}, "
+                f"model.family={m.family!r}. Read the config with "
+                f"replicator.cli.config.from_dict, which takes the checkpoint's sizes and family."
+            )
         if m.kind == "gpt" and m.vocab < BYTE_VOCAB and self.data.path is None:
             raise ValueError(
                 f"{where}model.vocab={m.vocab} is smaller than the built-in text's {BYTE_VOCAB} "
@@ -93,35 +105,38 @@ class TrainConfig:
             )
         if self.emergency_after is not None:
             at_least(self, "emergency_after", 1)
-        if isinstance(self.optimizer, str):  # optimizer: adam, short for {name: adam}
-            try:
-                object.__setattr__(self, "optimizer", OptimizerConfig(name=self.optimizer))
-            except ValueError as e:
-                raise ValueError(
-                    f"{where}optimizer{str(e).removeprefix('OptimizerConfig: ')[4:]}"
-                ) from None
-        if self.learning_rate is not None:  # learning_rate: 1e-3, short for the optimizer's
-            finite_positive(self, "learning_rate", example="learning_rate=3e-3")
-            if self.optimizer.learning_rate not in (DEFAULT_LEARNING_RATE, self.learning_rate):
-                raise both_rates(where)
-            object.__setattr__(
-                self,
-                "optimizer",
-                dataclasses.replace(self.optimizer, learning_rate=float(self.learning_rate)),
-            )
         if self.clip_global_norm is not None:
             finite_positive(self, "clip_global_norm", example="clip_global_norm=1.0", none=True)
-        if isinstance(self.wandb, bool):  # wandb: true, short for wandb: {} (offline)
-            object.__setattr__(self, "wandb", WandbConfig() if self.wandb else None)
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"{where}zero_stage must be 0, 1, 2 or 3; got {self.zero_stage!r}.")
-        check_model_fits_the_job(self)
-        check_context_and_experts(self)
+        jobs = dict(model=self.model, mesh=self.mesh, pipeline=self.pipeline)
+        check_model_fits_the_job(
+            **jobs, zero_stage=self.zero_stage, accumulate_steps=self.accumulate_steps
+        )
+        check_context_and_experts(
+            **jobs, global_batch=self.global_batch, accumulate_steps=self.accumulate_steps
+        )
 
-
-def both_rates(where: str) -> ValueError:
-    return ValueError(
-        f"{where}learning_rate and optimizer.learning_rate are both set; set one of them (the "
-        f"top-level learning_rate is short for optimizer.learning_rate), e.g. "
-        f"optimizer: {{name: adam, learning_rate: 3e-3}}."
-    )
+    def _check_short_forms(self) -> None:
+        """Refuses, with the long form to write, a short form built in Python: a file's short
+        forms are turned into their long forms before a config is built (`short_forms`)."""
+        refused = None
+        if isinstance(self.optimizer, str):
+            long = f"optimizer: {{name: {self.optimizer}}}"
+            refused = "optimizer", long, f"optimizer=OptimizerConfig(name={self.optimizer!r})"
+        elif isinstance(self.wandb, bool):
+            fix = "wandb=WandbConfig()" if self.wandb else "wandb=None"
+            refused = "wandb", "wandb: {}" if self.wandb else "no wandb", fix
+        for key in ("out_dir", "init_from"):
+            value = getattr(self, key)
+            if isinstance(value, str) and value.startswith("~"):
+                refused = key, "the home directory", f"{key}=os.path.expanduser({value!r})"
+            elif key == "init_from" and value == "":
+                refused = key, "no init_from", "init_from=None"
+        if refused is not None:
+            key, long, fix = refused
+            raise ValueError(
+                f"{where_of(self)}{key}={getattr(self, key)!r} is a config file's short form of "
+                f"{long}; give {fix}, or read the config with replicator.cli.config.from_dict, "
+                f"which takes the short forms."
+            )

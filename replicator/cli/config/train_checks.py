@@ -1,35 +1,38 @@
 """The checks of a `TrainConfig` that read several of its sections together: the mesh and the
 counts, what each model kind asks of the mesh, the pipeline and the optimizer options, and what
-the ``context`` and ``expert`` axes ask of the model, the batch and the schedule. Each raises a
-``ValueError`` naming the keys, as the sections' own checks do (`replicator.cli.checks`)."""
+the ``context`` and ``expert`` axes ask of the model, the batch and the schedule. Each takes the
+sections and values it reads, and raises a ``ValueError`` naming the keys, as the sections' own
+checks do (`replicator.cli.checks`)."""
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
-from replicator.cli.checks import at_least, where_of
+from replicator.cli.checks import int_at_least
 from replicator.cli.config.constants import (
     DATA_AXES,
     MAX_CPU_DEVICES,
     MAX_STEPS,
     RING_IN_ONE_COND,
 )
-from replicator.cli.config.sections import ProfileConfig
+from replicator.cli.config.sections import ModelConfig, PipelineConfig, ProfileConfig
 
-if TYPE_CHECKING:
-    from replicator.cli.config.train import TrainConfig
+WHERE = "TrainConfig: "  # `from_dict` puts the file in its place
 
 
-def check_mesh_and_counts(config: TrainConfig) -> None:
-    """The mesh, the device and step counts, the profile's window."""
-    where = where_of(config)
-    if not config.mesh:
+def check_mesh_and_counts(
+    mesh: dict, counts: dict[str, int], profile: ProfileConfig | None
+) -> None:
+    """The mesh, the device and step counts (``cpu_devices``, ``steps``, ``global_batch``,
+    ``accumulate_steps``, ``log_every``, ``checkpoint_every``: name to value), the profile's
+    window."""
+    where = WHERE
+    if not mesh:
         raise ValueError(
             f"{where}mesh must name at least one axis; got {{}}. e.g. mesh: {{data: -1}} (every "
             f"device a replica) or mesh: {{data: 2, stage: 4}}."
         )
-    for key, size in config.mesh.items():
+    for key, size in mesh.items():
         if not isinstance(key, str) or isinstance(size, bool) or not isinstance(size, int):
             raise ValueError(
                 f"{where}mesh must map axis names to sizes (ints); got {key!r}: {size!r}. "
@@ -40,93 +43,108 @@ def check_mesh_and_counts(config: TrainConfig) -> None:
                 f"{where}mesh.{key}={size}: an axis size must be an int >= 1, or -1 for the "
                 f"remaining devices."
             )
-    at_least(config, "cpu_devices", 0)
-    if config.cpu_devices > MAX_CPU_DEVICES:
+    int_at_least(where, "cpu_devices", counts["cpu_devices"], 0)
+    if counts["cpu_devices"] > MAX_CPU_DEVICES:
         raise ValueError(
-            f"{where}cpu_devices={config.cpu_devices} is more CPU devices than this process can "
+            f"{where}cpu_devices={counts['cpu_devices']} is more CPU devices than this process can "
             f"emulate (each is a thread pool and its memory; at most {MAX_CPU_DEVICES}); use "
             f"cpu_devices <= {MAX_CPU_DEVICES} (e.g. cpu_devices=8), or 0 for the platform's "
             f"own devices."
         )
     for name in ("steps", "global_batch", "accumulate_steps", "log_every", "checkpoint_every"):
-        at_least(config, name, 1)
-    if config.steps > MAX_STEPS:
+        int_at_least(where, name, counts[name], 1)
+    steps = counts["steps"]
+    if steps > MAX_STEPS:
         raise ValueError(
-            f"{where}steps={config.steps} is more than the run's step counter holds (an int32, "
+            f"{where}steps={steps} is more than the run's step counter holds (an int32, "
             f"at most {MAX_STEPS}); use fewer steps."
         )
-    if isinstance(config.profile, ProfileConfig) and config.profile.start_step > config.steps:
+    if isinstance(profile, ProfileConfig) and profile.start_step > steps:
         raise ValueError(
-            f"{where}profile.start_step={config.profile.start_step} comes after the run's last "
-            f"step (steps={config.steps}), so nothing would be traced; use profile.start_step "
-            f"<= {config.steps} (step 1 compiles, e.g. profile.start_step={min(3, config.steps)})."
+            f"{where}profile.start_step={profile.start_step} comes after the run's last "
+            f"step (steps={steps}), so nothing would be traced; use profile.start_step "
+            f"<= {steps} (step 1 compiles, e.g. profile.start_step={min(3, steps)})."
         )
 
 
-def check_model_fits_the_job(config: TrainConfig) -> None:
+def check_model_fits_the_job(
+    model: ModelConfig,
+    mesh: dict,
+    pipeline: PipelineConfig | None,
+    *,
+    zero_stage: int,
+    accumulate_steps: int,
+) -> None:
     """What a model kind asks of the mesh, the pipeline and the optimizer options."""
-    where, kind = where_of(config), config.model.kind
-    if kind == "gpt" and "stage" in config.mesh and config.pipeline is None:
+    where, kind = WHERE, model.kind
+    if kind == "gpt" and "stage" in mesh and pipeline is None:
         raise ValueError(
             f"{where}a mesh with a 'stage' axis needs a pipeline: section, e.g. pipeline: "
             f"{{schedule: 1f1b, microbatches: 4}}."
         )
-    if kind in ("mlp", "cnn") and "model" in config.mesh:
+    if kind in ("mlp", "cnn") and "model" in mesh:
         raise ValueError(
             f"{where}model.kind={kind!r} has no tensor-parallel layout; use a mesh without "
             f"'model' (e.g. mesh: {{data: -1}}), or model.kind='gpt'."
         )
-    t = config.mesh.get("model", 1)
-    if kind == "gpt" and t > 1 and config.model.heads % t:
+    t = mesh.get("model", 1)
+    if kind == "gpt" and t > 1 and model.heads % t:
         raise ValueError(
-            f"{where}model.heads={config.model.heads} does not split over mesh.model={t} (each "
+            f"{where}model.heads={model.heads} does not split over mesh.model={t} (each "
             f"device holds whole attention heads); use heads a multiple of {t} (e.g. heads="
-            f"{t * math.ceil(config.model.heads / t)}), or a smaller model axis."
+            f"{t * math.ceil(model.heads / t)}), or a smaller model axis."
         )
-    d_ff = config.model.d_ff
+    d_ff = model.d_ff
     if kind == "gpt" and t > 1 and d_ff is not None and d_ff % t:
         raise ValueError(
             f"{where}model.d_ff={d_ff} does not split over mesh.model={t} (each device holds "
             f"d_ff / {t} of the MLP's hidden units); use d_ff a multiple of {t} (e.g. d_ff="
             f"{t * math.ceil(d_ff / t)}), or a smaller model axis."
         )
-    if kind == "gpt" and "stage" in config.mesh and config.accumulate_steps != 1:
+    if kind == "gpt" and "stage" in mesh and accumulate_steps != 1:
         raise ValueError(
-            f"{where}accumulate_steps={config.accumulate_steps} does not apply to a pipeline "
+            f"{where}accumulate_steps={accumulate_steps} does not apply to a pipeline "
             f"(mesh has a 'stage' axis), which splits each replica's batch into micro-batches "
             f"already; use pipeline.microbatches instead (e.g. pipeline.microbatches="
-            f"{config.accumulate_steps * (config.pipeline.microbatches if config.pipeline else 4)}"
+            f"{accumulate_steps * (pipeline.microbatches if pipeline else 4)}"
             f") with accumulate_steps=1."
         )
-    if kind == "cnn" and "stage" in config.mesh:
+    if kind == "cnn" and "stage" in mesh:
         raise ValueError(f"{where}model.kind='cnn' is data parallel; use a mesh without 'stage'.")
-    if kind == "cnn" and (config.zero_stage == 3 or config.accumulate_steps != 1):
+    if kind == "cnn" and (zero_stage == 3 or accumulate_steps != 1):
         raise ValueError(
             f"{where}model.kind='cnn' supports zero_stage 0, 1 or 2 and accumulate_steps=1 "
             f"(its BatchNorm takes statistics over the whole batch); got zero_stage="
-            f"{config.zero_stage}, accumulate_steps={config.accumulate_steps}."
+            f"{zero_stage}, accumulate_steps={accumulate_steps}."
         )
-    if config.model.reduce_dtype not in (None, "float32") and config.zero_stage != 3:
+    if model.reduce_dtype not in (None, "float32") and zero_stage != 3:
         raise ValueError(
-            f"{where}model.reduce_dtype={config.model.reduce_dtype!r} is the dtype ZeRO-3 "
+            f"{where}model.reduce_dtype={model.reduce_dtype!r} is the dtype ZeRO-3 "
             f"gathers the parameters and sums their gradients in; with zero_stage="
-            f"{config.zero_stage} the gradients are summed in fp32 and it would change "
+            f"{zero_stage} the gradients are summed in fp32 and it would change "
             f"nothing. Use zero_stage=3, or model.reduce_dtype=null."
         )
-    if config.pipeline and config.pipeline.scatter_grads != "microbatch" and config.zero_stage != 3:
+    if pipeline and pipeline.scatter_grads != "microbatch" and zero_stage != 3:
         raise ValueError(
-            f"{where}pipeline.scatter_grads={config.pipeline.scatter_grads!r} is when ZeRO-3 "
-            f"reduce-scatters the stages' gradients; with zero_stage={config.zero_stage} it "
+            f"{where}pipeline.scatter_grads={pipeline.scatter_grads!r} is when ZeRO-3 "
+            f"reduce-scatters the stages' gradients; with zero_stage={zero_stage} it "
             f"would change nothing. Use zero_stage=3, or pipeline.scatter_grads=microbatch."
         )
 
 
-def check_context_and_experts(config: TrainConfig) -> None:
+def check_context_and_experts(
+    model: ModelConfig,
+    mesh: dict,
+    pipeline: PipelineConfig | None,
+    *,
+    global_batch: int,
+    accumulate_steps: int,
+) -> None:
     """What the ``context`` and ``expert`` axes ask of the model, the batch and the schedule.
 
     A size of -1 (the remaining devices) is not known here: what needs it is left to the
     library, which refuses it before the first step."""
-    where, m, mesh = where_of(config), config.model, config.mesh
+    where, m = WHERE, model
     c, e, kind = mesh.get("context", 1), mesh.get("expert", 1), m.kind
     for axis in ("context", "expert"):
         if kind in ("mlp", "cnn") and axis in mesh:
@@ -158,7 +176,7 @@ def check_context_and_experts(config: TrainConfig) -> None:
             f"axis together are not supported yet; use one of them (e.g. mesh: {{data: 2, "
             f"context: 4}} or mesh: {{data: 2, expert: 4}})."
         )
-    schedule = config.pipeline.schedule if config.pipeline and "stage" in mesh else None
+    schedule = pipeline.schedule if pipeline and "stage" in mesh else None
     if c != 1 and m.attention == "ring" and schedule in RING_IN_ONE_COND:
         raise ValueError(
             f"{where}model.attention='ring' with mesh.context={c} cannot run under "
@@ -167,13 +185,13 @@ def check_context_and_experts(config: TrainConfig) -> None:
             f"or pipeline.schedule gpipe or circular."
         )
     if c > 1:
-        _check_context_axis(config, c)
+        _check_context_axis(m, mesh, c)
     if e > 1:
-        _check_expert_axis(config, e)
+        _check_expert_axis(m, mesh, e, global_batch=global_batch, k=accumulate_steps)
 
 
-def _check_context_axis(config: TrainConfig, c: int) -> None:
-    where, m, t = where_of(config), config.model, config.mesh.get("model", 1)
+def _check_context_axis(m: ModelConfig, mesh: dict, c: int) -> None:
+    where, t = WHERE, mesh.get("model", 1)
     if m.attention == "all_to_all" and t > 0 and (m.heads // t) % c:
         per = f"heads / mesh.model = {m.heads // t}" if t > 1 else f"heads={m.heads}"
         raise ValueError(
@@ -196,27 +214,27 @@ def _check_context_axis(config: TrainConfig, c: int) -> None:
         )
 
 
-def _check_expert_axis(config: TrainConfig, e: int) -> None:
-    where, m, k = where_of(config), config.model, config.accumulate_steps
+def _check_expert_axis(m: ModelConfig, mesh: dict, e: int, *, global_batch: int, k: int) -> None:
+    where = WHERE
     if m.experts % e:
         raise ValueError(
             f"{where}model.experts={m.experts} does not split over mesh.expert={e} (each "
             f"device holds experts / {e} of them); use model.experts a multiple of {e} (e.g. "
             f"model.experts={e * math.ceil(m.experts / e)}), or a smaller expert axis."
         )
-    data = [config.mesh.get(axis, 1) for axis in DATA_AXES]
+    data = [mesh.get(axis, 1) for axis in DATA_AXES]
     if min(data) < 1:
         return  # a -1 data axis: the library checks the batch against the devices
     replicas = math.prod(data)
-    if config.global_batch % (replicas * k * e):
+    if global_batch % (replicas * k * e):
         over = f"{replicas} data replica{'s' * (replicas > 1)}"
         if k > 1:
             over += f" and accumulate_steps={k} micro-batches"
         unit = replicas * k * e
         raise ValueError(
-            f"{where}global_batch={config.global_batch} over {over} gives "
-            f"{config.global_batch / replicas / k:g} sequences a step, which do not split over "
+            f"{where}global_batch={global_batch} over {over} gives "
+            f"{global_batch / replicas / k:g} sequences a step, which do not split over "
             f"mesh.expert={e} (each expert device routes whole sequences); use global_batch "
             f"a multiple of {unit} (e.g. global_batch="
-            f"{unit * math.ceil(config.global_batch / unit)}), or a smaller expert axis."
+            f"{unit * math.ceil(global_batch / unit)}), or a smaller expert axis."
         )

@@ -1,9 +1,11 @@
 """A config's job built: the `rp.Replicator` of its mesh, its step (with the learning rate and
-the optional EMA kept in the state), its state and its data (`build`); or the same from shapes,
-allocating nothing (`abstract_job`)."""
+the optional EMA kept in the state), its state and its data (`build`, and `checked_build` with
+the global batch checked against the replicas first); or the same from shapes, allocating
+nothing (`abstract_job`)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import jax
@@ -15,7 +17,7 @@ from replicator.cli import optimizers
 from replicator.cli.config import MODEL_KINDS, TrainConfig
 from replicator.cli.jobs.base import first_of
 from replicator.cli.jobs.cnn_job import cnn_job
-from replicator.cli.jobs.gpt_job import gpt_job
+from replicator.cli.jobs.gpt_job import check_schedule, gpt_job, pipeline_schedule
 from replicator.cli.jobs.mlp_job import mlp_job
 from replicator.cli.jobs.own_job import own_model
 
@@ -48,6 +50,60 @@ def build(config: TrainConfig):
         step_fn, state, input_fn, tokens = own(config, repl, make_tx(None))
     step_fn, state = _rate_and_ema(repl, step_fn, state, config, make=lambda init: init())
     return repl, step_fn, state, input_fn, tokens
+
+
+def checked_build(config: TrainConfig):
+    """`build`, with the global batch checked against the replicas (and a pipeline's
+    micro-batches against its schedule) before the state is built, and a state too big for
+    this machine's memory refused in one line.
+
+    Raises:
+      ValueError: naming the keys, for what `check_batch` and the schedule refuse, or a state
+        that does not fit in memory.
+    """
+    if builtin_job(config) is not None:  # before the state is built: a mesh is cheap
+        repl = rp.Replicator(mesh_shape=dict(config.mesh))
+        pipelined = config.model.kind == "gpt" and config.pipeline is not None
+        if pipelined and "stage" in repl.mesh.shape:  # the schedule's rules first
+            check_schedule(config, pipeline_schedule(config), repl.mesh.shape["stage"])
+        check_batch(config, repl)
+    try:
+        job = build(config)
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise ValueError(
+            f"the job's state does not fit in this machine's memory ({str(e).splitlines()[0]}); "
+            f"use smaller model sizes (model.d_model, model.layers, model.vocab), or more devices "
+            f"with zero_stage=3."
+        ) from e
+    return job
+
+
+def check_batch(config: TrainConfig, repl) -> None:
+    """Refuses, naming the keys, a ``global_batch`` that does not split over the replicas, or a
+    replica's share that does not split into ``accumulate_steps`` (or, in a pipeline,
+    ``pipeline.microbatches``) micro-batches: what the built-in jobs' data and step need."""
+    if builtin_job(config) is None:  # your own job reads its own batches
+        return
+    n, b = repl.num_replicas, config.global_batch
+    if b % n:
+        raise ValueError(
+            f"global_batch={b} does not split over the {n} replicas of mesh "
+            f"{dict(repl.mesh.shape)} (its data axes); use a multiple of {n} (e.g. "
+            f"global_batch={n * math.ceil(b / n)})."
+        )
+    per = b // n
+    key, k = "accumulate_steps", config.accumulate_steps
+    if "stage" in repl.mesh.shape and config.pipeline is not None and config.model.kind == "gpt":
+        key, k = "pipeline.microbatches", config.pipeline.microbatches
+    if per % k:
+        unit = n * k
+        raise ValueError(
+            f"global_batch={b} over {n} replica{'s' * (n > 1)} is {per} examples per replica, "
+            f"which do not split into {key}={k} micro-batches; use global_batch a multiple of "
+            f"{unit} (e.g. global_batch={unit * math.ceil(b / unit)}), or {key} dividing {per}."
+        )
 
 
 def abstract_job(config: TrainConfig, *, devices: list | None = None):

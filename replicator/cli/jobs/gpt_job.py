@@ -1,7 +1,7 @@
-"""The GPT job (``model.kind: gpt``, or ``llama``; dense or a mixture of experts): the model's
-`gpt.GPTConfig` from the ``model:`` section, its step and its placed state on any mesh a config
-can give, the parameters of an ``init_from`` checkpoint, and the ``pipeline:`` section's
-schedule."""
+"""The GPT job (``model.kind: gpt`` of any ``model.family``: gpt, llama, mixtral, qwen2; dense
+or a mixture of experts): the model's `gpt.GPTConfig` from the ``model:`` section, its step and
+its placed state on any mesh a config can give, the parameters of an ``init_from`` checkpoint,
+and the ``pipeline:`` section's schedule."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import replicator as rp
 from replicator.cli.config import ModelConfig, TrainConfig
 from replicator.cli.jobs.base import Job, sliced
 from replicator.models import gpt, hf, llama
+from replicator.models.families import FAMILIES
 
 
 def pipeline_schedule(config: TrainConfig):
@@ -56,7 +57,9 @@ def model_flops(cfg: TrainConfig) -> float | None:
 
 
 def gpt_config(config: TrainConfig) -> gpt.GPTConfig:
-    """The `gpt.GPTConfig` of a ``kind: gpt`` config's ``model:`` section."""
+    """The `gpt.GPTConfig` of a ``kind: gpt`` config's ``model:`` section: the GPT's own, or
+    Llama's block with what its ``family`` adds (`replicator.models.families`: Qwen2's
+    query/key/value biases, Mixtral's experts), from scratch or from ``init_from``."""
     m = config.model
     options = dict(
         seq_len=m.seq_len,
@@ -74,7 +77,10 @@ def gpt_config(config: TrainConfig) -> gpt.GPTConfig:
     )
     if config.init_from is not None:  # the checkpoint's sizes, rotary scaling and experts
         return llama.from_hf_config(hf.read_config(config.init_from), **_own(m, options))
-    if m.family == "llama":
+    if m.family != "gpt":  # Llama's block, and the family's options (its biases, its experts)
+        family = FAMILIES[m.family].options(
+            {"num_local_experts": m.experts, "num_experts_per_tok": m.top_k}, m.seq_len
+        )
         return llama.config(
             vocab_size=m.vocab,
             d_model=m.d_model,
@@ -85,7 +91,7 @@ def gpt_config(config: TrainConfig) -> gpt.GPTConfig:
             rope_theta=m.rope_theta,
             norm_eps=m.norm_eps,
             tie_embeddings=m.tie_embeddings,
-            **options,
+            **(family | options),
         )
     sizes = dict(vocab_size=m.vocab, d_model=m.d_model, num_heads=m.heads, num_layers=m.layers)
     return gpt.GPTConfig(**sizes, d_ff=m.d_ff, **options)

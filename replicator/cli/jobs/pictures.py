@@ -3,6 +3,7 @@ schedule (``schedule.txt``, ``schedule.png``)."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -24,7 +25,24 @@ def draw_schedule(config: TrainConfig, num_stages: int, out: str) -> None:
         f.write(picture + "\n")
 
 
-def plot_loss(losses, path: str, config: TrainConfig) -> None:
+def logged_losses(metrics_path: str) -> list[tuple[int, float]]:
+    """``(step, loss)`` of each training line of the run's JSONL file, every run of it (a
+    resumed run continues the file, each step once)."""
+    losses = []
+    with open(metrics_path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:  # a line cut short by a kill
+                continue
+            if isinstance(record, dict) and "loss" in record:
+                losses.append((record["step"], record["loss"]))
+    return losses
+
+
+def plot_loss(metrics_path: str, path: str, config: TrainConfig) -> None:
+    """The loss curve of the whole run (`logged_losses`), from its first logged step, as
+    ``path``; a point per logged step where there are few."""
     try:
         import matplotlib
 
@@ -33,9 +51,13 @@ def plot_loss(losses, path: str, config: TrainConfig) -> None:
     except ImportError:
         print('replicator train: no loss plot (pip install "replicator[plot]")', file=sys.stderr)
         return
+    losses = logged_losses(metrics_path)
+    steps, values = zip(*losses)
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(*zip(*losses))
+    ax.plot(steps, values, marker="o" if len(losses) <= 50 else None, markersize=3)
+    ax.set_xlim(steps[0], max(steps[-1], steps[0] + 1))
     ax.set(xlabel="step", ylabel="loss", title=f"{config.name}: {config.model.kind}")
+    ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
