@@ -44,5 +44,5 @@ LLAMA_BLOCK_ONLY = {
 DATA_AXES = ("dcn_data", "data")  # the replicas: the batch is split over these
 RING_IN_ONE_COND = ("1f1b", "interleaved", "zerobubble")  # schedules that cannot run a ring
 OWN_KIND = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
-SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved", "zerobubble")  # pipeline schedules
+SCHEDULES = ("gpipe", "1f1b", "circular", "interleaved", "zerobubble")  # pipeline schedules
 WANDB_MODES = ("offline", "online", "disabled")
