@@ -180,6 +180,7 @@ DEPRECATED = [  # (module, old name, its replacement): kept for one release, lis
     ("replicator.moe", "logical_axes", "replicator.moe.logical_axes_for"),
     ("replicator.models", "SHAPES", "replicator.models.CLASS_NAMES"),
     ("replicator.models.gpt", "logical_axes", "replicator.models.gpt.logical_axes_for"),
+    ("replicator.models.llama", "from_hf_config", "replicator.models.hf.decoder_config"),
 ]
 
 

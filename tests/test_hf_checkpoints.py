@@ -309,7 +309,7 @@ def test_a_tied_head_loads_without_w_or_as_the_tables_transpose(llama):
 
 
 def test_biases_in_gpt_places_layout_load_and_save(llama, tmp_path):
-    llama_lib = pytest.importorskip("replicator.models.llama")
+    pytest.importorskip("replicator.models.llama")
     from replicator.models import gpt
 
     model = random_llama(attention_bias=True, mlp_bias=True)
@@ -320,7 +320,7 @@ def test_biases_in_gpt_places_layout_load_and_save(llama, tmp_path):
     model.save_pretrained(tmp_path / "biased")
     state = numpy_state(model)
     config = hf.read_config(tmp_path / "biased")
-    gpt_config = llama_lib.from_hf_config(config, seq_len=16)
+    gpt_config = hf.decoder_config(config, seq_len=16)
     repl = rp.Replicator(mesh_shape={"data": 4, "model": 2})
     target = hf.abstract(config, repl, gpt.partition_specs(config=gpt_config))
     placed = repl.abstract(
@@ -448,11 +448,11 @@ def test_save_refuses_a_full_directory_unless_overwrite(tmp_path):
 def test_logits_equal_transformers(llama):
     """Loaded into `gpt.place`'s layout on a data x model mesh, the model's logits are
     transformers' (the forward pass of `replicator.models.llama`)."""
-    llama_lib = pytest.importorskip("replicator.models.llama")
+    pytest.importorskip("replicator.models.llama")
     from replicator.models import gpt
 
     directory = llama.root / "fp32"
-    config = llama_lib.from_hf_config(hf.read_config(directory), seq_len=16)
+    config = hf.decoder_config(hf.read_config(directory), seq_len=16)
     model = transformers.LlamaForCausalLM.from_pretrained(directory)
     with torch.no_grad():
         want = model(torch.from_numpy(llama.tokens)).logits.numpy()

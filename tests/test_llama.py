@@ -16,7 +16,7 @@ from oracle import rel_err, torch_loss_and_grads
 
 import replicator as rp
 from replicator import attention, pipeline
-from replicator.models import gpt, llama
+from replicator.models import gpt, hf, llama
 
 # -- against transformers ------------------------------------------------------------------------
 
@@ -65,7 +65,7 @@ def hf_model(case):
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.1 * torch.randn_like(p))
-    config = llama.from_hf_config(hf_config.to_dict(), seq_len=16)
+    config = hf.decoder_config(hf_config.to_dict(), seq_len=16)
     params = llama.params_from_state_dict(model.state_dict(), config=config)
     return model, config, params
 
@@ -170,11 +170,11 @@ def test_hf_configs_the_gpt_cannot_compute_are_refused():
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2,
     )  # fmt: skip
-    c = llama.from_hf_config(base | {"rope_theta": 1e6, "rope_scaling": None, "rms_norm_eps": 1e-6})
+    c = hf.decoder_config(base | {"rope_theta": 1e6, "rope_scaling": None, "rms_norm_eps": 1e-6})
     assert (c.rope_theta, c.rope_scaling, c.norm_eps, c.num_kv_heads) == (1e6, None, 1e-6, 2)
     scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=8192, rope_theta=5e5)  # fmt: skip
-    c = llama.from_hf_config(base | {"rope_parameters": scaling})
+    c = hf.decoder_config(base | {"rope_parameters": scaling})
     assert c.rope_scaling == gpt.RopeScaling(8.0, 1.0, 4.0, 8192) and c.rope_theta == 5e5
     hash(c)
     for change, match in [
@@ -187,8 +187,8 @@ def test_hf_configs_the_gpt_cannot_compute_are_refused():
             r"model_type='mistral'; this reads the configs of llama, mixtral, qwen2",
         ),
     ]:
-        with pytest.raises(ValueError, match=r"^llama\.from_hf_config: " + match):
-            llama.from_hf_config(base | change)
+        with pytest.raises(ValueError, match=r"^hf\.decoder_config: " + match):
+            hf.decoder_config(base | change)
 
 
 def test_gpt_config_refuses_what_it_cannot_build():

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from oracle import rel_err, torch_loss_and_grads
 from test_gpt_moe import make_repl, oracle, shard_shapes, train
 
-from replicator.models import gpt, llama
+from replicator.models import gpt, hf, llama
 
 TOL = {"logits": 1e-5, "grads": 1e-4, "mesh": 1e-5}
 LR = 0.1  # SGD
@@ -48,7 +48,7 @@ def hf_model():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.1 * torch.randn_like(p))
-    config = llama.from_hf_config(hf_config.to_dict(), seq_len=16)
+    config = hf.decoder_config(hf_config.to_dict(), seq_len=16)
     params = llama.params_from_state_dict(model.state_dict(), config=config)
     return model, config, params
 
@@ -59,7 +59,7 @@ def hf_batch(seed=3):
     return t[:, :-1], t[:, 1:]
 
 
-def test_from_hf_config_is_a_dropless_top2_llama_of_experts():
+def test_decoder_config_of_a_mixtral_is_a_dropless_top2_llama_of_experts():
     _, config, params = hf_model()
     assert (config.num_experts, config.top_k, config.capacity_factor) == (4, 2, None)
     assert (config.mlp, config.norm, config.num_kv_heads, config.bias) == (
@@ -173,14 +173,14 @@ def test_state_dict_round_trip_per_expert_and_fused():
 def test_mixtral_configs_the_gpt_cannot_compute_are_refused():
     base = {**HF_SIZES, "model_type": "mixtral"}
     with pytest.raises(ValueError, match=r"sliding_window=8 is shorter than seq_len=16"):
-        llama.from_hf_config(base | {"sliding_window": 8}, seq_len=16)
-    assert llama.from_hf_config(base | {"sliding_window": 16}, seq_len=16).seq_len == 16
+        hf.decoder_config(base | {"sliding_window": 8}, seq_len=16)
+    assert hf.decoder_config(base | {"sliding_window": 16}, seq_len=16).seq_len == 16
     with pytest.raises(ValueError, match=r"router_jitter_noise=0.01: the router's multiplicative"):
-        llama.from_hf_config(base | {"router_jitter_noise": 0.01})
+        hf.decoder_config(base | {"router_jitter_noise": 0.01})
     with pytest.raises(
         ValueError, match=r"model_type='qwen2_moe'; this reads the configs of llama, mixtral, qwen2"
     ):
-        llama.from_hf_config(base | {"model_type": "qwen2_moe"})
+        hf.decoder_config(base | {"model_type": "qwen2_moe"})
 
 
 MIXTRAL = llama.config(

@@ -52,7 +52,7 @@ def hf_model(tied: bool):
         **SIZES, tie_word_embeddings=tied, initializer_range=0.2, attn_implementation="eager"
     )
     model = randomised(transformers.Qwen2ForCausalLM(cfg).float().eval())
-    config = llama.from_hf_config(cfg.to_dict(), seq_len=16)
+    config = hf.decoder_config(cfg.to_dict(), seq_len=16)
     params = llama.params_from_state_dict(model.state_dict(), config=config)
     return model, config, params
 
@@ -180,8 +180,8 @@ def test_save_refuses_biases_a_qwen2_does_not_have(tmp_path):
 def test_sliding_windows_shorter_than_the_sequence_are_refused():
     cfg = transformers.Qwen2Config(**SIZES, use_sliding_window=True, sliding_window=8)
     with pytest.raises(ValueError, match=r"sliding_window=8 is shorter than seq_len=16"):
-        llama.from_hf_config(cfg.to_dict(), seq_len=16)
-    assert llama.from_hf_config(cfg.to_dict(), seq_len=8).qkv_bias  # whole: computed exactly
+        hf.decoder_config(cfg.to_dict(), seq_len=16)
+    assert hf.decoder_config(cfg.to_dict(), seq_len=8).qkv_bias  # whole: computed exactly
 
 
 # -- on a mesh: three SGD steps equal one device ---------------------------------------------------

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from replicator import cli
-from replicator.models import hf, llama
+from replicator.models import hf
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 LLAMA_TINY = ROOT / "configs" / "llama_tiny.yaml"
@@ -450,10 +450,10 @@ def test_the_checks_accept_a_valid_checkpoint_and_what_transformers_leaves(sourc
         ({"head_dim": 8}, ["head_dim=8 with 4 heads", "[32, 64]", "remove it from config.json"]),
     ],
 )
-def test_llama_from_hf_config_refuses_in_one_line(change, words):
+def test_decoder_config_refuses_in_one_line(change, words):
     with pytest.raises(ValueError) as info:
-        llama.from_hf_config(CONFIG | change)
+        hf.decoder_config(CONFIG | change)
     message = str(info.value)
-    assert message.startswith("llama.from_hf_config: ") and "\n" not in message
+    assert message.startswith("hf.decoder_config: ") and "\n" not in message
     for word in words:
         assert word in message, (word, message)

@@ -7,7 +7,6 @@ that removes it.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import warnings
 from collections.abc import Callable
@@ -53,29 +52,3 @@ def moved_names(module: str, table: dict[str, str]) -> Callable[[str], Any]:
         return _resolve(table[name])
 
     return __getattr__
-
-
-def renamed(fn: Callable, old: str, new: str) -> Callable:
-    """``fn`` under its old name ``old``: the same call, after a ``DeprecationWarning`` that
-    names ``new``.
-
-    >>> import warnings
-    >>> old_abs = renamed(abs, "m.old_abs", "abs")
-    >>> with warnings.catch_warnings(record=True) as caught:
-    ...     warnings.simplefilter("always")
-    ...     value = old_abs(-2)
-    >>> value, str(caught[0].message)
-    (2, 'm.old_abs is deprecated and will be removed in the next release; use abs.')
-    """
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        warnings.warn(
-            f"{old} is deprecated and will be removed in the next release; use {new}.",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return fn(*args, **kwargs)
-
-    wrapper.__doc__ = f"Deprecated: use `{new}`."
-    return wrapper

@@ -76,7 +76,7 @@ def gpt_config(config: TrainConfig) -> gpt.GPTConfig:
         aux_weight=m.aux_weight,
     )
     if config.init_from is not None:  # the checkpoint's sizes, rotary scaling and experts
-        return llama.from_hf_config(hf.read_config(config.init_from), **_own(m, options))
+        return hf.decoder_config(hf.read_config(config.init_from), **_own(m, options))
     if m.family != "gpt":  # Llama's block, and the family's options (its biases, its experts)
         family = FAMILIES[m.family].options(
             {"num_local_experts": m.experts, "num_experts_per_tok": m.top_k}, m.seq_len

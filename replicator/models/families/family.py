@@ -85,9 +85,13 @@ class Family:
         return self.architecture.removesuffix("ForCausalLM")
 
 
+LLAMA_BLOCK = {"norm": "rms", "position": "rope", "mlp": "swiglu", "bias": False}
+"""The `GPTConfig` options of Llama's block, which every family here builds on."""
+
+
 def refuse(what: str) -> ValueError:
-    """A refusal of ``llama.from_hf_config``, whose options the families' ``options`` are."""
-    return ValueError(f"llama.from_hf_config: {what}")
+    """A refusal of ``hf.decoder_config``, whose options the families' ``options`` are."""
+    return ValueError(f"hf.decoder_config: {what}")
 
 
 def check_window(hf: Mapping[str, Any], seq_len: int) -> None:

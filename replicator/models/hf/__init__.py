@@ -50,7 +50,7 @@ The blocks may also be a pipeline's ``stages`` (`gpt.pipeline_params`): leading 
 ``[K, L/K, E, d, F]``). Mixtral has no biases. ZeRO-3's `ShardedParam` leaves load and save as
 the arrays they wrap.
 
-To train a checkpoint, read its sizes with `read_config` (``llama.from_hf_config`` turns them
+To train a checkpoint, read its sizes with `read_config` (`decoder_config` turns them
 into a `gpt.GPTConfig`) and load it into the layout training uses:
 ``hf.load(path, repl.abstract(lambda: gpt.place(repl, gpt.init(config, key), config=config)))``
 (``repl.abstract`` allocates nothing), or ``hf.load(path, hf.abstract(hf_config, repl, specs))``.
@@ -79,5 +79,6 @@ one line).
 from replicator.models.hf.configs import abstract as abstract
 from replicator.models.hf.configs import read_config as read_config
 from replicator.models.hf.configs import shapes as shapes
+from replicator.models.hf.decoder import decoder_config as decoder_config
 from replicator.models.hf.reading import load as load
 from replicator.models.hf.writing import save as save
