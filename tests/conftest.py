@@ -25,8 +25,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 else:
     _OWN_CACHE = None
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-# a size bound turns on the cache's file lock: no process reads an entry another is writing
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 * 2**30))
+# No size bound: with one, every write lists and reads the whole directory under a file lock,
+# which a run of some 10,000 programs turns into most of its time (a doctest of 35 s took 110).
+# An entry read while another process writes it fails to decompress: JAX warns and compiles.
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", "-1")
 
 import jax  # noqa: E402  (after XLA_FLAGS: the backend reads them when it starts)
 import pytest  # noqa: E402

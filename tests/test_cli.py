@@ -168,7 +168,7 @@ def test_interleaved_with_micro_batches_not_a_multiple_of_the_stages_is_refused_
         assert cli.main([command, str(path), *overrides]) == 2
         err = capsys.readouterr().err
         assert err.startswith(
-            f"replicator {command}: Interleaved1F1B.plan: num_microbatches must be a multiple "
+            f"replicator {command}: Interleaved1F1B.timetable: num_microbatches must be a multiple "
             f"of num_stages"
         ), err
         assert "OneFOneB(). In the config: pipeline.microbatches=6 with mesh.stage=4" in err

@@ -181,7 +181,7 @@ def test_the_config_takes_interleaved_1f1b_with_its_repeats():
     assert state["job"]["params"]["stages"]["attn"]["qkv"].shape == (4, 4, 1, 64, 192)
     with pytest.raises(
         ValueError,
-        match=r"^Interleaved1F1B\.plan: num_microbatches must be a multiple of num_stages .*got "
+        match=r"^Interleaved1F1B\.timetable: num_microbatches must be a multiple of num_stages .*got "
         r"num_microbatches=6 with num_stages=4\. Use num_microbatches=8, or OneFOneB\(\)\. In "
         r"the config: pipeline\.microbatches=6 with mesh\.stage=4 and pipeline\.schedule="
         r"interleaved\.$",

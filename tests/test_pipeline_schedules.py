@@ -158,27 +158,33 @@ def test_plan_is_read_only():
         ),
         (
             lambda: S.OneFOneB().timetable(4, 3),
-            r"OneFOneB.plan: num_microbatches.*>= 4, or GPipe\(\)",
+            r"OneFOneB.timetable: num_microbatches.*>= 4, or GPipe\(\)",
         ),
         (lambda: S.Circular(repeats=0), r"Circular: repeats must be an int >= 1; got 0"),
         (lambda: S.Circular(repeats=1.5), r"repeats must be an int >= 1; got 1.5"),
         (lambda: S.Circular(repeats=True), r"repeats must be an int >= 1; got True"),
-        (lambda: S.GPipe().timetable(4, 0), r"plan: num_microbatches must be an int >= 1; got 0"),
-        (lambda: S.GPipe().timetable(0, 4), r"GPipe.plan: num_stages must be an int >= 1; got 0"),
+        (
+            lambda: S.GPipe().timetable(4, 0),
+            r"timetable: num_microbatches must be an int >= 1; got 0",
+        ),
+        (
+            lambda: S.GPipe().timetable(0, 4),
+            r"GPipe.timetable: num_stages must be an int >= 1; got 0",
+        ),
         (lambda: S.OneFOneB().timetable(2.0, 4), r"num_stages must be an int >= 1; got 2.0"),
         (
             lambda: S.Circular().timetable(2, -1),
-            r"Circular.plan: num_microbatches must be an int >= 1",
+            r"Circular.timetable: num_microbatches must be an int >= 1",
         ),
         (lambda: S.get("pipedream"), r"unknown schedule 'pipedream'.*'gpipe', 'circular', '1f1b'"),
         (
             lambda: S.Interleaved1F1B(2).timetable(4, 6),
-            r"Interleaved1F1B.plan: num_microbatches must be a multiple of num_stages .*got "
+            r"Interleaved1F1B.timetable: num_microbatches must be a multiple of num_stages .*got "
             r"num_microbatches=6 with num_stages=4. Use num_microbatches=8, or OneFOneB\(\)",
         ),
         (
             lambda: S.Interleaved1F1B(3).timetable(4, 2),
-            r"Interleaved1F1B.plan: num_microbatches must be >= num_stages; got "
+            r"Interleaved1F1B.timetable: num_microbatches must be >= num_stages; got "
             r"num_microbatches=2 with num_stages=4.*num_microbatches >= 4",
         ),
         (
@@ -198,7 +204,7 @@ def test_plan_is_read_only():
         (lambda: S.Interleaved1F1B("2"), r"Interleaved1F1B: repeats must be an int.*got '2'"),
         (
             lambda: S.Interleaved1F1B(2).timetable(2.0, 4),
-            r"Interleaved1F1B.plan: num_stages must be an int >= 1; got 2.0",
+            r"Interleaved1F1B.timetable: num_stages must be an int >= 1; got 2.0",
         ),
         (lambda: S.GPipe().timetable(2, 2).bubble_fraction(-1.0), r"costs must be >= 0"),
         (lambda: P.render("gpipe"), r"render: pass num_stages and num_microbatches"),
@@ -557,7 +563,7 @@ def test_zero_bubble_get_and_refusal():
     assert S.get("zerobubble") == S.get(" ZB ") == S.ZeroBubble()
     sched = S.ZeroBubble()
     assert S.get(sched) is sched and sched.name == "zerobubble" and sched.repeats == 1
-    with pytest.raises(ValueError, match=r"ZeroBubble.plan: num_microbatches must be >= num_stages; got num_microbatches=3 with num_stages=4: .*>= 4, or GPipe\(\)"):  # fmt: skip
+    with pytest.raises(ValueError, match=r"ZeroBubble.timetable: num_microbatches must be >= num_stages; got num_microbatches=3 with num_stages=4: .*>= 4, or GPipe\(\)"):  # fmt: skip
         sched.timetable(4, 3)
     with pytest.raises(ValueError, match=r"unknown schedule 'z'.*'zerobubble', 'zb'"):
         S.get("z")

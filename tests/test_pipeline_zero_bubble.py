@@ -115,7 +115,7 @@ def random_plan(k, m, seed):
 
 
 class Tables:
-    """A schedule object for a given plan (what PipelineCall reads from a schedule)."""
+    """A schedule object for a given timetable (what PipelineCall reads from a schedule)."""
 
     name = "zerobubble"
     repeats = 1
@@ -123,7 +123,7 @@ class Tables:
     def __init__(self, plan):
         self._plan = plan
 
-    def plan(self, k, m):
+    def timetable(self, k, m):
         assert (k, m) == (self._plan.num_stages, self._plan.num_microbatches)
         return self._plan
 

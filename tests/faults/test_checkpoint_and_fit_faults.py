@@ -539,7 +539,7 @@ def test_unreadable_checkpoints_stop_fit_and_the_error_names_the_way_out(tmp_pat
         pytest.warns(UserWarning, match=r"is unreadable"),
         pytest.raises(
             FileNotFoundError,
-            match=r"None was moved .*rp\.fit\(\.\.\., "
+            match=r"None was moved .*rp\.fit's CheckpointOptions\("
             r"start_over_if_unreadable=True\) \(replicator train: "
             r"start_over_if_unreadable=true\)",
         ),

@@ -403,7 +403,7 @@ class Interleaved1F1B(_RenamedPlan):
         _check_enough("Interleaved1F1B.timetable", k, m, why)
         if m % k:
             raise ValueError(
-                f"Interleaved1F1B.plan: num_microbatches must be a multiple of num_stages (the "
+                f"Interleaved1F1B.timetable: num_microbatches must be a multiple of num_stages (the "
                 f"micro-batches go through each virtual stage in groups of K); got "
                 f"num_microbatches={m} with num_stages={k}. Use num_microbatches="
                 f"{(m // k + 1) * k}, or OneFOneB()."
