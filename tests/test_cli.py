@@ -238,6 +238,7 @@ log_every: 1
 """
 
 
+@pytest.mark.slow  # a CLI run end to end; the fast lane builds the family config in test_qwen2
 def test_a_qwen2_from_scratch_has_query_key_value_biases_and_trains(tmp_path):
     path = tmp_path / "qwen2.yaml"
     path.write_text(QWEN2_TINY)

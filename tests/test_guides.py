@@ -400,7 +400,7 @@ def test_training_loop_examples_run(tmp_path):
         block("guides/training_and_cli.md", "## Training loop"),
         ns,
         replace=[
-            ('checkpoint_dir="/tmp/run"', f'checkpoint_dir="{run_dir}"'),
+            ('directory="/tmp/run"', f'directory="{run_dir}"'),
             ('metrics_path="/tmp/run/metrics.jsonl"', f'metrics_path="{run_dir}/metrics.jsonl"'),
             ('tensorboard_dir="/tmp/run/tb"', f'tensorboard_dir="{run_dir}/tb"'),
         ],

@@ -306,7 +306,8 @@ def test_a_step_over_the_hbm_is_does_not_fit_error():
 # -- 3. the TPU program's FLOPs equal the CPU program's -----------------------------------------
 
 
-@pytest.mark.parametrize("layers", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.slow  # the fast lane compiles for a TPU in the config tests (lm_dp) and section 6
+@pytest.mark.parametrize("layers", [2, 4])
 def test_gpt_matmul_flops_on_v5p_equal_the_cpu_programs(layers):
     """The CLI's GPT step (scanned layers, attention's batched matmuls) for v5p-16 and for 8
     CPU devices: the same matmul FLOPs. The TPU compiler writes its loops without a trip count
@@ -503,6 +504,7 @@ def test_llama_tiny_explains_with_the_per_layer_compiles(tmp_path):
 # -- 5. the CLI ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_cli_explain_target_writes_the_report_json(tmp_path, capsys):
     out = tmp_path / "lm_dp.json"
     code = cli.main(
@@ -601,6 +603,7 @@ def test_cli_explain_target_the_mlp_at_every_zero_stage(tmp_path, capsys, zero_s
     assert (data["target"], data["platform"], data["fits"]) == ("v5p-16", "tpu", True)
 
 
+@pytest.mark.slow
 def test_cli_a_mesh_over_part_of_a_torus_axis_is_laid_out_or_refused_in_one_line(capsys):
     """{data: 32, model: 2} on v5p-128 (a 4x4x4 torus): the model axis takes part of a physical
     axis, which jax.make_mesh does not do by itself on v5p. It compiles, or is refused in one
