@@ -1,12 +1,15 @@
 """A process that trains until it is killed: for the launcher's fault test. Writes its pid to
-``<dir>/rank<r>.pid`` once training runs."""
+``<dir>/rank<r>.pid`` once training runs. Arguments: the directory, and the heartbeat timeout in
+seconds (rp.distributed.initialize's default when not given)."""
 
 import os
 import sys
 
 import replicator as rp
 
-info = rp.distributed.initialize()
+info = rp.distributed.initialize(
+    **({"heartbeat_timeout": int(sys.argv[2])} if sys.argv[2:] else {})
+)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
