@@ -412,12 +412,12 @@ def test_bf16_reduce_with_a_model_axis_is_refused_on_xla_cpu_and_compiles_for_a_
 NARROW = ["model.layers=2", "model.d_model=512", "model.heads=4", "model.d_ff=1024",
           "model.vocab=4096", "model.seq_len=1024"]  # fmt: skip
 BIG = {
-    # MaxText's v5p-512 layout: ZeRO-3, remat full, 4 sequences a chip
-    "llama2_70b": ("v5p-16", [*NARROW, "model.kv_heads=1", "global_batch=32"]),
+    # MaxText's v5p-512 layout (ZeRO-3, remat full) at one sequence a chip
+    "llama2_70b": ("v5p-16", [*NARROW, "model.kv_heads=1", "global_batch=8"]),
     # ZeRO-3 and remat full, one sequence a chip: the config is written for v5p-8
     "llama2_7b": ("v5p-8", [*NARROW, "model.kv_heads=4"]),
-    # ZeRO-1 and remat full (as shipped it fits no TPU), 8 sequences a chip
-    "gpt_7b5": ("v5p-16", [*NARROW, "zero_stage=1", "model.remat=full", "global_batch=64"]),
+    # ZeRO-1 and remat full (as shipped it fits no TPU), one sequence a chip
+    "gpt_7b5": ("v5p-16", [*NARROW, "zero_stage=1", "model.remat=full", "global_batch=8"]),
     # remat full (as shipped it peaks over the HBM), one sequence a chip
     "llama3_8b": ("v5p-16", [*NARROW, "model.kv_heads=1", "model.remat=full", "global_batch=8"]),
 }
@@ -641,13 +641,17 @@ def test_cli_a_model_over_the_hbm_names_the_smallest_change_that_fits(capsys):
 
 @pytest.mark.slow
 def test_cli_a_report_over_the_hbm_carries_the_smallest_change_that_fits(tmp_path, capsys):
-    """Llama 3 8B without remat at two sequences a chip on v5p-16, over the chip's 95 GiB: the
-    report says so and names remat as the change that fits, or, where the compiler refuses the
-    program itself (libtpu 0.0.42.1 and 0.0.50.1 do), the one-line refusal names it."""
+    """Llama 3 8B's config without remat, narrowed (16 layers 1,024 wide, 2,048-token sequences)
+    at 64 sequences a chip on v5p-16: its activations (151 GB) are over the chip's 95 GiB, with
+    remat 25 GiB. The report says so and names remat as the change that fits, or, where the
+    compiler refuses the program itself (libtpu 0.0.42.1 and 0.0.50.1 do), the one-line refusal
+    names it."""
     out = tmp_path / "llama3.json"
+    narrowed = ["model.layers=16", "model.d_model=1024", "model.heads=8", "model.kv_heads=2",
+                "model.d_ff=3584", "model.vocab=32000", "model.seq_len=2048", "global_batch=512"]  # fmt: skip
     code = cli.main(
-        ["explain", str(ROOT / "configs/llama3_8b.yaml"), "global_batch=16", "--target",
-         "v5p-16", "--json", str(out), "--quick"]
+        ["explain", str(ROOT / "configs/llama3_8b.yaml"), *narrowed, "--target", "v5p-16",
+         "--json", str(out), "--quick"]
     )  # fmt: skip
     captured = capsys.readouterr()
     if code == 2:
