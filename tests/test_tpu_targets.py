@@ -460,6 +460,7 @@ def test_every_config_compiles_for_a_tpu_of_its_mesh_and_fits(name, tmp_path):
     )  # fmt: skip
     assert run.returncode == 0, f"exit {run.returncode} for {target}:\n{_why(run.stderr)}"
     assert not _noise(run.stderr), _noise(run.stderr)
+    assert "): fits: peak" in run.stdout, run.stdout  # the report's line, as a user reads it
     report = json.loads(out.read_text())
     assert report["platform"] == "tpu" and report["target"] == target
     assert report["num_devices"] == rp.targets.tpu_target(target).chips
@@ -668,25 +669,12 @@ def test_cli_a_report_over_the_hbm_carries_the_smallest_change_that_fits(tmp_pat
 # -- 6. libtpu's start-up warnings ------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "args",
-    [
-        ["-c", "import replicator, jax; print(jax.devices())"],
-        pytest.param(
-            ["-m", "replicator.cli", "explain", "configs/lm_dp.yaml", "--target", "v5p-16"],
-            marks=pytest.mark.slow,  # the fast lane runs it as lm_dp's config test above
-        ),
-    ],
-    ids=["import", "cli-explain"],
-)
-def test_libtpu_start_up_warnings_do_not_reach_the_user(args):
-    run = _python(*args)
+def test_libtpu_start_up_warnings_do_not_reach_the_user():
+    """On importing replicator; a command that compiles for a TPU is each config's test above."""
+    run = _python("-c", "import replicator, jax; print(jax.devices())")
     assert run.returncode == 0, run.stderr[-3000:]
     assert not _noise(run.stderr), _noise(run.stderr)
-    if args[0] == "-c":
-        assert "CpuDevice" in run.stdout
-    else:
-        assert "on v5p-16 (TPU v5, tpu-v5p): fits" in run.stdout
+    assert "CpuDevice" in run.stdout
 
 
 def test_a_target_program_stays_out_of_the_persistent_compilation_cache(tmp_path):
