@@ -240,6 +240,23 @@ def test_src_root_holds_packages_and_the_replicator_only():
     assert root == ["__init__.py", "context.py"], root
 
 
+def shared_package_names(package: pathlib.Path) -> list[str]:
+    """The names that more than one package below ``package`` has."""
+    names = [init.parent.name for init in package.rglob("__init__.py")]
+    return sorted({n for n in names if names.count(n) > 1})
+
+
+def test_no_two_packages_share_a_name():
+    assert not shared_package_names(PACKAGE)
+
+
+def test_the_package_name_rule_can_fail(tmp_path):
+    for package in ["a/layers", "b/layers", "b/other"]:
+        (tmp_path / package).mkdir(parents=True)
+        (tmp_path / package / "__init__.py").write_text("")
+    assert shared_package_names(tmp_path) == ["layers"]
+
+
 def test_replica_collectives_are_written_only_in_the_collectives_layer():
     wrong = []
     for name, path in MODULES.items():
