@@ -433,40 +433,33 @@ def _target_for(name: str) -> tuple[str, list[str]]:
     return (f"v5p-{2 * chips}" if chips >= 4 else f"v5e-{chips}"), []
 
 
-# libtpu 0.0.42.1 (jax 0.10.2) aborts in XLA's SPMD partitioner (spmd_partitioner.cc:560,
-# IsManualSubgroup) on Llama with ZeRO-3 and a model axis, layers unrolled: the compile that
-# extrapolates XLA's estimate. libtpu 0.0.50.1 (jax 0.12) compiles it.
-OLD_LIBTPU_ABORTS = pytest.mark.xfail(
-    jax.__version_info__ < (0, 12), strict=True, reason="libtpu 0.0.42.1 aborts (issue 42)"
-)
-
-
 def _marks(name: str) -> list:
     # the fast lane compiles lm_dp's; every config compiles in the whole suite (3-16 s each)
     return [pytest.mark.slow] * (name != "lm_dp")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in CONFIGS])
-def test_every_config_compiles_for_a_tpu_of_its_mesh_and_fits(name, tmp_path):
-    """``replicator explain configs/NAME.yaml --target T``, the CLI's own job code
-    (`targets.explain`), in a process of its own, compiled once (``--quick``): a step the TPU
-    compiler rejects (or aborts on) fails here, as does one that does not fit. Its stderr
-    carries none of libtpu's start-up warnings."""
+def test_every_config_compiles_for_a_tpu_of_its_mesh_and_fits(name, tmp_path, capfd):
+    """``replicator explain configs/NAME.yaml --target T --quick``, as typed: the CLI compiles
+    in a process of its own (`cli.isolated`), so an abort there would be exit 2 here, never
+    this process gone. A step the TPU compiler rejects (or aborts on) fails, as does one that
+    does not fit. Its stderr carries none of libtpu's start-up warnings."""
     target, overrides = _target_for(name)
     out = tmp_path / "report.json"
-    run = _python(
-        "-m", "replicator.cli", "explain", f"configs/{name}.yaml", *overrides,
-        "--target", target, "--json", out, "--quick",
+    code = cli.main(
+        ["explain", f"{ROOT}/configs/{name}.yaml", *overrides, "--target", target,
+         "--json", str(out), "--quick"]
     )  # fmt: skip
-    assert run.returncode == 0, f"exit {run.returncode} for {target}:\n{_why(run.stderr)}"
-    assert not _noise(run.stderr), _noise(run.stderr)
-    assert "): fits: peak" in run.stdout, run.stdout  # the report's line, as a user reads it
+    run = capfd.readouterr()
+    assert code == 0, f"exit {code} for {target}:\n{_why(run.err)}"
+    assert not _noise(run.err), _noise(run.err)
+    assert "): fits: peak" in run.out, run.out  # the report's line, as a user reads it
     report = json.loads(out.read_text())
     assert report["platform"] == "tpu" and report["target"] == target
     assert report["num_devices"] == rp.targets.tpu_target(target).chips
     assert report["fits"] is True, (report["peak_bytes"], report["hbm_bytes"])
     assert report["step_seconds"] > 0 and report["unknown_trip_counts"] == 0
-    assert f"on {target} (" in run.stdout
+    assert f"on {target} (" in run.out
 
 
 @pytest.mark.slow  # one compile, about 10 s
@@ -485,21 +478,27 @@ def test_splash_on_a_mesh_that_names_model_and_expert_of_size_1_compiles_for_a_t
     assert json.loads(out.read_text())["fits"] is True
 
 
-@pytest.mark.slow  # three compiles, 10-15 s each
-@OLD_LIBTPU_ABORTS
-def test_llama_tiny_explains_with_the_per_layer_compiles(tmp_path):
+@pytest.mark.slow  # three compiles, 10-15 s each (on libtpu 0.0.42.1: two, then one again)
+def test_llama_tiny_explains_with_the_per_layer_compiles(tmp_path, capsys):
     """Without ``--quick``, a scanned Llama (ZeRO-3 with a ``model`` axis) is compiled twice
-    more, with one and with two layers unrolled, for XLA's estimate: libtpu 0.0.42.1 aborts in
-    those compiles; libtpu 0.0.50.1 compiles them."""
+    more, with one and with two layers unrolled, for XLA's estimate. libtpu 0.0.50.1 compiles
+    them; libtpu 0.0.42.1 aborts in them (XLA's SPMD partitioner, ``IsManualSubgroup``): the
+    step is compiled again without, its estimate scaled, and the report says why."""
     target, overrides = _target_for("llama_tiny")
     out = tmp_path / "report.json"
-    run = _python(
-        "-m", "replicator.cli", "explain", "configs/llama_tiny.yaml", *overrides,
-        "--target", target, "--json", out,
+    code = cli.main(
+        ["explain", f"{ROOT}/configs/llama_tiny.yaml", *overrides, "--target", target,
+         "--json", str(out)]
     )  # fmt: skip
-    assert run.returncode == 0, f"exit {run.returncode} for {target}:\n{_why(run.stderr)}"
+    assert code == 0, capsys.readouterr().err[-3000:]
     report = json.loads(out.read_text())
     assert report["xla_seconds"] > 0 and report["fits"] is True
+    how = report["xla_seconds_how"]
+    if jax.__version_info__ < (0, 12):
+        assert "ended the process (SIGABRT) compiling the step with its layers unrolled" in how
+        assert "jax 0.12 with libtpu 0.0.50.1 compiles" in how
+    else:
+        assert "with 1 and 2 layers unrolled" in how, how
 
 
 # -- 5. the CLI ---------------------------------------------------------------------------------

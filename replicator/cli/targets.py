@@ -18,6 +18,10 @@ import jax
 import replicator as rp
 from replicator.cli.config import TrainConfig
 
+# Called with what is compiled next ("step", "per_layer", or a hint's override) before each
+# compile: `isolated` tells from it what a compile that ended the process was compiling.
+on_compile = None
+
 
 def add_args(parser, *, what: str) -> None:
     parser.add_argument(
@@ -97,7 +101,7 @@ def explain(
         )
     config = mesh_on_target(config, target)
     try:
-        report = _compile(config, target)
+        report = _compile(config, target, "step")
     except rp.targets.DoesNotFitError as e:  # the TPU compiler refused it: no program to report
         if not hints:
             raise
@@ -116,9 +120,11 @@ def explain(
     return dataclasses.replace(report, step=f"{config.name} ({config.model.kind})")
 
 
-def _compile(config: TrainConfig, target: rp.targets.Target):
+def _compile(config: TrainConfig, target: rp.targets.Target, what: str):
     from replicator.cli import jobs
 
+    if on_compile is not None:
+        on_compile(what)
     repl, step_fn, state, batch = jobs.abstract_job(
         config, devices=list(devices(target.name, target.slices))
     )
@@ -142,7 +148,7 @@ def _per_layer_xla_seconds(config: TrainConfig, target: rp.targets.Target, repor
     for layers in (1, 2):
         model = dataclasses.replace(m, layers=layers, scan_layers=False)
         try:
-            r = _compile(dataclasses.replace(config, model=model), target)
+            r = _compile(dataclasses.replace(config, model=model), target, "per_layer")
         except Exception:  # e.g. a layer count the mesh cannot take: keep the scaled figure
             return report
         x = r.target.xla_seconds
@@ -193,7 +199,7 @@ def fit_hint(config: TrainConfig, target: rp.targets.Target, report=None) -> str
     for override, change in _changes(config):
         print(f"  does not fit: trying {override} ...", file=sys.stderr, flush=True)
         try:
-            changed = _compile(dataclasses.replace(config, **change), target)
+            changed = _compile(dataclasses.replace(config, **change), target, override)
         except rp.targets.DoesNotFitError as e:
             tried.append(f"{override}: {e.shortfall}")
             continue
