@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 # An application on the public API only: config (YAML configs validated into dataclasses), jobs
 # (a config becomes a model, an input_fn, a step_fn and a run), launch (the launcher's options).
-from replicator.cli import config, jobs, launch, plan, targets
+from replicator.cli import config, isolated, jobs, launch, plan, targets
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -100,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = config.load(args.config, args.overrides)
         # explain: a config the library refuses (e.g. M < K for 1F1B) is a message too
         report = _explain(cfg, args) if args.command == "explain" else None
-    except (*jobs.USER_ERRORS, OSError) as e:
+    except (*jobs.USER_ERRORS, OSError, isolated.CompilerAbortedError) as e:
         return _user_error(where, e)
     if report is None:
         try:
@@ -125,7 +125,7 @@ def _explain(cfg, args):
         return jobs.explain(cfg, json_path=args.json)
     if args.json:
         jobs.check_writable(args.json, flag="--json")
-    report = targets.explain(cfg, target, per_layer=not args.quick)
+    report = isolated.explain(cfg, target, per_layer=not args.quick)  # an abort: one line
     if args.json:
         with open(args.json, "w") as f:
             f.write(report.to_json() + "\n")
