@@ -6,6 +6,7 @@ arguments are this device's shards of the state and the batch. FLOPs: the matmul
 counted per loop trip (which XLA's cost_analysis does not do).
 """
 
+import functools
 import json
 
 import jax
@@ -14,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import replicator as rp
 from replicator import pipeline
@@ -533,3 +535,25 @@ ENTRY %main (x: f32[8]) -> f32[8] {
     )
     assert send.conditional
     assert costs.flops == 12 * 8 + 13 * 1  # the add per trip, the compare per test
+
+
+def test_a_per_stage_switch_counts_the_collectives_of_the_branch_a_device_runs():
+    """Each device of the ``stage`` axis runs one branch of a ``lax.switch`` on its stage index,
+    each branch all-reducing a different size over ``data``: a device sends one branch's bytes
+    (the largest), not the sum over the branches."""
+    mesh = jax.make_mesh((2, 4), ("data", "stage"), devices=jax.devices()[:8])
+    sizes = (8, 64, 16, 32)
+
+    def branch(n):
+        return lambda x: jax.lax.psum(jnp.sin(x[:n]).sum() * jnp.ones(n), "data").sum()
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=P(), out_specs=P("stage"))
+    def f(x):
+        return jax.lax.switch(jax.lax.axis_index("stage"), [branch(n) for n in sizes], x)[None]
+
+    text = f.lower(jnp.arange(64.0)).compile().as_text()
+    costs = hlo.analyze(text, {"data": 2, "stage": 4})
+    data = [c for c in costs.collectives if c.axes == ("data",)]
+    assert data and all(c.conditional for c in data)
+    assert sum(c.bytes * c.count for c in data) == 64 * 4  # the 64-wide branch's, f32

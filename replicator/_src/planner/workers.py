@@ -110,7 +110,8 @@ def _in_processes(build, ladders, tasks, budget, n, workers, results, bar) -> No
                         raise RuntimeError(WORKERS_DIED) from None
                     reason = (
                         f"its worker process died (exit code {proc.exitcode}) compiling this "
-                        f"ladder: out of memory, or a crash in XLA's CPU compiler"
+                        f"ladder: out of memory, or the compiler ended it (a failed check in XLA or "
+                        f"libtpu)"
                     )
                     found = [[search.Outcome(lay, search.ERROR, reason)
                               for lay in ladders[i].layouts] for i in tasks[t]]  # fmt: skip

@@ -3,8 +3,9 @@
 XLA's ``cost_analysis()`` counts a while loop's body once, whatever its trip count, so a scanned
 step (pipeline ticks, accumulation, layer scans) looks many times cheaper than it is. This module
 walks the HLO text instead: a loop's body counts ``known_trip_count`` times (nested loops
-multiply), a conditional counts its costliest branch, and fusions and calls count their
-instructions. Collectives are listed one by one, with the device groups they span.
+multiply), a conditional counts its costliest branch (its FLOPs, kernels and collectives: a device
+runs one branch, so a per-stage ``lax.switch`` counts one stage's, not the sum over stages), and
+fusions and calls count their instructions. Collectives are listed one by one, with the device groups they span.
 
 A conditional that runs on a known share of a loop's iterations can say so with
 :func:`runs`: a named scope ``replicator_runs_N_of_D`` that this reader scales by ``N / D``. The
@@ -335,13 +336,15 @@ class _Walker(hlo_bytes.KernelBytes):
                 else [called["true_computation"], called["false_computation"]]
             )
             runs, before = [], self.kernel_flops
-            for name in names:  # the costliest branch counts, its kernels' FLOPs with it
+            for name in names:  # a device runs one branch: the costliest counts, whole
                 own: dict = {}
+                sent: list = []
                 self.kernel_flops = before
-                cost = self.visit(name, mult, True, marks, out, own, fused)
-                runs.append((cost, own, self.kernel_flops))
-            cost, own, self.kernel_flops = max(runs, key=lambda r: r[0][0] + r[0][2])
+                cost = self.visit(name, mult, True, marks, sent, own, fused)
+                runs.append((cost, own, self.kernel_flops, sent))
+            cost, own, self.kernel_flops, sent = max(runs, key=_branch_cost)
             _merge(kernels, own)
+            out.extend(sent)
             return cost
         if inst.op == "fusion" and "calls" in called:
             first = len(out)
@@ -441,6 +444,13 @@ class _Walker(hlo_bytes.KernelBytes):
             conditional=cond,
             op_name=op_name,
         )
+
+
+def _branch_cost(run: tuple) -> tuple:
+    """A conditional's branch, by what a device running it does: its FLOPs (transcendentals
+    with them), then the bytes its collectives put on the wire."""
+    (flops, _, trans), _, _, sent = run
+    return flops + trans, sum(c.wire_bytes for c in sent)
 
 
 def _as_reduce_scatter(c: Collective) -> Collective:
