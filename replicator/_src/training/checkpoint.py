@@ -32,17 +32,14 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
 
-from replicator._src.core import errors
-from replicator._src.core.mesh import indivisible_split, replicated_sharding
+from replicator._src.core import errors, logical
+from replicator._src.core.mesh import replicated_sharding
 from replicator._src.core.sharded_params import ShardedParam, is_sharded_param, values
 from replicator._src.core.typing import PyTree
-from replicator._src.training import flat_layout, full_disk
-
-
-class StateMismatchError(ValueError):
-    """The state to restore into does not have the checkpoint's structure, shapes or dtypes."""
+from replicator._src.training import flat_layout, full_disk, restore_checks, zero_stages
+from replicator._src.training.restore_checks import StateMismatchError, check_divides, check_dtype
+from replicator._src.training.zero_stages import orbax_name as _name
 
 
 class NoReadableCheckpointError(FileNotFoundError):
@@ -160,6 +157,7 @@ class Checkpoints:
         ocp = self._ocp
         _check_alive(state)
         state = values(state)  # a ZeRO-3 ShardedParam is saved as the parameter it stores
+        state = logical.saved(state)  # and ZeRO's packed stages as their logical rows
         record = {"step": int(step), **record}
         self.wait()  # the save in progress (orbax's save would wait for it too): its error
         with self._out_of_space(int(step)):
@@ -209,8 +207,8 @@ class Checkpoints:
             checkpoint's leaf with a spec of the old mesh's axes and the new mesh's sizes).
         """
         self.wait()  # an asynchronous save in progress completes first
-        abstract = jax.tree.map(_abstract, values(like))
-        _check_divides(abstract)
+        abstract = jax.tree.map(_abstract, logical.saved_like(values(like)))
+        check_divides(abstract)
         candidates = [step] if step is not None else self.steps()[::-1]
         if not candidates:
             raise FileNotFoundError(f"rp.Checkpoints: no checkpoint in {self.directory}.")
@@ -233,7 +231,7 @@ class Checkpoints:
             if broken:
                 self._move_aside(broken, restored_step=s)
             state, record = restored
-            return _as_like(like, state), record
+            return _as_like(like, logical.restored(values(like), state)), record
         raise NoReadableCheckpointError(
             f"rp.Checkpoints: no readable checkpoint in {self.directory}: "
             + "; ".join(f"step {s}: {_described(e)}" for s, e in broken)
@@ -306,60 +304,68 @@ class Checkpoints:
 
     def _restore(self, step: int, abstract: PyTree, *, cast: bool = False) -> tuple[PyTree, dict]:
         """Reads one step. A leaf saved in ZeRO's earlier flat layout is read as saved and
-        converted to its own shape (`flat_layout`)."""
+        converted to its own shape (`flat_layout`); one saved under another ZeRO stage's name
+        (`zero_stages`) is read by that name."""
         ocp = self._ocp
         flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
-        saved = self._saved_leaves(step)
+        tree, saved = self._saved_leaves(step)
         if saved is not None:
             saved = flat_layout.renamed(saved, {_name(path) for path, _ in flat})
+            wanted = {_name(path): jax.tree_util.keystr(path) for path, _ in flat}
+            saved = zero_stages.renamed(saved, wanted)
             self._check_structure(step, saved, flat)
         saved = saved or {}
-        read_as, converted = [], {}
+        read_as, converted, names = [], {}, {}
         for i, (path, want) in enumerate(flat):
             _, meta, name = saved.get(_name(path), (None, None, None))
+            names[_name(path)] = name
             if getattr(meta, "dtype", None) is not None and not cast:
-                _check_dtype(step, path, meta.dtype, want.dtype)
+                check_dtype(step, path, meta.dtype, want.dtype)
             shape = getattr(meta, "shape", None)
-            legacy = name is not None and name != _name(path)  # a ZeRO-3 flat, saved as <path>.0
+            legacy = name == _name(path) + flat_layout.LEGACY_SUFFIX  # a ZeRO-3 flat, <path>.0
             if shape is None or (tuple(shape) == tuple(want.shape) and not legacy):
                 read_as.append(want)
                 continue
-            blocks = flat_layout.stage_blocks(meta)
             if not flat_layout.convertible(meta, tuple(want.shape)):
-                raise StateMismatchError(
-                    f"rp.Checkpoints: leaf {jax.tree_util.keystr(path)} of checkpoint step {step} "
-                    f"has shape {tuple(shape)}, but the state to restore into has "
-                    f"{tuple(want.shape)}. Build the state as the run that saved it did (the same "
-                    f"model and optimizer); the mesh and the ZeRO stage may differ."
-                )
+                raise StateMismatchError(restore_checks.shape_mismatch(step, path, shape, want))
             mesh = getattr(want.sharding, "mesh", None)
             sharding = replicated_sharding(mesh) if mesh is not None else want.sharding
             aval = jax.ShapeDtypeStruct(tuple(shape), want.dtype, sharding=sharding)
             read_as.append((aval,) if legacy else aval)
-            converted[i] = (want, blocks, legacy)
+            converted[i] = (want, flat_layout.stage_blocks(meta), legacy)
+        moved = any(n not in (None, w, w + flat_layout.LEGACY_SUFFIX) for w, n in names.items())
+        target = jax.tree.unflatten(treedef, read_as)
+        if moved:  # read in the checkpoint's own structure, by the names it was saved with
+            plain = {w: x[0] if isinstance(x, tuple) else x for w, x in zip(names, read_as)}
+            target = zero_stages.read_tree(tree, names, plain)
         restored = self._manager.restore(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(jax.tree.unflatten(treedef, read_as)),
-                record=ocp.args.JsonRestore(),
+                state=ocp.args.StandardRestore(target), record=ocp.args.JsonRestore()
             ),
         )
-        leaves = treedef.flatten_up_to(restored["state"])
+        if moved:
+            arrays = zero_stages.read_back(restored["state"], names)
+            leaves = [(arrays[w],) if isinstance(x, tuple) else arrays[w]
+                      for w, x in zip(names, read_as)]  # fmt: skip
+        else:
+            leaves = treedef.flatten_up_to(restored["state"])
         for i, (want, blocks, legacy) in converted.items():
             x = leaves[i][0] if legacy else leaves[i]
             leaves[i] = flat_layout.convert(x, want, blocks, flat_layout.stage_axis_of(want))
         return jax.tree.unflatten(treedef, leaves), dict(restored["record"])
 
-    def _saved_leaves(self, step: int) -> dict | None:
-        """``{orbax name: (path as saved, array metadata)}`` of every leaf saved in ``step``;
-        None if its metadata is unreadable (then the restore itself reports the problem)."""
+    def _saved_leaves(self, step: int) -> tuple[Any, dict | None]:
+        """orbax's metadata tree of ``step``, and ``{orbax name: (path as saved, array
+        metadata)}`` of every leaf saved in it; None if its metadata is unreadable (then the
+        restore itself reports the problem)."""
         try:
             tree = self._manager.item_metadata(step)["state"]
             tree = getattr(tree, "tree", tree)
             leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
         except Exception:
-            return None
-        return {_name(path): (jax.tree_util.keystr(path), meta) for path, meta in leaves}
+            return None, None
+        return tree, {_name(path): (jax.tree_util.keystr(path), meta) for path, meta in leaves}
 
     def _check_structure(self, step: int, saved: dict, flat: list) -> None:
         """Raises `StateMismatchError` listing the leaves only ``like`` has and only the
@@ -424,65 +430,12 @@ def _check_alive(state: PyTree) -> None:
         )
 
 
-def _check_dtype(step: int, path, saved, want) -> None:
-    """Raises `StateMismatchError` if a leaf saved as ``saved`` would be cast to ``want``
-    (dtypes JAX itself treats as one, such as float64 and float32 without x64, are equal)."""
-    try:
-        saved, want = np.dtype(saved), np.dtype(want)
-    except TypeError:  # not a NumPy dtype (orbax reads such leaves as saved, or refuses)
-        return
-    if jax.dtypes.canonicalize_dtype(saved) == jax.dtypes.canonicalize_dtype(want):
-        return
-    raise StateMismatchError(
-        f"rp.Checkpoints.restore: leaf {jax.tree_util.keystr(path)} of checkpoint step {step} "
-        f"is {saved}, but the state to restore into has {want}; restoring would cast it. "
-        f"Restore into the saved dtype (e.g. jax.ShapeDtypeStruct(shape, jnp.{saved}, "
-        f"sharding=...)), then cast on purpose: "
-        f"jax.tree.map(lambda x: x.astype(jnp.{want}), state); or restore(like, cast=True)."
-    )
-
-
-def _check_divides(abstract: PyTree) -> None:
-    """Raises ValueError, naming the first, if a leaf's ``NamedSharding`` splits one of its
-    dimensions into parts that do not divide it (orbax would fail on every step alike, which
-    is the state to restore into being wrong, not the checkpoints)."""
-    for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
-        sharding = getattr(leaf, "sharding", None)
-        if not isinstance(sharding, NamedSharding):
-            continue
-        shape, sizes = tuple(leaf.shape), dict(sharding.mesh.shape)
-        bad = indivisible_split(shape, sharding.spec, sizes)
-        if bad is not None:
-            dim, parts, names = bad
-            raise ValueError(
-                f"rp.Checkpoints.restore: leaf {jax.tree_util.keystr(path)} of shape "
-                f"{list(shape)} cannot be restored with {sharding.spec} on this mesh "
-                f"({sizes}): dimension {dim} has size {shape[dim]}, which does not divide over "
-                f"{parts} devices of {', '.join(map(repr, names))}. Nothing was read (the "
-                f"checkpoints are fine). Restore that leaf with a spec that divides it: leave "
-                f"the dimension whole (None in the spec) or split it over axes whose sizes "
-                f"divide {shape[dim]}; build `like` on the new mesh with repl.place(tree, "
-                f"specs) or repl.abstract(init_fn), which check every split."
-            )
-
-
 def _listed(paths: list[str], limit: int = 20) -> str:
     """``paths`` joined by commas, the first ``limit`` of them."""
     if not paths:
         return "none"
     shown = ", ".join(paths[:limit])
     return shown + (f", and {len(paths) - limit} more" if len(paths) > limit else "")
-
-
-def _name(path) -> str:
-    """orbax's name of a leaf: its path's keys joined by dots."""
-    parts = []
-    for key in path:
-        for attr in ("key", "idx", "name"):
-            if hasattr(key, attr):
-                parts.append(str(getattr(key, attr)))
-                break
-    return ".".join(parts)
 
 
 def _as_like(like: PyTree, tree: PyTree) -> PyTree:

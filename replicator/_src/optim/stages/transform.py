@@ -179,8 +179,8 @@ def init(inner, params: PyTree, mesh: Mesh | None, *, zero_n: int = 0) -> StageS
     with ``zero_n`` replicas, each stage's leaves on their ZeRO parts (`zero_parts`)."""
     model = _model(params)
     lay = _layout(inner, model, params, params, {})
-    trees, _ = _one_device(params, _unpacked_stages(model))
-    leaves = jax.tree.leaves(inner.init(trees))
+    one_device = lambda p: inner.init(_one_device(p, _unpacked_stages(model))[0])
+    leaves = jax.tree.leaves(jax.jit(one_device)(params))  # one program, not op by op
     if zero_n:
         zs = zero_parts.splits(lay, model, zero_n)
         rows = zero_parts.init_rows(lay, model, zs, leaves, mesh)

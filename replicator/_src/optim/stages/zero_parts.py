@@ -21,7 +21,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from replicator._src.core import collectives, placement
@@ -31,8 +30,10 @@ from replicator._src.core.packing import Packing
 from replicator._src.optim import sharded_eval, zero_layout
 from replicator._src.optim.shards import WHOLE, Comm, Split, local_shape
 from replicator._src.optim.stages import program as sp
+from replicator._src.optim.stages import split_rows
 from replicator._src.optim.stages.execution import StageRun, stage_count
 from replicator._src.optim.stages.program import EVERYWHERE
+from replicator._src.optim.stages.split_rows import SplitRows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,25 +132,24 @@ def row_spec(model, mesh: Mesh) -> PartitionSpec:
 
 
 def init_rows(lay, model, zs: ZeroSplits, leaves: list, mesh: Mesh) -> dict:
-    """The stages' state rows ``[K, N x seg]``: replica ``r``'s parts in segment ``r``."""
-    rows = []
-    for j in range(stage_count(model)):
-        idx = [i for i, w in enumerate(lay.s_where) if w == j]
-        segments = []
-        for r in range(zs.n):
-            parts = tuple(_part(leaves[i], zs.s[i], zs.n, r) for i in idx)
-            segments.append(zs.s_pack.pack(j, parts))
-        rows.append({k: jnp.concatenate([seg[k] for seg in segments]) for k in zs.s_pack.sizes})
+    """The stages' state rows ``[K, N x seg]``: replica ``r``'s parts in segment ``r``
+    (`split_rows.SplitRows`, which a checkpoint saves as the logical rows)."""
     lead = (model.num_stages,) if model.repeats == 1 else (model.repeats, model.num_stages)
-    stacked = {k: jnp.stack([r[k] for r in rows]).reshape((*lead, -1)) for k in zs.s_pack.sizes}
-    return placement.put(stacked, NamedSharding(mesh, row_spec(model, mesh)))
 
+    def build(leaves):
+        rows = []
+        for j in range(stage_count(model)):
+            idx = [i for i, w in enumerate(lay.s_where) if w == j]
+            segments = []
+            for r in range(zs.n):
+                parts = tuple(split_rows.part(leaves[i], zs.s[i], zs.n, r) for i in idx)
+                segments.append(zs.s_pack.pack(j, parts))
+            rows.append({k: jnp.concatenate([seg[k] for seg in segments]) for k in zs.s_pack.sizes})
+        return {k: jnp.stack([r[k] for r in rows]).reshape((*lead, -1)) for k in zs.s_pack.sizes}
 
-def _part(x, d, n, r):
-    if d is None:
-        return x
-    size = np.shape(x)[d] // n
-    return jax.lax.slice_in_dim(jnp.asarray(x), r * size, (r + 1) * size, axis=d)
+    stacked = jax.jit(build)([jnp.asarray(x) for x in leaves])  # one program, not op by op
+    placed = placement.put(stacked, NamedSharding(mesh, row_spec(model, mesh)))
+    return SplitRows(split_rows.layout_of(lay, zs, lead), placed)
 
 
 class ZeroStageRun(StageRun):
@@ -220,6 +220,12 @@ class ZeroStageRun(StageRun):
 
     def state_pack(self, j: int):
         return self.zs.s_pack.leaves[j], self.zs.s_pack
+
+    def new_state(self, new_rows: dict):
+        state = super().new_state(new_rows)
+        if not isinstance(self.state.rows, SplitRows):
+            return state
+        return type(state)(SplitRows(self.state.rows.layout, state.rows), state.shared)
 
 
 def check_mesh(mesh: Mesh) -> None:

@@ -1,0 +1,175 @@
+"""ZeRO's state rows of packed stages, and the logical rows a checkpoint holds instead.
+
+With ZeRO on the packed stages of ``rp.pipeline.sequential`` (`zero_parts`), stage ``j``'s row
+holds each replica's parts of the stage's state leaves, replica ``r``'s in segment ``r``:
+``[K, N x seg]``, a layout of the replica count ``N`` (which axis of a leaf is split, and
+whether it is, depends on ``N``). `SplitRows` is that dict of rows with its `RowsLayout`, and
+saves as the logical rows: each stage's whole leaves packed as without ZeRO (``[K, n]``, the
+rows of ``zero_stage=0``). So a checkpoint restores onto any data size and any ZeRO stage.
+
+Equivalent to (``whole``, ``parts`` the two packings)::
+
+    saved:    whole.pack(j, [concatenate(parts.unpack(j, seg_r) over r, axis=split)])  per stage
+    restored: concatenate([parts.pack(j, [x.split(N, axis=split)[r]]) for r in range(N)])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from replicator._src.core.packing import Packing
+from replicator._src.optim.shards import Comm, Split, local_shape
+
+
+@dataclasses.dataclass(frozen=True)
+class RowsLayout:
+    """How ZeRO packs each stage's state leaves into a row for ``n`` replicas.
+
+    Attributes:
+      n: the replicas.
+      lead: the rows' leading axes, ``(K,)`` or ``(V, K)``.
+      leaves: for each logical stage, its state leaves: ``(shape, dtype name, split axis)``
+        (None: whole on every replica).
+    """
+
+    n: int
+    lead: tuple
+    leaves: tuple
+
+    def whole(self) -> Packing:
+        """Each stage's whole leaves (the logical rows' packing)."""
+        return Packing.of([tuple(jax.ShapeDtypeStruct(s, d) for s, d, _ in m) for m in self.leaves])
+
+    def parts(self) -> Packing:
+        """Each stage's parts on one replica (a segment's packing)."""
+        comm = Comm(self.n)
+        return Packing.of([
+            tuple(jax.ShapeDtypeStruct(local_shape(s, Split(a), comm), d) for s, d, a in m)
+            for m in self.leaves
+        ])  # fmt: skip
+
+    def to_logical(self, rows: dict) -> dict:
+        """The split rows ``{dtype: [*lead, N x seg]}`` as the logical rows."""
+        whole, parts, n = self.whole(), self.parts(), self.n
+        flat = {k: a.reshape(len(self.leaves), -1) for k, a in rows.items()}
+        out = []
+        for j, members in enumerate(self.leaves):
+            segs = []
+            for r in range(n):
+                seg = {k: flat[k][j, r * m : (r + 1) * m] for k, m in parts.sizes.items()}
+                segs.append(parts.unpack(j, seg))
+            wholes = tuple(
+                segs[0][i] if a is None else jnp.concatenate([s[i] for s in segs], axis=a)
+                for i, (_, _, a) in enumerate(members)
+            )
+            out.append(whole.pack(j, wholes))
+        return {k: jnp.stack([o[k] for o in out]).reshape((*self.lead, -1)) for k in whole.sizes}
+
+    def from_logical(self, rows: dict) -> dict:
+        """The logical rows as split rows (`to_logical` undone)."""
+        whole, parts, n = self.whole(), self.parts(), self.n
+        flat = {k: a.reshape(len(self.leaves), -1) for k, a in rows.items()}
+        out = []
+        for j, members in enumerate(self.leaves):
+            wholes = whole.unpack(j, {k: flat[k][j] for k in whole.sizes})
+            segs = [
+                parts.pack(j, tuple(part(x, a, n, r) for x, (_, _, a) in zip(wholes, members)))
+                for r in range(n)
+            ]
+            out.append({k: jnp.concatenate([s[k] for s in segs]) for k in parts.sizes})
+        return {k: jnp.stack([o[k] for o in out]).reshape((*self.lead, -1)) for k in parts.sizes}
+
+
+def part(x, a, n, r):
+    """Replica ``r``'s part of ``x`` along axis ``a`` (None: all of it)."""
+    if a is None:
+        return x
+    size = x.shape[a] // n
+    return jax.lax.slice_in_dim(x, r * size, (r + 1) * size, axis=a)
+
+
+class SplitRows(dict):
+    """ZeRO's state rows of packed stages, ``{dtype: [*lead, N x seg]}``, with their
+    `RowsLayout` (``layout``). A dict for every purpose but two: as a pytree node it keeps
+    ``layout``, and a checkpoint saves it as the logical rows (`core.logical`)."""
+
+    __slots__ = ("layout",)
+
+    def __init__(self, layout: RowsLayout, rows: dict) -> None:
+        super().__init__(rows)
+        self.layout = layout
+
+    def __repr__(self) -> str:
+        return f"SplitRows({dict.__repr__(self)})"
+
+    def __reduce__(self):
+        return (SplitRows, (self.layout, dict(self)))
+
+    def _logical_sharding(self, k: str):
+        sharding = self[k].sharding
+        if not isinstance(sharding, NamedSharding):
+            return sharding
+        spec = tuple(sharding.spec) + (None,) * (self[k].ndim - len(sharding.spec))
+        return NamedSharding(sharding.mesh, PartitionSpec(*spec[:-1]))
+
+    def saved_like(self) -> dict:
+        """The logical rows' shapes and shardings."""
+        sizes = self.layout.whole().sizes
+        return {
+            k: jax.ShapeDtypeStruct(
+                (*self.layout.lead, sizes[k]), self[k].dtype, sharding=self._logical_sharding(k)
+            )
+            for k in self
+        }
+
+    def saved(self) -> dict:
+        """The logical rows (global arrays, split over ``stage`` only).
+
+        Converted with each stage's rows whole on its devices (a row's segments are split
+        over the data axes, which XLA would gather element by element): for the time of the
+        conversion a device holds its stages' whole state, as without ZeRO.
+        """
+        shardings = {k: a.sharding for k, a in self.saved_like().items()}
+        rows = {k: jax.device_put(a, shardings[k]) for k, a in self.items()}
+        return jax.jit(self.layout.to_logical, out_shardings=shardings)(rows)
+
+    def restored(self, rows: dict) -> SplitRows:
+        """Logical ``rows`` in this node's layout and shardings."""
+        stage_only = {k: a.sharding for k, a in rows.items()}
+        split = jax.jit(self.layout.from_logical, out_shardings=stage_only)(dict(rows))
+        return SplitRows(self.layout, {k: jax.device_put(a, self[k].sharding) for k, a in split.items()})
+
+
+def _flatten_with_keys(p: SplitRows):
+    keys = tuple(sorted(p))
+    return [(jax.tree_util.DictKey(k), p[k]) for k in keys], (keys, p.layout)
+
+
+def _flatten(p: SplitRows):
+    keys = tuple(sorted(p))
+    return [p[k] for k in keys], (keys, p.layout)
+
+
+def _unflatten(aux, children) -> SplitRows:
+    keys, layout = aux
+    return SplitRows(layout, dict(zip(keys, children, strict=True)))
+
+
+jax.tree_util.register_pytree_with_keys(SplitRows, _flatten_with_keys, _unflatten, _flatten)
+
+
+def layout_of(lay, zs, lead: tuple) -> RowsLayout:
+    """The `RowsLayout` of a `stagewise` layout ``lay`` split as ``zs`` (`zero_parts`)."""
+    leaves = []
+    for j in range(math.prod(lead)):
+        idx = [i for i, w in enumerate(lay.s_where) if w == j]
+        leaves.append(tuple(
+            (tuple(lay.s_avals[i].shape), jnp.dtype(lay.s_avals[i].dtype).name, zs.s[i])
+            for i in idx
+        ))  # fmt: skip
+    return RowsLayout(zs.n, tuple(lead), tuple(leaves))
