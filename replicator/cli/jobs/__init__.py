@@ -8,7 +8,8 @@ see: the mesh against the devices, the batch against the replicas, the run direc
 checkpoint.
 
 The modules, one a command: `training` (`run`: the processes joined, `rp.fit`, and what is
-refused before the first step), `explaining` (`explain`), on `processes` (the processes joined,
+refused before the first step, first of all by `memory`: the state, from shapes, against
+this machine's memory), `explaining` (`explain`), on `processes` (the processes joined,
 `elastic`: the config on fewer of them), `devices` (the emulated CPU devices) and `refusals`
 (`SetupError`); `building` (`build`, `abstract_job`: the job of a config's model kind), one
 module a job (`gpt_job`, `mlp_job`, `cnn_job`, and `own_job` for your own ``module:function``)

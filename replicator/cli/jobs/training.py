@@ -14,6 +14,7 @@ import replicator as rp
 from replicator.cli import runs
 from replicator.cli.config import TrainConfig
 from replicator.cli.jobs.building import checked_build
+from replicator.cli.jobs.memory import check_memory
 from replicator.cli.jobs.pictures import draw_schedule, plot_loss
 from replicator.cli.jobs.processes import joined
 from replicator.cli.jobs.refusals import USER_ERRORS, SetupError
@@ -32,6 +33,7 @@ def run(config: TrainConfig) -> dict:
     out = os.path.join(config.out_dir, config.name)
     try:
         runs.check_out_dir(config.out_dir, config.name)
+        check_memory(config)  # from shapes: a state too big for this machine is not allocated
         repl, step_fn, state, input_fn, tokens = checked_build(config)
         created = runs.make(out, config.out_dir)
     except (*USER_ERRORS, OSError) as e:

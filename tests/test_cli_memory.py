@@ -1,0 +1,81 @@
+"""`replicator train` refuses, from shapes and before anything is allocated, a job whose state
+does not fit in this machine's memory (`jobs.memory`), and the shipped configs pass comfortably."""
+
+import pathlib
+
+import jax
+import pytest
+
+from replicator import cli
+from replicator.cli import config
+from replicator.cli.jobs import building, memory
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+GiB = 2**30
+
+
+@pytest.fixture
+def nothing_built(monkeypatch):
+    """`building.build` (which allocates the state) fails the test if it is called."""
+
+    def build(config):
+        raise AssertionError(f"{config.name}: the state was built (allocated)")
+
+    monkeypatch.setattr(building, "build", build)
+    jax.devices()  # the suite's 8 devices started, so that cpu_devices=4 changes none
+
+
+def test_llama2_7b_is_refused_in_one_line_before_anything_is_allocated(
+    tmp_path, capsys, nothing_built
+):
+    # 6.7e9 fp32 parameters and AdamW's two moments: 75.3 GiB of state (1.5 s here)
+    have = memory.available_memory()
+    if have is None or have[0] > 126 * GiB:
+        pytest.skip(f"this machine has {have} bytes available: llama2_7b would fit")
+    code = cli.main(["train", str(ROOT / "configs" / "llama2_7b.yaml"), "cpu_devices=4",
+                     f"out_dir={tmp_path}"])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "", out
+    assert err.count("\n") == 1, err
+    assert err.startswith(
+        "replicator train: llama2_7b needs 125.5 GiB of memory on this machine's CPU devices and "
+    ), err
+    assert "its state is 75.3 GiB (parameters 25.1 GiB)" in err
+    assert "it fits with model.layers=" in err  # the fewest layers' change that fits here
+    assert "zero_stage and cpu_devices do not cut it" in err and "model.dtype does not" in err
+    assert list(tmp_path.iterdir()) == []  # no run directory
+
+
+def test_a_small_job_on_a_small_machine_is_refused_naming_the_change_that_fits(
+    tmp_path, capsys, monkeypatch, nothing_built
+):
+    lm_dp = config.load(ROOT / "configs" / "lm_dp.yaml")
+    need = memory.needed(lm_dp)  # replicated on 8 devices: 8 copies of a 0.1M-parameter GPT
+    one_copy = 4 * sum(
+        x.size for x in jax.tree.leaves(building.abstract_job(lm_dp)[2]["job"]["params"])
+    )
+    assert need.devices == 8 and need.params == 8 * one_copy
+    assert 3 * need.params < need.state < 3 * need.params + 1024  # Adam's moments; counters
+    batch = 2 * 32 * 64 * 4  # tokens and targets, int32
+    assert need.total == -(-5 * (need.state + need.params + batch) // 4)
+    monkeypatch.setattr(memory, "available_memory", lambda: (need.total // 4, "test"))
+    code = cli.main(["train", str(ROOT / "configs" / "lm_dp.yaml"), f"out_dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"needs {need.total / 2**20:.1f} MiB" in err
+    assert f"and {need.total / 4 / 2**20:.1f} MiB is available (test)" in err
+    assert "it fits with zero_stage=3 (" in err  # ZeRO-3: one copy over the 8 devices
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(memory, "available_memory", lambda: (need.total // 40, "test"))
+    with pytest.raises(
+        ValueError, match=r"it fits with zero_stage=3 optimizer.name=sgd model\.layers=1 \("
+    ):
+        memory.check_memory(lm_dp)
+
+
+@pytest.mark.parametrize(
+    "name", ["lm_pipeline", "lm_dp", "lm_3d", "mlp_zero", "cnn_bn", "llama_tiny", "gpt_moe"]
+)
+def test_the_shipped_small_configs_need_little_memory(name):
+    need = memory.needed(config.load(ROOT / "configs" / f"{name}.yaml"))
+    assert need is not None and need.total < 128 * 2**20, need  # MiB, on any machine
