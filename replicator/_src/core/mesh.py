@@ -101,35 +101,53 @@ def build_mesh(
     shape = dict(mesh_shape)
     if fills:
         if fixed > n:
-            raise ValueError(
+            raise MeshSizeError(
                 f"Replicator: mesh_shape={dict(mesh_shape)} cannot fill axis {fills[0]!r}: the "
                 f"other axes use {fixed} devices, more than the {n} available. "
-                f"{_more_devices(devices, fixed)}"
+                f"{_more_devices(devices, fixed)}",
+                fixed,
+                n,
             )
         if n % fixed:
-            raise ValueError(
+            raise MeshSizeError(
                 f"Replicator: mesh_shape={dict(mesh_shape)} cannot fill axis {fills[0]!r}: the "
                 f"other axes use {fixed} devices, which does not divide the {n} devices "
-                f"available. Choose sizes whose product divides {n}."
+                f"available. Choose sizes whose product divides {n}.",
+                fixed,
+                n,
             )
         shape[fills[0]] = n // fixed
     need = math.prod(shape.values())
     if need > n:
-        raise ValueError(
+        raise MeshSizeError(
             f"Replicator: mesh_shape={dict(mesh_shape)} needs {need} devices but {n} are "
-            f"available. {_more_devices(devices, need)}"
+            f"available. {_more_devices(devices, need)}",
+            need,
+            n,
         )
     if need != n:
-        raise ValueError(
+        raise MeshSizeError(
             f"Replicator: mesh_shape={dict(mesh_shape)} needs {need} devices but {n} are "
             f"available. Make the sizes multiply to {n}, put -1 on one axis to fill it (e.g. "
-            f"{{**mesh_shape, 'data': -1}}), or pass devices=jax.devices()[:{need}]."
+            f"{{**mesh_shape, 'data': -1}}), or pass devices=jax.devices()[:{need}].",
+            need,
+            n,
         )
     names = [name for name in KNOWN_AXES if name in shape]
     slices = _slice_sizes(devices)
     if len(slices) > 1:
         return _multi_slice_mesh(mesh_shape, shape, names, devices, slices)
     return compat.make_mesh([shape[name] for name in names], names, devices)
+
+
+class MeshSizeError(ValueError):
+    """A mesh that does not fit the devices: its fixed axes need ``devices_needed`` devices (a
+    multiple of it when an axis is -1), and ``devices_available`` are given. The message
+    speaks to the API (``devices=...``); a command line reads the two numbers instead."""
+
+    def __init__(self, message: str, devices_needed: int, devices_available: int) -> None:
+        super().__init__(message)
+        self.devices_needed, self.devices_available = devices_needed, devices_available
 
 
 def _slice_sizes(devices: Sequence[jax.Device]) -> dict[int, int]:

@@ -216,7 +216,8 @@ class Checkpoints:
         for s in candidates:
             try:
                 restored = self._restore(s, abstract, cast=cast)
-            except StateMismatchError:
+            except StateMismatchError as e:
+                e.directory = self.directory
                 raise  # the caller's state does not match: an older step would not either
             except Exception as e:  # a corrupt or partial step: try the one before
                 if step is not None:
@@ -327,7 +328,8 @@ class Checkpoints:
                 read_as.append(want)
                 continue
             if not flat_layout.convertible(meta, tuple(want.shape)):
-                raise StateMismatchError(restore_checks.shape_mismatch(step, path, shape, want))
+                message = restore_checks.shape_mismatch(step, path, shape, want)
+                raise StateMismatchError(message, step=step, leaf=jax.tree_util.keystr(path))
             mesh = getattr(want.sharding, "mesh", None)
             sharding = replicated_sharding(mesh) if mesh is not None else want.sharding
             aval = jax.ShapeDtypeStruct(tuple(shape), want.dtype, sharding=sharding)
@@ -386,7 +388,9 @@ class Checkpoints:
                 directory=self.directory,
                 counts=", ".join(counts) + " leaves",
                 lists="\n".join(lists),
-            )
+            ),
+            step=step,
+            leaf=(added + missing)[0],
         )
 
     def close(self) -> None:

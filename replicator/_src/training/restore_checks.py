@@ -12,7 +12,17 @@ from replicator._src.core.typing import PyTree
 
 
 class StateMismatchError(ValueError):
-    """The state to restore into does not have the checkpoint's structure, shapes or dtypes."""
+    """The state to restore into does not have the checkpoint's structure, shapes or dtypes.
+
+    Attributes:
+      step: the checkpoint step read.
+      directory: the checkpoint directory.
+      leaf: the first leaf that differs (its path, as ``jax.tree_util.keystr`` shows it).
+    """
+
+    def __init__(self, message: str, *, step: int | None = None, leaf: str | None = None):
+        super().__init__(message)
+        self.step, self.leaf, self.directory = step, leaf, None
 
 
 def check_dtype(step: int, path, saved, want) -> None:
@@ -29,7 +39,9 @@ def check_dtype(step: int, path, saved, want) -> None:
         f"is {saved}, but the state to restore into has {want}; restoring would cast it. "
         f"Restore into the saved dtype (e.g. jax.ShapeDtypeStruct(shape, jnp.{saved}, "
         f"sharding=...)), then cast on purpose: "
-        f"jax.tree.map(lambda x: x.astype(jnp.{want}), state); or restore(like, cast=True)."
+        f"jax.tree.map(lambda x: x.astype(jnp.{want}), state); or restore(like, cast=True).",
+        step=step,
+        leaf=jax.tree_util.keystr(path),
     )
 
 

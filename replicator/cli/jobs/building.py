@@ -40,7 +40,7 @@ def build(config: TrainConfig):
     kind = config.model.kind
     builtin = builtin_job(config)
     own = None if builtin else own_model(kind)  # imports first
-    repl = rp.Replicator(mesh_shape=dict(config.mesh))
+    repl = replicator_of(config)
     make_tx = _tx_maker(config)
     if builtin is not None:
         job = builtin(config, repl, make_tx)
@@ -50,6 +50,39 @@ def build(config: TrainConfig):
         step_fn, state, input_fn, tokens = own(config, repl, make_tx(None))
     step_fn, state = _rate_and_ema(repl, step_fn, state, config, make=lambda init: init())
     return repl, step_fn, state, input_fn, tokens
+
+
+def replicator_of(config: TrainConfig):
+    """The `rp.Replicator` of ``config.mesh``; a mesh that does not fit the devices is refused
+    naming the keys that fix it (``cpu_devices``, ``mesh.*``), not the API's arguments.
+
+    Raises:
+      ValueError: if the mesh does not fit this run's devices.
+    """
+    try:
+        return rp.Replicator(mesh_shape=dict(config.mesh))
+    except ValueError as e:
+        need = getattr(e, "devices_needed", None)  # the mesh's size against the devices
+        if need is None:
+            raise
+        raise ValueError(_mesh_fix(config, need, e.devices_available)) from None
+
+
+def _mesh_fix(config: TrainConfig, need: int, have: int) -> str:
+    mesh = dict(config.mesh)
+    filled = -1 in mesh.values()
+    others = math.prod(v for k, v in mesh.items() if k != "data" and v != -1)
+    emulated = jax.default_backend() == "cpu" and config.cpu_devices
+    sized = f"a multiple of {need}" if filled else str(need)
+    head = f"mesh={mesh} needs {sized} devices, but this run has {have}"
+    fixes = [f"cpu_devices={need * max(1, math.ceil(have / need)) if filled else need}"]
+    if not emulated:
+        head += f" {jax.default_backend()} devices"
+        fixes = []
+    if have % others == 0 and mesh.get("data") != -1:
+        fixes.append(f"mesh.data=-1 (every device: data={have // others})")
+    fixes = fixes or [f"axis sizes whose product divides {have} (mesh.*=...)"]
+    return f"{head}; use {' or '.join(fixes)}. A checkpoint restores onto any mesh."
 
 
 def checked_build(config: TrainConfig):
@@ -62,7 +95,7 @@ def checked_build(config: TrainConfig):
         that does not fit in memory.
     """
     if builtin_job(config) is not None:  # before the state is built: a mesh is cheap
-        repl = rp.Replicator(mesh_shape=dict(config.mesh))
+        repl = replicator_of(config)
         pipelined = config.model.kind == "gpt" and config.pipeline is not None
         if pipelined and "stage" in repl.mesh.shape:  # the schedule's rules first
             check_schedule(config, pipeline_schedule(config), repl.mesh.shape["stage"])

@@ -140,7 +140,7 @@ class SplitRows(dict):
 
     def restored(self, rows: dict) -> SplitRows:
         """Logical ``rows`` in this node's layout and shardings."""
-        stage_only = {k: a.sharding for k, a in rows.items()}
+        stage_only = {k: a.sharding for k, a in self.saved_like().items()}
         split = jax.jit(self.layout.from_logical, out_shardings=stage_only)(dict(rows))
         return SplitRows(self.layout, {k: jax.device_put(a, self[k].sharding) for k, a in split.items()})
 
