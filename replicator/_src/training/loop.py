@@ -21,7 +21,7 @@ import numpy as np
 from replicator._src.context import Replicator, local_row
 from replicator._src.core import errors
 from replicator._src.core.typing import PyTree, StepFn
-from replicator._src.distributed import beat
+from replicator._src.distributed import beat, programs
 from replicator._src.distributed import initialize as distributed
 from replicator._src.training import fit_keywords
 from replicator._src.training.checkpoint import Checkpoints, NoReadableCheckpointError
@@ -122,6 +122,9 @@ def fit(
 
     Raises:
       NonFiniteError: (a FloatingPointError) if a checked output or the state is not finite.
+      ProgramsDifferError: (a ValueError) on several processes, before the first step, if
+        they lowered different step programs (which would hang in a collective): on every
+        process, naming them by fingerprint and the first line that differs.
       CheckpointWriteError: (an OSError) if a checkpoint cannot be written because its
         filesystem is full or over quota; its partial directory is removed and the complete
         checkpoints are kept, so running again (with space) resumes from the newest.
@@ -313,6 +316,10 @@ class _Training:
 
     def _step(self, batch: PyTree, batches) -> bool:
         """One step, then its logs, checks, evaluation and checkpoint; whether to go on."""
+        if self.step == self.start and self.repl.lowering != "local":  # several processes:
+            programs.check_same_program(  # the same program on each, or refused (hangs)
+                lambda: self.repl.lower(self.step_fn, self.state, batch).as_text(), api="rp.fit"
+            )
         self.tracer.before(self.step + 1)
         self.state, outputs = self.repl.run(self.step_fn, self.state, batch)
         self.step += 1
