@@ -3,7 +3,10 @@ saved at one data size restore at another, and a state saved without ZeRO restor
 and ZeRO-3. Restored values equal the saved ones (logically), and three more steps equal an
 uninterrupted run on the new layout. Through ``rp.fit`` as a user resumes a run."""
 
+import json
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -167,3 +170,65 @@ def test_a_state_saved_without_zero_resumes_under_zero_as_it_trains_there(zero_s
     """The optimizer's own state (ZeRO-0) is ``WrappedState.inner`` under ZeRO: the same
     logical leaves, restored by name, here at data 2 into data 4."""
     moved(mlp_job(2, 0), mlp_job(4, zero_stage), tmp_path)
+
+
+# -- through the command line ------------------------------------------------------------------
+
+MLP_RUN = ("model.kind=mlp", "model.d_model=16", "model.layers=2", "global_batch=16",
+           "log_every=1", "plot=false", "name=m")  # fmt: skip
+
+
+def cli(out_dir, *overrides, capsys) -> tuple[int, str]:
+    from replicator import cli as command_line
+
+    code = command_line.main(["train", CONFIG, f"out_dir={out_dir}", *MLP_RUN, *overrides])
+    return code, "".join(capsys.readouterr())
+
+
+CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "mlp_zero.yaml")
+
+
+def losses(out_dir) -> dict:
+    lines = (out_dir / "m" / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines)}
+
+
+def on_disk(directory) -> dict:
+    """Every file under ``directory`` (lock files aside) and its bytes."""
+    return {
+        str(p.relative_to(directory)): p.read_bytes()
+        for p in directory.rglob("*") if p.is_file() and not p.name.endswith(".lock")
+    }  # fmt: skip
+
+
+@pytest.mark.slow
+def test_replicator_train_resumes_a_zero_0_run_of_2_devices_on_8_under_zero_1(tmp_path, capsys):
+    """Saved by ``cpu_devices=2 zero_stage=0``, resumed here on 8 devices with zero_stage=1:
+    the three more steps log the losses of a run trained on 8 devices with ZeRO-1 throughout.
+    Then the refusals: another model (one line naming the keys; nothing on disk changes), and
+    a mesh that does not fit (cpu_devices=, mesh.data=-1)."""
+    run = subprocess.run(
+        [sys.executable, "-m", "replicator.cli", "train", CONFIG, f"out_dir={tmp_path / 'a'}",
+         *MLP_RUN, "steps=2", "zero_stage=0", "cpu_devices=2", "checkpoint_every=2"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "num_replicas=2" in run.stdout
+    code, said = cli(tmp_path / "a", "steps=5", "zero_stage=1", capsys=capsys)
+    assert code == 0, said[-3000:]
+    assert "resumed from the checkpoint of step 2" in said and "num_replicas=8" in said
+    code, said = cli(tmp_path / "b", "steps=5", "zero_stage=1", capsys=capsys)
+    assert code == 0, said[-3000:]
+    resumed, alone = losses(tmp_path / "a"), losses(tmp_path / "b")
+    assert sorted(resumed) == [1, 2, 3, 4, 5]
+    for step in (3, 4, 5):
+        assert abs(resumed[step] - alone[step]) <= 1e-6 * abs(alone[step]), (resumed, alone)
+
+    before = on_disk(tmp_path / "a")
+    code, said = cli(tmp_path / "a", "steps=8", "model.d_model=32", capsys=capsys)
+    refusal = [line for line in said.splitlines() if line.startswith("replicator train:")]
+    assert code == 2 and len(refusal) == 1, said
+    assert "holds another state" in refusal[0] and "name=m-2" in refusal[0], refusal
+    code, said = cli(tmp_path / "a", "steps=8", "mesh.data=4", capsys=capsys)
+    assert code == 2 and "use cpu_devices=4 or mesh.data=-1" in said, said
+    assert on_disk(tmp_path / "a") == before
