@@ -24,7 +24,9 @@ def test_a_process_that_builds_another_step_is_refused_before_step_1(tmp_path):
     assert "[0] process 0: same trained to step 2" in run.stdout, said[-3000:]
     assert "[1] process 1: same trained to step 2" in run.stdout, said[-3000:]
     assert sorted(os.listdir(tmp_path / "same")) == [".replicator.lock", "1", "2"]
-    # process 1's loss x 2: refused before step 1, no checkpoint
+    # process 1's loss x 2 on a mesh of each process's devices: each trains its own program
+    assert "[1] process 1: alone trained to step 2" in run.stdout, said[-3000:]
+    # and on the mesh of both processes: refused before step 1, no checkpoint
     assert "different trained" not in run.stdout
     assert sorted(os.listdir(tmp_path / "different")) == [".replicator.lock"]
     errors = [line for line in said.splitlines() if "ProgramsDifferError: rp.fit:" in line]
@@ -44,9 +46,11 @@ def test_a_process_that_builds_another_step_is_refused_before_step_1(tmp_path):
 
 
 def test_one_process_compares_nothing():
+    import replicator as rp
     from replicator._src.distributed import programs
 
     def lowered():
         raise AssertionError("a lone process lowered its step to compare it")
 
-    programs.check_same_program(lowered, api="rp.fit")  # zero cost: nothing lowered
+    mesh = rp.Replicator().mesh
+    programs.check_same_program(lowered, mesh=mesh, api="rp.fit")  # zero cost: nothing lowered

@@ -1,6 +1,7 @@
-"""Two `rp.fit` runs on 2 processes (`replicator launch`): one whose processes build the same
-step (it trains), then one whose process 1 builds another (its loss x 2) when DIFFERENT_STEP is
-set, which `rp.fit` refuses before its first step. Checkpoints go to OUT/same and OUT/different."""
+"""`rp.fit` runs on 2 processes (`replicator launch`): one whose processes build the same step
+(it trains); then, with DIFFERENT_STEP set, process 1 builds another step (its loss x 2): on a
+mesh of each process's own devices (it trains: nothing to compare), then on the mesh of both,
+which `rp.fit` refuses before its first step. Checkpoints go to OUT/same and OUT/different."""
 
 import os
 import sys
@@ -49,5 +50,12 @@ def fit(name: str, step_fn):
 print(f"process {info.process_index}: same trained to step {fit('same', make_step(1.0)).step}",
       flush=True)  # fmt: skip
 different = os.environ.get("DIFFERENT_STEP") and info.process_index == 1
+# a mesh of this process's devices only: a program of its own, not compared (nor gathered)
+alone = rp.Replicator(devices=jax.local_devices())
+state = alone.replicate({"w": jnp.zeros((4, 1), jnp.float32)})
+logging = rp.training.LoggingOptions(progress=False)
+alone_fit = rp.fit(alone, make_step(2.0 if different else 1.0), state, input_fn, steps=2,
+                   logging=logging)  # fmt: skip
+print(f"process {info.process_index}: alone trained to step {alone_fit.step}", flush=True)
 fit("different", make_step(2.0 if different else 1.0))
 print(f"process {info.process_index}: different trained", flush=True)

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 _SHOWN = 240  # characters of a differing line shown in the error
 # What differs across processes in equal programs: source locations (``loc(...)`` and the
@@ -57,12 +58,14 @@ def _versions() -> str:
     return f"// jax {jax.__version__} on {device.platform} ({version})"
 
 
-def check_same_program(text: Callable[[], str], *, api: str) -> None:
+def check_same_program(text: Callable[[], str], *, mesh: Mesh, api: str) -> None:
     """Refuses, on every process, a step whose program differs across the job's processes.
 
-    ``text()`` (called only when there are several processes) is this process's program, e.g.
-    ``repl.lower(step_fn, state, batch).as_text()``. Every process must call this at the same
-    point, as it calls the step: the comparison is a collective.
+    ``text()`` is this process's program, e.g. ``repl.lower(step_fn, state, batch).as_text()``,
+    on ``mesh``. It is compared only when the mesh spans every process of several: a mesh of
+    one process's devices runs a program of its own (each process may train a model of its
+    own), and then nothing is lowered, gathered or compared. Every process must call this at
+    the same point, as it calls the step: the comparison is a collective.
 
     Raises:
       ProgramsDifferError: (a ValueError) on every process, naming the groups of processes by
@@ -70,6 +73,8 @@ def check_same_program(text: Callable[[], str], *, api: str) -> None:
         from process 0 differs from it, with both lines.
     """
     if jax.process_count() == 1:
+        return
+    if len({d.process_index for d in mesh.devices.flat}) < jax.process_count():
         return
     from jax.experimental import multihost_utils
 

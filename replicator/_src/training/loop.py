@@ -318,7 +318,9 @@ class _Training:
         """One step, then its logs, checks, evaluation and checkpoint; whether to go on."""
         if self.step == self.start and self.repl.lowering != "local":  # several processes:
             programs.check_same_program(  # the same program on each, or refused (hangs)
-                lambda: self.repl.lower(self.step_fn, self.state, batch).as_text(), api="rp.fit"
+                lambda: self.repl.lower(self.step_fn, self.state, batch).as_text(),
+                mesh=self.repl.mesh,
+                api="rp.fit",
             )
         self.tracer.before(self.step + 1)
         self.state, outputs = self.repl.run(self.step_fn, self.state, batch)
