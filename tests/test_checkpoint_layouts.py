@@ -125,7 +125,9 @@ def test_the_split_rows_restore_exactly_at_data_4_and_1(zero_stage, tmp_path):
         restored, _ = ckpt.restore(sequential_job(data, zero_stage)[2]())
         assert restored["opt"].inner.rows.layout.n == data
         got = jax.tree.leaves(logical_values(restored))
-        assert all(np.array_equal(a, b) for a, b in zip(got, jax.tree.leaves(logical_values(state))))
+        assert all(
+            np.array_equal(a, b) for a, b in zip(got, jax.tree.leaves(logical_values(state)))
+        )
 
 
 @pytest.mark.slow

@@ -142,7 +142,9 @@ class SplitRows(dict):
         """Logical ``rows`` in this node's layout and shardings."""
         stage_only = {k: a.sharding for k, a in self.saved_like().items()}
         split = jax.jit(self.layout.from_logical, out_shardings=stage_only)(dict(rows))
-        return SplitRows(self.layout, {k: jax.device_put(a, self[k].sharding) for k, a in split.items()})
+        return SplitRows(
+            self.layout, {k: jax.device_put(a, self[k].sharding) for k, a in split.items()}
+        )
 
 
 def _flatten_with_keys(p: SplitRows):
