@@ -144,7 +144,8 @@ def _child_main(conn, log_path, config, target, per_layer, hints) -> None:
     try:
         answer = ("report", targets.explain(config, target, hints=hints, per_layer=per_layer))
     except Exception as e:  # a refusal: raised again in the parent, unless it cannot travel
-        answer = ("error", e) if _picklable(e) else ("crash", traceback.format_exc())
+        plain = e if _picklable(e) else _plain(e)
+        answer = ("error", plain) if plain is not None else ("crash", traceback.format_exc())
     conn.send(answer)
     conn.close()
 
@@ -179,6 +180,15 @@ def _picklable(error: BaseException) -> bool:
     except Exception:
         return False
     return True
+
+
+def _plain(error: Exception) -> Exception | None:
+    """An error that cannot be pickled as the builtin it is a kind of (a refusal keeps its
+    message and its exit code), or None."""
+    for kind in (FileNotFoundError, NotImplementedError, ValueError, TypeError, OSError):
+        if isinstance(error, kind):
+            return kind(str(error))
+    return None
 
 
 def _fatal_check(log: str) -> str:

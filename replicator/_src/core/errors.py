@@ -51,6 +51,13 @@ class DoesNotFitError(ValueError):
         self.target = target
         self.shortfall = shortfall
 
+    def __reduce__(self):  # pickled whole: the CLI sends it from the process that compiled
+        return _does_not_fit, (str(self), self.target, self.shortfall)
+
+
+def _does_not_fit(message: str, target: str, shortfall: str) -> DoesNotFitError:
+    return DoesNotFitError(message, target=target, shortfall=shortfall)
+
 
 class ReplicasDivergedError(RuntimeError):
     """A replicated state leaf differs across replicas after a step.
