@@ -28,6 +28,9 @@ The same on both:
   chunks there.
 - Splash attention's private backward, ``_splash_attention_bwd``, which ``sharded/splash.py``
   calls, has the same signature.
+- ``multihost_utils.process_allgather`` of small NumPy arrays over emulated CPU devices, and
+  ``Lowered.as_text()``'s StableHLO without source locations: ``distributed/programs.py``
+  compares the processes' step programs with them (the public API; no private key-value store).
 """
 
 from __future__ import annotations
