@@ -13,6 +13,8 @@ from replicator._src.training.loop import fit as fit
 from replicator._src.training.options import CheckpointOptions as CheckpointOptions
 from replicator._src.training.options import EvalOptions as EvalOptions
 from replicator._src.training.options import LoggingOptions as LoggingOptions
+from replicator._src.training.preflight import RestoreCheck as RestoreCheck
+from replicator._src.training.preflight import check_restore as check_restore
 from replicator._src.training.profiling import Profile as Profile
 from replicator._src.training.rundir import RunDirLockedError as RunDirLockedError
 from replicator._src.training.writers import MetricWriter as MetricWriter

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 # An application on the public API only: config (YAML configs validated into dataclasses), jobs
 # (a config becomes a model, an input_fn, a step_fn and a run), launch (the launcher's options).
-from replicator.cli import config, isolated, jobs, launch, plan, targets
+from replicator.cli import config, isolated, jobs, launch, plan, preflight, targets
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -57,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument("overrides", nargs="*", help="key=value")
     explain.add_argument("--json", metavar="PATH", help="also write the whole report as JSON")
     targets.add_args(explain, what="explain the step")
+    preflight.add_args(explain)
     explain.add_argument(
         "--quick", action="store_true",
         help="with --target: compile the step once (about a third of the time); XLA's estimate "
@@ -120,12 +121,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _explain(cfg, args):
     target = targets.check_args(args)
     if target is None:
-        if args.quick:
-            raise ValueError("--quick skips compiles of a --target's step; give --target too.")
+        if args.quick or args.resume:
+            flag = "--quick skips compiles of" if args.quick else "--resume checks a run against"
+            raise ValueError(f"{flag} a --target's step; give --target too.")
         return jobs.explain(cfg, json_path=args.json)
     if args.json:
         jobs.check_writable(args.json, flag="--json")
-    report = isolated.explain(cfg, target, per_layer=not args.quick)  # an abort: one line
+    if args.resume:  # the checkpoint checked first: a mismatch compiles nothing
+        report = preflight.explain(cfg, target, args.resume, per_layer=not args.quick)
+    else:
+        report = isolated.explain(cfg, target, per_layer=not args.quick)  # an abort: one line
     if args.json:
         with open(args.json, "w") as f:
             f.write(report.to_json() + "\n")
