@@ -434,8 +434,9 @@ def _target_for(name: str) -> tuple[str, list[str]]:
 
 
 def _marks(name: str) -> list:
-    # the fast lane compiles lm_dp's; every config compiles in the whole suite (3-16 s each)
-    return [pytest.mark.slow] * (name != "lm_dp")
+    # the fast lane compiles lm_dp's; every config compiles in the whole suite (3-16 s each),
+    # and in CI's jax 0.12 lane (both_lanes): its libtpu is another compiler
+    return [pytest.mark.slow, pytest.mark.both_lanes] * (name != "lm_dp")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in CONFIGS])
