@@ -60,7 +60,8 @@ def sequential_job(data: int, zero_stage: int):
     f = pipeline.value_and_grad(SEQUENTIAL, squared, num_microbatches=2)
 
     def step_fn(state, batch):
-        loss, (g, _, _) = f(state["params"], batch["x"], batch["y"])
+        params = rp.gather_params(state["params"])  # ZeRO-3: the stages' whole rows
+        loss, (g, _, _) = f(params, batch["x"], batch["y"])
         updates, o = opt.update(g, state["opt"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         return {"params": params, "opt": o}, {"loss": rp.all_reduce(loss, "mean")}
@@ -68,6 +69,8 @@ def sequential_job(data: int, zero_stage: int):
     def init():
         packed = SEQUENTIAL.pack(jax.tree.map(jnp.asarray, stage_params()))
         packed = repl.place(packed, pipeline.stage_spec())
+        if zero_stage == 3:  # each stage's leaves stored split over the replicas
+            packed = opt.shard_params(packed)
         return {"params": packed, "opt": opt.init(packed)}
 
     return repl, step_fn, init
@@ -105,7 +108,7 @@ def moved(saved_job, new_job, tmp_path):
     assert rel_err(jax.tree.leaves(logical_values(alone)), want) > 1e-3  # it trained on
 
 
-@pytest.mark.parametrize("zero_stage", [1, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("zero_stage", [1, pytest.param(2, marks=pytest.mark.slow), 3])
 def test_the_split_rows_restore_exactly_at_data_4_and_1(zero_stage, tmp_path):
     """ZeRO's rows of packed stages hold each replica's parts side by side (a layout of the
     data size); the checkpoint holds the logical rows: distinct random values saved at data 2
@@ -124,6 +127,8 @@ def test_the_split_rows_restore_exactly_at_data_4_and_1(zero_stage, tmp_path):
     for data in (4, 1):
         restored, _ = ckpt.restore(sequential_job(data, zero_stage)[2]())
         assert restored["opt"].inner.rows.layout.n == data
+        if zero_stage == 3:  # the parameters too are each replica's parts side by side
+            assert restored["params"].layout.n == data
         got = jax.tree.leaves(logical_values(restored))
         assert all(
             np.array_equal(a, b) for a, b in zip(got, jax.tree.leaves(logical_values(state)))
@@ -131,7 +136,7 @@ def test_the_split_rows_restore_exactly_at_data_4_and_1(zero_stage, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero_stage, data", [(1, 4), (2, 1)])
+@pytest.mark.parametrize("zero_stage, data", [(1, 4), (2, 1), (3, 4)])
 def test_zero_on_sequential_stages_resumes_at_another_data_size_as_it_trains_there(
     zero_stage, data, tmp_path
 ):

@@ -83,3 +83,14 @@ def is_packed(x: Any) -> bool:
 def packed_nodes(tree: PyTree) -> list[PackedStages]:
     """The `PackedStages` nodes of ``tree``."""
     return [x for x in jax.tree.leaves(tree, is_leaf=is_packed) if is_packed(x)]
+
+
+def is_stage_rows(x: Any) -> bool:
+    """Whether ``x`` holds a pipeline's stage rows: a `PackedStages`, or a node that stores them
+    split (ZeRO-3's, whose class says ``holds_stage_rows = True`` and which has ``model``)."""
+    return is_packed(x) or getattr(type(x), "holds_stage_rows", False)
+
+
+def stage_row_nodes(tree: PyTree) -> list:
+    """The nodes of ``tree`` that hold stage rows (`is_stage_rows`)."""
+    return [x for x in jax.tree.leaves(tree, is_leaf=is_stage_rows) if is_stage_rows(x)]

@@ -159,6 +159,8 @@ def gather_params(tree: PyTree) -> PyTree:
     """
 
     def gather(node):
+        if _gathers_itself(node):  # ZeRO-3's packed stages: their whole rows
+            return node.gathered()
         if not isinstance(node, ShardedParam):
             return node
         if node.dim is None:
@@ -166,7 +168,12 @@ def gather_params(tree: PyTree) -> PyTree:
         whole = collectives.gather_replicas(node.value, node.dim, node.auto)
         return checkpoint_name(whole, GATHERED)
 
-    return jax.tree.map(gather, tree, is_leaf=is_sharded_param)
+    return jax.tree.map(gather, tree, is_leaf=lambda x: is_sharded_param(x) or _gathers_itself(x))
+
+
+def _gathers_itself(x: Any) -> bool:
+    """A node that stores parameters split in a layout of its own, with a ``gathered()``."""
+    return callable(getattr(type(x), "gathered", None))
 
 
 GATHERED = "replicator_gathered_params"

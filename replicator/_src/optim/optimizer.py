@@ -50,7 +50,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from replicator._src.core import collectives, errors, placement
 from replicator._src.core.mesh import STAGE_AXIS, replicated_sharding
-from replicator._src.core.packed import packed_nodes
+from replicator._src.core.packed import packed_nodes, stage_row_nodes
 from replicator._src.core.typing import PyTree
 from replicator._src.optim import (
     accumulation,
@@ -121,7 +121,7 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
         Raises:
           ValueError: for ZeRO with clipping or dynamic loss scaling on ``pipeline.sequential``."""
         p = self.parts
-        if p.layout is not None and packed_nodes(params) and p.norm.keywords.get("why"):
+        if p.layout is not None and stage_row_nodes(params) and p.norm.keywords.get("why"):
             raise ValueError(
                 f"wrap_optimizer(zero_stage={p.layout.stage}, {p.norm.keywords['why']}): with "
                 f"the packed stages of pipeline.sequential, ZeRO reduces each stage's gradients "
@@ -180,7 +180,7 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
             p.layout.check_binding()
         scale = state.loss_scale.scale if p.wrapped and state.loss_scale is not None else 1.0
         # accumulate this replica's slice (packed stages: reduced leaf by leaf in the update)
-        sliced = p.layout is not None and p.layout.stage >= 2 and not packed_nodes(params)
+        sliced = p.layout is not None and p.layout.stage >= 2 and not stage_row_nodes(params)
         loss, grads = accumulation.accumulated_grads(
             loss_fn,
             params,

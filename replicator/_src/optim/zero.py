@@ -40,11 +40,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from replicator._src.core import collectives, placement, tracing
 from replicator._src.core import mesh as mesh_lib
 from replicator._src.core.binding import current_binding
-from replicator._src.core.packed import packed_nodes
 from replicator._src.core.sharded_params import ShardedParam, has_sharded_params, is_sharded_param
 from replicator._src.core.typing import PyTree
 from replicator._src.optim import sharded_eval, shards, zero_layout, zero_plan
 from replicator._src.optim.shards import WHOLE, Split
+from replicator._src.optim.stages import split_rows, zero_parts
 from replicator._src.optim.stages import transform as stagewise
 
 
@@ -363,8 +363,10 @@ class Zero:
     # -- ZeRO-3 parameters ----------------------------------------------------------------------
 
     def shard_params(self, params: PyTree, stacked, split=None) -> PyTree:
-        """``params`` stored as `ShardedParam` leaves (see `DistributedOptimizer.shard_params`)."""
-        refuse_packed_stages(self.stage, params)
+        """``params`` stored as `ShardedParam` leaves (see `DistributedOptimizer.shard_params`);
+        the packed stages of ``pipeline.sequential`` as `split_rows.SplitStages`."""
+        if stagewise.only_packed(params, f"zero_stage={self.stage}"):
+            return zero_parts.shard_packed(params, self.mesh, self.n)
         leads = zero_layout.stacked_leads(stacked, params)
 
         prefer = dict(split or {})
@@ -399,20 +401,6 @@ def _to(x, have: Split, want: Split, comm: shards.Comm):
     if have == want:
         return x
     return sharded_eval.convert(x, have, want, comm)
-
-
-def refuse_packed_stages(stage: int, params: PyTree) -> None:
-    """Refuses the packed stages of ``rp.pipeline.sequential`` under ZeRO: ZeRO would split
-    each stage's packed row over the replicas, and an optimizer that looks at a leaf as a whole
-    would see parts of rows instead of the stage's leaves."""
-    if params is not None and packed_nodes(params):
-        raise ValueError(
-            f"wrap_optimizer(zero_stage={stage}): the parameters hold the packed stages of a "
-            f"pipeline.sequential model, whose parameters ZeRO-3 does not store split yet (a "
-            f"stage's row would have to be gathered for each tick). Use zero_stage=1 or 2 "
-            f"(the optimizer state split over the replicas), or identical stages "
-            f"(pipeline.stack_stages) for ZeRO-3."
-        )
 
 
 # -- as optax transformations -------------------------------------------------------------------
@@ -474,9 +462,10 @@ def sharded_update(
 
     def init(params):
         if zero.stage == 3:
-            refuse_packed_stages(zero.stage, params)
-        elif stagewise.only_packed(params, f"zero_stage={zero.stage}"):
-            return stagewise.init(inner, params, zero.mesh, zero_n=zero.n)
+            zero_parts.refuse_whole_rows(zero.stage, params)
+        if stagewise.only_packed(params, f"zero_stage={zero.stage}"):
+            whole = split_rows.whole_params(params)  # ZeRO-3's stored parts made whole
+            return stagewise.init(inner, whole, zero.mesh, zero_n=zero.n)
         if zero.stage == 3 and not has_sharded_params(params):
             raise ValueError(_PLAIN_PARAMS)
         state, plan = zero.init(inner, params)
@@ -488,7 +477,8 @@ def sharded_update(
             return stagewise.update(
                 inner, parts, state, params, extra_args, zero_n=zero.n, grad_dtype=grad_dtype
             )
-        refuse_packed_stages(zero.stage, params if params is not None else parts)
+        if zero.stage == 3:
+            zero_parts.refuse_whole_rows(zero.stage, params if params is not None else parts)
         return zero.apply(inner, parts, state, params, extra_args, local_grads)
 
     return optax.GradientTransformationExtraArgs(init, update)

@@ -19,7 +19,13 @@ from jax import lax
 from replicator._src.core import collectives
 from replicator._src.core.binding import current_binding
 from replicator._src.core.mesh import STAGE_AXIS
-from replicator._src.core.packed import PackedStages, is_packed, packed_nodes
+from replicator._src.core.packed import (
+    PackedStages,
+    is_packed,
+    is_stage_rows,
+    packed_nodes,
+    stage_row_nodes,
+)
 from replicator._src.core.packing import Packing
 from replicator._src.core.typing import PyTree
 from replicator._src.optim.stages import program as sp
@@ -81,7 +87,7 @@ class StageRun:
         self.loc = Local(model)
         self.grads, self.state, self.params = grads, state, params
         self.g_rows = self.loc.rows(packed_nodes(grads)[0])
-        self.p_rows = None if params is None else self.loc.rows(packed_nodes(params)[0])
+        self.p_rows = None if params is None else self.loc.rows(stage_row_nodes(params)[0])
         self.s_rows = self.loc.rows(state.rows)
         self.everywhere: dict = {}
         for ref, v in zip(self.prog.ins, self.flat_inputs(), strict=True):
@@ -173,7 +179,7 @@ class StageRun:
 
     def outputs(self) -> tuple[PyTree, Any]:
         """The last pass: each stage's updates and state, packed into its rows; the rest."""
-        lay, prog, model, loc = self.lay, self.prog, self.model, self.loc
+        lay, prog, loc = self.lay, self.prog, self.loc
         n_u, outs = len(lay.g_where), prog.outs
 
         def branch(si):
@@ -183,11 +189,7 @@ class StageRun:
                 s_idx = [i for i, w in enumerate(lay.s_where) if w == j]
                 env = self.stage_inputs(r, s, j)
                 self.run(prog.staged([outs[i] for i in u_idx + [n_u + i for i in s_idx]]), env)
-                like = jax.tree.leaves(model.abstract_stage(j))
-                u = [jnp.asarray(self.value(env, outs[i])).astype(a.dtype)
-                     for i, a in zip(u_idx, like, strict=True)]  # fmt: skip
-                tree = jax.tree.unflatten(jax.tree.structure(model.abstract_stage(j)), u)
-                u_rows.append(model.pack_row(j, tree))
+                u_rows.append(self.update_row(j, env, u_idx))
                 avals, pack = self.state_pack(j)
                 st = tuple(jnp.asarray(self.state_value(_held(env, outs[n_u + i]), j, i)).astype(a.dtype)
                            for i, a in zip(s_idx, avals, strict=True))  # fmt: skip
@@ -196,6 +198,14 @@ class StageRun:
 
         u_rows, new_rows = loc.switch(branch)
         return self.updates(u_rows), self.new_state(new_rows)
+
+    def update_row(self, j: int, env: dict, u_idx: list) -> dict:
+        """Stage ``j``'s updates (outputs ``u_idx``), packed as its parameter row."""
+        model, outs = self.model, self.prog.outs
+        like = jax.tree.leaves(model.abstract_stage(j))
+        u = [jnp.asarray(self.value(env, outs[i])).astype(a.dtype)
+             for i, a in zip(u_idx, like, strict=True)]  # fmt: skip
+        return model.pack_row(j, jax.tree.unflatten(jax.tree.structure(model.abstract_stage(j)), u))
 
     def updates(self, u_rows: dict) -> PyTree:
         """The updates, in the structure of the gradients."""
@@ -232,8 +242,8 @@ class StageRun:
 
         def outside(tree):
             out = []
-            for x in jax.tree.leaves(tree, is_leaf=is_packed):
-                out += [None] * _num_stage_leaves(x.model) if is_packed(x) else [x]
+            for x in jax.tree.leaves(tree, is_leaf=is_stage_rows):
+                out += [None] * _num_stage_leaves(x.model) if is_stage_rows(x) else [x]
             return out
 
         shared = iter(self.state.shared)

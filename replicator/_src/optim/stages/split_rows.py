@@ -22,8 +22,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from replicator._src.core import collectives
+from replicator._src.core.packed import PackedStages
 from replicator._src.core.packing import Packing
+from replicator._src.optim import zero_layout
 from replicator._src.optim.shards import Comm, Split, local_shape
+from replicator._src.optim.stages.execution import Local
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,22 +57,29 @@ class RowsLayout:
             for m in self.leaves
         ])  # fmt: skip
 
+    def stage_whole(self, j: int, row: dict) -> dict:
+        """Stage ``j``'s split row ``{dtype: [N x seg]}`` as its logical row ``{dtype: [n]}``."""
+        whole, parts, n = self.whole(), self.parts(), self.n
+        segs = []
+        for r in range(n):
+            segs.append(
+                parts.unpack(j, {k: row[k][r * m : (r + 1) * m] for k, m in parts.sizes.items()})
+            )
+        wholes = tuple(
+            segs[0][i] if a is None else jnp.concatenate([s[i] for s in segs], axis=a)
+            for i, (_, _, a) in enumerate(self.leaves[j])
+        )
+        return whole.pack(j, wholes)
+
     def to_logical(self, rows: dict) -> dict:
         """The split rows ``{dtype: [*lead, N x seg]}`` as the logical rows."""
-        whole, parts, n = self.whole(), self.parts(), self.n
         flat = {k: a.reshape(len(self.leaves), -1) for k, a in rows.items()}
-        out = []
-        for j, members in enumerate(self.leaves):
-            segs = []
-            for r in range(n):
-                seg = {k: flat[k][j, r * m : (r + 1) * m] for k, m in parts.sizes.items()}
-                segs.append(parts.unpack(j, seg))
-            wholes = tuple(
-                segs[0][i] if a is None else jnp.concatenate([s[i] for s in segs], axis=a)
-                for i, (_, _, a) in enumerate(members)
-            )
-            out.append(whole.pack(j, wholes))
-        return {k: jnp.stack([o[k] for o in out]).reshape((*self.lead, -1)) for k in whole.sizes}
+        out = [
+            self.stage_whole(j, {k: a[j] for k, a in flat.items()}) for j in range(len(self.leaves))
+        ]
+        return {
+            k: jnp.stack([o[k] for o in out]).reshape((*self.lead, -1)) for k in self.whole().sizes
+        }
 
     def from_logical(self, rows: dict) -> dict:
         """The logical rows as split rows (`to_logical` undone)."""
@@ -142,27 +153,97 @@ class SplitRows(dict):
         """Logical ``rows`` in this node's layout and shardings."""
         stage_only = {k: a.sharding for k, a in self.saved_like().items()}
         split = jax.jit(self.layout.from_logical, out_shardings=stage_only)(dict(rows))
-        return SplitRows(
-            self.layout, {k: jax.device_put(a, self[k].sharding) for k, a in split.items()}
+        return self.with_rows({k: jax.device_put(a, self[k].sharding) for k, a in split.items()})
+
+    def with_rows(self, rows: dict) -> SplitRows:
+        """A node like this one holding ``rows``."""
+        return SplitRows(self.layout, rows)
+
+
+class SplitStages(SplitRows):
+    """ZeRO-3's packed stage parameters: each stage's leaves split over the replicas, replica
+    ``r``'s parts in segment ``r`` of the stage's row (``{dtype: [*lead, N x seg]}``), with the
+    model (``model``). Inside a step `gathered` makes them the model's `PackedStages` (what
+    ``rp.gather_params`` calls); a checkpoint saves those rows, the parameters of ZeRO-0/1/2."""
+
+    __slots__ = ("model",)
+    holds_stage_rows = True  # `core.packed.is_stage_rows`
+
+    def __init__(self, layout: RowsLayout, model, rows: dict) -> None:
+        super().__init__(layout, rows)
+        self.model = model
+
+    def __repr__(self) -> str:
+        return f"SplitStages({dict.__repr__(self)})"
+
+    def __reduce__(self):
+        return (SplitStages, (self.layout, self.model, dict(self)))
+
+    def with_rows(self, rows: dict) -> SplitStages:
+        return SplitStages(self.layout, self.model, rows)
+
+    def packed(self) -> PackedStages:
+        """Outside a step: the whole parameters, as the model packs them (global arrays)."""
+        return PackedStages(self.model, self.saved())
+
+    def gathered(self) -> PackedStages:
+        """Inside a step: this device's stages' whole rows, gathered over the replicas (each
+        replica's segment), as the model packs them. Outside one, the global rows."""
+        loc = Local(self.model)
+        full = loc.rows({k: collectives.gather_replicas(a, a.ndim - 1) for k, a in self.items()})
+
+        def branch(si):
+            rows = [self.layout.stage_whole(j, {k: a[r, s] for k, a in full.items()})
+                    for r, s, j in loc.stages(si)]  # fmt: skip
+            return loc.stack(rows)
+
+        rows = loc.switch(branch)
+        return PackedStages(
+            self.model, {k: a.reshape((*self[k].shape[:-1], -1)) for k, a in rows.items()}
         )
 
 
+def split_stages(node: PackedStages, mesh, n: int, spec) -> SplitStages:
+    """ZeRO-3's `SplitStages` of the packed parameters ``node`` for ``n`` replicas, placed with
+    ``spec`` (over ``stage`` and the data axes): each leaf split along `zero_layout.split_dim`."""
+    model = node.model
+    lead = tuple(next(iter(node.values())).shape[:-1])
+    leaves = []
+    for j in range(math.prod(lead)):
+        stage = jax.tree.leaves(model.abstract_stage(j))
+        leaves.append(tuple(
+            (tuple(a.shape), jnp.dtype(a.dtype).name, zero_layout.split_dim(a.shape, None, n))
+            for a in stage
+        ))  # fmt: skip
+    layout = RowsLayout(n, lead, tuple(leaves))
+    like = SplitStages(layout, model, {k: jax.ShapeDtypeStruct(
+        (*lead, layout.parts().sizes[k] * n), a.dtype, sharding=NamedSharding(mesh, spec))
+        for k, a in node.items()})  # fmt: skip
+    return like.restored(dict(node))
+
+
+def _aux(p: SplitRows):
+    return (tuple(sorted(p)), p.layout, getattr(p, "model", None))
+
+
 def _flatten_with_keys(p: SplitRows):
-    keys = tuple(sorted(p))
-    return [(jax.tree_util.DictKey(k), p[k]) for k in keys], (keys, p.layout)
+    aux = _aux(p)
+    return [(jax.tree_util.DictKey(k), p[k]) for k in aux[0]], aux
 
 
 def _flatten(p: SplitRows):
-    keys = tuple(sorted(p))
-    return [p[k] for k in keys], (keys, p.layout)
+    aux = _aux(p)
+    return [p[k] for k in aux[0]], aux
 
 
 def _unflatten(aux, children) -> SplitRows:
-    keys, layout = aux
-    return SplitRows(layout, dict(zip(keys, children, strict=True)))
+    keys, layout, model = aux
+    rows = dict(zip(keys, children, strict=True))
+    return SplitRows(layout, rows) if model is None else SplitStages(layout, model, rows)
 
 
-jax.tree_util.register_pytree_with_keys(SplitRows, _flatten_with_keys, _unflatten, _flatten)
+for _cls in (SplitRows, SplitStages):
+    jax.tree_util.register_pytree_with_keys(_cls, _flatten_with_keys, _unflatten, _flatten)
 
 
 def layout_of(lay, zs, lead: tuple) -> RowsLayout:
@@ -175,3 +256,10 @@ def layout_of(lay, zs, lead: tuple) -> RowsLayout:
             for i in idx
         ))  # fmt: skip
     return RowsLayout(zs.n, tuple(lead), tuple(leaves))
+
+
+def whole_params(params):
+    """``params`` with each `SplitStages` node as the model's whole `PackedStages` (outside a
+    step: global arrays)."""
+    split = lambda x: isinstance(x, SplitStages)
+    return jax.tree.map(lambda x: x.packed() if split(x) else x, params, is_leaf=split)

@@ -35,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from replicator._src.core import placement
 from replicator._src.core.mesh import STAGE_AXIS
-from replicator._src.core.packed import is_packed, packed_nodes
+from replicator._src.core.packed import is_packed, is_stage_rows, stage_row_nodes
 from replicator._src.core.packing import Packing
 from replicator._src.core.typing import PyTree
 from replicator._src.optim.stages import program as sp
@@ -63,7 +63,7 @@ class StageState(NamedTuple):
 
 def _model(params: PyTree, grads: PyTree = None) -> Any:
     """The one `PackedStages` model of ``params`` (or ``grads``), or None; refuses two."""
-    nodes = packed_nodes(params if params is not None else grads)
+    nodes = stage_row_nodes(params if params is not None else grads)
     models = {id(n.model): n.model for n in nodes}
     if len(models) > 1:
         raise ValueError(
@@ -212,7 +212,8 @@ def update(inner, grads, state, params, extra_args, *, zero_n: int = 0, grad_dty
     """The updates and new state of ``inner`` on the one-device tree (see the module); with
     ``zero_n`` replicas, from local gradients, on ZeRO's parts (`zero_parts`)."""
     model = _model(params, grads)
-    lay = _layout(inner, model, grads, params, extra_args)
+    split = [x for x in stage_row_nodes(params) if not is_packed(x)]  # ZeRO-3's stored parts
+    lay = _layout(inner, model, grads, grads if split else params, extra_args)
     _check_state(lay, state)
     if not zero_n:
         return StageRun(lay, model, grads, state, params)()
@@ -224,7 +225,7 @@ def only_packed(params: PyTree, what: str) -> bool:
     """Whether ``params`` hold packed stages; refuses them beside other parameters."""
     if _model(params) is None:
         return False
-    others = [x for x in jax.tree.leaves(params, is_leaf=is_packed) if not is_packed(x)]
+    others = [x for x in jax.tree.leaves(params, is_leaf=is_stage_rows) if not is_stage_rows(x)]
     if others:
         raise ValueError(
             f"{_API}({what}): the parameters hold packed pipeline stages beside "

@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from replicator._src.core import collectives, placement
 from replicator._src.core import mesh as mesh_lib
 from replicator._src.core.mesh import STAGE_AXIS
+from replicator._src.core.packed import is_packed, is_stage_rows, packed_nodes, stage_row_nodes
 from replicator._src.core.packing import Packing
 from replicator._src.optim import sharded_eval, zero_layout
 from replicator._src.optim.shards import WHOLE, Comm, Split, local_shape
@@ -158,6 +159,8 @@ class ZeroStageRun(StageRun):
     def __init__(self, lay, model, grads, state, params, zs: ZeroSplits, grad_dtype) -> None:
         super().__init__(lay, model, grads, state, params)
         self.zs, self.comm = zs, Comm(zs.n)
+        # ZeRO-3: the parameters are stored split (`SplitStages`), and so are the updates
+        self.p_node = next((x for x in stage_row_nodes(params) if not is_packed(x)), None)
         self.g_parts = self.loc.switch(lambda si: self._reduce(si, grad_dtype))
 
     def _reduce(self, si: int, dtype) -> dict:
@@ -186,7 +189,11 @@ class ZeroStageRun(StageRun):
         g_parts = zs.g_pack.unpack(j, {k: a[r, s] for k, a in self.g_parts.items()})
         for i, x in zip(idx, g_parts, strict=True):
             env[ins_g[i]] = val(x, Split(zs.g[i]))
-        if ins_p:
+        if ins_p and self.p_node is not None:  # this replica's parts, as the gradients'
+            p_parts = zs.g_pack.unpack(j, {k: a[r, s] for k, a in self.p_rows.items()})
+            for i, x in zip(idx, p_parts, strict=True):
+                env[ins_p[i]] = val(x, Split(zs.g[i]))
+        elif ins_p:
             tree = self.model.unpack_row(j, {k: a[r, s] for k, a in self.p_rows.items()})
             for i, x in zip(idx, jax.tree.leaves(tree), strict=True):
                 env[ins_p[i]] = val(x, WHOLE)
@@ -212,14 +219,35 @@ class ZeroStageRun(StageRun):
             return sharded_eval.convert(v.x, v.split, WHOLE, self.comm)
         return v
 
-    def state_value(self, v, j: int, i: int):
-        want = Split(self.zs.s[i])
+    def state_value(self, v, j: int, i: int | None, want: Split | None = None):
+        want = Split(self.zs.s[i]) if want is None else want
         if not isinstance(v, sharded_eval._Val):
             v = sharded_eval._Val(v, WHOLE)
         return sharded_eval.convert(v.x, v.split, want, self.comm)
 
     def state_pack(self, j: int):
         return self.zs.s_pack.leaves[j], self.zs.s_pack
+
+    def update_row(self, j: int, env: dict, u_idx: list) -> dict:
+        """ZeRO-3: stage ``j``'s updates as this replica's parts, packed as its segment."""
+        if self.p_node is None:
+            return super().update_row(j, env, u_idx)
+        like = jax.tree.leaves(self.model.abstract_stage(j))
+        parts = []
+        for i, a in zip(u_idx, like, strict=True):
+            x = self.prog.outs[i]
+            v = env[x] if x in env else self.value(env, x)  # a constant, or known everywhere
+            parts.append(self.state_value(v, j, None, Split(self.zs.g[i])).astype(a.dtype))
+        return self.zs.g_pack.pack(j, tuple(parts))
+
+    def updates(self, u_rows: dict):
+        if self.p_node is None:
+            return super().updates(u_rows)
+        node = self.p_node
+        new = node.with_rows(
+            {k: u_rows[k].reshape(a.shape).astype(a.dtype) for k, a in node.items()}
+        )
+        return jax.tree.map(lambda x: new if x is node else x, self.params, is_leaf=is_stage_rows)
 
     def new_state(self, new_rows: dict):
         state = super().new_state(new_rows)
@@ -232,3 +260,26 @@ def check_mesh(mesh: Mesh) -> None:
     """ZeRO's data axes are the mesh's replica axes."""
     if not mesh_lib.replica_axes(mesh):
         raise ValueError("wrap_optimizer: ZeRO needs a mesh with data axes.")
+
+
+def shard_packed(params, mesh: Mesh, n: int):
+    """ZeRO-3: the packed stages of ``params`` stored split over ``n`` replicas
+    (`split_rows.SplitStages`)."""
+    spec = row_spec(packed_nodes(params)[0].model, mesh)
+    return jax.tree.map(
+        lambda x: split_rows.split_stages(x, mesh, n, spec) if is_packed(x) else x,
+        params,
+        is_leaf=is_packed,
+    )
+
+
+def refuse_whole_rows(stage: int, params) -> None:
+    """Refuses the packed stages of ``rp.pipeline.sequential`` stored whole under ZeRO-3: they
+    must be stored split first (`shard_packed`)."""
+    if params is not None and packed_nodes(params):
+        raise ValueError(
+            f"wrap_optimizer(zero_stage={stage}): the parameters hold the packed stages of a "
+            f"pipeline.sequential model stored whole; store them split first: "
+            f"params = opt.shard_params(params), and pass rp.gather_params(params) to the "
+            f"pipeline in step_fn (or use zero_stage=1 or 2)."
+        )
