@@ -1,7 +1,8 @@
 """Whether a job fits in this machine's memory, decided from shapes before anything is allocated
 (`check_memory`), and the memory this machine has available (`available_memory`).
 
-The rule, for a built-in job on CPU devices (whose memory is this machine's): the job needs
+The rule, for a built-in job on CPU devices (whose memory is this machine's): the job needs at
+least
 
     1.25 x (state + gradients + one global batch)
 
@@ -13,6 +14,10 @@ all live in this process, so a replicated leaf on 8 of them is 8 copies, and ZeR
 a leaf over them, leaves one copy in all (fewer ``cpu_devices`` then change nothing). The need
 must be at most `available_memory`. On an accelerator the state lives in its own memory, which
 ``replicator explain`` reads; nothing is checked here.
+
+It is a floor, so that no job that fits is refused: XLA:CPU's execution took more than it, and
+more than its own ``memory_analysis`` says, in every job measured (see the guide's figures), so
+a job that passes may still run out of memory.
 """
 
 from __future__ import annotations
@@ -97,7 +102,7 @@ def check_memory(config: TrainConfig) -> None:
         notes.append("model.dtype does not: it is the compute dtype, the parameters stay float32")
     said = f" ({'; '.join(notes)})" if notes else ""
     raise ValueError(
-        f"{config.name} needs {_size(need.total)} of memory on this machine's CPU devices and "
+        f"{config.name} needs at least {_size(need.total)} of memory on this machine's CPU devices and "
         f"{_size(have[0])} is available ({have[1]}): its state is {_size(need.state)} "
         f"(parameters {_size(need.params)}) on {need.devices} device{'s' * (need.devices > 1)}, "
         f"plus its gradients and a batch, x {HEADROOM} for activations and XLA's temporaries; "
@@ -150,7 +155,7 @@ def _change_that_fits(config: TrainConfig, have: int) -> str:
         changed = _replaced(config, **keys)
         need = None if changed is None else needed(changed)
         if need is not None and need.total <= have:
-            return f"it fits with {said}({_size(need.total)})"
+            return f"it would need less than is available with {said}(at least {_size(need.total)})"
     bases = [("", config)]
     if changes:
         all_keys = {key: value for _, keys in changes for key, value in keys.items()}
@@ -158,10 +163,13 @@ def _change_that_fits(config: TrainConfig, have: int) -> str:
     for said, base in bases:
         found = None if base is None else _layers_that_fit(base, have)
         if found is not None:
-            return f"it fits with {said}model.layers={found[0]} ({_size(found[1].total)})"
+            return (
+                f"it would need less than is available with {said}model.layers={found[0]} "
+                f"(at least {_size(found[1].total)})"
+            )
     return (
-        "neither zero_stage=3, optimizer.name=sgd nor fewer model.layers makes it fit: use a "
-        "smaller model (model.d_model, model.d_ff, model.vocab)"
+        "neither zero_stage=3, optimizer.name=sgd nor fewer model.layers brings it under that: "
+        "use a smaller model (model.d_model, model.d_ff, model.vocab)"
     )
 
 
