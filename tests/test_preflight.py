@@ -40,6 +40,40 @@ def run_dir(tmp_path_factory):
     return run
 
 
+NARROW = ["model.layers=2", "model.d_model=256", "model.heads=4", "model.kv_heads=1",
+          "model.d_ff=512", "model.vocab=512", "model.seq_len=128"]  # fmt: skip
+
+
+def run_at_full_size(run_dir: pathlib.Path, config: str, target: str) -> pathlib.Path:
+    """A run directory whose checkpoint (step 2) says ``config`` at full size in its metadata:
+    saved from the config narrowed (`NARROW`, zeros), then each array's shape set to the full
+    one (tensorstore's resize, metadata only). A few MB on disk; `check_restore` reads no array,
+    so it is the checkpoint of a full-size run to it."""
+    import tensorstore as ts
+
+    from replicator._src.core import logical
+    from replicator._src.core.sharded_params import values
+    from replicator._src.training.zero_stages import orbax_name
+    from replicator.cli import targets
+
+    small = config_lib.load(ROOT / f"configs/{config}.yaml", [*NARROW, "mesh.data=8"])
+    _, _, state, _ = jobs.abstract_job(small, devices=jax.devices()[:8])
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding), state)
+    ckpt = rp.Checkpoints(run_dir / "checkpoints")
+    ckpt.save(2, zeros, data_position=2)
+    ckpt.close()
+    t = rp.targets.tpu_target(target)
+    full = targets.mesh_on_target(config_lib.load(ROOT / f"configs/{config}.yaml"), t)
+    _, _, state, _ = jobs.abstract_job(full, devices=list(targets.devices(t.name, 1)))
+    base = f"file://{run_dir}/checkpoints/2/state/"
+    for path, leaf in jax.tree_util.tree_flatten_with_path(logical.saved_like(values(state)))[0]:
+        store = {"driver": "ocdbt", "base": base, "path": orbax_name(path) + "/"}
+        array = ts.open({"driver": "zarr", "kvstore": store}, open=True).result()
+        if array.shape != tuple(leaf.shape):
+            array.resize(exclusive_max=list(leaf.shape), resize_metadata_only=True).result()
+    return run_dir
+
+
 def _listing(path: pathlib.Path) -> dict:
     return {p: p.stat().st_mtime_ns for p in path.rglob("*")}
 
@@ -125,3 +159,22 @@ def test_cli_resume_without_a_target_is_refused(run_dir, capsys):
     code = cli.main(["explain", f"{ROOT}/configs/llama_tiny.yaml", "--resume", str(run_dir)])
     err = capsys.readouterr().err
     assert code == 2 and "--resume checks a run against a --target's step" in err
+
+
+@needs_libtpu
+def test_cli_resume_refuses_a_full_size_restore_over_the_hbm(tmp_path, capsys):
+    """A run of Llama 3 8B at full size against ZeRO-0 on v5e-64: every chip would hold the
+    whole state, parameters and Adam's moments (89.7 GiB) on its 16 GiB: refused from the
+    metadata and the shapes, nothing compiled. (On v5p-64 even ZeRO-0's restore fits the 95
+    GiB; the full-size step there is `benchmarks/preflight.py`'s.)"""
+    run = run_at_full_size(tmp_path / "llama3_8b", "llama3_8b", "v5p-64")
+    before = _listing(run)
+    code = cli.main(
+        ["explain", f"{ROOT}/configs/llama3_8b.yaml", "zero_stage=0", "--target", "v5e-64",
+         "--resume", str(run)]
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "restoring checkpoint step 2 onto llama3_8b's layout on v5e-64 holds " in err
+    assert "over the chip's 16.00 GiB HBM" in err and "zero_stage=3" in err
+    assert _listing(run) == before
