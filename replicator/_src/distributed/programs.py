@@ -30,7 +30,12 @@ _CALLBACK_INDEX = re.compile(r"(index = )\d+( : ui64)")
 
 
 class ProgramsDifferError(ValueError):
-    """The processes of a job lowered different step programs (see `check_same_program`)."""
+    """The processes of a job lowered different step programs, refused before they run.
+
+    Raised by ``rp.fit`` on every process, before its first step (a collective of different
+    programs would hang), naming the processes by fingerprint and the first line of the
+    lowered step that differs.
+    """
 
 
 def normalised(text: str) -> list[str]:

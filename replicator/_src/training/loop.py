@@ -122,9 +122,10 @@ def fit(
 
     Raises:
       NonFiniteError: (a FloatingPointError) if a checked output or the state is not finite.
-      ProgramsDifferError: (a ValueError) on several processes, before the first step, if
-        they lowered different step programs (which would hang in a collective): on every
-        process, naming them by fingerprint and the first line that differs.
+      rp.distributed.ProgramsDifferError: (a ValueError) on several processes, before the
+        first step, if they lowered different step programs (which would hang in a
+        collective): on every process, naming them by fingerprint and the first line that
+        differs.
       CheckpointWriteError: (an OSError) if a checkpoint cannot be written because its
         filesystem is full or over quota; its partial directory is removed and the complete
         checkpoints are kept, so running again (with space) resumes from the newest.
