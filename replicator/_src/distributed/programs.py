@@ -43,7 +43,8 @@ def normalised(text: str) -> list[str]:
     same program: without source locations, and with Python callbacks' process-local indices
     blanked out, after a first line naming the jax release and the platform that compile it.
 
-    >>> normalised('  %0 = stablehlo.add %a, %b : tensor<f32> loc(#loc3)\\n#loc3 = loc("x.py":1:2)')[1:]
+    >>> text = '  %0 = stablehlo.add %a, %b : tensor<f32> loc(#loc3)\\n#loc3 = loc("x.py":1:2)'
+    >>> normalised(text)[1:]
     ['  %0 = stablehlo.add %a, %b : tensor<f32>']
     """
     lines = [_versions()]

@@ -102,8 +102,8 @@ def check_memory(config: TrainConfig) -> None:
         notes.append("model.dtype does not: it is the compute dtype, the parameters stay float32")
     said = f" ({'; '.join(notes)})" if notes else ""
     raise ValueError(
-        f"{config.name} needs at least {_size(need.total)} of memory on this machine's CPU devices and "
-        f"{_size(have[0])} is available ({have[1]}): its state is {_size(need.state)} "
+        f"{config.name} needs at least {_size(need.total)} of memory on this machine's CPU "
+        f"devices and {_size(have[0])} is available ({have[1]}): its state is {_size(need.state)} "
         f"(parameters {_size(need.params)}) on {need.devices} device{'s' * (need.devices > 1)}, "
         f"plus its gradients and a batch, x {HEADROOM} for activations and XLA's temporaries; "
         f"{fix}{said}. Nothing was allocated; replicator explain reads the step of a model of "
@@ -155,7 +155,8 @@ def _change_that_fits(config: TrainConfig, have: int) -> str:
         changed = _replaced(config, **keys)
         need = None if changed is None else needed(changed)
         if need is not None and need.total <= have:
-            return f"it would need less than is available with {said}(at least {_size(need.total)})"
+            at_least = _size(need.total)
+            return f"it would need less than is available with {said}(at least {at_least})"
     bases = [("", config)]
     if changes:
         all_keys = {key: value for _, keys in changes for key, value in keys.items()}
