@@ -108,7 +108,10 @@ def moved(saved_job, new_job, tmp_path):
     assert rel_err(jax.tree.leaves(logical_values(alone)), want) > 1e-3  # it trained on
 
 
-@pytest.mark.parametrize("zero_stage", [1, pytest.param(2, marks=pytest.mark.slow), 3])
+@pytest.mark.parametrize(
+    "zero_stage",
+    [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)],
+)
 def test_the_split_rows_restore_exactly_at_data_4_and_1(zero_stage, tmp_path):
     """ZeRO's rows of packed stages hold each replica's parts side by side (a layout of the
     data size); the checkpoint holds the logical rows: distinct random values saved at data 2
@@ -129,6 +132,22 @@ def test_the_split_rows_restore_exactly_at_data_4_and_1(zero_stage, tmp_path):
         assert restored["opt"].inner.rows.layout.n == data
         if zero_stage == 3:  # the parameters too are each replica's parts side by side
             assert restored["params"].layout.n == data
+    if zero_stage == 1:  # checkpoints of the split rows themselves (before they held the logical)
+        inner = state["opt"].inner
+        old = {**state, "opt": state["opt"]._replace(inner=inner._replace(rows=dict(inner.rows)))}
+        ckpt = rp.Checkpoints(tmp_path / "b")
+        ckpt.save(1, old)
+        restored, _ = ckpt.restore(
+            sequential_job(2, 1)[2]()
+        )  # as many replicas: read, made logical
+        got = jax.tree.leaves(logical_values(restored))
+        assert all(
+            np.array_equal(a, b) for a, b in zip(got, jax.tree.leaves(logical_values(state)))
+        )
+        with pytest.raises(
+            rp.StateMismatchError, match=r"parts of 2 replicas.*Restore it once with 2"
+        ):
+            ckpt.restore(sequential_job(4, 1)[2]())
         got = jax.tree.leaves(logical_values(restored))
         assert all(
             np.array_equal(a, b) for a, b in zip(got, jax.tree.leaves(logical_values(state)))

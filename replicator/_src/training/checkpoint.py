@@ -37,7 +37,13 @@ from replicator._src.core import errors, logical
 from replicator._src.core.mesh import replicated_sharding
 from replicator._src.core.sharded_params import ShardedParam, is_sharded_param, values
 from replicator._src.core.typing import PyTree
-from replicator._src.training import flat_layout, full_disk, restore_checks, zero_stages
+from replicator._src.training import (
+    flat_layout,
+    full_disk,
+    restore_checks,
+    split_rows_layout,
+    zero_stages,
+)
 from replicator._src.training.restore_checks import StateMismatchError, check_divides, check_dtype
 from replicator._src.training.zero_stages import orbax_name as _name
 
@@ -209,13 +215,14 @@ class Checkpoints:
         self.wait()  # an asynchronous save in progress completes first
         abstract = jax.tree.map(_abstract, logical.saved_like(values(like)))
         check_divides(abstract)
+        nodes = split_rows_layout.nodes_by_name(values(like))  # leaves a logical node holds
         candidates = [step] if step is not None else self.steps()[::-1]
         if not candidates:
             raise FileNotFoundError(f"rp.Checkpoints: no checkpoint in {self.directory}.")
         broken = []  # (step, exception) of the newer steps that failed to restore
         for s in candidates:
             try:
-                restored = self._restore(s, abstract, cast=cast)
+                restored = self._restore(s, abstract, cast=cast, nodes=nodes)
             except StateMismatchError as e:
                 e.directory = self.directory
                 raise  # the caller's state does not match: an older step would not either
@@ -303,10 +310,13 @@ class Checkpoints:
             steps = sorted(self._manager.all_steps())
             raise full_disk.error(code, step, self.directory, steps, keep=self.keep) from None
 
-    def _restore(self, step: int, abstract: PyTree, *, cast: bool = False) -> tuple[PyTree, dict]:
+    def _restore(
+        self, step: int, abstract: PyTree, *, cast: bool = False, nodes: dict | None = None
+    ) -> tuple[PyTree, dict]:
         """Reads one step. A leaf saved in ZeRO's earlier flat layout is read as saved and
-        converted to its own shape (`flat_layout`); one saved under another ZeRO stage's name
-        (`zero_stages`) is read by that name."""
+        converted to its own shape (`flat_layout`), and so are the packed stages' rows saved
+        as each replica's parts (`split_rows_layout`, ``nodes``); one saved under another ZeRO
+        stage's name (`zero_stages`) is read by that name."""
         ocp = self._ocp
         flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
         tree, saved = self._saved_leaves(step)
@@ -316,13 +326,25 @@ class Checkpoints:
             saved = zero_stages.renamed(saved, wanted)
             self._check_structure(step, saved, flat)
         saved = saved or {}
-        read_as, converted, names = [], {}, {}
+        read_as, converted, names, found = [], {}, {}, {}
         for i, (path, want) in enumerate(flat):
             _, meta, name = saved.get(_name(path), (None, None, None))
             names[_name(path)] = name
             if getattr(meta, "dtype", None) is not None and not cast:
                 check_dtype(step, path, meta.dtype, want.dtype)
             shape = getattr(meta, "shape", None)
+            held = (nodes or {}).get(_name(path))
+            if held is not None and meta is not None and split_rows_layout.saved_replicas(meta) > 1:
+                (node, key), n = held, split_rows_layout.saved_replicas(meta)
+                if n != node.layout.n or tuple(shape) != tuple(node[key].shape):
+                    shown = jax.tree_util.keystr(path)
+                    message = split_rows_layout.refusal(step, shown, n, node)
+                    raise StateMismatchError(message, step=step, leaf=shown)
+                read_as.append(
+                    jax.ShapeDtypeStruct(tuple(shape), want.dtype, sharding=want.sharding)
+                )
+                found.setdefault(id(node), (node, {}))[1][key] = i
+                continue
             legacy = name == _name(path) + flat_layout.LEGACY_SUFFIX  # a ZeRO-3 flat, <path>.0
             if shape is None or (tuple(shape) == tuple(want.shape) and not legacy):
                 read_as.append(want)
@@ -352,6 +374,7 @@ class Checkpoints:
                       for w, x in zip(names, read_as)]  # fmt: skip
         else:
             leaves = treedef.flatten_up_to(restored["state"])
+        split_rows_layout.convert(found, leaves, [want for _, want in flat])
         for i, (want, blocks, legacy) in converted.items():
             x = leaves[i][0] if legacy else leaves[i]
             leaves[i] = flat_layout.convert(x, want, blocks, flat_layout.stage_axis_of(want))
