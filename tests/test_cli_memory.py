@@ -79,6 +79,11 @@ def test_a_small_job_on_a_small_machine_is_refused_naming_the_change_that_fits(
         "would need less than is available with zero_stage=3 (at least " in err
     )  # ZeRO-3: one copy over the 8 devices
     assert list(tmp_path.iterdir()) == []
+    # replicator launch -n 2: the processes on one machine share its memory
+    monkeypatch.setattr(memory, "available_memory", lambda: (need.total * 3 // 2, "test"))
+    memory.check_memory(lm_dp)  # alone, it fits
+    with pytest.raises(ValueError, match=r"for each of the 2 processes of this machine: its"):
+        memory.check_memory(lm_dp, processes=2)
     monkeypatch.setattr(memory, "available_memory", lambda: (need.total // 40, "test"))
     with pytest.raises(
         ValueError,

@@ -76,11 +76,16 @@ def available_memory() -> tuple[int, str] | None:
     return found
 
 
-def check_memory(config: TrainConfig) -> None:
+def check_memory(config: TrainConfig, *, processes: int = 1) -> None:
     """Refuses, before anything is allocated, a built-in job whose state does not fit in this
     machine's memory on CPU devices (the module's rule), naming the bytes it needs, the bytes
     available and the smallest change of the config that fits. Does nothing for your own job,
     on accelerators, or for a job the library refuses (its build says why).
+
+    Args:
+      config: the job, as this process runs it.
+      processes: the job's processes on this machine (``replicator launch``'s are all local),
+        each of which gets an equal share of the available memory.
 
     Raises:
       ValueError: in one line, if the job needs more memory than is available.
@@ -88,10 +93,14 @@ def check_memory(config: TrainConfig) -> None:
     if builtin_job(config) is None or jax.devices()[0].platform != "cpu":
         return
     have = available_memory()
+    share = None if have is None else have[0] // processes
     need = None if have is None else needed(config)
-    if need is None or need.total <= have[0]:
+    if need is None or need.total <= share:
         return
-    fix = _change_that_fits(config, have[0])
+    available = f"{_size(have[0])} is available ({have[1]})"
+    if processes > 1:
+        available += f", {_size(share)} for each of the {processes} processes of this machine"
+    fix = _change_that_fits(config, share)
     notes = []
     if config.zero_stage == 3:
         notes.append(
@@ -103,7 +112,7 @@ def check_memory(config: TrainConfig) -> None:
     said = f" ({'; '.join(notes)})" if notes else ""
     raise ValueError(
         f"{config.name} needs at least {_size(need.total)} of memory on this machine's CPU "
-        f"devices and {_size(have[0])} is available ({have[1]}): its state is {_size(need.state)} "
+        f"devices and {available}: its state is {_size(need.state)} "
         f"(parameters {_size(need.params)}) on {need.devices} device{'s' * (need.devices > 1)}, "
         f"plus its gradients and a batch, x {HEADROOM} for activations and XLA's temporaries; "
         f"{fix}{said}. Nothing was allocated; replicator explain reads the step of a model of "

@@ -15,10 +15,11 @@ from replicator.cli.jobs.devices import emulate
 from replicator.cli.jobs.refusals import SetupError
 
 
-def joined(config: TrainConfig) -> TrainConfig:
+def joined(config: TrainConfig) -> tuple[TrainConfig, int]:
     """Joins the job's other processes, if any, after setting the emulated devices (unless the
     launcher sets them); returns ``config`` as a job shrunk by ``replicator launch
-    --min-processes`` runs it.
+    --min-processes`` runs it, and how many of the job's processes share this machine (all of
+    them under ``replicator launch``, whose processes are local; else this one).
 
     Raises:
       SetupError: if the processes cannot join, or the config cannot shrink.
@@ -29,9 +30,10 @@ def joined(config: TrainConfig) -> TrainConfig:
         info = rp.distributed.initialize()
     except RuntimeError as e:
         raise SetupError(str(e)) from e
+    here = info.process_count if info.source == "launcher" else 1
     if info.elastic_factor == 1:
-        return config
-    return elastic(config, info.elastic_factor, info.planned_count)
+        return config, here
+    return elastic(config, info.elastic_factor, info.planned_count), here
 
 
 def elastic(config: TrainConfig, factor: int, planned: int) -> TrainConfig:

@@ -29,11 +29,11 @@ def run(config: TrainConfig) -> dict:
     Raises:
       SetupError: if the library refuses the job before the first step (see `SetupError`).
     """
-    config = joined(config)
+    config, processes_here = joined(config)
     out = os.path.join(config.out_dir, config.name)
     try:
         runs.check_out_dir(config.out_dir, config.name)
-        check_memory(config)  # from shapes: a state too big for this machine is not allocated
+        check_memory(config, processes=processes_here)  # from shapes, before any allocation
         repl, step_fn, state, input_fn, tokens = checked_build(config)
         created = runs.make(out, config.out_dir)
     except (*USER_ERRORS, OSError) as e:
