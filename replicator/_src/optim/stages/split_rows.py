@@ -146,14 +146,14 @@ class SplitRows(dict):
         conversion a device holds its stages' whole state, as without ZeRO.
         """
         shardings = {k: a.sharding for k, a in self.saved_like().items()}
-        rows = {k: jax.device_put(a, shardings[k]) for k, a in self.items()}
+        rows = _resharded(dict(self), shardings)
         return jax.jit(self.layout.to_logical, out_shardings=shardings)(rows)
 
     def restored(self, rows: dict) -> SplitRows:
         """Logical ``rows`` in this node's layout and shardings."""
         stage_only = {k: a.sharding for k, a in self.saved_like().items()}
         split = jax.jit(self.layout.from_logical, out_shardings=stage_only)(dict(rows))
-        return self.with_rows({k: jax.device_put(a, self[k].sharding) for k, a in split.items()})
+        return self.with_rows(_resharded(split, {k: a.sharding for k, a in self.items()}))
 
     def with_rows(self, rows: dict) -> SplitRows:
         """A node like this one holding ``rows``."""
@@ -220,6 +220,11 @@ def split_stages(node: PackedStages, mesh, n: int, spec) -> SplitStages:
         (*lead, layout.parts().sizes[k] * n), a.dtype, sharding=NamedSharding(mesh, spec))
         for k, a in node.items()})  # fmt: skip
     return like.restored(dict(node))
+
+
+def _resharded(rows: dict, shardings: dict) -> dict:
+    """``rows`` placed with ``shardings`` (global arrays, on every process alike)."""
+    return jax.jit(lambda r: r, out_shardings=shardings)(rows)
 
 
 def _aux(p: SplitRows):
