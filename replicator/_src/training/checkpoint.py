@@ -339,7 +339,7 @@ class Checkpoints:
                 if n != node.layout.n or tuple(shape) != tuple(node[key].shape):
                     shown = jax.tree_util.keystr(path)
                     message = split_rows_layout.refusal(step, shown, n, node)
-                    raise StateMismatchError(message, step=step, leaf=shown)
+                    raise StateMismatchError(message, step=step, leaf=shown, layout=True)
                 read_as.append(
                     jax.ShapeDtypeStruct(tuple(shape), want.dtype, sharding=want.sharding)
                 )

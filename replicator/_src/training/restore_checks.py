@@ -18,11 +18,15 @@ class StateMismatchError(ValueError):
       step: the checkpoint step read.
       directory: the checkpoint directory.
       leaf: the first leaf that differs (its path, as ``jax.tree_util.keystr`` shows it).
+      layout: True when the state is the same but the checkpoint holds it in a layout that
+        restores only onto another mesh (the message names it); False: the state differs.
     """
 
-    def __init__(self, message: str, *, step: int | None = None, leaf: str | None = None):
+    def __init__(
+        self, message: str, *, step: int | None = None, leaf: str | None = None, layout=False
+    ):
         super().__init__(message)
-        self.step, self.leaf, self.directory = step, leaf, None
+        self.step, self.leaf, self.directory, self.layout = step, leaf, None, layout
 
 
 def check_dtype(step: int, path, saved, want) -> None:

@@ -33,7 +33,7 @@ class SetupError(Exception):
 
     def __str__(self) -> str:
         cause = self.__cause__
-        if isinstance(cause, rp.StateMismatchError) and cause.directory:
+        if isinstance(cause, rp.StateMismatchError) and cause.directory and not cause.layout:
             return checkpoint_of_another_state(cause)
         return super().__str__()
 
