@@ -218,7 +218,10 @@ class Checkpoints:
         nodes = split_rows_layout.nodes_by_name(values(like))  # leaves a logical node holds
         candidates = [step] if step is not None else self.steps()[::-1]
         if not candidates:
-            raise FileNotFoundError(f"rp.Checkpoints: no checkpoint in {self.directory}.")
+            raise FileNotFoundError(
+                f"rp.Checkpoints: no checkpoint in {self.directory}; save one first "
+                f"(ckpt.save(step, state)), or restore from the run's own checkpoint directory."
+            )
         broken = []  # (step, exception) of the newer steps that failed to restore
         for s in candidates:
             try:
