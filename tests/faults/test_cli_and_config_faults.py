@@ -192,7 +192,7 @@ def test_a_changed_state_on_resume_is_a_message(capsys, tmp_path):
     args = ("steps=2", "checkpoint_every=2", "log_every=1", "model.layers=2", "model.d_model=32")
     assert train(capsys, tmp_path, cfg, *args)[0] == 0
     code, err = train(capsys, tmp_path, cfg, *args[:-1], "model.d_model=16")
-    assert_user_error(code, err, "rp.Checkpoints", "checkpoint step 2")
+    assert_user_error(code, err, "checkpoint step 2", "holds another state", "name=mlp_zero-2")
 
 
 def test_running_a_finished_run_again_exits_0(capsys, tmp_path):
