@@ -11,7 +11,6 @@ process of its own (`replicator.cli.isolated`); these tests end that process as 
 from __future__ import annotations
 
 import importlib.util
-import json
 import pathlib
 
 import jax
