@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from replicator._src.core import collectives
+from replicator._src.core import collectives, placement
 from replicator._src.core.packed import PackedStages
 from replicator._src.core.packing import Packing
 from replicator._src.optim import zero_layout
@@ -122,7 +122,7 @@ class SplitRows(dict):
         return (SplitRows, (self.layout, dict(self)))
 
     def _logical_sharding(self, k: str):
-        sharding = self[k].sharding
+        sharding = placement.sharding_of(self[k])  # under Replicator.abstract: as noted
         if not isinstance(sharding, NamedSharding):
             return sharding
         spec = tuple(sharding.spec) + (None,) * (self[k].ndim - len(sharding.spec))
@@ -146,14 +146,16 @@ class SplitRows(dict):
         conversion a device holds its stages' whole state, as without ZeRO.
         """
         shardings = {k: a.sharding for k, a in self.saved_like().items()}
-        rows = _resharded(dict(self), shardings)
-        return jax.jit(self.layout.to_logical, out_shardings=shardings)(rows)
+        rows = placement.put(dict(self), shardings)
+        return placement.put(_jit(self.layout.to_logical, shardings)(rows), shardings)
 
     def restored(self, rows: dict) -> SplitRows:
         """Logical ``rows`` in this node's layout and shardings."""
         stage_only = {k: a.sharding for k, a in self.saved_like().items()}
-        split = jax.jit(self.layout.from_logical, out_shardings=stage_only)(dict(rows))
-        return self.with_rows(_resharded(split, {k: a.sharding for k, a in self.items()}))
+        split = _jit(self.layout.from_logical, stage_only)(dict(rows))
+        return self.with_rows(
+            placement.put(split, {k: placement.sharding_of(a) for k, a in self.items()})
+        )
 
     def with_rows(self, rows: dict) -> SplitRows:
         """A node like this one holding ``rows``."""
@@ -222,9 +224,10 @@ def split_stages(node: PackedStages, mesh, n: int, spec) -> SplitStages:
     return like.restored(dict(node))
 
 
-def _resharded(rows: dict, shardings: dict) -> dict:
-    """``rows`` placed with ``shardings`` (global arrays, on every process alike)."""
-    return jax.jit(lambda r: r, out_shardings=shardings)(rows)
+def _jit(f, shardings: dict):
+    """``f`` jitted with ``shardings`` for its outputs when they are all known."""
+    known = all(isinstance(x, jax.sharding.Sharding) for x in shardings.values())
+    return jax.jit(f, out_shardings=shardings) if known else jax.jit(f)
 
 
 def _aux(p: SplitRows):
