@@ -9,10 +9,12 @@ once an older step restores, the unreadable newer ones are moved aside (renamed
 ``<step>.broken-<time>``, never deleted) so that the run can save those steps again.
 Restoring takes a ``like`` tree whose shardings say where each array goes. Every array is saved
 as the global array it is, in its own shape (ZeRO splits a leaf's axes without flattening or
-padding it, and a ZeRO-3 `ShardedParam` is saved as the parameter it stores), so a checkpoint
-is the same on every mesh: one saved on ``{"data": 2, "stage": 2, "model": 2}`` restores onto
-``{"data": 8}`` and the reverse, under any ZeRO stage (only the target's shardings count). A
-checkpoint in ZeRO's earlier flat layout is converted on restore (`flat_layout`). A target
+padding it, a ZeRO-3 `ShardedParam` is saved as the parameter it stores, and ZeRO's rows of
+packed stages as their logical rows, `core.logical`), so a checkpoint is the same on every
+mesh: one saved on ``{"data": 2, "stage": 2, "model": 2}`` restores onto ``{"data": 8}`` and
+the reverse, under any ZeRO stage, 0 included (`zero_stages`; only the target's shardings
+count). A checkpoint in ZeRO's earlier flat layout is converted on restore (`flat_layout`,
+`split_rows_layout`). A target
 sharding that does not divide a leaf is refused before any step is read (a ValueError naming
 the leaf), not taken for a broken checkpoint.
 Anything else that differs (a leaf added or removed, another shape or dtype) is the caller's
