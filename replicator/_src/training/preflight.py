@@ -4,8 +4,10 @@
 step's JSON record: its step and data position) and checks them as `Checkpoints.restore`
 would, without reading an array or changing a file: a run can be checked against a layout, a
 mesh or a TPU target (``repl.abstract`` on ``rp.tpu_devices``) before a pod is booked. It also
-says what the restore holds per device: every array read straight into its sharding, and a
-leaf saved in ZeRO's earlier flat layout read whole (replicated) before it is converted.
+says what the restore holds per device: every array read straight into its sharding, a leaf
+saved in ZeRO's earlier flat layout read whole (replicated) before it is converted, and one of
+packed stages saved as each replica's parts read as saved before it is made logical (refused, as
+the restore refuses it, for another replica count).
 """
 
 from __future__ import annotations
@@ -23,7 +25,13 @@ import numpy as np
 from replicator._src.core import logical
 from replicator._src.core.sharded_params import values
 from replicator._src.core.typing import PyTree
-from replicator._src.training import checkpoint, flat_layout, restore_checks, zero_stages
+from replicator._src.training import (
+    checkpoint,
+    flat_layout,
+    restore_checks,
+    split_rows_layout,
+    zero_stages,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,11 +96,21 @@ def check_restore(directory: str | os.PathLike, like: PyTree, *, step: int | Non
     saved = zero_stages.renamed(saved, wanted)
     here = types.SimpleNamespace(directory=directory)  # what the structure's refusal names
     checkpoint.Checkpoints._check_structure(here, step, saved, flat)
+    nodes = split_rows_layout.nodes_by_name(values(like))  # leaves a logical node holds
     held = 0
     for path, want in flat:
         meta = saved[checkpoint._name(path)][1]
         restore_checks.check_dtype(step, path, meta.dtype, want.dtype)
         held += _per_device(want.shape, want.dtype, want.sharding)
+        node = nodes.get(checkpoint._name(path))
+        if node is not None and split_rows_layout.saved_replicas(meta) > 1:  # earlier layout
+            (node, key), n = node, split_rows_layout.saved_replicas(meta)
+            if n != node.layout.n or tuple(meta.shape) != tuple(node[key].shape):
+                shown = jax.tree_util.keystr(path)
+                message = split_rows_layout.refusal(step, shown, n, node)
+                raise checkpoint.StateMismatchError(message, step=step, leaf=shown, layout=True)
+            held += _per_device(meta.shape, want.dtype, want.sharding)  # read, then made logical
+            continue
         if tuple(meta.shape) == tuple(want.shape):
             continue
         if not flat_layout.convertible(meta, tuple(want.shape)):
