@@ -74,6 +74,11 @@ ONE_LINE = {
     "wrong type": ("mlp_zero", ["steps=many"], ["steps", "'many'"]),
     "section as a scalar": ("mlp_zero", ["model=3"], ["model", "section"]),
     "override without =": ("mlp_zero", ["steps"], ["'steps'", "key=value"]),
+    "scatter_grads without a pipeline": (
+        "lm_dp",
+        ["zero_stage=3", "pipeline.scatter_grads=step"],
+        ["pipeline.scatter_grads='step'", "no pipeline", "mesh.stage=K", "scatter_grads=microbatch"],
+    ),
 }
 
 

@@ -124,11 +124,15 @@ def check_model_fits_the_job(
             f"{zero_stage} the gradients are summed in fp32 and it would change "
             f"nothing. Use zero_stage=3, or model.reduce_dtype=null."
         )
-    if pipeline and pipeline.scatter_grads != "microbatch" and zero_stage != 3:
+    scatter = pipeline.scatter_grads if pipeline else "microbatch"
+    if scatter != "microbatch" and (zero_stage != 3 or "stage" not in mesh):
+        why = [f"zero_stage={zero_stage}"] * (zero_stage != 3)
+        why += ["no pipeline (the mesh has no 'stage' axis)"] * ("stage" not in mesh)
+        fix = ["zero_stage=3"] * (zero_stage != 3) + ["mesh.stage=K"] * ("stage" not in mesh)
         raise ValueError(
-            f"{where}pipeline.scatter_grads={pipeline.scatter_grads!r} is when ZeRO-3 "
-            f"reduce-scatters the stages' gradients; with zero_stage={zero_stage} it "
-            f"would change nothing. Use zero_stage=3, or pipeline.scatter_grads=microbatch."
+            f"{where}pipeline.scatter_grads={scatter!r} is when ZeRO-3 reduce-scatters the "
+            f"pipeline stages' gradients; with {' and '.join(why)} it would change nothing. "
+            f"Use {' with '.join(fix)}, or pipeline.scatter_grads=microbatch."
         )
 
 
