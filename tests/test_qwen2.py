@@ -242,3 +242,27 @@ def test_three_sgd_steps_on_data_and_model_axes_equal_one_device(zero_stage):
     for name in ("q_bias", "v_bias"):
         assert np.abs(moved(want, name)).max() > 1e-4, name
         assert rel_err(moved(got, name), moved(want, name)) <= 1e-3, name
+
+
+def test_qwen2_weights_labelled_llama_are_refused_with_the_fix_that_loads_them(tmp_path):
+    """A Qwen2's files under ``"model_type": "llama"``: the refusal names the fix (Qwen2's
+    biases are on q, k and v only; a Llama's ``attention_bias`` would want one on o too), and
+    the files load once config.json says so."""
+    model, _, params = hf_model(False)
+    source = tmp_path / "qwen2"
+    model.save_pretrained(source, safe_serialization=True)
+    path = source / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "model_type": "llama"}))
+
+    def load():
+        cfg = hf.decoder_config(hf.read_config(source), seq_len=16)
+        repl = rp.Replicator(mesh_shape={"data": 2}, devices=jax.devices()[:2])
+        init = lambda: gpt.place(repl, gpt.init(cfg, jax.random.key(0)), config=cfg)
+        return hf.load(source, repl.abstract(init))
+
+    with pytest.raises(ValueError, match=r"they are a Qwen2's \(biases on q, k and v only\): "
+                       r'set "model_type": "qwen2"'):  # fmt: skip
+        load()
+    path.write_text(json.dumps({**json.loads(path.read_text()), "model_type": "qwen2"}))
+    loaded = jax.tree.map(np.asarray, load())
+    jax.tree.map(np.testing.assert_array_equal, loaded, params)

@@ -100,11 +100,12 @@ def test_target_names_as_gcloud_spells_them(name, canonical, chips, topology):
     "name, match",
     [
         ("v5p-12", r"'v5p-12': v5p-N counts TensorCores, two a chip; N must be 8, 16, 32, \.\.\. "
-         r"\(a power of two\) up to \d+, e\.g\. v5p-16\."),
+         r"\(a power of two\) up to 16384 \(8192 chips\), e\.g\. v5p-16; another slice shape "
+         r"by its topology, e\.g\. v5p:2x2x3\."),
         ("v7-8", r"'v7-8' is not a TPU accelerator type; use one of v4-8, v5e-8, v5e-256, "
          r"v5p-16, v5p-512, v6e-256 .* or libtpu's 'v5p:2x2x2'\."),
         ("v5e-512", r"'v5e-512': v5e-N counts chips; N must be 1, 2, 4, \.\.\. \(a power of two\) "
-         r"up to 256"),
+         r"up to 256 \(256 chips\)"),
         ("v6e-3", r"v6e-N counts chips; N must be .* \(a power of two\)"),
         ("v5p:2x2", r"'v5p:2x2': a v5p slice is a 3-D torus; write v5p:2x2x2 or v5p-N\."),
         ("tpu", r"is not a TPU accelerator type; use one of v4-8"),

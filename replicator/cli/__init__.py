@@ -159,10 +159,14 @@ def _normalised(argv: list[str]) -> list[str]:
     return joined[:1] + positional + options
 
 
+# explain's and plan's options that take no value: the argument after one is not its value
+_FLAGS = ("--help", "--quick", "--wide")
+
+
 def _takes_value(arg: str) -> bool:
     """Whether ``arg`` is an option whose value is the next argument (every ``--`` option of
-    explain and plan but --help, when not written ``--option=value``)."""
-    return arg.startswith("--") and "=" not in arg and arg != "--help"
+    explain and plan but the flags, when not written ``--option=value``)."""
+    return arg.startswith("--") and "=" not in arg and arg not in _FLAGS
 
 
 def _user_error(where: str, error: BaseException) -> int:

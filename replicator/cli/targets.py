@@ -117,7 +117,7 @@ def explain(
         report = dataclasses.replace(
             report, target=dataclasses.replace(report.target, fit_hint=hint)
         )
-    return dataclasses.replace(report, step=f"{config.name} ({config.model.kind})")
+    return dataclasses.replace(report, step=f"{config.name} ({config.model.label})")
 
 
 def _compile(config: TrainConfig, target: rp.targets.Target, what: str):

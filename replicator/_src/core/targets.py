@@ -57,7 +57,8 @@ class Target:
     """A TPU slice (or slices) to compile for.
 
     Attributes:
-      name: the accelerator type, e.g. ``"v5p-16"``.
+      name: the accelerator type, e.g. ``"v5p-16"``; for a slice shape no accelerator type
+        names, its topology, e.g. ``"v5p:2x2x3"``.
       generation: ``"v4"``, ``"v5e"``, ``"v5p"`` or ``"v6e"``.
       chips: chips per slice (one JAX device each).
       slices: slices joined over the data-centre network.
@@ -147,16 +148,20 @@ def tpu_target(name: str, *, slices: int = 1) -> Target:
             or n != chips * (2 if gen.counts_cores else 1)
         ):
             unit = "TensorCores, two a chip" if gen.counts_cores else "chips"
+            most = 1 << (gen.max_chips.bit_length() - 1)  # the largest power of two of chips
+            per = 2 if gen.counts_cores else 1
             raise ValueError(
                 f"target {name!r}: {gen.name}-N counts {unit}; N must be {least}, "
-                f"{2 * least}, {4 * least}, ... (a power of two) up to "
-                f"{gen.max_chips * (2 if gen.counts_cores else 1)}, e.g. {gen.name}-{least * 2}."
+                f"{2 * least}, {4 * least}, ... (a power of two) up to {most * per} ({most} "
+                f"chips), e.g. {gen.name}-{least * 2}; another slice shape by its topology, "
+                f"e.g. {gen.name}:{'x'.join(['2'] * (gen.torus - 1) + ['3'])}."
             )
         shape = _torus(chips, gen.torus)
     per_name = chips * (2 if gen.counts_cores else 1)
-    return Target(
-        f"{gen.name}-{per_name}", gen.name, chips, slices, f"{gen.name}:{'x'.join(map(str, shape))}"
-    )
+    topology = f"{gen.name}:{'x'.join(map(str, shape))}"
+    if given and shape != _torus(chips, gen.torus):  # no accelerator type has this shape
+        return Target(topology, gen.name, chips, slices, topology)
+    return Target(f"{gen.name}-{per_name}", gen.name, chips, slices, topology)
 
 
 def tpu_devices(name: str, *, slices: int = 1) -> list[jax.Device]:
@@ -233,6 +238,12 @@ def describe(devices: Sequence[jax.Device]) -> Target | None:
     if gen is None:
         return Target(kind, kind, chips, slices, "")
     per_name = chips * (2 if gen.counts_cores else 1)
+    coords = [getattr(d, "coords", None) for d in devices[:chips]]
+    if all(c is not None for c in coords):
+        shape = tuple(max(c[i] for c in coords) + 1 for i in range(gen.torus))
+        if math.prod(shape) == chips and shape != _torus(chips, gen.torus):
+            topology = f"{gen.name}:{'x'.join(map(str, shape))}"  # no accelerator type's
+            return Target(topology, gen.name, chips, slices, topology)
     return Target(f"{gen.name}-{per_name}", gen.name, chips, slices, "")
 
 

@@ -123,6 +123,13 @@ def _check(hint, value, where: str, file: str = "config", prefix: str = "") -> A
         except ValueError:
             pass
     expected = dict if hint is dict else hint
+    if value is None:  # `key=` on the command line, or `key:` / null in the file
+        name = where.rsplit(": ", 1)[-1]
+        raise ValueError(
+            f"{where} has no value (`{name}=` or null), and it takes "
+            f"{getattr(expected, '__name__', expected)}; give one ({name}=VALUE), or leave the "
+            f"key out for its default."
+        )
     if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
         raise ValueError(
             f"{where}: expected {getattr(expected, '__name__', expected)}; got {value!r} "

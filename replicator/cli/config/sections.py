@@ -134,6 +134,12 @@ class ModelConfig:
                 f"d_model={self.heads * math.ceil(self.d_model / self.heads)})."
             )
 
+    @property
+    def label(self) -> str:
+        """What the model is, as a report names it: its kind, or its family of the GPT
+        (``"llama"``, ``"qwen2"``)."""
+        return self.family if self.kind == "gpt" and self.family != "gpt" else self.kind
+
     def _check_family(self) -> None:
         """The model family, and the keys only the families on Llama's block read."""
         one_of(self, "family", MODEL_FAMILIES, what="a model family")

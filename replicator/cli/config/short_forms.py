@@ -81,7 +81,16 @@ def long_forms(raw: dict, where: str) -> dict:
         )
     model = out.get("model")
     if isinstance(model, dict) and model.get("kind") == "llama":  # short for gpt, family llama
-        out["model"] = model = {**model, "kind": "gpt", "family": "llama"}
+        family = model.get("family", "llama")
+        if family == "gpt":
+            raise ValueError(
+                f"{where}: model.kind=llama is short for model.kind=gpt with "
+                f"model.family=llama, and model.family=gpt contradicts it; for the GPT write "
+                f"model.kind=gpt, or drop model.family."
+            )
+        # another family on Llama's block (qwen2, mixtral) is honoured; an unknown one is
+        # refused by the section with the valid ones
+        out["model"] = model = {**model, "kind": "gpt", "family": family}
     if "init_from" in out and isinstance(out.get("model", {}), dict):
         out["model"] = checkpoint_model(out.get("model", {}), out["init_from"], where)
     return out

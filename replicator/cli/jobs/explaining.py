@@ -37,7 +37,7 @@ def explain(config: TrainConfig, *, json_path: str | None = None):
         if hasattr(batches, "close"):
             batches.close()
     report = repl.explain(step_fn, state, batch)
-    report = dataclasses.replace(report, step=f"{config.name} ({config.model.kind})")
+    report = dataclasses.replace(report, step=f"{config.name} ({config.model.label})")
     if json_path:
         with open(json_path, "w") as f:
             f.write(report.to_json() + "\n")

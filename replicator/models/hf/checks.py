@@ -339,6 +339,11 @@ def _names_fix(config: dict, missing: list[str], extra: list[str], tensors: dict
         if held and key in config and max(held) + 1 != config[key]:
             what = key.split("_")[-1]
             return f"the files hold {what} 0 to {max(held)}: set {key} to {max(held) + 1}"
+    attn = {n.rsplit(".", 2)[-2] for n in tensors if ".self_attn." in n and n.endswith(".bias")}
+    if attn == {"q_proj", "k_proj", "v_proj"} and config["model_type"] != "qwen2":
+        # biases on the query, key and value projections only: Qwen2's (a Llama's
+        # attention_bias puts one on the output projection too)
+        return 'they are a Qwen2\'s (biases on q, k and v only): set "model_type": "qwen2"'
     for group, key in (("self_attn", "attention_bias"), ("mlp", "mlp_bias")):
         biases = [n for n in tensors if f".{group}." in n and n.endswith("_proj.bias")]
         if biases and any(n in extra for n in biases):
