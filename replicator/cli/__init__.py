@@ -19,6 +19,23 @@ from collections.abc import Sequence
 # (a config becomes a model, an input_fn, a step_fn and a run), launch (the launcher's options).
 from replicator.cli import config, isolated, jobs, launch, plan, preflight, targets
 
+# replicator train's exit codes (EXIT_CODES, in its --help; `replicator launch` handles a
+# worker's EXIT_NOTHING_TO_DO and EXIT_SIGINT/EXIT_SIGTERM as a clean stop, not a failure)
+EXIT_TRAINED = 0
+EXIT_FAILED = 1
+EXIT_REFUSED = 2
+EXIT_NOTHING_TO_DO = 4
+EXIT_SIGINT = 130  # 128 + the signal, as shells report a process a signal ended
+EXIT_SIGTERM = 143
+EXIT_CODES = f"""exit codes:
+  {EXIT_TRAINED}    trained to steps
+  {EXIT_FAILED}    failed during training (a traceback, or a checkpoint that could not be written)
+  {EXIT_REFUSED}    refused before the first step (one line saying why); nothing changed on disk
+  {EXIT_NOTHING_TO_DO}    nothing to do: the run was at steps already (give a larger steps)
+  {EXIT_SIGINT}  stopped by SIGINT (Ctrl-C) at a step boundary, its checkpoint saved:
+       the same command resumes
+  {EXIT_SIGTERM}  stopped by SIGTERM (preemption), likewise"""
+
 
 class _OneLineParser(argparse.ArgumentParser):
     """argparse, with a usage error as one line on stderr (``replicator plan: ...``, and where
@@ -37,6 +54,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Trains as CONFIG says, with key=value overrides (dotted for sections: "
         "model.layers=8). Metrics, checkpoints and the loss plot go to out_dir/name; running "
         "the same command again resumes. cpu_devices=0 turns off the emulated CPU devices.",
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument("config", help="a YAML file")
     train.add_argument("overrides", nargs="*", help="key=value")
@@ -105,17 +124,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _user_error(where, e)
     if report is None:
         try:
-            jobs.run(cfg)
+            summary = jobs.run(cfg)
         except jobs.SetupError as e:  # refused before the first step; later: a traceback
             return _user_error(where, e)
         except jobs.RUN_ERRORS as e:  # e.g. a full disk: the message says it all; exit 1
             print(f"{where}: {e}", file=sys.stderr)
-            return 1
-        return 0
+            return EXIT_FAILED
+        return _exit_code(summary)
     print(report)
     if args.json:
         print(f"wrote {args.json}")
     return 0
+
+
+def _exit_code(summary: dict) -> int:
+    """``replicator train``'s exit code for how its run ended (`EXIT_CODES`)."""
+    if summary["preempted"]:
+        return EXIT_SIGINT if summary["stopped_by"].startswith("SIGINT") else EXIT_SIGTERM
+    return EXIT_NOTHING_TO_DO if summary["nothing_to_do"] else EXIT_TRAINED
 
 
 def _explain(cfg, args):

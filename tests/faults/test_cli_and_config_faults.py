@@ -77,7 +77,12 @@ ONE_LINE = {
     "scatter_grads without a pipeline": (
         "lm_dp",
         ["zero_stage=3", "pipeline.scatter_grads=step"],
-        ["pipeline.scatter_grads='step'", "no pipeline", "mesh.stage=K", "scatter_grads=microbatch"],
+        [
+            "pipeline.scatter_grads='step'",
+            "no pipeline",
+            "mesh.stage=K",
+            "scatter_grads=microbatch",
+        ],
     ),
 }
 
@@ -198,16 +203,6 @@ def test_a_changed_state_on_resume_is_a_message(capsys, tmp_path):
     assert train(capsys, tmp_path, cfg, *args)[0] == 0
     code, err = train(capsys, tmp_path, cfg, *args[:-1], "model.d_model=16")
     assert_user_error(code, err, "checkpoint step 2", "holds another state", "name=mlp_zero-2")
-
-
-def test_running_a_finished_run_again_exits_0(capsys, tmp_path):
-    argv = ["train", str(CONFIGS / "mlp_zero.yaml"), f"out_dir={tmp_path}", "plot=false",
-            "steps=2", "checkpoint_every=2", "model.layers=2"]  # fmt: skip
-    assert cli.main(argv) == 0
-    capsys.readouterr()
-    assert cli.main(argv) == 0
-    out = capsys.readouterr().out
-    assert "no step to run, the run is at step 2 of 2" in out, out
 
 
 def test_a_failure_during_training_keeps_its_traceback(capsys, tmp_path, monkeypatch):

@@ -116,7 +116,10 @@ def launch(
 
     Returns:
       0 if every process of a round exited 0, else the code of the failure that ended the job
-      (128 + signal if it was killed, as shells do; 124 for the watchdog).
+      (128 + signal if it was killed, as shells do; 124 for the watchdog). A process's exit
+      with ``replicator train``'s clean codes (4: nothing to do; 130/143: stopped by
+      SIGINT/SIGTERM at a step boundary, resumable) is no failure: the others are waited for,
+      nothing is restarted, and the job ends with the largest such code.
 
     Raises:
       ValueError: for a bad argument, or a command that cannot be found.
@@ -224,7 +227,15 @@ class _Policy:
         """Ends ``rnd`` as ``verdict`` says; the job's exit code, or None to run another round."""
         job = self.job
         if verdict.kind == "done":
-            return 0
+            if verdict.value:  # e.g. replicator train stopped by SIGTERM: resumable, no failure
+                what = (
+                    "nothing to do: the run was at its steps already"
+                    if verdict.value == 4
+                    else f"stopped by {signal.Signals(verdict.value - 128).name} at a step "
+                    f"boundary; the same command resumes"
+                )
+                job.say(f"the processes stopped cleanly, with exit code {verdict.value} ({what}).")
+            return verdict.value or 0
         if verdict.kind == "signal":
             rnd.stop(job.grace)
             message, code = _outcome(verdict, rnd)

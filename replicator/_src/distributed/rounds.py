@@ -43,6 +43,10 @@ from replicator._src.distributed.initialize import (
 )
 
 WATCHDOG_EXIT_CODE = 124  # as timeout(1): the watchdog ended the job
+# A process's exits that end it cleanly besides 0, not failures: `replicator train`'s "nothing to
+# do, at steps already" (4) and "stopped by SIGINT/SIGTERM at a step boundary" (128 + signal, as
+# rp.fit's agreed stop ends every process). Not restarted; the job ends with the largest.
+CLEAN_EXIT_CODES = (0, 4, 128 + signal.SIGINT, 128 + signal.SIGTERM)
 # Seconds between SIGTERM and SIGKILL when a rank has failed: a survivor cannot save anything
 # with a peer gone, and one that is not killed by SIGTERM at once is inside rp.fit's stop,
 # waiting for that peer.
@@ -148,6 +152,7 @@ class Round:
           stop_when: asked now and then; True ends the round ("stop") for the caller to stop.
         """
         live = set(range(len(self.procs)))
+        clean = 0  # the largest of CLEAN_EXIT_CODES so far
         armed_at, joining = None, join_timeout is not None
         gone: set = set()  # while joining: the ranks that exited before they came up
         while live:
@@ -164,9 +169,10 @@ class Round:
                 if joining and not self.beat(rank).ready:
                     gone.add(rank)  # its host did not come up; the others may still
                     continue
-                if code != 0:
+                if code not in CLEAN_EXIT_CODES:
                     rank, code = self._first_failure({rank: (code, when)}, live)
                     return Verdict("exit", rank, code)
+                clean = max(clean, code)
                 continue
             now = time.monotonic()
             if joining:
@@ -183,7 +189,7 @@ class Round:
                 armed_at, stuck = self._stuck(live, armed_at, now)
                 if stuck is not None:
                     return Verdict("watchdog", stuck, tied=tuple(self.tied_with(stuck)))
-        return Verdict("done")
+        return Verdict("done", value=clean)
 
     def _lost(self, ranks: set) -> Verdict:
         """The slots of ``ranks``, whose processes did not come up."""
@@ -238,7 +244,7 @@ class Round:
             except queue.Empty:
                 break
             live.discard(rank)
-            if code != 0:
+            if code not in CLEAN_EXIT_CODES:
                 failed[rank] = (code, when)
 
         def order(rank):

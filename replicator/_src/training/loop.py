@@ -44,6 +44,7 @@ class FitResult:
     history: list[dict]  # the logged metrics of this run
     preempted: bool  # stopped by SIGTERM/SIGINT (saved as CheckpointOptions.emergency_after says)
     resumed_from: int | None  # the checkpoint step this run started from
+    stopped_by: str = ""  # the signal that stopped it ("SIGTERM", "SIGINT in process 1"), or ""
 
 
 def fit(
@@ -230,7 +231,10 @@ def _fit(repl, step_fn, state, input_fn, *, steps, checkpoint_dir, metrics_path,
         finally:
             tracer.stop()  # a run that ends (or fails) inside the traced steps
             report.close()
-        return FitResult(run.state, run.step, report.history, run.preempted, resumed_from)
+        stopped_by = run.stop.stopped_by if run.preempted else ""
+        return FitResult(
+            run.state, run.step, report.history, run.preempted, resumed_from, stopped_by
+        )
     finally:
         if ckpt is not None:
             ckpt.close()  # after the write in progress, if any

@@ -6,8 +6,9 @@ exclusive lock first: ``fcntl.flock`` on a lock file (``.replicator.lock`` insid
 directory, ``<metrics file>.lock`` next to the metrics file), held through an open file
 descriptor for the whole run. The file records the owner (PID, host, start time) for the message
 that a second run gets. The kernel drops the lock when its process ends in any way, ``kill -9``
-included, so a stale lock file never blocks a resume. With several processes, only process 0
-takes it.
+included, so a stale lock file never blocks a resume. A run that ends (returns or raises)
+removes its lock files; only a killed run leaves one behind. With several processes, only
+process 0 takes it.
 """
 
 from __future__ import annotations
@@ -69,9 +70,7 @@ class RunLock:
     """
 
     def __init__(self, paths: Sequence[str], *, api: str = "rp.fit") -> None:
-        import fcntl
-
-        self._fds: list[int] = []
+        self._fds: list[tuple[int, str]] = []  # (descriptor, path) of each lock held
         owner = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
@@ -79,41 +78,63 @@ class RunLock:
         }
         try:
             for path in paths:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError as e:
-                    holder = _read_owner(fd)
-                    os.close(fd)
-                    if e.errno in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
-                        directory = (
-                            os.path.dirname(path)
-                            if path.endswith(LOCK_NAME)
-                            else path.removesuffix(".lock")
-                        )
-                        raise RunDirLockedError(
-                            LOCKED.format(api=api, directory=directory, owner=_describe(holder)),
-                            path=directory,
-                            owner=holder,
-                        ) from None
-                    warnings.warn(  # e.g. a file system without flock: run unlocked
-                        f"{api}: could not lock {path} ({e}); two runs into this directory "
-                        f"would not be stopped.",
-                        stacklevel=3,
-                    )
+                fd = self._lock(path, api)
+                if fd is None:
                     continue
-                self._fds.append(fd)
+                self._fds.append((fd, path))
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, (json.dumps(owner) + "\n").encode(), 0)
         except BaseException:
             self.release()
             raise
 
+    @staticmethod
+    def _lock(path: str, api: str) -> int | None:
+        """A descriptor of ``path`` holding its flock; None where the file system cannot lock.
+        A file the run that held it removed meanwhile is opened anew (its lock guards nothing)."""
+        import fcntl
+
+        while True:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                holder = _read_owner(fd)
+                os.close(fd)
+                if e.errno in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
+                    directory = (
+                        os.path.dirname(path)
+                        if path.endswith(LOCK_NAME)
+                        else path.removesuffix(".lock")
+                    )
+                    raise RunDirLockedError(
+                        LOCKED.format(api=api, directory=directory, owner=_describe(holder)),
+                        path=directory,
+                        owner=holder,
+                    ) from None
+                warnings.warn(  # e.g. a file system without flock: run unlocked
+                    f"{api}: could not lock {path} ({e}); two runs into this directory "
+                    f"would not be stopped.",
+                    stacklevel=4,
+                )
+                return None
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                return fd
+            os.close(fd)
+
     def release(self) -> None:
-        """Unlocks and closes the lock files (they stay, with the last owner in them)."""
+        """Removes the lock files, then unlocks them (closing the only descriptor releases the
+        flock); a run that opened a file before it was removed sees that and opens it anew."""
         while self._fds:
-            os.close(self._fds.pop())  # closing the only descriptor releases the flock
+            fd, path = self._fds.pop()
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            os.close(fd)
 
     def __enter__(self) -> RunLock:
         return self

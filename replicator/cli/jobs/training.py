@@ -63,6 +63,9 @@ def run(config: TrainConfig) -> dict:
         "first_loss": losses[0][1] if losses else None,
         "last_loss": losses[-1][1] if losses else None,
         "preempted": result.preempted,
+        "stopped_by": result.stopped_by,  # "SIGTERM", "SIGINT in process 1", or ""
+        # the run was at ``steps`` already: no step ran, nothing was written
+        "nothing_to_do": not result.preempted and result.resumed_from == result.step,
     }
     if config.plot and losses and first:  # the whole run's, from its first step
         plot_loss(os.path.join(out, "metrics.jsonl"), os.path.join(out, "loss.png"), config)
