@@ -8,7 +8,7 @@ file is encoded, followed by ``<|endoftext|>``, and the stream is cut into windo
 ``seq_len + 1`` tokens (see Tokenizers in docs/guides/llama_and_hf.md). ``model.vocab`` is the
 tokenizer's size.
 
-    pip install tokenizers
+    pip install "replicator[hf]"                         # the tokenizers package
     python examples/train_lm_tokenizer.py                # 8 emulated CPU devices
     python examples/train_lm_tokenizer.py --steps 400    # run again: resumes from OUT/lm_tokenizer
 """
@@ -64,6 +64,15 @@ def train_tokenizer(files: list[pathlib.Path], vocab: int, path: pathlib.Path) -
 
 def main() -> int:
     args = parse_args()
+    try:
+        import tokenizers  # noqa: F401
+    except ModuleNotFoundError as e:  # one line naming the extra, before anything is written
+        print(
+            f"train_lm_tokenizer.py: needs the {e.name} package, which is not installed; "
+            f'pip install "replicator[hf]" (in a clone: pip install -e ".[hf]").',
+            file=sys.stderr,
+        )
+        return 2
     out = pathlib.Path(args.out)
     files = write_corpus(out / "corpus", args.max_bytes)
     size = train_tokenizer(files, args.vocab, out / "tokenizer.json")

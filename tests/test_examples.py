@@ -43,3 +43,22 @@ def test_train_zero_example_shards_memory_and_learns():
     assert 7.5 < ratio <= 8.0, result.stdout
     losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", result.stdout)]
     assert len(losses) == 4 and losses[-1] < 0.2 * losses[0], result.stdout
+
+
+def test_the_tokenizer_example_without_tokenizers_names_the_extra(tmp_path, monkeypatch, capsys):
+    """Under an install without the [hf] extra: one line naming it, exit code 2, nothing
+    written (in this process: the example's main with ``tokenizers`` made unimportable)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "example", ROOT / "examples" / "train_lm_tokenizer.py"
+    )
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # import tokenizers: ModuleNotFoundError
+    monkeypatch.setattr(sys, "argv", ["train_lm_tokenizer.py", "--out", str(tmp_path / "out")])
+    assert example.main() == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert "needs the tokenizers package" in err and 'pip install "replicator[hf]"' in err, err
+    assert not (tmp_path / "out").exists()
