@@ -32,8 +32,8 @@ EXIT_CODES = f"""exit codes:
   {EXIT_FAILED}    failed during training (a traceback, or a checkpoint that could not be written)
   {EXIT_REFUSED}    refused before the first step (one line saying why); nothing changed on disk
   {EXIT_NOTHING_TO_DO}    nothing to do: the run was at steps already (give a larger steps)
-  {EXIT_SIGINT}  stopped by SIGINT (Ctrl-C) at a step boundary, its checkpoint saved:
-       the same command resumes
+  {EXIT_SIGINT}  stopped by SIGINT (Ctrl-C) at a step boundary, its checkpoint saved (unless
+       emergency_after says not to): the same command resumes
   {EXIT_SIGTERM}  stopped by SIGTERM (preemption), likewise"""
 
 
@@ -43,6 +43,15 @@ class _OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help).\n")
+
+
+class _TablesAsWritten(argparse.HelpFormatter):
+    """argparse's help, with a text of several lines (the exit codes' table) as written."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text:
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
         "model.layers=8). Metrics, checkpoints and the loss plot go to out_dir/name; running "
         "the same command again resumes. cpu_devices=0 turns off the emulated CPU devices.",
         epilog=EXIT_CODES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_TablesAsWritten,
     )
     train.add_argument("config", help="a YAML file")
     train.add_argument("overrides", nargs="*", help="key=value")
