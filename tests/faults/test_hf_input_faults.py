@@ -457,3 +457,26 @@ def test_decoder_config_refuses_in_one_line(change, words):
     assert message.startswith("hf.decoder_config: ") and "\n" not in message
     for word in words:
         assert word in message, (word, message)
+
+
+@pytest.mark.slow  # a step trained (about 5 s); test_qwen2 loads the same files in the fast lane
+def test_qwen2_weights_labelled_llama_name_the_fix_that_then_trains(tmp_path, capsys):
+    """``replicator train llama_tiny.yaml init_from=DIR`` on a Qwen2's files under
+    ``"model_type": "llama"``: one line naming ``"model_type": "qwen2"`` (not the
+    ``attention_bias`` hint, which led to a second refusal), nothing written; done as it says,
+    the same command trains."""
+    qwen2 = {**CONFIG, "model_type": "qwen2", "num_hidden_layers": 1}
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(
+        lambda s: (0.02 * rng.standard_normal(s.shape)).astype(np.float32), hf.shapes(qwen2)
+    )
+    directory = hf.save(tmp_path / "qwen2", params, qwen2)
+    set_config(model_type="llama", architectures=["LlamaForCausalLM"])(directory)
+    before, runs = snapshot(directory), tmp_path / "runs"
+    args = (f"init_from={directory}", f"out_dir={runs}", "plot=false", "steps=1")
+    code, err = run(capsys, "train", *args, "model.seq_len=16", "global_batch=8")
+    assert_one_line(code, err, "train", ['set "model_type": "qwen2"', "biases on q, k and v"])
+    assert snapshot(directory) == before and not runs.exists()
+    set_config(model_type="qwen2")(directory)  # the fix, as the line says (the class aside)
+    code, err = run(capsys, "train", *args, "model.seq_len=16", "global_batch=8")
+    assert code == 0, err
