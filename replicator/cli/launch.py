@@ -34,7 +34,9 @@ def parser() -> argparse.ArgumentParser:
         "coordinator on 127.0.0.1. Each line of output is prefixed with its rank. The job ends "
         "at its first failure (an exit code, a signal, or --watchdog), naming the rank, with "
         "that rank's exit code (128 + signal if killed; 124 for the watchdog), unless "
-        "--max-restarts starts it again. SIGTERM or SIGINT to the launcher is passed on to every "
+        "--max-restarts starts it again. A process's exit code 4, 130 or 143 (replicator "
+        "train's nothing to do, and stopped by SIGINT/SIGTERM at a step boundary) is no "
+        "failure: the job ends with it. SIGTERM or SIGINT to the launcher is passed on to every "
         "process, and no process outlives the launcher. In the script, call "
         "rp.distributed.initialize() first.",
     )
