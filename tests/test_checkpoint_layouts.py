@@ -155,7 +155,7 @@ def test_the_split_rows_restore_exactly_at_data_4_and_1(zero_stage, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero_stage, data", [(1, 4), (2, 1), (3, 4)])
+@pytest.mark.parametrize("zero_stage, data", [(1, 4), (1, 1), (2, 4), (2, 1), (3, 4), (3, 1)])
 def test_zero_on_sequential_stages_resumes_at_another_data_size_as_it_trains_there(
     zero_stage, data, tmp_path
 ):

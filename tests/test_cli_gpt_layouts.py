@@ -210,7 +210,8 @@ def test_the_config_takes_interleaved_1f1b_with_its_repeats():
          r"pipeline\.repeats=1: schedule='interleaved' needs 2 or more virtual stages per "
          r"device; use repeats=2 .*or schedule='1f1b'"),
         (PIPE, ["pipeline.scatter_grads=step"],
-         r"pipeline\.scatter_grads='step' is when ZeRO-3 reduce-scatters the stages' gradients; "
+         r"pipeline\.scatter_grads='step' is when ZeRO-3 reduce-scatters the pipeline stages' "
+         r"gradients; "
          r"with zero_stage=0 it would change nothing\. Use zero_stage=3"),
         (PIPE, ["pipeline.schedule=interleave"],
          r"pipeline\.schedule='interleave' is not a schedule; use one of .*'interleaved'.* Did "

@@ -396,7 +396,7 @@ BAD_VALUES = {
     "an empty key part": (["model..layers=2"], ["'model..layers'", "empty part"]),
     "a leading dot": ([".steps=3"], ["'.steps'", "empty part"]),
     "a number in a section's place": (["steps.x=3"], ["steps is not a section"]),
-    "out_dir empty": (["out_dir="], ["out_dir: expected str"]),
+    "out_dir empty": (["out_dir="], ["out_dir has no value", "give one (out_dir=VALUE)"]),
 }
 
 
