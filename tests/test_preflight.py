@@ -19,6 +19,7 @@ import replicator as rp
 from replicator import cli
 from replicator.cli import config as config_lib
 from replicator.cli import jobs
+from replicator.cli import targets as targets_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 needs_libtpu = pytest.mark.skipif(
@@ -44,7 +45,9 @@ NARROW = ["model.layers=2", "model.d_model=256", "model.heads=4", "model.kv_head
           "model.d_ff=512", "model.vocab=512", "model.seq_len=128"]  # fmt: skip
 
 
-def run_at_full_size(run_dir: pathlib.Path, config: str, target: str) -> pathlib.Path:
+def run_at_full_size(
+    run_dir: pathlib.Path, config: str, target: str, overrides: tuple = ()
+) -> pathlib.Path:
     """A run directory whose checkpoint (step 2) says ``config`` at full size in its metadata:
     saved from the config narrowed (`NARROW`, zeros), then each array's shape set to the full
     one (tensorstore's resize, metadata only). A few MB on disk; `check_restore` reads no array,
@@ -56,14 +59,15 @@ def run_at_full_size(run_dir: pathlib.Path, config: str, target: str) -> pathlib
     from replicator._src.training.zero_stages import orbax_name
     from replicator.cli import targets
 
-    small = config_lib.load(ROOT / f"configs/{config}.yaml", [*NARROW, "mesh.data=8"])
+    small = config_lib.load(ROOT / f"configs/{config}.yaml", [*NARROW, *overrides, "mesh.data=8"])
     _, _, state, _ = jobs.abstract_job(small, devices=jax.devices()[:8])
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding), state)
     ckpt = rp.Checkpoints(run_dir / "checkpoints")
     ckpt.save(2, zeros, data_position=2)
     ckpt.close()
     t = rp.targets.tpu_target(target)
-    full = targets.mesh_on_target(config_lib.load(ROOT / f"configs/{config}.yaml"), t)
+    full = config_lib.load(ROOT / f"configs/{config}.yaml", list(overrides))
+    full = targets.mesh_on_target(full, t)
     _, _, state, _ = jobs.abstract_job(full, devices=list(targets.devices(t.name, 1)))
     base = f"file://{run_dir}/checkpoints/2/state/"
     for path, leaf in jax.tree_util.tree_flatten_with_path(logical.saved_like(values(state)))[0]:
@@ -177,4 +181,29 @@ def test_cli_resume_refuses_a_full_size_restore_over_the_hbm(tmp_path, capsys):
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "restoring checkpoint step 2 onto llama3_8b's layout on v5e-64 holds " in err
     assert "over the chip's 16.00 GiB HBM" in err and "zero_stage=3" in err
+    assert _listing(run) == before
+
+
+@needs_libtpu
+def test_cli_resume_refuses_a_restore_over_the_hbm_on_v5p_64(tmp_path, capsys):
+    """A run of Llama 3 8B with an EMA of its parameters, at full size, against ZeRO-0 on
+    v5p-64: parameters, Adam's two moments and the EMA, 16 bytes a parameter on every chip
+    (119.7 GiB) over its 95 GiB; refused from the metadata and the shapes, nothing compiled.
+    Under ZeRO-3 the same run restores (3.7 GiB a chip)."""
+    ema = ("optimizer.ema_decay=0.999",)
+    run = run_at_full_size(tmp_path / "llama3_8b", "llama3_8b", "v5p-64", ema)
+    before = _listing(run)
+    code = cli.main(
+        ["explain", f"{ROOT}/configs/llama3_8b.yaml", *ema, "zero_stage=0", "--target",
+         "v5p-64", "--resume", str(run)]
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "onto llama3_8b's layout on v5p-64 holds 119." in err
+    assert "over the chip's 95.00 GiB HBM; nothing was read" in err and "zero_stage=3" in err
+    t = rp.targets.tpu_target("v5p-64")
+    cfg = targets_lib.mesh_on_target(config_lib.load(ROOT / "configs/llama3_8b.yaml", list(ema)), t)
+    _, _, state, _ = jobs.abstract_job(cfg, devices=list(targets_lib.devices(t.name, 1)))
+    found = rp.training.check_restore(run / "checkpoints", state)
+    assert found.restore_bytes < 4 * 2**30
     assert _listing(run) == before
