@@ -34,8 +34,7 @@ class Resume:
     """What ``--resume`` found: the checkpoint matches; the restore's and the step's peaks."""
 
     directory: str
-    found: rp.training.RestoreCheck
-    restore_bytes: int
+    found: rp.training.RestoreCheck  # its restore_bytes: the restore's peak per device
     hbm_bytes: int
 
     def lines(self, step_peak: int | None) -> str:
@@ -47,7 +46,7 @@ class Resume:
         return (
             f"resume: checkpoint step {self.found.step} of {self.directory} ({self.found.leaves} "
             f"arrays{at}) restores onto this layout: restore peak "
-            f"{format_bytes(self.restore_bytes)} per device{step}, of "
+            f"{format_bytes(self.found.restore_bytes)} per device{step}, of "
             f"{format_bytes(self.hbm_bytes)} HBM"
         )
 
@@ -76,7 +75,7 @@ def check(config, target: rp.targets.Target, run_dir: str) -> Resume:
     except rp.training.StateMismatchError as e:
         raise ValueError(_another_state(e, config, target, run_dir)) from None
     hbm = rp.planner.hardware_profile(target).memory_bytes
-    resume = Resume(directory, found, found.restore_bytes, hbm)
+    resume = Resume(directory, found, hbm)
     if found.restore_bytes > hbm:
         from replicator._src.report.step_report import format_bytes
 
@@ -112,7 +111,7 @@ class Resumed:
         found = self.resume.found
         data["resume"] = {
             "directory": self.resume.directory, "step": found.step, "record": found.record,
-            "arrays": found.leaves, "restore_peak_bytes": self.resume.restore_bytes,
+            "arrays": found.leaves, "restore_peak_bytes": found.restore_bytes,
             "step_peak_bytes": self.report.target.peak_bytes, "fits": True,
         }  # fmt: skip
         return json.dumps(data, indent=2)
