@@ -12,6 +12,7 @@ each stage's measured costs (`stage_costs`).
 """
 
 from replicator._src.core.deprecation import moved_names as _moved_names
+from replicator._src.pipeline import remat as _remat
 from replicator._src.pipeline.costs import layer_costs as layer_costs
 from replicator._src.pipeline.costs import stage_costs as stage_costs
 from replicator._src.pipeline.costs import stage_costs_stacked as stage_costs_stacked
@@ -24,6 +25,7 @@ from replicator._src.pipeline.partition import stack_stages as stack_stages
 from replicator._src.pipeline.partition import stage_spec as stage_spec
 from replicator._src.pipeline.partition import unstack_stages as unstack_stages
 from replicator._src.pipeline.pictures import render as render
+from replicator._src.pipeline.remat import Remat as Remat
 from replicator._src.pipeline.schedules import Circular as Circular
 from replicator._src.pipeline.schedules import GPipe as GPipe
 from replicator._src.pipeline.schedules import Interleaved1F1B as Interleaved1F1B
@@ -36,6 +38,10 @@ from replicator._src.pipeline.stages import stages_from_layers as stages_from_la
 from replicator._src.pipeline.timing import StageCosts as StageCosts
 from replicator._src.pipeline.timing import StepTime as StepTime
 from replicator._src.pipeline.timing import step_time as step_time
+
+REMAT_ACTIVATIONS = _remat.ACTIVATIONS  # the activations the decoder names, for remat by name
+REMAT_PRESETS = _remat.PRESETS  # MaxText's presets: (saved on device, offloaded to the host)
+remat_policy = _remat.as_remat  # a Remat for "full", "save_dot_except_mlpwi", {name: action}, ...
 
 __getattr__ = _moved_names(
     "replicator.pipeline",

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
 
 from replicator import moe
 from replicator._src.core.errors import positive_int
-from replicator._src.pipeline.residuals import as_remat
+from replicator._src.pipeline.remat import Remat, as_remat
 from replicator._src.sharded import attention as attention_lib
 
 NORMS = ("layer", "rms")
@@ -88,12 +89,16 @@ class GPTConfig:
     """The MLP's hidden width; None for ``4 * d_model``."""
     dtype: Any = jnp.float32
     """The compute dtype. Parameters stay fp32, and the head's logits and loss are fp32."""
-    remat: bool | str = False
+    remat: bool | str | Remat = False
     """What each block of `blocks` keeps for the backward pass: ``"none"`` (``False``) all its
     activations; ``"full"`` (``True``) its input only, recomputing the block; ``"dots"`` the
-    outputs of its linear layers, recomputing attention's scores and the element-wise rest.
-    Recomputing gives the same numbers with less memory and more FLOPs. Pipelines take their
-    own ``remat`` (`pipeline_value_and_grad`)."""
+    outputs of its linear layers, recomputing attention's scores and the element-wise rest;
+    one of MaxText's presets by activation name (``"save_dot_except_mlpwi"``, ``"minimal"``,
+    ``"save_qkv_proj"``, ``"save_out_proj"``, ``"minimal_offloaded"``, ...); or a mapping
+    ``{activation: "save" | "offload" | "recompute"}`` (`replicator._src.pipeline.remat`:
+    ``"offload"`` keeps it in host memory), held as a hashable `Remat`. Every choice gives the
+    same numbers, trading memory for FLOPs or host-link traffic. Pipelines take their own
+    ``remat`` (`pipeline_value_and_grad`)."""
     attention: str = "ring"
     """How attention runs. Over a ``context`` axis: ``"ring"`` or ``"all_to_all"``
     (`replicator.attention`). On meshes without one: ``"dot_product"``,
@@ -178,11 +183,14 @@ class GPTConfig:
                     f"{self.moe_every} (every moe_every-th block is a mixture of experts); use "
                     f"num_layers={self.moe_every * math.ceil(self.num_layers / self.moe_every)}."
                 )
-        if not isinstance(self.remat, (bool, str)):
+        if not isinstance(self.remat, (bool, str, Remat, Mapping)):
             raise ValueError(
-                f"GPTConfig: remat must be True, False, 'none', 'full' or 'dots'; got "
+                f"GPTConfig: remat must be True, False, a policy's name ('none', 'full', "
+                f"'dots', 'save_dot_except_mlpwi', ...) or a mapping {{activation: action}}; got "
                 f"{self.remat!r}."
             )
+        if isinstance(self.remat, Mapping):  # hashable, as the config is
+            object.__setattr__(self, "remat", as_remat(self.remat, "GPTConfig"))
         as_remat(self.remat, "GPTConfig")
         if self.d_model % self.num_heads:
             raise ValueError(

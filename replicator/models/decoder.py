@@ -18,7 +18,8 @@ import numpy as np
 import replicator as rp
 from replicator import moe, pipeline
 from replicator._src.core import sharded_params
-from replicator._src.pipeline.residuals import as_remat, never_gathered
+from replicator._src.pipeline import remat
+from replicator._src.pipeline.remat import as_remat, never_gathered
 from replicator._src.sharded import attention as attention_lib
 from replicator._src.sharded import embedding as embedding_lib
 from replicator.models.config import DEFAULT, GPTConfig
@@ -177,8 +178,15 @@ def block(layer_params: dict, x: jax.Array, *, config: GPTConfig) -> jax.Array:
       ``[B, S, D]`` in ``config.dtype``.
     """
     p = _cast(layer_params, config)
-    x = attend(p, attention_lib.constrain_tokens(x.astype(config.dtype)), config)
+    x = attend(p, _layer_input(x, config), config)
     return attention_lib.constrain_tokens(mlp(p, x, config))
+
+
+def _layer_input(x: jax.Array, config: GPTConfig) -> jax.Array:
+    """A block's input in the compute dtype, named ``decoder_layer_input`` (`remat`)."""
+    return remat.named(
+        attention_lib.constrain_tokens(x.astype(config.dtype)), "decoder_layer_input"
+    )
 
 
 def moe_block(layer_params: dict, x: jax.Array, *, config: GPTConfig) -> tuple[jax.Array, Any]:
@@ -195,7 +203,7 @@ def moe_block(layer_params: dict, x: jax.Array, *, config: GPTConfig) -> tuple[j
       ``(x, stats)``: ``stats`` a `replicator.moe.Stats` of per-sequence values.
     """
     p = _cast(layer_params, config)
-    x = attend(p, attention_lib.constrain_tokens(x.astype(config.dtype)), config)
+    x = attend(p, _layer_input(x, config), config)
     x, stats = mixture(p, x, config)
     return attention_lib.constrain_tokens(x), stats
 
@@ -237,11 +245,11 @@ def blocks_and_stats(
     # their gradients in that dtype too (half the fp32 stack's bytes for bf16), the same values
     # (the cast's transpose converts each reduce-scattered part exactly)
     stacked_params = reduce_cast(stacked_params, config)
-    remat = as_remat(config.remat, "GPTConfig")
-    if remat.recomputes or _stored_sharded(stacked_params):  # ZeRO-3: gathered again backward
+    policy = as_remat(config.remat, "GPTConfig")
+    if policy.recomputes or _stored_sharded(stacked_params):  # ZeRO-3: gathered again backward
         # in a scan XLA cannot merge the recomputation with the forward; unrolled it could
         step = jax.checkpoint(
-            step, policy=never_gathered(remat), prevent_cse=not config.scan_layers
+            step, policy=never_gathered(policy), prevent_cse=not config.scan_layers
         )
     out = jax.lax.scan(step, carry, stacked_params, unroll=not config.scan_layers)[0]
     return out if config.num_experts else (out, None)

@@ -130,6 +130,13 @@ def value_and_grad(
     sched = schedules_lib.get(schedule)
     _check_options(num_microbatches, "value_and_grad", unroll)
     policy = as_remat(remat, "rp.pipeline.value_and_grad")
+    if policy.offloaded:
+        raise ValueError(
+            f"rp.pipeline.value_and_grad: remat offloads {', '.join(policy.offloaded)} to host "
+            f"memory, which a pipeline's schedules do not keep (they hold each micro-batch's "
+            f"residuals on the device); save or recompute them (e.g. remat="
+            f"'save_dot_except_mlpwi'), or offload without a pipeline (GPTConfig.remat)."
+        )
     whole_grads.check(scatter_grads, "rp.pipeline.value_and_grad")
 
     def f(stage_params, inputs, targets, head_params=None):

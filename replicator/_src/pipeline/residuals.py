@@ -1,13 +1,8 @@
 """A layer's backward pass from saved residuals: the pipelines' remat policies.
 
-`Remat` says what a pipeline keeps of each layer's forward pass for its backward pass:
-
-- ``"none"``: everything ``jax.vjp`` keeps (no recompute; the most memory);
-- ``"full"``: the layer's input only (the layer is recomputed in the backward pass);
-- ``"dots"``: the outputs of matrix products without batch dimensions, recomputing the rest
-  (``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``: Megatron-LM's selective
-  recomputation, which recomputes attention's scores and keeps the linear layers' outputs);
-- or any ``jax.checkpoint`` policy.
+`Remat` (`replicator._src.pipeline.remat`) says what a pipeline keeps of each layer's forward
+pass for its backward pass: ``"none"``, ``"full"``, ``"dots"``, a policy by activation name, or
+any ``jax.checkpoint`` policy.
 
 `SavedLayer` splits a layer into a forward pass that returns its residuals as arrays, which a
 schedule keeps in its scan carry for the micro-batches in flight, and backward passes that read
@@ -21,7 +16,6 @@ twice. The split is made on the backward pass's jaxpr, traced once per layer sha
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -29,87 +23,12 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from replicator._src.core.sharded_params import regather_policy
 from replicator._src.core.typing import PyTree
 from replicator._src.pipeline.layer_stack import _inexact
-
-_POLICIES = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class Remat:
-    """A rematerialisation policy for a pipeline: what each layer keeps for its backward pass.
-
-    Attributes:
-      name: ``"none"``, ``"full"``, ``"dots"``, or ``"custom"`` for a ``jax.checkpoint`` policy.
-      policy: the ``jax.checkpoint`` policy (``None`` for ``"none"``: no checkpoint at all).
-    """
-
-    name: str
-    policy: Callable | None = None
-
-    @property
-    def recomputes(self) -> bool:
-        """Whether the backward pass recomputes any part of the forward pass."""
-        return self.name != "none"
-
-    def wrap(self, fn: Callable) -> Callable:
-        """``fn`` under this policy's ``jax.checkpoint`` (``fn`` itself for ``"none"``)."""
-        if self.policy is None:
-            return fn
-        return jax.checkpoint(fn, prevent_cse=False, policy=self.policy)
-
-    def __str__(self) -> str:
-        return self.name
-
-
-NAMES = tuple(_POLICIES)
-
-
-def never_gathered(remat: Remat) -> Callable:
-    """``remat``'s ``jax.checkpoint`` policy, except that ZeRO-3's gathered parameters are never
-    kept (`rp.regather_policy`): a pipeline keeps residuals for several micro-batches, and a
-    copy of each layer's whole weights with each would undo ZeRO-3. ``"none"`` keeps all else.
-    """
-    if remat.policy is None:
-        return regather_policy()
-    keep = remat.policy
-    return lambda prim, *args, **params: bool(
-        regather_policy()(prim, *args, **params) and keep(prim, *args, **params)
-    )
-
-
-def as_remat(value: Any, api: str) -> Remat:
-    """The `Remat` for a pipeline's ``remat=`` argument.
-
-    ``True`` means ``"full"`` and ``False`` means ``"none"`` (the meaning they always had); a
-    callable is taken as a ``jax.checkpoint`` policy.
-
-    >>> as_remat("dots", "f").name, as_remat(True, "f").name, as_remat(False, "f").name
-    ('dots', 'full', 'none')
-    """
-    if isinstance(value, Remat):
-        return value
-    if isinstance(value, bool):
-        value = "full" if value else "none"
-    if isinstance(value, str):
-        key = value.lower()
-        if key not in _POLICIES:
-            raise ValueError(
-                f"{api}: remat must be one of {', '.join(map(repr, NAMES))}, True (= 'full'), "
-                f"False (= 'none') or a jax.checkpoint policy; got {value!r}."
-            )
-        return Remat(key, _POLICIES[key])
-    if callable(value):
-        return Remat("custom", value)
-    raise TypeError(
-        f"{api}: remat must be one of {', '.join(map(repr, NAMES))}, True, False or a "
-        f"jax.checkpoint policy; got {value!r}."
-    )
+from replicator._src.pipeline.remat import NAMES as NAMES
+from replicator._src.pipeline.remat import Remat as Remat
+from replicator._src.pipeline.remat import as_remat as as_remat
+from replicator._src.pipeline.remat import never_gathered
 
 
 class _Meta(NamedTuple):

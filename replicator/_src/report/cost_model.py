@@ -80,6 +80,7 @@ class CompiledStep:
       compile_seconds: time to build, trace and compile.
       bytes_accessed: memory the kernels read and write per step (`StepReport.bytes_accessed`).
       roofline: the kernels' ``(FLOPs, bytes)`` by arithmetic intensity (`StepReport.roofline`).
+      host_bytes: bytes moved between host and device memory per step (`StepReport.host_bytes`).
     """
 
     mesh: dict[str, int]
@@ -91,6 +92,7 @@ class CompiledStep:
     compile_seconds: float = 0.0
     bytes_accessed: float = 0.0
     roofline: tuple[tuple[float, float], ...] = ()
+    host_bytes: float = 0.0
 
     @classmethod
     def from_report(cls, report: Any) -> CompiledStep:
@@ -125,6 +127,7 @@ class CompiledStep:
             compile_seconds=float(report.compile_seconds),
             bytes_accessed=float(getattr(report, "bytes_accessed", 0.0)),
             roofline=tuple(tuple(map(float, k)) for k in getattr(report, "roofline", ())),
+            host_bytes=float(getattr(report, "host_bytes", 0.0)),
         )
 
     def to_dict(self) -> dict:
@@ -151,10 +154,13 @@ class ModelledTime:
       bubble: pipeline idle time that is not in the FLOPs.
       ici: collective time over the fast interconnect (with latency).
       dcn: collective time across islands (with latency).
-      hidden: collective time that runs behind compute (``overlap``).
-      total: ``compute + bubble + ici + dcn - hidden``.
+      hidden: collective and host-transfer time that runs behind compute (``overlap``).
+      total: ``compute + bubble + ici + dcn + host - hidden``.
       mfu: model FLOPs utilisation: the model's own FLOPs per step over what the devices could
         do at peak in ``total``; None without the model's FLOPs.
+      host: the transfers between host and device memory (offloaded activations) at the
+        profile's ``host_bandwidth``; asynchronous, so they may hide behind compute as the data
+        axes' collectives do.
     """
 
     compute: float
@@ -164,6 +170,7 @@ class ModelledTime:
     hidden: float
     total: float
     mfu: float | None = None
+    host: float = 0.0
 
     @property
     def communication(self) -> float:
@@ -277,10 +284,11 @@ def model_time(
             ici += seconds
         if hideable(c):
             data_axes += seconds
-    hidden = min(overlap * data_axes, compute)
-    total = compute + bubble + ici + dcn - hidden
+    host = step.host_bytes / hardware.host_bandwidth if hardware.host_bandwidth else 0.0
+    hidden = min(overlap * (data_axes + scale * host), compute)
+    total = compute + bubble + ici + dcn + scale * host - hidden
     mfu = None
     if model_flops is not None and total > 0:
         peak = hardware.peak_flops * (1 if hardware.shared else devices)
         mfu = model_flops / (peak * total)
-    return ModelledTime(compute, bubble, ici, dcn, hidden, total, mfu)
+    return ModelledTime(compute, bubble, ici, dcn, hidden, total, mfu, scale * host)

@@ -50,6 +50,8 @@ class Hardware:
         A step whose temporaries fit there moves its bytes at ``cache_bandwidth``; see
         `cost_model.kernel_time`.
       cache_bandwidth: bytes per second a device reads and writes data that sits in that cache.
+      host_bandwidth: bytes per second one device moves between its host's memory and its own,
+        per direction (PCIe): what offloaded activations and state cost (None: not modelled).
       source: where the figures come from.
 
     Raises:
@@ -75,6 +77,7 @@ class Hardware:
     source: str = ""
     cache_bytes: int | None = None
     cache_bandwidth: float | None = None
+    host_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
         for key in ("peak_flops", "ici_bandwidth", "dcn_bandwidth"):
@@ -92,14 +95,15 @@ class Hardware:
                 f"Hardware {self.name!r}: island_size must be an int >= 1 (devices on the fast "
                 f"interconnect, e.g. 8 for a GPU node); got {size!r}."
             )
-        hbm = self.hbm_bandwidth
-        if hbm is not None and (
-            isinstance(hbm, bool) or not isinstance(hbm, int | float) or hbm <= 0
-        ):
-            raise ValueError(
-                f"Hardware {self.name!r}: hbm_bandwidth must be bytes per second > 0, or null; "
-                f"got {hbm!r}."
-            )
+        for key in ("hbm_bandwidth", "host_bandwidth"):
+            bw = getattr(self, key)
+            if bw is not None and (
+                isinstance(bw, bool) or not isinstance(bw, int | float) or bw <= 0
+            ):
+                raise ValueError(
+                    f"Hardware {self.name!r}: {key} must be bytes per second > 0, or null; "
+                    f"got {bw!r}."
+                )
         latency = self.collective_latency
         if isinstance(latency, bool) or not isinstance(latency, int | float) or latency < 0:
             raise ValueError(
@@ -184,14 +188,20 @@ def parse_bytes(value: Any, name: str = "memory") -> int:
     return int(size)
 
 
-def _tpu(name, flops, memory, hbm, ici, dcn, island, source) -> Hardware:
+_PCIE4, _PCIE5 = 32e9, 64e9  # bytes per second per direction of 16 lanes
+_ASSUMED_PCIE = (" No host-link figure is published: PCIe Gen4 x16 (32 GB/s per direction) is "
+                 "assumed for offloading.")  # fmt: skip
+
+
+def _tpu(name, flops, memory, hbm, ici, dcn, island, source, host=_PCIE4) -> Hardware:
+    source += _ASSUMED_PCIE if host == _PCIE4 else ""
     return Hardware(name, flops, memory, ici, dcn, island, collective_latency=5e-6,
-                    hbm_bandwidth=hbm, source=source)  # fmt: skip
+                    hbm_bandwidth=hbm, source=source, host_bandwidth=host)  # fmt: skip
 
 
-def _gpu(name, flops, memory, hbm, nvlink, ib, source) -> Hardware:
+def _gpu(name, flops, memory, hbm, nvlink, ib, source, host) -> Hardware:
     return Hardware(name, flops, memory, nvlink, ib, 8, collective_latency=1e-5,
-                    hbm_bandwidth=hbm, source=source)  # fmt: skip
+                    hbm_bandwidth=hbm, source=source, host_bandwidth=host)  # fmt: skip
 
 
 HARDWARE_PROFILES: dict[str, Hardware] = {
@@ -218,19 +228,20 @@ HARDWARE_PROFILES: dict[str, Hardware] = {
         "cloud.google.com/tpu/docs/v6e: 918 TFLOP/s bf16, 32 GB HBM at 1638 GB/s, ICI 800 GB/s "
         "bidirectional per chip, 8 chips per host, a slice is at most 256 chips. The page gives "
         "no per-chip DCN figure: 4 x 200 Gbps NICs per 8-chip host (12.5 GB/s per "
-        "chip) is assumed.",
+        "chip) is assumed. Each chip connects to its host through PCIe Gen5 (x16 assumed: 64 "
+        "GB/s per direction).", _PCIE5,
     ),
     "h100": _gpu(
         "h100", 989e12, 80 * 10**9, 3.35e12, 900e9 / 2, 400e9 / 8,
         "NVIDIA H100 SXM datasheet: 989 TFLOP/s dense bf16, 80 GB HBM3 at 3.35 TB/s, NVLink "
         "900 GB/s (bidirectional) within an 8-GPU node; one 400 Gb/s InfiniBand NDR adapter "
-        "per GPU (DGX H100) between nodes.",
+        "per GPU (DGX H100) between nodes; PCIe Gen5 x16 to the host.", _PCIE5,
     ),
     "a100": _gpu(
         "a100", 312e12, 80 * 10**9, 2.039e12, 600e9 / 2, 200e9 / 8,
         "NVIDIA A100 SXM 80GB datasheet: 312 TFLOP/s dense bf16, 80 GB HBM2e at 2039 GB/s, "
         "NVLink 600 GB/s (bidirectional) within an 8-GPU node; one 200 Gb/s InfiniBand HDR "
-        "adapter per GPU (DGX A100, Selene) between nodes.",
+        "adapter per GPU (DGX A100, Selene) between nodes; PCIe Gen4 x16 to the host.", _PCIE4,
     ),
 }  # fmt: skip
 """The built-in profiles by name: TPU v4, v5e, v5p and v6e, H100 and A100 (SXM, 8 per node). The

@@ -96,6 +96,7 @@ class Costs:
     bytes_accessed: float = 0.0  # memory read and written by each kernel, loops per trip
     roofline: tuple[tuple[float, float], ...] = ()  # (FLOPs, bytes) of kernels of like intensity
     kernel_flops: float = 0.0  # the share of ``flops`` in kernels XLA does not see (Pallas)
+    host_bytes: float = 0.0  # moved between host memory and the device (offloaded activations)
 
 
 @dataclasses.dataclass
@@ -293,7 +294,7 @@ class _Walker(hlo_bytes.KernelBytes):
         self.num_devices = int(np.prod(list(self.mesh_shape.values()), dtype=np.int64))
         self.shapes = {i.name: i.shape for insts in comps.values() for i in insts}
         self.unknown_trips = 0
-        self.kernel_flops = Fraction(0)
+        self.kernel_flops, self.host_moved = Fraction(0), Fraction(0)
         self.caller = {i.name: c for c, insts in comps.items() for i in insts}
 
     def visit(self, comp, mult, cond, applied, out, kernels=None, fused=False):
@@ -317,6 +318,7 @@ class _Walker(hlo_bytes.KernelBytes):
         op = inst.op.removesuffix("-start")
         if inst.op.endswith("-done"):
             return _ZERO
+        self.host_moved += mult * self.host_bytes(inst)
         if op in COLLECTIVES:
             out.append(self.collective(inst, op, mult, cond, op_name))
             return _ZERO
@@ -489,5 +491,5 @@ def analyze(text: str, mesh_shape: dict[str, int]) -> Costs:
     return Costs(
         float(flops), float(matmul), float(trans), tuple(out), walker.unknown_trips,
         bytes_accessed=float(sum(b for _, b in roofline)), roofline=roofline,
-        kernel_flops=float(walker.kernel_flops),
+        kernel_flops=float(walker.kernel_flops), host_bytes=float(walker.host_moved),
     )  # fmt: skip

@@ -48,6 +48,34 @@ _NO_BYTES = frozenset(
 _SLICES = frozenset({"dynamic-slice", "slice", "gather"})
 
 
+_HOST = re.compile(r"[a-z][a-z0-9]*\[[\d,]*\]\{[^}]*S\(5\)\}")  # an array in host memory
+_HOST_MOVES = frozenset({"dynamic-update-slice", "dynamic-slice", "copy", "slice"})
+
+
+def in_host_memory(shape: str) -> bool:
+    """Whether the (first) array of an HLO shape lives in host memory (memory space 5: JAX's
+    ``pinned_host``), as the TPU compiler lays out offloaded activations.
+
+    >>> in_host_memory("f32[8,1024]{1,0:T(8,128)S(5)}"), in_host_memory("f32[8]{0}")
+    (True, False)
+    """
+    first = _ARRAY_LAYOUT.search(shape)
+    return bool(first) and bool(_HOST.fullmatch(first.group(0)))
+
+
+_ARRAY_LAYOUT = re.compile(r"[a-z][a-z0-9]*\[[\d,]*\](\{[^}]*\})?")
+
+
+def _result(inst: object) -> str:
+    """The shape of what an instruction makes: an asynchronous ``-start``'s shape is a tuple,
+    ``(result, operand, context)`` for a copy, ``((operands...), result, context)`` else."""
+    if not inst.op.endswith("-start"):
+        return inst.shape
+    arrays = [m.group(0) for m in _ARRAY_LAYOUT.finditer(inst.shape)]
+    k = 0 if inst.op == "copy-start" else len(inst.operands)
+    return arrays[k] if len(arrays) > k else ""
+
+
 class KernelBytes:
     """The byte counting of `hlo._Walker`: ``self.comps`` (computations' instructions) and
     ``self.shapes`` (each instruction's shape)."""
@@ -59,12 +87,27 @@ class KernelBytes:
         """Bytes an unfused instruction reads and writes (none for bookkeeping ones)."""
         if inst.op in _NO_BYTES:
             return 0
-        if inst.op == "dynamic-update-slice":  # in place: the update read and written
+        op = inst.op.removesuffix("-start")  # an asynchronous one counts as its synchronous one
+        if op == "dynamic-update-slice":  # in place: the update read and written
             return 2 * shape_bytes(self.shapes.get(inst.operands[1], ""))
-        if inst.op in ("dynamic-slice", "slice"):
-            return 2 * shape_bytes(inst.shape)
+        if op in ("dynamic-slice", "slice") or inst.op == "copy-start":
+            return 2 * shape_bytes(_result(inst))
         operands = sum(shape_bytes(self.shapes.get(o, "")) for o in inst.operands)
         return shape_bytes(inst.shape) + operands
+
+    def host_bytes(self, inst: object) -> int:
+        """Bytes an instruction moves between host and device memory: an update written into a
+        buffer in host memory, a slice or copy read out of one, a copy into one (and their
+        asynchronous ``-start`` forms)."""
+        op = inst.op.removesuffix("-start")
+        if op not in _HOST_MOVES or not inst.operands:
+            return 0
+        source = in_host_memory(self.shapes.get(inst.operands[0], ""))
+        if op == "dynamic-update-slice":
+            update = self.shapes.get(inst.operands[1], "") if len(inst.operands) > 1 else ""
+            return shape_bytes(update) if source and not in_host_memory(update) else 0
+        result = _result(inst)
+        return shape_bytes(result) if source != in_host_memory(result) else 0
 
     def fusion_bytes(self, inst: object, comp: str) -> int:
         """Bytes a fusion reads and writes: its output and operands, where an operand only

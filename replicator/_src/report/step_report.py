@@ -40,6 +40,8 @@ class Memory:
       aliased: output bytes that reuse donated argument buffers (``Replicator.run`` donates the
         state, so a step's new state takes the old one's place).
       generated_code: the compiled code.
+      host: bytes the program keeps in its host's memory (``pinned_host``: offloaded
+        activations), which ``peak`` does not count.
     """
 
     arguments: int
@@ -47,6 +49,7 @@ class Memory:
     temporaries: int
     aliased: int
     generated_code: int
+    host: int = 0
 
     @property
     def peak(self) -> int:
@@ -88,6 +91,8 @@ class StepReport:
         divides by them, and which operations of the optimizer, if any, gather.
       kernel_flops: the share of ``flops`` in kernels XLA's cost analysis does not see (Pallas
         kernels such as splash attention), from the work each names in its scope.
+      host_bytes: bytes moved between the host's memory and the device per step, loops per
+        trip (offloaded activations written in the forward pass and read back in the backward).
       target: for a step compiled for a TPU target (`replicator.tpu_devices`), what it means
         on that TPU (`TargetReport`: HBM and ``fits``, ``step_seconds``, ``xla_seconds``, MFU);
         None on other devices. In ``to_json()`` its keys stand at the top level.
@@ -112,6 +117,7 @@ class StepReport:
     zero: tuple[ZeroNote, ...] = ()
     target: TargetReport | None = None
     kernel_flops: float = 0.0
+    host_bytes: float = 0.0
 
     @property
     def collective_bytes(self) -> float:
@@ -226,6 +232,8 @@ def _renderable(r: StepReport):
     rows = [("arguments (state + batch)", m.arguments), ("outputs", m.outputs),
             ("aliased (donated state reused)", m.aliased), ("temporaries", m.temporaries),
             ("peak (arguments + outputs - aliased + temporaries)", m.peak)]  # fmt: skip
+    if m.host:
+        rows.append(("in host memory (offloaded; not in the peak)", m.host))
     for what, n in rows + _held_rows(r.pipelines):
         mem.add_row(what, format_bytes(n))
     compute = Table(title="compute per device", title_justify="left", show_header=False)
@@ -237,6 +245,8 @@ def _renderable(r: StepReport):
         compute.add_row("of which in Pallas kernels (not seen by XLA)", f"{r.kernel_flops:.4g}")
     compute.add_row("transcendentals", f"{r.transcendentals:.4g}")
     compute.add_row("bytes read and written by the kernels", format_bytes(r.bytes_accessed))
+    if r.host_bytes:
+        compute.add_row("bytes moved between host and device", format_bytes(r.host_bytes))
     if r.xla_flops is not None:
         compute.add_row("XLA cost_analysis FLOPs (loop bodies once)", f"{r.xla_flops:.4g}")
     coll = Table(title="collectives per device per step", title_justify="left")
@@ -365,7 +375,9 @@ def report(
         temporaries=int(stats.temp_size_in_bytes),
         aliased=int(stats.alias_size_in_bytes),
         generated_code=int(stats.generated_code_size_in_bytes),
-    )
+        host=sum(int(getattr(stats, f"host_{k}_size_in_bytes", 0) or 0) for k in
+                 ("argument", "output", "temp")) - int(getattr(stats, "host_alias_size_in_bytes", 0) or 0),
+    )  # fmt: skip
     text = compiled.as_text()
     costs = hlo.analyze(text, mesh_shape)
     try:
@@ -392,6 +404,7 @@ def report(
         roofline=costs.roofline,
         zero=tuple(zero),
         kernel_flops=costs.kernel_flops,
+        host_bytes=costs.host_bytes,
     )
     if target is None:
         return result

@@ -9,6 +9,7 @@ This module adds the chip's figures (`hardware.HARDWARE_PROFILES`, each with its
   collective's wire bytes at the ICI bandwidth (DCN across slices), and the pipelines' idle
   ticks; the data axes' collectives (gradient reductions, ZeRO's gathers) overlap compute, as
   the TPU compiler's asynchronous collectives let them, and every other collective is exposed;
+  activations offloaded to host memory move at the chip's host link, and overlap compute too;
 * ``xla_seconds``: XLA's own estimate, ``cost_analysis()["optimal_seconds"]``. It counts each
   loop body once, as its FLOPs do; a program with loops has it scaled by the FLOPs counted per
   trip over XLA's FLOPs (``xla_seconds_how`` says which). It does not see into Pallas kernels
@@ -54,6 +55,10 @@ class TargetReport:
       mfu: ``model_flops / (step_seconds * peak_flops)``.
       xla_mfu: ``model_flops / (xla_seconds * peak_flops)``.
       hardware: the profile's name, e.g. ``"tpu-v5p"``.
+      host_bytes: what the step keeps in its host's memory per chip (offloaded activations).
+      host_transfer_bytes: bytes moved between host and chip per step.
+      host_seconds: those bytes at the chip's host link (``Hardware.host_bandwidth``), before
+        overlap; the transfers are asynchronous and hide behind compute with the collectives.
     """
 
     target: str
@@ -76,6 +81,9 @@ class TargetReport:
     mfu: float | None
     xla_mfu: float | None
     hardware: str
+    host_bytes: int = 0
+    host_transfer_bytes: float = 0.0
+    host_seconds: float = 0.0
 
 
 def _xla_seconds(optimal: float | None, flops: float, xla_flops: float | None,
@@ -131,6 +139,8 @@ def target_report(report, target: targets.Target, *, optimal_seconds: float | No
         ici_seconds=time.ici, dcn_seconds=time.dcn, hidden_seconds=time.hidden,
         xla_seconds=xla, xla_seconds_how=how, model_flops=model_flops,
         mfu=mfu(time.total), xla_mfu=mfu(xla), hardware=hw.name,
+        host_bytes=report.memory.host, host_transfer_bytes=report.host_bytes,
+        host_seconds=time.host,
     )  # fmt: skip
 
 
@@ -155,6 +165,12 @@ def lines(t: TargetReport, format_bytes) -> list[str]:
         f" ms, ICI {t.ici_seconds * 1e3:.3g} ms, DCN {t.dcn_seconds * 1e3:.3g} ms, of which "
         f"{t.hidden_seconds * 1e3:.3g} ms overlaps compute){mfu}"
     )
+    if t.host_bytes or t.host_transfer_bytes:
+        out.append(
+            f"host memory {format_bytes(t.host_bytes)} per chip (offloaded, not in the peak); "
+            f"{format_bytes(t.host_transfer_bytes)} between host and chip per step, "
+            f"{t.host_seconds * 1e3:.4g} ms at the host link (overlapping compute)"
+        )
     if t.xla_seconds is None:
         out.append(f"XLA's estimate: none ({t.xla_seconds_how})")
     else:

@@ -16,10 +16,10 @@ from replicator.cli.config.constants import (
     MODEL_FAMILIES,
     MODEL_KINDS,
     OWN_KIND,
-    REMAT_POLICIES,
     SCHEDULES,
     WANDB_MODES,
 )
+from replicator.pipeline import remat_policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,8 +41,13 @@ class ModelConfig:
     # gpt: what each block keeps for its backward pass (the same numbers whatever it is):
     # none (false) all its activations; full (true) its input, recomputing the block; dots the
     # outputs of its linear layers, recomputing attention's scores (Megatron-LM's selective
-    # recomputation). In a pipeline it is the engine's remat, for every schedule.
-    remat: bool | str = False
+    # recomputation); one of MaxText's presets by activation name (save_dot_except_mlpwi,
+    # save_dot_except_mlp, save_qkv_proj, save_out_proj, minimal, minimal_offloaded,
+    # qkv_proj_offloaded); or a mapping {activation: save | offload | recompute} (MaxText's
+    # remat_policy=custom; offload keeps it in host memory), e.g.
+    #   remat: {decoder_layer_input: offload, query_proj: offload, out_proj: save}
+    # In a pipeline it is the engine's remat, for every schedule (no offload there).
+    remat: bool | str | dict = False
     # gpt: attention over a `context` axis (the sequence split over it): ring (each device's
     # keys and values passed round the axis) or all_to_all (DeepSpeed-Ulysses: the heads split
     # over it instead, heads / mesh.model a multiple of mesh.context); the same numbers.
@@ -121,11 +126,8 @@ class ModelConfig:
         one_of(self, "dtype", DTYPES, what="a compute dtype")
         if self.reduce_dtype is not None:
             one_of(self, "reduce_dtype", DTYPES, what="a dtype to reduce gradients in (or null)")
-        if not isinstance(self.remat, bool) and self.remat not in REMAT_POLICIES:
-            raise ValueError(
-                f"{where_of(self)}remat must be one of none, full, dots (or false = none, true = "
-                f"full); got {self.remat!r}."
-            )
+        if not isinstance(self.remat, bool):
+            remat_policy(self.remat, type(self).__name__)  # "ModelConfig: remat must be ..."
         self._check_attention_and_experts()
         if self.kind == "gpt" and self.d_model % self.heads:
             raise ValueError(

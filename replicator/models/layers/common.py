@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import replicator as rp
 from replicator._src.core import binding as binding_lib
 from replicator._src.core.mesh import MODEL_AXIS
+from replicator._src.pipeline import remat
 from replicator.models.config import GPTConfig
 
 PyTree = Any
@@ -37,16 +38,22 @@ def linears(config: GPTConfig, weights: dict) -> dict:
     return with_biases(config, weights, lambda w: jnp.zeros(w.shape[-1:], jnp.float32))
 
 
-def linear(p: dict, name: str, x: jax.Array) -> jax.Array:
-    """``x @ p[name]``, plus ``p[name + "_bias"]`` when the layer has one."""
-    y = x @ p[name]
+def linear(p: dict, name: str, x: jax.Array, label: str | None = None) -> jax.Array:
+    """``x @ p[name]``, plus ``p[name + "_bias"]`` when the layer has one; the product named
+    ``label`` for the remat policies by name (`remat.ACTIVATIONS`)."""
+    y = _named(x @ p[name], label)
     return y + p[f"{name}_bias"] if f"{name}_bias" in p else y
 
 
-def residual(x: jax.Array, p: dict, name: str, h: jax.Array) -> jax.Array:
-    """``x + h @ p[name]`` (plus its bias): a residual branch's output projection."""
-    y = x + h @ p[name]
+def residual(x: jax.Array, p: dict, name: str, h: jax.Array, label: str | None = None):
+    """``x + h @ p[name]`` (plus its bias): a residual branch's output projection, the product
+    named ``label``."""
+    y = x + _named(h @ p[name], label)
     return y + p[f"{name}_bias"] if f"{name}_bias" in p else y
+
+
+def _named(y: jax.Array, label: str | None) -> jax.Array:
+    return y if label is None else remat.named(y, label)
 
 
 def is_stored(x: Any) -> bool:

@@ -21,10 +21,11 @@ def mlp_params(config: GPTConfig, key, out_key, out_std: float) -> dict:
 
 
 def mlp(p: dict, x: jax.Array, config: GPTConfig) -> jax.Array:
-    """``x`` plus the MLP of its norm (``p``: one block, in ``x.dtype``)."""
+    """``x`` plus the MLP of its norm (``p``: one block, in ``x.dtype``); its products named
+    ``mlpwi_0``, ``mlpwi_1`` (SwiGLU's gate and up) or ``mlpwi``, and ``mlpwo``."""
     y, w = norm(p["ln2"], x, config), p["mlp"]
     if config.mlp == "swiglu":
-        h = jax.nn.silu(linear(w, "gate", y)) * linear(w, "up", y)
+        h = jax.nn.silu(linear(w, "gate", y, "mlpwi_0")) * linear(w, "up", y, "mlpwi_1")
     else:
-        h = jax.nn.gelu(linear(w, "up", y))
-    return residual(x, w, "down", h)
+        h = jax.nn.gelu(linear(w, "up", y, "mlpwi"))
+    return residual(x, w, "down", h, "mlpwo")

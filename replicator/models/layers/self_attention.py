@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 import replicator as rp
+from replicator._src.pipeline import remat
 from replicator._src.sharded import attention as attention_lib
 from replicator._src.sharded import splash
 from replicator.models.config import GPTConfig
@@ -40,16 +41,21 @@ def _qkv(p: dict, x: jax.Array, config: GPTConfig) -> tuple[jax.Array, jax.Array
     b, s, _ = x.shape
     nh, hd = config.num_heads, config.head_dim
     if config.num_kv_heads is None:
-        qkv = linear(p, "qkv", x)
+        qkv = linear(p, "qkv", x, "qkv_proj")
         # Columns grouped by head, [head, (q, k, v), head_dim] (Megatron's order): a contiguous
         # split of them over devices gives each device whole heads.
         return jnp.split(qkv.reshape(b, s, nh, 3 * hd), 3, axis=-1)  # no transpose
-    heads = lambda name, n: linear(p, name, x).reshape(b, s, n, hd)  # head-major columns
+    heads = lambda name, n: linear(p, name, x, _LABELS[name]).reshape(b, s, n, hd)  # by head
     return heads("q", nh), heads("k", config.kv_heads), heads("v", config.kv_heads)
 
 
+_LABELS = {"q": "query_proj", "k": "key_proj", "v": "value_proj"}
+
+
 def attend(p: dict, x: jax.Array, config: GPTConfig) -> jax.Array:
-    """``x`` plus causal self-attention of its norm (``p``: one block, in ``x.dtype``)."""
+    """``x`` plus causal self-attention of its norm (``p``: one block, in ``x.dtype``); its
+    activations named for the remat policies by name (``query_proj``, ``key_proj``,
+    ``value_proj`` or ``qkv_proj``, ``context``, ``out_proj``)."""
     if heads_first(config):
         return _attend_heads_first(p, x, config)
     b, s, d = x.shape
@@ -63,7 +69,7 @@ def attend(p: dict, x: jax.Array, config: GPTConfig) -> jax.Array:
     else:  # grouped-query attention: K/V travel with their own heads (replicator.attention)
         order = layout(config, s)
         attn = attention_lib.attention(q, k, v, causal=True, impl=config.attention, layout=order)
-    return residual(x, p["attn"], "out", attn.reshape(b, s, d))
+    return residual(x, p["attn"], "out", remat.named(attn.reshape(b, s, d), "context"), "out_proj")
 
 
 def heads_first(config: GPTConfig) -> bool:
@@ -80,14 +86,15 @@ def _attend_heads_first(p: dict, x: jax.Array, config: GPTConfig) -> jax.Array:
     xn, a = norm(p["ln1"], x, config), p["attn"]
 
     def project(name: str) -> jax.Array:
-        y = jnp.einsum("bsd,hkd->bhsk", xn, a[name])
+        y = remat.named(jnp.einsum("bsd,hkd->bhsk", xn, a[name]), _LABELS[name])
         bias = a.get(f"{name}_bias")
         return y if bias is None else y + bias.reshape(-1, 1, config.head_dim)
 
     q, k, v = project("q"), project("k"), project("v")
     if config.position == "rope":
         q, k = rope(q, k, positions(config, x.shape[1]), config, heads_first=True)
-    y = x + jnp.einsum("bhsk,hkd->bsd", splash.splash_attention_heads_first(q, k, v), a["out"])
+    context = remat.named(splash.splash_attention_heads_first(q, k, v), "context")
+    y = x + remat.named(jnp.einsum("bhsk,hkd->bsd", context, a["out"]), "out_proj")
     return y + a["out_bias"] if "out_bias" in a else y
 
 
