@@ -23,13 +23,14 @@ data axis would), SGD by ``repl.wrap_optimizer``.
    all-to-all bytes against the routed rows' (the ideal). The FLOPs are linear in the capacity
    path's slots: the steps at ``capacity_factor`` 1.0 (the routed rows exactly, ``S k / E``
    slots) and 0.5 give the rest of the step and the experts' ideal. ``--root`` runs another
-   checkout's code (the figures before the sorted path). ``--target v5p-16`` explains Mixtral
-   8x7B's shapes at 2 layers for a TPU instead, MaxText's layout (``{data: 8}``, ZeRO-3,
-   expert and model 1), 8 sequences of 4,096 tokens a chip; the ideal is its formula.
+   checkout's code (the figures before a change). ``--target v5p-16`` (or ``v5p-256``,
+   ``v6e-256``) explains Mixtral 8x7B's shapes at 2 layers for a TPU instead, ZeRO-3, 8
+   sequences of 4,096 tokens a chip, on MaxText's layout (FSDP over every chip) and with a
+   4-way ``expert`` axis (`LAYOUTS`); the ideal is its formula.
 
     python benchmarks/moe.py
     python benchmarks/moe.py --experts 8 --top-k 2 --rounds 5
-    python benchmarks/moe.py --part dropless [--root OTHER_CHECKOUT] [--target v5p-16]
+    python benchmarks/moe.py --part dropless [--root OTHER_CHECKOUT] [--target v5p-16|v5p-256|v6e-256]
 """
 
 # ruff: noqa: E402  (the device count must be set before JAX starts its backend)
@@ -137,8 +138,14 @@ MIXTRAL_8X7B = [
     "model.d_model=4096", "model.layers=2", "model.heads=32", "model.kv_heads=8",
     "model.d_ff=14336", "model.vocab=32000", "model.seq_len=4096", "model.experts=8",
     "model.top_k=2", "model.dtype=bfloat16", "model.remat=full", "model.attention=splash",
-    "global_batch=64", "mesh.data=8", "mesh.expert=1", "mesh.model=1", "zero_stage=3",
+    "mesh.model=1", "zero_stage=3",
 ]  # fmt: skip
+PER_CHIP = 8  # sequences of 4,096 tokens a chip
+LAYOUTS = {  # MaxText's (FSDP over every chip), then a 4-way expert axis
+    "v5p-16": ({"data": 8, "expert": 1}, {"data": 2, "expert": 4}),
+    "v5p-256": ({"data": 128, "expert": 1}, {"data": 32, "expert": 4}),  # 8x4x4: 128 chips
+    "v6e-256": ({"data": 256, "expert": 1}, {"data": 64, "expert": 4}),
+}
 
 
 def explain(root: str, overrides: list[str], target: str | None = None) -> dict:
@@ -156,7 +163,7 @@ def explain(root: str, overrides: list[str], target: str | None = None) -> dict:
 
 
 def expert_bytes(report: dict) -> float:
-    is_a2a = lambda c: c["kind"] == "all-to-all" and c["axes"] == ["expert"]
+    is_a2a = lambda c: c["kind"].endswith("all-to-all") and c["axes"] == ["expert"]
     return sum(c["bytes"] * c["count"] for c in report["collectives"] if is_a2a(c))
 
 
@@ -176,25 +183,46 @@ def dropless_cpu(root: str) -> None:
               f"{a2a:,.0f} ({ratio}) | {ideal_bytes:,.0f} |")  # fmt: skip
 
 
-def dropless_tpu(root: str, target: str) -> None:
-    """Mixtral 8x7B at 2 layers: the experts' ideal is 3 matmuls of 2 x rows x d x f FLOPs
-    each, forward, recomputed (remat full) and twice backward; the rest of the step is the
-    dense-capacity step's FLOPs less its ``E / k`` = 4x the ideal."""
-    got = explain(root, MIXTRAL_8X7B, target)
-    rows = 64 // 8 * 4096 * 2  # a chip's tokens, top-2
+def splash_flops(heads=32, head_dim=128, seq=4096, layers=2) -> int:
+    """Splash attention's FLOPs a chip as the HLO reader counts its kernels: the forward's
+    (``4 d`` a live query-key pair a head), again under remat, 1.5x for ``dq`` and 2x for
+    ``dkv``: 5.5 forwards a layer."""
+    from replicator._src.sharded.splash import live_pairs
+
+    return int(5.5 * layers * 4 * head_dim * live_pairs(seq) * heads * PER_CHIP)
+
+
+def dropless_tpu(root: str, target: str, expert_only: bool = False) -> None:
+    """Mixtral 8x7B at 2 layers, `PER_CHIP` sequences a chip, on each of `LAYOUTS[target]`: the
+    experts' ideal is 3 matmuls of 2 x rows x d x f FLOPs each, forward, recomputed (remat
+    full) and twice backward. The experts' FLOPs are the kernels' less splash attention's
+    (`splash_flops`, the same a chip on every layout); MaxText's layout (no ``expert`` axis)
+    computes the ideal exactly, which checks that."""
+    rows = PER_CHIP * 4096 * 2  # a chip's routed rows, top-2
     ideal = 2 * 4 * 3 * 2 * rows * 4096 * 14336  # 2 layers, 4 passes, 3 matmuls
-    print(f"\n## Mixtral 8x7B at 2 layers on {target}, code of {root}: per device per step")
-    print(f"matmul FLOPs {got['matmul_flops']:.4e} (in kernels {got['kernel_flops']:.4e}), "
-          f"XLA's {got['xla_flops']:.4e}; the experts' ideal {ideal:.4e}; peak "
-          f"{got['peak_bytes'] / 2**30:.2f} GiB; MFU {got['mfu']:.1%}")  # fmt: skip
-    print(f"the rest of the step, if the experts are the ideal: {got['matmul_flops'] - ideal:.4e}")
+    print(f"\n## Mixtral 8x7B at 2 layers on {target}, code of {root}: per chip per step")
+    print(f"the experts' ideal {ideal:.4e} FLOPs ({rows:,} routed rows a chip)")
+    print("| mesh | matmul FLOPs | experts' FLOPs / ideal | expert all-to-all bytes | peak | MFU |")
+    print("|---|---|---|---|---|---|")
+    for mesh in LAYOUTS[target][expert_only:]:
+        chips = math.prod(mesh.values())
+        overrides = [*MIXTRAL_8X7B, f"global_batch={PER_CHIP * chips}"]
+        overrides += [f"mesh.{k}={v}" for k, v in mesh.items()]
+        got = explain(root, overrides, target)
+        experts = got["kernel_flops"] - splash_flops()
+        print(f"| {mesh} | {got['matmul_flops']:.4e} | {experts / ideal:.4f} | "
+              f"{expert_bytes(got):,.0f} | {got['peak_bytes'] / 2**30:.2f} GiB | "
+              f"{got['mfu']:.1%} |", flush=True)  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", choices=("report", "time", "all", "dropless"), default="all")
     parser.add_argument("--root", default=ROOT, help="the checkout whose code --part dropless runs")
-    parser.add_argument("--target", help="with --part dropless: Mixtral 8x7B's shapes on this TPU")
+    parser.add_argument("--target", choices=sorted(LAYOUTS),
+                        help="with --part dropless: Mixtral 8x7B's shapes on this TPU")  # fmt: skip
+    parser.add_argument("--expert-only", dest="expert_only", action="store_true",
+                        help="with --target: the layout with an expert axis only")  # fmt: skip
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--top-k", dest="top_k", type=int, default=2)
     parser.add_argument("--capacity", type=float, default=1.25)
@@ -208,7 +236,10 @@ def main() -> None:
     assert math.prod(MESH.values()) == 8
     print(f"jax {jax.__version__}, {len(jax.devices())} emulated CPU devices")
     if args.part == "dropless":
-        dropless_tpu(args.root, args.target) if args.target else dropless_cpu(args.root)
+        if args.target:
+            dropless_tpu(args.root, args.target, args.expert_only)
+        else:
+            dropless_cpu(args.root)
         return
     cfgs = configs(args)
     if args.part in ("report", "all"):

@@ -331,26 +331,32 @@ def test_gpt_matmul_flops_on_v5p_equal_the_cpu_programs(layers):
     assert tpu.matmul_flops > 0.5 * cpu.flops
 
 
-@pytest.mark.slow  # 2 compiles, 10-20 s each
+@pytest.mark.slow  # 2 compiles (tied), 1 (untied), 10-20 s each
 @pytest.mark.parametrize("tied", [False, True])
 def test_llama_zero3_on_v5p_reduces_in_bf16_and_looks_up_without_the_table(tied):
     """Llama (bf16 compute, ZeRO-3 over 4 chips of v5p-8) read from the TPU program: with
     ``model.reduce_dtype=bfloat16`` the gradients' reduce-scatters carry half the bytes of fp32's
-    (the tied head's gather of the token table too) and nothing else moves more; the token
-    table, split by columns (``gpt.zero_split``), is never gathered for the lookup: its
-    all-to-all carries each replica's ``n D`` activations."""
+    (the tied head's gather of the token table too: the tied model is compiled both ways, the
+    untied one in bf16 only) and nothing else moves more; the token table, split by columns
+    (``gpt.zero_split``), is never gathered for the lookup: its all-to-all carries each
+    replica's ``n D`` activations."""
     args = ["model.kind=llama", "model.dtype=bfloat16", "model.d_model=256", "model.heads=8",
             "model.seq_len=256", "model.layers=2", "model.vocab=4096", "zero_stage=3",
             "global_batch=8", f"model.tie_embeddings={str(tied).lower()}"]  # fmt: skip
     reports = {}
-    for reduce in ("null", "bfloat16"):
+    for reduce in ("null", "bfloat16") if tied else ("bfloat16",):
         cfg = config_lib.load(ROOT / "configs/lm_dp.yaml", [*args, f"model.reduce_dtype={reduce}"])
         repl, step_fn, state, batch = jobs.abstract_job(cfg, devices=rp.tpu_devices("v5p-8"))
         reports[reduce] = repl.explain(step_fn, state, batch)
-    fp32, bf16 = reports["null"], reports["bfloat16"]
+    bf16 = reports["bfloat16"]
     scatter = lambda r: r.bytes_by(kind="reduce-scatter", axes=("data",))
-    assert scatter(fp32) > 0 and scatter(bf16) == pytest.approx(0.5 * scatter(fp32), rel=0.02)
-    assert bf16.collective_bytes < fp32.collective_bytes
+    if tied:  # every gradient, the token table's as the head's too, scattered in half the bytes
+        fp32 = reports["null"]
+        assert scatter(fp32) > 0 and scatter(bf16) == pytest.approx(0.5 * scatter(fp32), rel=0.02)
+        assert bf16.collective_bytes < fp32.collective_bytes
+    else:  # bf16 on the wire: 2 bytes a gradient element, a quarter of each on a replica
+        params = 4096 * 256 * 2 + 2 * (4 * 256 * 256 + 3 * 256 * 1024)  # table, head, 2 layers
+        assert scatter(bf16) == pytest.approx(2 * params * 3 / 4, rel=0.05), scatter(bf16)
     for r in reports.values():  # of the [4096, 256] weights only the head's is gathered whole
         whole = [c for c in r.collectives if c.kind == "all-gather" and c.bytes >= 4096 * 256 * 2]
         assert [(c.bytes, c.count) for c in whole] == [(4096 * 256 * 2, 1)], whole
@@ -421,6 +427,8 @@ BIG = {
     "gpt_7b5": ("v5p-16", [*NARROW, "zero_stage=1", "model.remat=full", "global_batch=8"]),
     # remat full (as shipped it peaks over the HBM), one sequence a chip
     "llama3_8b": ("v5p-16", [*NARROW, "model.kv_heads=1", "model.remat=full", "global_batch=8"]),
+    # MaxText's v6e-256 layout (ZeRO-3 over 64 chips x a 4-way expert axis), one sequence a chip
+    "mixtral_8x22b": ("v6e-256", [*NARROW, "model.kv_heads=1", "global_batch=256"]),
 }
 CONFIGS = sorted(p.stem for p in (ROOT / "configs").glob("*.yaml"))
 

@@ -17,15 +17,17 @@ group on every row (``E`` times the work), so the CPU runs a loop over row tiles
 (megablox's schedule: each tile once per group it meets, at most ``ceil(R / T) + E - 1``
 tile-visits), whose FLOPs the compiled program counts.
 
-**Expert parallelism.** Over an ``expert`` axis of ``N`` devices, a device sends each device the
-run of rows of that device's experts (``send_sizes``, counted from the sorted rows), and the
-counts go first (an ``all_to_all`` of ``[N, E / N]`` ints). The receive buffer has ``N``
-chunks of ``R`` rows, one for each sender: every routed row of every device may choose one
-device's experts, so nothing smaller drops nothing (MaxText sizes its buffer the same way). The
-received rows are sorted again by local expert, run through the grouped matmul, and sent back.
-On a TPU the rows travel by ``jax.lax.ragged_all_to_all``, which sends only the routed rows;
-XLA:CPU has no ``ragged-all-to-all`` (``UNIMPLEMENTED``; the jax releases: `compat`), so there
-(and elsewhere) each chunk travels whole in an ``all_to_all`` (``N`` times the routed rows' bytes).
+**Expert parallelism.** Over an ``expert`` axis of ``N`` devices, each device's sorted rows
+go to the devices holding their experts and back in rounds of bounded receive buffers
+(`replicator._src.sharded.exchange`): round 0 receives ``receive_factor`` times a device's
+routed rows, and what overflows follows in rounds of ``R / 32`` rows until none is left, so
+no row is ever dropped and the program's buffers are not sized for every device sending one
+device every row. On a TPU the rows travel by ``jax.lax.ragged_all_to_all``; XLA:CPU has no
+``ragged-all-to-all``, so there each chunk travels whole in an ``all_to_all``.
+
+**A ``model`` axis.** The experts' hidden units split over ``model`` are mapped by hand
+(`_over_model`, Megatron's MLP: one sum over ``model`` after ``down``), so that the grouped
+matmuls stay kernels, ``tgmm`` for ``dw`` included.
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from replicator._src.core import binding as binding_lib
-from replicator._src.core import collectives
-from replicator._src.core.mesh import EXPERT_AXIS
+from replicator._src.core.mesh import MODEL_AXIS
+from replicator._src.sharded import exchange
 from replicator._src.sharded.routing import Choices
 
 KERNEL_FLOPS = "replicator_kernel_flops_{}"  # read by report/hlo.py, as splash attention's
@@ -54,11 +56,19 @@ def _platform() -> str:
 
 
 def apply(
-    experts: dict, x: jax.Array, choices: Choices, *, num_experts: int, activation, n: int
+    experts: dict,
+    x: jax.Array,
+    choices: Choices,
+    *,
+    num_experts: int,
+    activation,
+    n: int,
+    receive_factor: float = 1.05,
 ) -> jax.Array:
     """``[G, S, D]``: each token's token-choices' expert outputs times their gates, summed (the
     capacity path's result when nothing is dropped). ``experts``: this device's ``num_experts /
-    n`` experts, ``n`` the devices of ``expert``."""
+    n`` experts, ``n`` the devices of ``expert``, over which round 0 of the rows' exchange
+    receives ``receive_factor`` times a device's routed rows (`exchange`)."""
     g, s, d = x.shape
     expert = choices.expert.reshape(-1)  # [R]: group-major, then priority order
     token = (jnp.arange(g, dtype=jnp.int32)[:, None] * s + choices.token).reshape(-1)
@@ -68,7 +78,9 @@ def apply(
     if n == 1:
         out = ffn(experts, rows, sizes, activation)
     else:
-        out = _expert_parallel(experts, rows, sizes, activation, n)
+        b, b2 = exchange.buffers(rows.shape[0], n, receive_factor)
+        mlp = functools.partial(ffn, activation=activation)
+        out = exchange.exchange(mlp, experts, rows, sizes, n=n, b=b, b2=b2)
     out = out[_inverse(order)].reshape(g, -1, d)  # priority order again
     weight = choices.gate.astype(out.dtype)
     return jnp.sum((out * weight[..., None]).reshape(g, -1, s, d), axis=1)
@@ -84,18 +96,50 @@ def _inverse(order: jax.Array) -> jax.Array:
 
 def ffn(experts: dict, rows: jax.Array, sizes: jax.Array, activation) -> jax.Array:
     """Each expert's MLP on its run of ``rows`` (``[R, D]``, sorted by expert, ``sizes[e]``
-    rows of expert ``e``; rows past ``sum(sizes)`` give zeros)."""
-    ids = jnp.repeat(
-        jnp.arange(sizes.shape[0], dtype=jnp.int32), sizes, total_repeat_length=rows.shape[0]
-    )
-    past = jnp.arange(rows.shape[0]) >= jnp.sum(sizes)
-    bias = lambda name: jnp.where(past[:, None], 0, experts[name][ids]) if name in experts else 0
-    h = grouped_matmul(rows, experts["up"], sizes) + bias("up_bias")
+    rows of expert ``e``; rows past ``sum(sizes)`` give zeros). With a ``model`` axis left to
+    XLA that divides the hidden units, mapped by hand over it (`_over_model`)."""
+    inner = {k: v for k, v in experts.items() if k != "down_bias"}
+    m = _left_to_xla().get(MODEL_AXIS, 1)
+    if m > 1 and experts["up"].shape[-1] % m == 0:
+        out = _over_model(inner, rows, sizes, activation)
+    else:
+        out = _mlp(inner, rows, sizes, activation)
+    return out + _bias(experts, "down_bias", sizes, rows.shape[0])
+
+
+def _bias(experts: dict, name: str, sizes: jax.Array, r: int):
+    """``[R, N]``: each row's expert's bias ``name`` (zeros past ``sum(sizes)``), or 0."""
+    if name not in experts:
+        return 0
+    ids = jnp.repeat(jnp.arange(sizes.shape[0], dtype=jnp.int32), sizes, total_repeat_length=r)
+    return jnp.where((jnp.arange(r) >= jnp.sum(sizes))[:, None], 0, experts[name][ids])
+
+
+def _mlp(experts: dict, rows: jax.Array, sizes: jax.Array, activation) -> jax.Array:
+    """`ffn` less its ``down_bias``."""
+    h = grouped_matmul(rows, experts["up"], sizes) + _bias(experts, "up_bias", sizes, len(rows))
     if "gate" in experts:
         h = activation(grouped_matmul(rows, experts["gate"], sizes)) * h
     else:
         h = activation(h)
-    return grouped_matmul(h, experts["down"], sizes) + bias("down_bias")
+    return grouped_matmul(h, experts["down"], sizes)
+
+
+_BY_HIDDEN = {"gate": P(None, None, MODEL_AXIS), "up": P(None, None, MODEL_AXIS),
+              "up_bias": P(None, MODEL_AXIS), "down": P(None, MODEL_AXIS, None)}  # fmt: skip
+
+
+def _over_model(experts: dict, rows: jax.Array, sizes: jax.Array, activation) -> jax.Array:
+    """`_mlp` with each expert's hidden units split over ``model`` (Megatron's MLP): each
+    device its part of ``up`` and ``gate``'s columns and ``down``'s rows; their partial
+    outputs summed over ``model`` (by XLA, outside the map). Mapped by hand, so that the
+    grouped matmuls stay kernels (XLA cannot partition a Pallas kernel: ``ragged_dot``'s own
+    ``dw`` computes every expert densely)."""
+    local = lambda experts, rows, sizes: _mlp(experts, rows, sizes, activation)[None]
+    specs = ({k: _BY_HIDDEN[k] for k in experts}, P(), P())
+    parts = jax.shard_map(local, in_specs=specs, out_specs=P(MODEL_AXIS), axis_names={MODEL_AXIS},
+                          check_vma=False)(experts, rows, sizes)  # fmt: skip
+    return jnp.sum(parts, axis=0)
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
@@ -250,63 +294,3 @@ def _tiled_bwd(tile, res, dy):
 
 
 _tiled.defvjp(_tiled_fwd, _tiled_bwd)
-
-
-# -- over the `expert` axis ----------------------------------------------------------------------
-
-
-def _expert_parallel(experts, rows, sizes, activation, n):
-    """This device's sorted ``rows`` (``[R, D]``, ``sizes`` of each of the E experts) through
-    the experts of every device of ``expert`` and back, in the same order."""
-    r = rows.shape[0]
-    e_local = _num_experts(experts)  # this device's experts
-    counts = sizes.reshape(n, e_local)
-    send = jnp.sum(counts, axis=1)  # rows for each device
-    offsets = jnp.cumsum(send) - send
-    got = collectives.all_to_all(counts, EXPERT_AXIS, split=0, concat=0)  # [N senders, E/N]
-    recv = jnp.sum(got, axis=1)
-    buffer = _send(rows, offsets, send, recv, r, n)  # [N * R, D]: chunk i from device i
-    # each chunk holds its sender's rows sorted by expert: the local expert of every row
-    ends = jnp.cumsum(got, axis=1)
-    at = jnp.arange(r, dtype=jnp.int32)
-    local = jax.vmap(lambda e: jnp.searchsorted(e, at, side="right"))(ends).reshape(-1)
-    order = jnp.argsort(local, stable=True)  # by local expert, the unused rows last
-    out = ffn(experts, buffer[order], jnp.sum(got, axis=0), activation)
-    out = out[_inverse(order)]
-    back = collectives.all_to_all(offsets[:, None], EXPERT_AXIS, split=0, concat=0)[:, 0]
-    return _send_back(out, back, recv, send, r, n)
-
-
-def _ragged() -> bool:
-    """Whether the rows travel by ``ragged_all_to_all``: on a TPU (the one compiled here)."""
-    return _platform() == "tpu"
-
-
-def _send(rows, offsets, send, recv, r, n):
-    """``[N * R, D]``: chunk ``i`` holds the ``recv[i]`` rows device ``i`` sent here, then
-    zeros; device ``j`` was sent ``rows[offsets[j]:offsets[j] + send[j]]``."""
-    me = lax.axis_index(EXPERT_AXIS)
-    if _ragged():
-        out = jnp.zeros((n * r, rows.shape[1]), rows.dtype)
-        where = jnp.full((n,), me * r, jnp.int32)
-        return lax.ragged_all_to_all(rows, out, offsets, send, where, recv, axis_name=EXPERT_AXIS)
-    at = jnp.arange(r)
-    index = offsets[:, None] + at  # [N, R]
-    packed = jnp.where((at < send[:, None])[..., None], rows[jnp.minimum(index, r - 1)], 0)
-    return collectives.all_to_all(packed, EXPERT_AXIS, split=0, concat=0).reshape(n * r, -1)
-
-
-def _send_back(out, back, recv, send, r, n):
-    """The inverse of `_send`: ``[R, D]``, the rows of ``out``'s chunks returned to their
-    senders, in the senders' order (``back[i]``: where device ``i``'s rows for this device
-    began among its sorted rows)."""
-    if _ragged():
-        dest = jnp.zeros((r, out.shape[1]), out.dtype)
-        starts = jnp.arange(n, dtype=jnp.int32) * r
-        return lax.ragged_all_to_all(out, dest, starts, recv, back, send, axis_name=EXPERT_AXIS)
-    chunks = collectives.all_to_all(out.reshape(n, r, -1), EXPERT_AXIS, split=0, concat=0)
-    offsets = jnp.cumsum(send) - send
-    at = jnp.arange(r)
-    device = jnp.searchsorted(jnp.cumsum(send), at, side="right")
-    device = jnp.minimum(device, n - 1)
-    return chunks[device, at - offsets[device]]

@@ -32,8 +32,9 @@ devices, the experts' weights are split over it by expert (`partition_specs`), a
 each data replica are split over it too: a device routes its ``G / N`` groups, sends each
 expert's rows to the device holding that expert (one ``all_to_all``), runs its ``E / N``
 experts on every device's rows, and sends the results back (a second ``all_to_all``). Dropless,
-the rows sent are the routed ones (``ragged_all_to_all`` on a TPU; on XLA:CPU, which has none,
-whole chunks sized for the worst case).
+the rows sent are the routed ones, in rounds whose receive buffers hold about a device's share
+(``Routing.receive_factor``) and an exact overflow round for the rest
+(`replicator._src.sharded.exchange`).
 
 **Exact on every mesh.** A group is never split over devices, and what happens to a token
 depends only on its own group. So on any mesh, and for any split of the batch over data
@@ -241,7 +242,8 @@ def _local(router, experts, x, *, routing, activation, dtype, n):
     ``n`` devices of ``expert`` when ``n > 1``), run its experts, and combine."""
     choices, stats = route(router, x, routing)
     if routing.capacity_factor is None:  # the routed rows only, sorted by expert
-        kwargs = dict(num_experts=routing.num_experts, activation=activation, n=n)
+        kwargs = dict(num_experts=routing.num_experts, activation=activation, n=n,
+                      receive_factor=routing.receive_factor)  # fmt: skip
         return dropless.apply(experts, x.astype(dtype), choices, **kwargs), stats
     c = routing.capacity(x.shape[1])
     buffer = _dispatch(x.astype(dtype), choices, routing.num_experts, c)  # [G, E, C, D]

@@ -35,6 +35,10 @@ class Routing:
       capacity_factor: the slots of each expert in each group, relative to an even share of the
         group's token-choices (`capacity`); None gives every expert room for the whole group,
         so that no token is ever dropped.
+      receive_factor: dropless (``capacity_factor=None``) over an ``expert`` axis: the rows
+        each device receives in the first all-to-all round, relative to its balanced share (the
+        routed rows of a device); rows past that follow in smaller overflow rounds, exactly.
+        At least 1.0: a larger buffer makes overflow rounds rarer and counts more FLOPs.
 
     >>> from replicator import moe
     >>> routing = moe.Routing(num_experts=8, top_k=2)
@@ -50,6 +54,7 @@ class Routing:
     num_experts: int
     top_k: int = 1
     capacity_factor: float | None = 1.25
+    receive_factor: float = 1.05
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k"):
@@ -71,6 +76,13 @@ class Routing:
             raise ValueError(
                 f"moe.Routing: capacity_factor must be a positive number, or None to never drop "
                 f"a token; got {cf!r} (e.g. capacity_factor=1.25)."
+            )
+        rf = self.receive_factor
+        if isinstance(rf, bool) or not isinstance(rf, numbers.Real) or not 1 <= rf < math.inf:
+            raise ValueError(
+                f"moe.Routing: receive_factor must be a number >= 1 (the first round's receive "
+                f"buffer against a device's share of the rows); got {rf!r} (e.g. "
+                f"receive_factor=1.05)."
             )
 
     def capacity(self, group_size: int) -> int:
