@@ -28,6 +28,7 @@ LAYOUTS = [
     rp.planner.Layout(data=2, stage=4, schedule="1f1b", microbatches=8),
     rp.planner.Layout(data=4, stage=2, schedule="gpipe", microbatches=4, remat=True, zero_stage=1),
     rp.planner.Layout(data=8, zero_stage=3, accumulate_steps=2, remat="dots"),
+    rp.planner.Layout(data=4, model=2, zero_stage=3, remat="save_dot_except_mlpwi"),
     rp.planner.Layout(data=4, model=2, zero_stage=2, accumulate_steps=4),
     rp.planner.Layout(data=2, context=4, zero_stage=3),  # ring attention
     rp.planner.Layout(data=4, context=2, attention="all_to_all"),

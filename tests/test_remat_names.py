@@ -5,6 +5,7 @@ import dataclasses
 
 import jax
 import pytest
+from oracle import rel_err
 from test_llama import CONFIG, batches, check_against_oracle, make_repl, train
 
 import replicator as rp
@@ -30,6 +31,22 @@ def test_remat_by_name_trains_as_one_device(policy, mesh, zero_stage):
     """Three SGD steps under the policy equal three on one device with nothing recomputed."""
     config = dataclasses.replace(CONFIG, remat=policy)
     check_against_oracle(*train(make_repl(mesh), config, zero_stage=zero_stage)[:2])
+
+
+@pytest.mark.slow  # a compile per preset
+def test_every_preset_gives_one_devices_loss_and_gradients():
+    """Each of MaxText's presets (and replicator's own) computes the loss and gradients that
+    keeping everything does, on one device."""
+    params, batch = gpt.init(CONFIG, jax.random.key(3)), batches(1, seed=4)[0]
+
+    def grads(policy):
+        config = dataclasses.replace(CONFIG, remat=policy)
+        loss = lambda p: gpt.loss(p, batch["tokens"], batch["targets"], config=config)
+        return jax.jit(jax.value_and_grad(loss))(params)
+
+    want = grads("none")
+    for name in rp.pipeline.REMAT_PRESETS:
+        assert rel_err(grads(name), want) <= 1e-6, name
 
 
 def test_each_policy_keeps_what_it_names():

@@ -66,9 +66,10 @@ def add_parser(commands) -> None:
                    "columns (peak, step, MFU)")  # fmt: skip
     p.add_argument("--workers", type=int, default=None, metavar="W",
                    help="processes that compile (default: 2, or 1 on one core)")  # fmt: skip
-    p.add_argument("--overlap", type=float, default=0.0, metavar="F",
+    p.add_argument("--overlap", type=float, default=None, metavar="F",
                    help="share (0-1) of the data-axis collectives hidden behind compute "
-                   "(default 0: every collective exposed)")  # fmt: skip
+                   "(default with --target: the chip profile's, as explain's step_seconds reads a TPU "
+                   "program, whose collectives run asynchronously; else 0, every one exposed)")  # fmt: skip
     p.add_argument("--schedules", default="gpipe,1f1b,circular,interleaved,zerobubble",
                    help="pipeline schedules to try, comma-separated (default: all; circular "
                    "and interleaved with 2 virtual stages per device)")  # fmt: skip
@@ -125,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
     raw = dataclasses.asdict(cfg)
     raw.pop("learning_rate", None)  # a short form: optimizer.learning_rate holds it
     build = functools.partial(build_layout, raw, target=target)
-    timing = rp.planner.TimingOptions(overlap=args.overlap, model_flops=jobs.model_flops(cfg))
+    overlap = args.overlap if args.overlap is not None else profile.overlap * (target is not None)
+    timing = rp.planner.TimingOptions(overlap=overlap, model_flops=jobs.model_flops(cfg))
     report = rp.plan(
         build, ladders, hardware=profile, memory=budget, timing=timing, pricing=pricing,
         target=target, workers=args.workers or min(2, os.cpu_count() or 1), progress=True,
@@ -206,7 +208,7 @@ def check_args(args: argparse.Namespace) -> int:
     ):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be 1 or more{none}; got {value}.")
-    if not 0 <= args.overlap <= 1:
+    if args.overlap is not None and not 0 <= args.overlap <= 1:
         raise ValueError(
             f"--overlap must be a share from 0 to 1 (of the collectives hidden behind compute); "
             f"got {args.overlap}."
@@ -266,7 +268,9 @@ def layouts_for(cfg: TrainConfig, n: int, args: argparse.Namespace):
     planner = rp.planner
     if m.kind == "gpt":
         sizes, attention, limits = _gpt_options(m, cfg.global_batch, args)
-        search = planner.SearchOptions(schedules=schedules, zero_stages=zero, attention=attention)
+        search = planner.SearchOptions(
+            schedules=schedules, zero_stages=zero, attention=attention, remat=_remats(cfg, args)
+        )
         return planner.enumerate_layouts(n, sizes=sizes, search=search, limits=limits)
     sizes = planner.ModelSizes(global_batch=cfg.global_batch, num_layers=1)
     limits = planner.AxisLimits(max_model=1, max_stage=args.max_stage)
@@ -284,6 +288,17 @@ def layouts_for(cfg: TrainConfig, n: int, args: argparse.Namespace):
         f"model call rp.plan(build, rp.planner.enumerate_layouts(...)) with a build(layout) of "
         f"yours."
     )
+
+
+def _remats(cfg: TrainConfig, args: argparse.Namespace) -> tuple:
+    """The remat policies to try: none, dots and full; for a TPU target, MaxText's
+    ``save_dot_except_mlpwi`` too, and for a SwiGLU MLP ``save_dot_offload_mlpwi_0`` (its gate
+    projection kept in host memory), which a layout takes where HBM is short."""
+    if getattr(args, "target", None) is None:
+        return (False, "dots", True)
+    gated = jobs.gpt_config(cfg).mlp == "swiglu"
+    offload = ("save_dot_offload_mlpwi_0",) if gated else ()
+    return (False, "dots", *offload, "save_dot_except_mlpwi", True)
 
 
 def no_layouts(cfg: TrainConfig, n: int, args: argparse.Namespace) -> str:

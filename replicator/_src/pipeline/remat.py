@@ -10,7 +10,9 @@ recipe's ``remat_policy`` moves over as it is:
 - the presets MaxText users tune (`PRESETS`): ``"minimal"`` (every projection's output),
   ``"save_dot_except_mlpwi"`` (all of them but the MLP's input projections),
   ``"save_dot_except_mlp"``, ``"save_qkv_proj"``, ``"save_out_proj"``, and the two that keep
-  on the host what they save: ``"minimal_offloaded"``, ``"qkv_proj_offloaded"``;
+  on the host what they save: ``"minimal_offloaded"``, ``"qkv_proj_offloaded"``; and
+  replicator's ``"save_dot_offload_mlpwi_0"`` (``save_dot_except_mlpwi`` with the MLP's gate
+  projection kept on the host);
 - or a mapping ``{name: action}``, MaxText's ``remat_policy=custom``, each action ``"save"``
   (kept in device memory; MaxText's ``"device"``), ``"offload"`` (kept in host memory,
   ``pinned_host``: written there in the forward pass and read back in the backward pass) or
@@ -63,6 +65,9 @@ PRESETS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "save_out_proj": (("out_proj",), ()),
     "minimal_offloaded": ((), _DOTS),
     "qkv_proj_offloaded": ((), ("query_proj", "key_proj", "value_proj")),
+    # replicator's own: save_dot_except_mlpwi with the gate's projection kept on the host, so
+    # that only the up projection is computed again (what `rp.plan` tries when HBM is short)
+    "save_dot_offload_mlpwi_0": ((*_QKV, "out_proj", "mlpwo"), ("mlpwi_0",)),
 }
 
 _BUILTIN = {

@@ -14,7 +14,14 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from replicator._src.core.errors import positive_int
-from replicator._src.planner.layouts import GATED, VIRTUAL, Ladder, Layout, schedule_of
+from replicator._src.planner.layouts import (
+    GATED,
+    OFFLOADING,
+    VIRTUAL,
+    Ladder,
+    Layout,
+    schedule_of,
+)
 from replicator._src.planner.options import AxisLimits, ModelSizes, SearchOptions, fold_deprecated
 from replicator._src.planner.token_axes import token_splits
 
@@ -183,6 +190,7 @@ def _pipeline_ladders(
                     (Layout(**mesh, zero_stage=zero, schedule=schedule, microbatches=m,
                             repeats=v, remat=r),)
                     for r in search.remat
+                    if r not in OFFLOADING  # a pipeline keeps its residuals on the device
                 )  # fmt: skip
                 ladders.append(Ladder(groups))
     return ladders

@@ -24,8 +24,13 @@ SCHEDULES = ("gpipe", "1f1b", "circular", "interleaved", "zerobubble")
 # The schedules with virtual stages: ``repeats`` per device, the layers split into stage x repeats.
 VIRTUAL = ("circular", "interleaved")
 # What each layer keeps for its backward pass, least recompute first: the pipelines' and the
-# GPT's remat policies ("none", "dots", "full"), as False, "dots", True.
-REMATS = (False, "dots", True)
+# GPT's remat policies ("none", "dots", "full") as False, "dots", True, and between "dots" and
+# full the policies by activation name the planner tries (`remats.NAMED`).
+REMATS = (False, "dots", "save_dot_offload_mlpwi_0", "save_dot_except_mlpwi", True)
+# What a search tries unless told: the policies every model has.
+BASIC_REMATS = (False, "dots", True)
+# The policies that keep activations in host memory (no pipeline keeps them there).
+OFFLOADING = ("save_dot_offload_mlpwi_0",)
 ZERO_STAGES = (0, 1, 2, 3)
 # Schedules that run each stage's work under its own lax.cond: a ring's collective-permute must
 # be reached by every device, so ring attention over a context axis runs under the others only.
@@ -178,12 +183,16 @@ class Layout:
 
 
 def remat_policy(value: object, api: str) -> bool | str:
-    """``False``, ``"dots"`` or ``True`` for a remat setting (the policy names included)."""
-    named = {"none": False, "full": True, "dots": "dots", False: False, True: True}
+    """``False``, ``"dots"``, a policy by activation name or ``True`` for a remat setting (the
+    policy names included)."""
+    named = {"none": False, "full": True, False: False, True: True,
+             **{r: r for r in REMATS if isinstance(r, str)}}  # fmt: skip
     if isinstance(value, (bool, str)) and value in named:
         return named[value]
     raise ValueError(
-        f"{api}: remat must be False ('none'), 'dots' or True ('full'); got {value!r}."
+        f"{api}: remat must be False ('none'), 'dots', "
+        f"{', '.join(repr(r) for r in REMATS if isinstance(r, str) and r != 'dots')} or True "
+        f"('full'); got {value!r}."
     )
 
 

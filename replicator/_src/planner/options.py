@@ -16,7 +16,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from replicator._src.core.errors import positive_int
-from replicator._src.planner.layouts import REMATS, SCHEDULES, ZERO_STAGES, remat_policy
+from replicator._src.planner.layouts import (
+    BASIC_REMATS,
+    REMATS,
+    SCHEDULES,
+    ZERO_STAGES,
+    remat_policy,
+)
 from replicator._src.planner.model_shape import ModelShape
 from replicator._src.planner.token_axes import ATTENTIONS, MIN_CONTEXT_SEQ
 
@@ -102,8 +108,9 @@ class SearchOptions:
       accumulate_steps: accumulation steps to try without a pipeline; None: every power of 2
         that divides the replica batch.
       remat: the rematerialisation policies to try, for every schedule: ``False``
-        (``"none"``), ``"dots"``, ``True`` (``"full"``); kept in that order (least recompute
-        first), whatever the order given.
+        (``"none"``), ``"dots"``, ``"save_dot_offload_mlpwi_0"`` (not in a pipeline),
+        ``"save_dot_except_mlpwi"``, ``True`` (``"full"``); kept in that order (least
+        recompute first), whatever the order given. Default: none, dots and full.
       attention: how attention may cross a context axis: ``"ring"``, ``"all_to_all"``.
 
     Raises:
@@ -123,7 +130,7 @@ class SearchOptions:
     microbatches: Sequence[int] | None = None
     repeats: int = 2
     accumulate_steps: Sequence[int] | None = None
-    remat: Sequence[bool | str] = REMATS
+    remat: Sequence[bool | str] = BASIC_REMATS
     attention: Sequence[str] = ATTENTIONS
 
     def __post_init__(self) -> None:

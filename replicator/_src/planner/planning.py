@@ -29,6 +29,7 @@ from replicator._src.planner.options import PricingOptions, TimingOptions, fold_
 from replicator._src.planner.plan_table import renderable as _renderable
 from replicator._src.report.cost_model import ModelledTime, model_time
 from replicator._src.report.hardware import Hardware, hardware_profile, parse_bytes
+from replicator._src.report.step_report import format_bytes
 from replicator._src.sharded import kernels
 
 
@@ -87,7 +88,7 @@ class PlanReport:
       model_flops: the model's FLOPs per step (for the MFU), or None.
       ranked: the layouts that fit, fastest first.
       rejected: the others: too big (compiled or from the state alone), refused, or skipped
-        because a layout of the same ladder that does less work fits.
+        because a layout that comes before it in its ladder (priced faster, or less recomputed) fits.
       seconds: the planning's wall time.
       workers: processes that compiled (0: this process).
       priced: layouts priced from formulas before any compile (0 without ``pricing``).
@@ -386,6 +387,10 @@ def _candidates(outcomes, prices, profile, timing) -> list[Candidate]:
     """Each outcome with its modelled time, compiled and priced."""
     out = []
     for o in outcomes:
+        host = 0 if o.compiled is None else o.compiled.memory.get("host", 0)
+        if o.status == search.FITS and host > (profile.host_memory_bytes or host):
+            why = f"offloads {format_bytes(host)} per device, over the host's memory"
+            o = dataclasses.replace(o, status=search.TOO_BIG, reason=why)
         t = None if o.compiled is None else model_time(o.compiled, profile, **timing)
         p = prices.get(o.layout)
         out.append(

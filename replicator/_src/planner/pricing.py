@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from replicator._src.planner import search
+from replicator._src.planner import remats, search
 from replicator._src.planner.layouts import VIRTUAL, Ladder, Layout, schedule_of
 from replicator._src.planner.model_shape import TILE, ModelShape
 from replicator._src.report.cost_model import SKIPS_IDLE, CollectiveCost, CompiledStep, model_time
@@ -59,6 +59,9 @@ class Price:
         more a tick than is modelled: for them it is a floor (`FLOOR`).
       roofline: ``(FLOPs, HBM bytes)`` of the step's kernels by kind (the matmuls, attention,
         the memory-bound rest), as `cost_model.kernel_time` reads a compiled program's.
+      host_bytes: bytes moved between host and device a step (activations a remat policy
+        offloads: written forward, read back backward).
+      host_memory: bytes kept in host memory (those activations).
 
     >>> shape = ModelShape(num_layers=4, d_model=256, num_heads=8, kv_heads=8, head_dim=32,
     ...                    hidden=1024, vocab=256, seq_len=128, global_batch=32)
@@ -73,6 +76,8 @@ class Price:
     collectives: tuple[CollectiveCost, ...]
     peak_bytes: float = 0.0
     roofline: tuple[tuple[float, float], ...] = ()
+    host_bytes: float = 0.0
+    host_memory: float = 0.0
 
     def step(self) -> CompiledStep:
         """These figures as a compiled program's, for `cost_model.model_time`.
@@ -91,6 +96,7 @@ class Price:
             memory={"peak": int(self.peak_bytes),
                     "temporaries": int(self.peak_bytes - self.state_bytes)},
             collectives=self.collectives, idle_flops=idle, bubble=bubble, roofline=self.roofline,
+            host_bytes=self.host_bytes,
         )  # fmt: skip
 
     def to_dict(self) -> dict:
@@ -117,8 +123,10 @@ def price(layout: Layout, shape: ModelShape) -> Price:
     [('all-gather', ('data',)), ('reduce-scatter', ('data',))]
     """
     state, flops = _state_bytes(layout, shape), _flops(layout, shape)
+    host = remats.host_memory(layout, shape, _tokens(layout, shape))
     return Price(layout, state, flops, tuple(_collectives(layout, shape)),
-                 state + _working_bytes(layout, shape), _roofline(layout, shape, flops))  # fmt: skip
+                 state + _working_bytes(layout, shape), _roofline(layout, shape, flops),
+                 2 * host, host)  # fmt: skip
 
 
 def _per_device_params(layout: Layout, m: ModelShape) -> float:
@@ -188,6 +196,8 @@ def _kept(layout: Layout, m: ModelShape, remat) -> float:
     t, d, e = layout.model, m.d_model, m.compute_bytes
     if remat is True:
         return e * d
+    if remats.is_named(remat):
+        return e * remats.device_and_host(m, t, remat)[0]
     gates, rows = (2 if m.gated else 1), m.mlp_rows  # an expert's slots: rows of its own
     if remat == "dots":  # (the experts' products have a batch axis: they keep nothing)
         dense = 1 - m.moe_layers / m.num_layers
@@ -232,6 +242,9 @@ def _flops(layout: Layout, m: ModelShape) -> float:
         train += layers * tokens * (matmul - out_proj + scores)
     elif layout.remat == "dots":  # the experts' products have a batch axis: computed again
         train += layers * tokens * 2 * moe * m.expert_rows * m.mlp_params[0] / layout.model
+    elif remats.is_named(layout.remat):  # what it does not keep, and attention's kernel
+        again = remats.recomputed_params(m, layout.model, layout.remat)
+        train += layers * tokens * (2 * again + scores)
     train *= _computed_ticks(layout)
     head = 6 * tokens * m.vocab * d / layout.model  # on every stage's device
     return train + head
@@ -254,7 +267,8 @@ def _roofline(layout: Layout, m: ModelShape, flops: float) -> tuple[tuple[float,
     memory: the layers' element-wise work, the logits, the optimizer's update."""
     tokens, t = _tokens(layout, m), layout.model
     layers = m.num_layers / layout.stage * _computed_ticks(layout)
-    passes = 4 if layout.remat is True else 3  # forward, twice that backward, remat's again
+    again = layout.remat is True or remats.is_named(layout.remat)  # attention's kernel again
+    passes = 4 if again else 3  # forward, twice that backward, remat's again
     heads = m.num_heads / t
     attention = passes * layers * tokens * 4 * m.seq_len * heads * m.head_dim
     blocks = 0.0
@@ -404,8 +418,10 @@ def front_runners(ladders, model, budget, profile, timing, scale=1.0, prices=Non
 
     A ladder is dropped where even `MARGIN` of every layout's priced peak (times ``scale``:
     what compiled programs have shown of the prices) is over ``budget``.
-    In each other ladder the layouts to try are, fastest first, those whose priced peak fits
-    (GPipe's and circular's: over `FLOOR`), then the others that may: at most `TRIES`. The
+    In each other ladder the layouts to try are, at most `TRIES`: the priced fastest of those
+    that may fit; then those whose priced peak fits (GPipe's and circular's: over `FLOOR`),
+    priced fastest first (recomputing more can be faster where it moves fewer bytes); then the
+    others that may. The
     ladders are ordered by the modelled time of their first layout to try, each kind's
     fastest first (with a pipeline or not, with a ``model``, ``context`` or ``expert`` axis or
     not)."""
@@ -416,7 +432,9 @@ def front_runners(ladders, model, budget, profile, timing, scale=1.0, prices=Non
     likely = lambda lay: peak(lay) / (FLOOR if _floor_only(lay) else 1)
     dropped, ranked = [], []
     for ladder in ladders:
-        fits = [lay for lay in ladder.layouts if peak(lay) * MARGIN <= budget]
+        host = profile.host_memory_bytes
+        fits = [lay for lay in ladder.layouts if peak(lay) * MARGIN <= budget
+                and (host is None or prices[lay].host_memory <= host)]  # fmt: skip
         if not fits:
             least = min(peak(lay) for lay in ladder.layouts)
             times = "" if scale == 1 else f" (priced x {scale:.2f}, as the compiled peaks were)"
@@ -425,9 +443,13 @@ def front_runners(ladders, model, budget, profile, timing, scale=1.0, prices=Non
                                        int(prices[lay].state_bytes))
                         for lay in ladder.layouts]  # fmt: skip
             continue
+        priced = {lay: model_time(prices[lay].step(), profile, **timing).total for lay in fits}
+        fits.sort(key=priced.__getitem__)
         first = [lay for lay in fits if likely(lay) <= budget]
-        tries = (first + [lay for lay in fits if lay not in first])[:TRIES]
-        seconds = model_time(prices[tries[0]].step(), profile, **timing).total
+        # the fastest that may fit first, where it is faster than the fastest likely to
+        bolder = [lay for lay in fits[:1] if not first or priced[lay] < priced[first[0]]]
+        tries = list(dict.fromkeys(bolder + first + fits))[:TRIES]
+        seconds = priced[tries[0]]
         ranked.append((seconds, len(ranked), ladder, tries))
     ranked.sort(key=lambda r: r[:2])
     # each kind of layout's fastest ladder first (pipelined or not, with a model, context or

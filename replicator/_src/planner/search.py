@@ -171,12 +171,13 @@ class _Searcher:
         found: Layout | None = None  # the first fitting layout of an earlier group
         for group in ladder.groups:
             if found is not None:
-                # More FLOPs (remat) and no fewer bytes moved at as many accumulation steps:
-                # only fewer accumulation steps than the earlier fit can be faster.
+                # A ladder's groups come fastest first (by price where the layouts were
+                # priced, else least recomputed first): only fewer accumulation steps than
+                # the earlier fit can be faster.
                 limit = found.accumulate_steps
                 for lay in group:
                     if lay.accumulate_steps >= limit:
-                        skipped[lay] = f"{found} fits and does less work"
+                        skipped[lay] = f"{found} fits and comes first in its ladder"
                 group = tuple(lay for lay in group if lay.accumulate_steps < limit)
                 if not group:
                     continue

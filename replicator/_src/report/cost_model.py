@@ -81,6 +81,7 @@ class CompiledStep:
       bytes_accessed: memory the kernels read and write per step (`StepReport.bytes_accessed`).
       roofline: the kernels' ``(FLOPs, bytes)`` by arithmetic intensity (`StepReport.roofline`).
       host_bytes: bytes moved between host and device memory per step (`StepReport.host_bytes`).
+      kernel_flops: the share of ``flops`` in Pallas kernels (`StepReport.kernel_flops`).
     """
 
     mesh: dict[str, int]
@@ -93,6 +94,7 @@ class CompiledStep:
     bytes_accessed: float = 0.0
     roofline: tuple[tuple[float, float], ...] = ()
     host_bytes: float = 0.0
+    kernel_flops: float = 0.0
 
     @classmethod
     def from_report(cls, report: Any) -> CompiledStep:
@@ -116,6 +118,7 @@ class CompiledStep:
                 "aliased": m.aliased,
                 "temporaries": m.temporaries,
                 "peak": m.peak,
+                "host": getattr(m, "host", 0),
             },
             flops=float(report.flops),
             collectives=tuple(
@@ -128,6 +131,7 @@ class CompiledStep:
             bytes_accessed=float(getattr(report, "bytes_accessed", 0.0)),
             roofline=tuple(tuple(map(float, k)) for k in getattr(report, "roofline", ())),
             host_bytes=float(getattr(report, "host_bytes", 0.0)),
+            kernel_flops=float(getattr(report, "kernel_flops", 0.0)),
         )
 
     def to_dict(self) -> dict:
@@ -215,7 +219,8 @@ def hideable(c: CollectiveCost) -> bool:
 
 def kernel_time(step: CompiledStep, hardware: Hardware) -> float:
     """One device's compute time: each group of kernels of like intensity at the roofline,
-    ``max(FLOPs / peak_flops, bytes * seconds_per_byte)``; FLOPs at peak alone without the
+    ``max(FLOPs / (peak_flops x matmul_efficiency), bytes * seconds_per_byte)``, the Pallas
+    kernels' FLOPs at ``kernel_efficiency`` of the peak instead; FLOPs alone without the
     profile's memory bandwidth or the program's kernels.
 
     A byte costs ``1 / hbm_bandwidth``; with a cache in the profile (``cache_bytes``,
@@ -227,19 +232,27 @@ def kernel_time(step: CompiledStep, hardware: Hardware) -> float:
     >>> step = CompiledStep({"data": 1}, {}, 3e12, (), roofline=((1e12, 1e12), (2e12, 1e9)))
     >>> kernel_time(step, hw)   # 10 s memory-bound + 2 s compute-bound
     12.0
+    >>> fitted = Hardware("toy", 1e12, 2**30, 1e9, 1e8, 4, hbm_bandwidth=1e11,
+    ...                   matmul_efficiency=0.5)
+    >>> kernel_time(step, fitted)   # the compute-bound kernels at half the peak: 4 s
+    14.0
     >>> cached = Hardware("toy", 1e12, 2**30, 1e9, 1e8, 4, hbm_bandwidth=1e11,
     ...                   cache_bytes=2**20, cache_bandwidth=1e12)
     >>> half = CompiledStep({"data": 1}, {"temporaries": 2**21}, 1e12, (), roofline=((1e12, 1e12),))
     >>> kernel_time(half, cached)   # half the bytes at 1e12 B/s, half at 1e11: 5.5 s
     5.5
     """
+    rate = hardware.peak_flops * hardware.matmul_efficiency
+    # the Pallas kernels' FLOPs at their own share of the peak (compute-bound)
+    kernels = step.kernel_flops * (1 / hardware.kernel_efficiency - 1 / hardware.matmul_efficiency)
+    kernels /= hardware.peak_flops
     if hardware.hbm_bandwidth is None or not step.roofline:
-        return step.flops / hardware.peak_flops
+        return step.flops / rate + kernels
     per_byte = 1 / hardware.hbm_bandwidth
     if hardware.cache_bytes is not None:
         hit = min(1.0, hardware.cache_bytes / max(step.memory.get("temporaries", 0), 1))
         per_byte = hit / hardware.cache_bandwidth + (1 - hit) / hardware.hbm_bandwidth
-    return sum(max(f / hardware.peak_flops, b * per_byte) for f, b in step.roofline)
+    return sum(max(f / rate, b * per_byte) for f, b in step.roofline) + kernels
 
 
 def model_time(

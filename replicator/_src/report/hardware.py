@@ -52,6 +52,15 @@ class Hardware:
       cache_bandwidth: bytes per second a device reads and writes data that sits in that cache.
       host_bandwidth: bytes per second one device moves between its host's memory and its own,
         per direction (PCIe): what offloaded activations and state cost (None: not modelled).
+      host_memory_bytes: the host's memory per device, what offloaded activations may take
+        (None: not checked).
+      matmul_efficiency: the share of ``peak_flops`` the compiler's own kernels reach (fitted
+        to measured runs, `fitted_on`; 1: the roofline).
+      kernel_efficiency: the share of ``peak_flops`` the Pallas kernels reach (splash
+        attention, grouped matmuls; fitted; 1: the roofline).
+      overlap: the share of the hideable collectives and host transfers that run behind
+        compute (fitted; 1: all of them, as the TPU compiler's asynchronous ones may).
+      fitted_on: the measured runs the three constants above were fitted on ("": not fitted).
       source: where the figures come from.
 
     Raises:
@@ -78,6 +87,11 @@ class Hardware:
     cache_bytes: int | None = None
     cache_bandwidth: float | None = None
     host_bandwidth: float | None = None
+    host_memory_bytes: int | None = None
+    matmul_efficiency: float = 1.0
+    kernel_efficiency: float = 1.0
+    overlap: float = 1.0
+    fitted_on: str = ""
 
     def __post_init__(self) -> None:
         for key in ("peak_flops", "ici_bandwidth", "dcn_bandwidth"):
@@ -89,6 +103,9 @@ class Hardware:
                 )
             object.__setattr__(self, key, float(value))
         object.__setattr__(self, "memory_bytes", parse_bytes(self.memory_bytes, "memory_bytes"))
+        if self.host_memory_bytes is not None:
+            host = parse_bytes(self.host_memory_bytes, "host_memory_bytes")
+            object.__setattr__(self, "host_memory_bytes", host)
         size = self.island_size
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(
@@ -110,6 +127,19 @@ class Hardware:
                 f"Hardware {self.name!r}: collective_latency must be seconds >= 0; got {latency!r}."
             )
         object.__setattr__(self, "collective_latency", float(latency))
+        for key in ("matmul_efficiency", "kernel_efficiency", "overlap"):
+            value = getattr(self, key)
+            low = 0 if key == "overlap" else 1e-9
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not low <= value <= 1
+            ):
+                raise ValueError(
+                    f"Hardware {self.name!r}: {key} must be a share from {low:g} to 1; got "
+                    f"{value!r}."
+                )
+            object.__setattr__(self, key, float(value))
         if (self.cache_bytes is None) != (self.cache_bandwidth is None):
             raise ValueError(
                 f"Hardware {self.name!r}: give cache_bytes and cache_bandwidth together, or "
@@ -193,10 +223,11 @@ _ASSUMED_PCIE = (" No host-link figure is published: PCIe Gen4 x16 (32 GB/s per 
                  "assumed for offloading.")  # fmt: skip
 
 
-def _tpu(name, flops, memory, hbm, ici, dcn, island, source, host=_PCIE4) -> Hardware:
+def _tpu(name, flops, memory, hbm, ici, dcn, island, source, host=_PCIE4, dram=None) -> Hardware:
     source += _ASSUMED_PCIE if host == _PCIE4 else ""
     return Hardware(name, flops, memory, ici, dcn, island, collective_latency=5e-6,
-                    hbm_bandwidth=hbm, source=source, host_bandwidth=host)  # fmt: skip
+                    hbm_bandwidth=hbm, source=source, host_bandwidth=host,
+                    host_memory_bytes=dram)  # fmt: skip
 
 
 def _gpu(name, flops, memory, hbm, nvlink, ib, source, host) -> Hardware:
@@ -215,13 +246,14 @@ HARDWARE_PROFILES: dict[str, Hardware] = {
         "tpu-v5e", 197e12, 16 * GiB, 819e9, 1600e9 / 8, 2 * 100e9 / 8 / 8, 256,
         "cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 16 GB HBM2 at 819 GB/s, ICI 1600 "
         "Gbps per chip (400 GB/s bidirectional; 51.2 TB/s all-reduce per 256-chip pod), "
-        "2 x 100 Gbps NICs per 8-chip host (25 Gbps DCN per chip); a slice is at most 256 chips.",
+        "2 x 100 Gbps NICs per 8-chip host (25 Gbps DCN per chip); a slice is at most 256 chips; "
+        "512 GiB of DRAM per 8-chip host.", dram=64 * GiB,
     ),
     "tpu-v5p": _tpu(
         "tpu-v5p", 459e12, 95 * GiB, 2765e9, 4800e9 / 8, 50e9 / 8, 6144,
         "cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, 95 GiB HBM2e at 2765 GB/s, ICI 4800 "
         "Gbps per chip (1200 GB/s bidirectional), DCN 50 Gbps per chip; a slice is at most "
-        "6144 chips.",
+        "6144 chips; 448 GB of RAM per 4-chip VM.", dram=112 * 10**9,
     ),
     "tpu-v6e": _tpu(
         "tpu-v6e", 918e12, 32 * GiB, 1638e9, 800e9 / 2, 4 * 200e9 / 8 / 8, 256,
@@ -229,7 +261,7 @@ HARDWARE_PROFILES: dict[str, Hardware] = {
         "bidirectional per chip, 8 chips per host, a slice is at most 256 chips. The page gives "
         "no per-chip DCN figure: 4 x 200 Gbps NICs per 8-chip host (12.5 GB/s per "
         "chip) is assumed. Each chip connects to its host through PCIe Gen5 (x16 assumed: 64 "
-        "GB/s per direction).", _PCIE5,
+        "GB/s per direction); 1536 GiB of DRAM per 8-chip host.", _PCIE5, 192 * GiB,
     ),
     "h100": _gpu(
         "h100", 989e12, 80 * 10**9, 3.35e12, 900e9 / 2, 400e9 / 8,

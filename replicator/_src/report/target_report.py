@@ -39,7 +39,8 @@ class TargetReport:
       slices: TPU slices, joined over the data-centre network.
       hbm_bytes: the chip's HBM.
       peak_bytes: the step's peak bytes per chip (``memory.peak``).
-      fits: the step's peak bytes per chip are at most ``hbm_bytes``.
+      fits: the step's peak bytes per chip are at most ``hbm_bytes``, and what it offloads
+        at most the host's memory per chip (``Hardware.host_memory_bytes``, where known).
       over_bytes: how far the peak is over ``hbm_bytes`` (0 when it fits).
       fit_hint: when it does not fit, the smallest change found that fits (``replicator
         explain`` fills it in: ZeRO stage, ``model``, remat, batch); None otherwise.
@@ -55,7 +56,8 @@ class TargetReport:
       mfu: ``model_flops / (step_seconds * peak_flops)``.
       xla_mfu: ``model_flops / (xla_seconds * peak_flops)``.
       hardware: the profile's name, e.g. ``"tpu-v5p"``.
-      host_bytes: what the step keeps in its host's memory per chip (offloaded activations).
+      host_memory_bytes: what the step keeps in its host's memory per chip (offloaded
+        activations).
       host_transfer_bytes: bytes moved between host and chip per step.
       host_seconds: those bytes at the chip's host link (``Hardware.host_bandwidth``), before
         overlap; the transfers are asynchronous and hide behind compute with the collectives.
@@ -81,7 +83,7 @@ class TargetReport:
     mfu: float | None
     xla_mfu: float | None
     hardware: str
-    host_bytes: int = 0
+    host_memory_bytes: int = 0
     host_transfer_bytes: float = 0.0
     host_seconds: float = 0.0
 
@@ -114,7 +116,7 @@ def target_report(report, target: targets.Target, *, optimal_seconds: float | No
     """
     hw = hardware_profile(target)
     step = cost_model.CompiledStep.from_report(report)
-    time = cost_model.model_time(step, hw, overlap=1.0)
+    time = cost_model.model_time(step, hw, overlap=hw.overlap)
     xla, how = _xla_seconds(
         optimal_seconds, report.flops - report.kernel_flops, report.xla_flops,
         report.unknown_trip_counts,
@@ -125,6 +127,7 @@ def target_report(report, target: targets.Target, *, optimal_seconds: float | No
             f"FLOPs, {report.kernel_flops / hw.peak_flops * 1e3:.4g} ms at peak)"
         )
     peak = report.memory.peak
+    host_fits = hw.host_memory_bytes is None or report.memory.host <= hw.host_memory_bytes
 
     def mfu(seconds):
         return (
@@ -133,13 +136,13 @@ def target_report(report, target: targets.Target, *, optimal_seconds: float | No
 
     return TargetReport(
         target=target.label, device_kind=target_kind(target), slices=target.slices,
-        hbm_bytes=hw.memory_bytes, peak_bytes=peak, fits=peak <= hw.memory_bytes,
+        hbm_bytes=hw.memory_bytes, peak_bytes=peak, fits=peak <= hw.memory_bytes and host_fits,
         over_bytes=max(0, peak - hw.memory_bytes), fit_hint=None, peak_flops=hw.peak_flops,
         step_seconds=time.total, compute_seconds=time.compute + time.bubble,
         ici_seconds=time.ici, dcn_seconds=time.dcn, hidden_seconds=time.hidden,
         xla_seconds=xla, xla_seconds_how=how, model_flops=model_flops,
         mfu=mfu(time.total), xla_mfu=mfu(xla), hardware=hw.name,
-        host_bytes=report.memory.host, host_transfer_bytes=report.host_bytes,
+        host_memory_bytes=report.memory.host, host_transfer_bytes=report.host_bytes,
         host_seconds=time.host,
     )  # fmt: skip
 
@@ -155,6 +158,8 @@ def lines(t: TargetReport, format_bytes) -> list[str]:
         f"fits: peak {format_bytes(t.peak_bytes)} of {format_bytes(t.hbm_bytes)} "
         f"HBM" if t.fits else
         f"does NOT fit: over the {format_bytes(t.hbm_bytes)} HBM by {format_bytes(t.over_bytes)}"
+        if t.over_bytes else f"does NOT fit: {format_bytes(t.host_memory_bytes)} offloaded per chip "
+        f"is over the host's memory"
     )  # fmt: skip
     out = [f"on {t.target} ({t.device_kind}, {t.hardware}): {room}"]
     if t.fit_hint:
@@ -165,9 +170,9 @@ def lines(t: TargetReport, format_bytes) -> list[str]:
         f" ms, ICI {t.ici_seconds * 1e3:.3g} ms, DCN {t.dcn_seconds * 1e3:.3g} ms, of which "
         f"{t.hidden_seconds * 1e3:.3g} ms overlaps compute){mfu}"
     )
-    if t.host_bytes or t.host_transfer_bytes:
+    if t.host_memory_bytes or t.host_transfer_bytes:
         out.append(
-            f"host memory {format_bytes(t.host_bytes)} per chip (offloaded, not in the peak); "
+            f"host memory {format_bytes(t.host_memory_bytes)} per chip (offloaded, not in the peak); "
             f"{format_bytes(t.host_transfer_bytes)} between host and chip per step, "
             f"{t.host_seconds * 1e3:.4g} ms at the host link (overlapping compute)"
         )
