@@ -122,9 +122,9 @@ moe_gpt_build = functools.partial(gpt_build, config=MOE, batch_size=BATCH)
 
 
 def crashing_build(layout: rp.planner.Layout):
-    """fake_build, except that the process dies on the layout with 4 replicas (as a check
-    failure in XLA's compiler would end it)."""
-    if layout.data == 4:
+    """fake_build, except that the process dies on the layout with 4 replicas and ZeRO-0 (as a
+    check failure in XLA's compiler would end it)."""
+    if layout.data == 4 and layout.zero_stage == 0:
         import os
 
         os._exit(7)

@@ -562,15 +562,18 @@ def test_a_refused_layout_is_rejected_with_the_librarys_reason():
 
 
 def test_a_worker_that_dies_takes_only_its_ladder_with_it():
-    """The process compiling data=4 x model=2 dies; that ladder is an error saying so, and a
-    new worker plans the ladders after it."""
+    """The process compiling data=4 x model=2 dies; that ladder is an error saying so, its
+    ZeRO-1 sibling (searched by the same process) is searched again on its own, and a new
+    worker plans the ladders after it."""
     layouts = [
         rp.planner.Layout(data=8),
         rp.planner.Layout(data=4, model=2),
+        rp.planner.Layout(data=4, model=2, zero_stage=1),
         rp.planner.Layout(data=2, model=4),
     ]
     report = rp.plan(plan_jobs.crashing_build, layouts, hardware=HW, memory=2000, workers=1)
-    assert [str(c.layout) for c in report.ranked] == ["data=8", "data=2 model=4"]
+    ranked = sorted(str(c.layout) for c in report.ranked)
+    assert ranked == ["data=2 model=4", "data=4 model=2 zero=1", "data=8"]
     (dead,) = report.rejected
     assert str(dead.layout) == "data=4 model=2" and dead.outcome.status == "error"
     assert "worker process died (exit code 7)" in dead.outcome.reason

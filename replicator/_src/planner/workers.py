@@ -66,7 +66,8 @@ def run(build, ladders, budget, n, workers, progress, score) -> list[search.Outc
 def _in_processes(build, ladders, tasks, budget, n, workers, results, bar) -> None:
     """Fills ``results`` from ``workers`` processes with ``n`` emulated CPU devices, each
     searching one task (a list of sibling ladders) at a time. A process that dies (out of
-    memory, a check failure in XLA's compiler) takes only its task with it: those ladders are
+    memory, a check failure in XLA's compiler) on several siblings has each searched again on
+    its own; one that dies on one ladder takes only that ladder with it: its layouts are
     errors that say so, and a new process goes on with the others."""
     context = multiprocessing.get_context("spawn")
     todo = list(range(len(tasks)))[::-1]
@@ -108,6 +109,13 @@ def _in_processes(build, ladders, tasks, budget, n, workers, results, bar) -> No
                     del procs[conn]
                     if finished == 0 and proc.exitcode == 1:
                         raise RuntimeError(WORKERS_DIED) from None
+                    if len(tasks[t]) > 1:  # siblings: each again on its own, so that only
+                        # the ladder whose compile ends its process is lost
+                        for i in tasks[t]:
+                            tasks.append([i])
+                            todo.insert(0, len(tasks) - 1)
+                        start()
+                        continue
                     reason = (
                         f"its worker process died (exit code {proc.exitcode}) compiling this "
                         f"ladder: out of memory, or the compiler ended it (a failed check in XLA or "
