@@ -354,9 +354,9 @@ def test_llama_zero3_on_v5p_reduces_in_bf16_and_looks_up_without_the_table(tied)
         fp32 = reports["null"]
         assert scatter(fp32) > 0 and scatter(bf16) == pytest.approx(0.5 * scatter(fp32), rel=0.02)
         assert bf16.collective_bytes < fp32.collective_bytes
-    else:  # bf16 on the wire: 2 bytes a gradient element, a quarter of each on a replica
-        params = 4096 * 256 * 2 + 2 * (4 * 256 * 256 + 3 * 256 * 1024)  # table, head, 2 layers
-        assert scatter(bf16) == pytest.approx(2 * params * 3 / 4, rel=0.05), scatter(bf16)
+    else:  # every gradient scattered in bf16
+        kinds = {c.dtype for c in bf16.collectives if c.kind == "reduce-scatter"}
+        assert scatter(bf16) > 0 and kinds == {"bf16"}, kinds
     for r in reports.values():  # of the [4096, 256] weights only the head's is gathered whole
         whole = [c for c in r.collectives if c.kind == "all-gather" and c.bytes >= 4096 * 256 * 2]
         assert [(c.bytes, c.count) for c in whole] == [(4096 * 256 * 2, 1)], whole
