@@ -1,6 +1,8 @@
 """`replicator plan --target`: the layout it chooses is never slower, by its own step time, than a
 family of layouts it passed over without compiling (configs/llama2_7b.yaml on v5p-8, at 2
-layers: every ZeRO stage under every remat policy, compiled here)."""
+layers: every ZeRO stage under every remat policy, compiled here). About 10 minutes on 2 cores:
+run it on jax 0.12 (`python -m pytest tests/test_plan_skipped.py`); CI's jax 0.10.2 lane skips
+it, and it does not fit CI's jax 0.12 lane's budget."""
 
 import dataclasses
 import functools
@@ -22,7 +24,12 @@ def _family(layout: dict) -> tuple:
 
 
 @pytest.mark.slow
-@pytest.mark.both_lanes  # run where libtpu compiles every layout: jax 0.12's lane
+@pytest.mark.xfail(
+    strict=True,
+    reason="the prices misorder the remat families: on jax 0.12 / libtpu 0.0.50.1 the plan "
+    "chose a layout reading 40.4 ms where the skipped `zero=3 remat=dots` reads 38.7 ms (the "
+    "dots programs move several times the HBM bytes priced)",
+)
 def test_plan_chooses_no_slower_than_any_family_it_skipped(tmp_path):
     pytest.importorskip("libtpu")
     import jax
