@@ -604,6 +604,15 @@ def test_hardware_profile_yaml_loads(tmp_path):
     path.write_text(b.code)
     profile = rp.planner.hardware_profile(str(path))
     assert profile.name == "my-gpu" and profile.peak_flops == 1e15 and profile.island_size == 8
+    assert profile.host_bandwidth == 6.4e10 and profile.host_memory_bytes == 256 * 10**9
+
+
+def test_remat_by_name_yaml_is_maxtexts_llama_8b_offload():
+    b = block("guides/explain_and_plan.md", "### Remat by name and host offload", lang="yaml")
+    remat = yaml.safe_load(b.code)["model"]["remat"]
+    policy = rp.pipeline.remat_policy(remat)
+    assert policy.offloaded == ("decoder_layer_input", "key_proj", "out_proj", "query_proj",
+                                "value_proj") and not policy.saved  # fmt: skip
 
 
 # Llama, Hugging Face checkpoints and tokenizers

@@ -76,8 +76,13 @@ def test_policies_by_name_are_hashable_and_refuse_unknown_names():
     with pytest.raises(ValueError, match=r"'save_dot_except_mlpwi'.*got 'save_dots'"):
         gpt.GPTConfig(remat="save_dots")
     stage = lambda w, x: x @ w
-    with pytest.raises(ValueError, match=r"offloads key_proj, query_proj, value_proj to host.* a pipeline's schedules"):
-        rp.pipeline.value_and_grad(stage, lambda *a: 0.0, num_microbatches=2, remat="qkv_proj_offloaded")
+    with pytest.raises(
+        ValueError,
+        match=r"offloads key_proj, query_proj, value_proj to host.* a pipeline's schedules",
+    ):
+        rp.pipeline.value_and_grad(
+            stage, lambda *a: 0.0, num_microbatches=2, remat="qkv_proj_offloaded"
+        )
 
 
 @pytest.mark.slow
