@@ -45,7 +45,7 @@ def linear(p: dict, name: str, x: jax.Array, label: str | None = None) -> jax.Ar
     return y + p[f"{name}_bias"] if f"{name}_bias" in p else y
 
 
-def residual(x: jax.Array, p: dict, name: str, h: jax.Array, label: str | None = None):
+def residual(x: jax.Array, p: dict, name: str, h: jax.Array, label: str | None = None) -> jax.Array:
     """``x + h @ p[name]`` (plus its bias): a residual branch's output projection, the product
     named ``label``."""
     y = x + _named(h @ p[name], label)
