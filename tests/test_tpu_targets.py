@@ -170,6 +170,24 @@ def test_a_mesh_the_torus_cannot_hold_in_whole_axes_is_laid_out_with_axes_split(
     assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)
 
 
+def test_two_slices_whose_axes_split_the_torus_are_laid_out_with_axes_split():
+    """Llama 3.1 405B's recipe on two v6e-256 slices: ``{dcn_data: 2, data: 64, model: 4}``
+    has no whole physical axes for ``model`` on a slice's 16 x 16 torus; each slice is laid
+    out with physical axes split, every chip once, the slices along ``dcn_data``."""
+    from jax.experimental import mesh_utils
+
+    from replicator._src.core import compat
+
+    devices = rp.tpu_devices("v6e-256", slices=2)
+    shape, slices = (1, 64, 4), (2, 1, 1)
+    with pytest.raises(NotImplementedError):
+        mesh_utils.create_hybrid_device_mesh(shape, slices, devices)
+    mesh = compat.make_hybrid_mesh(shape, slices, ("dcn_data", "data", "model"), devices)
+    assert mesh.devices.shape == (2, 64, 4)
+    assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)
+    assert {d.slice_index for d in mesh.devices[1].flat} == {1}
+
+
 def test_tpu_devices_without_libtpu_names_the_extra(monkeypatch):
     found = importlib.util.find_spec
     monkeypatch.setattr(

@@ -160,12 +160,19 @@ class GPTConfig:
     each replica's part before the gather, so that the gradients of the bf16 weights are summed
     in bf16, as MaxText's FSDP sums them: half the gradient bytes on the wire and in HBM, and
     each gradient rounded to bf16 once more. Nothing changes without ZeRO-3."""
+    loss_chunks: int = 1
+    """The head's cross-entropy over this many chunks of each device's tokens, one at a time,
+    each chunk's logits computed again in the backward pass (MaxText's ``num_vocab_tiling``):
+    the fp32 logits and their gradient held for ``1 / loss_chunks`` of the tokens, for one more
+    pass of the head's matmul. It divides the tokens a device's head takes (checked when the
+    step is traced). The same numbers (the loss summed by chunks)."""
     qkv_bias: bool = False
     """Biases on the query, key and value projections (``qkv``, or ``q``, ``k`` and ``v``) even
     without ``bias``: Qwen2's attention."""
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "seq_len", "d_model", "num_heads", "num_layers", "moe_every"):
+        for name in ("vocab_size", "seq_len", "d_model", "num_heads", "num_layers", "moe_every",
+                     "loss_chunks"):
             positive_int(getattr(self, name), api="GPTConfig", name=name)
         positive_int(self.d_ff, api="GPTConfig", name="d_ff", none=" or None")
         if self.attention not in (*attention_lib.IMPLS, "dot_product", "splash"):

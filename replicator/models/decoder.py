@@ -351,18 +351,60 @@ def head_loss(
     Each token's loss is ``logsumexp(logits) - logits[target]``, the target's logit picked by a
     sum against its one-hot mask (exact: one non-zero term), so that the loss and its gradient
     (``softmax - one_hot``) fuse into passes over the logits, with no ``[B, S, V]`` log-softmax
-    kept and no gather or scatter on it (forward-mode autodiff applies too).
+    kept and no gather or scatter on it (forward-mode autodiff applies too). With
+    ``config.loss_chunks`` above 1 the tokens are taken that many at a time in a ``lax.scan``
+    whose chunks are computed again in the backward pass (MaxText's ``num_vocab_tiling``): one
+    chunk's fp32 logits and their gradient are live at once, not the device's whole ``[B, S,
+    V]``, for one more pass of the head's matmul.
 
     Args:
       head_params: `output_head`'s.
       x: ``[B, S, D]`` activations.
       targets: ``[B, S]`` int targets, indexed as JAX indexes (negative ones from the end,
         others clamped).
-      config: gives the norm; None for `GPTConfig`'s defaults.
+      config: gives the norm and ``loss_chunks``; None for `GPTConfig`'s defaults.
 
     Returns:
       The mean loss, an fp32 scalar.
+
+    Raises:
+      ValueError: if ``config.loss_chunks`` does not divide the tokens (``B * S``).
+
+    >>> import dataclasses, jax, jax.numpy as jnp
+    >>> config = GPTConfig(d_model=16, num_heads=2, num_layers=1, vocab_size=32)
+    >>> head = output_head(init(config, jax.random.key(0)), config=config)
+    >>> x = jax.random.normal(jax.random.key(1), (2, 8, 16))
+    >>> targets = jnp.arange(16).reshape(2, 8)
+    >>> whole = head_loss(head, x, targets, config=config)
+    >>> chunked = head_loss(head, x, targets, config=dataclasses.replace(config, loss_chunks=4))
+    >>> bool(jnp.allclose(whole, chunked, rtol=1e-6))
+    True
     """
+    config = DEFAULT if config is None else config
+    chunks = config.loss_chunks
+    if chunks == 1:
+        return jnp.mean(_token_losses(head_params, x, targets, config))
+    tokens = math.prod(targets.shape)
+    if tokens % chunks:
+        raise ValueError(
+            f"gpt.head_loss: loss_chunks={chunks} must divide the {tokens} tokens the head "
+            f"takes on each device ({' x '.join(map(str, targets.shape))}); use a divisor of "
+            f"{tokens}, such as {_divisor_near(tokens, chunks)}, or loss_chunks=1."
+        )
+    head_params = _gathered(head_params, config)  # gathered once: the chunks' backward reuses it
+    xs = x.reshape(chunks, tokens // chunks, x.shape[-1])
+    ts = targets.reshape(chunks, tokens // chunks)
+
+    @jax.checkpoint  # each chunk's logits again in the backward: one chunk's live at a time
+    def chunk(total, xt):
+        return total + jnp.sum(_token_losses(head_params, *xt, config)), None
+
+    total, _ = jax.lax.scan(chunk, jnp.zeros((), jnp.float32), (xs, ts))
+    return total / tokens
+
+
+def _token_losses(head_params: dict, x: jax.Array, targets: jax.Array, config) -> jax.Array:
+    """Each token's cross-entropy, ``logsumexp(logits) - logits[target]``, in fp32."""
     logits = head_logits(head_params, x, config=config)
     v = logits.shape[-1]
     targets = sharded_params.in_range(targets, v)
@@ -370,7 +412,12 @@ def head_loss(
         jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1) == targets[..., None]
     )
     picked = jnp.sum(jnp.where(one_hot, logits, 0.0), axis=-1)
-    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
+    return jax.nn.logsumexp(logits, axis=-1) - picked
+
+
+def _divisor_near(n: int, k: int) -> int:
+    """The divisor of ``n`` nearest ``k`` (the smaller on a tie)."""
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - k), d))
 
 
 def apply(params: dict, tokens: jax.Array, *, config: GPTConfig) -> jax.Array:

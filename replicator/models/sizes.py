@@ -48,7 +48,7 @@ def model_shape(config: GPTConfig, global_batch: int, opt_slots: int = 2):
         attention=kernel if (kernel := config.attention) in ("dot_product", "splash")
         else "blockwise", experts=config.num_experts, top_k=config.top_k,
         capacity_factor=config.capacity_factor, moe_every=config.moe_every,
-        qkv_bias=config.qkv_bias,
+        qkv_bias=config.qkv_bias, loss_chunks=config.loss_chunks,
     )  # fmt: skip
 
 

@@ -118,11 +118,20 @@ def make_hybrid_mesh(
     from jax._src import mesh_utils as jax_mesh_utils  # the device kinds jax.make_mesh splits
     from jax.experimental import mesh_utils
 
-    # jax.make_mesh (jax 0.10.2) lets XLA split physical axes on these kinds only.
+    # jax.make_mesh (jax 0.10.2) lets XLA split physical axes on these kinds only; on the others
+    # a slice's shape that is no product of whole physical axes (a 4-way `model` axis on
+    # v6e-256's 16 x 16) is laid out with them split, as `make_mesh` does within one slice
     split = devices[0].device_kind in (jax_mesh_utils._TPU_V5_LITE, jax_mesh_utils._TPU_V5E)
-    array = mesh_utils.create_hybrid_device_mesh(
-        tuple(ici_shape), tuple(dcn_shape), list(devices), allow_split_physical_axes=split
-    )
+    try:
+        array = mesh_utils.create_hybrid_device_mesh(
+            tuple(ici_shape), tuple(dcn_shape), list(devices), allow_split_physical_axes=split
+        )
+    except (NotImplementedError, ValueError):  # no assignment of whole physical axes
+        if split:
+            raise
+        array = mesh_utils.create_hybrid_device_mesh(
+            tuple(ici_shape), tuple(dcn_shape), list(devices), allow_split_physical_axes=True
+        )
     return Mesh(array, tuple(names), axis_types=(AxisType.Auto,) * len(names))
 
 

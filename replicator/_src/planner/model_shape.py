@@ -33,6 +33,8 @@ class ModelShape:
         ``moe_every``-th layer (`replicator.moe`): ``experts`` MLPs, each token to its
         ``top_k``, each expert ``ceil(capacity_factor * seq_len * top_k / experts)`` rows a
         sequence (``capacity_factor=None``: dropless, the routed rows). 0 experts: dense.
+      loss_chunks: the head's cross-entropy over this many chunks of a device's tokens, one
+        chunk's logits live at a time (`GPTConfig.loss_chunks`).
     """
 
     num_layers: int
@@ -57,6 +59,7 @@ class ModelShape:
     capacity_factor: float | None = 1.25
     moe_every: int = 1
     qkv_bias: bool = False
+    loss_chunks: int = 1
 
     @property
     def qkv_columns(self) -> int:

@@ -178,7 +178,8 @@ def _working_bytes(layout: Layout, m: ModelShape) -> float:
         if zero == 3 and layout.remat is False:
             weights += e * block
     outer_split = outer_split / t
-    head = tokens * m.vocab / t * (4 + e)  # the logits in fp32 and in the compute dtype
+    # the logits in fp32 and in the compute dtype (a chunk's of them, in chunks)
+    head = tokens / m.loss_chunks * m.vocab / t * (4 + e)
     if zero >= 2:  # the embedding's and head's gradients whole, before they are scattered
         head += 4 * outer_split
     layer = tokens * (everything - _kept(layout, m, layout.remat) if layout.remat else everything)
@@ -278,9 +279,12 @@ def _roofline(layout: Layout, m: ModelShape, flops: float) -> tuple[tuple[float,
         blocks = layers * pairs * TILE_PAIR_BYTES["ring" if ring else "whole"]
     units = UNIT_BYTES * (1.4 if layout.remat is True else 1) * layers * tokens
     units *= m.d_model + m.hidden / t
+    # what a layer keeps beyond its input (which full remat keeps), written in the forward and
+    # read in the backward: without remat the norms, the MLP's units and the scores as well
+    saved = 2 * layers * tokens * max(0.0, _kept(layout, m, layout.remat) - m.compute_bytes * m.d_model)
     logits = 6 * 4 * tokens * m.vocab / t
     updated = _per_device_params(layout, m) / (layout.data if layout.zero_stage >= 1 else 1)
-    memory = units + logits + UPDATE_BYTES * updated
+    memory = units + saved + logits + UPDATE_BYTES * updated
     return ((flops - attention, 0.0), (attention, blocks), (0.0, memory))
 
 

@@ -68,6 +68,11 @@ class ModelConfig:
     # reduce-scattered in: null their own (fp32, summed as one device sums them), or bfloat16
     # (as MaxText's FSDP: half the bytes, each gradient rounded to bf16 once more)
     reduce_dtype: str | None = None
+    # gpt: the head's cross-entropy over this many chunks of each device's tokens, one chunk's
+    # logits live at a time and computed again in the backward pass (MaxText's
+    # num_vocab_tiling): less memory for one more pass of the head's matmul; the same numbers.
+    # It divides the tokens a device's head takes (sequences a device x seq_len).
+    loss_chunks: int = 1
     # gpt: a mixture of experts: experts per MoE block (0: dense MLPs; the keys below are then
     # unused), split over an `expert` axis; every moe_every-th block is one (layers a multiple
     # of it); each token goes to its top_k experts, each taking at most capacity_factor x its
@@ -121,6 +126,7 @@ class ModelConfig:
                         f"{default!r})."
                     )
         at_least(self, "vocab", 1)
+        at_least(self, "loss_chunks", 1)
         if self.d_ff is not None:
             at_least(self, "d_ff", 1)
         one_of(self, "dtype", DTYPES, what="a compute dtype")

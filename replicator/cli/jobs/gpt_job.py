@@ -69,6 +69,7 @@ def gpt_config(config: TrainConfig) -> gpt.GPTConfig:
         zigzag=m.zigzag,
         scan_layers=m.scan_layers,
         reduce_dtype=m.reduce_dtype,
+        loss_chunks=m.loss_chunks,
         num_experts=m.experts,
         moe_every=m.moe_every,
         top_k=m.top_k,
