@@ -7,8 +7,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import pytest
+from oracle import rel_err
 from test_llama import CONFIG, batches, check_against_oracle, make_repl, train
 
+import replicator as rp
 from replicator.cli import config as config_lib
 from replicator.models import gpt
 
@@ -51,3 +53,60 @@ def test_a_count_that_does_not_divide_the_tokens_is_refused_naming_it():
         gpt.GPTConfig(loss_chunks=0)
     with pytest.raises(ValueError, match=r"model\.loss_chunks"):
         config_lib.from_dict(config_lib.TrainConfig, {"model": {"loss_chunks": 0}})
+
+
+# 5 layers: a shuffle of 4, 8 or 16 sequences a layer made would not undo itself over them
+MIXTURE = dataclasses.replace(CONFIG, num_layers=5, num_experts=4, top_k=2, capacity_factor=None)
+
+
+@pytest.mark.parametrize(
+    "mesh, zero_stage, capacity_factor",
+    [({"data": 2, "expert": 2}, 3, None), ({"data": 4}, 0, 1.25)],
+    ids=["dropless-expert-axis", "capacity"],
+)
+def test_experts_in_chunks_train_as_one_device_in_one_pass(mesh, zero_stage, capacity_factor):
+    """Three SGD steps with the mixture taking each device's sequences two chunks at a time
+    equal three on one device with every sequence at once (dropless over an ``expert`` axis
+    under ZeRO-3; with a capacity, tokens dropped as one device drops them), 1e-5."""
+    config = dataclasses.replace(MIXTURE, capacity_factor=capacity_factor)
+    want, want_losses, _ = train(make_repl({"data": 1}), config)
+    got, losses, _ = train(
+        make_repl(mesh), dataclasses.replace(config, moe_chunks=2), zero_stage=zero_stage
+    )
+    assert rel_err(got, want) <= 1e-5 and rel_err(losses, want_losses) <= 1e-5
+    assert rel_err(got, gpt.init(config, jax.random.key(0))) > 1e-3  # training moved them
+
+
+def test_chunks_of_sequences_that_do_not_divide_them_are_refused_naming_the_key():
+    config = dataclasses.replace(MIXTURE, moe_chunks=3)
+    batch = batches(1)[0]
+    params = gpt.init(config, jax.random.key(0))
+    with pytest.raises(ValueError, match=r"moe_chunks=3 must divide the 16 sequences"):
+        gpt.loss(params, jnp.asarray(batch["tokens"]), jnp.asarray(batch["targets"]), config=config)
+    with pytest.raises(ValueError, match=r"model\.moe_chunks"):
+        config_lib.from_dict(config_lib.TrainConfig, {"model": {"moe_chunks": 0}})
+
+
+def test_plan_prices_the_chunks_as_less_memory_and_their_pass_again():
+    """`rp.planner` prices a chunked head (Llama 3 8B's 128,256 logits a token) and chunked
+    experts (Mixtral 8x7B's, dropless at 36 sequences a chip) below the whole ones' peak, and
+    each chunk's forward again in the FLOPs."""
+    from replicator._src.planner import pricing
+
+    common = dict(num_layers=32, d_model=4096, num_heads=32, kv_heads=8, head_dim=128,
+                  hidden=14336, seq_len=4096, gated=True, bias=False, layer_norm=False,
+                  learned_positions=False, compute_bytes=2, attention="splash")  # fmt: skip
+    llama = dict(common, vocab=128256, global_batch=512)
+    mixtral = dict(common, vocab=32000, global_batch=4608, experts=8, top_k=2,
+                   capacity_factor=None)  # fmt: skip
+    full = rp.planner.Layout(data=128, zero_stage=3, remat=True)
+    dots = rp.planner.Layout(data=128, zero_stage=3, remat="dots")
+    for shape, chunks in ((llama, {"loss_chunks": 8}), (mixtral, {"moe_chunks": 4})):
+        for layout in (full, dots):
+            whole = pricing.price(layout, rp.planner.ModelShape(**shape))
+            chunked = pricing.price(layout, rp.planner.ModelShape(**shape, **chunks))
+            assert chunked.peak_bytes < whole.peak_bytes - 2**32, chunks  # 4 GiB less, at least
+            if layout.remat is not True or "loss_chunks" in chunks:
+                assert whole.flops < chunked.flops < 1.25 * whole.flops, (chunks, layout)
+            else:  # full remat's pass again leaves the mixture out: the chunks' pass is it
+                assert chunked.flops == whole.flops

@@ -120,6 +120,12 @@ class GPTConfig:
     capacity_factor: float | None = 1.25
     """Each expert's slots relative to an even share; None drops no token
     (`replicator.moe.Routing`)."""
+    moe_chunks: int = 1
+    """The mixture-of-experts blocks take each device's sequences this many chunks at a time,
+    each chunk computed again in the backward pass: the experts' rows live for ``1 /
+    moe_chunks`` of the tokens (each sequence is its own routing group: the same routing and
+    numbers). It divides the sequences a device's block takes (checked when the step is
+    traced)."""
     aux_weight: float = 0.01
     """The weight of the load-balancing loss in `loss` (with experts)."""
     norm: str = "layer"
@@ -171,8 +177,16 @@ class GPTConfig:
     without ``bias``: Qwen2's attention."""
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "seq_len", "d_model", "num_heads", "num_layers", "moe_every",
-                     "loss_chunks"):
+        for name in (
+            "vocab_size",
+            "seq_len",
+            "d_model",
+            "num_heads",
+            "num_layers",
+            "moe_every",
+            "loss_chunks",
+            "moe_chunks",
+        ):
             positive_int(getattr(self, name), api="GPTConfig", name=name)
         positive_int(self.d_ff, api="GPTConfig", name="d_ff", none=" or None")
         if self.attention not in (*attention_lib.IMPLS, "dot_product", "splash"):

@@ -35,6 +35,8 @@ class ModelShape:
         sequence (``capacity_factor=None``: dropless, the routed rows). 0 experts: dense.
       loss_chunks: the head's cross-entropy over this many chunks of a device's tokens, one
         chunk's logits live at a time (`GPTConfig.loss_chunks`).
+      moe_chunks: the mixtures take a device's sequences this many chunks at a time
+        (`GPTConfig.moe_chunks`).
     """
 
     num_layers: int
@@ -60,6 +62,7 @@ class ModelShape:
     moe_every: int = 1
     qkv_bias: bool = False
     loss_chunks: int = 1
+    moe_chunks: int = 1
 
     @property
     def qkv_columns(self) -> int:

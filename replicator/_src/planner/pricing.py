@@ -162,6 +162,9 @@ def _working_bytes(layout: Layout, m: ModelShape) -> float:
     if layout.stage > 1:
         in_flight = _in_flight(layout.schedule, layout.stage, layout.microbatches, layout.repeats)
     everything = _kept(layout, m, False)
+    if m.experts and m.moe_chunks > 1:  # a mixture's rows a chunk's at a time
+        rows = m.expert_rows * m.moe_layers / m.num_layers
+        everything -= (1 - 1 / m.moe_chunks) * e * rows * (6 * m.hidden / t + 2 * m.d_model)
     activations = tokens * _kept(layout, m, layout.remat) * layers * in_flight
     if layout.stage > 1:  # every micro-batch's input to the stages and output of the last
         activations += (2 * layout.microbatches + 1) * tokens * m.d_model * e
@@ -246,8 +249,15 @@ def _flops(layout: Layout, m: ModelShape) -> float:
     elif remats.is_named(layout.remat):  # what it does not keep, and attention's kernel
         again = remats.recomputed_params(m, layout.model, layout.remat)
         train += layers * tokens * (2 * again + scores)
+    if m.moe_chunks > 1 and layout.remat is not True:  # each chunk's experts again in the
+        # backward (full remat computes them again anyway: its pass again skips the mixture,
+        # whose output no backward step reads)
+        train += layers * tokens * 2 * (moe * m.expert_rows * m.mlp_params[0] / layout.model
+                                        + router)  # fmt: skip
     train *= _computed_ticks(layout)
     head = 6 * tokens * m.vocab * d / layout.model  # on every stage's device
+    if m.loss_chunks > 1:  # each chunk's logits again in the backward
+        head += 2 * tokens * m.vocab * d / layout.model
     return train + head
 
 
@@ -281,7 +291,9 @@ def _roofline(layout: Layout, m: ModelShape, flops: float) -> tuple[tuple[float,
     units *= m.d_model + m.hidden / t
     # what a layer keeps beyond its input (which full remat keeps), written in the forward and
     # read in the backward: without remat the norms, the MLP's units and the scores as well
-    saved = 2 * layers * tokens * max(0.0, _kept(layout, m, layout.remat) - m.compute_bytes * m.d_model)
+    saved = (
+        2 * layers * tokens * max(0.0, _kept(layout, m, layout.remat) - m.compute_bytes * m.d_model)
+    )
     logits = 6 * 4 * tokens * m.vocab / t
     updated = _per_device_params(layout, m) / (layout.data if layout.zero_stage >= 1 else 1)
     memory = units + saved + logits + UPDATE_BYTES * updated

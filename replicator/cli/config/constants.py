@@ -23,6 +23,7 @@ GPT_ONLY = {  # the gpt-only keys' defaults
     "scan_layers": True,
     "reduce_dtype": None,
     "loss_chunks": 1,
+    "moe_chunks": 1,
     "experts": 0,
     "moe_every": 1,
     "top_k": 1,

@@ -73,6 +73,11 @@ class ModelConfig:
     # num_vocab_tiling): less memory for one more pass of the head's matmul; the same numbers.
     # It divides the tokens a device's head takes (sequences a device x seq_len).
     loss_chunks: int = 1
+    # gpt, experts: the mixture-of-experts blocks take each device's sequences this many chunks
+    # at a time, each computed again in the backward pass (each sequence is its own routing
+    # group: the same numbers): the experts' rows held for a chunk's tokens. It divides the
+    # sequences a device's block takes (per expert-axis device).
+    moe_chunks: int = 1
     # gpt: a mixture of experts: experts per MoE block (0: dense MLPs; the keys below are then
     # unused), split over an `expert` axis; every moe_every-th block is one (layers a multiple
     # of it); each token goes to its top_k experts, each taking at most capacity_factor x its
@@ -127,6 +132,7 @@ class ModelConfig:
                     )
         at_least(self, "vocab", 1)
         at_least(self, "loss_chunks", 1)
+        at_least(self, "moe_chunks", 1)
         if self.d_ff is not None:
             at_least(self, "d_ff", 1)
         one_of(self, "dtype", DTYPES, what="a compute dtype")

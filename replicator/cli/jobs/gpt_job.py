@@ -70,6 +70,7 @@ def gpt_config(config: TrainConfig) -> gpt.GPTConfig:
         scan_layers=m.scan_layers,
         reduce_dtype=m.reduce_dtype,
         loss_chunks=m.loss_chunks,
+        moe_chunks=m.moe_chunks,
         num_experts=m.experts,
         moe_every=m.moe_every,
         top_k=m.top_k,
