@@ -13,8 +13,10 @@ the fit (the constants fitted on the other rows of its generation).
     python benchmarks/calibrate.py --report llama2_70b_v5p-512=70b.json --report ...
     python benchmarks/calibrate.py --from-published published.json   # benchmarks/published.py's
 
-A generation with one row fits ``matmul_efficiency`` alone (and says it cannot be left out);
-with two, ``matmul_efficiency`` and ``kernel_efficiency``; with three or more, all three.
+A generation fits as many constants as it has rows, at most three, in that order: one row
+``matmul_efficiency`` alone (and says it cannot be left out), two with ``kernel_efficiency``,
+three or more all three. The fit ignores the constants the built-in profiles already carry
+(`rp.planner.HARDWARE_PROFILES`: these, written in).
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ def row_from_report(name: str, report: dict) -> Row:
 
 
 def predicted(row: Row, constants: dict) -> float:
-    hw = dataclasses.replace(hardware_profile(row.generation), **constants)
+    roofline = dict.fromkeys(ORDER, 1.0) | {"fitted_on": ""}  # the profile's own fit set aside
+    hw = dataclasses.replace(hardware_profile(row.generation), **(roofline | constants))
     t = model_time(row.step, hw, overlap=hw.overlap)
     return row.model_flops / (hw.peak_flops * t.total)
 
@@ -102,7 +105,7 @@ def main() -> int:
     out = {}
     for gen in sorted({r.generation for r in rows}):
         mine = [r for r in rows if r.generation == gen]
-        names = fitted_names(len(mine) - (len(mine) > 1))  # fewer constants than rows
+        names = fitted_names(len(mine))  # as many constants as rows, at most 3
         constants = fit(mine, names)
         print(f"{gen}: fitted on {', '.join(r.name for r in mine)}: "
               + ", ".join(f"{k}={v:.3f}" for k, v in constants.items()))  # fmt: skip
@@ -111,7 +114,7 @@ def main() -> int:
             others = [o for o in mine if o is not r]
             loo = None
             if others:
-                loo = predicted(r, fit(others, fitted_names(len(others) - (len(others) > 1))))
+                loo = predicted(r, fit(others, fitted_names(len(others))))
             mfu = predicted(r, constants)
             rows_out.append({"row": r.name, "published": r.published, "predicted": mfu,
                              "left_out": loo})  # fmt: skip

@@ -45,7 +45,8 @@ class TargetReport:
       fit_hint: when it does not fit, the smallest change found that fits (``replicator
         explain`` fills it in: ZeRO stage, ``model``, remat, batch); None otherwise.
       peak_flops: the chip's peak dense bf16 FLOP/s.
-      step_seconds: the roofline of the TPU program (see the module docstring).
+      step_seconds: the roofline of the TPU program (see the module docstring), with the chip
+        profile's fitted constants (`step_seconds_how`).
       compute_seconds: its kernels' part.
       ici_seconds: its collectives over ICI, before overlap.
       dcn_seconds: its collectives across slices, before overlap.
@@ -61,6 +62,9 @@ class TargetReport:
       host_transfer_bytes: bytes moved between host and chip per step.
       host_seconds: those bytes at the chip's host link (``Hardware.host_bandwidth``), before
         overlap; the transfers are asynchronous and hide behind compute with the collectives.
+      step_seconds_how: what ``step_seconds`` is: the roofline, or the roofline with the chip
+        profile's constants fitted to measured runs (``Hardware.matmul_efficiency``,
+        ``kernel_efficiency``, ``overlap``; ``fitted_on`` names the runs).
     """
 
     target: str
@@ -86,6 +90,17 @@ class TargetReport:
     host_memory_bytes: int = 0
     host_transfer_bytes: float = 0.0
     host_seconds: float = 0.0
+    step_seconds_how: str = "the roofline"
+
+
+def _step_how(hw) -> str:
+    """What ``step_seconds`` is: the roofline, or it with the profile's fitted constants."""
+    fitted = [f"{label} {v:.2f}" for label, v in (
+        ("matmuls at", hw.matmul_efficiency), ("Pallas kernels at", hw.kernel_efficiency),
+        ("collectives and host transfers hidden", hw.overlap)) if v != 1]  # fmt: skip
+    if not fitted or not hw.fitted_on:
+        return "the roofline"
+    return f"the roofline fitted to measured runs ({', '.join(fitted)})"
 
 
 def _xla_seconds(optimal: float | None, flops: float, xla_flops: float | None,
@@ -143,7 +158,7 @@ def target_report(report, target: targets.Target, *, optimal_seconds: float | No
         xla_seconds=xla, xla_seconds_how=how, model_flops=model_flops,
         mfu=mfu(time.total), xla_mfu=mfu(xla), hardware=hw.name,
         host_memory_bytes=report.memory.host, host_transfer_bytes=report.host_bytes,
-        host_seconds=time.host,
+        host_seconds=time.host, step_seconds_how=_step_how(hw),
     )  # fmt: skip
 
 
@@ -166,7 +181,8 @@ def lines(t: TargetReport, format_bytes) -> list[str]:
         out.append(f"  {t.fit_hint}")
     mfu = "" if t.mfu is None else f", MFU {t.mfu:.1%}"
     out.append(
-        f"step {t.step_seconds * 1e3:.4g} ms by the roofline (compute {t.compute_seconds * 1e3:.4g}"
+        f"step {t.step_seconds * 1e3:.4g} ms by {t.step_seconds_how} (compute "
+        f"{t.compute_seconds * 1e3:.4g}"
         f" ms, ICI {t.ici_seconds * 1e3:.3g} ms, DCN {t.dcn_seconds * 1e3:.3g} ms, of which "
         f"{t.hidden_seconds * 1e3:.3g} ms overlaps compute){mfu}"
     )
