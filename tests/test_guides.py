@@ -615,6 +615,15 @@ def test_remat_by_name_yaml_is_maxtexts_llama_8b_offload():
                                 "value_proj") and not policy.saved  # fmt: skip
 
 
+def test_loss_chunks_yaml_loads_as_the_models_key():
+    b = block("guides/explain_and_plan.md", "### The head's loss in chunks: `model.loss_chunks`",
+              lang="yaml")  # fmt: skip
+    from replicator.cli import config, jobs
+
+    cfg = config.from_dict(config.TrainConfig, yaml.safe_load(b.code))
+    assert cfg.model.loss_chunks == 8 and jobs.gpt_config(cfg).loss_chunks == 8
+
+
 # Llama, Hugging Face checkpoints and tokenizers
 
 

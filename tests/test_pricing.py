@@ -9,7 +9,7 @@ import plan_jobs
 import pytest
 
 import replicator as rp
-from replicator._src.planner import planning, pricing
+from replicator._src.planner import planning, pricing, search
 from replicator._src.report.cost_model import model_time
 from replicator.cli import config as config_lib
 from replicator.cli import plan as plan_cli
@@ -133,7 +133,7 @@ def test_front_runners_drop_what_cannot_fit_and_rank_the_fastest_ladders_first()
     assert dropped == [] and len(ranked) == len(ladders)
     # each ladder: at most 3 of its layouts to try, fastest first, each a group of its own
     assert all(1 <= len(tries) <= 3 for _, _, tries in ranked)
-    assert all(len(f.groups) == len(f.layouts) <= 3 for f in pricing.to_compile(ranked))
+    assert all(len(f.groups) == len(f.layouts) <= 3 for f in search.to_compile(ranked))
     seconds = lambda lay: model_time(prices[lay].step(), profile).total
     # 16 GiB: every layout fits, so each ladder is priced by its fastest layout (its first);
     # each kind's fastest ladder comes first (pipelined or not, with a model axis or not),
@@ -147,7 +147,7 @@ def test_front_runners_drop_what_cannot_fit_and_rank_the_fastest_ladders_first()
         assert [seconds(lay) for lay in group] == sorted(map(seconds, group))
     for lay in firsts[:kinds]:  # the fastest of its kind
         assert all(seconds(lay) <= seconds(other) for other in firsts if kind(other) == kind(lay))
-    others = pricing.not_compiled(ranked, 3, prices)
+    others = search.not_compiled(ranked, 3, prices)
     tried = {lay for _, _, tries in ranked[:3] for lay in tries}
     assert len(others) == len(prices) - len(tried) and {o.status for o in others} == {"skipped"}
     assert any("priced slower than the 3 ladders compiled" in o.reason for o in others)

@@ -370,7 +370,7 @@ def _rounds(run, ranked, reprice, top: int, prices, progress: bool):
             say(f"compiling the {len(batch)} fastest ladders that may fit" if not compiled else
                 f"none of the {len(compiled)} ladders compiled fits (peaks up to {scale:.2f}x "
                 f"their prices); compiling the next {len(batch)}, repriced")  # fmt: skip
-        got = run(pricing_lib.to_compile(batch))
+        got = run(search.to_compile(batch))
         outcomes += got
         compiled += batch
         if any(o.status == search.FITS for o in outcomes):
@@ -380,7 +380,7 @@ def _rounds(run, ranked, reprice, top: int, prices, progress: bool):
         scale = max([scale, *ratios])
         ranked, more, _ = reprice([ladder for _, ladder, _ in ranked], scale)
         dropped += more
-    return outcomes, dropped + pricing_lib.not_compiled([*compiled, *ranked], len(compiled), prices)
+    return outcomes, dropped + search.not_compiled([*compiled, *ranked], len(compiled), prices)
 
 
 def _candidates(outcomes, prices, profile, timing) -> list[Candidate]:

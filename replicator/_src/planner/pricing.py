@@ -36,7 +36,7 @@ import dataclasses
 import functools
 
 from replicator._src.planner import remats, search
-from replicator._src.planner.layouts import VIRTUAL, Ladder, Layout, schedule_of
+from replicator._src.planner.layouts import VIRTUAL, Layout, schedule_of
 from replicator._src.planner.model_shape import TILE, ModelShape
 from replicator._src.report.cost_model import SKIPS_IDLE, CollectiveCost, CompiledStep, model_time
 from replicator._src.report.step_report import format_bytes
@@ -423,7 +423,7 @@ MARGIN = 0.8
 # The share of the compiled peak that the priced one has been for GPipe and circular, whose
 # scans keep more a tick than is modelled: their priced peak is a floor.
 FLOOR = 0.5
-TRIES = 3  # layouts compiled at most in each ladder kept
+TRIES = search.TRIES
 ROUNDS = 4  # rounds of ``compile_top`` ladders compiled at most while none fits
 
 
@@ -479,28 +479,6 @@ def front_runners(ladders, model, budget, profile, timing, scale=1.0, prices=Non
         firsts.setdefault(kind(r[2]), r)
     order = [*firsts.values(), *(r for r in ranked if firsts[kind(r[2])] is not r)]
     return [(seconds, ladder, tries) for seconds, _, ladder, tries in order], dropped, prices
-
-
-def to_compile(ranked) -> list[Ladder]:
-    """The ladders of ``ranked`` (`front_runners`) as the search compiles them: each layout
-    to try in a group of its own, so it compiles them in turn and stops at the first that
-    fits."""
-    return [Ladder(tuple((lay,) for lay in tries)) for _, _, tries in ranked]
-
-
-def not_compiled(ranked, compiled: int, prices) -> list:
-    """The outcomes of the layouts the search did not compile: those not tried in the first
-    ``compiled`` ladders of ``ranked``, and every layout of the others."""
-    out = []
-    for i, (seconds, ladder, tries) in enumerate(ranked):
-        if i < compiled:
-            reason = f"not tried: {tries[0]} and up to {TRIES - 1} more of its ladder were"
-        else:
-            reason = (f"priced slower than the {compiled} ladders compiled "
-                      f"({seconds * 1e3:.4g} ms modelled)")  # fmt: skip
-        out += [search.Outcome(lay, search.SKIPPED, reason, int(prices[lay].state_bytes))
-                for lay in ladder.layouts if i >= compiled or lay not in tries]  # fmt: skip
-    return out
 
 
 def _floor_only(layout: Layout) -> bool:

@@ -21,6 +21,8 @@ from replicator._src.planner.layouts import Ladder, Layout
 from replicator._src.report.cost_model import CompiledStep
 from replicator._src.report.step_report import format_bytes
 
+TRIES = 3  # layouts compiled at most in each ladder the pricing keeps (`pricing.front_runners`)
+
 FITS, TOO_BIG, STATE_TOO_BIG, PRICED_TOO_BIG, SKIPPED, ERROR = (
     "fits",
     "too big",
@@ -283,3 +285,25 @@ def worker_main(conn, num_devices: int, build) -> None:
         found = search_siblings(build, ladders, budget)
         conn.send([[o.to_dict() for o in outcomes] for outcomes in found])
     conn.close()
+
+
+def to_compile(ranked) -> list[Ladder]:
+    """The ladders of ``ranked`` (`pricing.front_runners`) as the search compiles them: each layout
+    to try in a group of its own, so it compiles them in turn and stops at the first that
+    fits."""
+    return [Ladder(tuple((lay,) for lay in tries)) for _, _, tries in ranked]
+
+
+def not_compiled(ranked, compiled: int, prices) -> list:
+    """The outcomes of the layouts the search did not compile: those not tried in the first
+    ``compiled`` ladders of ``ranked``, and every layout of the others."""
+    out = []
+    for i, (seconds, ladder, tries) in enumerate(ranked):
+        if i < compiled:
+            reason = f"not tried: {tries[0]} and up to {TRIES - 1} more of its ladder were"
+        else:
+            reason = (f"priced slower than the {compiled} ladders compiled "
+                      f"({seconds * 1e3:.4g} ms modelled)")  # fmt: skip
+        out += [Outcome(lay, SKIPPED, reason, int(prices[lay].state_bytes))
+                for lay in ladder.layouts if i >= compiled or lay not in tries]  # fmt: skip
+    return out
