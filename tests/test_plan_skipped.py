@@ -24,12 +24,6 @@ def _family(layout: dict) -> tuple:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="the prices misorder the remat families: on jax 0.12 / libtpu 0.0.50.1 the plan "
-    "chose a layout reading 40.4 ms where the skipped `zero=3 remat=dots` reads 38.7 ms (the "
-    "dots programs move several times the HBM bytes priced)",
-)
 def test_plan_chooses_no_slower_than_any_family_it_skipped(tmp_path):
     pytest.importorskip("libtpu")
     import jax
