@@ -166,6 +166,12 @@ class GPTConfig:
     each replica's part before the gather, so that the gradients of the bf16 weights are summed
     in bf16, as MaxText's FSDP sums them: half the gradient bytes on the wire and in HBM, and
     each gradient rounded to bf16 once more. Nothing changes without ZeRO-3."""
+    residual_split: bool = False
+    """With a ``model`` axis, each block's input (the residual stream, and what a remat policy
+    keeps or offloads of it as ``decoder_layer_input``) is held split over ``model`` by its
+    width, as MaxText's ``activation_embed`` on its tensor axis: ``1 / model`` of it a device,
+    for an all-gather before the block's first matmuls. False keeps it whole on every device of
+    ``model`` (Megatron's layout). The same numbers."""
     loss_chunks: int = 1
     """The head's cross-entropy over this many chunks of each device's tokens, one at a time,
     each chunk's logits computed again in the backward pass (MaxText's ``num_vocab_tiling``):

@@ -18,6 +18,7 @@ import numpy as np
 import replicator as rp
 from replicator import moe, pipeline
 from replicator._src.core import sharded_params
+from replicator._src.core.mesh import MODEL_AXIS
 from replicator._src.pipeline import remat
 from replicator._src.pipeline.remat import as_remat, never_gathered
 from replicator._src.sharded import attention as attention_lib
@@ -183,10 +184,11 @@ def block(layer_params: dict, x: jax.Array, *, config: GPTConfig) -> jax.Array:
 
 
 def _layer_input(x: jax.Array, config: GPTConfig) -> jax.Array:
-    """A block's input in the compute dtype, named ``decoder_layer_input`` (`remat`)."""
-    return remat.named(
-        attention_lib.constrain_tokens(x.astype(config.dtype)), "decoder_layer_input"
-    )
+    """A block's input in the compute dtype, named ``decoder_layer_input`` (`remat`); split
+    over ``model`` by its width with ``config.residual_split``."""
+    width = MODEL_AXIS if config.residual_split else None
+    x = attention_lib.constrain_tokens(x.astype(config.dtype), width)
+    return remat.named(x, "decoder_layer_input")
 
 
 def moe_block(layer_params: dict, x: jax.Array, *, config: GPTConfig) -> tuple[jax.Array, Any]:

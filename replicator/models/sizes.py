@@ -49,7 +49,7 @@ def model_shape(config: GPTConfig, global_batch: int, opt_slots: int = 2):
         else "blockwise", experts=config.num_experts, top_k=config.top_k,
         capacity_factor=config.capacity_factor, moe_every=config.moe_every,
         qkv_bias=config.qkv_bias, loss_chunks=config.loss_chunks,
-        moe_chunks=config.moe_chunks,
+        moe_chunks=config.moe_chunks, residual_split=config.residual_split,
     )  # fmt: skip
 
 

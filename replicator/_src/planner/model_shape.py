@@ -37,6 +37,8 @@ class ModelShape:
         chunk's logits live at a time (`GPTConfig.loss_chunks`).
       moe_chunks: the mixtures take a device's sequences this many chunks at a time
         (`GPTConfig.moe_chunks`).
+      residual_split: each block's input split over ``model`` by its width
+        (`GPTConfig.residual_split`).
     """
 
     num_layers: int
@@ -63,6 +65,7 @@ class ModelShape:
     qkv_bias: bool = False
     loss_chunks: int = 1
     moe_chunks: int = 1
+    residual_split: bool = False
 
     @property
     def qkv_columns(self) -> int:

@@ -198,8 +198,8 @@ def _kept(layout: Layout, m: ModelShape, remat) -> float:
     keys, the MLP's units, and attention's S x S scores and probabilities where its kernel is
     not blockwise (else a log-sum-exp a head)."""
     t, d, e = layout.model, m.d_model, m.compute_bytes
-    if remat is True:
-        return e * d
+    if remat is True:  # (split over `model` by its width with residual_split)
+        return e * d / (t if m.residual_split else 1)
     if remats.is_named(remat):
         return e * remats.device_and_host(m, t, remat)[0]
     gates, rows = (2 if m.gated else 1), m.mlp_rows  # an expert's slots: rows of its own
@@ -291,9 +291,8 @@ def _roofline(layout: Layout, m: ModelShape, flops: float) -> tuple[tuple[float,
     units *= m.d_model + m.hidden / t
     # what a layer keeps beyond its input (which full remat keeps), written in the forward and
     # read in the backward: without remat the norms, the MLP's units and the scores as well
-    saved = (
-        2 * layers * tokens * max(0.0, _kept(layout, m, layout.remat) - m.compute_bytes * m.d_model)
-    )
+    beyond = _kept(layout, m, layout.remat) - _kept(layout, m, True)
+    saved = 2 * layers * tokens * max(0.0, beyond)
     logits = 6 * 4 * tokens * m.vocab / t
     updated = _per_device_params(layout, m) / (layout.data if layout.zero_stage >= 1 else 1)
     memory = units + saved + logits + UPDATE_BYTES * updated

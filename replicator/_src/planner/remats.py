@@ -26,7 +26,8 @@ def _widths(m, model: int) -> dict[str, float]:
     MLP units), the MLP's for a dense layer."""
     q, kv = m.num_heads * m.head_dim / model, m.kv_heads * m.head_dim / model
     h = m.hidden / model
-    return {"decoder_layer_input": m.d_model, "query_proj": q, "key_proj": kv,
+    layer_input = m.d_model / (model if m.residual_split else 1)
+    return {"decoder_layer_input": layer_input, "query_proj": q, "key_proj": kv,
             "value_proj": kv, "qkv_proj": 0.0, "context": q, "out_proj": m.d_model,
             "mlpwi_0": h if m.gated else 0.0, "mlpwi_1": h if m.gated else 0.0,
             "mlpwi": 0.0 if m.gated else h, "mlpwo": m.d_model}  # fmt: skip
@@ -38,7 +39,8 @@ def device_and_host(m, model: int, remat: str) -> tuple[float, float]:
     saved, offloaded = PRESETS[remat]
     w = _widths(m, model)
     host = sum(w[n] for n in offloaded)
-    device = sum(w[n] for n in saved) + (0.0 if "decoder_layer_input" in offloaded else m.d_model)
+    kept_input = 0.0 if "decoder_layer_input" in offloaded else w["decoder_layer_input"]
+    device = sum(w[n] for n in saved) + kept_input
     return device, host
 
 

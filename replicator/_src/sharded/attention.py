@@ -21,18 +21,16 @@ hand over ``context`` (`collectives.map_over`):
   ``C`` and holds the whole sequence's scores for its heads.
 
 Without a ``context`` axis (or one of size 1) both are plain attention: the one-device oracle.
-
 **Kernels.** Attention runs on the platform's kernel (`kernels.choose`): on a TPU the splash
 Pallas kernel (whole sequences, each device's after the all-to-all, masked at the zigzag
 positions, and each block of the ring, folded in by its log-sum-exp), on a GPU cuDNN's for whole
-sequences, elsewhere (and where a kernel does not apply) XLA's blockwise kernel below (tiles of
-`TILE` keys, an online softmax). `kernels.forced` picks one by hand.
+sequences, elsewhere XLA's blockwise kernel below (tiles of `TILE` keys, an online softmax).
+`kernels.forced` picks one by hand.
 
 **Grouped-query attention.** Keys and values may have fewer heads than the queries (``KV``
 dividing ``H``: key/value head ``j`` serves query heads ``j G .. j G + G - 1``, ``G = H / KV``).
-They travel (round the ring, or through the all-to-alls) with their ``KV`` heads, ``G`` times
-fewer bytes than repeated ones, and are repeated one tile at a time where the scores are made;
-their gradients are summed over each group before they travel back.
+They travel with their ``KV`` heads (``G`` times fewer bytes), are repeated one tile at a time
+where the scores are made, and their gradients are summed over each group before they go back.
 
 >>> import jax, jax.numpy as jnp
 >>> q = k = v = jax.random.normal(jax.random.key(0), (2, 8, 4, 16))   # [batch, seq, heads, dim]
@@ -104,21 +102,23 @@ def context_size() -> int:
     return collectives.auto_axis_size(CONTEXT_AXIS)
 
 
-def constrain_tokens(x: jax.Array) -> jax.Array:
+def constrain_tokens(x: jax.Array, width: str | None = None) -> jax.Array:
     """``x`` held split over the token axes: a sharding constraint on activations.
 
     The sequence goes over ``context`` and the sequences over ``expert``: every activation of a
-    block is held in chunks, and outside the experts ``expert`` shares out sequences as data.
-    Without either axis, ``x`` is returned as it is.
+    block is held in chunks, outside the experts ``expert`` sharing out sequences as data.
 
     Args:
       x: ``[batch, seq, ...]`` activations, inside a step.
+      width: an axis XLA partitions (``model``) to split the last axis over too, if it divides.
     """
     spec = [None] * x.ndim
     if collectives.auto_axis_size(EXPERT_AXIS) > 1:
         spec[0] = EXPERT_AXIS
     if context_size() > 1 and x.ndim > 1:
         spec[1] = CONTEXT_AXIS
+    if width and (n := collectives.auto_axis_size(width)) > 1 and x.shape[-1] % n == 0:
+        spec[-1] = width
     return x if not any(spec) else lax.with_sharding_constraint(x, P(*spec))
 
 

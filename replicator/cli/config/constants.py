@@ -22,6 +22,7 @@ GPT_ONLY = {  # the gpt-only keys' defaults
     "vocab_parallel": True,
     "scan_layers": True,
     "reduce_dtype": None,
+    "residual_split": False,
     "loss_chunks": 1,
     "moe_chunks": 1,
     "experts": 0,

@@ -69,6 +69,7 @@ def gpt_config(config: TrainConfig) -> gpt.GPTConfig:
         zigzag=m.zigzag,
         scan_layers=m.scan_layers,
         reduce_dtype=m.reduce_dtype,
+        residual_split=m.residual_split,
         loss_chunks=m.loss_chunks,
         moe_chunks=m.moe_chunks,
         num_experts=m.experts,
