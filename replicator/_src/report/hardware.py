@@ -289,10 +289,10 @@ _FITTED = {
         "v5p-256 (52.56%), configs/published/, compiled by libtpu 0.0.50.1",
     ),
     "tpu-v6e": dict(
-        matmul_efficiency=0.705, kernel_efficiency=0.92, overlap=0.3,
+        matmul_efficiency=0.64, kernel_efficiency=0.58, overlap=0.8,
         fitted_on="MaxText's measured MFU of Llama 2 70B (43.8%), Llama 3.1 8B (45.46%), "
-        "Llama 3.1 70B (50.33%), Mixtral 8x7B (35.23%) and Mixtral 8x22B (36.2%) on v6e-256, "
-        "configs/published/, compiled by libtpu 0.0.50.1",
+        "Llama 3.1 70B (50.33%), Mixtral 8x7B (35.23%) and Mixtral 8x22B (36.2%) on v6e-256 "
+        "and Llama 3.1 405B on two (38.55%), configs/published/, compiled by libtpu 0.0.50.1",
     ),
 }  # fmt: skip
 for _name, _fit in _FITTED.items():
