@@ -43,16 +43,21 @@ def test_chunks_hold_one_chunks_logits():
     assert peaks[1] - peaks[8] >= logits, (peaks, logits)
 
 
-def test_a_count_that_does_not_divide_the_tokens_is_refused_naming_it():
-    config = dataclasses.replace(CONFIG, loss_chunks=5)
+def _refused(config, key: str, match: str) -> None:
+    """``config``'s loss is refused when traced (``match``), and ``key=0`` by the config file."""
     batch = batches(1)[0]
     params = gpt.init(config, jax.random.key(0))
-    with pytest.raises(ValueError, match=r"loss_chunks=5 must divide the 128 tokens.*such as 4"):
+    with pytest.raises(ValueError, match=match):
         gpt.loss(params, jnp.asarray(batch["tokens"]), jnp.asarray(batch["targets"]), config=config)
+    with pytest.raises(ValueError, match=rf"model\.{key}"):
+        config_lib.from_dict(config_lib.TrainConfig, {"model": {key: 0}})
+
+
+def test_a_count_that_does_not_divide_the_tokens_is_refused_naming_it():
+    config = dataclasses.replace(CONFIG, loss_chunks=5)
+    _refused(config, "loss_chunks", r"loss_chunks=5 must divide the 128 tokens.*such as 4")
     with pytest.raises(ValueError, match="loss_chunks"):
         gpt.GPTConfig(loss_chunks=0)
-    with pytest.raises(ValueError, match=r"model\.loss_chunks"):
-        config_lib.from_dict(config_lib.TrainConfig, {"model": {"loss_chunks": 0}})
 
 
 # 5 layers: a shuffle of 4, 8 or 16 sequences a layer made would not undo itself over them
@@ -79,12 +84,7 @@ def test_experts_in_chunks_train_as_one_device_in_one_pass(mesh, zero_stage, cap
 
 def test_chunks_of_sequences_that_do_not_divide_them_are_refused_naming_the_key():
     config = dataclasses.replace(MIXTURE, moe_chunks=3)
-    batch = batches(1)[0]
-    params = gpt.init(config, jax.random.key(0))
-    with pytest.raises(ValueError, match=r"moe_chunks=3 must divide the 16 sequences"):
-        gpt.loss(params, jnp.asarray(batch["tokens"]), jnp.asarray(batch["targets"]), config=config)
-    with pytest.raises(ValueError, match=r"model\.moe_chunks"):
-        config_lib.from_dict(config_lib.TrainConfig, {"model": {"moe_chunks": 0}})
+    _refused(config, "moe_chunks", r"moe_chunks=3 must divide the 16 sequences")
 
 
 def test_plan_prices_the_chunks_as_less_memory_and_their_pass_again():

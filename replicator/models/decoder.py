@@ -21,6 +21,7 @@ from replicator._src.core import sharded_params
 from replicator._src.core.mesh import MODEL_AXIS
 from replicator._src.pipeline import remat
 from replicator._src.pipeline.remat import as_remat, never_gathered
+from replicator._src.planner.enumeration import divisors
 from replicator._src.sharded import attention as attention_lib
 from replicator._src.sharded import embedding as embedding_lib
 from replicator.models.config import DEFAULT, GPTConfig
@@ -419,7 +420,7 @@ def _token_losses(head_params: dict, x: jax.Array, targets: jax.Array, config) -
 
 def _divisor_near(n: int, k: int) -> int:
     """The divisor of ``n`` nearest ``k`` (the smaller on a tie)."""
-    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - k), d))
+    return min(divisors(n), key=lambda d: (abs(d - k), d))
 
 
 def apply(params: dict, tokens: jax.Array, *, config: GPTConfig) -> jax.Array:

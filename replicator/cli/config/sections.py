@@ -68,14 +68,14 @@ class ModelConfig:
     # reduce-scattered in: null their own (fp32, summed as one device sums them), or bfloat16
     # (as MaxText's FSDP: half the bytes, each gradient rounded to bf16 once more)
     reduce_dtype: str | None = None
-    # gpt: the head's cross-entropy over this many chunks of each device's tokens, one chunk's
-    # logits live at a time and computed again in the backward pass (MaxText's
-    # num_vocab_tiling): less memory for one more pass of the head's matmul; the same numbers.
-    # It divides the tokens a device's head takes (sequences a device x seq_len).
     # gpt, a `model` axis: each block's input (the residual stream, and what remat keeps or
     # offloads of it) split over `model` by its width (MaxText's activation_embed on its tensor
     # axis): 1/model of it a device; false keeps it whole on each (Megatron's). Same numbers.
     residual_split: bool = False
+    # gpt: the head's cross-entropy over this many chunks of each device's tokens, one chunk's
+    # logits live at a time and computed again in the backward pass (MaxText's
+    # num_vocab_tiling): less memory for one more pass of the head's matmul; the same numbers.
+    # It divides the tokens a device's head takes (sequences a device x seq_len).
     loss_chunks: int = 1
     # gpt, experts: the mixture-of-experts blocks take each device's sequences this many chunks
     # at a time, each computed again in the backward pass (each sequence is its own routing
