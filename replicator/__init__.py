@@ -29,6 +29,8 @@ from replicator._src.core.data import DistributedIterator as DistributedIterator
 from replicator._src.core.data import InputContext as InputContext
 from replicator._src.core.deprecation import moved_names as _moved_names
 from replicator._src.core.errors import ReplicasDivergedError as ReplicasDivergedError
+from replicator._src.core.placement import to_device as to_device
+from replicator._src.core.placement import to_host as to_host
 from replicator._src.core.precision import Policy as Policy
 from replicator._src.core.sharded_params import ShardedParam as ShardedParam
 from replicator._src.core.sharded_params import gather_params as gather_params

@@ -41,6 +41,8 @@ PUBLIC = [
     "regather_policy",  # jax.checkpoint policy: ZeRO-3 gathers each layer again backward
     "replica_axis_name",
     "replica_id",
+    "to_device",  # inside step_fn: a leaf kept in host memory, copied to the device
+    "to_host",  # parameters or optimizer state kept in host memory between steps
     "tpu_devices",  # a TPU target's devices, to compile for on any machine (libtpu)
 ]
 NAMESPACES = ["attention", "distributed", "moe", "pipeline", "planner", "targets", "training"]

@@ -17,7 +17,7 @@ import numpy as np
 
 import replicator as rp
 from replicator import moe, pipeline
-from replicator._src.core import sharded_params
+from replicator._src.core import placement, sharded_params
 from replicator._src.core.mesh import MODEL_AXIS
 from replicator._src.pipeline import remat
 from replicator._src.pipeline.remat import as_remat, never_gathered
@@ -143,7 +143,7 @@ def embed(
         tokens = tokens[..., order]
         positions = None if positions is None else positions[order]
     x = embedding_lib.lookup(
-        embed_params["tokens"], tokens, None if positions is not None else dtype
+        rp.to_device(embed_params["tokens"]), tokens, None if positions is not None else dtype
     )
     x = x if positions is None else x + positions
     return attention_lib.constrain_tokens(x if dtype is None else x.astype(dtype))
@@ -152,13 +152,13 @@ def embed(
 def _gathered(params: dict, config: GPTConfig) -> dict:
     """`rp.gather_params` of ``params``, the stored parts cast to ``config.reduce_dtype`` first
     (so their gradients are reduce-scattered in it) when it is set."""
-    return rp.gather_params(reduce_cast(params, config))
+    return rp.gather_params(reduce_cast(rp.to_device(params), config))
 
 
 def _cast(layer_params: dict, config: GPTConfig) -> dict:
     """One layer's parameters, gathered (`_gathered`), in ``config.dtype``; the attention's in
     `weights_heads_first`'s layout when the block attends heads first."""
-    p = reduce_cast(layer_params, config)
+    p = reduce_cast(rp.to_device(layer_params), config)  # kept on the host: its layer alone
     if heads_first(config):
         p = {**p, "attn": weights_heads_first(p["attn"], config)}
     return jax.tree.map(lambda a: a.astype(config.dtype), rp.gather_params(p))
@@ -247,7 +247,10 @@ def blocks_and_stats(
     # ZeRO-3 parts cast to reduce_dtype once, before the scan: the backward scan then stacks
     # their gradients in that dtype too (half the fp32 stack's bytes for bf16), the same values
     # (the cast's transpose converts each reduce-scattered part exactly)
-    stacked_params = reduce_cast(stacked_params, config)
+    # (parameters kept in host memory, `rp.to_host`, are cast a layer at a time, in `_cast`,
+    # each layer brought to the device alone)
+    if not any(map(placement.in_host_memory, jax.tree.leaves(stacked_params))):
+        stacked_params = reduce_cast(stacked_params, config)
     policy = as_remat(config.remat, "GPTConfig")
     if policy.recomputes or _stored_sharded(stacked_params):  # ZeRO-3: gathered again backward
         # in a scan XLA cannot merge the recomputation with the forward; unrolled it could
@@ -317,7 +320,7 @@ def output_head(params: dict, *, config: GPTConfig) -> dict:
     """
     if not config.tie_embeddings:
         return params["head"]
-    tokens = rp.gather_params(reduce_cast(params["embed"]["tokens"], config))
+    tokens = rp.gather_params(reduce_cast(rp.to_device(params["embed"]["tokens"]), config))
     return {**params["head"], "w": tokens.T}
 
 

@@ -133,7 +133,9 @@ def abstract(mesh: Mesh, init_fn: Callable[[], PyTree]) -> PyTree:
         spec = spec_of(mesh, x) if sharding is None else spec_of_sharding(mesh, sharding)
         if spec is None:
             raise ValueError(errors.UNPLACED_SHAPE.format(path=jax.tree_util.keystr(path), got=x))
-        leaves.append(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)))
+        kind = getattr(sharding if sharding is not None else x.sharding, "memory_kind", None)
+        placed = NamedSharding(mesh, spec, memory_kind=kind)  # in host memory: `placement.to_host`
+        leaves.append(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placed))
     return jax.tree.unflatten(treedef, leaves)
 
 

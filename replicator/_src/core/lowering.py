@@ -39,7 +39,7 @@ from jax import lax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from replicator._src.core import compat, errors, leaf_specs, variance
+from replicator._src.core import compat, errors, leaf_specs, placement, variance
 from replicator._src.core import mesh as mesh_lib
 from replicator._src.core.binding import LOCAL, Binding, bind
 from replicator._src.core.collectives import max_over_axes, min_over_axes
@@ -439,7 +439,8 @@ def build_replica_check(mesh: Mesh, state_specs: Sequence[PartitionSpec]) -> Rep
     program = jax.jit(mapped, in_shardings=([NamedSharding(mesh, s) for s in specs],))
 
     def check(state_leaves: list) -> tuple[jax.Array, jax.Array]:
-        return program([x for x, c in zip(state_leaves, checked, strict=True) if c])
+        leaves = [x for x, c in zip(state_leaves, checked, strict=True) if c]
+        return program(placement.to_device(leaves))  # compared on the device (`rp.to_host`)
 
     return check
 

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from replicator._src.core import collectives
+from replicator._src.core import collectives, placement
 from replicator._src.core.typing import PyTree
 
 _NOT_GATHERED = """\
@@ -151,7 +151,8 @@ def gather_params(tree: PyTree) -> PyTree:
 
     Returns:
       ``tree`` with each `ShardedParam` replaced by the whole parameter (each device's own
-      part of it over ``model``).
+      part of it over ``model``); a leaf kept in host memory (`rp.to_host`) is copied to the
+      device first.
 
     >>> import jax.numpy as jnp, replicator as rp
     >>> rp.gather_params({"w": rp.ShardedParam(jnp.arange(3.0), -1)})["w"]   # one replica
@@ -162,10 +163,11 @@ def gather_params(tree: PyTree) -> PyTree:
         if _gathers_itself(node):  # ZeRO-3's packed stages: their whole rows
             return node.gathered()
         if not isinstance(node, ShardedParam):
-            return node
+            return placement.to_device(node)
+        value = placement.to_device(node.value)  # kept in host memory: `rp.to_host`
         if node.dim is None:
-            return node.value
-        whole = collectives.gather_replicas(node.value, node.dim, node.auto)
+            return value
+        whole = collectives.gather_replicas(value, node.dim, node.auto)
         return checkpoint_name(whole, GATHERED)
 
     return jax.tree.map(gather, tree, is_leaf=lambda x: is_sharded_param(x) or _gathers_itself(x))

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from replicator._src.core import placement
 from replicator._src.core.typing import PyTree
 
 
@@ -78,6 +79,7 @@ def accumulated_grads(
 
     def grad_of(mb):
         loss, g = jax.value_and_grad(lambda p: loss_fn(p, mb) * scale)(params)
+        g = placement.to_device(g)  # a parameter's in host memory (`rp.to_host`): so is its own
         return loss / scale, g if each is None else each(g)
 
     if steps == 1:
@@ -89,6 +91,11 @@ def accumulated_grads(
         return (loss_sum + loss, jax.tree.map(jnp.add, acc, g)), None
 
     micro = split_batch(batch, steps)
-    acc0 = jax.tree.map(jnp.zeros_like, params) if zeros is None else zeros(params)
+    acc0 = jax.tree.map(_zeros_on_device, params) if zeros is None else zeros(params)
     (loss_sum, acc), _ = lax.scan(body, (jnp.zeros((), jnp.float32), acc0), micro)
     return loss_sum / steps, jax.tree.map(lambda a: a / steps, acc)
+
+
+def _zeros_on_device(p: jax.Array) -> jax.Array:
+    """Zeros like ``p``, on the device even where ``p`` is kept in host memory."""
+    return jnp.zeros(p.shape, p.dtype) if placement.in_host_memory(p) else jnp.zeros_like(p)

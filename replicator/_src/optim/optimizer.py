@@ -148,12 +148,15 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
           **extra_args: passed on to ``tx``.
         """
         p = self.parts
+        # what `rp.to_host` keeps in host memory is updated on the device and put back there
+        kept, grads, params = state, placement.to_device(grads), placement.to_device(params)
+        state = placement.to_device(state)
         if p.layout is not None:
             p.layout.check_binding()
             extra_args = {**extra_args, "local_grads": grads}
         reduced = self._reduce(grads, params)
         updates, state, _ = self._apply(reduced, state, params, extra_args, like=grads)
-        return updates, state
+        return updates, placement.like_spaces(state, kept)
 
     def step(self, loss_fn, params: PyTree, state, batch: PyTree):
         """One optimizer step on ``batch``: ``(params, state, metrics)``.
@@ -179,6 +182,7 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
         if p.layout is not None:
             p.layout.check_binding()
         scale = state.loss_scale.scale if p.wrapped and state.loss_scale is not None else 1.0
+        scale = placement.to_device(scale)
         # accumulate this replica's slice (packed stages: reduced leaf by leaf in the update)
         sliced = p.layout is not None and p.layout.stage >= 2 and not stage_row_nodes(params)
         loss, grads = accumulation.accumulated_grads(
@@ -187,12 +191,16 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
             batch,
             steps=p.accumulate_steps,
             scale=scale,
-            each=(lambda g: self._reduce(g, params)) if sliced else None,
+            each=(lambda g: self._reduce(g, placement.to_device(params))) if sliced else None,
             zeros=p.layout.slice_zeros if sliced else None,
         )
+        # the forward pass takes parameters kept in host memory (`rp.to_host`) to the device a
+        # layer at a time (`rp.gather_params`); the update takes them, and the state, whole
+        kept = (params, state)
+        params, state = placement.to_device(params), placement.to_device(state)
         reduced = grads if sliced else self._reduce(grads, params)
         updates, state, metrics = self._apply(reduced, state, params, {}, like=params)
-        params = optax.apply_updates(params, updates)
+        params, state = placement.like_spaces((optax.apply_updates(params, updates), state), kept)
         metrics = {"loss": collectives.all_reduce(jnp.asarray(loss, jnp.float32), "mean")} | metrics
         return params, state, metrics
 

@@ -311,7 +311,7 @@ class Zero:
         out = []
         for p, leaf in zip(nodes, leaves, strict=True):
             if isinstance(p, ShardedParam):
-                out.append(jax.tree.map(jnp.zeros_like, p))
+                out.append(jax.tree.map(jnp.zeros_like, placement.to_device(p)))  # no copy made
                 continue
             shape = shards.local_shape(leaf.shape, Split(leaf.data, leaf.stage), self.comm)
             out.append(jnp.zeros(shape, jnp.result_type(p)))

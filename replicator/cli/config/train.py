@@ -43,6 +43,12 @@ class TrainConfig:
     clip_global_norm: float | None = 1.0
     zero_stage: int = 0
     accumulate_steps: int = 1
+    # gpt: kept in the host's memory between steps (MaxText's parameter_memory_host_offload
+    # and optimizer_memory_host_offload): the parameters, brought to the device a layer at a
+    # time, and the optimizer state, for its update; HBM freed for activations, for a trip over
+    # the host link each step (`replicator explain --target` prices it). Not with a pipeline.
+    offload_params: bool = False
+    offload_optimizer: bool = False
     pipeline: PipelineConfig | None = None  # needed when mesh has a "stage" axis
     data: DataConfig = dataclasses.field(default_factory=DataConfig)  # path: your own data
     log_every: int = 10
@@ -109,6 +115,13 @@ class TrainConfig:
             finite_positive(self, "clip_global_norm", example="clip_global_norm=1.0", none=True)
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"{where}zero_stage must be 0, 1, 2 or 3; got {self.zero_stage!r}.")
+        for key in ("offload_params", "offload_optimizer"):
+            if getattr(self, key) and (m.kind != "gpt" or "stage" in self.mesh):
+                what = f"model.kind={m.kind!r}" if m.kind != "gpt" else "a pipeline (mesh.stage)"
+                raise ValueError(
+                    f"{where}{key}=true is for model.kind='gpt' without a pipeline; with "
+                    f"{what} keep it false (or use zero_stage=3 to shard what is kept)."
+                )
         jobs = dict(model=self.model, mesh=self.mesh, pipeline=self.pipeline)
         check_model_fits_the_job(
             **jobs, zero_stage=self.zero_stage, accumulate_steps=self.accumulate_steps

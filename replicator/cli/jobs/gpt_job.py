@@ -154,7 +154,7 @@ def _unpipelined(config: TrainConfig, repl, make_tx, model: gpt.GPTConfig, init_
         return {"params": p, "opt": o}, metrics
 
     if model.num_experts:
-        step_fn = _moe_step(model, opt, config.accumulate_steps)
+        step_fn = _moe_step(model, opt, config.accumulate_steps, config.offload_params)
 
     def init():
         rules = _rules(config, repl, model)  # heads, MLP (and the vocabulary): "model"
@@ -165,7 +165,9 @@ def _unpipelined(config: TrainConfig, repl, make_tx, model: gpt.GPTConfig, init_
             return opt.shard_params(placed, stacked=stacked, split=split) if zero3 else placed
 
         placed = _from_checkpoint(config, repl, place) if config.init_from else place()
-        return {"params": placed, "opt": opt.init(placed)}
+        state = {"params": placed, "opt": opt.init(placed)}  # initialised on the device
+        kept = {"params": config.offload_params, "opt": config.offload_optimizer}
+        return {k: rp.to_host(v) if kept[k] else v for k, v in state.items()}
 
     return step_fn, init
 
@@ -238,7 +240,9 @@ def _from_checkpoint(config: TrainConfig, repl, place: Callable[[], dict]) -> di
     return hf.load(config.init_from, repl.abstract(place))
 
 
-def _moe_step(model: gpt.GPTConfig, opt, accumulate_steps: int) -> Callable:
+def _moe_step(
+    model: gpt.GPTConfig, opt, accumulate_steps: int, offload_params: bool = False
+) -> Callable:
     """The mixture-of-experts GPT's ``step_fn``: `DistributedOptimizer.step`'s update, and
     what the routing did: ``loss`` (the mean over replicas of the loss optimized, cross-entropy
     plus ``aux_weight`` x ``aux_loss``, as ``opt.step`` logs it), ``cross_entropy``,
@@ -246,7 +250,8 @@ def _moe_step(model: gpt.GPTConfig, opt, accumulate_steps: int) -> Callable:
     ``dropped_fraction`` (token-choices over capacity / all token-choices, over the whole
     global batch). ``opt.step`` takes a scalar loss only, so the gradients are taken here
     (``has_aux``), with ``accumulate_steps`` micro-batches summed in a ``lax.scan`` as
-    ``opt.step`` does, and reduced by ``opt.update``; ``grad_norm`` is not reported."""
+    ``opt.step`` does, and reduced by ``opt.update``; ``grad_norm`` is not reported. With
+    ``offload_params`` the new parameters go back to host memory."""
 
     def loss_and_stats(params, batch):
         return gpt.loss_and_stats(params, batch["tokens"], batch["targets"], config=model)
@@ -255,13 +260,13 @@ def _moe_step(model: gpt.GPTConfig, opt, accumulate_steps: int) -> Callable:
 
     def step_fn(state, batch):
         params = state["params"]
-        if accumulate_steps == 1:
-            (loss, stats), grads = grad_fn(params, batch)
+        if accumulate_steps == 1:  # (gradients of parameters in host memory: on the device)
+            (loss, stats), grads = rp.to_device(grad_fn(params, batch))
         else:  # the mean of the micro-batches' losses and gradients, the sums of their counts
             micro = jax.tree.map(lambda a: a.reshape(accumulate_steps, -1, *a.shape[1:]), batch)
 
             def add(total, mb):
-                return jax.tree.map(jnp.add, total, grad_fn(params, mb)), None
+                return jax.tree.map(jnp.add, total, rp.to_device(grad_fn(params, mb))), None
 
             zeros = jax.tree.map(
                 jnp.zeros_like,
@@ -272,7 +277,8 @@ def _moe_step(model: gpt.GPTConfig, opt, accumulate_steps: int) -> Callable:
             loss, grads = mean(loss), jax.tree.map(mean, grads)
             stats |= {k: mean(stats[k]) for k in ("cross_entropy", "aux_loss")}  # counts: sums
         updates, opt_state = opt.update(grads, state["opt"], params)
-        params = optax.apply_updates(params, updates)
+        params = optax.apply_updates(rp.to_device(params), updates)
+        params = rp.to_host(params) if offload_params else params
         means = {"loss": loss} | {k: stats[k] for k in ("cross_entropy", "aux_loss")}
         counts = rp.all_reduce({k: stats[k] for k in ("dropped", "routed")}, "sum")
         metrics = rp.all_reduce(means, "mean") | {
