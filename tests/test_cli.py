@@ -44,7 +44,8 @@ def test_config_errors_name_the_key_and_list_the_valid_ones(tmp_path):
         config.load(path, ["steps"])
 
 
-@pytest.mark.parametrize("name", ["lm_pipeline", "lm_dp", "mlp_zero", "lm_3d"])
+# (lm_dp trains as a command in tests/test_cli_data.py, on its own text and on shards)
+@pytest.mark.parametrize("name", ["lm_pipeline", "mlp_zero", "lm_3d"])
 @pytest.mark.slow
 def test_shipped_configs_train(name, tmp_path):
     run = subprocess.run(

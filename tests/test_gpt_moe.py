@@ -115,8 +115,7 @@ def shard_shapes(x):
 
 @pytest.mark.parametrize(
     "moe_every, top_k, capacity_factor, zero_stage",
-    [
-        (1, 1, None, 0),
+    [  # (top-1 dropless without ZeRO: the others' paths; tests/test_moe.py's layer oracles)
         (1, 2, 0.5, 0),
         (2, 2, None, 0),
         (1, 2, None, 3),

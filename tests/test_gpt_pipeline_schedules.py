@@ -74,7 +74,7 @@ def check_equals_one_device(name, remat, opt):
     assert traces == 1
 
 
-@pytest.mark.parametrize("remat", REMATS)
+@pytest.mark.parametrize("remat", [r for r in REMATS if r != "dots"])  # dots: the Adam test's
 @pytest.mark.parametrize("name", list(SCHEDULES))
 def test_three_sgd_steps_of_each_schedule_and_remat_equal_one_device(name, remat):
     """Data x pipeline x tensor parallel: the blocks over `stage` (V virtual stages per device for

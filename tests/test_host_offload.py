@@ -15,10 +15,9 @@ from oracle import rel_err
 from test_llama import CONFIG, batches, host, loss_fn, make_repl
 
 import replicator as rp
-from replicator.cli import config, jobs
 from replicator._src.core import placement
+from replicator.cli import config, jobs
 from replicator.models import gpt
-
 
 TOL = 1e-5
 ADAM = functools.partial(optax.adam, 3e-3, eps=1e-3)  # a moment-normalised step: eps keeps a
@@ -73,8 +72,8 @@ def kinds(tree):
     "mesh, zero_stage, offload, accumulate",
     [
         ({"data": 4}, 3, ("params", "opt"), 1),
-        ({"data": 2, "model": 2}, 1, ("opt",), 2),
-        ({"data": 2, "model": 2}, 0, ("params", "opt"), 1),
+        pytest.param({"data": 2, "model": 2}, 1, ("opt",), 2, marks=pytest.mark.slow),
+        pytest.param({"data": 2, "model": 2}, 0, ("params", "opt"), 1, marks=pytest.mark.slow),
     ],
     ids=["zero3-both", "fsdp-tp-zero1-state-accumulated", "tp-both"],
 )
@@ -91,16 +90,6 @@ def test_what_is_kept_on_the_host_trains_as_one_device(mesh, zero_stage, offload
     assert rel_err(got, gpt.init(CONFIG, jax.random.key(0))) > 1e-3  # training moved them
     for key in ("params", "opt"):
         assert kinds(state[key]) == {key in offload}, key
-
-
-def test_on_one_device_without_a_mesh_it_is_the_same_step():
-    """The local lowering (no mapping) runs the same step eagerly on host-memory state."""
-    got, losses, state = train(
-        make_repl({"data": 1}), CONFIG, zero_stage=0, offload=("params", "opt")
-    )
-    want, want_losses = oracle()
-    assert rel_err(got, want) <= TOL and rel_err(losses, want_losses) <= TOL
-    assert kinds(state["params"]) == {True}
 
 
 @pytest.mark.slow
@@ -163,6 +152,7 @@ def _losses(tmp_path, name, *overrides):
     return [json.loads(r)["loss"] for r in rows]
 
 
+@pytest.mark.slow
 def test_the_cli_keeps_both_on_the_host_and_resumes_the_same(tmp_path):
     """``offload_params`` and ``offload_optimizer``: ``replicator train`` of the shipped
     mixture of experts (its own step: experts over data x expert x model, ZeRO-1) gives the

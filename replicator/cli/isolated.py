@@ -222,8 +222,9 @@ def _note(died: _Died, instead: str) -> str:
 def _fix() -> str:
     if jax.__version_info__ < (0, 12):
         return (
-            "jax 0.12 with libtpu 0.0.50.1 compiles what libtpu 0.0.42.1 aborts on: Python 3.12 "
-            "or newer, pip install -U 'replicator[tpu]'"
+            "jax 0.12 with libtpu 0.0.50.1 compiles some of what libtpu 0.0.42.1 aborts on "
+            "(Python 3.12 or newer, pip install -U 'replicator[tpu]'), and another layout (a "
+            "different zero_stage or mesh.model) may compile"
         )
     return "another layout (a different zero_stage or mesh.model) may compile"
 
