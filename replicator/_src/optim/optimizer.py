@@ -88,11 +88,9 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
     of its own, in ``parts`` (a `Parts`); `wrap_optimizer` builds them.
     """
 
-    # A NamedTuple of exactly (init, update): optax tells a transformation by isinstance
-    # (optax.with_extra_args_support, which otherwise drops the extra arguments, and
-    # wrap_optimizer's own check), and optax.chain unpacks each as an (init, update) pair, so
-    # there is no room for a third field. The two items call the methods below; `parts` is set
-    # once, in the constructor.
+    # A NamedTuple of exactly (init, update): optax tells a transformation by isinstance (and
+    # optax.chain unpacks (init, update) pairs), so no third field; the items call the methods
+    # below, and `parts` is set once, in the constructor.
 
     parts: Parts
 
@@ -107,16 +105,15 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
         self.parts = parts
         return self
 
-    def __getnewargs__(self) -> tuple[Parts]:  # for copy.copy: the constructor takes `parts`
+    def __getnewargs__(self) -> tuple[Parts]:  # copy.copy: the constructor takes `parts`
         return (self.parts,)
 
     def init(self, params: PyTree) -> optax.OptState:
         """The optimizer state for ``params``; with ZeRO, call it outside ``step_fn``.
 
         Returns:
-          ``tx``'s own state when ``zero_stage == 0`` and there is no loss scaling, else a
-          `loss_scaling.WrappedState`; with ``zero_stage >= 1``, global arrays sharded over the
-          data axes.
+          ``tx``'s own state (zero_stage 0, no loss scaling), else a `loss_scaling.WrappedState`;
+          with ``zero_stage >= 1``, global arrays sharded over the data axes.
 
         Raises:
           ValueError: for ZeRO with clipping or dynamic loss scaling on ``pipeline.sequential``."""
@@ -148,9 +145,7 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
           **extra_args: passed on to ``tx``.
         """
         p = self.parts
-        # what `rp.to_host` keeps in host memory is updated on the device and put back there
-        kept, grads, params = state, placement.to_device(grads), placement.to_device(params)
-        state = placement.to_device(state)
+        kept, state, grads, params = state, *placement.to_device((state, grads, params))
         if p.layout is not None:
             p.layout.check_binding()
             extra_args = {**extra_args, "local_grads": grads}
@@ -174,13 +169,12 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
           batch: this replica's batch; its leading axis must divide by ``accumulate_steps``.
 
         Returns:
-          ``(params, state, metrics)``: ``metrics`` holds ``loss`` (the mean over replicas),
-          ``grad_norm`` (of the mean gradient, before clipping), and with loss scaling
-          ``loss_scale`` and ``skipped`` (the number of steps skipped so far).
+          ``(params, state, metrics)``: ``metrics`` holds ``loss`` (mean over replicas),
+          ``grad_norm`` (of the mean gradient, before clipping); with loss scaling ``loss_scale``
+          and ``skipped`` (the number of steps skipped so far).
         """
         p = self.parts
-        if p.layout is not None:
-            p.layout.check_binding()
+        _ = p.layout is None or p.layout.check_binding()
         scale = state.loss_scale.scale if p.wrapped and state.loss_scale is not None else 1.0
         scale = placement.to_device(scale)
         # accumulate this replica's slice (packed stages: reduced leaf by leaf in the update)
@@ -194,9 +188,7 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
             each=(lambda g: self._reduce(g, placement.to_device(params))) if sliced else None,
             zeros=p.layout.slice_zeros if sliced else None,
         )
-        # the forward pass takes parameters kept in host memory (`rp.to_host`) to the device a
-        # layer at a time (`rp.gather_params`); the update takes them, and the state, whole
-        kept = (params, state)
+        kept = (params, state)  # `rp.to_host`'s: a layer at a time forward, whole for the update
         params, state = placement.to_device(params), placement.to_device(state)
         reduced = grads if sliced else self._reduce(grads, params)
         updates, state, metrics = self._apply(reduced, state, params, {}, like=params)
