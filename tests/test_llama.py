@@ -235,7 +235,12 @@ def loss_fn(params, batch, config=CONFIG):
 @functools.cache
 def oracle():
     """Three SGD steps on one device with the full batch: the parameters and the losses."""
-    params, tx = gpt.init(CONFIG, jax.random.key(0)), optax.sgd(0.1)
+    return one_device(optax.sgd(0.1))
+
+
+def one_device(tx):
+    """Three steps of ``tx`` on one device with the full batch: the parameters and losses."""
+    params = gpt.init(CONFIG, jax.random.key(0))
 
     @jax.jit
     def step(params, opt, batch):
