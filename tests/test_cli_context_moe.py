@@ -166,7 +166,7 @@ def whole(tree):
 @pytest.mark.parametrize(
     "zero_stage, accumulate_steps",
     [
-        pytest.param(0, 1, marks=pytest.mark.slow),  # test_moe.py: the layer, fast
+        # (ZeRO-0 without accumulation: tests/test_mixtral.py's and test_moe.py's oracles)
         pytest.param(3, 2, marks=pytest.mark.slow),
         pytest.param(1, 2, marks=pytest.mark.slow),
     ],

@@ -441,8 +441,9 @@ BIG = {
     "llama2_70b": ("v5p-16", [*NARROW, "model.kv_heads=1", "global_batch=8"]),
     # ZeRO-3 and remat full, one sequence a chip: the config is written for v5p-8
     "llama2_7b": ("v5p-8", [*NARROW, "model.kv_heads=4"]),
-    # MaxText's v6e-256 layout (ZeRO-3 over 64 chips x a 4-way expert axis), one sequence a chip
-    "mixtral_8x22b": ("v6e-256", [*NARROW, "model.kv_heads=1", "global_batch=256"]),
+    # MaxText's v6e-256 layout (ZeRO-3 over the chips x a 4-way expert axis), one sequence a
+    # chip, on 8 chips (the published row compiles at 256 in benchmarks/published.py)
+    "mixtral_8x22b": ("v6e-8", [*NARROW, "model.kv_heads=1", "mesh.data=2", "global_batch=8"]),
 }
 # A config whose program is another's kind, at 2 layers, is left to that one here (each still
 # compiles at full size in `benchmarks/config_fits.py`): gpt_7b5 (a GPT over data, as lm_dp),
@@ -466,6 +467,8 @@ def _target_for(name: str) -> tuple[str, list[str]]:
 # each kind of program, splash with ZeRO-3 (v5p), remat by name, a pipeline, experts over an
 # `expert` axis (v6e)
 BOTH_LANES = ("llama2_7b", "llama2_70b", "lm_pipeline", "mixtral_8x22b")
+# the two largest of them compile on jax 0.12 alone (CI's time): lane 1 has llama2_7b's kind
+LANE_2_ONLY = ("llama2_70b", "mixtral_8x22b")
 
 
 def _marks(name: str) -> list:
@@ -481,6 +484,8 @@ def test_every_config_compiles_for_a_tpu_of_its_mesh_and_fits(name, tmp_path, ca
     in a process of its own (`cli.isolated`), so an abort there would be exit 2 here, never
     this process gone. A step the TPU compiler rejects (or aborts on) fails, as does one that
     does not fit. Its stderr carries none of libtpu's start-up warnings."""
+    if name in LANE_2_ONLY and jax.__version_info__ < (0, 12):
+        pytest.skip("compiled by CI's jax 0.12 lane (libtpu 0.0.50.1, the benchmarks' compiler)")
     target, overrides = _target_for(name)
     out = tmp_path / "report.json"
     code = cli.main(

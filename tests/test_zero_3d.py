@@ -291,7 +291,10 @@ def test_zero3_x_tp_trains_as_one_device_with_1_over_dt_of_the_parameters():
 
 
 ZERO3_PIPELINES = [
-    *((name, opt, "microbatch") for name in ("gpipe", "1f1b", "circular") for opt in OPTIMIZERS),
+    # each schedule once with the gradients scattered per micro-batch, the optimizers alternating
+    ("gpipe", "sgd", "microbatch"),
+    ("1f1b", "adam", "microbatch"),
+    ("circular", "adam", "microbatch"),
     *((name, "sgd", "step") for name in ("gpipe", "circular", "1f1b", "interleaved", "zerobubble")),
 ]
 
@@ -439,7 +442,7 @@ def gpt_explain(mesh, zero_stage, *, policy=True):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", [{"data": 4, "model": 2}, {"data": 2, "model": 4}])
+@pytest.mark.parametrize("mesh", [{"data": 2, "model": 4}])  # T = 4: a whole weight is 4x
 def test_fsdp_x_tp_computes_each_product_once_and_moves_no_weight_over_model(mesh):
     """Read from the compiled programs: ZeRO-3 x TP does tensor parallelism's matmul FLOPs
     (a weight gathered whole on every `model` device would multiply them by T), moves nothing

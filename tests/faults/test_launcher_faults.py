@@ -193,10 +193,25 @@ def test_the_coordinator_listens_on_loopback_only(tmp_path):
         (["-n", "2", "--bogus", "--", "true"], r"unrecognized arguments: --bogus"),
     ],
 )
-@pytest.mark.slow
-def test_bad_launcher_inputs_are_one_line_and_exit_2(args, message):
-    run = subprocess.run([*LAUNCH, *args], capture_output=True, text=True, timeout=60)
-    assert run.returncode == 2, run.stdout + run.stderr
-    lines = run.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("replicator launch: "), run.stderr
+def test_bad_launcher_inputs_are_one_line_and_exit_2(args, message, capsys):
+    """``replicator launch``'s checks, in this process (nothing starts before them); the
+    entry point as typed is the test below."""
+    from replicator.cli import launch
+
+    try:
+        code = launch.main(args)
+    except SystemExit as e:  # argparse's
+        code = e.code
+    out, err = capsys.readouterr()
+    assert code == 2, out + err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("replicator launch: "), err
     assert __import__("re").search(message, lines[0]), lines[0]
+
+
+@pytest.mark.slow
+def test_a_bad_input_to_python_m_replicator_launch_is_one_line_and_exit_2():
+    run = subprocess.run([*LAUNCH, "-n", "0", "--", "true"], capture_output=True, text=True,
+                         timeout=60)  # fmt: skip
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert run.stderr.strip() == "replicator launch: -n must be an int >= 1; got 0.", run.stderr

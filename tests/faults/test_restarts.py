@@ -122,10 +122,15 @@ def test_two_kills_are_healed_by_restarts_bitwise(tmp_path, plain):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    "REPLICATOR_FAULT_SEED" not in os.environ,
+    reason="explores: REPLICATOR_FAULT_SEED=N python -m pytest tests/faults/test_restarts.py; "
+    "CI heals the two kills above",
+)
 def test_random_kills_of_random_ranks_are_healed_bitwise(tmp_path, plain):
     """The fault-injection harness: 3 SIGKILLs of random ranks at distinct random steps of one
-    run (seeded by ``REPLICATOR_FAULT_SEED``, default 0: rerun with another seed to explore)."""
-    rng = random.Random(int(os.environ.get("REPLICATOR_FAULT_SEED", "0")))
+    run, seeded by ``REPLICATOR_FAULT_SEED`` (run with seeds of your choice to explore)."""
+    rng = random.Random(int(os.environ["REPLICATOR_FAULT_SEED"]))
     faults = [
         {"step": s, "rank": rng.randrange(2), "how": "kill"} for s in rng.sample(range(3, 20), 3)
     ]
