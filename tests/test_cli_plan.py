@@ -285,3 +285,44 @@ def test_splash_configs_plan_no_model_axis_and_zero_below_3_without_reduce_dtype
         config_lib.from_dict(config_lib.TrainConfig, out, where="plan")  # not refused
         want = "bfloat16" if lay.zero_stage == 3 else None
         assert out["model"]["reduce_dtype"] == want
+
+
+def test_a_recipes_own_remat_policy_by_name_is_planned_and_written_back():
+    """Llama 3.1 8B's published recipe keeps its layer input and q/k/v/out projections in host
+    memory (a policy by name): the plan tries that policy beside its presets, in layouts
+    without a pipeline (a pipeline keeps its residuals on the device), and the config it writes
+    holds the policy as the recipe wrote it."""
+    import argparse
+
+    from replicator.cli import config as config_lib
+    from replicator.cli import plan as plan_cli
+
+    path = "configs/published/llama3.1_8b_v6e-256.yaml"
+    cfg = config_lib.load(ROOT / path)
+    parser = argparse.ArgumentParser()
+    plan_cli.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["plan", path, "--target", "v6e-256"])
+    own = ("decoder_layer_input=offload,key_proj=offload,out_proj=offload,query_proj=offload,"
+           "value_proj=offload")  # fmt: skip
+    layouts = [lay for f in plan_cli.layouts_for(cfg, 256, args) for lay in f.layouts]
+    mine = [lay for lay in layouts if lay.remat == own]
+    assert mine and all(lay.stage == 1 for lay in mine)
+    assert {lay.remat for lay in layouts} >= {False, "dots", "save_dot_except_mlpwi", True, own}
+    recipe = rp.planner.Layout(data=256, zero_stage=3, remat=own)
+    assert recipe in layouts
+    raw = dataclasses.asdict(cfg)
+    raw.pop("learning_rate", None)
+    out = plan_cli.with_layout(raw, recipe)
+    assert out["model"]["remat"] == cfg.model.remat
+    config_lib.from_dict(config_lib.TrainConfig, out, where="plan")  # not refused
+    # priced by its names: 32 layers of 4 x 8,192 tokens, each keeping its input, q, out (4,096
+    # wide each) and k, v (1,024) on the host in bf16: 28.00 GiB a chip, as the compiled
+    # program's report says (BENCHMARKS.md); the MLP computed again
+    from replicator._src.planner import pricing
+
+    shape = plan_cli.pricing_options(cfg, args).model
+    priced = pricing.price(recipe, shape)
+    assert priced.host_memory == 32 * 4 * 8192 * (3 * 4096 + 2 * 1024) * 2 == 28 * 2**30
+    assert priced.host_bytes == 2 * priced.host_memory
+    kept = pricing.price(dataclasses.replace(recipe, remat="save_dot_except_mlpwi"), shape)
+    assert kept.host_memory == 0 and kept.peak_bytes > priced.peak_bytes

@@ -294,11 +294,24 @@ def _remats(cfg: TrainConfig, args: argparse.Namespace) -> tuple:
     """The remat policies to try: none, dots and full; for a TPU target, MaxText's
     ``save_dot_except_mlpwi`` too, and for a SwiGLU MLP ``save_dot_offload_mlpwi_0`` (its gate
     projection kept in host memory), which a layout takes where HBM is short."""
+    own = _own_remat(cfg)
     if getattr(args, "target", None) is None:
-        return (False, "dots", True)
+        return (False, "dots", *own, True)
     gated = jobs.gpt_config(cfg).mlp == "swiglu"
     offload = ("save_dot_offload_mlpwi_0",) if gated else ()
-    return (False, "dots", *offload, "save_dot_except_mlpwi", True)
+    return (False, "dots", *offload, "save_dot_except_mlpwi", *own, True)
+
+
+def _own_remat(cfg: TrainConfig) -> tuple:
+    """The config's own remat policy where it is one by name (a mapping, such as a MaxText
+    recipe's, or a preset the search does not try by itself): the plan tries it too."""
+    remat = getattr(cfg.model, "remat", None)
+    if not isinstance(remat, (dict, str)) or remat in ("none", "full", "dots"):
+        return ()
+    from replicator._src.planner.layouts import remat_policy
+
+    policy = remat_policy(remat, "model.remat")
+    return () if isinstance(policy, bool) else (policy,)
 
 
 def no_layouts(cfg: TrainConfig, n: int, args: argparse.Namespace) -> str:
@@ -415,7 +428,10 @@ def with_layout(raw: dict, layout: rp.planner.Layout) -> dict:
     else:
         out["pipeline"] = None
     if raw["model"]["kind"] == "gpt":
-        out["model"] = {**raw["model"], "remat": layout.remat}
+        remat = layout.remat
+        if isinstance(remat, str) and "=" in remat:  # a policy by name, as the config writes it
+            remat = dict(part.split("=", 1) for part in remat.split(","))
+        out["model"] = {**raw["model"], "remat": remat}
         if layout.zero_stage != 3 and out["model"].get("reduce_dtype") is not None:
             out["model"]["reduce_dtype"] = None  # ZeRO-3 gathers in it; the others sum in fp32
         if layout.context > 1 and ("attention" in raw["model"] or layout.attention != "ring"):

@@ -16,10 +16,10 @@ from typing import Any
 from replicator._src.core.errors import positive_int
 from replicator._src.planner.layouts import (
     GATED,
-    OFFLOADING,
     VIRTUAL,
     Ladder,
     Layout,
+    offloads,
     schedule_of,
 )
 from replicator._src.planner.options import AxisLimits, ModelSizes, SearchOptions, fold_deprecated
@@ -190,7 +190,7 @@ def _pipeline_ladders(
                     (Layout(**mesh, zero_stage=zero, schedule=schedule, microbatches=m,
                             repeats=v, remat=r),)
                     for r in search.remat
-                    if r not in OFFLOADING  # a pipeline keeps its residuals on the device
+                    if not offloads(r)  # a pipeline keeps its residuals on the device
                 )  # fmt: skip
                 ladders.append(Ladder(groups))
     return ladders

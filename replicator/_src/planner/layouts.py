@@ -184,16 +184,57 @@ class Layout:
 
 def remat_policy(value: object, api: str) -> bool | str:
     """``False``, ``"dots"``, a policy by activation name or ``True`` for a remat setting (the
-    policy names included)."""
+    policy names included).
+
+    A policy by name is a preset's name (MaxText's, `replicator._src.pipeline.remat.PRESETS`)
+    or a config's own choice per activation, a mapping ``{activation: "save" | "offload" |
+    "recompute"}`` or the same written ``"activation=action,..."``, which becomes that string
+    with its names sorted and the recomputed ones left out (`by_name`).
+
+    >>> remat_policy({"query_proj": "offload", "decoder_layer_input": "offload"}, "f")
+    'decoder_layer_input=offload,query_proj=offload'
+    """
     named = {"none": False, "full": True, False: False, True: True,
              **{r: r for r in REMATS if isinstance(r, str)}}  # fmt: skip
     if isinstance(value, (bool, str)) and value in named:
         return named[value]
+    if isinstance(value, (str, dict)):
+        from replicator._src.pipeline import remat as remat_lib  # its names and actions
+
+        if isinstance(value, str) and value in remat_lib.PRESETS:
+            return value
+        if isinstance(value, dict) or "=" in value:
+            return by_name(value, api)
     raise ValueError(
         f"{api}: remat must be False ('none'), 'dots', "
-        f"{', '.join(repr(r) for r in REMATS if isinstance(r, str) and r != 'dots')} or True "
-        f"('full'); got {value!r}."
+        f"{', '.join(repr(r) for r in REMATS if isinstance(r, str) and r != 'dots')}, another "
+        f"preset, a mapping {{activation: action}} or True ('full'); got {value!r}."
     )
+
+
+def by_name(value: dict | str, api: str) -> str | bool:
+    """A policy per activation as the planner keeps it: ``"name=save|offload,..."``, sorted by
+    name, the recomputed activations left out (True, full remat, if that leaves none)."""
+    from replicator._src.pipeline import remat as remat_lib
+
+    if isinstance(value, str):
+        pairs = [part.split("=", 1) for part in value.split(",") if part]
+        if any(len(p) != 2 for p in pairs):
+            raise ValueError(f"{api}: remat {value!r}: write activation=action,...")
+        value = dict(pairs)
+    policy = remat_lib.as_remat(value, api)  # checks each name and action
+    return str(policy) if policy.actions else True
+
+
+def offloads(remat: object) -> bool:
+    """Whether the policy keeps activations in host memory (no pipeline does)."""
+    if not isinstance(remat, str) or remat == "dots":
+        return False
+    if remat in OFFLOADING or "=offload" in remat:
+        return True
+    from replicator._src.pipeline import remat as remat_lib
+
+    return bool(remat_lib.PRESETS.get(remat, ((), ()))[1])
 
 
 @dataclasses.dataclass(frozen=True)

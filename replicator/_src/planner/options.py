@@ -163,7 +163,11 @@ class SearchOptions:
         asked = {remat_policy(r, api) for r in self.remat}
         if not asked:
             raise ValueError(f"{api}: remat must hold False, 'dots' or True; got [].")
-        object.__setattr__(self, "remat", tuple(r for r in REMATS if r in asked))
+        # the policies by name REMATS does not list (a config's own, other presets): before
+        # full remat, which recomputes the most
+        others = tuple(sorted(r for r in asked if r not in REMATS))
+        order = (*REMATS[:-1], *others, REMATS[-1])
+        object.__setattr__(self, "remat", tuple(r for r in order if r in asked))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,22 @@ NAMED = ("save_dot_offload_mlpwi_0", "save_dot_except_mlpwi")
 
 
 def is_named(remat) -> bool:
-    return isinstance(remat, str) and remat in PRESETS
+    """Whether ``remat`` is a policy by activation name: a preset, or a config's own
+    (`layouts.by_name`'s ``"name=save|offload,..."``)."""
+    return isinstance(remat, str) and (remat in PRESETS or "=" in remat)
+
+
+def names_of(remat: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """A policy by name's ``(saved, offloaded)`` activations.
+
+    >>> names_of("decoder_layer_input=offload,out_proj=save")
+    (('out_proj',), ('decoder_layer_input',))
+    """
+    if remat in PRESETS:
+        return PRESETS[remat]
+    actions = dict(part.split("=", 1) for part in remat.split(","))
+    saved = tuple(n for n, a in actions.items() if a == "save")
+    return saved, tuple(n for n, a in actions.items() if a == "offload")
 
 
 def _widths(m, model: int) -> dict[str, float]:
@@ -36,7 +51,7 @@ def _widths(m, model: int) -> dict[str, float]:
 def device_and_host(m, model: int, remat: str) -> tuple[float, float]:
     """Elements per token and layer a named policy keeps on the device (the layer's input with
     what it saves) and in host memory."""
-    saved, offloaded = PRESETS[remat]
+    saved, offloaded = names_of(remat)
     w = _widths(m, model)
     host = sum(w[n] for n in offloaded)
     kept_input = 0.0 if "decoder_layer_input" in offloaded else w["decoder_layer_input"]
@@ -47,7 +62,7 @@ def device_and_host(m, model: int, remat: str) -> tuple[float, float]:
 def recomputed_params(m, model: int, remat: str) -> float:
     """Weights per layer on one device whose products a named policy computes again: the
     projections it neither saves nor offloads (a dense layer's)."""
-    saved, offloaded = PRESETS[remat]
+    saved, offloaded = names_of(remat)
     kept = set(saved) | set(offloaded)
     d, hd = m.d_model, m.head_dim
     weights = {"query_proj": d * m.num_heads * hd, "key_proj": d * m.kv_heads * hd,
