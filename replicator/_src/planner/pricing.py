@@ -181,8 +181,10 @@ def _working_bytes(layout: Layout, m: ModelShape) -> float:
         if zero == 3 and layout.remat is False:
             weights += e * block
     outer_split = outer_split / t
-    # the logits in fp32 and in the compute dtype (a chunk's of them, in chunks)
-    head = tokens / m.loss_chunks * m.vocab / t * (4 + e)
+    # the logits (a chunk's of them, in chunks): two fp32 copies in an fp32 program; in bf16
+    # the head's product is written in fp32 itself, one copy (Llama 3.1 8B and 70B on v6e-256:
+    # f32[tokens, vocab] is the largest buffer of their TPU programs)
+    head = tokens / m.loss_chunks * m.vocab / t * (4 + (e if e >= 4 else 0))
     if zero >= 2:  # the embedding's and head's gradients whole, before they are scattered
         head += 4 * outer_split
     layer = tokens * (everything - _kept(layout, m, layout.remat) if layout.remat else everything)
