@@ -9,7 +9,8 @@ and stops at the first that fits, since the others take at least as long under t
 (more FLOPs, or the same FLOPs in smaller pieces with no less communication).
 `enumerate_layouts` (`enumeration`) lists the ladders a model's sizes allow.
 
-This module is plain Python: no JAX, nothing compiled.
+This module is plain Python: nothing compiled, and no JAX imported but where a remat policy by
+activation name is given (`replicator._src.pipeline.remat` checks its names).
 """
 
 from __future__ import annotations
