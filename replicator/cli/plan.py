@@ -430,7 +430,9 @@ def with_layout(raw: dict, layout: rp.planner.Layout) -> dict:
     if raw["model"]["kind"] == "gpt":
         remat = layout.remat
         if isinstance(remat, str) and "=" in remat:  # a policy by name, as the config writes it
-            remat = dict(part.split("=", 1) for part in remat.split(","))
+            from replicator._src.planner.layouts import actions_of
+
+            remat = actions_of(remat)
         out["model"] = {**raw["model"], "remat": remat}
         if layout.zero_stage != 3 and out["model"].get("reduce_dtype") is not None:
             out["model"]["reduce_dtype"] = None  # ZeRO-3 gathers in it; the others sum in fp32

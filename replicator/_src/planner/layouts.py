@@ -227,6 +227,11 @@ def by_name(value: dict | str, api: str) -> str | bool:
     return str(policy) if policy.actions else True
 
 
+def actions_of(remat: str) -> dict[str, str]:
+    """``{activation: "save" | "offload"}`` of a policy kept as `by_name` writes it."""
+    return dict(part.split("=", 1) for part in remat.split(",") if part)
+
+
 def offloads(remat: object) -> bool:
     """Whether the policy keeps activations in host memory (no pipeline does)."""
     if not isinstance(remat, str) or remat == "dots":

@@ -12,6 +12,7 @@ This module is plain Python: no JAX, nothing compiled.
 from __future__ import annotations
 
 from replicator._src.pipeline.remat import PRESETS
+from replicator._src.planner import layouts
 
 #: The policies by name the planner tries, least recomputed first.
 NAMED = ("save_dot_offload_mlpwi_0", "save_dot_except_mlpwi")
@@ -31,7 +32,7 @@ def names_of(remat: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """
     if remat in PRESETS:
         return PRESETS[remat]
-    actions = dict(part.split("=", 1) for part in remat.split(","))
+    actions = layouts.actions_of(remat)
     saved = tuple(n for n, a in actions.items() if a == "save")
     return saved, tuple(n for n, a in actions.items() if a == "offload")
 
