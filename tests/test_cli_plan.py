@@ -132,12 +132,15 @@ def test_plan_prices_a_gpt_first_by_default_and_compiles_every_ladder_when_told(
 
     seen = {}
     monkeypatch.setattr(plan.rp, "plan", lambda build, ladders, **kw: seen.update(kw) or 0 / 0)
-    for flag, priced in (([], 4), (["--compile-top", "all"], None), (["--compile-top", "7"], 7)):
+    for flag, priced, skip in (([], 4, 1.1), (["--compile-top", "all"], None, None),
+                               (["--compile-top", "7", "--skip-slower", "1.5"], 7, 1.5),
+                               (["--skip-slower", "none"], 4, None)):  # fmt: skip
         seen.clear()
         with pytest.raises(ZeroDivisionError):
             cli.main(["plan", str(ROOT / "configs/lm_dp.yaml"), *SMALL, "--devices", "8", *flag])
         pricing = seen["pricing"]
         assert (None if pricing is None else pricing.compile_top) == priced
+        assert (None if pricing is None else pricing.skip_slower) == skip
         assert pricing is None or pricing.model.d_model == 32  # the config's GPT
     seen.clear()
     with pytest.raises(ZeroDivisionError):
@@ -160,6 +163,8 @@ def test_plan_refusals_exit_2_with_the_message(capsys):
          "--compile-top prices a GPT; "),
         ([config, "--devices", "8", "--compile-top", "some"],
          "--compile-top must be a number >= 1 or 'all'"),
+        ([config, "--devices", "8", "--skip-slower", "0.9"],
+         "--skip-slower must be a number >= 1 or 'none'; got '0.9'"),
         ([config, "--target", "v5p-16", "--devices", "4"], "which has 8 chips; drop --devices"),
         ([config], "give --devices N"),
     ]:  # fmt: skip
@@ -241,8 +246,8 @@ def test_plan_lists_context_layouts_for_a_long_sequence(tmp_path):
     run = replicator(
         "plan", "configs/lm_dp.yaml", *LONG, "--devices", 8, "--memory", "1GiB",
         "--hardware", "tpu-v5e", "--max-model", 1, "--max-stage", 1, "--zero-stages", 1,
-        "--max-context", 4, "--attention", "ring", "--compile-top", 3, "--out", out,
-        "--json", report,
+        "--max-context", 4, "--attention", "ring", "--compile-top", 3, "--skip-slower", "none",
+        "--out", out, "--json", report,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     assert "data=2 context=4 ring zero=1" in run.stdout, run.stdout

@@ -199,7 +199,8 @@ def test_the_records_hold_every_old_keyword_once():
     assert sorted(fields) == sorted(OLD_ENUMERATION)
     plan_fields = [f.name for cls in (rp.planner.TimingOptions, rp.planner.PricingOptions)
                    for f in dataclasses.fields(cls)]  # fmt: skip
-    assert sorted(plan_fields) == ["compile_top", "model", "model_flops", "overlap"]
+    assert sorted(plan_fields) == ["compile_top", "model", "model_flops", "overlap",
+                                   "skip_slower"]  # (the last one newer than the keywords)
     for fn in (rp.planner.enumerate_layouts, rp.plan):
         assert len(inspect.signature(fn).parameters) <= 10, fn
 
@@ -509,6 +510,7 @@ def test_the_table_fits_120_columns_and_the_wide_one_and_the_json_have_every_fig
     the priced figures too; `to_json` carries every figure of the wide table."""
     import json
 
+
     shape = rp.planner.ModelShape(num_layers=4, d_model=64, num_heads=4, kv_heads=4, head_dim=16,
                                   hidden=256, vocab=256, seq_len=64, global_batch=16)  # fmt: skip
     layouts = [
@@ -529,7 +531,8 @@ def test_the_table_fits_120_columns_and_the_wide_one_and_the_json_have_every_fig
 
     report = rp.plan(build, layouts, hardware=HW, memory="1GiB", workers=0,
                      timing=rp.planner.TimingOptions(model_flops=1e12),
-                     pricing=rp.planner.PricingOptions(model=shape, compile_top=4))  # fmt: skip
+                     pricing=rp.planner.PricingOptions(model=shape, compile_top=4,
+                                                       skip_slower=None))  # fmt: skip
     narrow, wide = report.table(), report.table(wide=True)
     assert max(map(len, narrow.splitlines())) <= 120, narrow
     assert max(map(len, wide.splitlines())) > 120

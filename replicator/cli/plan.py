@@ -97,6 +97,11 @@ def add_parser(commands) -> None:
                    "memory, FLOPs, collective bytes) and compile only the K ladders of layouts "
                    f"that model fastest (default {top} for a GPT); 'all' compiles every ladder "
                    "(the default for other models)")  # fmt: skip
+    skip = rp.planner.PricingOptions.skip_slower
+    p.add_argument("--skip-slower", default=None, metavar="X",
+                   help="with --compile-top: once a layout compiled fits, do not compile a "
+                   f"ladder priced over X times its step (default {skip}); 'none' compiles "
+                   "every ladder of a round")  # fmt: skip
     targets.add_args(p, what="plan (compile every layout)")
 
 
@@ -166,9 +171,16 @@ def pricing_options(cfg: TrainConfig, args: argparse.Namespace):
             f"--compile-top prices a GPT; {args.config} has model.kind={cfg.model.kind!r}: "
             f"leave --compile-top out (or give 'all') to compile every ladder."
         )
-    if top is None:
-        return rp.planner.PricingOptions(model=shape)
-    return rp.planner.PricingOptions(model=shape, compile_top=int(top))
+    options = {} if top is None else {"compile_top": int(top)}
+    skip = args.skip_slower
+    if skip is not None:
+        try:
+            options["skip_slower"] = None if skip == "none" else float(skip)
+        except ValueError:
+            raise ValueError(f"--skip-slower must be a number >= 1 or 'none'; got {skip!r}.") from None
+        if options["skip_slower"] is not None and not options["skip_slower"] >= 1:
+            raise ValueError(f"--skip-slower must be a number >= 1 or 'none'; got {skip!r}.")
+    return rp.planner.PricingOptions(model=shape, **options)
 
 
 def check_args(args: argparse.Namespace) -> int:

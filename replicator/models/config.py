@@ -174,9 +174,9 @@ class GPTConfig:
     ``model`` (Megatron's layout). The same numbers."""
     loss_chunks: int = 1
     """The head's cross-entropy over this many chunks of each device's tokens, one at a time,
-    each chunk's logits computed again in the backward pass (MaxText's ``num_vocab_tiling``):
-    the fp32 logits and their gradient held for ``1 / loss_chunks`` of the tokens, for one more
-    pass of the head's matmul. It divides the tokens a device's head takes (checked when the
+    each chunk's gradient taken in the forward pass (MaxText's ``num_vocab_tiling``): the fp32
+    logits and their gradient held for ``1 / loss_chunks`` of the tokens, and the head's matmul
+    not repeated. It divides the tokens a device's head takes (checked when the
     step is traced). The same numbers (the loss summed by chunks)."""
     qkv_bias: bool = False
     """Biases on the query, key and value projections (``qkv``, or ``q``, ``k`` and ``v``) even

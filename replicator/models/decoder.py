@@ -7,6 +7,7 @@ experts), the stacked `blocks` as one ``lax.scan``, the pipeline's `stage_fn`, t
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -359,9 +360,9 @@ def head_loss(
     (``softmax - one_hot``) fuse into passes over the logits, with no ``[B, S, V]`` log-softmax
     kept and no gather or scatter on it (forward-mode autodiff applies too). With
     ``config.loss_chunks`` above 1 the tokens are taken that many at a time in a ``lax.scan``
-    whose chunks are computed again in the backward pass (MaxText's ``num_vocab_tiling``): one
-    chunk's fp32 logits and their gradient are live at once, not the device's whole ``[B, S,
-    V]``, for one more pass of the head's matmul.
+    (MaxText's ``num_vocab_tiling``), each chunk's gradient taken in the forward pass while its
+    logits are live: one chunk's fp32 logits and their gradient are live at once, not the
+    device's whole ``[B, S, V]``, and the head's matmul is not repeated.
 
     Args:
       head_params: `output_head`'s.
@@ -397,16 +398,55 @@ def head_loss(
             f"takes on each device ({' x '.join(map(str, targets.shape))}); use a divisor of "
             f"{tokens}, such as {_divisor_near(tokens, chunks)}, or loss_chunks=1."
         )
-    head_params = _gathered(head_params, config)  # gathered once: the chunks' backward reuses it
     xs = x.reshape(chunks, tokens // chunks, x.shape[-1])
     ts = targets.reshape(chunks, tokens // chunks)
+    return _chunked_losses(head_params, xs, ts, config) / tokens
 
-    @jax.checkpoint  # each chunk's logits again in the backward: one chunk's live at a time
-    def chunk(total, xt):
-        return total + jnp.sum(_token_losses(head_params, *xt, config)), None
 
-    total, _ = jax.lax.scan(chunk, jnp.zeros((), jnp.float32), (xs, ts))
-    return total / tokens
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _chunked_losses(head_params: dict, xs: jax.Array, ts: jax.Array, config) -> jax.Array:
+    """The tokens' summed cross-entropy, ``[C, T / C, D]`` activations a chunk at a time, the
+    head's parameters gathered once for the chunks (`_gathered`).
+
+    Differentiated, each chunk's gradient is taken in the forward pass, while its logits are
+    live (`_chunk_grads`), and the head's gradient is reduce-scattered (ZeRO-3) before the
+    activations' gradient leaves: the backward pass only scales what the forward kept. One
+    loop over the chunks and one pass of the head's matmul, and neither the gathered matrix nor
+    its whole gradient is held while the layers' backward pass runs (XLA schedules a second loop,
+    and the scatter, as late as it may: after the layers).
+    """
+    head = _gathered(head_params, config)
+    total = lambda t, xt: (t + jnp.sum(_token_losses(head, *xt, config)), None)
+    return jax.lax.scan(total, jnp.zeros((), jnp.float32), (xs, ts))[0]
+
+
+def _chunk_grads(head_params, xs, ts, config):
+    """`_chunked_losses`' forward pass differentiated: the summed loss, with the gradients of
+    the stored head parameters (summed over the chunks in the gathered ones' dtype, then
+    reduce-scattered where they are stored split) and of the activations (stacked)."""
+    head, scatter = jax.vjp(lambda p: _gathered(p, config), head_params)
+
+    def chunk(carry, xt):
+        total, grads = carry
+        x, t = xt
+        loss, vjp = jax.vjp(lambda h, x: jnp.sum(_token_losses(h, x, t, config)), head, x)
+        dh, dx = vjp(jnp.ones((), loss.dtype))
+        return (total + loss, jax.tree.map(jnp.add, grads, dh)), dx
+
+    zeros = jax.tree.map(jnp.zeros_like, head)
+    (total, dh), dxs = jax.lax.scan(chunk, (jnp.zeros((), jnp.float32), zeros), (xs, ts))
+    # the stored parameters' gradient before the activations' leaves: its scatter runs here
+    stored, dxs = jax.lax.optimization_barrier((scatter(dh)[0], dxs))
+    return total, (stored, dxs)
+
+
+def _scaled_grads(config, grads, g):
+    stored, dxs = grads
+    scale = lambda d: (d * g).astype(d.dtype)
+    return jax.tree.map(scale, stored), scale(dxs), None
+
+
+_chunked_losses.defvjp(_chunk_grads, _scaled_grads)
 
 
 def _token_losses(head_params: dict, x: jax.Array, targets: jax.Array, config) -> jax.Array:

@@ -280,9 +280,11 @@ def plan(
     prices, not_compiled, priced_seconds = {}, [], 0.0
     emulated = n if target is None else 1  # a target's workers compile for libtpu's devices
     score = lambda outcome: model_time(outcome.compiled, profile, **timing_kw).total
-    run = lambda some: (
-        workers_lib.run(build, some, budget, emulated, workers, progress, score) if some else []
-    )
+    skip = None if pricing is None else pricing.skip_slower
+    run = lambda some, priced=None: (
+        workers_lib.run(build, some, budget, emulated, workers, progress, score, priced, skip)
+        if some else []
+    )  # fmt: skip
     if pricing is None:
         outcomes = run(ladders)
     else:
@@ -370,7 +372,7 @@ def _rounds(run, ranked, reprice, top: int, prices, progress: bool):
             say(f"compiling the {len(batch)} fastest ladders that may fit" if not compiled else
                 f"none of the {len(compiled)} ladders compiled fits (peaks up to {scale:.2f}x "
                 f"their prices); compiling the next {len(batch)}, repriced")  # fmt: skip
-        got = run(search.to_compile(batch))
+        got = run(search.to_compile(batch), [seconds for seconds, _, _ in batch])
         outcomes += got
         compiled += batch
         if any(o.status == search.FITS for o in outcomes):

@@ -257,9 +257,8 @@ def _flops(layout: Layout, m: ModelShape) -> float:
         train += layers * tokens * 2 * (moe * m.expert_rows * m.mlp_params[0] / layout.model
                                         + router)  # fmt: skip
     train *= _computed_ticks(layout)
-    head = 6 * tokens * m.vocab * d / layout.model  # on every stage's device
-    if m.loss_chunks > 1:  # each chunk's logits again in the backward
-        head += 2 * tokens * m.vocab * d / layout.model
+    head = 6 * tokens * m.vocab * d / layout.model  # on every stage's device (in chunks too:
+    # each chunk's gradient is taken in the forward pass, `decoder.head_loss`)
     return train + head
 
 

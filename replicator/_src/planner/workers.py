@@ -39,36 +39,80 @@ def count(workers: int | None, n: int, here: bool = True) -> int:
     return max(1, min(2, os.cpu_count() or 1))
 
 
-def run(build, ladders, budget, n, workers, progress, score) -> list[search.Outcome]:
+class _Stop:
+    """Which ladders need not be compiled any more: those priced (``priced[i]``, seconds, the
+    modelled time of the ladder's first layout to try) over ``margin`` times the fastest
+    compiled layout that fits (``score(outcome)``, seconds), found so far
+    (`PricingOptions.skip_slower`)."""
+
+    def __init__(self, priced, score, margin):
+        self.priced, self.score, self.best, self.margin = priced, score, None, margin
+
+    def record(self, outcomes) -> None:
+        for o in outcomes:
+            if o.status == search.FITS and o.compiled is not None and self.score is not None:
+                seconds = self.score(o)
+                if self.best is None or seconds < self.best[0]:
+                    self.best = (seconds, o.layout)
+
+    def reason(self, ladders: list[int]) -> str | None:
+        """Why ``ladders`` need not be compiled, or None."""
+        if self.priced is None or self.best is None or self.margin is None:
+            return None
+        fastest = min(self.priced[i] for i in ladders)
+        if fastest <= self.margin * self.best[0]:
+            return None
+        return (f"priced {fastest * 1e3:.4g} ms, over {self.margin:g} x the {self.best[0] * 1e3:.4g}"
+                f" ms of {self.best[1]}, compiled and fits")  # fmt: skip
+
+
+def run(
+    build, ladders, budget, n, workers, progress, score, priced=None, skip_slower=None
+) -> list[search.Outcome]:
     """Every ladder's outcomes, in the order of ``ladders``; siblings (ladders that differ in
-    their ZeRO stage only) are searched together, by one process."""
+    their ZeRO stage only) are searched together, by one process. With ``priced`` (each
+    ladder's priced seconds) and ``skip_slower``, a ladder priced over ``skip_slower`` times a
+    compiled fit is not compiled, and its compile is stopped if it has begun: its layouts are
+    skipped."""
     groups: dict[tuple, list[int]] = {}
     for i, ladder in enumerate(ladders):
         groups.setdefault(search.sibling_key(ladder), []).append(i)
     tasks = list(groups.values())
     bar = progress_lib.Progress(len(ladders), progress, score)
     results: list = [None] * len(ladders)
+    stop = _Stop(priced, score, skip_slower)
     try:
         if workers == 0:
             fn = search.resolve(build)
             for task in tasks:
-                found = search.search_siblings(fn, [ladders[i] for i in task], budget)
+                why = stop.reason(task)
+                found = (
+                    _skipped(ladders, task, f"not compiled: {why}") if why else
+                    search.search_siblings(fn, [ladders[i] for i in task], budget)
+                )  # fmt: skip
                 for i, outcomes in zip(task, found, strict=True):
                     results[i] = outcomes
+                    stop.record(outcomes)
                     bar.advance(ladders[i], outcomes)
         else:
-            _in_processes(build, ladders, tasks, budget, n, workers, results, bar)
+            _in_processes(build, ladders, tasks, budget, n, workers, results, bar, stop)
     finally:
         bar.close()
     return [o for outcomes in results for o in outcomes]
 
 
-def _in_processes(build, ladders, tasks, budget, n, workers, results, bar) -> None:
+def _skipped(ladders, task: list[int], reason: str) -> list[list[search.Outcome]]:
+    return [[search.Outcome(lay, search.SKIPPED, reason) for lay in ladders[i].layouts]
+            for i in task]  # fmt: skip
+
+
+def _in_processes(build, ladders, tasks, budget, n, workers, results, bar, stop) -> None:
     """Fills ``results`` from ``workers`` processes with ``n`` emulated CPU devices, each
     searching one task (a list of sibling ladders) at a time. A process that dies (out of
     memory, a check failure in XLA's compiler) on several siblings has each searched again on
     its own; one that dies on one ladder takes only that ladder with it: its layouts are
-    errors that say so, and a new process goes on with the others."""
+    errors that say so, and a new process goes on with the others. A task that ``stop`` says
+    need not be compiled is not sent, or its process is ended and another started."""
     context = multiprocessing.get_context("spawn")
     todo = list(range(len(tasks)))[::-1]
     idle: list = []
@@ -84,15 +128,26 @@ def _in_processes(build, ladders, tasks, budget, n, workers, results, bar) -> No
         procs[parent] = proc
         idle.append(parent)
 
+    def finish(t: int, found) -> None:
+        for i, outcomes in zip(tasks[t], found, strict=True):
+            results[i] = outcomes
+            stop.record(outcomes)
+            bar.advance(ladders[i], outcomes)
+
     try:
         for _ in range(min(workers, len(tasks))):
             start()
         while todo or busy:
             while todo and idle:
-                conn = idle.pop()
                 t = todo.pop()
+                if why := stop.reason(tasks[t]):
+                    finish(t, _skipped(ladders, tasks[t], f"not compiled: {why}"))
+                    continue
+                conn = idle.pop()
                 conn.send(([ladders[i] for i in tasks[t]], budget))
                 busy[conn] = t
+            if not busy:
+                continue
             ready = multiprocessing.connection.wait([*busy, *(procs[c].sentinel for c in busy)])
             for conn in list(busy):
                 proc, t = procs[conn], busy[conn]
@@ -125,9 +180,16 @@ def _in_processes(build, ladders, tasks, budget, n, workers, results, bar) -> No
                               for lay in ladders[i].layouts] for i in tasks[t]]  # fmt: skip
                     if todo:
                         start()
-                for i, outcomes in zip(tasks[t], found, strict=True):
-                    results[i] = outcomes
-                    bar.advance(ladders[i], outcomes)
+                finish(t, found)
+            for conn in list(busy):  # compiles a fit found since has made needless
+                if why := stop.reason(tasks[busy[conn]]):
+                    procs[conn].kill()
+                    procs.pop(conn).join()
+                    conn.close()
+                    t = busy.pop(conn)
+                    finish(t, _skipped(ladders, tasks[t], f"stopped: {why}"))
+                    if todo:
+                        start()
     finally:
         for conn, proc in procs.items():
             try:

@@ -73,8 +73,8 @@ class ModelConfig:
     # axis): 1/model of it a device; false keeps it whole on each (Megatron's). Same numbers.
     residual_split: bool = False
     # gpt: the head's cross-entropy over this many chunks of each device's tokens, one chunk's
-    # logits live at a time and computed again in the backward pass (MaxText's
-    # num_vocab_tiling): less memory for one more pass of the head's matmul; the same numbers.
+    # logits live at a time, its gradient taken in the forward pass (MaxText's
+    # num_vocab_tiling): less memory, the same matmuls; the same numbers.
     # It divides the tokens a device's head takes (sequences a device x seq_len).
     loss_chunks: int = 1
     # gpt, experts: the mixture-of-experts blocks take each device's sequences this many chunks
