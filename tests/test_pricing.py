@@ -187,8 +187,7 @@ def test_a_priced_plan_compiles_the_next_ladders_while_none_fits():
         scales.append(scale)
         return pricing.front_runners(rest, SHAPE, 2**34, profile, timing, scale, prices)
 
-    def run(fams, priced, fits=lambda i: False, over=1.5):
-        assert len(priced) == len(fams)
+    def run(fams, fits=lambda i: False, over=1.5):
         outcomes = []
         for f in fams:
             lay = f.layouts[0]
@@ -201,7 +200,7 @@ def test_a_priced_plan_compiles_the_next_ladders_while_none_fits():
         return outcomes
 
     compiled = []
-    got, rest = planning._rounds(lambda f, p: run(f, p, lambda i: i == 4), ranked, reprice, 2,
+    got, rest = planning._rounds(lambda f: run(f, lambda i: i == 4), ranked, reprice, 2,
                                  prices, False)  # fmt: skip
     assert len(compiled) == 6 and scales == [1.5, 1.5]  # rounds of 2, the 5th fits
     assert [o.status for o in got].count(search.FITS) == 1
@@ -242,12 +241,16 @@ def test_a_tpu_prices_attention_on_the_kernel_it_compiles_to():
 
 
 def test_ladders_priced_well_over_a_compiled_fit_are_not_compiled(monkeypatch):
-    """`workers.run`: once a compiled layout fits, a ladder priced over ``skip_slower`` times its
-    modelled time is not compiled (its layouts skipped, saying why); one priced within it is."""
+    """`workers.run`: once a compiled layout fits, a ladder whose price, times the least its
+    kind's compiled layouts have come out over theirs, is over ``skip_slower`` times that fit's
+    modelled step, is not compiled (its layouts skipped, saying why); the others are."""
     from replicator._src.planner import workers
     from replicator._src.report.cost_model import CompiledStep
 
-    ladders = [rp.planner.Ladder(((rp.planner.Layout(data=8 // t, model=t),),)) for t in (1, 2, 4)]
+    lays = [rp.planner.Layout(data=8 // t, model=t) for t in (1, 2, 4)]
+    ladders = [rp.planner.Ladder(((lay,),)) for lay in lays]
+    priced = dict(zip(lays, (1.5, 2.1, 1.9), strict=True))
+    compiled = dict(zip(lays, (2.0, 3.0, 2.5), strict=True))
     searched = []
 
     def search_siblings(build, some, budget):
@@ -256,14 +259,19 @@ def test_ladders_priced_well_over_a_compiled_fit_are_not_compiled(monkeypatch):
         return [[search.Outcome(lay, search.FITS, "", 1, step) for lay in f.layouts] for f in some]
 
     monkeypatch.setattr(search, "search_siblings", search_siblings)
-    score = lambda outcome: 2.0  # every fit models 2 s a step
-    out = workers.run(lambda lay: None, ladders, 2**30, 8, 0, False, score, [1.5, 2.1, 2.3], 1.1)
-    assert searched == ladders[:2]  # 2.1 s is within 1.1 x 2 s; 2.3 s is not
+    score = lambda outcome: compiled[outcome.layout]
+    out = workers.run(lambda lay: None, ladders, 2**30, 8, 0, False, score, priced.get, 1.1)
+    # 2.1 s is within 1.1 x 2 s, and compiles to 3 s: the model=4 ladder, priced 1.9 s, is
+    # 1.9 x 3 / 2.1 = 2.71 s by its kind's compiled layout: over 2.2 s
+    assert searched == ladders[:2]
     skipped = [o for o in out if o.status == search.SKIPPED]
-    assert [o.layout for o in skipped] == [ladders[2].layouts[0]]
-    assert "not compiled: priced 2300 ms, over 1.1 x the 2000 ms of" in skipped[0].reason
+    assert [o.layout for o in skipped] == [lays[2]]
+    assert skipped[0].reason == (
+        "not compiled: priced 1900 ms x 1.43 (its kind's compiled over priced), over 1.1 x the "
+        "2000 ms of data=8, compiled and fits"
+    )
     searched.clear()
-    workers.run(lambda lay: None, ladders, 2**30, 8, 0, False, score, [1.5, 2.1, 2.3], None)
+    workers.run(lambda lay: None, ladders, 2**30, 8, 0, False, score, priced.get, None)
     assert searched == ladders  # skip_slower=None: every ladder compiled
     with pytest.raises(ValueError, match="skip_slower must be a number >= 1 or None; got 0.5"):
         rp.planner.PricingOptions(model=SHAPE, skip_slower=0.5)

@@ -154,6 +154,12 @@ class Layout:
                 shape[axis] = getattr(self, axis)
         return shape
 
+    @property
+    def kind(self) -> tuple[bool, bool, bool, bool]:
+        """Which of ``stage``, ``model``, ``context`` and ``expert`` it has (larger than 1): the
+        planner's kinds of layout, which its prices rank less well than layouts of one kind."""
+        return tuple(getattr(self, a) > 1 for a in ("stage", "model", "context", "expert"))
+
     def __str__(self) -> str:
         parts = [f"data={self.data}"]
         if self.stage > 1:

@@ -12,6 +12,7 @@ collective bytes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import json
 import os
@@ -281,8 +282,8 @@ def plan(
     emulated = n if target is None else 1  # a target's workers compile for libtpu's devices
     score = lambda outcome: model_time(outcome.compiled, profile, **timing_kw).total
     skip = None if pricing is None else pricing.skip_slower
-    run = lambda some, priced=None: (
-        workers_lib.run(build, some, budget, emulated, workers, progress, score, priced, skip)
+    run = lambda some, price_of=None: (
+        workers_lib.run(build, some, budget, emulated, workers, progress, score, price_of, skip)
         if some else []
     )  # fmt: skip
     if pricing is None:
@@ -350,7 +351,9 @@ def _priced_rounds(run, ladders, model, budget, profile, timing, top, progress, 
     reprice = lambda rest, scale: pricing_lib.front_runners(
         rest, model, budget, profile, timing, scale=scale, prices=prices
     )
-    outcomes, more = _rounds(run, ranked, reprice, top, prices, progress)
+    seconds_of = functools.cache(lambda lay: model_time(prices[lay].step(), profile, **timing).total)
+    outcomes, more = _rounds(lambda some: run(some, seconds_of), ranked, reprice, top, prices,
+                             progress)  # fmt: skip
     return outcomes, dropped + more, prices, seconds
 
 
@@ -372,7 +375,7 @@ def _rounds(run, ranked, reprice, top: int, prices, progress: bool):
             say(f"compiling the {len(batch)} fastest ladders that may fit" if not compiled else
                 f"none of the {len(compiled)} ladders compiled fits (peaks up to {scale:.2f}x "
                 f"their prices); compiling the next {len(batch)}, repriced")  # fmt: skip
-        got = run(search.to_compile(batch), [seconds for seconds, _, _ in batch])
+        got = run(search.to_compile(batch))
         outcomes += got
         compiled += batch
         if any(o.status == search.FITS for o in outcomes):

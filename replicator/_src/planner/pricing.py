@@ -471,9 +471,7 @@ def front_runners(ladders, model, budget, profile, timing, scale=1.0, prices=Non
     # each kind of layout's fastest ladder first (pipelined or not, with a model, context or
     # expert axis or not), then the others, fastest first: the prices rank the ladders of one
     # kind better than they rank the kinds, so the first ladders compiled span the kinds
-    kind = lambda ladder: tuple(
-        getattr(ladder.layouts[0], a) > 1 for a in ("stage", "model", "context", "expert")
-    )
+    kind = lambda ladder: ladder.layouts[0].kind
     firsts = {}
     for r in ranked:
         firsts.setdefault(kind(r[2]), r)

@@ -6,8 +6,9 @@ as XLA's cost analysis counts them, except:
 * an operand that the kernel only slices counts its slices: directly, through bitcasts and
   copies, or through a nested fusion's parameter (the TPU compiler nests the slice of a loop's
   operand, and relayouts it with a ``copy_fusion``, computed where the slice is read);
-* an update in place (a ``dynamic-update-slice`` root, on its buffer or on a copy of it that
-  aliases it) counts the update, read and written, not the whole buffer.
+* an update in place (a ``dynamic-update-slice`` root or output of a multi-output fusion,
+  through bitcasts, on its buffer or on a copy of it that aliases it) counts the update, read
+  and written, not the whole buffer.
 """
 
 from __future__ import annotations
@@ -116,18 +117,37 @@ class KernelBytes:
             for o in i.operands:
                 users.setdefault(o, []).append(i)
         root = next((i for i in body if i.root), body[-1] if body else None)
-        written, in_place = shape_bytes(inst.shape), None
-        if root is not None and root.op == "dynamic-update-slice" and len(root.operands) > 1:
-            in_place = self.passed_through(comp, root.operands[0])
-            written = shape_bytes(self.shapes.get(root.operands[1], ""))
+        written, in_place = self.written(comp, root, inst.shape)
         total = written
         for k, operand in enumerate(inst.operands):
             param = params.get(str(k))
-            if param is not None and param.name == in_place:
+            if param is not None and param.name in in_place:
                 continue
             sliced = None if param is None else self.sliced_bytes(comp, param.name, users)
             total += shape_bytes(self.shapes.get(operand, "")) if sliced is None else sliced
         return total
+
+    def written(self, comp: str, root: object, shape: str) -> tuple[int, set[str]]:
+        """``(bytes written, buffers updated in place)`` by a fusion's ``root`` (of ``shape``):
+        each output (a multi-output fusion's tuple has several) that is a
+        ``dynamic-update-slice``, through bitcasts, writes its update into its buffer, in place,
+        and the others their shapes. (The TPU compiler fuses a scanned layer's matmul with the
+        update that stores its output in the residuals' stack, ``[layers, ...]``.)"""
+        if root is None:
+            return shape_bytes(shape), set()
+        insts = {i.name: i for i in self.comps[comp]}
+        outputs = [insts.get(o) for o in root.operands] if root.op == "tuple" else [root]
+        written, in_place = 0, set()
+        for out in outputs:
+            inst = out
+            while inst is not None and inst.op == "bitcast":
+                inst = insts.get(inst.operands[0])
+            if inst is not None and inst.op == "dynamic-update-slice" and len(inst.operands) > 1:
+                in_place.add(self.passed_through(comp, inst.operands[0]))
+                written += shape_bytes(self.shapes.get(inst.operands[1], ""))
+            elif out is not None:
+                written += shape_bytes(out.shape)
+        return (written, in_place) if None not in outputs else (shape_bytes(shape), set())
 
     def is_copy(self, inst: object) -> bool:
         """A nested fusion that only copies (relayouts) its one operand: the TPU compiler's
