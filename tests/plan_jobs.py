@@ -131,6 +131,16 @@ def crashing_build(layout: rp.planner.Layout):
     return fake_build(layout)
 
 
+def slow_build(layout: rp.planner.Layout):
+    """fake_build, except that a layout with a ``model`` axis of 2 takes 10 minutes to build (a
+    compile the planner should stop)."""
+    if layout.model == 2:
+        import time
+
+        time.sleep(600)
+    return fake_build(layout)
+
+
 def ladders(n: int, **fields) -> list:
     """`rp.planner.enumerate_layouts` of ``n`` devices, each keyword put in the record that has
     it (`ModelSizes`, `SearchOptions` or `AxisLimits`)."""

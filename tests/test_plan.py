@@ -582,6 +582,31 @@ def test_a_worker_that_dies_takes_only_its_ladder_with_it():
     assert "worker process died (exit code 7)" in dead.outcome.reason
 
 
+def test_a_compile_that_a_fit_found_since_makes_needless_is_stopped():
+    """Two worker processes: one compiles data=8 (it fits, 1 s a step by ``score``), the other
+    data=4 x model=2, priced 2 s (over 1.1 x 1 s) and still compiling, is stopped (its process
+    ended) with the reason, long before its build ends; data=2 x model=4, priced as fast, is
+    compiled by a new worker."""
+    import time
+
+    from replicator._src.planner import search, workers
+
+    lays = [rp.planner.Layout(data=8), rp.planner.Layout(data=4, model=2),
+            rp.planner.Layout(data=2, model=4)]  # fmt: skip
+    ladders = [rp.planner.Ladder(((lay,),)) for lay in lays]
+    price = {lays[0]: 0.9, lays[1]: 2.0, lays[2]: 1.0}.get
+    start = time.perf_counter()
+    out = workers.run("plan_jobs:slow_build", ladders, 2000, 8, 2, False, lambda o: 1.0, price, 1.1)
+    took = time.perf_counter() - start
+    status = {str(o.layout): (o.status, o.reason) for o in out}
+    assert status["data=8"][0] == search.FITS
+    assert status["data=4 model=2"] == (
+        search.SKIPPED, "stopped: priced 2000 ms, over 1.1 x the 1000 ms of data=8, compiled and fits"
+    )
+    assert status["data=2 model=4"][0] == search.FITS  # compiled by a worker started after
+    assert took < 300, took  # the 10-minute build was not waited for
+
+
 def test_plan_refuses_mixed_device_counts_and_bad_workers():
     with pytest.raises(ValueError, match=r"the layouts use \[4, 8\] devices"):
         rp.plan(

@@ -101,10 +101,11 @@ def _first_line(e: BaseException) -> str:
 
 
 class _Searcher:
-    def __init__(self, build: Callable, budget: int):
+    def __init__(self, build: Callable, budget: int, compiled: Callable | None = None):
         self.build = build
         self.budget = budget
         self.outcomes: dict[Layout, Outcome] = {}
+        self.compiled = compiled  # told each compiled layout's outcome as it comes
 
     def job(self, layout: Layout):
         out = self.build(layout)
@@ -146,6 +147,8 @@ class _Searcher:
             fits = peak <= self.budget
             reason = "" if fits else f"compiled peak {format_bytes(peak)} per device"
             outcome = Outcome(layout, FITS if fits else TOO_BIG, reason, size, compiled)
+            if self.compiled is not None:
+                self.compiled(outcome)
         self.outcomes[layout] = outcome
         return outcome
 
@@ -227,12 +230,15 @@ def sibling_key(ladder: Ladder) -> tuple:
             lay.microbatches, lay.repeats)  # fmt: skip
 
 
-def search_siblings(build: Callable, ladders: list[Ladder], budget: int) -> list[list[Outcome]]:
+def search_siblings(
+    build: Callable, ladders: list[Ladder], budget: int, compiled: Callable | None = None
+) -> list[list[Outcome]]:
     """The outcomes of ladders that differ only in their ZeRO stage, searched from the highest
     stage (the least memory) down. Once a stage has no layout that fits, the lower stages need
     more memory for every layout (replicated state or gradients where it shards them), so they
-    are not compiled: only their state's size is read."""
-    searcher = _Searcher(build, budget)
+    are not compiled: only their state's size is read. ``compiled(outcome)`` is told each
+    compiled layout's outcome as it comes."""
+    searcher = _Searcher(build, budget, compiled)
     order = sorted(range(len(ladders)), key=lambda i: -ladders[i].layouts[0].zero_stage)
     out: list = [None] * len(ladders)
     evidence: Layout | None = None  # a frugal sibling that does not fit
@@ -274,7 +280,8 @@ def outcome_from_dict(raw: dict) -> Outcome:
 def worker_main(conn, num_devices: int, build) -> None:
     """A planning worker process: ``num_devices`` emulated CPU devices (set before JAX starts),
     then ``(ladders, budget)`` tasks from ``conn`` (siblings: `search_siblings`) searched and
-    answered until None comes."""
+    answered until None comes: ``("compiled", outcome)`` for each layout compiled as it comes,
+    then ``("done", outcomes)``."""
     import jax
 
     jax.config.update("jax_num_cpu_devices", int(num_devices))
@@ -282,8 +289,10 @@ def worker_main(conn, num_devices: int, build) -> None:
     build = resolve(build)
     while (task := conn.recv()) is not None:
         ladders, budget = task
-        found = search_siblings(build, ladders, budget)
-        conn.send([[o.to_dict() for o in outcomes] for outcomes in found])
+        found = search_siblings(
+            build, ladders, budget, lambda o: conn.send(("compiled", o.to_dict()))
+        )
+        conn.send(("done", [[o.to_dict() for o in outcomes] for outcomes in found]))
     conn.close()
 
 

@@ -139,6 +139,8 @@ def _in_processes(build, ladders, tasks, budget, n, workers, results, bar, stop)
         procs[parent] = proc
         idle.append(parent)
 
+    seen: dict[int, dict] = {}  # each task's layouts compiled so far, as they come
+
     def finish(t: int, found) -> None:
         for i, outcomes in zip(tasks[t], found, strict=True):
             results[i] = outcomes
@@ -164,12 +166,19 @@ def _in_processes(build, ladders, tasks, budget, n, workers, results, bar, stop)
                 proc, t = procs[conn], busy[conn]
                 if conn not in ready and proc.sentinel not in ready:
                     continue
-                del busy[conn]
                 try:
-                    found = [[search.outcome_from_dict(o) for o in f] for f in conn.recv()]
+                    kind, raw = conn.recv()
+                    if kind == "compiled":  # one layout of the task: the task goes on
+                        outcome = search.outcome_from_dict(raw)
+                        seen.setdefault(t, {})[outcome.layout] = outcome
+                        stop.record([outcome])
+                        continue
+                    del busy[conn]
+                    found = [[search.outcome_from_dict(o) for o in f] for f in raw]
                     finished += 1
                     idle.append(conn)
                 except (EOFError, OSError):  # died before it answered
+                    del busy[conn]
                     proc.join()
                     conn.close()
                     del procs[conn]
@@ -198,7 +207,9 @@ def _in_processes(build, ladders, tasks, budget, n, workers, results, bar, stop)
                     procs.pop(conn).join()
                     conn.close()
                     t = busy.pop(conn)
-                    finish(t, _skipped(ladders, tasks[t], f"stopped: {why}"))
+                    kept = seen.get(t, {})  # what it compiled before: kept
+                    finish(t, [[kept.get(lay) or search.Outcome(lay, search.SKIPPED, f"stopped: {why}")
+                                for lay in ladders[i].layouts] for i in tasks[t]])  # fmt: skip
                     if todo:
                         start()
     finally:
