@@ -400,9 +400,9 @@ def _gpt_options(m, global_batch: int, args: argparse.Namespace):
     GPT section ``m``: its sizes, sequence, experts (``model.experts``, 0 if the config has no
     such key) and zigzag; the attentions asked for that the config can say (``ring`` alone, the
     GPT's default, without a ``model.attention`` key); the axis limits (a ``model`` axis of at
-    most 8 unless told, and none of ``model``, ``context`` or ``expert`` for splash attention,
-    which runs on whole heads and sequences on one device each:
-    `replicator._src.sharded.splash`)."""
+    most 8 unless told, and none of ``model`` or ``context`` for splash attention, which runs
+    on whole heads and sequences on one device each: `replicator._src.sharded.splash`; an
+    ``expert`` axis splits sequences, as MaxText's Mixtral recipes do)."""
     attention = tuple(a for a in args.attention.split(",") if a)
     bad = [a for a in attention if a not in ("ring", "all_to_all")]
     if bad or not attention:
@@ -423,7 +423,7 @@ def _gpt_options(m, global_batch: int, args: argparse.Namespace):
     if args.min_context_seq is not None:  # else the library's rule (512 tokens)
         limits["min_context_seq"] = args.min_context_seq
     if getattr(m, "attention", None) == "splash":
-        limits.update(max_model=1, max_context=1, max_expert=1)
+        limits.update(max_model=1, max_context=1)
     return sizes, attention, rp.planner.AxisLimits(**limits)
 
 
