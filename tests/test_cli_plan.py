@@ -266,8 +266,9 @@ def test_plan_lists_context_layouts_for_a_long_sequence(tmp_path):
 
 def test_splash_configs_plan_no_model_axis_and_zero_below_3_without_reduce_dtype():
     """Llama 2 70B's config (splash attention, bf16 reduce_dtype under ZeRO-3): its layouts have
-    no model or context axis, which the kernel refuses, and those of other ZeRO stages are written (and
-    built) with reduce_dtype off, which the config would refuse and which changes nothing."""
+    no model or context axis, which the kernel refuses (a mixture's have expert axes), and those
+    of other ZeRO stages are written (and built) with reduce_dtype off, which the config would
+    refuse and which changes nothing."""
     import argparse
 
     from replicator.cli import config as config_lib
@@ -280,6 +281,14 @@ def test_splash_configs_plan_no_model_axis_and_zero_below_3_without_reduce_dtype
     ladders = plan_cli.layouts_for(cfg, 256, args)
     layouts = [lay for f in ladders for lay in f.layouts]
     assert layouts and all(lay.model == lay.context == lay.expert == 1 for lay in layouts)
+    # a mixture with splash attention: expert axes (they split sequences), as the Mixtral
+    # recipes lay them out (configs/published/mixtral_8x22b_v6e-256.yaml: data 64 x expert 4)
+    moe = config_lib.load(ROOT / "configs/published/mixtral_8x22b_v6e-256.yaml")
+    moe_args = parser.parse_args(["plan", "configs/published/mixtral_8x22b_v6e-256.yaml",
+                                  "--devices", "256"])  # fmt: skip
+    moe_layouts = [lay for f in plan_cli.layouts_for(moe, 256, moe_args) for lay in f.layouts]
+    assert {lay.expert for lay in moe_layouts} == {1, 2, 4, 8}
+    assert all(lay.model == lay.context == 1 for lay in moe_layouts)
     raw = dataclasses.asdict(cfg)
     raw.pop("learning_rate", None)
     for lay in (
