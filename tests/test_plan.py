@@ -199,8 +199,13 @@ def test_the_records_hold_every_old_keyword_once():
     assert sorted(fields) == sorted(OLD_ENUMERATION)
     plan_fields = [f.name for cls in (rp.planner.TimingOptions, rp.planner.PricingOptions)
                    for f in dataclasses.fields(cls)]  # fmt: skip
-    assert sorted(plan_fields) == ["compile_top", "model", "model_flops", "overlap",
-                                   "skip_slower"]  # (the last one newer than the keywords)
+    assert sorted(plan_fields) == [
+        "compile_top",
+        "model",
+        "model_flops",
+        "overlap",
+        "skip_slower",
+    ]  # (the last one newer than the keywords)
     for fn in (rp.planner.enumerate_layouts, rp.plan):
         assert len(inspect.signature(fn).parameters) <= 10, fn
 
@@ -510,7 +515,6 @@ def test_the_table_fits_120_columns_and_the_wide_one_and_the_json_have_every_fig
     the priced figures too; `to_json` carries every figure of the wide table."""
     import json
 
-
     shape = rp.planner.ModelShape(num_layers=4, d_model=64, num_heads=4, kv_heads=4, head_dim=16,
                                   hidden=256, vocab=256, seq_len=64, global_batch=16)  # fmt: skip
     layouts = [
@@ -601,7 +605,8 @@ def test_a_compile_that_a_fit_found_since_makes_needless_is_stopped():
     status = {str(o.layout): (o.status, o.reason) for o in out}
     assert status["data=8"][0] == search.FITS
     assert status["data=4 model=2"] == (
-        search.SKIPPED, "stopped: priced 2000 ms, over 1.1 x the 1000 ms of data=8, compiled and fits"
+        search.SKIPPED,
+        "stopped: priced 2000 ms, over 1.1 x the 1000 ms of data=8, compiled and fits",
     )
     assert status["data=2 model=4"][0] == search.FITS  # compiled by a worker started after
     assert took < 300, took  # the 10-minute build was not waited for

@@ -177,7 +177,9 @@ def pricing_options(cfg: TrainConfig, args: argparse.Namespace):
         try:
             options["skip_slower"] = None if skip == "none" else float(skip)
         except ValueError:
-            raise ValueError(f"--skip-slower must be a number >= 1 or 'none'; got {skip!r}.") from None
+            raise ValueError(
+                f"--skip-slower must be a number >= 1 or 'none'; got {skip!r}."
+            ) from None
         if options["skip_slower"] is not None and not options["skip_slower"] >= 1:
             raise ValueError(f"--skip-slower must be a number >= 1 or 'none'; got {skip!r}.")
     return rp.planner.PricingOptions(model=shape, **options)

@@ -26,6 +26,7 @@ from replicator._src.planner.enumeration import divisors
 from replicator._src.sharded import attention as attention_lib
 from replicator._src.sharded import embedding as embedding_lib
 from replicator.models.config import DEFAULT, GPTConfig
+from replicator.models.layers import chunked_loss
 from replicator.models.layers.common import is_stored, reduce_cast
 from replicator.models.layers.mlp import mlp, mlp_params
 from replicator.models.layers.moe_mlp import mixture, moe_params
@@ -400,53 +401,13 @@ def head_loss(
         )
     xs = x.reshape(chunks, tokens // chunks, x.shape[-1])
     ts = targets.reshape(chunks, tokens // chunks)
-    return _chunked_losses(head_params, xs, ts, config) / tokens
+    loss = functools.partial(_summed_losses, config=config)
+    gather = functools.partial(_gathered, config=config)
+    return chunked_loss.chunked_sum(loss, gather, head_params, xs, ts) / tokens
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _chunked_losses(head_params: dict, xs: jax.Array, ts: jax.Array, config) -> jax.Array:
-    """The tokens' summed cross-entropy, ``[C, T / C, D]`` activations a chunk at a time, the
-    head's parameters gathered once for the chunks (`_gathered`).
-
-    Differentiated, each chunk's gradient is taken in the forward pass, while its logits are
-    live (`_chunk_grads`), and the head's gradient is reduce-scattered (ZeRO-3) before the
-    activations' gradient leaves: the backward pass only scales what the forward kept. One
-    loop over the chunks and one pass of the head's matmul, and neither the gathered matrix nor
-    its whole gradient is held while the layers' backward pass runs (XLA schedules a second loop,
-    and the scatter, as late as it may: after the layers).
-    """
-    head = _gathered(head_params, config)
-    total = lambda t, xt: (t + jnp.sum(_token_losses(head, *xt, config)), None)
-    return jax.lax.scan(total, jnp.zeros((), jnp.float32), (xs, ts))[0]
-
-
-def _chunk_grads(head_params, xs, ts, config):
-    """`_chunked_losses`' forward pass differentiated: the summed loss, with the gradients of
-    the stored head parameters (summed over the chunks in the gathered ones' dtype, then
-    reduce-scattered where they are stored split) and of the activations (stacked)."""
-    head, scatter = jax.vjp(lambda p: _gathered(p, config), head_params)
-
-    def chunk(carry, xt):
-        total, grads = carry
-        x, t = xt
-        loss, vjp = jax.vjp(lambda h, x: jnp.sum(_token_losses(h, x, t, config)), head, x)
-        dh, dx = vjp(jnp.ones((), loss.dtype))
-        return (total + loss, jax.tree.map(jnp.add, grads, dh)), dx
-
-    zeros = jax.tree.map(jnp.zeros_like, head)
-    (total, dh), dxs = jax.lax.scan(chunk, (jnp.zeros((), jnp.float32), zeros), (xs, ts))
-    # the stored parameters' gradient before the activations' leaves: its scatter runs here
-    stored, dxs = jax.lax.optimization_barrier((scatter(dh)[0], dxs))
-    return total, (stored, dxs)
-
-
-def _scaled_grads(config, grads, g):
-    stored, dxs = grads
-    scale = lambda d: (d * g).astype(d.dtype)
-    return jax.tree.map(scale, stored), scale(dxs), None
-
-
-_chunked_losses.defvjp(_chunk_grads, _scaled_grads)
+def _summed_losses(head_params: dict, x: jax.Array, targets: jax.Array, *, config) -> jax.Array:
+    return jnp.sum(_token_losses(head_params, x, targets, config))
 
 
 def _token_losses(head_params: dict, x: jax.Array, targets: jax.Array, config) -> jax.Array:

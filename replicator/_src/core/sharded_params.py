@@ -282,7 +282,7 @@ def lookup_chunks(*, rows: int, columns: int, n: int) -> int:
     2
     """
     padded = rows * -(-columns // 128) * 128 * 4
-    return next(k for k in range(1, n + 1) if n % k == 0 and padded <= LOOKUP_CHUNK_BYTES * k
+    return next(k for k in range(1, n + 1) if (n % k == 0 and padded <= LOOKUP_CHUNK_BYTES * k)
                 or k == n)  # fmt: skip
 
 

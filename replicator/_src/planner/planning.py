@@ -351,7 +351,9 @@ def _priced_rounds(run, ladders, model, budget, profile, timing, top, progress, 
     reprice = lambda rest, scale: pricing_lib.front_runners(
         rest, model, budget, profile, timing, scale=scale, prices=prices
     )
-    seconds_of = functools.cache(lambda lay: model_time(prices[lay].step(), profile, **timing).total)
+    seconds_of = functools.cache(
+        lambda lay: model_time(prices[lay].step(), profile, **timing).total
+    )
     outcomes, more = _rounds(lambda some: run(some, seconds_of), ranked, reprice, top, prices,
                              progress)  # fmt: skip
     return outcomes, dropped + more, prices, seconds

@@ -112,9 +112,9 @@ def run(
     return [o for outcomes in results for o in outcomes]
 
 
-def _skipped(ladders, task: list[int], reason: str) -> list[list[search.Outcome]]:
-    return [[search.Outcome(lay, search.SKIPPED, reason) for lay in ladders[i].layouts]
-            for i in task]  # fmt: skip
+def _skipped(ladders, task: list[int], reason: str, status: str = search.SKIPPED) -> list:
+    """Each ladder of ``task``'s outcomes, every layout ``status`` (skipped) for ``reason``."""
+    return [[search.Outcome(lay, status, reason) for lay in ladders[i].layouts] for i in task]
 
 
 def _in_processes(build, ladders, tasks, budget, n, workers, results, bar, stop) -> None:
@@ -124,96 +124,124 @@ def _in_processes(build, ladders, tasks, budget, n, workers, results, bar, stop)
     its own; one that dies on one ladder takes only that ladder with it: its layouts are
     errors that say so, and a new process goes on with the others. A task that ``stop`` says
     need not be compiled is not sent, or its process is ended and another started."""
-    context = multiprocessing.get_context("spawn")
-    todo = list(range(len(tasks)))[::-1]
-    idle: list = []
-    busy: dict = {}  # connection -> task index
-    procs: dict = {}  # connection -> process
-    finished = 0
-
-    def start():
-        parent, child = context.Pipe()
-        proc = context.Process(target=search.worker_main, args=(child, n, build), daemon=True)
-        proc.start()
-        child.close()
-        procs[parent] = proc
-        idle.append(parent)
-
-    seen: dict[int, dict] = {}  # each task's layouts compiled so far, as they come
-
-    def finish(t: int, found) -> None:
-        for i, outcomes in zip(tasks[t], found, strict=True):
-            results[i] = outcomes
-            stop.record(outcomes)
-            bar.advance(ladders[i], outcomes)
-
+    pool = _Pool(build, ladders, tasks, n, results, bar, stop)
     try:
         for _ in range(min(workers, len(tasks))):
-            start()
-        while todo or busy:
-            while todo and idle:
-                t = todo.pop()
-                if why := stop.reason([ladders[i] for i in tasks[t]]):
-                    finish(t, _skipped(ladders, tasks[t], f"not compiled: {why}"))
+            pool.start()
+        while pool.todo or pool.busy:
+            while pool.todo and pool.idle:
+                t = pool.todo.pop()
+                if why := stop.reason(pool.of(t)):
+                    pool.finish(t, _skipped(ladders, tasks[t], f"not compiled: {why}"))
                     continue
-                conn = idle.pop()
-                conn.send(([ladders[i] for i in tasks[t]], budget))
-                busy[conn] = t
-            if not busy:
+                conn = pool.idle.pop()
+                conn.send((pool.of(t), budget))
+                pool.busy[conn] = t
+            if not pool.busy:
                 continue
-            ready = multiprocessing.connection.wait([*busy, *(procs[c].sentinel for c in busy)])
-            for conn in list(busy):
-                proc, t = procs[conn], busy[conn]
-                if conn not in ready and proc.sentinel not in ready:
-                    continue
-                try:
-                    kind, raw = conn.recv()
-                    if kind == "compiled":  # one layout of the task: the task goes on
-                        outcome = search.outcome_from_dict(raw)
-                        seen.setdefault(t, {})[outcome.layout] = outcome
-                        stop.record([outcome])
-                        continue
-                    del busy[conn]
-                    found = [[search.outcome_from_dict(o) for o in f] for f in raw]
-                    finished += 1
-                    idle.append(conn)
-                except (EOFError, OSError):  # died before it answered
-                    del busy[conn]
-                    proc.join()
-                    conn.close()
-                    del procs[conn]
-                    if finished == 0 and proc.exitcode == 1:
-                        raise RuntimeError(WORKERS_DIED) from None
-                    if len(tasks[t]) > 1:  # siblings: each again on its own, so that only
-                        # the ladder whose compile ends its process is lost
-                        for i in tasks[t]:
-                            tasks.append([i])
-                            todo.insert(0, len(tasks) - 1)
-                        start()
-                        continue
-                    reason = (
-                        f"its worker process died (exit code {proc.exitcode}) compiling this "
-                        f"ladder: out of memory, or the compiler ended it (a failed check in XLA or "
-                        f"libtpu)"
-                    )
-                    found = [[search.Outcome(lay, search.ERROR, reason)
-                              for lay in ladders[i].layouts] for i in tasks[t]]  # fmt: skip
-                    if todo:
-                        start()
-                finish(t, found)
-            for conn in list(busy):  # compiles a fit found since has made needless
-                if why := stop.reason([ladders[i] for i in tasks[busy[conn]]]):
-                    procs[conn].kill()
-                    procs.pop(conn).join()
-                    conn.close()
-                    t = busy.pop(conn)
-                    kept = seen.get(t, {})  # what it compiled before: kept
-                    finish(t, [[kept.get(lay) or search.Outcome(lay, search.SKIPPED, f"stopped: {why}")
-                                for lay in ladders[i].layouts] for i in tasks[t]])  # fmt: skip
-                    if todo:
-                        start()
+            procs = pool.procs
+            ready = multiprocessing.connection.wait(
+                [*pool.busy, *(procs[c].sentinel for c in pool.busy)]
+            )
+            for conn in list(pool.busy):
+                if conn in ready or procs[conn].sentinel in ready:
+                    pool.receive(conn)
+            pool.stop_needless()
     finally:
-        for conn, proc in procs.items():
+        pool.close()
+
+
+class _Pool:
+    """`_in_processes`' worker processes: which are idle, which busy with which task, what
+    each task has compiled so far."""
+
+    def __init__(self, build, ladders, tasks, n, results, bar, stop):
+        self.build, self.ladders, self.tasks, self.n = build, ladders, tasks, n
+        self.results, self.bar, self.stop = results, bar, stop
+        self.context = multiprocessing.get_context("spawn")
+        self.todo = list(range(len(tasks)))[::-1]
+        self.idle: list = []
+        self.busy: dict = {}  # connection -> task index
+        self.procs: dict = {}  # connection -> process
+        self.seen: dict[int, dict] = {}  # each task's layouts compiled so far, as they come
+        self.finished = 0
+
+    def of(self, t: int) -> list:
+        return [self.ladders[i] for i in self.tasks[t]]
+
+    def start(self) -> None:
+        parent, child = self.context.Pipe()
+        proc = self.context.Process(
+            target=search.worker_main, args=(child, self.n, self.build), daemon=True
+        )
+        proc.start()
+        child.close()
+        self.procs[parent] = proc
+        self.idle.append(parent)
+
+    def finish(self, t: int, found) -> None:
+        for i, outcomes in zip(self.tasks[t], found, strict=True):
+            self.results[i] = outcomes
+            self.stop.record(outcomes)
+            self.bar.advance(self.ladders[i], outcomes)
+
+    def receive(self, conn) -> None:
+        """What ``conn``'s worker says: a layout compiled (its task goes on), its task's
+        outcomes, or nothing (it died)."""
+        t = self.busy[conn]
+        try:
+            kind, raw = conn.recv()
+        except (EOFError, OSError):  # died before it answered
+            self.died(conn)
+            return
+        if kind == "compiled":
+            outcome = search.outcome_from_dict(raw)
+            self.seen.setdefault(t, {})[outcome.layout] = outcome
+            self.stop.record([outcome])
+            return
+        del self.busy[conn]
+        self.finished += 1
+        self.idle.append(conn)
+        self.finish(t, [[search.outcome_from_dict(o) for o in f] for f in raw])
+
+    def died(self, conn) -> None:
+        t, proc = self.busy.pop(conn), self.procs.pop(conn)
+        proc.join()
+        conn.close()
+        if self.finished == 0 and proc.exitcode == 1:
+            raise RuntimeError(WORKERS_DIED) from None
+        if len(self.tasks[t]) > 1:  # siblings: each again on its own, so that only the
+            # ladder whose compile ends its process is lost
+            for i in self.tasks[t]:
+                self.tasks.append([i])
+                self.todo.insert(0, len(self.tasks) - 1)
+            self.start()
+            return
+        reason = (
+            f"its worker process died (exit code {proc.exitcode}) compiling this ladder: out "
+            f"of memory, or the compiler ended it (a failed check in XLA or libtpu)"
+        )
+        self.finish(t, _skipped(self.ladders, self.tasks[t], reason, search.ERROR))
+        if self.todo:
+            self.start()
+
+    def stop_needless(self) -> None:
+        """Ends the processes compiling a task that a fit found since has made needless; what
+        each compiled before is kept."""
+        for conn in list(self.busy):
+            if why := self.stop.reason(self.of(self.busy[conn])):
+                self.procs[conn].kill()
+                self.procs.pop(conn).join()
+                conn.close()
+                t = self.busy.pop(conn)
+                kept = self.seen.get(t, {})
+                stopped = _skipped(self.ladders, self.tasks[t], f"stopped: {why}")
+                self.finish(t, [[kept.get(o.layout, o) for o in f] for f in stopped])
+                if self.todo:
+                    self.start()
+
+    def close(self) -> None:
+        for conn, proc in self.procs.items():
             try:
                 conn.send(None)  # done: the worker returns
             except OSError:
