@@ -275,3 +275,8 @@ def test_ladders_priced_well_over_a_compiled_fit_are_not_compiled(monkeypatch):
     assert searched == ladders  # skip_slower=None: every ladder compiled
     with pytest.raises(ValueError, match="skip_slower must be a number >= 1 or None; got 0.5"):
         rp.planner.PricingOptions(model=SHAPE, skip_slower=0.5)
+    # a step shorter than its ratio (0.5 s compiled, 0.25 s priced): the kind's ratio is 2
+    stop = workers._Stop({lays[0]: 0.25, lays[1]: 0.3}.get, lambda o: 0.5, 1.1)
+    stop.record([search.Outcome(lays[0], search.FITS, "", 1, CompiledStep({}, {}, 1.0, ()))])
+    assert stop.ratios == {lays[0].kind: 2.0}
+    assert stop.reason([ladders[1]]) is None  # model=2: a kind not compiled, 0.3 s <= 0.55 s

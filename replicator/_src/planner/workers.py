@@ -58,7 +58,8 @@ class _Stop:
             if o.compiled is None:
                 continue
             seconds, kind = self.score(o), o.layout.kind
-            self.ratios[kind] = min(self.ratios.get(kind, seconds), seconds / self.price_of(o.layout))  # fmt: skip
+            ratio = seconds / self.price_of(o.layout)  # compiled over priced
+            self.ratios[kind] = min(self.ratios.get(kind, ratio), ratio)
             if o.status == search.FITS and (self.best is None or seconds < self.best[0]):
                 self.best = (seconds, o.layout)
 
