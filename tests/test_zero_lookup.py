@@ -77,8 +77,9 @@ def test_a_table_split_by_rows_or_columns_is_looked_up_as_on_one_device(split, d
     assert rel_err(got["table"], init()["table"]) > 1e-3  # the lookup's gradient reached it
 
 
+@pytest.mark.parametrize("dtype", [None, jnp.bfloat16])
 @pytest.mark.parametrize("limit, chunks", [(4 * 2 * 128 * 4, 5), (1, 10)])
-def test_a_large_lookup_by_columns_in_chunks_is_exact(monkeypatch, limit, chunks):
+def test_a_large_lookup_by_columns_in_chunks_is_exact(monkeypatch, limit, chunks, dtype):
     """Over `LOOKUP_CHUNK_BYTES` a column-split lookup scans chunks of every replica's rows
     (here 4 replicas' 10 rows of 4 columns, 20 KiB padded to 128 lanes in fp32: in 5 chunks of
     8 rows, or 10 of 4)."""
@@ -86,7 +87,7 @@ def test_a_large_lookup_by_columns_in_chunks_is_exact(monkeypatch, limit, chunks
 
     monkeypatch.setattr(sharded_params, "LOOKUP_CHUNK_BYTES", limit)
     assert sharded_params.lookup_chunks(rows=40, columns=D // 4, n=10) == chunks
-    test_a_table_split_by_rows_or_columns_is_looked_up_as_on_one_device({"table": -1}, None, 8)
+    test_a_table_split_by_rows_or_columns_is_looked_up_as_on_one_device({"table": -1}, dtype, 8)
 
 
 def test_on_one_device_it_is_indexing():
