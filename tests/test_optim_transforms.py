@@ -156,6 +156,24 @@ def test_accumulated_grads_equal_the_gradient_of_the_whole_batch():
         accumulation.accumulated_grads(loss_fn, params, batch, steps=3)
 
 
+def test_accumulation_unrolled_is_the_same_gradient_without_a_loop():
+    """`accumulation.unrolled` (for XLA's estimate of a step with accumulation, read per layer):
+    the same loss and gradients, in straight-line code; the loop comes back after it."""
+    batch = batches(1, seed=3)[0]
+    params = {"w": jnp.asarray(np.random.default_rng(1).normal(size=(16, 4)), jnp.float32)}
+    loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
+    # a new function each time: jit's cache does not see the context
+    step = lambda: lambda p, b: accumulation.accumulated_grads(loss_fn, p, b, steps=4)
+    want = jax.value_and_grad(loss_fn)(params, batch)
+    with accumulation.unrolled():
+        text = jax.jit(step()).lower(params, batch).as_text()
+        loss, grads = jax.jit(step())(params, batch)
+    assert "stablehlo.while" not in text, text
+    assert abs(float(loss) - float(want[0])) <= 1e-6 * float(want[0])
+    assert rel_err(grads, want[1]) <= 1e-5
+    assert "stablehlo.while" in jax.jit(step()).lower(params, batch).as_text()
+
+
 def test_distributed_optimizer_is_an_optax_transformation_with_real_methods():
     opt = rp.Replicator().wrap_optimizer(optax.sgd(0.1, momentum=0.9), clip_global_norm=1.0)
     assert isinstance(opt, optax.GradientTransformationExtraArgs)

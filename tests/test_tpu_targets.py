@@ -521,16 +521,18 @@ def test_splash_on_a_mesh_that_names_model_and_expert_of_size_1_compiles_for_a_t
 
 
 @pytest.mark.slow  # three compiles, 10-15 s each (on libtpu 0.0.42.1: two, then one again)
-def test_llama_tiny_explains_with_the_per_layer_compiles(tmp_path, capsys):
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_llama_tiny_explains_with_the_per_layer_compiles(accumulate, tmp_path, capsys):
     """Without ``--quick``, a scanned Llama (ZeRO-3 with a ``model`` axis) is compiled twice
-    more, with one and with two layers unrolled, for XLA's estimate. libtpu 0.0.50.1 compiles
-    them; libtpu 0.0.42.1 aborts in them (XLA's SPMD partitioner, ``IsManualSubgroup``): the
-    step is compiled again without, its estimate scaled, and the report says why."""
+    more, with one and with two layers unrolled (and accumulation's micro-batches), for XLA's
+    estimate. libtpu 0.0.50.1 compiles them; libtpu 0.0.42.1 aborts in them (XLA's SPMD
+    partitioner, ``IsManualSubgroup``): the step is compiled again without, its estimate
+    scaled, and the report says why."""
     target, overrides = _target_for("llama_tiny")
     out = tmp_path / "report.json"
     code = cli.main(
-        ["explain", f"{ROOT}/configs/llama_tiny.yaml", *overrides, "--target", target,
-         "--json", str(out)]
+        ["explain", f"{ROOT}/configs/llama_tiny.yaml", *overrides,
+         f"accumulate_steps={accumulate}", "--target", target, "--json", str(out)]
     )  # fmt: skip
     assert code == 0, capsys.readouterr().err[-3000:]
     report = json.loads(out.read_text())
@@ -539,8 +541,10 @@ def test_llama_tiny_explains_with_the_per_layer_compiles(tmp_path, capsys):
     if jax.__version_info__ < (0, 12):
         assert "ended the process (SIGABRT) compiling the step with its layers unrolled" in how
         assert "jax 0.12 with libtpu 0.0.50.1 compiles" in how
-    else:
+    elif accumulate == 1:
         assert "with 1 and 2 layers unrolled" in how, how
+    else:
+        assert "with 1 and 2 layers and its 2 micro-batches unrolled" in how, how
 
 
 # -- 5. the CLI ---------------------------------------------------------------------------------

@@ -136,8 +136,11 @@ def _compile(config: TrainConfig, target: rp.targets.Target, what: str):
 def _per_layer_xla_seconds(config: TrainConfig, target: rp.targets.Target, report):
     """XLA's estimate of a step whose layers are scanned, from the same step with one and with
     two layers unrolled (XLA reads those whole), extrapolated per layer: ``x1 + (L - 1) (x2 -
-    x1)``. Kept as `TargetReport` scaled it where that cannot be read: no scanned layers, a
+    x1)``. Accumulation's micro-batches are unrolled in those two programs too
+    (`accumulation.unrolled`). Kept as `TargetReport` scaled it where that cannot be read: no scanned layers, a
     pipeline, or other loops in the small programs."""
+    from replicator._src.optim import accumulation
+
     t, m = report.target, config.model
     if (
         t.xla_seconds is None or "scaled" not in t.xla_seconds_how or m.kind not in ("gpt", "llama")
@@ -148,7 +151,8 @@ def _per_layer_xla_seconds(config: TrainConfig, target: rp.targets.Target, repor
     for layers in (1, 2):
         model = dataclasses.replace(m, layers=layers, scan_layers=False)
         try:
-            r = _compile(dataclasses.replace(config, model=model), target, "per_layer")
+            with accumulation.unrolled():  # its micro-batches straight-line too: no loop
+                r = _compile(dataclasses.replace(config, model=model), target, "per_layer")
         except Exception:  # e.g. a layer count the mesh cannot take: keep the scaled figure
             return report
         x = r.target.xla_seconds
@@ -157,8 +161,10 @@ def _per_layer_xla_seconds(config: TrainConfig, target: rp.targets.Target, repor
         small.append(x)
     x1, x2 = small
     seconds = x1 + (m.layers - 1) * (x2 - x1)
+    k = config.accumulate_steps
+    micro = f" and its {k} micro-batches" if k > 1 else ""
     how = (
-        f"cost_analysis()['optimal_seconds'] of the step with 1 and 2 layers unrolled "
+        f"cost_analysis()['optimal_seconds'] of the step with 1 and 2 layers{micro} unrolled "
         f"({x1 * 1e3:.4g} and {x2 * 1e3:.4g} ms), extrapolated to {m.layers} layers"
     )
     if "; it leaves out" in t.xla_seconds_how:  # Pallas kernels: say so here too

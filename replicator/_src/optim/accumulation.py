@@ -7,7 +7,8 @@ the gradient of the whole batch, with the activations of one micro-batch alive a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,29 @@ from jax import lax
 
 from replicator._src.core import placement
 from replicator._src.core.typing import PyTree
+
+_UNROLLED = False  # set by `unrolled`
+
+
+@contextlib.contextmanager
+def unrolled() -> Iterator[None]:
+    """Steps traced within have their micro-batches unrolled: straight-line code, no loop.
+
+    The same values; for reading a program whose every op runs once, as XLA's
+    ``cost_analysis()`` counts a loop's body once (`replicator explain` reads XLA's estimate of a
+    step with accumulation so, from its one- and two-layer programs). It acts where a step is
+    traced: ``jax.jit`` of a function traced before reuses that trace.
+
+    >>> with unrolled():
+    ...     accumulated_grads(lambda p, b: jnp.mean(p * b), 2.0, jnp.arange(4.0), steps=2)[0]
+    Array(3., dtype=float32)
+    """
+    global _UNROLLED
+    before, _UNROLLED = _UNROLLED, True
+    try:
+        yield
+    finally:
+        _UNROLLED = before
 
 
 def split_batch(batch: PyTree, k: int) -> PyTree:
@@ -92,7 +116,9 @@ def accumulated_grads(
 
     micro = split_batch(batch, steps)
     acc0 = jax.tree.map(_zeros_on_device, params) if zeros is None else zeros(params)
-    (loss_sum, acc), _ = lax.scan(body, (jnp.zeros((), jnp.float32), acc0), micro)
+    (loss_sum, acc), _ = lax.scan(
+        body, (jnp.zeros((), jnp.float32), acc0), micro, unroll=steps if _UNROLLED else 1
+    )
     return loss_sum / steps, jax.tree.map(lambda a: a / steps, acc)
 
 

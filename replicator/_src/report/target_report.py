@@ -111,7 +111,7 @@ def _xla_seconds(optimal: float | None, flops: float, xla_flops: float | None,
         return None, f"XLA's optimal_seconds is {optimal:.3g} (not a time) for this program"
     if unknown_trips:
         return None, f"{unknown_trips} loop(s) of unknown trip count: not scaled"
-    if not xla_flops or abs(flops - xla_flops) <= 0.01 * flops:
+    if not xla_flops or xla_flops >= 0.99 * flops:  # no loop (a loop makes XLA's fewer)
         return optimal, "cost_analysis()['optimal_seconds'] as XLA gives it (no loop runs twice)"
     return optimal * flops / xla_flops, (
         "cost_analysis()['optimal_seconds'], which counts each loop body once, scaled by the "
