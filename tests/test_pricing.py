@@ -240,6 +240,52 @@ def test_a_tpu_prices_attention_on_the_kernel_it_compiles_to():
     assert blocks(wide) > 0 and blocks(dataclasses.replace(wide, attention="splash")) == 0
 
 
+def test_tries_that_compiled_peaks_say_cannot_fit_are_not_compiled(monkeypatch):
+    """`workers._Stop.why_not`, asked before each layout to try compiles: a layout whose priced
+    peak, times the least that compiled layouts of its kind and remat policy peaked over their
+    prices, is over the budget is skipped, saying why; another remat policy, or another kind,
+    still compiles. Through the search itself, in this process (``workers=0``)."""
+    from replicator._src.planner import workers
+    from replicator._src.report.cost_model import CompiledStep
+
+    gib = 2**30
+    full = [rp.planner.Layout(data=8, zero_stage=3, accumulate_steps=k, remat=True)
+            for k in (1, 2, 4)]  # fmt: skip
+    dots = rp.planner.Layout(data=8, zero_stage=3, accumulate_steps=2, remat="dots")
+    tensor = rp.planner.Layout(data=4, model=2, zero_stage=3, remat=True)
+    priced_peak = {full[0]: 30 * gib, full[1]: 28 * gib, full[2]: 20 * gib, dots: 28 * gib,
+                   tensor: 30 * gib}  # fmt: skip
+    real_peak = {full[0]: 36 * gib, full[1]: 33 * gib, full[2]: 24 * gib, dots: 34 * gib,
+                 tensor: 31 * gib}  # fmt: skip
+    compiled = []
+
+    def compile_(self, layout):
+        compiled.append(layout)
+        step = CompiledStep({"data": 8}, {"peak": real_peak[layout]}, 1.0, ())
+        fits = real_peak[layout] <= 32 * gib
+        outcome = search.Outcome(layout, search.FITS if fits else search.TOO_BIG, "", 1, step)
+        self.outcomes[layout] = outcome
+        self.compiled(outcome)  # as `_Searcher.compile` tells each
+        return outcome
+
+    monkeypatch.setattr(search._Searcher, "compile", compile_)
+    monkeypatch.setattr(search._Searcher, "state_size", lambda self, lay: gib)
+    ladders = [rp.planner.Ladder(((full[0],), (full[1],), (dots,), (full[2],))),
+               rp.planner.Ladder(((tensor,),))]  # fmt: skip
+    seconds = lambda lay: 1.0
+    out = workers.run(lambda lay: None, ladders, 32 * gib, 8, 0, False, lambda o: 1.0, seconds,
+                      None, priced_peak.get)  # fmt: skip
+    # full remat at 30 GiB priced compiled to 36 (1.2x): 28 GiB x 1.2 is over 32, 20 x 1.2 not;
+    # dots (over too) and the tensor axis's kind have no compiled ratio yet
+    assert compiled == [full[0], dots, full[2], tensor]
+    skipped = {o.layout: o.reason for o in out if o.status == search.SKIPPED}
+    assert skipped == {full[1]: "not compiled: its priced peak 28.00 GiB x 1.20 (the least its "
+                                "kind and remat policy compiled to over their prices) is over "
+                                "32.00 GiB"}  # fmt: skip
+    stop = workers._Stop(seconds, lambda o: 1.0, None, priced_peak.get, 32 * gib)
+    assert stop.why_not(full[1]) is None  # nothing compiled: nothing known
+
+
 def test_ladders_priced_well_over_a_compiled_fit_are_not_compiled(monkeypatch):
     """`workers.run`: once a compiled layout fits, a ladder whose price, times the least its
     kind's compiled layouts have come out over theirs, is over ``skip_slower`` times that fit's
@@ -253,7 +299,7 @@ def test_ladders_priced_well_over_a_compiled_fit_are_not_compiled(monkeypatch):
     compiled = dict(zip(lays, (2.0, 3.0, 2.5), strict=True))
     searched = []
 
-    def search_siblings(build, some, budget):
+    def search_siblings(build, some, budget, *told):
         searched.extend(some)
         step = CompiledStep({"data": 8}, {"peak": 1}, 1.0, ())
         return [[search.Outcome(lay, search.FITS, "", 1, step) for lay in f.layouts] for f in some]

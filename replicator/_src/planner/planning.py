@@ -282,8 +282,9 @@ def plan(
     emulated = n if target is None else 1  # a target's workers compile for libtpu's devices
     score = lambda outcome: model_time(outcome.compiled, profile, **timing_kw).total
     skip = None if pricing is None else pricing.skip_slower
-    run = lambda some, price_of=None: (
-        workers_lib.run(build, some, budget, emulated, workers, progress, score, price_of, skip)
+    run = lambda some, price_of=None, peak_of=None: (
+        workers_lib.run(build, some, budget, emulated, workers, progress, score, price_of, skip,
+                        peak_of)
         if some else []
     )  # fmt: skip
     if pricing is None:
@@ -354,8 +355,9 @@ def _priced_rounds(run, ladders, model, budget, profile, timing, top, progress, 
     seconds_of = functools.cache(
         lambda lay: model_time(prices[lay].step(), profile, **timing).total
     )
-    outcomes, more = _rounds(lambda some: run(some, seconds_of), ranked, reprice, top, prices,
-                             progress)  # fmt: skip
+    peak_of = lambda lay: prices[lay].peak_bytes
+    outcomes, more = _rounds(lambda some: run(some, seconds_of, peak_of), ranked, reprice, top,
+                             prices, progress)  # fmt: skip
     return outcomes, dropped + more, prices, seconds
 
 

@@ -101,11 +101,13 @@ def _first_line(e: BaseException) -> str:
 
 
 class _Searcher:
-    def __init__(self, build: Callable, budget: int, compiled: Callable | None = None):
+    def __init__(self, build: Callable, budget: int, compiled: Callable | None = None,
+                 ask: Callable | None = None):  # fmt: skip
         self.build = build
         self.budget = budget
         self.outcomes: dict[Layout, Outcome] = {}
         self.compiled = compiled  # told each compiled layout's outcome as it comes
+        self.ask = ask  # ask(layout): why a layout to try alone need not compile, or None
 
     def job(self, layout: Layout):
         out = self.build(layout)
@@ -186,6 +188,9 @@ class _Searcher:
                 group = tuple(lay for lay in group if lay.accumulate_steps < limit)
                 if not group:
                     continue
+            if len(group) == 1 and self.ask is not None and (why := self.ask(group[0])):
+                skipped[group[0]] = f"not compiled: {why}"  # what compiled since says so
+                continue
             fit = self._first_fit(group, skipped)
             if fit is not None and found is None:
                 found = fit
@@ -231,14 +236,16 @@ def sibling_key(ladder: Ladder) -> tuple:
 
 
 def search_siblings(
-    build: Callable, ladders: list[Ladder], budget: int, compiled: Callable | None = None
+    build: Callable, ladders: list[Ladder], budget: int, compiled: Callable | None = None,
+    ask: Callable | None = None,
 ) -> list[list[Outcome]]:
     """The outcomes of ladders that differ only in their ZeRO stage, searched from the highest
     stage (the least memory) down. Once a stage has no layout that fits, the lower stages need
     more memory for every layout (replicated state or gradients where it shards them), so they
     are not compiled: only their state's size is read. ``compiled(outcome)`` is told each
-    compiled layout's outcome as it comes."""
-    searcher = _Searcher(build, budget, compiled)
+    compiled layout's outcome as it comes; ``ask(layout)``, before a layout to try alone
+    compiles, says why it need not (`workers._Stop.why_not`), or None."""  # fmt: skip
+    searcher = _Searcher(build, budget, compiled, ask)
     order = sorted(range(len(ladders)), key=lambda i: -ladders[i].layouts[0].zero_stage)
     out: list = [None] * len(ladders)
     evidence: Layout | None = None  # a frugal sibling that does not fit
@@ -281,16 +288,22 @@ def worker_main(conn, num_devices: int, build) -> None:
     """A planning worker process: ``num_devices`` emulated CPU devices (set before JAX starts),
     then ``(ladders, budget)`` tasks from ``conn`` (siblings: `search_siblings`) searched and
     answered until None comes: ``("compiled", outcome)`` for each layout compiled as it comes,
-    then ``("done", outcomes)``."""
+    ``("ask", layout)`` before a layout to try alone compiles (answered with why it need not,
+    or None), then ``("done", outcomes)``."""
     import jax
 
     jax.config.update("jax_num_cpu_devices", int(num_devices))
     jax.config.update("jax_platforms", "cpu")
     build = resolve(build)
+
+    def ask(layout: Layout) -> str | None:  # the planning process answers at once
+        conn.send(("ask", layout.to_dict()))
+        return conn.recv()
+
     while (task := conn.recv()) is not None:
         ladders, budget = task
         found = search_siblings(
-            build, ladders, budget, lambda o: conn.send(("compiled", o.to_dict()))
+            build, ladders, budget, lambda o: conn.send(("compiled", o.to_dict())), ask
         )
         conn.send(("done", [[o.to_dict() for o in outcomes] for outcomes in found]))
     conn.close()

@@ -13,6 +13,8 @@ import os
 
 from replicator._src.planner import progress as progress_lib
 from replicator._src.planner import search
+from replicator._src.planner.layouts import Ladder, Layout
+from replicator._src.report.step_report import format_bytes
 
 
 def count(workers: int | None, n: int, here: bool = True) -> int:
@@ -45,11 +47,18 @@ class _Stop:
     of its kind (`Layout.kind`) have modelled over their prices, is over ``margin`` times the
     fastest compiled layout that fits (``score(outcome)``, seconds) found so far. (Llama 3.1 8B
     on v6e-256: pipelines priced 4.8-5.1 s compiled to 7.1-9.3 s; the layouts without one to
-    1.09-1.7 times their prices.)"""
+    1.09-1.7 times their prices.)
 
-    def __init__(self, price_of, score, margin):
+    And which layouts to try need not compile (`why_not`): those priced slower so, and those
+    whose priced peak (``peak_of(layout)``, bytes), times the least that compiled layouts of its
+    kind and remat policy have peaked over their prices, is over ``budget``. (Mixtral 8x22B on
+    v6e-256: full remat with an ``expert`` axis peaked at 1.21-1.39 times its prices, and three
+    such layouts priced at 30.9-33.9 GiB compiled over the 32 GiB, 116-193 s each.)"""
+
+    def __init__(self, price_of, score, margin, peak_of=None, budget=None):
         self.price_of, self.score, self.margin = price_of, score, margin
-        self.best, self.ratios = None, {}
+        self.peak_of, self.budget = peak_of, budget
+        self.best, self.ratios, self.peaks = None, {}, {}
 
     def record(self, outcomes) -> None:
         if self.price_of is None or self.score is None:
@@ -60,8 +69,25 @@ class _Stop:
             seconds, kind = self.score(o), o.layout.kind
             ratio = seconds / self.price_of(o.layout)  # compiled over priced
             self.ratios[kind] = min(self.ratios.get(kind, ratio), ratio)
+            if self.peak_of is not None:
+                key = (kind, o.layout.remat)
+                peak = o.compiled.memory["peak"] / self.peak_of(o.layout)
+                self.peaks[key] = min(self.peaks.get(key, peak), peak)
             if o.status == search.FITS and (self.best is None or seconds < self.best[0]):
                 self.best = (seconds, o.layout)
+
+    def record_one(self, outcome) -> None:
+        self.record([outcome])
+
+    def why_not(self, layout) -> str | None:
+        """Why ``layout``, a layout to try, need not compile now: priced over the budget by what
+        its kind and remat policy have compiled to, or slower than a fit by `reason`; or None."""
+        peak = None if self.peak_of is None else self.peaks.get((layout.kind, layout.remat))
+        if peak is not None and self.peak_of(layout) * peak > self.budget:
+            return (f"its priced peak {format_bytes(self.peak_of(layout))} x {peak:.2f} (the "
+                    f"least its kind and remat policy compiled to over their prices) is over "
+                    f"{format_bytes(self.budget)}")  # fmt: skip
+        return self.reason([Ladder(((layout,),))])
 
     def reason(self, ladders) -> str | None:
         """Why ``ladders`` need not be compiled, or None."""
@@ -79,20 +105,23 @@ class _Stop:
 
 
 def run(
-    build, ladders, budget, n, workers, progress, score, price_of=None, skip_slower=None
+    build, ladders, budget, n, workers, progress, score, price_of=None, skip_slower=None,
+    peak_of=None,
 ) -> list[search.Outcome]:
     """Every ladder's outcomes, in the order of ``ladders``; siblings (ladders that differ in
     their ZeRO stage only) are searched together, by one process. With ``price_of`` (a
     layout's priced seconds) and ``skip_slower``, a ladder priced over ``skip_slower`` times a
     compiled fit (`_Stop`) is not compiled, and its compile is stopped if it has begun: its
-    layouts are skipped."""
+    layouts are skipped. With ``peak_of`` (a layout's priced peak bytes) too, a layout to try
+    that what has compiled says will not fit, or be slower, is not compiled
+    (`_Stop.why_not`)."""  # fmt: skip
     groups: dict[tuple, list[int]] = {}
     for i, ladder in enumerate(ladders):
         groups.setdefault(search.sibling_key(ladder), []).append(i)
     tasks = list(groups.values())
     bar = progress_lib.Progress(len(ladders), progress, score)
     results: list = [None] * len(ladders)
-    stop = _Stop(price_of, score, skip_slower)
+    stop = _Stop(price_of, score, skip_slower, peak_of, budget)
     try:
         if workers == 0:
             fn = search.resolve(build)
@@ -100,7 +129,8 @@ def run(
                 why = stop.reason([ladders[i] for i in task])
                 found = (
                     _skipped(ladders, task, f"not compiled: {why}") if why else
-                    search.search_siblings(fn, [ladders[i] for i in task], budget)
+                    search.search_siblings(fn, [ladders[i] for i in task], budget,
+                                           stop.record_one, stop.why_not)
                 )  # fmt: skip
                 for i, outcomes in zip(task, found, strict=True):
                     results[i] = outcomes
@@ -194,6 +224,9 @@ class _Pool:
             kind, raw = conn.recv()
         except (EOFError, OSError):  # died before it answered
             self.died(conn)
+            return
+        if kind == "ask":  # a layout to try: compile it?
+            conn.send(self.stop.why_not(Layout(**raw)))
             return
         if kind == "compiled":
             outcome = search.outcome_from_dict(raw)
