@@ -236,7 +236,10 @@ def sibling_key(ladder: Ladder) -> tuple:
 
 
 def search_siblings(
-    build: Callable, ladders: list[Ladder], budget: int, compiled: Callable | None = None,
+    build: Callable,
+    ladders: list[Ladder],
+    budget: int,
+    compiled: Callable | None = None,
     ask: Callable | None = None,
 ) -> list[list[Outcome]]:
     """The outcomes of ladders that differ only in their ZeRO stage, searched from the highest

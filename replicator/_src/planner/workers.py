@@ -105,7 +105,15 @@ class _Stop:
 
 
 def run(
-    build, ladders, budget, n, workers, progress, score, price_of=None, skip_slower=None,
+    build,
+    ladders,
+    budget,
+    n,
+    workers,
+    progress,
+    score,
+    price_of=None,
+    skip_slower=None,
     peak_of=None,
 ) -> list[search.Outcome]:
     """Every ladder's outcomes, in the order of ``ladders``; siblings (ladders that differ in
