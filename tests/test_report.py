@@ -6,6 +6,7 @@ arguments are this device's shards of the state and the batch. FLOPs: the matmul
 counted per loop trip (which XLA's cost_analysis does not do).
 """
 
+import dataclasses
 import functools
 import json
 
@@ -20,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 import replicator as rp
 from replicator import pipeline
 from replicator._src.report import hlo
+from replicator._src.report.cost_model import CollectiveCost, CompiledStep, model_time
 
 D_IN, HIDDEN, D_OUT, BATCH = 16, 64, 4, 64
 
@@ -482,6 +484,35 @@ ENTRY %main (x: f32[16,1,128], o: f32[64,1,128], a: s32[4], b: s32[4], c: s32[4]
     (c,) = hlo.analyze(text, {"expert": 4}).collectives
     assert (c.kind, c.axes, c.bytes) == ("ragged-all-to-all", ("expert",), 16 * 128 * 4)
     assert c.wire_bytes == 3 / 4 * c.bytes  # at most: the sizes are the run's
+
+
+def test_a_send_across_slices_is_read_as_a_collective_over_dcn_data():
+    """The TPU's part of a collective across slices: a ``send`` to the DCN runtime (as libtpu
+    0.0.50.1 writes it for two v5p-16 slices), once per loop trip; its ``recv`` is not counted
+    again."""
+    send = (
+        "(f32[32,8,128]{2,1,0:T(8,128)}, u32[]{:S(2)}, token[]) send(%b, %t), channel_id=18, "
+        "is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name="
+        '"xla_megascale_runtime",_xla_host_transfer_rendezvous="all-reduce.8_0",'
+        '_xla_megascale_reduce_operation="SUM",_xla_megascale_target="{1,2}x{0:7}",'
+        '_xla_megascale_transfer_type="ALL_REDUCE"}'
+    )
+    text = f"""
+ENTRY %main (b: f32[32,8,128]) -> f32[32,8,128] {{
+  %b = f32[32,8,128]{{2,1,0}} parameter(0)
+  %t = token[] after-all()
+  %s = {send}
+  %r = (f32[32,8,128]{{2,1,0}}, u32[], token[]) recv(%t), channel_id=19, is_host_transfer=true
+  ROOT %c = f32[32,8,128]{{2,1,0}} copy(%b)
+}}
+"""
+    (c,) = hlo.analyze(text, {"dcn_data": 2, "data": 8}).collectives
+    assert (c.kind, c.axes, c.group_size, c.dtype) == ("all-reduce", ("dcn_data",), 2, "f32")
+    assert c.bytes == 32 * 8 * 128 * 4 and c.wire_bytes == c.bytes  # 2 (S-1)/S, S = 2
+    step = CompiledStep({"dcn_data": 2, "data": 8}, {}, 0.0, (
+        CollectiveCost(c.kind, c.axes, c.wire_bytes, c.count),))  # fmt: skip
+    hw = dataclasses.replace(rp.planner.HARDWARE_PROFILES["tpu-v5p"], island_size=8)  # a slice
+    assert model_time(step, hw).dcn > 0 and model_time(step, hw).ici == 0
 
 
 def test_replica_groups_in_every_hlo_form():

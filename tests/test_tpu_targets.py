@@ -568,12 +568,10 @@ def test_cli_explain_target_writes_the_report_json(tmp_path, capsys):
     assert data["hbm_bytes"] == rp.planner.HARDWARE_PROFILES["tpu-v5p"].memory_bytes
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the TPU writes the cross-slice part as send/recv with megascale attributes, which "
-    "explain does not read yet (issue 42)",
-)
 def test_cli_explain_two_slices_adds_a_dcn_data_axis(tmp_path, capsys):
+    """The TPU writes a collective's part across slices as a ``send`` to the DCN runtime (with
+    ``_xla_megascale_*`` attributes), after its part inside each slice: `explain` reads it as a
+    collective over ``dcn_data``, priced at the DCN's bandwidth."""
     out = tmp_path / "lm_dp.json"
     code = cli.main(
         ["explain", str(ROOT / "configs/lm_dp.yaml"), "--target", "v5p-16", "--slices", "2",

@@ -22,12 +22,14 @@ from fractions import Fraction
 import numpy as np
 
 from replicator._src.core import tracing
+from replicator._src.core.mesh import DCN_AXIS
 from replicator._src.report import convolution, hlo_bytes, loops
 from replicator._src.report.hlo_bytes import _ARRAY, _CALLS, _num_elements, shape_bytes
 
 _STARTS = re.compile(r"^\s+(ROOT )?%?[\w.\-]+ = ")
 _ENDS = re.compile(r"^\}(\s*$|, \w+=)")
 KERNEL_FLOPS = re.compile(r"replicator_kernel_flops_(\d+)")
+MEGASCALE = "_xla_megascale_transfer_type"  # a send across TPU slices (the DCN runtime's)
 COLLECTIVES = (
     "all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all",
     "ragged-all-to-all",  # its payload: the rows it may send (the sizes are run-time values)
@@ -322,6 +324,9 @@ class _Walker(hlo_bytes.KernelBytes):
         if op in COLLECTIVES:
             out.append(self.collective(inst, op, mult, cond, op_name))
             return _ZERO
+        if inst.op == "send" and MEGASCALE in inst.attrs:  # across slices, over the DCN
+            out.append(self.across_slices(inst, mult, cond, op_name))
+            return _ZERO
         called = dict(_CALLS.findall(inst.attrs))
         if inst.op == "while":
             n = self.trips(inst)
@@ -446,6 +451,22 @@ class _Walker(hlo_bytes.KernelBytes):
             conditional=cond,
             op_name=op_name,
         )
+
+    def across_slices(self, inst: _Inst, mult: Fraction, cond: bool, op_name: str):
+        """A collective's part across TPU slices: the TPU compiler writes it as a ``send`` to
+        the DCN runtime (``_xla_megascale_transfer_type``), after the part inside each slice
+        (a hierarchical collective). Its payload is the buffer sent; its group, the slices
+        (the mesh's ``dcn_data`` axis)."""
+        kind = re.search(r'_xla_megascale_transfer_type="(\w+)"', inst.attrs).group(1)
+        kind = kind.lower().replace("_", "-")
+        arrays = [a for a in _ARRAY.findall(inst.shape) if a[0] not in ("u32", "token")]
+        payload = shape_bytes(" ".join(f"{d}[{s}]" for d, s in arrays[:1]))
+        g = self.mesh_shape.get(DCN_AXIS, 2)
+        return Collective(
+            kind=kind, axes=(DCN_AXIS,), dtype=arrays[0][0] if arrays else "", group_size=g,
+            bytes=payload, count=float(mult), wire_bytes=_wire(kind, payload, g) * float(mult),
+            conditional=cond, op_name=op_name,
+        )  # fmt: skip
 
 
 def _branch_cost(run: tuple) -> tuple:
