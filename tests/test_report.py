@@ -509,6 +509,10 @@ ENTRY %main (b: f32[32,8,128]) -> f32[32,8,128] {{
     (c,) = hlo.analyze(text, {"dcn_data": 2, "data": 8}).collectives
     assert (c.kind, c.axes, c.group_size, c.dtype) == ("all-reduce", ("dcn_data",), 2, "f32")
     assert c.bytes == 32 * 8 * 128 * 4 and c.wire_bytes == c.bytes  # 2 (S-1)/S, S = 2
+    gather = send.replace('"ALL_REDUCE"', '"ALL_GATHER"')
+    (g,) = hlo.analyze(text.replace(send, gather), {"dcn_data": 2, "data": 8}).collectives
+    assert g.kind == "all-gather" and g.bytes == 2 * c.bytes  # gathered from both slices
+    assert g.wire_bytes == c.bytes  # this device's shard, sent to the other slice
     step = CompiledStep({"dcn_data": 2, "data": 8}, {}, 0.0, (
         CollectiveCost(c.kind, c.axes, c.wire_bytes, c.count),))  # fmt: skip
     hw = dataclasses.replace(rp.planner.HARDWARE_PROFILES["tpu-v5p"], island_size=8)  # a slice

@@ -455,13 +455,16 @@ class _Walker(hlo_bytes.KernelBytes):
     def across_slices(self, inst: _Inst, mult: Fraction, cond: bool, op_name: str):
         """A collective's part across TPU slices: the TPU compiler writes it as a ``send`` to
         the DCN runtime (``_xla_megascale_transfer_type``), after the part inside each slice
-        (a hierarchical collective). Its payload is the buffer sent; its group, the slices
-        (the mesh's ``dcn_data`` axis)."""
+        (a hierarchical collective). Its group is the slices (the mesh's ``dcn_data`` axis). The
+        buffer sent is this device's input: the payload, but for an all-gather, whose payload
+        is the gathered result (``g`` of them; Llama 3.1 405B on two v6e-256 slices sends each
+        chip's bf16 shard of the weights, 1.47 GiB, twice a step)."""
         kind = re.search(r'_xla_megascale_transfer_type="(\w+)"', inst.attrs).group(1)
         kind = kind.lower().replace("_", "-")
         arrays = [a for a in _ARRAY.findall(inst.shape) if a[0] not in ("u32", "token")]
-        payload = shape_bytes(" ".join(f"{d}[{s}]" for d, s in arrays[:1]))
         g = self.mesh_shape.get(DCN_AXIS, 2)
+        payload = shape_bytes(" ".join(f"{d}[{s}]" for d, s in arrays[:1]))
+        payload *= g if kind == "all-gather" else 1
         return Collective(
             kind=kind, axes=(DCN_AXIS,), dtype=arrays[0][0] if arrays else "", group_size=g,
             bytes=payload, count=float(mult), wire_bytes=_wire(kind, payload, g) * float(mult),
