@@ -137,8 +137,8 @@ def _per_layer_xla_seconds(config: TrainConfig, target: rp.targets.Target, repor
     """XLA's estimate of a step whose layers are scanned, from the same step with one and with
     two layers unrolled (XLA reads those whole), extrapolated per layer: ``x1 + (L - 1) (x2 -
     x1)``. Accumulation's micro-batches are unrolled in those two programs too
-    (`accumulation.unrolled`). Kept as `TargetReport` scaled it where that cannot be read: no scanned layers, a
-    pipeline, or other loops in the small programs."""
+    (`accumulation.unrolled`). Kept as `TargetReport` scaled it where that cannot be read: no
+    scanned layers, a pipeline, or other loops in the small programs."""
     from replicator._src.optim import accumulation
 
     t, m = report.target, config.model
