@@ -191,6 +191,32 @@ def test_plan_for_a_tpu_target_compiles_each_layout_for_the_tpu(tmp_path):
     assert yaml.safe_load(out.read_text())["model"]["d_model"] == 32
 
 
+@pytest.mark.slow  # 3 TPU programs of 2 slices compiled here, about 20 s
+def test_plan_over_slices_puts_the_replicas_across_them_and_prices_the_dcn(tmp_path):
+    """--target v5p-8 --slices 2: every layout has ``dcn_data=2`` (its other axes inside a
+    slice of 4 chips); the table shows each one's DCN time; the priced DCN time (the replicas'
+    reductions and gathers, hierarchical) is within 20% of the compiled program's; the written
+    config's mesh crosses the slices."""
+    pytest.importorskip("libtpu")
+    out, report = tmp_path / "best.yaml", tmp_path / "plan.json"
+    run = replicator(
+        "plan", "configs/lm_dp.yaml", "model.d_model=512", "model.heads=8", "model.layers=2",
+        "global_batch=16", "--target", "v5p-8", "--slices", 2, "--max-stage", 1,
+        "--max-model", 1, "--zero-stages", "0,1,3", "--out", out, "--json", report,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "plan for 8 devices (2 slices of 4) of tpu-v5p" in run.stdout
+    assert "DCN" in run.stdout.split("layouts that fit")[1].splitlines()[2]  # the header row
+    plan = json.loads(report.read_text())
+    assert [c["layout"]["zero_stage"] for c in plan["ranked"]] == [0, 1, 3]
+    for c in plan["ranked"]:
+        assert (c["layout"]["dcn_data"], c["layout"]["data"]) == (2, 4)
+        assert c["compiled"]["mesh"] == {"dcn_data": 2, "data": 4}
+        compiled, priced = c["time"]["dcn"], c["priced_time"]["dcn"]
+        assert compiled > 0 and priced == pytest.approx(compiled, rel=0.2), c["layout"]
+    assert yaml.safe_load(out.read_text())["mesh"] == {"dcn_data": 2, "data": 4}
+
+
 # -- context and expert axes ----------------------------------------------------------------------
 
 LONG = ["model.d_model=32", "model.layers=2", "model.seq_len=512", "global_batch=8"]

@@ -326,3 +326,50 @@ def test_ladders_priced_well_over_a_compiled_fit_are_not_compiled(monkeypatch):
     stop.record([search.Outcome(lays[0], search.FITS, "", 1, CompiledStep({}, {}, 1.0, ()))])
     assert stop.ratios == {lays[0].kind: 2.0}
     assert stop.reason([ladders[1]]) is None  # model=2: a kind not compiled, 0.3 s <= 0.55 s
+
+
+def test_layouts_over_slices_put_the_replicas_across_them():
+    """``slices=2``: every layout has ``dcn_data=2`` and the rest laid out on a slice's devices
+    with its half of the batch; slices that do not divide the devices or the batch are
+    refused."""
+    sizes = rp.planner.ModelSizes(global_batch=32, num_layers=4, num_heads=4, hidden=512)
+    one = rp.planner.enumerate_layouts(8, sizes=dataclasses.replace(sizes, global_batch=16))
+    two = rp.planner.enumerate_layouts(16, sizes=sizes, slices=2)
+    assert [str(lad) for lad in two] == [f"dcn_data=2 {lad}" for lad in one]
+    for lay in (lay for ladder in two for lay in ladder.layouts):
+        assert lay.num_devices == 16 and lay.replicas == 2 * lay.data
+        assert list(lay.mesh_shape)[:2] == ["dcn_data", "data"]
+    with pytest.raises(ValueError, match=r"3 slices must divide num_devices=16 and the global"):
+        rp.planner.enumerate_layouts(16, sizes=sizes, slices=3)
+    with pytest.raises(ValueError, match=r"enumerate_layouts: slices must be an int >= 1"):
+        rp.planner.enumerate_layouts(16, sizes=sizes, slices=0)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_a_layout_over_slices_is_priced_as_its_replicas_with_the_dcn_part_apart(zero):
+    """``dcn_data=2 data=4`` holds what ``data=8`` holds (ZeRO over every replica), computes
+    the same, and moves the same bytes inside a slice as ``data=4`` does; across slices each
+    reduction or gather moves a slice replica's quarter of the buffer, ``(S-1)/S`` of it (twice
+    for an all-reduce): XLA's hierarchical collective."""
+    flat = pricing.price(rp.planner.Layout(data=8, zero_stage=zero), SHAPE)
+    inside = pricing.price(rp.planner.Layout(data=4, zero_stage=zero), SHAPE)
+    two = pricing.price(rp.planner.Layout(dcn_data=2, data=4, zero_stage=zero), SHAPE)
+    assert (two.state_bytes, two.peak_bytes, two.flops) == (
+        flat.state_bytes, flat.peak_bytes, flat.flops)  # fmt: skip
+    for kind in ("all-reduce", "reduce-scatter", "all-gather"):
+        ici = {c.wire_bytes for c in inside.collectives if c.kind == kind and c.axes == ("data",)}
+        dcn = [c.wire_bytes for c in two.collectives
+               if c.kind == kind and c.axes == ("dcn_data",)]  # fmt: skip
+        here = [c.wire_bytes for c in two.collectives if c.kind == kind and c.axes == ("data",)]
+        if not ici:
+            assert not dcn and not here
+            continue
+        # inside: the whole buffer over 4 (the same as data=4's, whose buffer is the same)
+        (whole,) = ici
+        assert here == [whole]
+        ring = 3 / 4
+        assert dcn == [pytest.approx(whole / ring / 4 * (1 / 2))]
+    hw = rp.planner.HARDWARE_PROFILES["tpu-v5p"]
+    island = dataclasses.replace(hw, island_size=4)
+    t = model_time(two.step(), island)
+    assert t.dcn > 0 and model_time(flat.step(), hw).dcn == 0

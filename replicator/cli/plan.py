@@ -192,12 +192,6 @@ def check_args(args: argparse.Namespace) -> int:
     n = args.devices if target is None or args.devices is not None else target.num_devices
     if n is None:
         raise ValueError("give --devices N (devices to plan for), or --target TYPE.")
-    if target is not None and target.slices > 1:
-        raise ValueError(
-            "--slices with plan: plan lays out one slice for now (its layouts have no dcn_data "
-            "axis); plan --target for one slice and explain the multi-slice config with "
-            "--slices."
-        )
     if target is not None and n != target.num_devices:
         raise ValueError(
             f"--devices {n} with --target {target.label}, which has {target.num_devices} chips; "
@@ -280,28 +274,42 @@ def layouts_for(cfg: TrainConfig, n: int, args: argparse.Namespace):
             f"e.g. --zero-stages 1,3."
         )
     planner = rp.planner
+    slices = _slices(args)
+    if cfg.global_batch % slices:
+        raise ValueError(
+            f"--slices {slices}: global_batch={cfg.global_batch} does not split over {slices} "
+            f"slices (each holds as many replicas); give a global_batch that is a multiple of "
+            f"{slices}."
+        )
+    enumerate_layouts = functools.partial(planner.enumerate_layouts, slices=slices)
     if m.kind == "gpt":
         sizes, attention, limits = _gpt_options(m, cfg.global_batch, args)
         search = planner.SearchOptions(
             schedules=schedules, zero_stages=zero, attention=attention, remat=_remats(cfg, args)
         )
-        return planner.enumerate_layouts(n, sizes=sizes, search=search, limits=limits)
+        return enumerate_layouts(n, sizes=sizes, search=search, limits=limits)
     sizes = planner.ModelSizes(global_batch=cfg.global_batch, num_layers=1)
     limits = planner.AxisLimits(max_model=1, max_stage=args.max_stage)
     if m.kind == "mlp":  # data parallel with ZeRO; its layers are always rematerialised
         search = planner.SearchOptions(schedules=schedules, zero_stages=zero, remat=(False,))
-        return planner.enumerate_layouts(n, sizes=sizes, search=search, limits=limits)
+        return enumerate_layouts(n, sizes=sizes, search=search, limits=limits)
     if m.kind == "cnn":  # BatchNorm over the whole batch: ZeRO 0-2, no accumulation
         zero = tuple(z for z in zero if z < 3) or (0,)
         search = planner.SearchOptions(
             schedules=schedules, zero_stages=zero, accumulate_steps=(1,), remat=(False,)
         )
-        return planner.enumerate_layouts(n, sizes=sizes, search=search, limits=limits)
+        return enumerate_layouts(n, sizes=sizes, search=search, limits=limits)
     raise ValueError(
         f"model.kind={m.kind!r}: plan lays out the built-in kinds (gpt, mlp, cnn); for your own "
         f"model call rp.plan(build, rp.planner.enumerate_layouts(...)) with a build(layout) of "
         f"yours."
     )
+
+
+def _slices(args: argparse.Namespace) -> int:
+    """The target's slices (``--slices``; 1 without a target): every layout then puts its
+    replicas across them (``dcn_data``), the rest of its axes inside a slice."""
+    return getattr(args, "slices", 1) if getattr(args, "target", None) is not None else 1
 
 
 def _remats(cfg: TrainConfig, args: argparse.Namespace) -> tuple:
@@ -345,7 +353,9 @@ def no_layouts(cfg: TrainConfig, n: int, args: argparse.Namespace) -> str:
         if value is not None
     ]
     near = []
-    for other in sorted(range(1, min(2 * n, MAX_CPU_DEVICES) + 1), key=lambda k: abs(k - n)):
+    step = _slices(args)  # device counts the slices divide
+    for other in sorted(range(step, min(2 * n, MAX_CPU_DEVICES) + 1, step),
+                        key=lambda k: abs(k - n)):  # fmt: skip
         if other != n and layouts_for(cfg, other, args):
             near.append(other)
         if len(near) == 2:

@@ -50,6 +50,7 @@ def model_shape(config: GPTConfig, global_batch: int, opt_slots: int = 2):
         capacity_factor=config.capacity_factor, moe_every=config.moe_every,
         qkv_bias=config.qkv_bias, loss_chunks=config.loss_chunks,
         moe_chunks=config.moe_chunks, residual_split=config.residual_split,
+        reduce_bytes=4 if config.reduce_dtype is None else jnp.dtype(config.reduce_dtype).itemsize,
     )  # fmt: skip
 
 

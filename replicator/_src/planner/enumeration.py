@@ -10,6 +10,7 @@ This module is plain Python: no JAX, nothing compiled.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -41,6 +42,7 @@ def enumerate_layouts(
     sizes: ModelSizes | None = None,
     search: SearchOptions | None = None,
     limits: AxisLimits | None = None,
+    slices: int = 1,
     **deprecated: Any,
 ) -> list[Ladder]:
     """The layouts of ``num_devices`` devices that a model's sizes allow, as ladders.
@@ -79,13 +81,20 @@ def enumerate_layouts(
     within each, fewer accumulation steps, then more (the same FLOPs in smaller pieces, no less
     communication, and less memory). The planner takes the first that fits.
 
+    **Slices** (``slices > 1``: N devices in that many slices joined over the data-centre
+    network) put the replicas across them: every layout has ``dcn_data = slices`` (the mesh's
+    axis across slices), and the rest is laid out as above on the ``N / slices`` devices of a
+    slice, with ``global_batch / slices`` sequences. ZeRO then shards over the replicas of every
+    slice, as the library's data axes do.
+
     Args:
-      num_devices: N.
+      num_devices: N (over all slices).
       sizes: the model's sizes that constrain the splits (`ModelSizes`).
       search: what to try on each mesh (`SearchOptions`); default every schedule, ZeRO stage,
         remat policy and attention.
       limits: the largest axes to try, and the shortest sequence for a context axis
         (`AxisLimits`); default no limit, 512 tokens.
+      slices: the slices the N devices are in (each ``N / slices`` devices); default 1.
       **deprecated: the records' fields given as keywords (``global_batch=16``,
         ``max_model=8``, ...): accepted for one release, each with a ``DeprecationWarning``
         that names its record.
@@ -95,8 +104,8 @@ def enumerate_layouts(
 
     Raises:
       TypeError: without ``sizes``, or for a keyword no record has.
-      ValueError: for a device count that is not an int >= 1, or an old keyword given with
-        its record.
+      ValueError: for a device count that is not an int >= 1, slices that do not divide it or
+        the global batch, or an old keyword given with its record.
 
     >>> ladders = enumerate_layouts(8, sizes=ModelSizes(global_batch=16, num_layers=4,
     ...                                                 num_heads=4))
@@ -132,7 +141,21 @@ def enumerate_layouts(
     search = SearchOptions() if search is None else search
     limits = AxisLimits() if limits is None else limits
     n = positive_int(num_devices, api=api, name="num_devices")
-    return _ladders(n, sizes, search, limits)
+    s = positive_int(slices, api=api, name="slices")
+    if s == 1:
+        return _ladders(n, sizes, search, limits)
+    if n % s or sizes.global_batch % s:
+        raise ValueError(
+            f"{api}: {s} slices must divide num_devices={n} and the global batch "
+            f"({sizes.global_batch} sequences): each slice holds as many devices and replicas; "
+            f"give a global batch that is a multiple of {s}."
+        )
+    one = dataclasses.replace(sizes, global_batch=sizes.global_batch // s)
+    return [
+        Ladder(tuple(tuple(dataclasses.replace(lay, dcn_data=s) for lay in group)
+                     for group in ladder.groups))
+        for ladder in _ladders(n // s, one, search, limits)
+    ]  # fmt: skip
 
 
 def _ladders(n: int, sizes: ModelSizes, search: SearchOptions, limits: AxisLimits) -> list[Ladder]:

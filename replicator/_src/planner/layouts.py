@@ -43,7 +43,9 @@ class Layout:
     """One way to run a training step on ``data * stage * expert * context * model`` devices.
 
     Attributes:
-      data: replicas: the batch is split over them.
+      data: replicas inside a slice: the batch is split over them.
+      dcn_data: slices joined over the data-centre network, each with ``data`` replicas (the
+        mesh's ``dcn_data`` axis); 1 for one slice. The other axes stay inside a slice.
       stage: pipeline stages; 1 for no pipeline.
       model: tensor-parallel devices: attention heads and MLP units split over them.
       context: devices that split every sequence (context parallelism); 1 for none.
@@ -73,6 +75,10 @@ class Layout:
     Layout(data=2 context=4 ring)
     >>> Layout(data=2, expert=4, zero_stage=1).mesh_shape
     {'data': 2, 'expert': 4}
+    >>> Layout(dcn_data=4, data=8, zero_stage=3)
+    Layout(dcn_data=4 data=8 zero=3)
+    >>> Layout(dcn_data=4, data=8).mesh_shape, Layout(dcn_data=4, data=8).num_devices
+    ({'dcn_data': 4, 'data': 8}, 32)
     """
 
     data: int = 1
@@ -87,9 +93,10 @@ class Layout:
     repeats: int = 1
     accumulate_steps: int = 1
     remat: bool | str = False
+    dcn_data: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("data", "stage", "model", "context", "expert", "microbatches", "repeats",
+        for name in ("data", "dcn_data", "stage", "model", "context", "expert", "microbatches", "repeats",
                      "accumulate_steps"):  # fmt: skip
             positive_int(getattr(self, name), api="Layout", name=name)
         self._check_token_axes()
@@ -142,13 +149,21 @@ class Layout:
     @property
     def num_devices(self) -> int:
         """The devices the layout spans: the product of its axes."""
-        return self.data * self.stage * self.expert * self.context * self.model
+        return self.dcn_data * self.data * self.stage * self.expert * self.context * self.model
+
+    @property
+    def replicas(self) -> int:
+        """The data replicas over all slices (``dcn_data x data``): the batch's split, and
+        ZeRO's."""
+        return self.dcn_data * self.data
 
     @property
     def mesh_shape(self) -> dict[str, int]:
-        """The mesh: ``data`` always, then ``stage``, ``expert``, ``context`` and ``model``
-        (the order `Replicator` lays them out in) when larger than 1."""
-        shape = {"data": self.data}
+        """The mesh: ``dcn_data`` when larger than 1, ``data`` always, then ``stage``,
+        ``expert``, ``context`` and ``model`` (the order `Replicator` lays them out in) when
+        larger than 1."""
+        shape = {"dcn_data": self.dcn_data} if self.dcn_data > 1 else {}
+        shape["data"] = self.data
         for axis in ("stage", "expert", "context", "model"):
             if getattr(self, axis) > 1:
                 shape[axis] = getattr(self, axis)
@@ -161,7 +176,8 @@ class Layout:
         return tuple(getattr(self, a) > 1 for a in ("stage", "model", "context", "expert"))
 
     def __str__(self) -> str:
-        parts = [f"data={self.data}"]
+        parts = [f"dcn_data={self.dcn_data}"] if self.dcn_data > 1 else []
+        parts.append(f"data={self.data}")
         if self.stage > 1:
             parts.append(f"stage={self.stage} {self.schedule}")
             if self.repeats > 1:

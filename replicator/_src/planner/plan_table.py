@@ -29,8 +29,10 @@ def renderable(r, top: int = 20, *, wide: bool = False):
             f"{hw.peak_flops / 1e12:.4g} TFLOP/s, ICI {hw.ici_bandwidth / 1e9:.4g} GB/s, DCN "
             f"{hw.dcn_bandwidth / 1e9:.4g} GB/s per device, {hw.island_size} devices per island"
         )
+    slices = max((c.layout.dcn_data for c in (*r.ranked, *r.rejected)), default=1)
+    over = f" ({slices} slices of {r.num_devices // slices})" if slices > 1 else ""
     head = Text(
-        f"plan for {r.num_devices} devices of {hw.name} ({what}), {budget} per device; "
+        f"plan for {r.num_devices} devices{over} of {hw.name} ({what}), {budget} per device; "
         f"collectives on data axes {r.overlap:.0%} hidden behind compute\n"
         f"{len(r.ranked) + len(r.rejected)} layouts: {r.compiled} compiled, {len(r.ranked)} "
         f"fit; {r.seconds:.1f} s with {r.workers or 'no'} worker process(es)"
@@ -39,6 +41,8 @@ def renderable(r, top: int = 20, *, wide: bool = False):
     title = Text("layouts that fit, fastest first (modelled ms per step)")
     ranked = Table()
     columns = list(WIDE_COLUMNS if wide else COLUMNS)
+    if not wide and any(c.time.dcn > 0 for c in r.ranked):  # slices: the network's share
+        columns.insert(columns.index("MFU"), "DCN")
     if r.priced and wide:
         columns += PRICED_COLUMNS
     for name in columns:
@@ -51,7 +55,8 @@ def renderable(r, top: int = 20, *, wide: bool = False):
         parts.append(Text(f"... and {len(r.ranked) - top} more that fit (to_json() has all)"))
     if not wide:
         more = ", priced peak and step" if r.priced else ""
-        parts.append(Text(f"compute, bubble, ICI, DCN{more}: table(wide=True) or --wide; every "
+        dcn = "" if "DCN" in columns else ", DCN"
+        parts.append(Text(f"compute, bubble, ICI{dcn}{more}: table(wide=True) or --wide; every "
                           f"figure: to_json() or --json"))  # fmt: skip
     shown = [c for c in r.rejected if c.outcome.status != search.SKIPPED][:top]
     if shown:

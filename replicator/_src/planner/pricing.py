@@ -143,7 +143,7 @@ def _per_device_params(layout: Layout, m: ModelShape) -> float:
 
 def _state_bytes(layout: Layout, m: ModelShape) -> float:
     params = _per_device_params(layout, m)
-    replicas = layout.data  # ZeRO splits over the data axis (not context's replicas)
+    replicas = layout.replicas  # ZeRO splits over the data axes (not context's replicas)
     held = params / replicas if layout.zero_stage == 3 else params
     slots = m.opt_slots * params / (replicas if layout.zero_stage >= 1 else 1)
     return 4 * (held + slots)
@@ -168,7 +168,7 @@ def _working_bytes(layout: Layout, m: ModelShape) -> float:
     activations = tokens * _kept(layout, m, layout.remat) * layers * in_flight
     if layout.stage > 1:  # every micro-batch's input to the stages and output of the last
         activations += (2 * layout.microbatches + 1) * tokens * m.d_model * e
-    grads = 4 * params / (layout.data if zero >= 2 else 1)
+    grads = 4 * params / (layout.replicas if zero >= 2 else 1)
     if zero == 2 or (layout.accumulate_steps > 1 and zero < 2):
         grads += 4 * params  # a micro-step's whole, before ZeRO-2 scatters it or it is summed
     outer_split, outer_whole = m.outer_params
@@ -177,7 +177,7 @@ def _working_bytes(layout: Layout, m: ModelShape) -> float:
     if e < 4:  # each layer's weights cast to the compute dtype (ZeRO-3: its own part), and
         # under ZeRO-3 without remat the gathered casts, kept for the backward (fp32 weights
         # are gathered again where they are used)
-        weights += e * block / (layout.data if zero == 3 else 1)
+        weights += e * block / (layout.replicas if zero == 3 else 1)
         if zero == 3 and layout.remat is False:
             weights += e * block
     outer_split = outer_split / t
@@ -222,7 +222,7 @@ def _kept(layout: Layout, m: ModelShape, remat) -> float:
 
 def _tokens(layout: Layout, m: ModelShape) -> float:
     """Tokens one device's layers see per step."""
-    return m.global_batch * m.seq_len / (layout.data * layout.context * layout.expert)
+    return m.global_batch * m.seq_len / (layout.replicas * layout.context * layout.expert)
 
 
 def _flops(layout: Layout, m: ModelShape) -> float:
@@ -295,7 +295,7 @@ def _roofline(layout: Layout, m: ModelShape, flops: float) -> tuple[tuple[float,
     beyond = _kept(layout, m, layout.remat) - _kept(layout, m, True)
     saved = 2 * layers * tokens * max(0.0, beyond)
     logits = 6 * 4 * tokens * m.vocab / t
-    updated = _per_device_params(layout, m) / (layout.data if layout.zero_stage >= 1 else 1)
+    updated = _per_device_params(layout, m) / (layout.replicas if layout.zero_stage >= 1 else 1)
     memory = units + saved + logits + UPDATE_BYTES * updated
     return ((flops - attention, 0.0), (attention, blocks), (0.0, memory))
 
@@ -316,22 +316,27 @@ def _ring(g: int) -> float:
 def _collectives(layout: Layout, m: ModelShape):
     params = _per_device_params(layout, m)
     grads = 4 * params
-    d = layout.data
+    d, r = layout.data, layout.replicas
     a = layout.accumulate_steps
-    if d > 1:
+    if r > 1:
         if layout.zero_stage == 0:
-            yield CollectiveCost("all-reduce", ("data",), 2 * _ring(d) * grads, 1)
+            yield from _over_replicas("all-reduce", layout, grads, 1)
         else:  # ZeRO-2 and 3 scatter each micro-step's gradients, ZeRO-1 the sum once
             scatters = a if layout.zero_stage >= 2 else 1
-            yield CollectiveCost("reduce-scatter", ("data",), scatters * _ring(d) * grads, scatters)
+            # ZeRO-3 gathers and scatters in its reduce dtype (bf16: half the fp32 bytes)
+            sharded = grads * (m.reduce_bytes / 4 if layout.zero_stage == 3 else 1)
+            yield from _over_replicas("reduce-scatter", layout, scatters * sharded, scatters)
             # ZeRO-3 gathers the parameters forward and backward each micro-step; 1 and 2
             # gather the updated ones once
             gathers = 2 * a if layout.zero_stage == 3 else 1
-            yield CollectiveCost("all-gather", ("data",), gathers * _ring(d) * grads, gathers)
+            yield from _over_replicas("all-gather", layout, gathers * sharded, gathers)
         tokens = _tokens(layout, m) / a  # a micro-step's
         if layout.zero_stage == 3 and tokens < m.vocab:  # each replica looks up in its columns
-            lookup = tokens * m.d_model / layout.model * m.compute_bytes  # forward and back
-            yield CollectiveCost("all-to-all", ("data",), 2 * a * _ring(d) * lookup, 2 * a)
+            lookup = 2 * a * tokens * m.d_model / layout.model * m.compute_bytes  # and back
+            if d > 1:  # to the other replicas of its slice, and of the other slices
+                yield CollectiveCost("all-to-all", ("data",), (d - 1) / r * lookup, 2 * a)
+            if r > d:
+                yield CollectiveCost("all-to-all", ("dcn_data",), (r - d) / r * lookup, 2 * a)
     table, summed, gathers = _token_table(layout, m)
     yield from gathers
     n = layout.expert
@@ -365,6 +370,24 @@ def _collectives(layout: Layout, m: ModelShape):
         yield CollectiveCost("all-reduce", ("stage",), 2 * _ring(k) * outer, 1)
 
 
+def _over_replicas(kind: str, layout: Layout, buffer: float, count: int):
+    """A gradient reduction or ZeRO gather of ``buffer`` bytes (all executions) over the
+    replicas, as XLA lays one out over slices: over ``data`` inside each slice on the whole
+    buffer, then over ``dcn_data`` across the slices on a slice replica's ``1 / data`` of it
+    (an all-reduce: a reduce-scatter inside, an all-reduce across, an all-gather inside).
+
+    >>> [(c.axes, c.wire_bytes) for c in _over_replicas("all-reduce", Layout(dcn_data=2,
+    ...                                                  data=4), 800.0, 1)]
+    [(('data',), 1200.0), (('dcn_data',), 200.0)]
+    """
+    twice = 2 if kind == "all-reduce" else 1
+    d, s = layout.data, layout.dcn_data
+    if d > 1:
+        yield CollectiveCost(kind, ("data",), twice * _ring(d) * buffer, count)
+    if s > 1:
+        yield CollectiveCost(kind, ("dcn_data",), twice * _ring(s) * buffer / d, count)
+
+
 def _token_table(layout: Layout, m: ModelShape):
     """The token table's gradient over the token axes (``context``, ``expert``), as
     `embedding.lookup` chooses: ``(table, summed, gathers)``, the bytes of its gradient in the
@@ -372,9 +395,9 @@ def _token_table(layout: Layout, m: ModelShape):
     its own tokens; where the cotangents are gathered instead, none but a tied head's), and the
     all-gathers of the cotangents, each micro-step's."""
     table = 4 * m.vocab * m.d_model / layout.model
-    part = m.vocab * m.d_model / (layout.data if layout.zero_stage == 3 else 1)
+    part = m.vocab * m.d_model / (layout.replicas if layout.zero_stage == 3 else 1)
     a, g = layout.accumulate_steps, layout.context * layout.expert
-    tokens = m.global_batch * m.seq_len / (layout.data * a)  # a data replica's micro-step's
+    tokens = m.global_batch * m.seq_len / (layout.replicas * a)  # a data replica's micro-step's
     cotangent = 4 if m.learned_positions else m.compute_bytes  # `gpt.embed` casts after adding
     if g == 1 or embedding.scatters_locally(
         part=part, tokens=tokens, width=m.d_model, cotangent_bytes=cotangent
