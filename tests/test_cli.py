@@ -207,16 +207,20 @@ def test_what_a_model_kind_needs_is_checked_when_the_config_loads(
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
-def test_reduce_dtype_without_zero3_is_refused_naming_the_fix(stage):
-    """``model.reduce_dtype`` is the dtype ZeRO-3 gathers and reduce-scatters in: under another
-    stage it would change nothing, so a bf16 one is refused rather than silently ignored."""
+def test_reduce_dtype_below_zero3_is_the_optimizers_grad_dtype(stage):
+    """``model.reduce_dtype`` below ZeRO-3 is the dtype the optimizer sends the gradients in
+    (`wrap_optimizer(grad_dtype=...)`), not the model's (which gathers nothing): the values are
+    tests/test_cli_gpt_layouts.py's."""
+    from replicator.cli.jobs import base, gpt_job
+
     path = ROOT / "configs/llama2_7b.yaml"
-    with pytest.raises(ValueError, match=rf"model\.reduce_dtype='bfloat16' .* with zero_stage="
-                       rf"{stage} the gradients are summed in fp32 .*Use zero_stage=3, or "
-                       r"model\.reduce_dtype=null\."):  # fmt: skip
-        config.load(path, [f"zero_stage={stage}"])
-    config.load(path, [f"zero_stage={stage}", "model.reduce_dtype=null"])
-    config.load(path, [f"zero_stage={stage}", "model.reduce_dtype=float32"])
+    cfg = config.load(path, [f"zero_stage={stage}"])
+    assert (base.grad_dtype(cfg), gpt_job.gpt_config(cfg).reduce_dtype) == ("bfloat16", None)
+    for off in ("null", "float32"):
+        cfg = config.load(path, [f"zero_stage={stage}", f"model.reduce_dtype={off}"])
+        assert base.grad_dtype(cfg) is None
+    cfg = config.load(path, ["zero_stage=3"])
+    assert (base.grad_dtype(cfg), gpt_job.gpt_config(cfg).reduce_dtype) == (None, "bfloat16")
 
 
 def test_the_config_families_are_the_gpt_and_the_hugging_face_families():

@@ -290,11 +290,11 @@ def test_plan_lists_context_layouts_for_a_long_sequence(tmp_path):
     assert written["mesh"].get("context", 1) == best["context"]
 
 
-def test_splash_configs_plan_no_model_axis_and_zero_below_3_without_reduce_dtype():
+def test_splash_configs_plan_no_model_axis_and_keep_the_reduce_dtype():
     """Llama 2 70B's config (splash attention, bf16 reduce_dtype under ZeRO-3): its layouts have
     no model or context axis, which the kernel refuses (a mixture's have expert axes), and those
-    of other ZeRO stages are written (and built) with reduce_dtype off, which the config would
-    refuse and which changes nothing."""
+    of every ZeRO stage are written (and built) with its reduce_dtype: below ZeRO-3 the
+    optimizer sums the gradients in it."""
     import argparse
 
     from replicator.cli import config as config_lib
@@ -323,8 +323,7 @@ def test_splash_configs_plan_no_model_axis_and_zero_below_3_without_reduce_dtype
     ):
         out = plan_cli.with_layout(raw, lay)
         config_lib.from_dict(config_lib.TrainConfig, out, where="plan")  # not refused
-        want = "bfloat16" if lay.zero_stage == 3 else None
-        assert out["model"]["reduce_dtype"] == want
+        assert out["model"]["reduce_dtype"] == "bfloat16"
 
 
 def test_a_recipes_own_remat_policy_by_name_is_planned_and_written_back():

@@ -590,9 +590,9 @@ def test_cli_explain_two_slices_adds_a_dcn_data_axis(tmp_path, capsys):
     assert data["dcn_seconds"] > 0
 
 
-@pytest.mark.slow  # two TPU programs of 2 x v5p-16, about 10 s each
-@pytest.mark.parametrize("zero", [0, 3])
-def test_the_bytes_across_slices_are_the_hierarchical_formulas(tmp_path, capsys, zero):
+@pytest.mark.slow  # three TPU programs of 2 x v5p-16, about 10 s each
+@pytest.mark.parametrize("zero, reduce", [(0, None), (3, None), (0, "bfloat16")])
+def test_the_bytes_across_slices_are_the_hierarchical_formulas(tmp_path, capsys, zero, reduce):
     """`configs/lm_dp.yaml` at width 512 (12.9M parameters) on 2 x v5p-16 (``dcn_data=2
     data=8``). XLA reduces inside each slice, across the slices on a chip's ``1 / data`` of
     the buffer, then gathers inside; so a chip sends across slices, a step, with ``G`` the
@@ -600,7 +600,8 @@ def test_the_bytes_across_slices_are_the_hierarchical_formulas(tmp_path, capsys,
 
     - ZeRO-0: the all-reduce, ``2 (S-1)/S x G / data``;
     - ZeRO-3 over both slices: the gathers forward and backward, ``2 x (S-1)/S x G / data``,
-      and the scatter, ``(S-1)/S x G / data``.
+      and the scatter, ``(S-1)/S x G / data``;
+    - ZeRO-0 with ``model.reduce_dtype: bfloat16``: the all-reduce in bf16, half of fp32's.
 
     Read from the program within 2% (the small leaves cross padded to the TPU's tiles; the
     token table's columns are looked up by an all-to-all, not gathered)."""
@@ -608,6 +609,7 @@ def test_the_bytes_across_slices_are_the_hierarchical_formulas(tmp_path, capsys,
     from replicator.models import sizes
 
     overrides = ["model.d_model=512", "model.heads=8", f"zero_stage={zero}"]
+    overrides += [f"model.reduce_dtype={reduce}"] if reduce else []
     out = tmp_path / "lm_dp.json"
     argv = ["explain", str(ROOT / "configs/lm_dp.yaml"), *overrides, "--target", "v5p-16",
             "--slices", "2", "--quick", "--json", str(out)]  # fmt: skip
@@ -616,10 +618,11 @@ def test_the_bytes_across_slices_are_the_hierarchical_formulas(tmp_path, capsys,
     assert data["mesh"] == {"dcn_data": 2, "data": 8}
     across = collections.Counter()
     for c in data["collective_summary"]:
-        if c["axes"] == ["dcn_data"] and c["dtype"] == "f32":
+        if c["axes"] == ["dcn_data"] and c["dtype"] == ("bf16" if reduce else "f32"):
             across[c["kind"]] += c["wire_bytes"]
     cfg = config_lib.load(str(ROOT / "configs/lm_dp.yaml"), overrides)
-    grads = 4 * sizes.model_shape(jobs_lib.gpt_config(cfg), cfg.global_batch).num_params
+    params = sizes.model_shape(jobs_lib.gpt_config(cfg), cfg.global_batch).num_params
+    grads = (2 if reduce else 4) * params
     s, d = 2, 8
     if zero == 0:
         assert set(across) == {"all-reduce"}

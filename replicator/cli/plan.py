@@ -22,6 +22,7 @@ import re
 import yaml
 
 import replicator as rp
+from replicator._src.report.step_report import format_bytes
 from replicator.cli import config as config_lib
 from replicator.cli import jobs, targets
 from replicator.cli.config import MAX_CPU_DEVICES, TrainConfig
@@ -164,6 +165,11 @@ def pricing_options(cfg: TrainConfig, args: argparse.Namespace):
         slots = {"adam": 2, "adamw": 2, "lion": 1, "sgd": 0, "adafactor": 0}
         opt_slots = slots.get(cfg.optimizer.name, 2)
         shape = gpt.model_shape(jobs.gpt_config(cfg), cfg.global_batch, opt_slots)
+        if cfg.model.reduce_dtype is not None:  # every ZeRO stage sums the gradients in it
+            import jax.numpy as jnp
+
+            reduce_bytes = jnp.dtype(cfg.model.reduce_dtype).itemsize
+            shape = dataclasses.replace(shape, reduce_bytes=reduce_bytes)
     if shape is None and top is None:
         return None
     if shape is None:
@@ -458,8 +464,6 @@ def with_layout(raw: dict, layout: rp.planner.Layout) -> dict:
 
             remat = actions_of(remat)
         out["model"] = {**raw["model"], "remat": remat}
-        if layout.zero_stage != 3 and out["model"].get("reduce_dtype") is not None:
-            out["model"]["reduce_dtype"] = None  # ZeRO-3 gathers in it; the others sum in fp32
         if layout.context > 1 and ("attention" in raw["model"] or layout.attention != "ring"):
             out["model"]["attention"] = layout.attention
     return out
@@ -491,10 +495,3 @@ def write_config(raw: dict, path: str, report) -> None:
         f.write(header)
         yaml.safe_dump(raw, f, sort_keys=False)
 
-
-def format_bytes(n: float) -> str:
-    """``1536`` -> ``"1.50 KiB"``."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"

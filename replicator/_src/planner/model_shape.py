@@ -39,9 +39,9 @@ class ModelShape:
         (`GPTConfig.moe_chunks`).
       residual_split: each block's input split over ``model`` by its width
         (`GPTConfig.residual_split`).
-      reduce_bytes: bytes an element of ZeRO-3's gathers of the parameters and scatters of
-        their gradients (`GPTConfig.reduce_dtype`: 2 for bf16; 4, the fp32 parameters', by
-        default).
+      reduce_bytes: bytes an element of the gradients' sums over the replicas, and of ZeRO-3's
+        gathers of the parameters (``model.reduce_dtype``: 2 for bf16; 4, the fp32
+        parameters', by default).
     """
 
     num_layers: int

@@ -38,9 +38,9 @@ import functools
 from replicator._src.planner import remats, search
 from replicator._src.planner.layouts import VIRTUAL, Layout, schedule_of
 from replicator._src.planner.model_shape import TILE, ModelShape
+from replicator._src.planner.wire import collectives, device_params, device_tokens
 from replicator._src.report.cost_model import SKIPS_IDLE, CollectiveCost, CompiledStep, model_time
 from replicator._src.report.step_report import format_bytes
-from replicator._src.sharded import embedding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,26 +123,14 @@ def price(layout: Layout, shape: ModelShape) -> Price:
     [('all-gather', ('data',)), ('reduce-scatter', ('data',))]
     """
     state, flops = _state_bytes(layout, shape), _flops(layout, shape)
-    host = remats.host_memory(layout, shape, _tokens(layout, shape))
-    return Price(layout, state, flops, tuple(_collectives(layout, shape)),
+    host = remats.host_memory(layout, shape, device_tokens(layout, shape))
+    return Price(layout, state, flops, tuple(collectives(layout, shape)),
                  state + _working_bytes(layout, shape), _roofline(layout, shape, flops),
                  2 * host, host)  # fmt: skip
 
 
-def _per_device_params(layout: Layout, m: ModelShape) -> float:
-    """Parameters one device holds before ZeRO: its stage's layers, its ``model`` columns, its
-    ``expert`` axis's experts (a mixture's layers: a router for the dense MLP)."""
-    split, whole = m.block_params
-    outer_split, outer_whole = m.outer_params
-    layers = m.num_layers / layout.stage
-    moe = m.moe_layers * (m.d_model * m.experts - sum(m.mlp_params) / layout.model)
-    experts = m.expert_params / (layout.model * layout.expert)
-    dense = layers * (split / layout.model + whole)
-    return dense + moe + experts + outer_split / layout.model + outer_whole
-
-
 def _state_bytes(layout: Layout, m: ModelShape) -> float:
-    params = _per_device_params(layout, m)
+    params = device_params(layout, m)
     replicas = layout.replicas  # ZeRO splits over the data axes (not context's replicas)
     held = params / replicas if layout.zero_stage == 3 else params
     slots = m.opt_slots * params / (replicas if layout.zero_stage >= 1 else 1)
@@ -153,10 +141,10 @@ def _working_bytes(layout: Layout, m: ModelShape) -> float:
     """What the step holds beside its state (bytes per device): the gradients, the activations
     the layers keep for their backward pass, the weights in the compute dtype, and the larger
     of the head's backward (the logits) and a layer's (what it computes again)."""
-    params = _per_device_params(layout, m)
+    params = device_params(layout, m)
     zero, t, e = layout.zero_stage, layout.model, m.compute_bytes
     micro = layout.microbatches if layout.stage > 1 else layout.accumulate_steps
-    tokens = _tokens(layout, m) / micro  # a micro-batch's, on this device
+    tokens = device_tokens(layout, m) / micro  # a micro-batch's, on this device
     layers = m.num_layers / layout.stage
     in_flight = 1
     if layout.stage > 1:
@@ -220,13 +208,8 @@ def _kept(layout: Layout, m: ModelShape, remat) -> float:
     return kept + 4 * heads
 
 
-def _tokens(layout: Layout, m: ModelShape) -> float:
-    """Tokens one device's layers see per step."""
-    return m.global_batch * m.seq_len / (layout.replicas * layout.context * layout.expert)
-
-
 def _flops(layout: Layout, m: ModelShape) -> float:
-    tokens = _tokens(layout, m)
+    tokens = device_tokens(layout, m)
     layers = m.num_layers / layout.stage
     d = m.d_model
     attention_width = m.num_heads * m.head_dim / layout.model
@@ -277,7 +260,7 @@ def _roofline(layout: Layout, m: ModelShape, flops: float) -> tuple[tuple[float,
     a compiled program's: the matmuls (at the chip's peak), attention (the blockwise kernel's
     tiles read and written; splash and one-block attention at the peak), and what is only
     memory: the layers' element-wise work, the logits, the optimizer's update."""
-    tokens, t = _tokens(layout, m), layout.model
+    tokens, t = device_tokens(layout, m), layout.model
     layers = m.num_layers / layout.stage * _computed_ticks(layout)
     again = layout.remat is True or remats.is_named(layout.remat)  # attention's kernel again
     passes = 4 if again else 3  # forward, twice that backward, remat's again
@@ -295,7 +278,7 @@ def _roofline(layout: Layout, m: ModelShape, flops: float) -> tuple[tuple[float,
     beyond = _kept(layout, m, layout.remat) - _kept(layout, m, True)
     saved = 2 * layers * tokens * max(0.0, beyond)
     logits = 6 * 4 * tokens * m.vocab / t
-    updated = _per_device_params(layout, m) / (layout.replicas if layout.zero_stage >= 1 else 1)
+    updated = device_params(layout, m) / (layout.replicas if layout.zero_stage >= 1 else 1)
     memory = units + saved + logits + UPDATE_BYTES * updated
     return ((flops - attention, 0.0), (attention, blocks), (0.0, memory))
 
@@ -309,135 +292,12 @@ def _computed_ticks(layout: Layout) -> float:
     return (m * v + k - 1) / (m * v)
 
 
-def _ring(g: int) -> float:
-    return (g - 1) / g
-
-
-def _collectives(layout: Layout, m: ModelShape):
-    params = _per_device_params(layout, m)
-    grads = 4 * params
-    d, r = layout.data, layout.replicas
-    a = layout.accumulate_steps
-    if r > 1:
-        if layout.zero_stage == 0:
-            yield from _over_replicas("all-reduce", layout, grads, 1)
-        else:  # ZeRO-2 and 3 scatter each micro-step's gradients, ZeRO-1 the sum once
-            scatters = a if layout.zero_stage >= 2 else 1
-            # ZeRO-3 gathers and scatters in its reduce dtype (bf16: half the fp32 bytes)
-            sharded = grads * (m.reduce_bytes / 4 if layout.zero_stage == 3 else 1)
-            yield from _over_replicas("reduce-scatter", layout, scatters * sharded, scatters)
-            # ZeRO-3 gathers the parameters forward and backward each micro-step; 1 and 2
-            # gather the updated ones once
-            gathers = 2 * a if layout.zero_stage == 3 else 1
-            yield from _over_replicas("all-gather", layout, gathers * sharded, gathers)
-        tokens = _tokens(layout, m) / a  # a micro-step's
-        if layout.zero_stage == 3 and tokens < m.vocab:  # each replica looks up in its columns
-            lookup = 2 * a * tokens * m.d_model / layout.model * m.compute_bytes  # and back
-            if d > 1:  # to the other replicas of its slice, and of the other slices
-                yield CollectiveCost("all-to-all", ("data",), (d - 1) / r * lookup, 2 * a)
-            if r > d:
-                yield CollectiveCost("all-to-all", ("dcn_data",), (r - d) / r * lookup, 2 * a)
-    table, summed, gathers = _token_table(layout, m)
-    yield from gathers
-    n = layout.expert
-    if n > 1:  # each mixture sends its experts' rows to their devices and back, forward and
-        # backward (and forward again under full remat); the tokens' replicas sum the rest
-        count = (6 if layout.remat else 4) * m.moe_layers  # dots: the experts' rows again
-        buffer = _tokens(layout, m) * m.expert_rows * m.d_model * m.compute_bytes
-        yield CollectiveCost("all-to-all", ("expert",), count * _ring(n) * buffer, count)
-        shared = 4 * (params - m.expert_params / (layout.model * n)) - table + summed
-        yield CollectiveCost("all-reduce", ("expert",), 2 * _ring(n) * shared, 1)
-    c = layout.context
-    if c > 1:  # the gradients summed over the context's replicas too
-        yield CollectiveCost("all-reduce", ("context",), 2 * _ring(c) * (grads - table + summed), 1)
-        yield from _context(layout, m)
-    t = layout.model
-    micro = layout.microbatches if layout.stage > 1 else 1
-    activation = _tokens(layout, m) / micro * m.d_model * m.compute_bytes  # a micro-batch's
-    if t > 1:  # Megatron: two all-reduces of the activations forward and two backward a layer,
-        # and the vocabulary-parallel embedding's forward and the head's input gradient (an
-        # MLP's of each of its rows: a mixture's of each expert's slots)
-        layers = m.num_layers / layout.stage
-        count = (4 * layers + 2) * micro
-        rows = (2 * layers * (1 + m.mlp_rows) + 2) * micro
-        yield CollectiveCost("all-reduce", ("model",), rows * activation * 2 * _ring(t), count)
-    k = layout.stage
-    if k > 1:  # each tick sends a micro-batch's activations forward and a gradient back
-        ticks = 2 * _ticks(layout.schedule, k, layout.microbatches, layout.repeats)
-        yield CollectiveCost("collective-permute", ("stage",), ticks * activation / t, ticks)
-        # the embedding's and head's gradients summed over the stages that hold them
-        outer = 4 * sum(m.outer_params) / t
-        yield CollectiveCost("all-reduce", ("stage",), 2 * _ring(k) * outer, 1)
-
-
-def _over_replicas(kind: str, layout: Layout, buffer: float, count: int):
-    """A gradient reduction or ZeRO gather of ``buffer`` bytes (all executions) over the
-    replicas, as XLA lays one out over slices: over ``data`` inside each slice on the whole
-    buffer, then over ``dcn_data`` across the slices on a slice replica's ``1 / data`` of it
-    (an all-reduce: a reduce-scatter inside, an all-reduce across, an all-gather inside).
-
-    >>> [(c.axes, c.wire_bytes) for c in _over_replicas("all-reduce", Layout(dcn_data=2,
-    ...                                                  data=4), 800.0, 1)]
-    [(('data',), 1200.0), (('dcn_data',), 200.0)]
-    """
-    twice = 2 if kind == "all-reduce" else 1
-    d, s = layout.data, layout.dcn_data
-    if d > 1:
-        yield CollectiveCost(kind, ("data",), twice * _ring(d) * buffer, count)
-    if s > 1:
-        yield CollectiveCost(kind, ("dcn_data",), twice * _ring(s) * buffer / d, count)
-
-
-def _token_table(layout: Layout, m: ModelShape):
-    """The token table's gradient over the token axes (``context``, ``expert``), as
-    `embedding.lookup` chooses: ``(table, summed, gathers)``, the bytes of its gradient in the
-    parameters' and in their sums over the token axes (its part, where each device scatters
-    its own tokens; where the cotangents are gathered instead, none but a tied head's), and the
-    all-gathers of the cotangents, each micro-step's."""
-    table = 4 * m.vocab * m.d_model / layout.model
-    part = m.vocab * m.d_model / (layout.replicas if layout.zero_stage == 3 else 1)
-    a, g = layout.accumulate_steps, layout.context * layout.expert
-    tokens = m.global_batch * m.seq_len / (layout.replicas * a)  # a data replica's micro-step's
-    cotangent = 4 if m.learned_positions else m.compute_bytes  # `gpt.embed` casts after adding
-    if g == 1 or embedding.scatters_locally(
-        part=part, tokens=tokens, width=m.d_model, cotangent_bytes=cotangent
-    ):
-        return table, 4 * part / layout.model, ()
-    axes = tuple(name for name in ("expert", "context") if getattr(layout, name) > 1)
-    wire = a * _ring(g) * tokens * m.d_model * cotangent
-    return table, table if m.tied else 0.0, (CollectiveCost("all-gather", axes, wire, a),)
-
-
-def _context(layout: Layout, m: ModelShape):
-    """Attention across ``context``: the ring passes K/V blocks, ``2 (C-1)`` a layer forward
-    and ``2 (C-1) + 2 C`` backward (the ring again, and dK, dV home); Ulysses' all-to-alls
-    turn four projections' activations, forward and backward (`replicator.attention`)."""
-    c, t = layout.context, layout.model
-    tokens = _tokens(layout, m)  # over the step's micro-batches
-    layers = m.num_layers / layout.stage
-    if layout.attention == "ring":
-        block = tokens * m.kv_heads * m.head_dim / t * m.compute_bytes
-        blocks = (6 * c - 4) * layers
-        yield CollectiveCost("collective-permute", ("context",), blocks * block, blocks)
-    else:
-        activation = tokens * m.d_model / t * m.compute_bytes
-        count = 8 * layers
-        yield CollectiveCost("all-to-all", ("context",), count * _ring(c) * activation, count)
-
-
 @functools.cache
 def _in_flight(schedule: str, stages: int, microbatches: int, repeats: int) -> int:
     """The micro-batches whose residuals a stage keeps at once: its table's ring buffer (one a
     virtual stage), or every tick's (GPipe's and circular's scans keep them all)."""
     plan = schedule_of(schedule, repeats).timetable(stages, microbatches)
     return plan.stash_slots or int(plan.fwd.shape[0])
-
-
-@functools.cache
-def _ticks(schedule: str, stages: int, microbatches: int, repeats: int) -> int:
-    """The ticks of a schedule's table (GPipe's and circular's backward replays them)."""
-    plan = schedule_of(schedule, repeats).timetable(stages, microbatches)
-    return int(plan.fwd.shape[0])
 
 
 # The lowest a compiled program's peak has been against its priced one (`Price.peak_bytes`):

@@ -64,9 +64,11 @@ class ModelConfig:
     vocab_parallel: bool = True
     # gpt: the blocks as one lax.scan (compiled once); false unrolls them, a copy per layer
     scan_layers: bool = True
-    # gpt, zero_stage 3: the dtype the stored parameters are gathered in and their gradients
-    # reduce-scattered in: null their own (fp32, summed as one device sums them), or bfloat16
-    # (as MaxText's FSDP: half the bytes, each gradient rounded to bf16 once more)
+    # gpt: the dtype the gradients are summed over the replicas in: null their own (fp32, summed
+    # as one device sums them), or bfloat16 (half the bytes on the wire, across slices too;
+    # each gradient rounded to bf16 once more). zero_stage 3 (gpt): the stored parameters are
+    # gathered in it too, as MaxText's FSDP; 0-2: the all-reduce or reduce-scatter of the
+    # gradients is sent in it (Horovod's compression), the update gathered in fp32
     reduce_dtype: str | None = None
     # gpt, a `model` axis: each block's input (the residual stream, and what remat keeps or
     # offloads of it) split over `model` by its width (MaxText's activation_embed on its tensor

@@ -117,13 +117,6 @@ def check_model_fits_the_job(
             f"(its BatchNorm takes statistics over the whole batch); got zero_stage="
             f"{zero_stage}, accumulate_steps={accumulate_steps}."
         )
-    if model.reduce_dtype not in (None, "float32") and zero_stage != 3:
-        raise ValueError(
-            f"{where}model.reduce_dtype={model.reduce_dtype!r} is the dtype ZeRO-3 "
-            f"gathers the parameters and sums their gradients in; with zero_stage="
-            f"{zero_stage} the gradients are summed in fp32 and it would change "
-            f"nothing. Use zero_stage=3, or model.reduce_dtype=null."
-        )
     scatter = pipeline.scatter_grads if pipeline else "microbatch"
     if scatter != "microbatch" and (zero_stage != 3 or "stage" not in mesh):
         why = [f"zero_stage={zero_stage}"] * (zero_stage != 3)

@@ -33,6 +33,14 @@ def sliced(make: Callable[[int], Iterator[dict]], ctx, global_batch: int) -> Ite
         yield {k: v[lo : lo + per] for k, v in batch.items()}
 
 
+def grad_dtype(config) -> str | None:
+    """The dtype `wrap_optimizer` sends the gradients in: ``model.reduce_dtype`` below ZeRO-3
+    (ZeRO-3's gathers and scatters are the model's own: `gpt.GPTConfig.reduce_dtype`); None,
+    their own, for fp32 or unset."""
+    dtype = getattr(config.model, "reduce_dtype", None)
+    return None if config.zero_stage == 3 or dtype in (None, "float32") else dtype
+
+
 def first_of(input_fn: Callable) -> dict:
     """``input_fn``'s first global batch (one input pipeline)."""
     batches = input_fn(rp.InputContext())

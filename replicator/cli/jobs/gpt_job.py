@@ -14,7 +14,7 @@ import optax
 
 import replicator as rp
 from replicator.cli.config import ModelConfig, TrainConfig
-from replicator.cli.jobs.base import Job, sliced
+from replicator.cli.jobs.base import Job, grad_dtype, sliced
 from replicator.models import gpt, hf, llama
 from replicator.models.families import FAMILIES
 
@@ -68,7 +68,8 @@ def gpt_config(config: TrainConfig) -> gpt.GPTConfig:
         attention=m.attention,
         zigzag=m.zigzag,
         scan_layers=m.scan_layers,
-        reduce_dtype=m.reduce_dtype,
+        # ZeRO-3's gathers and scatters (below it, the optimizer's: `base.grad_dtype`)
+        reduce_dtype=m.reduce_dtype if config.zero_stage == 3 else None,
         residual_split=m.residual_split,
         loss_chunks=m.loss_chunks,
         moe_chunks=m.moe_chunks,
@@ -146,6 +147,7 @@ def _unpipelined(config: TrainConfig, repl, make_tx, model: gpt.GPTConfig, init_
         zero_stage=config.zero_stage,
         accumulate_steps=config.accumulate_steps,
         clip_global_norm=config.clip_global_norm,
+        grad_dtype=grad_dtype(config),
     )
     loss_fn = lambda p, b: gpt.loss(p, b["tokens"], b["targets"], config=model)
 
@@ -193,6 +195,7 @@ def _pipelined(config: TrainConfig, repl, make_tx, model: gpt.GPTConfig, init_pa
         make_tx(jax.eval_shape(staged)),
         zero_stage=config.zero_stage,
         clip_global_norm=config.clip_global_norm,
+        grad_dtype=grad_dtype(config),
     )
 
     def pipeline_step_fn(state, batch):
