@@ -480,6 +480,28 @@ def long_context(path=BENCHMARKS_MD) -> Figure:
     return fig
 
 
+def many_slices(path=BENCHMARKS_MD) -> Figure:
+    """Many slices (``benchmarks/slices.py``): each run's MFU and its time on the data-centre
+    network a step, against the slices it spans (weak scaling: the same sequences a chip)."""
+    runs = _groups(_rows("Many slices", "slices", path), "run")
+    fig, (left, right) = _figure("Many slices: TPU programs compiled here (benchmarks/slices.py)",
+                                 2, 11, 4.4)  # fmt: skip
+    for k, (run, rows) in enumerate(runs.items()):
+        slices = _column(rows, "slices")
+        label = f"{run} on {rows[0]['target']}"
+        left.plot(slices, _column(rows, "MFU"), "o-", color=f"C{k}", label=label)
+        right.plot(slices, _column(rows, "DCN"), "o-", color=f"C{k}", label=label)
+    left.set(title="MFU (the step's roofline)", ylabel="MFU (%)")
+    right.set(title="DCN a step, before overlap", ylabel="ms a step on the data-centre network")
+    every = sorted({s for rows in runs.values() for s in _column(rows, "slices")})
+    for ax in (left, right):
+        _log2(ax, "x", every)
+        ax.set_xlabel("slices (log scale)")
+        _headroom(ax, 1.3)
+        ax.legend(loc="upper left", fontsize="small")
+    return fig
+
+
 FIGURES = {
     "dp_overhead": dp_overhead,
     "pipeline_schedules": pipeline_schedules,
@@ -487,6 +509,7 @@ FIGURES = {
     "explain_timing": explain_timing,
     "tensor_parallel": tensor_parallel,
     "long_context": long_context,
+    "many_slices": many_slices,
 }
 
 

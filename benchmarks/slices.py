@@ -36,7 +36,7 @@ CURVES = {
                                target="v5p-512", batch=1024, slices=(1, 2, 4, 8)),
     "llama3.1_70b_v6e-256": dict(title="Llama 3.1 70B, seq 8192",
                                  config="configs/published/llama3.1_70b_v6e-256.yaml",
-                                 target="v6e-256", batch=512, slices=(1, 2, 4)),
+                                 target="v6e-256", batch=1280, slices=(1, 2, 4)),
 }  # fmt: skip
 
 
@@ -74,30 +74,31 @@ def explain(curve: dict, slices: int) -> dict:
     return {
         "chips": data["num_devices"], "fits": data["fits"], "peak_bytes": data["peak_bytes"],
         "step_seconds": data["step_seconds"], "dcn_seconds": data["dcn_seconds"],
-        "ici_seconds": data.get("ici_seconds"), "mfu": data["mfu"], "dcn_bytes": across,
+        "ici_seconds": data.get("ici_seconds"), "compute_seconds": data.get("compute_seconds"),
+        "hidden_seconds": data.get("hidden_seconds"), "mfu": data["mfu"], "dcn_bytes": across,
         "hardware": data.get("hardware"), "seconds": seconds,
     }  # fmt: skip
 
 
 def table(results: dict) -> str:
     lines = [
-        "| run | slices (chips) | global batch | fits: peak a chip | step | DCN | across slices "
-        "a chip a step | MFU |",
-        "|---|---|---|---|---|---|---|---|",
+        "| run | target | slices | chips | global batch | fits | peak a chip | step | DCN | "
+        "across slices, a chip a step | MFU |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, points in results.get("curves", {}).items():
         curve = CURVES[name]
         for s, p in sorted(points.items(), key=lambda kv: int(kv[0])):
             if "error" in p:
-                lines.append(f"| {curve['title']} | {s} x {curve['target']} | "
-                             f"{curve['batch'] * int(s)} | error: {p['error'][-100:]} | | | | |")  # fmt: skip
+                lines.append(f"| {curve['title']} | {curve['target']} | {s} | | "
+                             f"{curve['batch'] * int(s)} | error: {p['error'][-100:]} | | | | | |")  # fmt: skip
                 continue
             gib = p["peak_bytes"] / 2**30
             across = ", ".join(f"{k} {v / 2**30:.3g} GiB" for k, v in sorted(p["dcn_bytes"].items())
                                if v >= 2**20) or "-"  # fmt: skip
             lines.append(
-                f"| {curve['title']} | {s} x {curve['target']} ({p['chips']:,}) | "
-                f"{curve['batch'] * int(s):,} | {'yes' if p['fits'] else 'no'}: {gib:.2f} GiB | "
+                f"| {curve['title']} | {curve['target']} | {s} | {p['chips']:,} | "
+                f"{curve['batch'] * int(s):,} | {'yes' if p['fits'] else 'no'} | {gib:.2f} GiB | "
                 f"{p['step_seconds'] * 1e3:,.0f} ms | {p['dcn_seconds'] * 1e3:,.0f} ms | "
                 f"{across} | {p['mfu']:.1%} |"
             )

@@ -30,6 +30,7 @@ SECTIONS = [
     ("Explain timing", "Explain timing"),
     ("Tensor parallelism", "Tensor parallelism"),
     ("Long context", "Long context"),
+    ("Many slices", "Many slices"),
 ]
 
 
@@ -202,6 +203,7 @@ def test_figures_are_named_and_ordered():
         "explain_timing",
         "tensor_parallel",
         "long_context",
+        "many_slices",
     ]
 
 
@@ -219,6 +221,7 @@ def figures():
         ("explain_timing", "explain.py"),
         ("tensor_parallel", "tensor.py"),
         ("long_context", "context.py"),
+        ("many_slices", "slices.py"),
     ],
 )
 def test_each_figure_names_its_script_and_labels_its_axes(figures, name, script):
@@ -332,6 +335,20 @@ def test_long_context_plots_the_table(figures):
             assert close([y * 2**20 for y in ys], [sent[i] for i in mine])
             _, ideal = line(right, f"_formula: {attention} {way}")
             assert close([y * 2**20 for y in ideal], [formula[i] for i in mine])
+
+
+def test_many_slices_plots_the_table(figures):
+    heading = "Many slices"
+    left, right = figures["many_slices"].axes
+    within = "slices"
+    runs, targets = raw_column(heading, "run", within=within), raw_column(heading, "target")
+    slices, mfu, dcn = (values(heading, c, within=within) for c in ("slices", "MFU", "DCN"))
+    assert len(set(runs)) == 2 and max(slices) == 8
+    for run in dict.fromkeys(runs):
+        mine = [i for i, r in enumerate(runs) if r == run]
+        label = f"{run} on {targets[mine[0]]}"
+        assert line(left, label) == ([slices[i] for i in mine], [mfu[i] for i in mine])
+        assert line(right, label) == ([slices[i] for i in mine], [dcn[i] for i in mine])
 
 
 def test_main_writes_the_pngs(tmp_path, monkeypatch, capsys):

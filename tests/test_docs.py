@@ -95,7 +95,7 @@ def test_site_builds_without_warnings(site):
     assert re.search(r'<img [^>]*src="[^"]*\.png"', notebook)  # the loss curve
     benchmarks = (site / "benchmarks.html").read_text()  # figures drawn while building
     figures = re.findall(r'<img [^>]*src="(_images/[^"]*\.png)"', benchmarks)
-    assert len(figures) == 6, figures
+    assert len(figures) == 7, figures
     assert all((site / figure).stat().st_size > 20_000 for figure in figures)
 
 
