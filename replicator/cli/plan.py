@@ -494,4 +494,3 @@ def write_config(raw: dict, path: str, report) -> None:
     with open(path, "w") as f:
         f.write(header)
         yaml.safe_dump(raw, f, sort_keys=False)
-
