@@ -631,6 +631,8 @@ def test_the_bytes_across_slices_are_the_hierarchical_formulas(tmp_path, capsys,
         assert across["all-gather"] == pytest.approx(2 * (s - 1) / s * grads / d, rel=0.02)
         assert across["reduce-scatter"] == pytest.approx((s - 1) / s * grads / d, rel=0.02)
     assert data["dcn_seconds"] > 0
+    every = [c["wire_bytes"] for c in data["collective_summary"] if "dcn_data" in c["axes"]]
+    assert sum(data["dcn_bytes"].values()) == pytest.approx(sum(every))  # the report's line
 
 
 def _refused(capsys, *args, tries: bool = False) -> str:

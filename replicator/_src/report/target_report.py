@@ -65,6 +65,9 @@ class TargetReport:
       step_seconds_how: what ``step_seconds`` is: the roofline, or the roofline with the chip
         profile's constants fitted to measured runs (``Hardware.matmul_efficiency``,
         ``kernel_efficiency``, ``overlap``; ``fitted_on`` names the runs).
+      dcn_bytes: bytes a chip sends across slices a step (the collectives over ``dcn_data``,
+        on the wire), by collective kind.
+      dcn_bandwidth: the chip's bytes per second across slices (``Hardware.dcn_bandwidth``).
     """
 
     target: str
@@ -91,6 +94,8 @@ class TargetReport:
     host_transfer_bytes: float = 0.0
     host_seconds: float = 0.0
     step_seconds_how: str = "the roofline"
+    dcn_bytes: dict = dataclasses.field(default_factory=dict)
+    dcn_bandwidth: float = 0.0
 
 
 def _step_how(hw) -> str:
@@ -142,6 +147,10 @@ def target_report(report, target: targets.Target, *, optimal_seconds: float | No
             f"FLOPs, {report.kernel_flops / hw.peak_flops * 1e3:.4g} ms at peak)"
         )
     peak = report.memory.peak
+    across: dict[str, float] = {}
+    for c in step.collectives:
+        if cost_model.crosses_dcn(c.axes, step.mesh, hw.island_size):
+            across[c.kind] = across.get(c.kind, 0.0) + c.wire_bytes
     host_fits = hw.host_memory_bytes is None or report.memory.host <= hw.host_memory_bytes
 
     def mfu(seconds):
@@ -158,7 +167,8 @@ def target_report(report, target: targets.Target, *, optimal_seconds: float | No
         xla_seconds=xla, xla_seconds_how=how, model_flops=model_flops,
         mfu=mfu(time.total), xla_mfu=mfu(xla), hardware=hw.name,
         host_memory_bytes=report.memory.host, host_transfer_bytes=report.host_bytes,
-        host_seconds=time.host, step_seconds_how=_step_how(hw),
+        host_seconds=time.host, step_seconds_how=_step_how(hw), dcn_bytes=across,
+        dcn_bandwidth=hw.dcn_bandwidth,
     )  # fmt: skip
 
 
@@ -186,6 +196,15 @@ def lines(t: TargetReport, format_bytes) -> list[str]:
         f" ms, ICI {t.ici_seconds * 1e3:.3g} ms, DCN {t.dcn_seconds * 1e3:.3g} ms, of which "
         f"{t.hidden_seconds * 1e3:.3g} ms overlaps compute){mfu}"
     )
+    if t.dcn_bytes:
+        kinds = ", ".join(f"{kind} {format_bytes(b)}" for kind, b in sorted(t.dcn_bytes.items()))
+        out.append(
+            f"across slices: {format_bytes(sum(t.dcn_bytes.values()))} a chip a step ({kinds}), "
+            f"{t.dcn_seconds * 1e3:.4g} ms at {t.dcn_bandwidth / 1e9:.4g} GB/s a chip: the part "
+            f"across slices of each collective over the replicas, which XLA splits in two "
+            f"(inside each slice on the whole buffer, then across on a chip's 1 / data of it); "
+            f"the replicas' reductions and gathers overlap compute with the ICI's"
+        )
     if t.host_memory_bytes or t.host_transfer_bytes:
         out.append(
             f"host memory {format_bytes(t.host_memory_bytes)} per chip (offloaded, not in the peak); "
