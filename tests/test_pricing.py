@@ -30,6 +30,9 @@ LAYOUTS = [
     rp.planner.Layout(data=4, model=2, zero_stage=2, accumulate_steps=4),
     rp.planner.Layout(data=2, context=4, zero_stage=3),  # ring attention
     rp.planner.Layout(data=4, context=2, attention="all_to_all"),
+    # ZeRO-3 in a pipeline: each micro-batch's tick gathers its stage's layers again
+    rp.planner.Layout(data=2, stage=4, schedule="1f1b", microbatches=8, zero_stage=3),
+    rp.planner.Layout(data=4, stage=2, schedule="gpipe", microbatches=4, zero_stage=3),
 ]
 
 
@@ -64,7 +67,7 @@ MOE_LAYOUTS = [
 ]
 
 
-@pytest.mark.slow  # eight compiles of a small GPT, a few seconds each
+@pytest.mark.slow  # ten compiles of a small GPT, a few seconds each
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 def test_priced_layout_is_within_10_percent_of_its_compiled_program(layout):
     """The state to 3%, the peak memory (GPipe's: a floor), FLOPs, and each kind of collective

@@ -38,7 +38,7 @@ import functools
 from replicator._src.planner import remats, search
 from replicator._src.planner.layouts import VIRTUAL, Layout, schedule_of
 from replicator._src.planner.model_shape import TILE, ModelShape
-from replicator._src.planner.wire import collectives, device_params, device_tokens
+from replicator._src.planner.wire import collectives, computed_ticks, device_params, device_tokens
 from replicator._src.report.cost_model import SKIPS_IDLE, CollectiveCost, CompiledStep, model_time
 from replicator._src.report.step_report import format_bytes
 
@@ -239,7 +239,7 @@ def _flops(layout: Layout, m: ModelShape) -> float:
         # whose output no backward step reads)
         train += layers * tokens * 2 * (moe * m.expert_rows * m.mlp_params[0] / layout.model
                                         + router)  # fmt: skip
-    train *= _computed_ticks(layout)
+    train *= computed_ticks(layout)
     head = 6 * tokens * m.vocab * d / layout.model  # on every stage's device (in chunks too:
     # each chunk's gradient is taken in the forward pass, `decoder.head_loss`)
     return train + head
@@ -261,7 +261,7 @@ def _roofline(layout: Layout, m: ModelShape, flops: float) -> tuple[tuple[float,
     tiles read and written; splash and one-block attention at the peak), and what is only
     memory: the layers' element-wise work, the logits, the optimizer's update."""
     tokens, t = device_tokens(layout, m), layout.model
-    layers = m.num_layers / layout.stage * _computed_ticks(layout)
+    layers = m.num_layers / layout.stage * computed_ticks(layout)
     again = layout.remat is True or remats.is_named(layout.remat)  # attention's kernel again
     passes = 4 if again else 3  # forward, twice that backward, remat's again
     heads = m.num_heads / t
@@ -281,15 +281,6 @@ def _roofline(layout: Layout, m: ModelShape, flops: float) -> tuple[tuple[float,
     updated = device_params(layout, m) / (layout.replicas if layout.zero_stage >= 1 else 1)
     memory = units + saved + logits + UPDATE_BYTES * updated
     return ((flops - attention, 0.0), (attention, blocks), (0.0, memory))
-
-
-def _computed_ticks(layout: Layout) -> float:
-    """Stage work done per useful unit: GPipe and circular compute through their idle ticks."""
-    if layout.stage == 1 or layout.schedule not in ("gpipe", "circular"):
-        return 1.0
-    m, k = layout.microbatches, layout.stage
-    v = layout.repeats if layout.schedule in VIRTUAL else 1
-    return (m * v + k - 1) / (m * v)
 
 
 @functools.cache
