@@ -96,8 +96,8 @@ class Layout:
     dcn_data: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("data", "dcn_data", "stage", "model", "context", "expert", "microbatches", "repeats",
-                     "accumulate_steps"):  # fmt: skip
+        for name in ("data", "dcn_data", "stage", "model", "context", "expert", "microbatches",
+                     "repeats", "accumulate_steps"):  # fmt: skip
             positive_int(getattr(self, name), api="Layout", name=name)
         self._check_token_axes()
         if self.zero_stage not in ZERO_STAGES:

@@ -231,8 +231,8 @@ def sibling_key(ladder: Ladder) -> tuple:
     """Ladders with one key differ only in their ZeRO stage: `search_siblings` takes them
     together."""
     lay = ladder.layouts[0]
-    return (lay.dcn_data, lay.data, lay.stage, lay.model, lay.context, lay.expert, lay.attention, lay.schedule,
-            lay.microbatches, lay.repeats)  # fmt: skip
+    return (lay.dcn_data, lay.data, lay.stage, lay.model, lay.context, lay.expert, lay.attention,
+            lay.schedule, lay.microbatches, lay.repeats)  # fmt: skip
 
 
 def search_siblings(
