@@ -377,3 +377,14 @@ def test_vocab_parallel_computes_each_logit_once():
     config = gpt_job({"data": 2, "context": 2, "model": 2}, attention="all_to_all")
     state = jobs.abstract_job(config)[2]
     assert state["job"]["params"]["embed"]["tokens"].sharding.spec == P()
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_gradients_in_bf16_with_a_model_axis_are_refused_on_xla_cpu(zero_stage):
+    """XLA:CPU's compiler ends the process on a bf16 all-reduce of the leaves kept whole over
+    ``model``: ``model.reduce_dtype: bfloat16`` below ZeRO-3 with a ``model`` axis is refused
+    while the step is traced, naming the fixes, before anything compiles."""
+    job = gpt_job({"data": 4, "model": 2}, zero_stage=zero_stage, reduce_dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"grad_dtype=bfloat16\) with a 'model' axis aborts "
+                       r"XLA:CPU's compiler; on the CPU send the gradients in fp32"):  # fmt: skip
+        build_and_train(job)

@@ -15,6 +15,8 @@ import contextlib
 import dataclasses
 from collections.abc import Iterator
 
+import jax
+
 from replicator._src.core import scoped
 from replicator._src.core.typing import AxisName
 
@@ -131,3 +133,12 @@ def context_axes(axes: tuple[AxisName, ...]) -> Iterator[None]:
     replicator whose ``context()`` is entered binds while it traces a step."""
     with _CONTEXT_AXES.push(tuple(axes)):
         yield
+
+
+def xla_cpu_with(*axes: str) -> bool:
+    """Whether the program being traced is for XLA:CPU (not a TPU target's devices on a CPU
+    host) on a mesh where each of ``axes`` has more than one device."""
+    platform = current_binding().platform or jax.default_backend()
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = {} if mesh.empty else dict(mesh.shape)
+    return platform == "cpu" and all(sizes.get(axis, 1) > 1 for axis in axes)

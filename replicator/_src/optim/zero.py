@@ -42,7 +42,7 @@ from replicator._src.core import mesh as mesh_lib
 from replicator._src.core.binding import current_binding
 from replicator._src.core.sharded_params import ShardedParam, has_sharded_params, is_sharded_param
 from replicator._src.core.typing import PyTree
-from replicator._src.optim import sharded_eval, shards, zero_layout, zero_plan
+from replicator._src.optim import replica_mean, sharded_eval, shards, zero_layout, zero_plan
 from replicator._src.optim.shards import WHOLE, Split
 from replicator._src.optim.stages import split_rows, zero_parts
 from replicator._src.optim.stages import transform as stagewise
@@ -279,6 +279,7 @@ class Zero:
         autodiff of `gather_params` already, and is divided by N. A leaf with no split axis
         is all-reduced.
         """
+        replica_mean.refuse_narrow_on_xla_cpu(dtype)
         leaves = self._step_leaves(params, grads)
         nodes, treedef = jax.tree.flatten(grads, is_leaf=is_sharded_param)
         out = []

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 import replicator as rp
-from replicator._src.core import binding as binding_lib
+from replicator._src.core.binding import xla_cpu_with
 from replicator._src.core.mesh import MODEL_AXIS
 from replicator._src.pipeline import remat
 from replicator.models.config import GPTConfig
@@ -82,12 +82,3 @@ def reduce_cast(params: PyTree, config: GPTConfig) -> PyTree:
         )
     cast = lambda a: rp.ShardedParam(a.value.astype(dtype), a.dim, a.auto) if is_stored(a) else a
     return jax.tree.map(cast, params, is_leaf=is_stored)
-
-
-def xla_cpu_with(*axes: str) -> bool:
-    """Whether the program being traced is for XLA:CPU (not a TPU target's devices on a CPU
-    host) on a mesh where each of ``axes`` has more than one device."""
-    platform = binding_lib.current_binding().platform or jax.default_backend()
-    mesh = jax.sharding.get_abstract_mesh()
-    sizes = {} if mesh.empty else dict(mesh.shape)
-    return platform == "cpu" and all(sizes.get(axis, 1) > 1 for axis in axes)

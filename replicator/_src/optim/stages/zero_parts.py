@@ -28,7 +28,7 @@ from replicator._src.core import mesh as mesh_lib
 from replicator._src.core.mesh import STAGE_AXIS
 from replicator._src.core.packed import is_packed, is_stage_rows, packed_nodes, stage_row_nodes
 from replicator._src.core.packing import Packing
-from replicator._src.optim import sharded_eval, zero_layout
+from replicator._src.optim import replica_mean, sharded_eval, zero_layout
 from replicator._src.optim.shards import WHOLE, Comm, Split, local_shape
 from replicator._src.optim.stages import program as sp
 from replicator._src.optim.stages import split_rows
@@ -159,6 +159,7 @@ class ZeroStageRun(StageRun):
     def __init__(self, lay, model, grads, state, params, zs: ZeroSplits, grad_dtype) -> None:
         super().__init__(lay, model, grads, state, params)
         self.zs, self.comm = zs, Comm(zs.n)
+        replica_mean.refuse_narrow_on_xla_cpu(grad_dtype)
         # ZeRO-3: the parameters are stored split (`SplitStages`), and so are the updates
         self.p_node = next((x for x in stage_row_nodes(params) if not is_packed(x)), None)
         self.g_parts = self.loc.switch(lambda si: self._reduce(si, grad_dtype))
