@@ -204,6 +204,8 @@ class Replicator:
         accumulate_steps: int = 1,
         loss_scale: float | str | None = None,
         loss_scale_period: int = 2000,
+        local_steps: int | None = None,
+        outer_optimizer: optax.GradientTransformation | None = None,
     ) -> optim.DistributedOptimizer:
         """An optax transformation that takes the cross-replica mean of the gradients, then ``tx``.
 
@@ -224,9 +226,20 @@ class Replicator:
             the scale; double it after ``loss_scale_period`` finite steps). Use ``opt.step``,
             which scales the loss, or multiply the loss by ``state.loss_scale.scale`` yourself.
           loss_scale_period: finite steps before a dynamic scale doubles.
+          local_steps: local SGD / DiLoCo: each index of ``dcn_data`` (a slice) takes this many
+            steps on its own, its gradients reduced inside the slice, then the slices average
+            their parameter deltas (one exchange over the DCN) and ``outer_optimizer`` steps.
+            ``opt.step`` runs all of them, on a batch of ``local_steps`` inner batches.
+          outer_optimizer: DiLoCo's outer step; default SGD at 0.7 with Nesterov momentum 0.9.
 
         Returns:
-          A `DistributedOptimizer`.
+          A `DistributedOptimizer` (with ``local_steps``, a ``LocalSGD`` around one).
+
+        >>> import jax, optax, replicator as rp
+        >>> repl = rp.Replicator(mesh_shape={"dcn_data": 2, "data": -1})
+        >>> opt = repl.wrap_optimizer(optax.sgd(0.1), local_steps=8)
+        >>> type(opt).__name__, opt.local_steps, opt.workers
+        ('LocalSGD', 8, 2)
         """
         return optim.wrap_optimizer(
             tx,
@@ -237,6 +250,8 @@ class Replicator:
             accumulate_steps=accumulate_steps,
             loss_scale=loss_scale,
             loss_scale_period=loss_scale_period,
+            local_steps=local_steps,
+            outer_optimizer=outer_optimizer,
         )
 
     def abstract(self, init_fn: Callable[[], PyTree], /) -> PyTree:

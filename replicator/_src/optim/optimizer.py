@@ -55,6 +55,7 @@ from replicator._src.core.typing import PyTree
 from replicator._src.optim import (
     accumulation,
     clipping,
+    local_sgd,
     loss_scaling,
     replica_mean,
     zero,
@@ -308,7 +309,9 @@ def wrap_optimizer(
     accumulate_steps: int = 1,
     loss_scale: float | str | None = None,
     loss_scale_period: int = 2000,
-) -> DistributedOptimizer:
+    local_steps: int | None = None,
+    outer_optimizer: optax.GradientTransformation | None = None,
+) -> DistributedOptimizer | local_sgd.LocalSGD:
     """Wraps ``tx`` so that it first takes the mean of the gradients over all replicas.
 
     This is Horovod's ``DistributedOptimizer``: ``step_fn`` computes local gradients, exactly as
@@ -333,10 +336,16 @@ def wrap_optimizer(
       accumulate_steps: micro-batches per `DistributedOptimizer.step`.
       loss_scale: ``None``, a static scale, or ``"dynamic"``.
       loss_scale_period: finite steps after which a dynamic scale doubles.
+      local_steps: local SGD / DiLoCo (`local_sgd`): each worker (an index of ``dcn_data``)
+        takes this many steps with its gradients reduced over its own replicas, then the
+        workers average their parameter deltas, once, and ``outer_optimizer`` takes the mean
+        as a gradient. Use ``opt.step``: a step is all of them. ``None``: synchronous.
+      outer_optimizer: the outer step of ``local_steps`` (default: SGD, learning rate 0.7,
+        Nesterov momentum 0.9, as DiLoCo).
 
     Returns:
       A `DistributedOptimizer` (its ``init`` runs outside ``step_fn`` with ZeRO, ``update``
-      inside).
+      inside); with ``local_steps``, a `local_sgd.LocalSGD` around one.
 
     Raises:
       TypeError: if ``tx`` is not an optax transformation.
@@ -353,6 +362,16 @@ def wrap_optimizer(
     _check_options(
         tx, zero_stage, clip_global_norm, accumulate_steps, loss_scale, loss_scale_period
     )
+    if local_steps is not None or outer_optimizer is not None:
+        steps = 1 if local_steps is None else local_steps
+        local_sgd.check_options(steps, outer_optimizer, zero_stage, loss_scale)
+        inner = wrap_optimizer(
+            tx, mesh=mesh, clip_global_norm=clip_global_norm, grad_dtype=grad_dtype,
+            accumulate_steps=accumulate_steps, loss_scale=loss_scale,
+            loss_scale_period=loss_scale_period,
+        )  # fmt: skip
+        outer = local_sgd.default_outer() if outer_optimizer is None else outer_optimizer
+        return local_sgd.LocalSGD(inner, outer, int(steps), mesh)
     _check_zero_needs(zero_stage, mesh, grad_dtype)
     grad_dtype = None if grad_dtype is None else jnp.dtype(grad_dtype)
     inner = optax.with_extra_args_support(tx)

@@ -22,6 +22,7 @@ from replicator.cli.config.constants import BYTE_VOCAB
 from replicator.cli.config.sections import ModelConfig, PipelineConfig, ProfileConfig, WandbConfig
 from replicator.cli.config.train_checks import (
     check_context_and_experts,
+    check_local_steps,
     check_mesh_and_counts,
     check_model_fits_the_job,
 )
@@ -43,6 +44,15 @@ class TrainConfig:
     clip_global_norm: float | None = 1.0
     zero_stage: int = 0
     accumulate_steps: int = 1
+    # local SGD / DiLoCo: each index of mesh.dcn_data (a slice) takes this many steps on its
+    # own, its gradients reduced inside it; then the slices average their moves, the one
+    # exchange across them, and an outer SGD step with Nesterov momentum takes the mean. A step
+    # is all of them: each replica's share of global_batch is split into local_steps inner
+    # batches; the optimizer's schedule (warmup_steps, decay_steps) counts inner steps, and
+    # spans steps x local_steps of them. null: synchronous (every step's gradients cross).
+    local_steps: int | None = None
+    outer_learning_rate: float = 0.7  # DiLoCo's outer step (its paper's values)
+    outer_momentum: float = 0.9
     # gpt: kept in the host's memory between steps (MaxText's parameter_memory_host_offload
     # and optimizer_memory_host_offload): the parameters, brought to the device a layer at a
     # time, and the optimizer state, for its update; HBM freed for activations, for a trip over
@@ -122,6 +132,7 @@ class TrainConfig:
                     f"{where}{key}=true is for model.kind='gpt' without a pipeline; with "
                     f"{what} keep it false (or use zero_stage=3 to shard what is kept)."
                 )
+        check_local_steps(self)
         jobs = dict(model=self.model, mesh=self.mesh, pipeline=self.pipeline)
         check_model_fits_the_job(
             **jobs, zero_stage=self.zero_stage, accumulate_steps=self.accumulate_steps

@@ -235,3 +235,42 @@ def _check_expert_axis(m: ModelConfig, mesh: dict, e: int, *, global_batch: int,
             f"a multiple of {unit} (e.g. global_batch="
             f"{unit * math.ceil(global_batch / unit)}), or a smaller expert axis."
         )
+
+
+def check_local_steps(config) -> None:
+    """``local_steps`` (DiLoCo) and its outer step: a count, a ``dcn_data`` axis to average
+    over, and only the layouts whose optimizer step it wraps (no ZeRO, pipeline, experts or
+    offload: each keeps a worker's state or steps apart from `DistributedOptimizer.step`)."""
+    where, H = WHERE, config.local_steps
+    if H is None:
+        return
+    int_at_least(where, "local_steps", H, 1)
+    for key in ("outer_learning_rate", "outer_momentum"):
+        value = getattr(config, key)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+            raise ValueError(f"{where}{key} must be a number >= 0; got {value!r}.")
+    if config.mesh.get("dcn_data", 1) < 2:
+        raise ValueError(
+            f"{where}local_steps={H}: its workers are the indices of mesh.dcn_data (the "
+            f"slices), and mesh={config.mesh} has none; use e.g. mesh: {{dcn_data: 2, data: "
+            f"-1}}, or --slices N with a TPU target."
+        )
+    if config.model.kind not in ("gpt", "mlp"):
+        raise ValueError(
+            f"{where}local_steps={H} is built into the gpt and mlp jobs' steps; "
+            f"model.kind={config.model.kind!r} steps with its own optimizer. Unset local_steps, "
+            f"or call repl.wrap_optimizer(tx, local_steps={H}) in your own step."
+        )
+    others = {
+        "zero_stage": config.zero_stage != 0,
+        "mesh.stage": "stage" in config.mesh,
+        "model.experts": bool(getattr(config.model, "experts", 0)),
+        "offload_params": config.offload_params,
+        "offload_optimizer": config.offload_optimizer,
+    }
+    if bad := [k for k, v in others.items() if v]:
+        raise ValueError(
+            f"{where}local_steps={H} takes each slice's optimizer steps with data parallelism "
+            f"inside the slice only; {', '.join(bad)} is not built with it. Unset local_steps, "
+            f"or use zero_stage=0 without a pipeline, experts or offload."
+        )

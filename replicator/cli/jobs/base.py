@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+import optax
 
 import replicator as rp
 
@@ -39,6 +40,16 @@ def grad_dtype(config) -> str | None:
     their own, for fp32 or unset."""
     dtype = getattr(config.model, "reduce_dtype", None)
     return None if config.zero_stage == 3 or dtype in (None, "float32") else dtype
+
+
+def local_sgd(config) -> dict:
+    """`wrap_optimizer`'s local-SGD keywords for ``config``: DiLoCo's ``local_steps`` and its
+    outer step (SGD with Nesterov momentum), or none for synchronous training."""
+    if getattr(config, "local_steps", None) is None:
+        return {}
+    momentum = config.outer_momentum or None
+    outer = optax.sgd(config.outer_learning_rate, momentum=momentum, nesterov=bool(momentum))
+    return {"local_steps": config.local_steps, "outer_optimizer": outer}
 
 
 def first_of(input_fn: Callable) -> dict:

@@ -28,9 +28,17 @@ def builtin_job(config: TrainConfig):
     return {"gpt": gpt_job, "mlp": mlp_job, "cnn": cnn_job}.get(config.model.kind)
 
 
+def inner_steps(config: TrainConfig) -> int:
+    """The optimizer steps of the run, which its schedule spans: ``steps``, times
+    ``local_steps`` with DiLoCo (each step is that many of the optimizer's)."""
+    return config.steps * (config.local_steps or 1)
+
+
 def _tx_maker(config: TrainConfig) -> Callable:
+    steps = inner_steps(config)
+
     def make_tx(params):  # the weight-decay mask is decided from the whole parameters' shapes
-        return optimizers.make_optimizer(config.optimizer, steps=config.steps, params=params)[0]
+        return optimizers.make_optimizer(config.optimizer, steps=steps, params=params)[0]
 
     return make_tx
 
@@ -185,7 +193,8 @@ def _rate_and_ema(repl, step_fn, state, config: TrainConfig, *, make: Callable):
 
     ``state`` is the job's, as arrays or as shapes; ``make`` builds the added state the same
     way: ``make(init)`` calls ``init``, or is ``repl.abstract``."""
-    schedule = optimizers.schedule_fn(config.optimizer, steps=config.steps)
+    schedule = optimizers.schedule_fn(config.optimizer, steps=inner_steps(config))
+    per_step = config.local_steps or 1  # the optimizer's steps in one (DiLoCo: inner steps)
     ema_decay = config.optimizer.ema_decay
     if ema_decay is not None and not (isinstance(state, dict) and "params" in state):
         raise ValueError(
@@ -200,7 +209,7 @@ def _rate_and_ema(repl, step_fn, state, config: TrainConfig, *, make: Callable):
             new["ema"] = jax.tree.map(
                 lambda e, p: ema_decay * e + (1 - ema_decay) * p, full["ema"], inner["params"]
             )
-        return new, {**metrics, "learning_rate": schedule(full["step"])}
+        return new, {**metrics, "learning_rate": schedule(full["step"] * per_step)}
 
     full = {"job": state, "step": make(lambda: repl.replicate(jnp.zeros((), jnp.int32)))}
     if ema_decay is not None:  # a copy of the parameters, with their shardings (or shapes)

@@ -14,7 +14,7 @@ import optax
 
 import replicator as rp
 from replicator.cli.config import ModelConfig, TrainConfig
-from replicator.cli.jobs.base import Job, grad_dtype, sliced
+from replicator.cli.jobs.base import Job, grad_dtype, local_sgd, sliced
 from replicator.models import gpt, hf, llama
 from replicator.models.families import FAMILIES
 
@@ -148,6 +148,7 @@ def _unpipelined(config: TrainConfig, repl, make_tx, model: gpt.GPTConfig, init_
         accumulate_steps=config.accumulate_steps,
         clip_global_norm=config.clip_global_norm,
         grad_dtype=grad_dtype(config),
+        **local_sgd(config),
     )
     loss_fn = lambda p, b: gpt.loss(p, b["tokens"], b["targets"], config=model)
 
