@@ -191,7 +191,6 @@ def test_the_gpt_config_with_one_local_step_equals_synchronous_training():
 @pytest.mark.parametrize(
     "keys, match",
     [
-        ({"mesh": {"data": 8}}, "mesh.dcn_data"),
         ({"zero_stage": 1}, "zero_stage"),
         ({"offload_params": True}, "offload_params"),
         ({"model": {"kind": "cnn"}}, "model.kind='cnn'"),

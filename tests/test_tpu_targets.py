@@ -635,6 +635,28 @@ def test_the_bytes_across_slices_are_the_hierarchical_formulas(tmp_path, capsys,
     assert sum(data["dcn_bytes"].values()) == pytest.approx(sum(every))  # the report's line
 
 
+@pytest.mark.slow  # two TPU programs of 2 x v5p-16, about 10 s each
+def test_diloco_sends_an_eighth_of_the_bytes_across_slices(tmp_path, capsys):
+    """``local_steps: 8`` on 2 x v5p-16: one program of 8 optimizer steps sends across slices
+    what one synchronous step sends (each chip averages its ``1 / data`` part of the parameter
+    deltas across the slices): an eighth a step, read from the two programs."""
+    across = {}
+    for h in (None, 8):
+        out = tmp_path / f"lm_dp_{h}.json"
+        keys = ["model.d_model=512", "model.heads=8", "global_batch=128"]
+        keys += [f"local_steps={h}"] if h else []
+        argv = ["explain", str(ROOT / "configs/lm_dp.yaml"), *keys, "--target", "v5p-16",
+                "--slices", "2", "--quick", "--json", str(out)]  # fmt: skip
+        assert cli.main(argv) == 0, capsys.readouterr().err
+        data = json.loads(out.read_text())
+        assert data["optimizer_steps"] == (h or 1)
+        across[h] = sum(data["dcn_bytes"].values())
+    printed = capsys.readouterr().out
+    assert "local SGD: a step is 8 optimizer steps" in printed
+    assert across[8] == pytest.approx(across[None], rel=0.02)  # one exchange of the same size
+    assert across[8] / 8 / across[None] == pytest.approx(1 / 8, rel=0.02)  # an eighth a step
+
+
 def _refused(capsys, *args, tries: bool = False) -> str:
     """The one line of a refused ``explain lm_dp``; with ``tries``, after the changes it tried
     (one a line)."""

@@ -11,6 +11,7 @@ replicator launch -n N [--devices-per-process D] [--watchdog S] -- CMD ...
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import sys
 from collections.abc import Sequence
@@ -166,6 +167,9 @@ def _explain(cfg, args):
         report = preflight.explain(cfg, target, args.resume, per_layer=not args.quick)
     else:
         report = isolated.explain(cfg, target, per_layer=not args.quick)  # an abort: one line
+    if cfg.local_steps and report.target is not None:  # DiLoCo: crosses once for H steps
+        per = dataclasses.replace(report.target, optimizer_steps=cfg.local_steps)
+        report = dataclasses.replace(report, target=per)
     if args.json:
         with open(args.json, "w") as f:
             f.write(report.to_json() + "\n")

@@ -100,8 +100,8 @@ class LocalSGD(optax.GradientTransformationExtraArgs):
         return LocalSGDState(inner, outer)
 
     def _per_worker(self, x):
-        x = jnp.asarray(x) if not isinstance(x, jax.Array) else x
-        sharding = getattr(x, "sharding", None)
+        x = jnp.asarray(x) if not isinstance(x, jax.Array | jax.core.Tracer) else x
+        sharding = placement.sharding_of(x)  # (a traced leaf: the one `put` recorded)
         spec = sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
         used = {a for entry in spec if entry is not None
                 for a in (entry if isinstance(entry, tuple) else (entry,))}  # fmt: skip
@@ -113,7 +113,7 @@ class LocalSGD(optax.GradientTransformationExtraArgs):
             )
         target = NamedSharding(self.mesh, PartitionSpec(DCN_AXIS, *spec))
         stack = lambda a: jnp.broadcast_to(a[None], (self.workers, *a.shape))
-        return jax.jit(stack, out_shardings=target)(x)
+        return placement.put(jax.jit(stack, out_shardings=target)(x), target)  # (abstract)
 
     def update(self, grads, state, params=None, **extra_args):
         raise ValueError(
@@ -154,7 +154,7 @@ class LocalSGD(optax.GradientTransformationExtraArgs):
                 f"wrap_optimizer(local_steps={H}): the workers are the indices of a "
                 f"'{DCN_AXIS}' axis, and this program's replica axes are {b.axes}; build the "
                 f"Replicator with one, e.g. Replicator(mesh_shape={{'{DCN_AXIS}': 2, "
-                f"'data': -1}}) (with slices: --slices N)."
+                f"'data': -1}}); in a config, mesh.dcn_data (or --slices N with a TPU target)."
             )
         if workers != self.workers and not b.is_local:
             raise ValueError(
@@ -182,8 +182,9 @@ class LocalSGD(optax.GradientTransformationExtraArgs):
         kept, start = params, placement.to_device(params)
         (params, inner_state), metrics = lax.scan(one, (params, inner_state), parts)
         moved = jax.tree.map(lambda s, p: s - p, start, placement.to_device(params))
-        if workers > 1:
-            moved = lax.pmean(moved, DCN_AXIS)  # the only exchange over the DCN
+        if workers > 1:  # the only exchange over the DCN
+            n = max(1, b.num_replicas // workers)
+            moved = jax.tree.map(lambda x: _mean_over_workers(x, inner_axes, n), moved)
         updates, outer = self.outer.update(moved, state.outer, start)
         new = placement.like_spaces(optax.apply_updates(start, updates), kept)
         metrics = jax.tree.map(lambda m: jnp.mean(m.astype(jnp.float32), axis=0), metrics)
@@ -192,6 +193,21 @@ class LocalSGD(optax.GradientTransformationExtraArgs):
         if stacked:
             inner_state = jax.tree.map(lambda a: a[None], inner_state)
         return new, LocalSGDState(inner_state, outer), metrics
+
+
+def _mean_over_workers(x: jax.Array, inner: tuple, n: int) -> jax.Array:
+    """The mean of ``x`` over ``dcn_data``, hierarchically: ``x`` is the same on a worker's
+    ``n`` replicas (over the ``inner`` axes), so each averages its ``1 / n`` part across the
+    workers and the parts are gathered inside the worker. A chip sends ``2 (S-1)/S x bytes / n``
+    across (a synchronous step's all-reduce sends as much, every step), not the whole of it."""
+    if n == 1 or x.size < n:
+        return lax.pmean(x, DCN_AXIS)
+    flat = x.reshape(-1)
+    per = -(-flat.size // n)
+    flat = jnp.pad(flat, (0, per * n - flat.size))
+    part = lax.dynamic_slice_in_dim(flat, lax.axis_index(inner) * per, per)
+    whole = lax.all_gather(lax.pmean(part, DCN_AXIS), inner, tiled=True)
+    return whole[: x.size].reshape(x.shape)
 
 
 def _split(batch: PyTree, H: int) -> PyTree:

@@ -371,6 +371,8 @@ def wrap_optimizer(
             loss_scale_period=loss_scale_period,
         )  # fmt: skip
         outer = local_sgd.default_outer() if outer_optimizer is None else outer_optimizer
+        outer = optax.with_extra_args_support(outer)
+        outer = outer if mesh is None else _placed_on(outer, mesh)  # placed as the parameters
         return local_sgd.LocalSGD(inner, outer, int(steps), mesh)
     _check_zero_needs(zero_stage, mesh, grad_dtype)
     grad_dtype = None if grad_dtype is None else jnp.dtype(grad_dtype)

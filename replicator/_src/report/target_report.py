@@ -68,6 +68,8 @@ class TargetReport:
       dcn_bytes: bytes a chip sends across slices a step (the collectives over ``dcn_data``,
         on the wire), by collective kind.
       dcn_bandwidth: the chip's bytes per second across slices (``Hardware.dcn_bandwidth``).
+      optimizer_steps: the optimizer's steps in one step: DiLoCo's ``local_steps``, whose
+        step crosses the slices once for that many (1: synchronous).
     """
 
     target: str
@@ -96,6 +98,7 @@ class TargetReport:
     step_seconds_how: str = "the roofline"
     dcn_bytes: dict = dataclasses.field(default_factory=dict)
     dcn_bandwidth: float = 0.0
+    optimizer_steps: int = 1
 
 
 def _step_how(hw) -> str:
@@ -205,6 +208,13 @@ def lines(t: TargetReport, format_bytes) -> list[str]:
             f"(inside each slice on the whole buffer, then across on a chip's 1 / data of it); "
             f"the replicas' reductions and gathers overlap compute with the ICI's"
         )
+        if t.optimizer_steps > 1:
+            per = sum(t.dcn_bytes.values()) / t.optimizer_steps
+            out.append(
+                f"  local SGD: a step is {t.optimizer_steps} optimizer steps (local_steps), "
+                f"each reduced inside its slice, then one exchange across of a synchronous "
+                f"step's size: {format_bytes(per)} across slices an optimizer step"
+            )
     if t.host_memory_bytes or t.host_transfer_bytes:
         out.append(
             f"host memory {format_bytes(t.host_memory_bytes)} per chip (offloaded, not in the peak); "

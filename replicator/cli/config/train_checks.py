@@ -238,9 +238,10 @@ def _check_expert_axis(m: ModelConfig, mesh: dict, e: int, *, global_batch: int,
 
 
 def check_local_steps(config) -> None:
-    """``local_steps`` (DiLoCo) and its outer step: a count, a ``dcn_data`` axis to average
-    over, and only the layouts whose optimizer step it wraps (no ZeRO, pipeline, experts or
-    offload: each keeps a worker's state or steps apart from `DistributedOptimizer.step`)."""
+    """``local_steps`` (DiLoCo) and its outer step: a count, and only the layouts whose
+    optimizer step it wraps (no ZeRO, pipeline, experts or offload: each keeps a worker's state
+    or steps apart from `DistributedOptimizer.step`). The ``dcn_data`` axis it averages over
+    may come from ``--slices`` after this: the step refuses a mesh without one."""
     where, H = WHERE, config.local_steps
     if H is None:
         return
@@ -249,12 +250,6 @@ def check_local_steps(config) -> None:
         value = getattr(config, key)
         if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
             raise ValueError(f"{where}{key} must be a number >= 0; got {value!r}.")
-    if config.mesh.get("dcn_data", 1) < 2:
-        raise ValueError(
-            f"{where}local_steps={H}: its workers are the indices of mesh.dcn_data (the "
-            f"slices), and mesh={config.mesh} has none; use e.g. mesh: {{dcn_data: 2, data: "
-            f"-1}}, or --slices N with a TPU target."
-        )
     if config.model.kind not in ("gpt", "mlp"):
         raise ValueError(
             f"{where}local_steps={H} is built into the gpt and mlp jobs' steps; "
