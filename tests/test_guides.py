@@ -160,6 +160,7 @@ def start(
 # The blocks that run as they are, each in a fresh namespace, with what they must have made.
 SELF_CONTAINED = {
     "outputs come back whole": ("guides/data_parallel.md", "### Outputs come back whole", 0),
+    "local sgd": ("guides/data_parallel.md", "### Local SGD across slices (DiLoCo)", 0),
     "debugging on one device": ("guides/pipelines.md", "**Debugging on one device.**", 0),
     "restore into another structure": (
         "guides/checkpoints_and_reliability.md",
@@ -199,6 +200,9 @@ def test_self_contained_block_runs(name):
         target, fits, mfu = out.split()
         assert (target, fits) == ("v5p-16", "True") and 0 < float(mfu.rstrip("%")) <= 100, out
         assert ns["report"].platform == "tpu" and ns["report"].num_devices == 8
+    elif name == "local sgd":  # 10 outer steps of 4 inner steps each: towards w = (1, 2, 3)
+        assert out.split()[-1] == "True", out
+        assert all(x.shape[0] == 2 for x in jax.tree.leaves(ns["state"]["opt"].inner))
     elif name == "a qwen2 config":
         assert (ns["config"].num_kv_heads, ns["config"].rope_theta) == (2, 1e6)
     elif name == "optimizers from python":
