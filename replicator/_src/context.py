@@ -206,6 +206,7 @@ class Replicator:
         loss_scale_period: int = 2000,
         local_steps: int | None = None,
         outer_optimizer: optax.GradientTransformation | None = None,
+        zero_axes: tuple[str, ...] | None = None,
     ) -> optim.DistributedOptimizer:
         """An optax transformation that takes the cross-replica mean of the gradients, then ``tx``.
 
@@ -231,6 +232,9 @@ class Replicator:
             their parameter deltas (one exchange over the DCN) and ``outer_optimizer`` steps.
             ``opt.step`` runs all of them, on a batch of ``local_steps`` inner batches.
           outer_optimizer: DiLoCo's outer step; default SGD at 0.7 with Nesterov momentum 0.9.
+          zero_axes: hybrid ZeRO: the replica axes ZeRO splits over, e.g. ``("data",)`` on
+            ``{"dcn_data": S, "data": N}``: the state (and parameters) split inside each slice
+            and whole on every one, so only the gradients' reduction crosses the slices.
 
         Returns:
           A `DistributedOptimizer` (with ``local_steps``, a ``LocalSGD`` around one).
@@ -252,6 +256,7 @@ class Replicator:
             loss_scale_period=loss_scale_period,
             local_steps=local_steps,
             outer_optimizer=outer_optimizer,
+            zero_axes=zero_axes,
         )
 
     def abstract(self, init_fn: Callable[[], PyTree], /) -> PyTree:

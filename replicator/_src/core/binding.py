@@ -89,6 +89,35 @@ def bind(binding: Binding) -> Iterator[Binding]:
         yield binding
 
 
+def narrowed(binding: Binding, axes: tuple[AxisName, ...]) -> Binding:
+    """``binding`` with ``axes`` alone as its replica axes, and the other replica axes not
+    mapped at all: what a part of a step that works inside a group of replicas sees (hybrid
+    ZeRO's shards inside each slice, a local-SGD worker's steps)."""
+    dropped = tuple(a for a in binding.axes if a not in axes)
+    sizes = dict(binding.axis_sizes)
+    n = binding.num_replicas
+    for a in dropped:
+        n //= sizes.get(a, 1)
+    return dataclasses.replace(
+        binding,
+        axes=tuple(a for a in binding.axes if a in axes),
+        num_replicas=max(1, n),
+        axis_sizes=tuple((a, k) for a, k in binding.axis_sizes if a not in dropped),
+    )
+
+
+@contextlib.contextmanager
+def only(axes: tuple[AxisName, ...] | None) -> Iterator[None]:
+    """Within the block, the placeholder collectives bind to the replica axes ``axes`` only
+    (`narrowed`); nothing changes for ``None`` or under the local binding."""
+    binding = current_binding()
+    if axes is None or binding.is_local or set(binding.axes) <= set(axes):
+        yield
+        return
+    with bind(narrowed(binding, tuple(axes))):
+        yield
+
+
 def replica_axis_name() -> AxisName | tuple[AxisName, ...] | None:
     """The axis name(s) of the replicas, for layers that take one.
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from replicator._src.core import collectives, placement
+from replicator._src.core.binding import only
 from replicator._src.core.typing import PyTree
 
 _NOT_GATHERED = """\
@@ -43,33 +44,44 @@ class ShardedParam:
         for a parameter with no axis that divides by the replicas, kept whole on each.
       auto: the ``PartitionSpec`` entries of the last ``len(auto)`` axes over the axes XLA
         partitions inside a step (``model``): `gather_params` gathers each device's own part.
+      axes: the replica axes ``dim`` is split over, when not all of them: hybrid ZeRO's
+        ``("data",)``, inside each slice and whole on every one (``wrap_optimizer(zero_axes=
+        ...)``); None for all the replica axes.
 
     As a pytree node its only child is ``value`` (key ``.value``), so ``jax.grad``, optax and
     ``lax.scan`` see a plain array. Used as an array without `gather_params` (``x @ w``,
     ``w + 1``, ``jnp.dot``), it raises a ``TypeError`` that says to gather it.
     """
 
-    def __init__(self, value: Any, dim: int | None, auto: tuple = ()) -> None:
+    def __init__(
+        self, value: Any, dim: int | None, auto: tuple = (), axes: tuple | None = None
+    ) -> None:
         if dim is not None and dim >= 0:
             raise ValueError(f"ShardedParam: dim counts from the end (negative); got {dim}.")
         self.value = value
         self.dim = dim
         self.auto = tuple(auto)
+        self.axes = None if axes is None else tuple(axes)
 
     def tree_flatten_with_keys(self):
-        """The pytree protocol: ``value`` under the key ``.value``; ``dim`` and ``auto`` static."""
-        return ((jax.tree_util.GetAttrKey("value"), self.value),), (self.dim, self.auto)
+        """The pytree protocol: ``value`` under the key ``.value``; the others static."""
+        return ((jax.tree_util.GetAttrKey("value"), self.value),), (self.dim, self.auto, self.axes)
 
     def tree_flatten(self):
         """The pytree protocol: ``value`` is the only child."""
-        return (self.value,), (self.dim, self.auto)
+        return (self.value,), (self.dim, self.auto, self.axes)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
         """The pytree protocol: a `ShardedParam` of ``children[0]``, unchecked."""
         node = object.__new__(cls)  # no validation: children may be anything jax puts there
-        node.value, (node.dim, node.auto) = children[0], aux
+        node.value, (node.dim, node.auto, node.axes) = children[0], aux
         return node
+
+    def like(self, value: Any, dim: Any = ..., auto: Any = ...) -> ShardedParam:
+        """A `ShardedParam` of ``value`` split as this one (``dim`` and ``auto`` as given)."""
+        dim = self.dim if dim is ... else dim
+        return ShardedParam(value, dim, self.auto if auto is ... else auto, self.axes)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -167,7 +179,8 @@ def gather_params(tree: PyTree) -> PyTree:
         value = placement.to_device(node.value)  # kept in host memory: `rp.to_host`
         if node.dim is None:
             return value
-        whole = collectives.gather_replicas(value, node.dim, node.auto)
+        with only(node.axes):  # hybrid ZeRO: inside the slice
+            whole = collectives.gather_replicas(value, node.dim, node.auto)
         return checkpoint_name(whole, GATHERED)
 
     return jax.tree.map(gather, tree, is_leaf=lambda x: is_sharded_param(x) or _gathers_itself(x))
@@ -246,6 +259,11 @@ def take_rows(table: Any, indices: jax.Array, dtype: Any = None) -> jax.Array:
            [4., 5.],
            [4., 5.]], dtype=float32)
     """
+    with only(table.axes if isinstance(table, ShardedParam) else None):
+        return _take_rows(table, indices, dtype)
+
+
+def _take_rows(table: Any, indices: jax.Array, dtype: Any) -> jax.Array:
     if not _looked_up_in_parts(table, indices):
         whole = gather_params(table)
         out = whole[in_range(indices, whole.shape[0])]

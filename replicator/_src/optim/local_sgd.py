@@ -25,7 +25,6 @@ With H = 1, an ``optax.sgd(1.0)`` outer step and an inner optimizer linear in th
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -163,12 +162,7 @@ class LocalSGD(optax.GradientTransformationExtraArgs):
                 f"wrap it with the Replicator that runs the step."
             )
         inner_axes = tuple(a for a in b.axes if a != DCN_AXIS)
-        inside = dataclasses.replace(  # the workers' steps: as if dcn_data were not mapped
-            b,
-            axes=inner_axes,
-            num_replicas=max(1, b.num_replicas // workers),
-            axis_sizes=tuple((a, n) for a, n in b.axis_sizes if a != DCN_AXIS),
-        )
+        inside = binding_lib.narrowed(b, inner_axes)  # the workers' steps: dcn_data unmapped
         stacked = self.workers > 1 and not b.is_local
         inner_state = jax.tree.map(lambda a: a[0], state.inner) if stacked else state.inner
         parts = _split(batch, H)

@@ -38,6 +38,7 @@ each: `replica_mean` (the all-reduce), `zero` (ZeRO's reduce-scatter and sharded
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -49,6 +50,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from replicator._src.core import collectives, errors, placement
+from replicator._src.core import mesh as mesh_lib
 from replicator._src.core.mesh import STAGE_AXIS, replicated_sharding
 from replicator._src.core.packed import packed_nodes, stage_row_nodes
 from replicator._src.core.typing import PyTree
@@ -147,11 +149,12 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
         """
         p = self.parts
         kept, state, grads, params = state, *placement.to_device((state, grads, params))
-        if p.layout is not None:
-            p.layout.check_binding()
-            extra_args = {**extra_args, "local_grads": grads}
-        reduced = self._reduce(grads, params)
-        updates, state, _ = self._apply(reduced, state, params, extra_args, like=grads)
+        with self._scope():
+            if p.layout is not None:
+                p.layout.check_binding()
+                extra_args = {**extra_args, "local_grads": grads}
+            reduced = self._reduce(grads, params)
+            updates, state, _ = self._apply(reduced, state, params, extra_args, like=grads)
         return updates, placement.like_spaces(state, kept)
 
     def step(self, loss_fn, params: PyTree, state, batch: PyTree):
@@ -175,7 +178,8 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
           and ``skipped`` (the number of steps skipped so far).
         """
         p = self.parts
-        _ = p.layout is None or p.layout.check_binding()
+        with self._scope():
+            _ = p.layout is None or p.layout.check_binding()
         scale = state.loss_scale.scale if p.wrapped and state.loss_scale is not None else 1.0
         scale = placement.to_device(scale)
         # accumulate this replica's slice (packed stages: reduced leaf by leaf in the update)
@@ -186,13 +190,18 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
             batch,
             steps=p.accumulate_steps,
             scale=scale,
-            each=(lambda g: self._reduce(g, placement.to_device(params))) if sliced else None,
+            each=(lambda g: self._reduce_inside(g, placement.to_device(params)))
+            if sliced
+            else None,
             zeros=p.layout.slice_zeros if sliced else None,
         )
+        if sliced:  # hybrid ZeRO-2: the micro-batches' sum crosses the slices once
+            grads = p.layout.across_tree(grads)
         kept = (params, state)  # `rp.to_host`'s: a layer at a time forward, whole for the update
         params, state = placement.to_device(params), placement.to_device(state)
-        reduced = grads if sliced else self._reduce(grads, params)
-        updates, state, metrics = self._apply(reduced, state, params, {}, like=params)
+        with self._scope():
+            reduced = grads if sliced else self._reduce(grads, params)
+            updates, state, metrics = self._apply(reduced, state, params, {}, like=params)
         params, state = placement.like_spaces((optax.apply_updates(params, updates), state), kept)
         metrics = {"loss": collectives.all_reduce(jnp.asarray(loss, jnp.float32), "mean")} | metrics
         return params, state, metrics
@@ -268,6 +277,18 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
             raise ValueError("plan: zero_stage=0 keeps every leaf whole; there is no ZeRO layout.")
         return layout.layout(optax.with_extra_args_support(self.parts.inner), params)[1]
 
+    def _scope(self):
+        """Where the reduction and the update run: inside each slice with hybrid ZeRO
+        (`zero.Zero.scope`), else over every replica."""
+        layout = self.parts.layout
+        return contextlib.nullcontext() if layout is None else layout.scope()
+
+    def _reduce_inside(self, grads: PyTree, params: PyTree) -> PyTree:
+        """`_reduce` over the replicas ZeRO splits over only (hybrid ZeRO: inside the slice;
+        ``layout.across_tree`` then takes the mean across the slices)."""
+        with self._scope():
+            return self.parts.reduce.update(grads, _EMPTY, params, across=False)[0]
+
     def _reduce(self, grads: PyTree, params: PyTree) -> PyTree:
         """Local gradients -> the mean over replicas: whole (stage 0) or this replica's part."""
         return self.parts.reduce.update(grads, _EMPTY, params)[0]
@@ -311,6 +332,7 @@ def wrap_optimizer(
     loss_scale_period: int = 2000,
     local_steps: int | None = None,
     outer_optimizer: optax.GradientTransformation | None = None,
+    zero_axes: tuple[str, ...] | None = None,
 ) -> DistributedOptimizer | local_sgd.LocalSGD:
     """Wraps ``tx`` so that it first takes the mean of the gradients over all replicas.
 
@@ -342,6 +364,11 @@ def wrap_optimizer(
         as a gradient. Use ``opt.step``: a step is all of them. ``None``: synchronous.
       outer_optimizer: the outer step of ``local_steps`` (default: SGD, learning rate 0.7,
         Nesterov momentum 0.9, as DiLoCo).
+      zero_axes: hybrid ZeRO (FSDP's ``HYBRID_SHARD``, MaxText's FSDP inside a slice with
+        ``dcn_data`` across): the replica axes ZeRO splits the state (and with
+        ``zero_stage=3`` the parameters) over, e.g. ``("data",)``; each part is whole on every
+        index of the others, whose replicas then exchange only the reduced gradients' parts.
+        None: every replica axis.
 
     Returns:
       A `DistributedOptimizer` (its ``init`` runs outside ``step_fn`` with ZeRO, ``update``
@@ -375,9 +402,10 @@ def wrap_optimizer(
         outer = outer if mesh is None else _placed_on(outer, mesh)  # placed as the parameters
         return local_sgd.LocalSGD(inner, outer, int(steps), mesh)
     _check_zero_needs(zero_stage, mesh, grad_dtype)
+    _check_zero_axes(zero_axes, zero_stage, mesh)
     grad_dtype = None if grad_dtype is None else jnp.dtype(grad_dtype)
     inner = optax.with_extra_args_support(tx)
-    layout = zero.Zero(mesh, stage=zero_stage) if zero_stage else None
+    layout = zero.Zero(mesh, stage=zero_stage, axes=zero_axes) if zero_stage else None
     if layout is not None:
         reduce = zero.scatter_mean(layout, grad_dtype=grad_dtype)
         apply = zero.sharded_update(inner, layout, grad_dtype=grad_dtype)
@@ -404,6 +432,32 @@ def wrap_optimizer(
     return DistributedOptimizer(
         Parts(tx, reduce, clip, apply, norm, layout, wrapped, accumulate_steps)
     )
+
+
+def _check_zero_axes(zero_axes: Any, zero_stage: int, mesh: Mesh | None) -> None:
+    """Refuses ``zero_axes`` that do not name a proper part of the mesh's replica axes, or
+    that come without ZeRO, or with a pipeline."""
+    if zero_axes is None:
+        return
+    api = f"wrap_optimizer(zero_axes={zero_axes!r})"
+    if isinstance(zero_axes, str) or not all(isinstance(a, str) for a in zero_axes):
+        raise TypeError(f"{api}: zero_axes must be a tuple of mesh axis names, e.g. ('data',).")
+    if not zero_stage:
+        raise ValueError(f"{api}: zero_axes says where ZeRO splits; give zero_stage=1, 2 or 3.")
+    if mesh is None:
+        raise ValueError(f"{api}: call repl.wrap_optimizer, which knows the mesh.")
+    replicas = mesh_lib.replica_axes(mesh)
+    if not zero_axes or not set(zero_axes) < set(replicas):
+        raise ValueError(
+            f"{api}: zero_axes must be some, not all, of the mesh's replica axes {replicas} "
+            f"(e.g. ('data',) on {{'dcn_data': S, 'data': N}}: split inside each slice, whole "
+            f"on every one); None splits over all of them."
+        )
+    if dict(mesh.shape).get(STAGE_AXIS, 1) > 1:
+        raise ValueError(
+            f"{api}: hybrid ZeRO with a pipeline ('{STAGE_AXIS}' axis) is not built; drop "
+            f"zero_axes (ZeRO then splits over every replica axis)."
+        )
 
 
 def _check_options(

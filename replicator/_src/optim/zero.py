@@ -28,18 +28,20 @@ mean, and `sharded_update` runs an optax transformation on the parts, its state 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax import lax
 from jax.extend import core as jex
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from replicator._src.core import collectives, placement, tracing
 from replicator._src.core import mesh as mesh_lib
-from replicator._src.core.binding import current_binding
+from replicator._src.core.binding import current_binding, only
 from replicator._src.core.sharded_params import ShardedParam, has_sharded_params, is_sharded_param
 from replicator._src.core.typing import PyTree
 from replicator._src.optim import replica_mean, sharded_eval, shards, zero_layout, zero_plan
@@ -76,10 +78,15 @@ step_fn received them in its state:
 class Zero:
     """The ZeRO layout of one mesh, and the update of an optax transformation on it."""
 
-    def __init__(self, mesh: Mesh, *, stage: int) -> None:
+    def __init__(self, mesh: Mesh, *, stage: int, axes: tuple | None = None) -> None:
         self.mesh = mesh
         self.stage = stage  # 0: nothing over the replicas; the update on stage blocks only
-        self.n = mesh_lib.num_replicas(mesh) if stage else 1
+        replicas = mesh_lib.replica_axes(mesh)
+        # hybrid ZeRO: split over `axes` (inside each slice), whole over the `outer` others
+        self.axes = replicas if axes is None else tuple(a for a in replicas if a in axes)
+        self.outer = tuple(a for a in replicas if a not in self.axes)
+        self.n = math.prod(mesh.shape[a] for a in self.axes) if stage else 1
+        self.grad_dtype = None  # the gradients' dtype on the wire (`scatter_mean` sets it)
         self.k = dict(mesh.shape).get(mesh_lib.STAGE_AXIS, 1)  # pipeline stages
         stage_axes = (mesh_lib.STAGE_AXIS,) if self.k > 1 else ()
         self.comm = shards.Comm(self.n, self.k, stage_axes)
@@ -254,11 +261,35 @@ class Zero:
             if split.stage is not None:
                 entries[split.stage] = mesh_lib.STAGE_AXIS
             if split.data is not None:
-                entries[split.data] = zero_layout.data_entry(self.mesh)
+                entries[split.data] = self.entry
             while entries and entries[-1] is None:
                 entries.pop()
             specs.append(PartitionSpec(*entries))
         return specs
+
+    @property
+    def entry(self):
+        """The ``PartitionSpec`` entry of the axes the parts are split over."""
+        return self.axes[0] if len(self.axes) == 1 else self.axes
+
+    def scope(self):
+        """The block inside which ZeRO's collectives run: over `axes` only (hybrid ZeRO), or
+        over every replica axis."""
+        return only(self.axes if self.outer else None)
+
+    def across(self, x: jax.Array, dtype=None) -> jax.Array:
+        """Hybrid ZeRO: the mean of a reduced part ``x`` over the `outer` axes (across the
+        slices, where every replica holds the same parts), sent in ``dtype`` if given."""
+        if not self.outer or current_binding().is_local:
+            return x
+        sent = x if dtype is None else x.astype(dtype)
+        return lax.pmean(sent, self.outer).astype(x.dtype)
+
+    def across_tree(self, parts: PyTree) -> PyTree:
+        """`across` of every reduced part of ``parts`` (ZeRO-2's accumulated slices, reduced
+        inside the slice each micro-batch and across the slices once)."""
+        dtype = getattr(self, "grad_dtype", None)
+        return jax.tree.map(lambda x: self.across(x, dtype), parts)
 
     # -- inside a step ----------------------------------------------------------------------------
 
@@ -271,7 +302,7 @@ class Zero:
                 f"repl.run of the replicator that made the optimizer."
             )
 
-    def reduce(self, grads: PyTree, params: PyTree, dtype) -> PyTree:
+    def reduce(self, grads: PyTree, params: PyTree, dtype, *, across: bool = True) -> PyTree:
         """Local gradients -> this replica's part of their mean over the replicas.
 
         A gradient of a parameter stored whole is reduce-scattered along its split axis (sent
@@ -294,9 +325,8 @@ class Zero:
                 else:
                     reduced = collectives.scatter_replicas(sent, leaf.data, leaf.auto) / self.n
                 reduced = reduced.astype(value.dtype)
-            out.append(
-                ShardedParam(reduced, g.dim, g.auto) if isinstance(g, ShardedParam) else reduced
-            )
+            reduced = self.across(reduced, dtype) if across else reduced  # hybrid: slices
+            out.append(g.like(reduced) if isinstance(g, ShardedParam) else reduced)
         return jax.tree.unflatten(treedef, out)
 
     def split_flags(self, params: PyTree, like: PyTree) -> list[bool]:
@@ -384,10 +414,11 @@ class Zero:
                 lead = max(lead, stage + 2)
             shape = tuple(np.shape(x))
             dim = zero_layout.split_dim(shape, spec, self.n, lead=lead, prefer=prefer.get(key))
-            new_spec = zero_layout.with_data(spec, dim, len(shape), self.mesh)
+            new_spec = zero_layout.with_data(spec, dim, len(shape), self.mesh, entry=self.entry)
             value = placement.put(jnp.asarray(x), NamedSharding(self.mesh, new_spec))
             auto = zero_layout.auto_entries(spec, len(shape), keep=len(shape) - lead)
-            return ShardedParam(value, None if dim is None else dim - len(shape), auto)
+            dim = None if dim is None else dim - len(shape)
+            return ShardedParam(value, dim, auto, self.axes if self.outer else None)
 
         if not leads and not prefer:
             return jax.tree.map(lambda x: shard(x, 0), params, is_leaf=is_sharded_param)
@@ -430,11 +461,13 @@ def scatter_mean(zero: Zero, *, grad_dtype: Any = None) -> optax.GradientTransfo
     leaf's split axis (and ``model`` split); without them it is chosen from the shapes.
     """
 
-    def update(grads, state, params=None, **extra_args):
+    zero.grad_dtype = grad_dtype  # for `Zero.across_tree` after an accumulation
+
+    def update(grads, state, params=None, *, across=True, **extra_args):
         del extra_args
         if stagewise.only_packed(grads, f"zero_stage={zero.stage}"):
             return grads, state  # reduce-scattered leaf by leaf in the update (stage_zero)
-        return zero.reduce(grads, params, grad_dtype), state
+        return zero.reduce(grads, params, grad_dtype, across=across), state
 
     return optax.GradientTransformationExtraArgs(optax.init_empty_state, update)
 

@@ -78,13 +78,16 @@ def data_entry(mesh: Mesh) -> Any:
     return axes[0] if len(axes) == 1 else tuple(axes)
 
 
-def with_data(spec: Any, dim: int | None, ndim: int, mesh: Mesh) -> PartitionSpec:
-    """``spec`` (or replicated) with axis ``dim`` split over the data axes, trailing Nones
-    dropped (as XLA gives a step's outputs, so that the next step sees the same sharding)."""
+def with_data(
+    spec: Any, dim: int | None, ndim: int, mesh: Mesh, *, entry: Any = None
+) -> PartitionSpec:
+    """``spec`` (or replicated) with axis ``dim`` split over the data axes (or ``entry``'s:
+    hybrid ZeRO's ``"data"``), trailing Nones dropped (as XLA gives a step's outputs, so that
+    the next step sees the same sharding)."""
     entries = list(tuple(spec or ()))[:ndim]
     entries += [None] * (ndim - len(entries))
     if dim is not None:
-        entries[dim] = data_entry(mesh)
+        entries[dim] = data_entry(mesh) if entry is None else entry
     while entries and entries[-1] is None:
         entries.pop()
     return PartitionSpec(*entries)

@@ -73,7 +73,7 @@ def gathered(tree: PyTree) -> PyTree:
     def gather(x):
         if not _split(x):
             return x
-        return ShardedParam(collectives.gather_replicas(x.value, x.dim, x.auto), None, x.auto)
+        return x.like(collectives.gather_replicas(x.value, x.dim, x.auto), None)
 
     return jax.tree.map(gather, tree, is_leaf=is_sharded_param)
 
@@ -91,7 +91,7 @@ def abstract(tree: PyTree) -> PyTree:
         if not _split(x):
             return x
         whole = jax.ShapeDtypeStruct(_whole_shape(x), jnp.result_type(x.value))
-        return ShardedParam(whole, None, x.auto)
+        return x.like(whole, None)
 
     return jax.tree.map(like, tree, is_leaf=is_sharded_param)
 
@@ -105,7 +105,7 @@ def zeros(tree: PyTree) -> PyTree:
         if not _split(x):
             return jax.tree.map(jnp.zeros_like, x)
         dtype = accumulator_dtype(jnp.result_type(x.value))
-        return ShardedParam(jnp.zeros(_whole_shape(x), dtype), None, x.auto)
+        return x.like(jnp.zeros(_whole_shape(x), dtype), None)
 
     return jax.tree.map(zero, tree, is_leaf=is_sharded_param)
 
@@ -127,7 +127,7 @@ def _whole(x: Any) -> bool:
 
 
 def _map_value(x: ShardedParam, f) -> ShardedParam:
-    return ShardedParam(f(x.value), x.dim, x.auto)
+    return x.like(f(x.value))
 
 
 def scatter(accumulated: PyTree, like: PyTree) -> PyTree:
@@ -140,7 +140,7 @@ def scatter(accumulated: PyTree, like: PyTree) -> PyTree:
         if not _split(p):
             return g
         value = g.value.astype(jnp.result_type(p.value))
-        return ShardedParam(collectives.scatter_replicas(value, p.dim, p.auto), p.dim, p.auto)
+        return p.like(collectives.scatter_replicas(value, p.dim, p.auto))
 
     return jax.tree.map(one, accumulated, like, is_leaf=is_sharded_param)
 

@@ -25,6 +25,7 @@ from replicator.cli.config.train_checks import (
     check_local_steps,
     check_mesh_and_counts,
     check_model_fits_the_job,
+    check_zero_axes,
 )
 from replicator.cli.data import DataConfig
 from replicator.cli.optimizers import OptimizerConfig
@@ -43,6 +44,9 @@ class TrainConfig:
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     clip_global_norm: float | None = 1.0
     zero_stage: int = 0
+    # hybrid ZeRO: the replica axes ZeRO splits over, e.g. [data] with mesh.dcn_data: split
+    # inside each slice, whole on every one (FSDP's HYBRID_SHARD); null: every replica axis
+    zero_axes: list | None = None
     accumulate_steps: int = 1
     # local SGD / DiLoCo: each index of mesh.dcn_data (a slice) takes this many steps on its
     # own, its gradients reduced inside it; then the slices average their moves, the one
@@ -133,6 +137,7 @@ class TrainConfig:
                     f"{what} keep it false (or use zero_stage=3 to shard what is kept)."
                 )
         check_local_steps(self)
+        check_zero_axes(self)
         jobs = dict(model=self.model, mesh=self.mesh, pipeline=self.pipeline)
         check_model_fits_the_job(
             **jobs, zero_stage=self.zero_stage, accumulate_steps=self.accumulate_steps

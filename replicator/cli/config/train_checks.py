@@ -269,3 +269,23 @@ def check_local_steps(config) -> None:
             f"inside the slice only; {', '.join(bad)} is not built with it. Unset local_steps, "
             f"or use zero_stage=0 without a pipeline, experts or offload."
         )
+
+
+def check_zero_axes(config) -> None:
+    """``zero_axes`` (hybrid ZeRO): replica axis names, with ZeRO, on a job that passes them
+    to its optimizer (the built-in kinds); the step refuses what its mesh cannot hold."""
+    where, axes = WHERE, config.zero_axes
+    if axes is None:
+        return
+    if isinstance(axes, str) or not axes or not all(a in DATA_AXES for a in axes):
+        raise ValueError(
+            f"{where}zero_axes={axes!r} must be a list of replica axes ({', '.join(DATA_AXES)}),"
+            f" e.g. zero_axes: [data] with mesh: {{dcn_data: 2, data: -1}}; or null."
+        )
+    if not config.zero_stage:
+        raise ValueError(f"{where}zero_axes={axes!r} says where ZeRO splits; set zero_stage.")
+    if config.model.kind not in ("gpt", "mlp", "cnn"):
+        raise ValueError(
+            f"{where}zero_axes is passed to the built-in jobs' optimizers; model.kind="
+            f"{config.model.kind!r} makes its own: call repl.wrap_optimizer(tx, zero_axes=...)."
+        )

@@ -52,6 +52,12 @@ def local_sgd(config) -> dict:
     return {"local_steps": config.local_steps, "outer_optimizer": outer}
 
 
+def zero_axes(config) -> dict:
+    """`wrap_optimizer`'s ``zero_axes`` keyword for ``config`` (hybrid ZeRO), or none."""
+    axes = getattr(config, "zero_axes", None)
+    return {} if axes is None else {"zero_axes": tuple(axes)}
+
+
 def first_of(input_fn: Callable) -> dict:
     """``input_fn``'s first global batch (one input pipeline)."""
     batches = input_fn(rp.InputContext())

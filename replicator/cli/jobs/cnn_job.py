@@ -8,7 +8,7 @@ from flax import nnx
 
 import replicator as rp
 from replicator.cli.config import TrainConfig
-from replicator.cli.jobs.base import Job, first_batch, sliced
+from replicator.cli.jobs.base import Job, first_batch, sliced, zero_axes
 from replicator.models import cnn
 
 
@@ -26,7 +26,10 @@ def cnn_job(config: TrainConfig, repl, make_tx) -> Job:
 
     graphdef, shapes, _ = nnx.split(nnx.eval_shape(new_model), nnx.Param, nnx.BatchStat)
     tx = repl.wrap_optimizer(
-        make_tx(shapes), zero_stage=config.zero_stage, clip_global_norm=config.clip_global_norm
+        make_tx(shapes),
+        zero_stage=config.zero_stage,
+        clip_global_norm=config.clip_global_norm,
+        **zero_axes(config),
     )
 
     def input_fn(ctx):

@@ -14,7 +14,7 @@ import optax
 
 import replicator as rp
 from replicator.cli.config import ModelConfig, TrainConfig
-from replicator.cli.jobs.base import Job, grad_dtype, local_sgd, sliced
+from replicator.cli.jobs.base import Job, grad_dtype, local_sgd, sliced, zero_axes
 from replicator.models import gpt, hf, llama
 from replicator.models.families import FAMILIES
 
@@ -149,6 +149,7 @@ def _unpipelined(config: TrainConfig, repl, make_tx, model: gpt.GPTConfig, init_
         clip_global_norm=config.clip_global_norm,
         grad_dtype=grad_dtype(config),
         **local_sgd(config),
+        **zero_axes(config),
     )
     loss_fn = lambda p, b: gpt.loss(p, b["tokens"], b["targets"], config=model)
 
@@ -197,6 +198,7 @@ def _pipelined(config: TrainConfig, repl, make_tx, model: gpt.GPTConfig, init_pa
         zero_stage=config.zero_stage,
         clip_global_norm=config.clip_global_norm,
         grad_dtype=grad_dtype(config),
+        **zero_axes(config),
     )
 
     def pipeline_step_fn(state, batch):

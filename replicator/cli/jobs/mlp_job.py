@@ -9,7 +9,7 @@ import numpy as np
 
 import replicator as rp
 from replicator.cli.config import TrainConfig
-from replicator.cli.jobs.base import Job, first_batch, local_sgd, sliced
+from replicator.cli.jobs.base import Job, first_batch, local_sgd, sliced, zero_axes
 from replicator.models import mlp
 
 
@@ -41,6 +41,7 @@ def mlp_job(config: TrainConfig, repl, make_tx) -> Job:
         accumulate_steps=config.accumulate_steps,
         clip_global_norm=config.clip_global_norm,
         **local_sgd(config),
+        **zero_axes(config),
     )
 
     def init():

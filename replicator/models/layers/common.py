@@ -80,5 +80,5 @@ def reduce_cast(params: PyTree, config: GPTConfig) -> PyTree:
             f"mesh without {MODEL_AXIS!r}. A TPU compiles it: `replicator explain CONFIG "
             f"--target TYPE` reads that program from here."
         )
-    cast = lambda a: rp.ShardedParam(a.value.astype(dtype), a.dim, a.auto) if is_stored(a) else a
+    cast = lambda a: a.like(a.value.astype(dtype)) if is_stored(a) else a
     return jax.tree.map(cast, params, is_leaf=is_stored)

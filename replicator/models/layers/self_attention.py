@@ -122,11 +122,11 @@ def _rearranged(a: Any, f: Callable, dims: dict, head_dim: int) -> Any:
     if not is_stored(a):
         return f(a)
     if a.dim is None:
-        return rp.ShardedParam(f(a.value), None, a.auto)
+        return a.like(f(a.value), None)
     new_dim = dims.get(a.dim)
     if a.auto or new_dim is None or (new_dim == -3 and a.value.shape[a.dim] % head_dim):
         return f(rp.gather_params(a))
-    return rp.ShardedParam(f(a.value), new_dim, a.auto)
+    return a.like(f(a.value), new_dim)
 
 
 def _dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
