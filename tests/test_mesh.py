@@ -1,6 +1,7 @@
 """Mesh construction and its errors."""
 
 import jax
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -161,6 +162,20 @@ def test_multi_slice_puts_one_slice_on_each_dcn_data_index(monkeypatch):
     assert [d.id for d in mesh.devices.flat] == [d.id for d in same.devices.flat]
 
 
+def test_without_dcn_data_a_pipeline_s_stages_cross_the_slices():
+    """``{"stage": 2, "data": 4}`` on 2 slices: stage ``j`` is slice ``j``, and ``data`` stays
+    inside each; ``stage: 4`` puts two consecutive stages on each slice."""
+    mesh = mesh_lib.build_mesh({"stage": 2, "data": 4}, devices=fake_slices(2))
+    assert dict(mesh.shape) == {"data": 4, "stage": 2}
+    stage = mesh.axis_names.index("stage")
+    for j in range(2):
+        assert {d.slice_index for d in np.take(mesh.devices, j, axis=stage).flat} == {j}
+    four = mesh_lib.build_mesh({"stage": 4, "data": 2}, devices=fake_slices(2))
+    stage = four.axis_names.index("stage")
+    got = [{d.slice_index for d in np.take(four.devices, j, axis=stage).flat} for j in range(4)]
+    assert got == [{0}, {0}, {1}, {1}]
+
+
 def test_a_cpu_mesh_is_built_as_before(monkeypatch):
     from jax.experimental import mesh_utils
 
@@ -183,10 +198,10 @@ def test_a_layout_that_puts_another_axis_across_slices_is_refused(monkeypatch):
     monkeypatch.setattr(jax, "make_mesh", no_hybrid)
     with pytest.raises(
         ValueError,
-        match=r"^Replicator: the devices span 2 slices, and 'dcn_data' is the only mesh axis laid "
-        r"out across slices, but mesh_shape=\{'data': -1\} has no 'dcn_data' axis\. Give "
-        r"'dcn_data' a multiple of 2 \(the slice count\): mesh_shape=\{'dcn_data': 2, "
-        r"'data': -1\}\.$",
+        match=r"^Replicator: the devices span 2 slices, and 'dcn_data' is the mesh axis laid "
+        r"out across slices \(or, without it, 'stage': a pipeline's stages\), but "
+        r"mesh_shape=\{'data': -1\} has no 'dcn_data' axis\. Give 'dcn_data' a multiple of 2 "
+        r"\(the slice count\): mesh_shape=\{'dcn_data': 2, 'data': -1\}\.$",
     ):
         rp.Replicator(mesh_shape={"data": -1}, devices=fake_slices(2))
     with pytest.raises(

@@ -7,6 +7,7 @@ The whole module needs libtpu (``pip install "replicator[tpu]"``); without it it
 """
 
 import collections
+import dataclasses
 import importlib.util
 import json
 import math
@@ -646,6 +647,34 @@ def test_the_bytes_across_slices_are_the_hierarchical_formulas(
         assert sum(every) == pytest.approx(across["all-reduce"])
 
 
+@pytest.mark.slow  # a TPU program of 2 x v5p-16, about 10 s
+def test_stages_across_slices_send_only_the_stage_sends_and_shared_grads(tmp_path, capsys):
+    """``pipeline.across_slices: true`` on 2 x v5p-16 (``{stage 2, data 8}``: stage ``j`` is
+    slice ``j``): what crosses is each tick's two stage sends (activations forward, cotangents
+    back, one micro-batch each: 1F1B's ``M + 2K - 2`` ticks) and the mean over the stages of
+    the parameters outside the stage blocks (embedding, head), read as collectives over
+    ``stage``; the data axis's reductions stay inside each slice."""
+    out = tmp_path / "pipe.json"
+    keys = ["model.d_model=512", "model.heads=8", "mesh.stage=2", "mesh.data=8",
+            "pipeline.across_slices=true"]  # fmt: skip
+    argv = ["explain", str(ROOT / "configs/lm_pipeline.yaml"), *keys, "--target", "v5p-16",
+            "--slices", "2", "--quick", "--json", str(out)]  # fmt: skip
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    data = json.loads(out.read_text())
+    assert data["mesh"] == {"data": 8, "stage": 2}
+    cfg = config_lib.load(str(ROOT / "configs/lm_pipeline.yaml"), keys)
+    k, m = 2, cfg.pipeline.microbatches
+    rows = cfg.global_batch // 8 // m  # a micro-batch of a replica
+    activation = rows * cfg.model.seq_len * 512 * 4  # fp32
+    ticks = m + 2 * k - 2
+    assert data["dcn_bytes"]["one-to-one"] == 2 * ticks * activation
+    crossing = {(c["kind"], tuple(c["axes"])) for c in data["collective_summary"]}
+    assert ("one-to-one", ("stage",)) in crossing and ("all-reduce", ("data",)) in crossing
+    outside = (256 * 512 + 64 * 512 + 512 * 256 + 2 * 512) * 4  # embedding, head: fp32 bytes
+    assert 0 < data["dcn_bytes"]["all-reduce"] <= outside
+    assert set(data["dcn_bytes"]) == {"one-to-one", "all-reduce"}
+
+
 @pytest.mark.slow  # two TPU programs of 2 x v5p-16, about 10 s each
 def test_diloco_sends_an_eighth_of_the_bytes_across_slices(tmp_path, capsys):
     """``local_steps: 8`` on 2 x v5p-16: one program of 8 optimizer steps sends across slices
@@ -678,6 +707,26 @@ def _refused(capsys, *args, tries: bool = False) -> str:
     assert all(t.startswith("  does not fit: trying ") for t in tried) and (tries or not tried), err
     assert line.startswith("replicator explain: "), err
     return line
+
+
+def test_stages_across_slices_need_a_stage_axis_of_the_slices():
+    """``pipeline.across_slices`` lays ``mesh.stage`` across the slices: refused, naming the
+    keys, when the stages are not a multiple of the slices or a ``dcn_data`` axis is given."""
+    from replicator.cli import targets as cli_targets
+
+    target = rp.targets.tpu_target("v5p-16", slices=2)
+    base = config_lib.load(str(ROOT / "configs/lm_pipeline.yaml"), ["pipeline.across_slices=true"])
+    for mesh in ({"data": 16, "stage": 1}, {"dcn_data": 2, "data": 4, "stage": 2}):
+        with pytest.raises(ValueError, match="give mesh.stage a multiple of 2 and no mesh.dcn"):
+            cli_targets.mesh_on_target(dataclasses.replace(base, mesh=mesh), target)
+    staged = cli_targets.mesh_on_target(
+        dataclasses.replace(base, mesh={"data": 8, "stage": 2}), target
+    )
+    assert staged.mesh == {"data": 8, "stage": 2}  # no dcn_data added
+    plain = dataclasses.replace(
+        base, pipeline=dataclasses.replace(base.pipeline, across_slices=False)
+    )
+    assert "dcn_data" in cli_targets.mesh_on_target(plain, target).mesh
 
 
 def test_cli_slices_without_a_target_is_refused(capsys):

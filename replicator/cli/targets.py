@@ -58,13 +58,23 @@ def devices(name: str, slices: int) -> tuple:
 
 def mesh_on_target(config: TrainConfig, target: rp.targets.Target) -> TrainConfig:
     """``config`` with its mesh over the target's devices: a ``dcn_data`` axis of the slices
-    when the mesh has none (and several slices), and the mesh's size checked.
+    when the mesh has none (and several slices; with ``pipeline.across_slices``, the stages
+    cross them instead), and the mesh's size checked.
 
     Raises:
       ValueError: for a mesh whose fixed sizes do not make the target's chips.
     """
     mesh = dict(config.mesh)
-    if target.slices > 1 and "dcn_data" not in mesh:
+    staged = config.pipeline is not None and config.pipeline.across_slices
+    if target.slices > 1 and staged:  # the stages across the slices (`mesh.build_mesh`)
+        stages = mesh.get("stage", 1)
+        if "dcn_data" in mesh or stages % target.slices or stages < target.slices:
+            raise ValueError(
+                f"pipeline.across_slices lays mesh.stage across the {target.slices} slices: "
+                f"give mesh.stage a multiple of {target.slices} and no mesh.dcn_data; got mesh "
+                f"{mesh}."
+            )
+    elif target.slices > 1 and "dcn_data" not in mesh:
         mesh = {"dcn_data": target.slices, **mesh}
     sizes = [v for v in mesh.values() if v != -1]
     fixed = math.prod(sizes)

@@ -54,12 +54,13 @@ def build_mesh(
     ``{"data": 4, "stage": 1}`` sees a ``stage`` axis.
 
     Devices of several slices (distinct ``slice_index`` values, as on multi-slice TPU) get a
-    hybrid mesh: ``dcn_data`` is the only axis that crosses slices, and every other axis stays
-    inside a slice, on its fast interconnect (ICI). ``dcn_data`` must then be a multiple ``k * S``
-    of the number of slices ``S``: slices are taken in ``slice_index`` order, and slice ``j``
-    holds the ``k`` consecutive indices ``j * k, ..., j * k + k - 1`` of ``dcn_data``. Inside a
-    slice, the layout is the one ``jax.make_mesh`` gives that slice alone. Devices of one slice,
-    or without ``slice_index`` (CPU), get ``jax.make_mesh``'s mesh.
+    hybrid mesh: one axis crosses slices, and every other axis stays inside a slice, on its fast
+    interconnect (ICI). That axis is ``dcn_data``; on a mesh without one, a ``stage`` axis that
+    is a multiple of the slices (a pipeline across slices: only the stage sends cross). It must
+    be a multiple ``k * S`` of the number of slices ``S``: slices are taken in ``slice_index``
+    order, and slice ``j`` holds the ``k`` consecutive indices ``j * k, ..., j * k + k - 1`` of
+    it. Inside a slice, the layout is the one ``jax.make_mesh`` gives that slice alone. Devices
+    of one slice, or without ``slice_index`` (CPU), get ``jax.make_mesh``'s mesh.
 
     >>> import jax
     >>> dict(build_mesh({"stage": 1, "data": -1}, devices=jax.devices()[:2]).shape)
@@ -177,20 +178,25 @@ def _multi_slice_mesh(
             f"({', '.join(sizes)}); a multi-slice mesh is laid out slice by slice, so pass every "
             f"device of each slice (e.g. devices=jax.devices())."
         )
+    across = DCN_AXIS
+    stages = shape.get(STAGE_AXIS, 1)
+    if DCN_AXIS not in mesh_shape and stages >= count and stages % count == 0:
+        across = STAGE_AXIS  # a pipeline across slices: only the stage sends cross them
     dcn = shape.get(DCN_AXIS, 1)
-    if dcn % count:
+    if across == DCN_AXIS and dcn % count:
         fix = {DCN_AXIS: count, **{k: v for k, v in mesh_shape.items() if k != DCN_AXIS}}
         if -1 not in fix.values():
             fix["data"] = -1
         fix = {name: fix[name] for name in KNOWN_AXES if name in fix}
         has = f"gives {DCN_AXIS!r} {dcn}" if DCN_AXIS in mesh_shape else f"has no {DCN_AXIS!r} axis"
         raise ValueError(
-            f"Replicator: the devices span {count} slices, and {DCN_AXIS!r} is the only mesh axis "
-            f"laid out across slices, but mesh_shape={dict(mesh_shape)} {has}. Give "
-            f"{DCN_AXIS!r} a multiple of {count} (the slice count): mesh_shape={fix}."
+            f"Replicator: the devices span {count} slices, and {DCN_AXIS!r} is the mesh axis "
+            f"laid out across slices (or, without it, {STAGE_AXIS!r}: a pipeline's stages), but "
+            f"mesh_shape={dict(mesh_shape)} {has}. Give {DCN_AXIS!r} a multiple of {count} (the "
+            f"slice count): mesh_shape={fix}."
         )
-    ici = [dcn // count if name == DCN_AXIS else shape[name] for name in names]
-    dcn_shape = [count if name == DCN_AXIS else 1 for name in names]
+    ici = [shape[name] // count if name == across else shape[name] for name in names]
+    dcn_shape = [count if name == across else 1 for name in names]
     return compat.make_hybrid_mesh(ici, dcn_shape, names, devices)
 
 

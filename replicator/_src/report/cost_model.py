@@ -61,6 +61,7 @@ class CollectiveCost:
     axes: tuple[str, ...]
     wire_bytes: float  # bytes one device sends per step (ring algorithms), all executions
     count: float  # executions per step
+    across: bool = False  # read as a TPU program's part across slices (`hlo.Collective`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +123,13 @@ class CompiledStep:
             },
             flops=float(report.flops),
             collectives=tuple(
-                CollectiveCost(c.kind, tuple(c.axes), float(c.wire_bytes), float(c.count))
+                CollectiveCost(
+                    c.kind,
+                    tuple(c.axes),
+                    float(c.wire_bytes),
+                    float(c.count),
+                    bool(getattr(c, "across", False)),
+                )
                 for c in report.collectives
             ),
             idle_flops=float(idle),
@@ -142,7 +149,9 @@ class CompiledStep:
         raw = dict(raw)
         raw["roofline"] = tuple(tuple(k) for k in raw.get("roofline", ()))
         raw["collectives"] = tuple(
-            CollectiveCost(c["kind"], tuple(c["axes"]), c["wire_bytes"], c["count"])
+            CollectiveCost(
+                c["kind"], tuple(c["axes"]), c["wire_bytes"], c["count"], c.get("across", False)
+            )
             for c in raw["collectives"]
         )
         return cls(**raw)
@@ -200,6 +209,15 @@ def crosses_dcn(axes: tuple[str, ...], mesh: dict[str, int], island_size: int) -
         if mesh[axis] > 1 and stride * mesh[axis] > island_size:
             return True
     return False
+
+
+def far(step: CompiledStep, island_size: int) -> list[bool]:
+    """Whether each collective of ``step`` crosses the DCN: in a TPU program of several
+    slices, its parts across them (`CollectiveCost.across`: the rest stay inside a slice,
+    whatever axis they are over); else by `crosses_dcn`."""
+    if any(c.across for c in step.collectives):
+        return [c.across for c in step.collectives]
+    return [crosses_dcn(c.axes, step.mesh, island_size) for c in step.collectives]
 
 
 def hideable(c: CollectiveCost) -> bool:
@@ -287,11 +305,10 @@ def model_time(
     compute = scale * kernel_time(step, hardware)
     bubble = 0.0 if hardware.shared else step.idle_flops / hardware.peak_flops
     ici = dcn = data_axes = 0.0
-    for c in step.collectives:
-        far = crosses_dcn(c.axes, step.mesh, hardware.island_size)
-        bandwidth = hardware.dcn_bandwidth if far else hardware.ici_bandwidth
+    for c, across in zip(step.collectives, far(step, hardware.island_size), strict=True):
+        bandwidth = hardware.dcn_bandwidth if across else hardware.ici_bandwidth
         seconds = scale * c.wire_bytes / bandwidth + c.count * hardware.collective_latency
-        if far:
+        if across:
             dcn += seconds
         else:
             ici += seconds

@@ -22,7 +22,7 @@ from fractions import Fraction
 import numpy as np
 
 from replicator._src.core import tracing
-from replicator._src.core.mesh import DCN_AXIS
+from replicator._src.core.mesh import DCN_AXIS, STAGE_AXIS
 from replicator._src.report import convolution, hlo_bytes, loops
 from replicator._src.report.device_groups import axes_spanned, replica_groups
 from replicator._src.report.hlo_bytes import _ARRAY, _CALLS, _num_elements, shape_bytes
@@ -69,6 +69,8 @@ class Collective:
         and all-to-all, ``bytes`` per collective-permute; times ``count``.
       conditional: it sits in a branch of a conditional (``count`` assumes that branch runs).
       op_name: the JAX operation it came from (the HLO metadata), e.g. ``".../psum"``.
+      across: its part across TPU slices (a send to the DCN runtime); in a program of several
+        slices, the others stay inside a slice.
     """
 
     kind: str
@@ -80,6 +82,7 @@ class Collective:
     wire_bytes: float
     conditional: bool
     op_name: str
+    across: bool = False
 
     @property
     def total_bytes(self) -> float:
@@ -220,16 +223,26 @@ def _add(a: tuple, b: tuple) -> tuple:
 
 
 def _wire(kind: str, payload: int, g: int) -> float:
-    if kind == "collective-permute":
+    if kind in ("collective-permute", "one-to-one"):  # one-to-one: a permute's DCN part
         return float(payload)
     share = (g - 1) / g if g else 0.0
     return (2 if kind == "all-reduce" else 1) * share * payload
 
 
 class _Walker(hlo_bytes.KernelBytes):
-    def __init__(self, comps: dict[str, list[_Inst]], mesh_shape: dict[str, int]):
+    def __init__(self, comps: dict[str, list[_Inst]], mesh_shape: dict[str, int], slices=1):
         self.comps = comps
-        self.mesh_shape = dict(mesh_shape)
+        # A program for S slices names the devices of one slice (its part inside a slice; the
+        # part across is a send to the DCN runtime): the mesh of one slice, the axis across
+        # the slices (`mesh.build_mesh`'s: dcn_data, else stage) S times shorter.
+        self.across = (
+            DCN_AXIS if DCN_AXIS in mesh_shape or STAGE_AXIS not in mesh_shape else STAGE_AXIS
+        )
+        self.slices = slices
+        self.mesh_shape = {
+            a: (n // slices if a == self.across and slices > 1 else n)
+            for a, n in mesh_shape.items()
+        }
         self.num_devices = int(np.prod(list(self.mesh_shape.values()), dtype=np.int64))
         self.shapes = {i.name: i.shape for insts in comps.values() for i in insts}
         self.unknown_trips = 0
@@ -399,13 +412,13 @@ class _Walker(hlo_bytes.KernelBytes):
         kind = re.search(r'_xla_megascale_transfer_type="(\w+)"', inst.attrs).group(1)
         kind = kind.lower().replace("_", "-")
         arrays = [a for a in _ARRAY.findall(inst.shape) if a[0] not in ("u32", "token")]
-        g = self.mesh_shape.get(DCN_AXIS, 2)
+        g = self.slices if self.slices > 1 else 2  # the slices are the group
         payload = shape_bytes(" ".join(f"{d}[{s}]" for d, s in arrays[:1]))
         payload *= g if kind == "all-gather" else 1
         return Collective(
-            kind=kind, axes=(DCN_AXIS,), dtype=arrays[0][0] if arrays else "", group_size=g,
+            kind=kind, axes=(self.across,), dtype=arrays[0][0] if arrays else "", group_size=g,
             bytes=payload, count=float(mult), wire_bytes=_wire(kind, payload, g) * float(mult),
-            conditional=cond, op_name=op_name,
+            conditional=cond, op_name=op_name, across=True,
         )  # fmt: skip
 
 
@@ -425,11 +438,13 @@ def _as_reduce_scatter(c: Collective) -> Collective:
     return dataclasses.replace(c, kind="reduce-scatter", wire_bytes=wire)
 
 
-def analyze(text: str, mesh_shape: dict[str, int]) -> Costs:
+def analyze(text: str, mesh_shape: dict[str, int], slices: int = 1) -> Costs:
     """FLOPs, transcendentals and collectives per device per step of an optimized HLO module.
 
     ``mesh_shape`` gives the mesh the program was partitioned over, in the order of its devices
-    (collective device ids are positions in that order).
+    (collective device ids are positions in that order); ``slices``, the TPU slices it spans
+    (its device ids are then one slice's, and its sends across slices are collectives over the
+    axis laid across them: ``dcn_data``, else ``stage``).
 
     >>> hlo = '''
     ... ENTRY %main (p: f32[4,8], q: f32[8,2]) -> f32[4,2] {
@@ -444,7 +459,7 @@ def analyze(text: str, mesh_shape: dict[str, int]) -> Costs:
     (128.0, ('data',), 32)
     """
     entry, comps = parse_module(text)
-    walker = _Walker(comps, mesh_shape)
+    walker = _Walker(comps, mesh_shape, slices)
     out: list[Collective] = []
     kernels: dict = {}
     flops, matmul, trans = walker.visit(entry, Fraction(1), False, frozenset(), out, kernels)

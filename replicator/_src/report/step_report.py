@@ -379,7 +379,7 @@ def report(
                  ("argument", "output", "temp")) - int(getattr(stats, "host_alias_size_in_bytes", 0) or 0),
     )  # fmt: skip
     text = compiled.as_text()
-    costs = hlo.analyze(text, mesh_shape)
+    costs = hlo.analyze(text, mesh_shape, slices=1 if target is None else target.slices)
     try:
         analysis = compiled.cost_analysis() or {}
     except Exception:  # not every backend implements it

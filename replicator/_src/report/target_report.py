@@ -151,8 +151,8 @@ def target_report(report, target: targets.Target, *, optimal_seconds: float | No
         )
     peak = report.memory.peak
     across: dict[str, float] = {}
-    for c in step.collectives:
-        if cost_model.crosses_dcn(c.axes, step.mesh, hw.island_size):
+    for c, crosses in zip(step.collectives, cost_model.far(step, hw.island_size), strict=True):
+        if crosses:
             across[c.kind] = across.get(c.kind, 0.0) + c.wire_bytes
     host_fits = hw.host_memory_bytes is None or report.memory.host <= hw.host_memory_bytes
 
@@ -201,12 +201,13 @@ def lines(t: TargetReport, format_bytes) -> list[str]:
     )
     if t.dcn_bytes:
         kinds = ", ".join(f"{kind} {format_bytes(b)}" for kind, b in sorted(t.dcn_bytes.items()))
+        sends = "; a stage send (one-to-one) crosses whole" if "one-to-one" in t.dcn_bytes else ""
         out.append(
             f"across slices: {format_bytes(sum(t.dcn_bytes.values()))} a chip a step ({kinds}), "
             f"{t.dcn_seconds * 1e3:.4g} ms at {t.dcn_bandwidth / 1e9:.4g} GB/s a chip: the part "
             f"across slices of each collective over the replicas, which XLA splits in two "
-            f"(inside each slice on the whole buffer, then across on a chip's 1 / data of it); "
-            f"the replicas' reductions and gathers overlap compute with the ICI's"
+            f"(inside each slice on the whole buffer, then across on a chip's 1 / data of it)"
+            f"{sends}; the replicas' reductions and gathers overlap compute with the ICI's"
         )
         if t.optimizer_steps > 1:
             per = sum(t.dcn_bytes.values()) / t.optimizer_steps

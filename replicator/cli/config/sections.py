@@ -223,6 +223,10 @@ class PipelineConfig:
     # zero_stage 3: "step" sums the stages' gradients whole over the micro-batches and
     # reduce-scatters them once a step; "microbatch" in each micro-batch's backward pass
     scatter_grads: str = "microbatch"
+    # with --slices N (explain, plan): the stages cross the TPU slices (mesh.stage a multiple
+    # of N, no mesh.dcn_data; only the stage sends cross the data-centre network) instead of
+    # a dcn_data axis of the slices; no effect on one slice
+    across_slices: bool = False
 
     def __post_init__(self) -> None:
         one_of(self, "schedule", SCHEDULES, what="a schedule")
