@@ -33,6 +33,9 @@ LAYOUTS = [
     # ZeRO-3 in a pipeline: each micro-batch's tick gathers its stage's layers again
     rp.planner.Layout(data=2, stage=4, schedule="1f1b", microbatches=8, zero_stage=3),
     rp.planner.Layout(data=4, stage=2, schedule="gpipe", microbatches=4, zero_stage=3),
+    # hybrid ZeRO: split inside each slice; across, each part's mean (the slices emulated)
+    rp.planner.Layout(dcn_data=2, data=4, zero_stage=3, hybrid=True),
+    rp.planner.Layout(dcn_data=2, data=4, zero_stage=2, accumulate_steps=2, hybrid=True),
 ]
 
 
@@ -333,12 +336,21 @@ def test_ladders_priced_well_over_a_compiled_fit_are_not_compiled(monkeypatch):
 
 def test_layouts_over_slices_put_the_replicas_across_them():
     """``slices=2``: every layout has ``dcn_data=2`` and the rest laid out on a slice's devices
-    with its half of the batch; slices that do not divide the devices or the batch are
+    with its half of the batch, and each ladder with ZeRO and no pipeline comes again with
+    ZeRO inside each slice (hybrid); slices that do not divide the devices or the batch are
     refused."""
     sizes = rp.planner.ModelSizes(global_batch=32, num_layers=4, num_heads=4, hidden=512)
     one = rp.planner.enumerate_layouts(8, sizes=dataclasses.replace(sizes, global_batch=16))
     two = rp.planner.enumerate_layouts(16, sizes=sizes, slices=2)
-    assert [str(lad) for lad in two] == [f"dcn_data=2 {lad}" for lad in one]
+    want = []
+    for lad in one:
+        want.append(f"dcn_data=2 {lad}")
+        first = lad.layouts[0]
+        if first.zero_stage and first.stage == 1:
+            want.append(f"dcn_data=2 {lad}".replace(f"zero={first.zero_stage}",
+                                                   f"zero={first.zero_stage} hybrid"))  # fmt: skip
+    assert [str(lad) for lad in two] == want
+    assert any(lad.layouts[0].hybrid for lad in two)
     for lay in (lay for ladder in two for lay in ladder.layouts):
         assert lay.num_devices == 16 and lay.replicas == 2 * lay.data
         assert list(lay.mesh_shape)[:2] == ["dcn_data", "data"]
@@ -376,3 +388,27 @@ def test_a_layout_over_slices_is_priced_as_its_replicas_with_the_dcn_part_apart(
     island = dataclasses.replace(hw, island_size=4)
     t = model_time(two.step(), island)
     assert t.dcn > 0 and model_time(flat.step(), hw).dcn == 0
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_hybrid_zero_is_priced_as_one_slice_plus_one_mean_across(zero):
+    """``dcn_data=2 data=4 hybrid``: the state of ``data=4`` (ZeRO inside a slice), its
+    collectives inside the slice, and across the slices one all-reduce of a replica's part of
+    the gradients, ``2 (S-1)/S x G / data``: what ZeRO-1 and 2 over both slices send, and less
+    than ZeRO-3 over both (its gathers cross too)."""
+    inside = pricing.price(rp.planner.Layout(data=4, zero_stage=zero), SHAPE)
+    hybrid = pricing.price(rp.planner.Layout(dcn_data=2, data=4, zero_stage=zero, hybrid=True),
+                           SHAPE)  # fmt: skip
+    full = pricing.price(rp.planner.Layout(dcn_data=2, data=4, zero_stage=zero), SHAPE)
+    assert hybrid.state_bytes == inside.state_bytes > full.state_bytes
+    on_data = lambda p: sorted((c.kind, c.wire_bytes) for c in p.collectives if c.axes == ("data",))
+    assert on_data(hybrid) == on_data(inside)
+    (across,) = [c for c in hybrid.collectives if c.axes == ("dcn_data",)]
+    grads = 4 * SHAPE.num_params
+    assert (across.kind, across.count) == ("all-reduce", 1)
+    assert across.wire_bytes == pytest.approx(2 * (1 / 2) * grads / 4)
+    over_both = sum(c.wire_bytes for c in full.collectives if c.axes == ("dcn_data",))
+    if zero == 3:  # ZeRO-3 over both slices also gathers across them
+        assert across.wire_bytes < 0.75 * over_both
+    else:  # ZeRO-1 and 2 over both: a reduce-scatter and an all-gather, the same bytes
+        assert across.wire_bytes == pytest.approx(over_both)

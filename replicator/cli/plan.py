@@ -450,6 +450,7 @@ def with_layout(raw: dict, layout: rp.planner.Layout) -> dict:
     out = dict(raw)
     out["mesh"] = dict(layout.mesh_shape)
     out["zero_stage"] = layout.zero_stage
+    out["zero_axes"] = ["data"] if layout.hybrid else None
     out["accumulate_steps"] = layout.accumulate_steps
     out["cpu_devices"] = layout.num_devices
     if layout.stage > 1:

@@ -85,7 +85,9 @@ def enumerate_layouts(
     network) put the replicas across them: every layout has ``dcn_data = slices`` (the mesh's
     axis across slices), and the rest is laid out as above on the ``N / slices`` devices of a
     slice, with ``global_batch / slices`` sequences. ZeRO then shards over the replicas of every
-    slice, as the library's data axes do.
+    slice, as the library's data axes do; and each ladder with ZeRO and no pipeline comes again
+    as hybrid ZeRO (``Layout.hybrid``: split inside each slice, whole on every one), which
+    holds more a device and sends only the reduced gradients' mean across the slices.
 
     Args:
       num_devices: N (over all slices).
@@ -151,11 +153,17 @@ def enumerate_layouts(
             f"give a global batch that is a multiple of {s}."
         )
     one = dataclasses.replace(sizes, global_batch=sizes.global_batch // s)
-    return [
-        Ladder(tuple(tuple(dataclasses.replace(lay, dcn_data=s) for lay in group)
-                     for group in ladder.groups))
-        for ladder in _ladders(n // s, one, search, limits)
-    ]  # fmt: skip
+    out = []
+    for ladder in _ladders(n // s, one, search, limits):
+        for hybrid in (False, True):  # ZeRO over every slice, or inside each (hybrid)
+            first = ladder.layouts[0]
+            if hybrid and (not first.zero_stage or first.stage > 1):
+                continue
+            out.append(Ladder(tuple(
+                tuple(dataclasses.replace(lay, dcn_data=s, hybrid=hybrid) for lay in group)
+                for group in ladder.groups
+            )))  # fmt: skip
+    return out
 
 
 def _ladders(n: int, sizes: ModelSizes, search: SearchOptions, limits: AxisLimits) -> list[Ladder]:

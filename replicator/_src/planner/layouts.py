@@ -62,6 +62,8 @@ class Layout:
       remat: what each layer keeps for the backward pass: ``False`` (``"none"``) all its
         activations, ``"dots"`` its products' outputs, ``True`` (``"full"``) its input only,
         recomputing the layer.
+      hybrid: ZeRO splits over ``data`` only, inside each slice, whole on every one (hybrid
+        ZeRO: ``zero_axes=("data",)``); needs ``dcn_data > 1``, ZeRO and no pipeline.
 
     >>> Layout(data=2, stage=4, schedule="1f1b", microbatches=8, remat=True)
     Layout(data=2 stage=4 1f1b M=8 remat)
@@ -79,6 +81,8 @@ class Layout:
     Layout(dcn_data=4 data=8 zero=3)
     >>> Layout(dcn_data=4, data=8).mesh_shape, Layout(dcn_data=4, data=8).num_devices
     ({'dcn_data': 4, 'data': 8}, 32)
+    >>> Layout(dcn_data=4, data=8, zero_stage=3, hybrid=True).zero_shards
+    8
     """
 
     data: int = 1
@@ -94,6 +98,7 @@ class Layout:
     accumulate_steps: int = 1
     remat: bool | str = False
     dcn_data: int = 1
+    hybrid: bool = False
 
     def __post_init__(self) -> None:
         for name in ("data", "dcn_data", "stage", "model", "context", "expert", "microbatches",
@@ -128,6 +133,12 @@ class Layout:
                 f"device); got repeats={self.repeats}. Use repeats=2, or schedule='1f1b'."
             )
         object.__setattr__(self, "remat", remat_policy(self.remat, "Layout"))
+        if self.hybrid and (self.dcn_data == 1 or not self.zero_stage or self.stage > 1):
+            raise ValueError(
+                f"Layout: hybrid=True splits ZeRO inside each slice: it needs dcn_data > 1, "
+                f"zero_stage >= 1 and no pipeline; got dcn_data={self.dcn_data}, "
+                f"zero_stage={self.zero_stage}, stage={self.stage}."
+            )
 
     def _check_token_axes(self) -> None:
         """The attention goes with a context axis (ring unless told). What the library cannot
@@ -156,6 +167,11 @@ class Layout:
         """The data replicas over all slices (``dcn_data x data``): the batch's split, and
         ZeRO's."""
         return self.dcn_data * self.data
+
+    @property
+    def zero_shards(self) -> int:
+        """The devices ZeRO splits a leaf over: ``data`` (hybrid) or every replica."""
+        return self.data if self.hybrid else self.replicas
 
     @property
     def mesh_shape(self) -> dict[str, int]:
@@ -190,7 +206,7 @@ class Layout:
         if self.model > 1:
             parts.append(f"model={self.model}")
         if self.zero_stage:
-            parts.append(f"zero={self.zero_stage}")
+            parts.append(f"zero={self.zero_stage}" + (" hybrid" if self.hybrid else ""))
         if self.accumulate_steps > 1:
             parts.append(f"accum={self.accumulate_steps}")
         if self.remat:

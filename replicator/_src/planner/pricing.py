@@ -131,7 +131,7 @@ def price(layout: Layout, shape: ModelShape) -> Price:
 
 def _state_bytes(layout: Layout, m: ModelShape) -> float:
     params = device_params(layout, m)
-    replicas = layout.replicas  # ZeRO splits over the data axes (not context's replicas)
+    replicas = layout.zero_shards  # ZeRO splits over the data axes (not context's replicas)
     held = params / replicas if layout.zero_stage == 3 else params
     slots = m.opt_slots * params / (replicas if layout.zero_stage >= 1 else 1)
     return 4 * (held + slots)
@@ -156,7 +156,7 @@ def _working_bytes(layout: Layout, m: ModelShape) -> float:
     activations = tokens * _kept(layout, m, layout.remat) * layers * in_flight
     if layout.stage > 1:  # every micro-batch's input to the stages and output of the last
         activations += (2 * layout.microbatches + 1) * tokens * m.d_model * e
-    grads = 4 * params / (layout.replicas if zero >= 2 else 1)
+    grads = 4 * params / (layout.zero_shards if zero >= 2 else 1)
     if zero == 2 or (layout.accumulate_steps > 1 and zero < 2):
         grads += 4 * params  # a micro-step's whole, before ZeRO-2 scatters it or it is summed
     outer_split, outer_whole = m.outer_params
@@ -165,7 +165,7 @@ def _working_bytes(layout: Layout, m: ModelShape) -> float:
     if e < 4:  # each layer's weights cast to the compute dtype (ZeRO-3: its own part), and
         # under ZeRO-3 without remat the gathered casts, kept for the backward (fp32 weights
         # are gathered again where they are used)
-        weights += e * block / (layout.replicas if zero == 3 else 1)
+        weights += e * block / (layout.zero_shards if zero == 3 else 1)
         if zero == 3 and layout.remat is False:
             weights += e * block
     outer_split = outer_split / t
@@ -278,7 +278,7 @@ def _roofline(layout: Layout, m: ModelShape, flops: float) -> tuple[tuple[float,
     beyond = _kept(layout, m, layout.remat) - _kept(layout, m, True)
     saved = 2 * layers * tokens * max(0.0, beyond)
     logits = 6 * 4 * tokens * m.vocab / t
-    updated = device_params(layout, m) / (layout.replicas if layout.zero_stage >= 1 else 1)
+    updated = device_params(layout, m) / (layout.zero_shards if layout.zero_stage >= 1 else 1)
     memory = units + saved + logits + UPDATE_BYTES * updated
     return ((flops - attention, 0.0), (attention, blocks), (0.0, memory))
 

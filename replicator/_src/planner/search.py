@@ -232,7 +232,7 @@ def sibling_key(ladder: Ladder) -> tuple:
     together."""
     lay = ladder.layouts[0]
     return (lay.dcn_data, lay.data, lay.stage, lay.model, lay.context, lay.expert, lay.attention,
-            lay.schedule, lay.microbatches, lay.repeats)  # fmt: skip
+            lay.schedule, lay.microbatches, lay.repeats, lay.hybrid)  # fmt: skip
 
 
 def search_siblings(

@@ -53,6 +53,8 @@ def collectives(layout: Layout, m: ModelShape):
             yield from _over_replicas("all-reduce", layout, sent, 1)
         elif layout.zero_stage == 3 and layout.stage > 1:
             yield from _pipelined_zero3(layout, m, sent)
+        elif layout.hybrid:
+            yield from _hybrid(layout, m, sent, grads)
         else:  # ZeRO-2 and 3 scatter each micro-step's gradients, ZeRO-1 the sum once
             scatters = a if layout.zero_stage >= 2 else 1
             yield from _over_replicas("reduce-scatter", layout, scatters * sent, scatters)
@@ -64,10 +66,11 @@ def collectives(layout: Layout, m: ModelShape):
         tokens = device_tokens(layout, m) / a  # a micro-step's
         if layout.zero_stage == 3 and tokens < m.vocab:  # each replica looks up in its columns
             lookup = 2 * a * tokens * m.d_model / layout.model * m.compute_bytes  # and back
+            z = layout.zero_shards  # the replicas holding the table's columns
             if d > 1:  # to the other replicas of its slice, and of the other slices
-                yield CollectiveCost("all-to-all", ("data",), (d - 1) / r * lookup, 2 * a)
-            if r > d:
-                yield CollectiveCost("all-to-all", ("dcn_data",), (r - d) / r * lookup, 2 * a)
+                yield CollectiveCost("all-to-all", ("data",), (d - 1) / z * lookup, 2 * a)
+            if z > d:
+                yield CollectiveCost("all-to-all", ("dcn_data",), (z - d) / z * lookup, 2 * a)
     table, summed, gathers = _token_table(layout, m)
     yield from gathers
     n = layout.expert
@@ -116,6 +119,20 @@ def _pipelined_zero3(layout: Layout, m: ModelShape, sent: float):
     yield from _over_replicas("all-gather", layout, 2 * once, 2 * passes)
 
 
+def _hybrid(layout: Layout, m: ModelShape, sent: float, grads: float):
+    """Hybrid ZeRO: the scatters and gathers as ZeRO's, over ``data`` inside each slice, and
+    across the slices only the mean of each replica's reduced part (`zero.Zero.across`), once
+    a step: an all-reduce of ``1 / data`` of the gradients, in the reduce dtype."""
+    d, s, a = layout.data, layout.dcn_data, layout.accumulate_steps
+    scatters = a if layout.zero_stage >= 2 else 1
+    gathers = 2 * a if layout.zero_stage == 3 else 1
+    gathered = sent if layout.zero_stage == 3 else grads
+    if d > 1:
+        yield CollectiveCost("reduce-scatter", ("data",), scatters * _ring(d) * sent, scatters)
+        yield CollectiveCost("all-gather", ("data",), gathers * _ring(d) * gathered, gathers)
+    yield CollectiveCost("all-reduce", ("dcn_data",), 2 * _ring(s) * sent / d, 1)
+
+
 def computed_ticks(layout: Layout) -> float:
     """Stage work done per useful unit: GPipe and circular compute through their idle ticks."""
     if layout.stage == 1 or layout.schedule not in ("gpipe", "circular"):
@@ -150,7 +167,7 @@ def _token_table(layout: Layout, m: ModelShape):
     its own tokens; where the cotangents are gathered instead, none but a tied head's), and the
     all-gathers of the cotangents, each micro-step's."""
     table = 4 * m.vocab * m.d_model / layout.model
-    part = m.vocab * m.d_model / (layout.replicas if layout.zero_stage == 3 else 1)
+    part = m.vocab * m.d_model / (layout.zero_shards if layout.zero_stage == 3 else 1)
     a, g = layout.accumulate_steps, layout.context * layout.expert
     tokens = m.global_batch * m.seq_len / (layout.replicas * a)  # a data replica's micro-step's
     cotangent = 4 if m.learned_positions else m.compute_bytes  # `gpt.embed` casts after adding
