@@ -13,7 +13,14 @@ from flax.training import train_state
 from oracle import batches, rel_err
 
 import replicator as rp
-from replicator._src.optim import accumulation, clipping, loss_scaling, replica_mean, zero
+from replicator._src.optim import (
+    accumulation,
+    clipping,
+    loss_scaling,
+    replica_mean,
+    zero,
+    zero_transforms,
+)
 
 EMPTY = optax.EmptyState()
 
@@ -61,7 +68,10 @@ def test_mean_over_replicas_is_the_mean_of_the_local_gradients(grad_dtype):
 def test_zero_slice_and_sharded_update_equal_optax_on_the_mean(stage, with_params):
     repl = rp.Replicator()
     layout = zero.Zero(repl.mesh, stage=stage)
-    scatter, update = zero.scatter_mean(layout), zero.sharded_update(optax.adam(0.1), layout)
+    scatter, update = (
+        zero_transforms.scatter_mean(layout),
+        zero_transforms.sharded_update(optax.adam(0.1), layout),
+    )
     params = repl.replicate(tree())
     state = {"params": params, "opt": update.init(params)}
 
@@ -107,7 +117,7 @@ def test_clip_by_global_norm_of_zero_slices_is_the_norm_of_the_whole():
     grads = {"w": jnp.asarray(np.arange(1.0, 17.0, dtype=np.float32))}
 
     def step(state, batch):
-        mine = zero.scatter_mean(layout).update(grads, EMPTY)[0]  # 2 of the 16 elements
+        mine = zero_transforms.scatter_mean(layout).update(grads, EMPTY)[0]  # 2 of the 16 elements
         tx = clipping.clip_by_global_norm(1.0, over_replicas=True)
         norm = clipping.global_norm(mine, None, over_replicas=True)
         return state, {"norm": norm, "clipped": tx.update(mine, EMPTY)[0]["w"]}

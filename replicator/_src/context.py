@@ -215,49 +215,25 @@ class Replicator:
         Args:
           tx: the inner optax transformation.
           zero_stage: 0: replicated optimizer state; 1 or 2 (ZeRO): the state is sharded over
-            the replicas (1/N per device), gradients are reduce-scattered and updates
-            all-gathered. Call ``init`` outside ``step_fn`` (it places the sharded state) and
-            pass ``params`` to ``update``. ``tx`` must then act element by element.
-          clip_global_norm: clip the mean gradient to this global norm, computed over the
-            whole gradient even when it is sharded.
+            the replicas, gradients reduce-scattered and updates all-gathered (call ``init``
+            outside ``step_fn``, pass ``params`` to ``update``); 3: parameters sharded too.
+          clip_global_norm: clip the mean gradient to this global norm (over all its shards).
           grad_dtype: communicate the gradients in this dtype, e.g. ``jnp.bfloat16``.
-          accumulate_steps: micro-batches per ``opt.step(loss_fn, params, state, batch)``,
-            accumulated in a scan inside the compiled step.
+          accumulate_steps: micro-batches per ``opt.step(loss_fn, params, state, batch)``.
           loss_scale: ``None``, a static scale, or ``"dynamic"`` (skip non-finite steps, halve
-            the scale; double it after ``loss_scale_period`` finite steps). Use ``opt.step``,
-            which scales the loss, or multiply the loss by ``state.loss_scale.scale`` yourself.
+            the scale; double it after ``loss_scale_period`` finite steps).
           loss_scale_period: finite steps before a dynamic scale doubles.
-          local_steps: local SGD / DiLoCo: each index of ``dcn_data`` (a slice) takes this many
-            steps on its own, its gradients reduced inside the slice, then the slices average
-            their parameter deltas (one exchange over the DCN) and ``outer_optimizer`` steps.
-            ``opt.step`` runs all of them, on a batch of ``local_steps`` inner batches.
-          outer_optimizer: DiLoCo's outer step; default SGD at 0.7 with Nesterov momentum 0.9.
-          zero_axes: hybrid ZeRO: the replica axes ZeRO splits over, e.g. ``("data",)`` on
-            ``{"dcn_data": S, "data": N}``: the state (and parameters) split inside each slice
-            and whole on every one, so only the gradients' reduction crosses the slices.
+          local_steps: local SGD / DiLoCo over ``dcn_data`` (`optim.local_sgd`): H steps inside
+            each slice, then one mean of the moves across and ``outer_optimizer``'s step.
+          outer_optimizer: DiLoCo's outer step (default: SGD 0.7, Nesterov momentum 0.9).
+          zero_axes: hybrid ZeRO: the replica axes ZeRO splits over, e.g. ``("data",)``.
 
         Returns:
-          A `DistributedOptimizer` (with ``local_steps``, a ``LocalSGD`` around one).
-
-        >>> import jax, optax, replicator as rp
-        >>> repl = rp.Replicator(mesh_shape={"dcn_data": 2, "data": -1})
-        >>> opt = repl.wrap_optimizer(optax.sgd(0.1), local_steps=8)
-        >>> type(opt).__name__, opt.local_steps, opt.workers
-        ('LocalSGD', 8, 2)
+          A `DistributedOptimizer` (with ``local_steps``, a ``LocalSGD`` around one); the
+          full account of each option is `replicator._src.optim.optimizer.wrap_optimizer`'s.
         """
-        return optim.wrap_optimizer(
-            tx,
-            mesh=self._mesh,
-            zero_stage=zero_stage,
-            clip_global_norm=clip_global_norm,
-            grad_dtype=grad_dtype,
-            accumulate_steps=accumulate_steps,
-            loss_scale=loss_scale,
-            loss_scale_period=loss_scale_period,
-            local_steps=local_steps,
-            outer_optimizer=outer_optimizer,
-            zero_axes=zero_axes,
-        )
+        options = {k: v for k, v in locals().items() if k not in ("self", "tx")}  # as given
+        return optim.wrap_optimizer(tx, mesh=self._mesh, **options)
 
     def abstract(self, init_fn: Callable[[], PyTree], /) -> PyTree:
         """The state ``init_fn()`` builds, as shapes with their shardings, allocating nothing.

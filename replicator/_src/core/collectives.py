@@ -165,6 +165,13 @@ def sum_over_axes(x: PyTree, axes: tuple) -> PyTree:
     return lax.psum(x, tuple(axes)) if axes else x
 
 
+def mean_over_axes(x: PyTree, axes: tuple) -> PyTree:
+    """The mean of ``x`` over the named mesh axes ``axes``, for the library's own reductions
+    over groups of replicas (hybrid ZeRO's parts across slices, local SGD's moves); ``x``
+    when ``axes`` is empty."""
+    return lax.pmean(x, tuple(axes)) if axes else x
+
+
 def max_over_axes(x: jax.Array, axes: tuple) -> jax.Array:
     """The element-wise maximum of ``x`` over the named mesh axes ``axes`` (replica axes or
     others, such as ``"stage"``), for the library's own checks across devices; ``x`` when

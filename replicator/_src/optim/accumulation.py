@@ -42,19 +42,23 @@ def unrolled() -> Iterator[None]:
         _UNROLLED = before
 
 
-def split_batch(batch: PyTree, k: int) -> PyTree:
+def split_batch(
+    batch: PyTree, k: int, *, api: str = "DistributedOptimizer.step",
+    parts: str = "accumulate_steps={k} micro-batches",
+) -> PyTree:  # fmt: skip
     """``batch`` with each leaf's leading axis ``b`` split into ``(k, b // k)`` micro-batches.
 
     Raises:
-      ValueError: if a leaf's leading axis does not divide by ``k``.
+      ValueError: if a leaf's leading axis does not divide by ``k`` (naming ``api`` and the
+        ``parts``, formatted with ``k``).
     """
 
     def split(path, a):
         if np.ndim(a) == 0 or a.shape[0] % k:
             raise ValueError(
-                f"DistributedOptimizer.step: batch leaf {jax.tree_util.keystr(path)} of shape "
-                f"{np.shape(a)} does not split into accumulate_steps={k} micro-batches; use a "
-                f"per-replica batch that is a multiple of {k}."
+                f"{api}: batch leaf {jax.tree_util.keystr(path)} of shape {np.shape(a)} does "
+                f"not split into {parts.format(k=k)}; use a per-replica batch that is a "
+                f"multiple of {k}."
             )
         return a.reshape((k, a.shape[0] // k, *a.shape[1:]))
 

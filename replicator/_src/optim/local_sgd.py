@@ -21,6 +21,12 @@ is kept with a leading axis of the ``dcn_data`` size, split over it.
 With H = 1, an ``optax.sgd(1.0)`` outer step and an inner optimizer linear in the gradients
 (SGD, with or without momentum), a step equals the synchronous step
 (`tests/test_local_sgd.py`).
+
+>>> import jax, optax, replicator as rp
+>>> repl = rp.Replicator(mesh_shape={"dcn_data": 2, "data": -1})
+>>> opt = repl.wrap_optimizer(optax.sgd(0.1), local_steps=8)
+>>> type(opt).__name__, opt.local_steps, opt.workers
+('LocalSGD', 8, 2)
 """
 
 from __future__ import annotations
@@ -35,9 +41,10 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from replicator._src.core import binding as binding_lib
-from replicator._src.core import placement
+from replicator._src.core import collectives, placement
 from replicator._src.core.mesh import DCN_AXIS
 from replicator._src.core.typing import PyTree
+from replicator._src.optim import accumulation
 
 
 def default_outer() -> optax.GradientTransformation:
@@ -165,7 +172,12 @@ class LocalSGD(optax.GradientTransformationExtraArgs):
         inside = binding_lib.narrowed(b, inner_axes)  # the workers' steps: dcn_data unmapped
         stacked = self.workers > 1 and not b.is_local
         inner_state = jax.tree.map(lambda a: a[0], state.inner) if stacked else state.inner
-        parts = _split(batch, H)
+        parts = accumulation.split_batch(
+            batch,
+            H,
+            api="LocalSGD.step",
+            parts="local_steps={k} inner batches (a step is all of them)",
+        )
 
         def one(carry, part):
             p, s = carry
@@ -183,7 +195,7 @@ class LocalSGD(optax.GradientTransformationExtraArgs):
         new = placement.like_spaces(optax.apply_updates(start, updates), kept)
         metrics = jax.tree.map(lambda m: jnp.mean(m.astype(jnp.float32), axis=0), metrics)
         if workers > 1:
-            metrics = lax.pmean(metrics, DCN_AXIS)
+            metrics = collectives.mean_over_axes(metrics, (DCN_AXIS,))
         if stacked:
             inner_state = jax.tree.map(lambda a: a[None], inner_state)
         return new, LocalSGDState(inner_state, outer), metrics
@@ -195,28 +207,13 @@ def _mean_over_workers(x: jax.Array, inner: tuple, n: int) -> jax.Array:
     workers and the parts are gathered inside the worker. A chip sends ``2 (S-1)/S x bytes / n``
     across (a synchronous step's all-reduce sends as much, every step), not the whole of it."""
     if n == 1 or x.size < n:
-        return lax.pmean(x, DCN_AXIS)
+        return collectives.mean_over_axes(x, (DCN_AXIS,))
     flat = x.reshape(-1)
     per = -(-flat.size // n)
     flat = jnp.pad(flat, (0, per * n - flat.size))
     part = lax.dynamic_slice_in_dim(flat, lax.axis_index(inner) * per, per)
-    whole = lax.all_gather(lax.pmean(part, DCN_AXIS), inner, tiled=True)
+    whole = collectives.gather_over_axes(collectives.mean_over_axes(part, (DCN_AXIS,)), inner, 0)
     return whole[: x.size].reshape(x.shape)
-
-
-def _split(batch: PyTree, H: int) -> PyTree:
-    """``batch`` with each leaf's leading axis ``b`` split into ``(H, b // H)``."""
-
-    def split(path, a):
-        if np.ndim(a) == 0 or a.shape[0] % H:
-            raise ValueError(
-                f"LocalSGD.step: batch leaf {jax.tree_util.keystr(path)} of shape "
-                f"{np.shape(a)} does not split into local_steps={H} inner batches; give each "
-                f"replica a batch that is a multiple of {H} (a step is all {H} inner steps)."
-            )
-        return a.reshape((H, a.shape[0] // H, *a.shape[1:]))
-
-    return jax.tree_util.tree_map_with_path(split, batch)
 
 
 def check_options(local_steps, outer, zero_stage, loss_scale) -> None:

@@ -147,7 +147,7 @@ def warn_if_gathered(plan: ZeroPlan) -> None:
     """Warns, at ``init``, that some of the update runs on gathered arrays, and which.
 
     The warning points at the user's ``opt.init``: the caller of `DistributedOptimizer.init`,
-    which calls the loss-scale wrapper's ``init``, which calls `sharded_update`'s.
+    which calls the loss-scale wrapper's ``init``, which calls `zero_transforms.sharded_update`'s.
     """
     if plan.on_shards:
         return
