@@ -49,6 +49,17 @@ def test_hybrid_zero_with_bf16_gradients_is_within_bf16_of_one_device(zero_stage
     assert 1e-6 < rel_err(got, want) <= 1e-2
 
 
+def test_hybrid_zero3_sends_its_mean_across_slices_in_the_reduce_dtype():
+    """bf16 compute with ``model.reduce_dtype: bfloat16``: ZeRO-3's gathers and scatters, and
+    the parts' mean across the slices (the optimizer's ``grad_dtype``), in bf16; within bf16's
+    rounding of the same job in fp32 reductions, and not equal to it."""
+    base = dataclasses.replace(gpt_job(MESH, zero_stage=3, dtype="bfloat16"), zero_axes=["data"])
+    narrow = gpt_job(MESH, zero_stage=3, dtype="bfloat16", reduce_dtype="bfloat16")
+    _, want = build_and_train(base)
+    _, got = build_and_train(dataclasses.replace(narrow, zero_axes=["data"]))
+    assert 1e-6 < rel_err(got, want) <= 1e-2
+
+
 def test_zero_axes_are_refused_where_they_cannot_hold():
     repl = rp.Replicator(mesh_shape=MESH)
     import optax

@@ -81,10 +81,11 @@ def options(
     errors.positive_int(loss_scale_period, api=api, name="loss_scale_period")
 
 
-def zero_needs(zero_stage: int, mesh: Mesh | None, grad_dtype: Any) -> None:
-    """Refuses, with `wrap_optimizer`'s errors, ZeRO without what it needs."""
+def zero_needs(zero_stage: int, mesh: Mesh | None, grad_dtype: Any, zero_axes: Any = None) -> None:
+    """Refuses, with `wrap_optimizer`'s errors, ZeRO without what it needs. (With hybrid
+    ZeRO-3, ``grad_dtype`` is the dtype of the parts' mean across the slices.)"""
     api = "wrap_optimizer"
-    if zero_stage == 3 and grad_dtype is not None:
+    if zero_stage == 3 and grad_dtype is not None and zero_axes is None:
         raise ValueError(
             f"{api}: grad_dtype is not supported with zero_stage=3 (its gradients are reduced "
             f"by autodiff's reduce-scatter); cast the parameters before gather_params instead."

@@ -402,7 +402,7 @@ def wrap_optimizer(
         outer = optax.with_extra_args_support(outer)
         outer = outer if mesh is None else _placed_on(outer, mesh)  # placed as the parameters
         return local_sgd.LocalSGD(inner, outer, int(steps), mesh)
-    checks.zero_needs(zero_stage, mesh, grad_dtype)
+    checks.zero_needs(zero_stage, mesh, grad_dtype, zero_axes)
     checks.zero_axes(zero_axes, zero_stage, mesh)
     grad_dtype = None if grad_dtype is None else jnp.dtype(grad_dtype)
     inner = optax.with_extra_args_support(tx)

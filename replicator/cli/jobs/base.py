@@ -36,10 +36,13 @@ def sliced(make: Callable[[int], Iterator[dict]], ctx, global_batch: int) -> Ite
 
 def grad_dtype(config) -> str | None:
     """The dtype `wrap_optimizer` sends the gradients in: ``model.reduce_dtype`` below ZeRO-3
-    (ZeRO-3's gathers and scatters are the model's own: `gpt.GPTConfig.reduce_dtype`); None,
-    their own, for fp32 or unset."""
+    (ZeRO-3's gathers and scatters are the model's own: `gpt.GPTConfig.reduce_dtype`), and with
+    hybrid ZeRO-3 for the parts' mean across the slices; None, their own, for fp32 or unset."""
     dtype = getattr(config.model, "reduce_dtype", None)
-    return None if config.zero_stage == 3 or dtype in (None, "float32") else dtype
+    hybrid = getattr(config, "zero_axes", None) is not None
+    if dtype in (None, "float32") or (config.zero_stage == 3 and not hybrid):
+        return None
+    return dtype
 
 
 def local_sgd(config) -> dict:
