@@ -37,6 +37,7 @@ def test_hybrid_zero_equals_one_device(zero_stage):
     assert not any("dcn_data" in spec_axes(x.sharding.spec) for x in leaves)
 
 
+@pytest.mark.slow  # two gpt jobs
 @pytest.mark.parametrize("zero_stage", [1, 2])
 def test_hybrid_zero_with_bf16_gradients_is_within_bf16_of_one_device(zero_stage):
     """``model.reduce_dtype: bfloat16`` below ZeRO-3 sends the reduce-scatter inside each slice
@@ -49,6 +50,7 @@ def test_hybrid_zero_with_bf16_gradients_is_within_bf16_of_one_device(zero_stage
     assert 1e-6 < rel_err(got, want) <= 1e-2
 
 
+@pytest.mark.slow  # two gpt jobs
 def test_hybrid_zero3_sends_its_mean_across_slices_in_the_reduce_dtype():
     """bf16 compute with ``model.reduce_dtype: bfloat16``: ZeRO-3's gathers and scatters, and
     the parts' mean across the slices (the optimizer's ``grad_dtype``), in bf16; within bf16's

@@ -172,6 +172,7 @@ def test_refusals_name_the_fix():
         train(flat, opt, data(1, 32))
 
 
+@pytest.mark.slow  # three gpt jobs, about 11 s
 def test_the_gpt_config_with_one_local_step_equals_synchronous_training():
     """``local_steps: 1`` with an outer SGD step of 1.0 and no momentum trains the gpt job as
     synchronous training does (SGD with momentum inside), and ``local_steps: 2`` does not: the

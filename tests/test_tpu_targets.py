@@ -395,7 +395,7 @@ def test_llama_with_splash_on_v5p_copies_no_activation_between_layouts(monkeypat
     texts = []
     analyze = hlo.analyze
     monkeypatch.setattr(
-        hlo, "analyze", lambda text, mesh: texts.append(text) or analyze(text, mesh)
+        hlo, "analyze", lambda text, mesh, **kw: texts.append(text) or analyze(text, mesh, **kw)
     )
     args = ["model.kind=llama", "model.dtype=bfloat16", "model.d_model=512", "model.heads=4",
             "model.seq_len=512", "model.layers=2", "model.vocab=4096", "model.remat=full",
