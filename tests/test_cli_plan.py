@@ -209,8 +209,8 @@ def test_plan_over_slices_puts_the_replicas_across_them_and_prices_the_dcn(tmp_p
     assert "DCN" in run.stdout.split("layouts that fit")[1].splitlines()[2]  # the header row
     plan = json.loads(report.read_text())
     tried = {(c["layout"]["zero_stage"], c["layout"]["hybrid"]) for c in plan["ranked"]}
-    assert {(0, False), (1, False), (3, False)} <= tried  # ZeRO over both slices
-    assert {(1, True), (3, True)} & tried  # and inside each (hybrid ZeRO)
+    assert {(0, False), (1, False)} <= tried  # ZeRO over both slices (ZeRO-3: priced slower)
+    assert {(1, True), (3, True)} <= tried  # and inside each (hybrid ZeRO)
     for c in plan["ranked"]:
         assert (c["layout"]["dcn_data"], c["layout"]["data"]) == (2, 4)
         assert c["compiled"]["mesh"] == {"dcn_data": 2, "data": 4}
