@@ -159,6 +159,8 @@ def test_refusals_name_the_fix():
         repl.wrap_optimizer(optax.adam(1e-3), local_steps=4, loss_scale="dynamic")
     with pytest.raises(ValueError, match="int >= 1"):
         repl.wrap_optimizer(optax.adam(1e-3), local_steps=0)
+    with pytest.raises(ValueError, match="give zero_stage=1, 2 or 3"):  # not dropped
+        repl.wrap_optimizer(optax.adam(1e-3), local_steps=4, zero_axes=("data",))
     with pytest.raises(TypeError, match="outer_optimizer"):
         repl.wrap_optimizer(optax.adam(1e-3), local_steps=2, outer_optimizer="sgd")
     opt = repl.wrap_optimizer(optax.sgd(0.1), local_steps=4)

@@ -390,6 +390,7 @@ def wrap_optimizer(
     checks.options(
         tx, zero_stage, clip_global_norm, accumulate_steps, loss_scale, loss_scale_period
     )
+    checks.zero_axes(zero_axes, zero_stage, mesh)  # (local SGD takes no ZeRO: refused below)
     if local_steps is not None or outer_optimizer is not None:
         steps = 1 if local_steps is None else local_steps
         local_sgd.check_options(steps, outer_optimizer, zero_stage, loss_scale)
@@ -403,7 +404,6 @@ def wrap_optimizer(
         outer = outer if mesh is None else _placed_on(outer, mesh)  # placed as the parameters
         return local_sgd.LocalSGD(inner, outer, int(steps), mesh)
     checks.zero_needs(zero_stage, mesh, grad_dtype, zero_axes)
-    checks.zero_axes(zero_axes, zero_stage, mesh)
     grad_dtype = None if grad_dtype is None else jnp.dtype(grad_dtype)
     inner = optax.with_extra_args_support(tx)
     layout = zero.Zero(mesh, stage=zero_stage, axes=zero_axes) if zero_stage else None
