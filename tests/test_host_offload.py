@@ -83,9 +83,11 @@ def test_what_is_kept_on_the_host_trains_as_one_device(mesh, zero_stage, offload
 @pytest.mark.slow
 def test_in_the_tpu_program_the_state_is_in_host_memory_and_out_of_the_peak():
     """On a TPU target (XLA:CPU's memory statistics do not tell host from device), ZeRO-3's
-    parameters and Adam's state kept in host memory: the program keeps them in host memory,
-    the device's peak falls by at least their bytes less two layers' parameters, and each
-    step moves at least the state and the parameters over the host link."""
+    parameters and Adam's state kept in host memory: the program keeps them in host memory and
+    out of its device arguments, the device's peak falls, and each step
+    moves at least the state and the parameters over the host link. The peak falls by less
+    than the state (here 3.2 of its 14.6 MB): the update brings the state to the device
+    (BENCHMARKS.md, "Parameters and optimizer state in host memory")."""
     pytest.importorskip("libtpu")
     import jax.numpy as jnp
 
@@ -116,10 +118,10 @@ def test_in_the_tpu_program_the_state_is_in_host_memory_and_out_of_the_peak():
     shapes = jax.eval_shape(lambda: gpt.init(config, jax.random.key(0)))
     n = sum(x.size for x in jax.tree.leaves(shapes))
     state_bytes = 3 * 4 * n / 4  # fp32 parameters and Adam's two moments, a quarter a chip
-    layer = 4 * n / 4 / 8  # roughly one layer's part of the parameters
     on, off = reports[True], reports[False]
     assert off.memory.host == 0 and on.memory.host >= state_bytes, (on.memory, state_bytes)
-    assert off.memory.peak - on.memory.peak >= state_bytes - 2 * layer, (off.memory, on.memory)
+    assert off.memory.arguments - on.memory.arguments >= state_bytes, (off.memory, on.memory)
+    assert on.memory.peak < off.memory.peak, (off.memory, on.memory)
     assert on.host_bytes >= 2 * state_bytes and off.host_bytes == 0
 
 

@@ -249,6 +249,10 @@ def test_explain_on_v5p_reads_the_tpu_program(mlp_on_v5p):
     assert t.hbm_bytes == rp.planner.HARDWARE_PROFILES["tpu-v5p"].memory_bytes
     assert t.fits and t.over_bytes == 0 and t.fit_hint is None
     assert 0 < t.peak_bytes == report.memory.peak < t.hbm_bytes
+    # the HBM libtpu allocates (jax 0.12), its arguments within it, no more than the bound
+    m = report.memory
+    assert m.peak == (m.compiler_peak or m.bound) and m.arguments <= m.peak <= m.bound, m
+    assert (m.compiler_peak > 0) == (jax.__version_info__ >= (0, 12)), m
     assert t.step_seconds > 0 and t.compute_seconds > 0
     assert t.model_flops == flops and 0 < t.mfu <= 1
     assert t.mfu == pytest.approx(flops / (t.step_seconds * t.peak_flops))
