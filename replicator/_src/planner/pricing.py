@@ -293,7 +293,9 @@ def _in_flight(schedule: str, stages: int, microbatches: int, repeats: int) -> i
 
 # The lowest a compiled program's peak has been against its priced one (`Price.peak_bytes`):
 # a ladder is dropped only where every layout's priced peak times this is over the budget.
-MARGIN = 0.8
+# (Mixtral 8x22B on v6e-256 with its layer input and projections offloaded: 0.72-0.78 of the
+# prices, read as the HBM libtpu allocates.)
+MARGIN = 0.7
 # The share of the compiled peak that the priced one has been for GPipe and circular, whose
 # scans keep more a tick than is modelled: their priced peak is a floor.
 FLOOR = 0.5
