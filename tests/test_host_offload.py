@@ -84,10 +84,10 @@ def test_what_is_kept_on_the_host_trains_as_one_device(mesh, zero_stage, offload
 def test_in_the_tpu_program_the_state_is_in_host_memory_and_out_of_the_peak():
     """On a TPU target (XLA:CPU's memory statistics do not tell host from device), ZeRO-3's
     parameters and Adam's state kept in host memory: the program keeps them in host memory and
-    out of its device arguments, the device's peak falls, and each step
-    moves at least the state and the parameters over the host link. The peak falls by less
-    than the state (here 3.2 of its 14.6 MB): the update brings the state to the device
-    (BENCHMARKS.md, "Parameters and optimizer state in host memory")."""
+    out of its device arguments, the device's peak falls, and each step moves at least the
+    state and the parameters over the host link. The peak falls by less than the state (here
+    3.2 of its 14.6 MB): the update brings the state to the device (BENCHMARKS.md,
+    "Parameters and optimizer state in host memory")."""
     pytest.importorskip("libtpu")
     import jax.numpy as jnp
 

@@ -469,9 +469,8 @@ def test_a_tpu_programs_peak_is_the_hbm_libtpu_allocates(stats, peak):
 
     from replicator._src.report import step_report
 
-    fields = {f"{k}_size_in_bytes" if k not in ("peak_memory", "total_allocation") else
-              f"{k}_in_bytes" if k == "peak_memory" else "total_allocation_bytes": v
-              for k, v in stats.items()}  # fmt: skip
+    name = {"peak_memory": "peak_memory_in_bytes", "total_allocation": "total_allocation_bytes"}
+    fields = {name.get(k, f"{k}_size_in_bytes"): v for k, v in stats.items()}
     stats = SimpleNamespace(generated_code_size_in_bytes=0, **fields)
     memory = step_report.Memory(
         arguments=stats.argument_size_in_bytes, outputs=stats.output_size_in_bytes,
