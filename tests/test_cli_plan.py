@@ -132,15 +132,18 @@ def test_plan_prices_a_gpt_first_by_default_and_compiles_every_ladder_when_told(
 
     seen = {}
     monkeypatch.setattr(plan.rp, "plan", lambda build, ladders, **kw: seen.update(kw) or 0 / 0)
-    for flag, priced, skip in (([], 4, 1.1), (["--compile-top", "all"], None, None),
-                               (["--compile-top", "7", "--skip-slower", "1.5"], 7, 1.5),
-                               (["--skip-slower", "none"], 4, None)):  # fmt: skip
+    for flag, priced, skip, limit in (
+        ([], 4, 1.1, 240.0), (["--compile-top", "all"], None, None, None),
+        (["--compile-top", "7", "--skip-slower", "1.5", "--time-limit", "90"], 7, 1.5, 90.0),
+        (["--skip-slower", "none", "--time-limit", "none"], 4, None, None),
+    ):  # fmt: skip
         seen.clear()
         with pytest.raises(ZeroDivisionError):
             cli.main(["plan", str(ROOT / "configs/lm_dp.yaml"), *SMALL, "--devices", "8", *flag])
         pricing = seen["pricing"]
         assert (None if pricing is None else pricing.compile_top) == priced
         assert (None if pricing is None else pricing.skip_slower) == skip
+        assert (None if pricing is None else pricing.time_limit) == limit
         assert pricing is None or pricing.model.d_model == 32  # the config's GPT
     seen.clear()
     with pytest.raises(ZeroDivisionError):
@@ -165,6 +168,10 @@ def test_plan_refusals_exit_2_with_the_message(capsys):
          "--compile-top must be a number >= 1 or 'all'"),
         ([config, "--devices", "8", "--skip-slower", "0.9"],
          "--skip-slower must be a number >= 1 or 'none'; got '0.9'"),
+        ([config, "--devices", "8", "--time-limit", "0"],
+         "--time-limit must be a number of seconds > 0 or 'none'; got '0'"),
+        ([config, "--devices", "8", "--time-limit", "4m"],
+         "--time-limit must be a number of seconds > 0 or 'none'; got '4m'"),
         ([config, "--target", "v5p-16", "--devices", "4"], "which has 8 chips; drop --devices"),
         ([config], "give --devices N"),
     ]:  # fmt: skip
@@ -369,3 +376,13 @@ def test_a_recipes_own_remat_policy_by_name_is_planned_and_written_back():
     assert priced.host_bytes == 2 * priced.host_memory
     kept = pricing.price(dataclasses.replace(recipe, remat="save_dot_except_mlpwi"), shape)
     assert kept.host_memory == 0 and kept.peak_bytes > priced.peak_bytes
+
+
+def test_plan_compiles_for_a_tpu_in_one_process_for_each_two_cores(monkeypatch):
+    """`plan.default_workers`: 2 processes (1 on one core); for a TPU target, whose compiler
+    keeps 2 cores busy, one for each 2 cores, up to 2."""
+    from replicator.cli import plan
+
+    for cores, cpu, tpu in ((1, 1, 1), (2, 2, 1), (3, 2, 1), (4, 2, 2), (64, 2, 2)):
+        monkeypatch.setattr(plan.os, "cpu_count", lambda c=cores: c)
+        assert (plan.default_workers(None), plan.default_workers("v5p-8")) == (cpu, tpu), cores

@@ -3,13 +3,14 @@ collective bytes from formulas, against the programs the same layouts compile to
 
 import dataclasses
 import pathlib
+import time
 
 import jax
 import plan_jobs
 import pytest
 
 import replicator as rp
-from replicator._src.planner import planning, pricing, search
+from replicator._src.planner import planning, pricing, search, workers
 from replicator._src.report.cost_model import model_time
 from replicator.cli import config as config_lib
 from replicator.cli import plan as plan_cli
@@ -67,6 +68,8 @@ PEAK_GAP = 0.10 if jax.__version_info__ < (0, 12) else 0.20
 MOE_LAYOUTS = [
     rp.planner.Layout(data=2, expert=4),
     rp.planner.Layout(data=4, expert=2, zero_stage=3),
+    # a policy by name: the experts, which name none of their products, computed again
+    rp.planner.Layout(data=4, expert=2, zero_stage=3, remat="save_dot_except_mlpwi"),
 ]
 
 
@@ -214,6 +217,57 @@ def test_a_priced_plan_compiles_the_next_ladders_while_none_fits():
     compiled.clear()
     got, rest = planning._rounds(run, ranked, reprice, 2, prices, False)
     assert len(compiled) == 2 * pricing.ROUNDS  # none fits: ROUNDS rounds, no more
+    # past the time limit after the first round: no round more, the rest listed as left for it
+    compiled.clear()
+    late = workers.Deadline(10.0, time.perf_counter() - 11.0)
+    got, rest = planning._rounds(run, ranked, reprice, 2, prices, False, late)
+    assert len(compiled) == 2 and len(got) + len(rest) == len(prices)
+    left = [o for o in rest if o.reason and workers.TIME_LIMIT in o.reason]
+    assert left and all(o.reason.startswith("not compiled: the plan's time limit of 10 s: 11 s ")
+                        for o in left)  # fmt: skip
+
+
+def test_no_compile_begins_past_the_plans_time_limit(monkeypatch):
+    """`workers.run` with a `workers.Deadline`: a ladder compiles while the time gone and the
+    compiles' mean length are within the limit; the ladders left are skipped, saying why.
+    `PricingOptions.time_limit` is checked."""
+    from replicator._src.report.cost_model import CompiledStep
+
+    lays = [rp.planner.Layout(data=8 // t, model=t) for t in (1, 2, 4)]
+    ladders = [rp.planner.Ladder(((lay,),)) for lay in lays]
+    searched = []
+
+    def search_siblings(build, some, budget, *told):
+        searched.extend(some)
+        step = CompiledStep({"data": 8}, {"peak": 1}, 1.0, (), compile_seconds=100.0)
+        return [[search.Outcome(lay, search.FITS, "", 1, step) for lay in f.layouts] for f in some]
+
+    monkeypatch.setattr(search, "search_siblings", search_siblings)
+    said = []
+    # 60 s gone of 150: the first compiles; then 60 s + its 100 s would pass 150
+    deadline = workers.Deadline(150.0, time.perf_counter() - 60.0, said.append)
+    out = workers.run(lambda lay: None, ladders, 2**30, 8, 0, False, lambda o: 1.0,
+                      deadline=deadline)  # fmt: skip
+    assert searched == ladders[:1]
+    skipped = [o for o in out if o.status == search.SKIPPED]
+    assert [o.layout for o in skipped] == lays[1:]
+    assert skipped[0].reason == (
+        "not compiled: the plan's time limit of 150 s: 60 s gone, and a compile takes 100 s here "
+        "(raise time_limit, or --time-limit, to compile it)"
+    )
+    assert said == [
+        "planning: the plan's time limit of 150 s: 60 s gone, and a compile takes "
+        "100 s here; the ladders left are not compiled (raise time_limit, or "
+        "--time-limit, to compile them)"
+    ]  # said once
+    searched.clear()
+    workers.run(lambda lay: None, ladders, 2**30, 8, 0, False, lambda o: 1.0,
+                deadline=workers.Deadline(None, time.perf_counter() - 1e6))  # fmt: skip
+    assert searched == ladders  # no limit
+    assert rp.planner.PricingOptions(model=SHAPE).time_limit == 240.0
+    for bad in (0, -1.0, True, "4m"):
+        with pytest.raises(ValueError, match="time_limit must be a number of seconds > 0 or None"):
+            rp.planner.PricingOptions(model=SHAPE, time_limit=bad)
 
 
 def test_model_flops_count_a_mixtures_active_parameters():
@@ -251,7 +305,6 @@ def test_tries_that_compiled_peaks_say_cannot_fit_are_not_compiled(monkeypatch):
     peak, times the least that compiled layouts of its kind and remat policy peaked over their
     prices, is over the budget is skipped, saying why; another remat policy, or another kind,
     still compiles. Through the search itself, in this process (``workers=0``)."""
-    from replicator._src.planner import workers
     from replicator._src.report.cost_model import CompiledStep
 
     gib = 2**30
@@ -296,7 +349,6 @@ def test_ladders_priced_well_over_a_compiled_fit_are_not_compiled(monkeypatch):
     """`workers.run`: once a compiled layout fits, a ladder whose price, times the least its
     kind's compiled layouts have come out over theirs, is over ``skip_slower`` times that fit's
     modelled step, is not compiled (its layouts skipped, saying why); the others are."""
-    from replicator._src.planner import workers
     from replicator._src.report.cost_model import CompiledStep
 
     lays = [rp.planner.Layout(data=8 // t, model=t) for t in (1, 2, 4)]

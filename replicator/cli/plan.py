@@ -66,7 +66,8 @@ def add_parser(commands) -> None:
                    "ICI and DCN; the priced peak and step), not only those that fit 120 "
                    "columns (peak, step, MFU)")  # fmt: skip
     p.add_argument("--workers", type=int, default=None, metavar="W",
-                   help="processes that compile (default: 2, or 1 on one core)")  # fmt: skip
+                   help="processes that compile (default: 2, or 1 on one core; with --target, one "
+                   "for each 2 cores, up to 2)")  # fmt: skip
     p.add_argument("--overlap", type=float, default=None, metavar="F",
                    help="share (0-1) of the data-axis collectives hidden behind compute "
                    "(default with --target: the chip profile's, as explain's step_seconds reads a TPU "
@@ -103,6 +104,12 @@ def add_parser(commands) -> None:
                    help="with --compile-top: once a layout compiled fits, do not compile a "
                    f"ladder priced over X times its step (default {skip}); 'none' compiles "
                    "every ladder of a round")  # fmt: skip
+    limit = rp.planner.PricingOptions.time_limit
+    p.add_argument("--time-limit", default=None, metavar="S",
+                   help="with --compile-top: begin no compile after S seconds, nor one that the "
+                   "compiles so far say would end after them; the layouts left are listed as not "
+                   f"compiled (default {limit:g}); 'none' compiles every ladder the search "
+                   "reaches")  # fmt: skip
     targets.add_args(p, what="plan (compile every layout)")
 
 
@@ -136,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     timing = rp.planner.TimingOptions(overlap=overlap, model_flops=jobs.model_flops(cfg))
     report = rp.plan(
         build, ladders, hardware=profile, memory=budget, timing=timing, pricing=pricing,
-        target=target, workers=args.workers or min(2, os.cpu_count() or 1), progress=True,
+        target=target, workers=args.workers or default_workers(target), progress=True,
     )  # fmt: skip
     print(report.table(top=args.top, wide=args.wide))
     if args.json:
@@ -149,6 +156,14 @@ def run(args: argparse.Namespace) -> int:
     write_config(with_layout(raw, report.best), out, report)
     print(f"wrote {out}: replicator train {out}")
     return 0
+
+
+def default_workers(target) -> int:
+    """Processes that compile by default: 2, or 1 on one core; for a TPU target, one for
+    each 2 cores, up to 2: libtpu's compiler keeps 2 cores busy (Mixtral 8x22B on v6e-256: a
+    layout compiled in 119-138 s alone, two side by side in 130-303 s each)."""
+    cores = os.cpu_count() or 1
+    return max(1, min(2, cores // 2 if target is not None else cores))
 
 
 def pricing_options(cfg: TrainConfig, args: argparse.Namespace):
@@ -178,16 +193,20 @@ def pricing_options(cfg: TrainConfig, args: argparse.Namespace):
             f"leave --compile-top out (or give 'all') to compile every ladder."
         )
     options = {} if top is None else {"compile_top": int(top)}
-    skip = args.skip_slower
-    if skip is not None:
+    for flag, key, ok, what in (
+        ("--skip-slower", "skip_slower", lambda x: x >= 1, "a number >= 1"),
+        ("--time-limit", "time_limit", lambda x: x > 0, "a number of seconds > 0"),
+    ):
+        raw = getattr(args, key)
+        if raw is None:
+            continue
         try:
-            options["skip_slower"] = None if skip == "none" else float(skip)
+            value = None if raw == "none" else float(raw)
         except ValueError:
-            raise ValueError(
-                f"--skip-slower must be a number >= 1 or 'none'; got {skip!r}."
-            ) from None
-        if options["skip_slower"] is not None and not options["skip_slower"] >= 1:
-            raise ValueError(f"--skip-slower must be a number >= 1 or 'none'; got {skip!r}.")
+            value = float("nan")
+        if value is not None and not ok(value):
+            raise ValueError(f"{flag} must be {what} or 'none'; got {raw!r}.")
+        options[key] = value
     return rp.planner.PricingOptions(model=shape, **options)
 
 

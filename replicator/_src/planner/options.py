@@ -257,10 +257,17 @@ class PricingOptions:
         are listed as skipped, with both times). The prices have been within 3% of the
         compiled programs' times without a pipeline and under them with one, so such a ladder
         would not be chosen. None compiles every ladder of the round.
+      time_limit: seconds from the plan's start after which no compile begins, nor one that
+        the compiles so far, at their mean length, say would end past them (one begun runs to
+        its end). The layouts left are listed as not compiled, with the time gone. Compiles
+        go in priced order, so those left are the slowest priced. A full-size TPU program
+        takes 1-5 minutes on 2 cores: the default lets `plan` answer in about 5 minutes. None
+        compiles every ladder the search reaches.
 
     Raises:
       ValueError: for a ``model`` that is not a `ModelShape`, ``compile_top`` not an int
-        >= 1, or ``skip_slower`` not a number >= 1 or None.
+        >= 1, ``skip_slower`` not a number >= 1 or None, or ``time_limit`` not a number > 0
+        or None.
 
     >>> shape = ModelShape(num_layers=4, d_model=256, num_heads=8, kv_heads=8, head_dim=32,
     ...                    hidden=1024, vocab=256, seq_len=128, global_batch=32)
@@ -271,6 +278,7 @@ class PricingOptions:
     model: ModelShape
     compile_top: int = 4
     skip_slower: float | None = 1.1
+    time_limit: float | None = 240.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelShape):
@@ -284,6 +292,13 @@ class PricingOptions:
                                  or not skip >= 1):  # fmt: skip
             raise ValueError(
                 f"PricingOptions: skip_slower must be a number >= 1 or None; got {skip!r}."
+            )
+        limit = self.time_limit
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int | float)
+                                  or not limit > 0):  # fmt: skip
+            raise ValueError(
+                f"PricingOptions: time_limit must be a number of seconds > 0 or None (no "
+                f"limit); got {limit!r}."
             )
 
 

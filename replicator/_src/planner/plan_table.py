@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from replicator._src.planner import search
+from replicator._src.planner.workers import TIME_LIMIT
 from replicator._src.report.step_report import format_bytes
 
 
@@ -72,15 +73,20 @@ def renderable(r, top: int = 20, *, wide: bool = False):
                              f"{o.status}: {o.reason}" if o.reason else o.status)  # fmt: skip
         parts.append(rejected)
     hidden = len([c for c in r.rejected if c.outcome.status != search.SKIPPED]) - len(shown)
-    skipped = sum(c.outcome.status == search.SKIPPED for c in r.rejected)
+    skipped = [c.outcome.reason or "" for c in r.rejected if c.outcome.status == search.SKIPPED]
+    late = sum(TIME_LIMIT in why for why in skipped)
     notes = []
     if hidden > 0:
         notes.append(f"{hidden} more rejected")
-    if skipped:
+    if len(skipped) > late:
         notes.append(
-            f"{skipped} not compiled: a layout of the same ladder that does no more work fits, "
-            f"or one that needs less memory does not"
+            f"{len(skipped) - late} not compiled: a layout of the same ladder that does no more "
+            f"work fits, or one that needs less memory does not, or it is priced slower than a "
+            f"layout that fits"
         )
+    if late:
+        notes.append(f"{late} not compiled for {TIME_LIMIT} (priced slower than those compiled; "
+                     f"raise time_limit, or --time-limit)")  # fmt: skip
     if notes:
         parts.append(Text("; ".join(notes) + " (to_json() lists each with its reason)"))
     if r.best is not None:

@@ -282,9 +282,13 @@ def plan(
     emulated = n if target is None else 1  # a target's workers compile for libtpu's devices
     score = lambda outcome: model_time(outcome.compiled, profile, **timing_kw).total
     skip = None if pricing is None else pricing.skip_slower
+    deadline = workers_lib.Deadline(
+        None if pricing is None else pricing.time_limit, start,
+        workers_lib.say_on_stderr if progress else None,
+    )  # fmt: skip
     run = lambda some, price_of=None, peak_of=None: (
         workers_lib.run(build, some, budget, emulated, workers, progress, score, price_of, skip,
-                        peak_of)
+                        peak_of, deadline)
         if some else []
     )  # fmt: skip
     if pricing is None:
@@ -292,7 +296,7 @@ def plan(
     else:
         outcomes, not_compiled, prices, priced_seconds = _priced_rounds(
             run, ladders, pricing.model, budget, profile, timing_kw, pricing.compile_top, progress,
-            target is None,
+            target is None, deadline,
         )  # fmt: skip
     candidates = _candidates([*outcomes, *not_compiled], prices, profile, timing_kw)
     ranked = sorted((c for c in candidates if c.fits), key=lambda c: c.time.total)
@@ -331,7 +335,8 @@ def _ladders(layouts: Sequence[Ladder | Layout]) -> list[Ladder]:
     return ladders
 
 
-def _priced_rounds(run, ladders, model, budget, profile, timing, top, progress, on_cpu):
+def _priced_rounds(run, ladders, model, budget, profile, timing, top, progress, on_cpu,
+                   deadline=None):  # fmt: skip
     """Every layout priced, then `_rounds`: ``(outcomes compiled, not compiled, prices,
     seconds to price)``. The layouts compile for XLA:CPU without a target, which carries bf16
     work in fp32: their activations are priced in fp32 (``on_cpu``). For a TPU, attention
@@ -357,22 +362,27 @@ def _priced_rounds(run, ladders, model, budget, profile, timing, top, progress, 
     )
     peak_of = lambda lay: prices[lay].peak_bytes
     outcomes, more = _rounds(lambda some: run(some, seconds_of, peak_of), ranked, reprice, top,
-                             prices, progress)  # fmt: skip
+                             prices, progress, deadline)  # fmt: skip
     return outcomes, dropped + more, prices, seconds
 
 
-def _rounds(run, ranked, reprice, top: int, prices, progress: bool):
+def _rounds(run, ranked, reprice, top: int, prices, progress: bool, deadline=None):
     """``(outcomes compiled, outcomes not compiled)``: the ``top`` fastest priced ladders of
     ``ranked`` compiled, then, while none fits, the next ``top`` (`pricing_lib.ROUNDS` rounds at
-    most), repriced with the compiled programs' peaks: ``reprice(ladders, scale)`` ranks them
-    again with each priced peak times the largest ratio of a compiled peak to its price."""
+    most, none past the ``deadline``), repriced with the compiled programs' peaks:
+    ``reprice(ladders, scale)`` ranks them again with each priced peak times the largest ratio
+    of a compiled peak to its price."""
     outcomes: list[search.Outcome] = []
     dropped: list[search.Outcome] = []
     compiled: list = []  # the ladders compiled, as ranked
     scale = 1.0
     say = (lambda text: print(f"planning: {text}", file=sys.stderr)) if progress else None
+    late = None  # why the rounds stopped for the time limit
     for _ in range(pricing_lib.ROUNDS):
         batch, ranked = ranked[:top], ranked[top:]
+        if compiled and deadline is not None and (late := deadline.reason()):
+            ranked = batch + ranked
+            break
         if not batch:
             break
         if say:
@@ -389,7 +399,8 @@ def _rounds(run, ranked, reprice, top: int, prices, progress: bool):
         scale = max([scale, *ratios])
         ranked, more, _ = reprice([ladder for _, ladder, _ in ranked], scale)
         dropped += more
-    return outcomes, dropped + search.not_compiled([*compiled, *ranked], len(compiled), prices)
+    left = search.not_compiled([*compiled, *ranked], len(compiled), prices, late)
+    return outcomes, dropped + left
 
 
 def _candidates(outcomes, prices, profile, timing) -> list[Candidate]:

@@ -234,9 +234,10 @@ def _flops(layout: Layout, m: ModelShape) -> float:
     elif remats.is_named(layout.remat):  # what it does not keep, and attention's kernel
         again = remats.recomputed_params(m, layout.model, layout.remat)
         train += layers * tokens * (2 * again + scores)
-    if m.moe_chunks > 1 and layout.remat is not True:  # each chunk's experts again in the
-        # backward (full remat computes them again anyway: its pass again skips the mixture,
-        # whose output no backward step reads)
+    if (m.moe_chunks > 1 and layout.remat is not True) or remats.is_named(layout.remat):
+        # the experts again in the backward: each chunk's, or what a policy by name does not
+        # keep (full remat computes them again anyway: its pass again skips the mixture, whose
+        # output no backward step reads)
         train += layers * tokens * 2 * (moe * m.expert_rows * m.mlp_params[0] / layout.model
                                         + router)  # fmt: skip
     train *= computed_ticks(layout)

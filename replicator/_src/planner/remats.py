@@ -62,14 +62,16 @@ def device_and_host(m, model: int, remat: str) -> tuple[float, float]:
 
 def recomputed_params(m, model: int, remat: str) -> float:
     """Weights per layer on one device whose products a named policy computes again: the
-    projections it neither saves nor offloads (a dense layer's)."""
+    projections it neither saves nor offloads, a layer's on average. The MLP's count in the
+    dense layers only: a mixture's experts name none of their products, so every policy
+    computes them again (`pricing` adds them)."""
     saved, offloaded = names_of(remat)
     kept = set(saved) | set(offloaded)
     d, hd = m.d_model, m.head_dim
+    mlp = d * m.hidden * (m.num_layers - m.moe_layers) / m.num_layers
     weights = {"query_proj": d * m.num_heads * hd, "key_proj": d * m.kv_heads * hd,
-               "value_proj": d * m.kv_heads * hd, "mlpwi_0": d * m.hidden if m.gated else 0,
-               "mlpwi_1": d * m.hidden if m.gated else 0,
-               "mlpwi": 0 if m.gated else d * m.hidden}  # fmt: skip
+               "value_proj": d * m.kv_heads * hd, "mlpwi_0": mlp if m.gated else 0,
+               "mlpwi_1": mlp if m.gated else 0, "mlpwi": 0 if m.gated else mlp}  # fmt: skip
     # the output projections are not needed again: their outputs' gradients need only inputs
     return sum(w for name, w in weights.items() if name not in kept) / model
 

@@ -319,13 +319,16 @@ def to_compile(ranked) -> list[Ladder]:
     return [Ladder(tuple((lay,) for lay in tries)) for _, _, tries in ranked]
 
 
-def not_compiled(ranked, compiled: int, prices) -> list:
+def not_compiled(ranked, compiled: int, prices, late: str | None = None) -> list:
     """The outcomes of the layouts the search did not compile: those not tried in the first
-    ``compiled`` ladders of ``ranked``, and every layout of the others."""
+    ``compiled`` ladders of ``ranked``, and every layout of the others (for ``late``, the time
+    limit's reason, if that ended the search)."""
     out = []
     for i, (seconds, ladder, tries) in enumerate(ranked):
         if i < compiled:
             reason = f"not tried: {tries[0]} and up to {TRIES - 1} more of its ladder were"
+        elif late:
+            reason = f"not compiled: {late}"
         else:
             reason = (f"priced slower than the {compiled} ladders compiled "
                       f"({seconds * 1e3:.4g} ms modelled)")  # fmt: skip

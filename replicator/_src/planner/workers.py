@@ -10,6 +10,8 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.connection
 import os
+import sys
+import time
 
 from replicator._src.planner import progress as progress_lib
 from replicator._src.planner import search
@@ -41,6 +43,45 @@ def count(workers: int | None, n: int, here: bool = True) -> int:
     return max(1, min(2, os.cpu_count() or 1))
 
 
+class Deadline:
+    """The plan's time limit (`PricingOptions.time_limit`): once ``limit`` seconds have passed
+    since ``start`` (`time.perf_counter`), or the compiles so far, at their mean length, say the
+    next would end past them, no compile begins (one begun runs to its end). ``say`` prints
+    a line the first time it stops one."""
+
+    def __init__(self, limit: float | None, start: float, say=None):
+        self.limit, self.start, self.say = limit, start, say
+        self.seconds: dict = {}  # each compiled layout's compile seconds
+
+    def record(self, outcome) -> None:
+        if outcome.compiled is not None and outcome.compiled.compile_seconds:
+            self.seconds[outcome.layout] = outcome.compiled.compile_seconds
+
+    def reason(self) -> str | None:
+        """Why no compile may begin now, or None."""
+        if self.limit is None:
+            return None
+        gone = time.perf_counter() - self.start
+        mean = sum(self.seconds.values()) / len(self.seconds) if self.seconds else 0.0
+        if gone + mean <= self.limit:
+            return None
+        when = (f"{TIME_LIMIT} of {self.limit:g} s: {gone:.0f} s gone"
+                + (f", and a compile takes {mean:.0f} s here" if mean else ""))  # fmt: skip
+        if self.say is not None:
+            self.say(f"planning: {when}; the ladders left are not compiled (raise time_limit, "
+                     f"or --time-limit, to compile them)")  # fmt: skip
+            self.say = None
+        return f"{when} (raise time_limit, or --time-limit, to compile it)"
+
+
+TIME_LIMIT = "the plan's time limit"
+"""How the reason of a layout not compiled for the time limit begins."""
+
+
+def say_on_stderr(text: str) -> None:
+    print(text, file=sys.stderr)
+
+
 class _Stop:
     """Which ladders need not be compiled any more (`PricingOptions.skip_slower`): those whose
     first layout's price (``price_of(layout)``, seconds), times the least that compiled layouts
@@ -55,16 +96,16 @@ class _Stop:
     v6e-256: full remat with an ``expert`` axis peaked at 1.21-1.39 times its prices, and three
     such layouts priced at 30.9-33.9 GiB compiled over the 32 GiB, 116-193 s each.)"""
 
-    def __init__(self, price_of, score, margin, peak_of=None, budget=None):
+    def __init__(self, price_of, score, margin, peak_of=None, budget=None, deadline=None):
         self.price_of, self.score, self.margin = price_of, score, margin
-        self.peak_of, self.budget = peak_of, budget
+        self.peak_of, self.budget, self.deadline = peak_of, budget, deadline
         self.best, self.ratios, self.peaks = None, {}, {}
 
     def record(self, outcomes) -> None:
-        if self.price_of is None or self.score is None:
-            return
         for o in outcomes:
-            if o.compiled is None:
+            if self.deadline is not None:
+                self.deadline.record(o)
+            if o.compiled is None or self.price_of is None or self.score is None:
                 continue
             seconds, kind = self.score(o), o.layout.kind
             ratio = seconds / self.price_of(o.layout)  # compiled over priced
@@ -81,13 +122,18 @@ class _Stop:
 
     def why_not(self, layout) -> str | None:
         """Why ``layout``, a layout to try, need not compile now: priced over the budget by what
-        its kind and remat policy have compiled to, or slower than a fit by `reason`; or None."""
+        its kind and remat policy have compiled to, slower than a fit by `reason`, or past the
+        time limit (`time_out`); or None."""
         peak = None if self.peak_of is None else self.peaks.get((layout.kind, layout.remat))
         if peak is not None and self.peak_of(layout) * peak > self.budget:
             return (f"its priced peak {format_bytes(self.peak_of(layout))} x {peak:.2f} (the "
                     f"least its kind and remat policy compiled to over their prices) is over "
                     f"{format_bytes(self.budget)}")  # fmt: skip
-        return self.reason([Ladder(((layout,),))])
+        return self.reason([Ladder(((layout,),))]) or self.time_out()
+
+    def time_out(self) -> str | None:
+        """Why no compile may begin now (`Deadline`), or None."""
+        return None if self.deadline is None else self.deadline.reason()
 
     def reason(self, ladders) -> str | None:
         """Why ``ladders`` need not be compiled, or None."""
@@ -115,6 +161,7 @@ def run(
     price_of=None,
     skip_slower=None,
     peak_of=None,
+    deadline: Deadline | None = None,
 ) -> list[search.Outcome]:
     """Every ladder's outcomes, in the order of ``ladders``; siblings (ladders that differ in
     their ZeRO stage only) are searched together, by one process. With ``price_of`` (a
@@ -122,19 +169,19 @@ def run(
     compiled fit (`_Stop`) is not compiled, and its compile is stopped if it has begun: its
     layouts are skipped. With ``peak_of`` (a layout's priced peak bytes) too, a layout to try
     that what has compiled says will not fit, or be slower, is not compiled
-    (`_Stop.why_not`)."""  # fmt: skip
+    (`_Stop.why_not`). Past the ``deadline`` (`Deadline`) no compile begins."""  # fmt: skip
     groups: dict[tuple, list[int]] = {}
     for i, ladder in enumerate(ladders):
         groups.setdefault(search.sibling_key(ladder), []).append(i)
     tasks = list(groups.values())
     bar = progress_lib.Progress(len(ladders), progress, score)
     results: list = [None] * len(ladders)
-    stop = _Stop(price_of, score, skip_slower, peak_of, budget)
+    stop = _Stop(price_of, score, skip_slower, peak_of, budget, deadline)
     try:
         if workers == 0:
             fn = search.resolve(build)
             for task in tasks:
-                why = stop.reason([ladders[i] for i in task])
+                why = stop.reason([ladders[i] for i in task]) or stop.time_out()
                 found = (
                     _skipped(ladders, task, f"not compiled: {why}") if why else
                     search.search_siblings(fn, [ladders[i] for i in task], budget,
@@ -170,7 +217,7 @@ def _in_processes(build, ladders, tasks, budget, n, workers, results, bar, stop)
         while pool.todo or pool.busy:
             while pool.todo and pool.idle:
                 t = pool.todo.pop()
-                if why := stop.reason(pool.of(t)):
+                if why := stop.reason(pool.of(t)) or stop.time_out():
                     pool.finish(t, _skipped(ladders, tasks[t], f"not compiled: {why}"))
                     continue
                 conn = pool.idle.pop()
