@@ -326,15 +326,21 @@ def front_runners(ladders, model, budget, profile, timing, scale=1.0, prices=Non
     dropped, ranked = [], []
     for ladder in ladders:
         host = profile.host_memory_bytes
-        fits = [lay for lay in ladder.layouts if peak(lay) * MARGIN <= budget
+        wrong = {lay: why for lay in ladder.layouts if (why := unbuildable(lay, model))}
+        dropped += [search.Outcome(lay, search.ERROR, why, int(prices[lay].state_bytes))
+                    for lay, why in wrong.items()]  # fmt: skip
+        layouts = [lay for lay in ladder.layouts if lay not in wrong]
+        if not layouts:
+            continue
+        fits = [lay for lay in layouts if peak(lay) * MARGIN <= budget
                 and (host is None or prices[lay].host_memory <= host)]  # fmt: skip
         if not fits:
-            least = min(peak(lay) for lay in ladder.layouts)
+            least = min(peak(lay) for lay in layouts)
             times = "" if scale == 1 else f" (priced x {scale:.2f}, as the compiled peaks were)"
             reason = f"priced: {format_bytes(least)} per device{times}"
             dropped += [search.Outcome(lay, search.PRICED_TOO_BIG, reason,
                                        int(prices[lay].state_bytes))
-                        for lay in ladder.layouts]  # fmt: skip
+                        for lay in layouts]  # fmt: skip
             continue
         priced = {lay: model_time(prices[lay].step(), profile, **timing).total for lay in fits}
         fits.sort(key=priced.__getitem__)
@@ -354,6 +360,32 @@ def front_runners(ladders, model, budget, profile, timing, scale=1.0, prices=Non
         firsts.setdefault(kind(r[2]), r)
     order = [*firsts.values(), *(r for r in ranked if firsts[kind(r[2])] is not r)]
     return [(seconds, ladder, tries) for seconds, _, ladder, tries in order], dropped, prices
+
+
+def unbuildable(layout: Layout, m: ModelShape) -> str | None:
+    """Why the model cannot be built on ``layout``, or None: the chunks its config asks for
+    (``moe_chunks``, ``loss_chunks``) must divide what a device's micro-batch gives them, as
+    `GPTConfig` checks when the step is traced. Such layouts are not compiled.
+
+    >>> shape = ModelShape(num_layers=2, d_model=64, num_heads=4, kv_heads=4, head_dim=16,
+    ...                    hidden=128, vocab=64, seq_len=32, global_batch=64, experts=4,
+    ...                    top_k=2, moe_chunks=4)
+    >>> print(unbuildable(Layout(data=8, accumulate_steps=4), shape))
+    moe_chunks=4 does not divide the 2 sequences a device's mixture takes a micro-batch
+    >>> unbuildable(Layout(data=8), shape) is None
+    True
+    """
+    micro = layout.accumulate_steps if layout.stage == 1 else layout.microbatches
+    seqs = m.global_batch / (layout.replicas * micro)  # a device's (the mixture splits them)
+    if m.experts and m.moe_chunks > 1 and seqs % (m.moe_chunks * layout.expert):
+        split = f" in chunks split over expert={layout.expert}" if layout.expert > 1 else ""
+        return (f"moe_chunks={m.moe_chunks} does not divide the {seqs:g} sequences a device's "
+                f"mixture takes a micro-batch{split}")  # fmt: skip
+    tokens = seqs / layout.expert * m.seq_len / layout.context
+    if m.loss_chunks > 1 and tokens % m.loss_chunks:
+        return (f"loss_chunks={m.loss_chunks} does not divide the {tokens:g} tokens a device's "
+                f"head takes a micro-batch")  # fmt: skip
+    return None
 
 
 def _fewest_steps_first(layouts: list[Layout]) -> list[Layout]:
