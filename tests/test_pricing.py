@@ -137,9 +137,11 @@ def test_front_runners_drop_what_cannot_fit_and_rank_the_fastest_ladders_first()
     assert len(prices) == len(dropped) == sum(len(f.layouts) for f in ladders)
     ranked, dropped, prices = pricing.front_runners(ladders, SHAPE, 2**34, profile, timing)
     assert dropped == [] and len(ranked) == len(ladders)
-    # each ladder: at most 3 of its layouts to try, fastest first, each a group of its own
-    assert all(1 <= len(tries) <= 3 for _, _, tries in ranked)
-    assert all(len(f.groups) == len(f.layouts) <= 3 for f in search.to_compile(ranked))
+    # each ladder: at most 6 of its layouts to try, fastest first, each a group of its own, of
+    # which 3 may compile (the compiler's refusals do not count)
+    assert all(1 <= len(tries) <= 6 for _, _, tries in ranked)
+    assert all(len(f.groups) == len(f.layouts) <= 6 and f.tries == 3
+               for f in search.to_compile(ranked))  # fmt: skip
     seconds = lambda lay: model_time(prices[lay].step(), profile).total
     # 16 GiB: every layout fits, so each ladder is priced by its fastest layout (its first);
     # each kind's fastest ladder comes first (pipelined or not, with a model axis or not),
@@ -497,3 +499,39 @@ def test_hybrid_zero_is_priced_as_one_slice_plus_one_mean_across(zero):
         assert across.wire_bytes < 0.75 * over_both
     else:  # ZeRO-1 and 2 over both: a reduce-scatter and an all-gather, the same bytes
         assert across.wire_bytes == pytest.approx(over_both)
+
+
+def test_a_layout_the_compiler_refuses_does_not_take_one_of_its_ladders_tries(monkeypatch):
+    """`search.to_compile`'s ladders stop once `search.TRIES` layouts compiled; a layout whose
+    build or compile fails (libtpu's RET_CHECK on some layouts with accumulation, in a few
+    seconds) does not count, so the ladder goes on to its next. (Mixtral 8x7B on v6e-256: each
+    ladder's 3 tries had accumulation and failed, and its recipe was not tried.)"""
+    from replicator._src.report.cost_model import CompiledStep
+
+    lays = [rp.planner.Layout(data=8, accumulate_steps=a, remat=r)
+            for r in (False, True) for a in (1, 2, 4)]  # fmt: skip
+    refused, too_big = set(lays[:3]), {lays[3], lays[4]}
+    step = CompiledStep({"data": 8}, {"peak": 1}, 1.0, ())
+
+    def compile(self, layout):
+        if layout in refused:
+            outcome = search.Outcome(layout, search.ERROR, "JaxRuntimeError: RET_CHECK failure")
+        elif layout in too_big:
+            outcome = search.Outcome(layout, search.TOO_BIG, "compiled peak 2 B", 1, step)
+        else:
+            outcome = search.Outcome(layout, search.FITS, "", 1, step)
+        self.outcomes[layout] = outcome
+        return outcome
+
+    monkeypatch.setattr(search._Searcher, "compile", compile)
+    monkeypatch.setattr(search._Searcher, "state_size", lambda self, lay: 1)
+    (ladder,) = search.to_compile([(1.0, None, lays)])
+    out = {o.layout: o for o in search.search_siblings(lambda lay: None, [ladder], 2)[0]}
+    assert [out[lay].status for lay in lays] == [search.ERROR] * 3 + [search.TOO_BIG] * 2 + [
+        search.FITS
+    ]  # 3 refused, then 3 compiled: the last fits
+    too_big.add(lays[5])
+    (ladder,) = search.to_compile([(1.0, None, [*lays, rp.planner.Layout(data=8, remat="dots")])])
+    out = search.search_siblings(lambda lay: None, [ladder], 2)[0]
+    assert out[-1].status == search.SKIPPED
+    assert out[-1].reason == "not tried: 3 layouts of its ladder compiled"

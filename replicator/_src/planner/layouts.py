@@ -294,6 +294,8 @@ class Ladder:
       groups: the layouts, in groups tried in order (no rematerialisation, then ``"dots"``,
         then full); inside a group each layout needs no more memory than the one before it
         (more accumulation steps), so the first that fits is found by bisection.
+      tries: with a number, the search stops once that many of its layouts have compiled (a
+        layout the compiler refuses does not count); None tries every group.
 
     >>> ladder = Ladder(((Layout(data=8), Layout(data=8, accumulate_steps=2)),
     ...                  (Layout(data=8, remat=True),)))
@@ -302,6 +304,7 @@ class Ladder:
     """
 
     groups: tuple[tuple[Layout, ...], ...]
+    tries: int | None = None
 
     @property
     def layouts(self) -> list[Layout]:

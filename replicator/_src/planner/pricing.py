@@ -311,7 +311,8 @@ def front_runners(ladders, model, budget, profile, timing, scale=1.0, prices=Non
 
     A ladder is dropped where even `MARGIN` of every layout's priced peak (times ``scale``:
     what compiled programs have shown of the prices) is over ``budget``.
-    In each other ladder the layouts to try are, at most `TRIES`: the priced fastest of those
+    In each other ladder the layouts to try are, at most twice `TRIES` (of which `TRIES` may
+    compile; the compiler's refusals do not count): the priced fastest of those
     that may fit; then those whose priced peak fits (GPipe's and circular's: over `FLOOR`),
     priced fastest first (recomputing more can be faster where it moves fewer bytes); then the
     others that may. The
@@ -347,7 +348,7 @@ def front_runners(ladders, model, budget, profile, timing, scale=1.0, prices=Non
         first = _fewest_steps_first([lay for lay in fits if likely(lay) <= budget])
         # the fastest that may fit first, where it is faster than the fastest likely to
         bolder = [lay for lay in fits[:1] if not first or priced[lay] < priced[first[0]]]
-        tries = list(dict.fromkeys(bolder + first + fits))[:TRIES]
+        tries = list(dict.fromkeys(bolder + first + fits))[: 2 * TRIES]  # TRIES compiled
         seconds = priced[tries[0]]
         ranked.append((seconds, len(ranked), ladder, tries))
     ranked.sort(key=lambda r: r[:2])

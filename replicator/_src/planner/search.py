@@ -22,6 +22,7 @@ from replicator._src.report.cost_model import CompiledStep
 from replicator._src.report.step_report import format_bytes
 
 TRIES = 3  # layouts compiled at most in each ladder the pricing keeps (`pricing.front_runners`)
+# (of up to twice as many it lists: a layout the compiler refuses, quickly, is not counted)
 
 FITS, TOO_BIG, STATE_TOO_BIG, PRICED_TOO_BIG, SKIPPED, ERROR = (
     "fits",
@@ -177,6 +178,12 @@ class _Searcher:
         skipped: dict[Layout, str] = {}
         found: Layout | None = None  # the first fitting layout of an earlier group
         for group in ladder.groups:
+            built = [lay for lay in layouts if lay in self.outcomes
+                     and self.outcomes[lay].status != ERROR]  # fmt: skip
+            if ladder.tries is not None and len(built) >= ladder.tries:
+                for lay in group:
+                    skipped[lay] = f"not tried: {len(built)} layouts of its ladder compiled"
+                continue
             if found is not None:
                 # A ladder's groups come fastest first (by price where the layouts were
                 # priced, else least recomputed first): only fewer accumulation steps than
@@ -316,7 +323,7 @@ def to_compile(ranked) -> list[Ladder]:
     """The ladders of ``ranked`` (`pricing.front_runners`) as the search compiles them: each layout
     to try in a group of its own, so it compiles them in turn and stops at the first that
     fits."""
-    return [Ladder(tuple((lay,) for lay in tries)) for _, _, tries in ranked]
+    return [Ladder(tuple((lay,) for lay in tries), TRIES) for _, _, tries in ranked]
 
 
 def not_compiled(ranked, compiled: int, prices, late: str | None = None) -> list:
