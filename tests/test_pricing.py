@@ -165,11 +165,12 @@ def test_front_runners_drop_what_cannot_fit_and_rank_the_fastest_ladders_first()
 
 def test_layouts_the_configs_chunks_do_not_divide_are_not_tried():
     """A config's ``moe_chunks`` must divide a device's sequences a micro-batch (and the
-    ``expert`` axis its chunks), ``loss_chunks`` its head's tokens: the layouts where they do
-    not are listed as errors before anything compiles, and the ladders try the others.
-    (Mixtral 8x7B on v5p-256, ``moe_chunks=4``: the ladder priced fastest tried 3 layouts with
-    accumulation, each refused when traced, and not its layout without.)"""
-    moe = dataclasses.replace(SHAPE, experts=4, top_k=2, moe_chunks=4, loss_chunks=16)
+    ``expert`` axis its chunks), ``loss_chunks`` its head's tokens, each in as many fewer
+    chunks with accumulation (`layouts.chunks_at`): the layouts where they do not are listed as
+    errors before anything compiles, and the ladders try the others. (Mixtral 8x7B on v5p-256,
+    ``moe_chunks=4``: the ladder priced fastest tried 3 layouts with accumulation, each refused
+    when traced, and not its layout without.)"""
+    moe = dataclasses.replace(SHAPE, experts=4, top_k=2, moe_chunks=3, loss_chunks=16)
     lays = [rp.planner.Layout(data=8, accumulate_steps=a, remat=True) for a in (1, 2, 4)]
     lays.append(rp.planner.Layout(data=4, expert=2, accumulate_steps=1, remat=True))
     profile = rp.planner.hardware_profile("tpu-v5e")
@@ -180,23 +181,27 @@ def test_layouts_the_configs_chunks_do_not_divide_are_not_tried():
     ranked, dropped, _ = pricing.front_runners(
         ladders, moe, 2**34, profile, {"overlap": 0.0, "model_flops": None}
     )
-    # 32 sequences: 4 a device; 2 and 1 a micro-batch with accumulation; data=4 x expert=2:
-    # 8 a device in chunks over the expert axis (8 % (4 x 2) == 0), and 4 x 64 tokens a head
+    # 32 sequences: 4 a device, in 3 chunks; 2 and 1 a micro-batch with accumulation, in 1
+    # chunk each (3 // 2, 3 // 4 at least 1); data=4 x expert=2: 8 a device in 3 chunks over
+    # the expert axis
     assert {o.layout: o.reason for o in dropped} == {
-        lays[1]: "moe_chunks=4 does not divide the 2 sequences a device's mixture takes a "
+        lays[0]: "moe_chunks=3 does not divide the 4 sequences a device's mixture takes a "
                  "micro-batch",
-        lays[2]: "moe_chunks=4 does not divide the 1 sequences a device's mixture takes a "
-                 "micro-batch",
+        lays[3]: "moe_chunks=3 does not divide the 8 sequences a device's mixture takes a "
+                 "micro-batch in chunks split over expert=2",
     }  # fmt: skip
     assert {o.status for o in dropped} == {search.ERROR}
-    assert {lay for _, _, tries in ranked for lay in tries} == {lays[0], lays[3]}
-    head = dataclasses.replace(moe, moe_chunks=1, loss_chunks=3)
+    assert {lay for _, _, tries in ranked for lay in tries} == {lays[1], lays[2]}
+    head = dataclasses.replace(moe, moe_chunks=1, loss_chunks=3)  # 4 x 64 tokens a device
     assert pricing.unbuildable(lays[0], head) == (
         "loss_chunks=3 does not divide the 256 tokens a device's head takes a micro-batch"
     )
+    # the plan's config of a layout carries the chunks it priced
+    raw = {"model": {"kind": "gpt", "moe_chunks": 4, "loss_chunks": 8, "remat": True}}
+    model = plan_cli.with_layout(raw, rp.planner.Layout(data=8, accumulate_steps=2))["model"]
+    assert (model["moe_chunks"], model["loss_chunks"]) == (2, 4)
 
 
-@pytest.mark.slow  # compiles two ladders of a small GPT
 def test_a_priced_plan_compiles_only_its_front_runners():
     from replicator.models import gpt
 

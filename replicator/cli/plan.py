@@ -22,6 +22,7 @@ import re
 import yaml
 
 import replicator as rp
+from replicator._src.planner.layouts import chunks_at
 from replicator._src.report.step_report import format_bytes
 from replicator.cli import config as config_lib
 from replicator.cli import jobs, targets
@@ -484,6 +485,10 @@ def with_layout(raw: dict, layout: rp.planner.Layout) -> dict:
 
             remat = actions_of(remat)
         out["model"] = {**raw["model"], "remat": remat}
+        moe, loss = chunks_at(
+            layout, raw["model"].get("moe_chunks") or 1, raw["model"].get("loss_chunks") or 1
+        )  # the chunks the plan priced: with accumulation, a chunk holds what the config's does
+        out["model"]["moe_chunks"], out["model"]["loss_chunks"] = moe, loss
         if layout.context > 1 and ("attention" in raw["model"] or layout.attention != "ring"):
             out["model"]["attention"] = layout.attention
     return out

@@ -315,6 +315,18 @@ class Ladder:
         return str(self.groups[0][0])
 
 
+def chunks_at(layout: Layout, moe_chunks: int, loss_chunks: int) -> tuple[int, int]:
+    """A config's ``moe_chunks`` and ``loss_chunks`` on ``layout``: with accumulation, each
+    micro-batch in as many fewer chunks (at least 1), so that a chunk holds what the config's
+    does. The planner prices and builds a layout with them, and writes them in its config.
+
+    >>> chunks_at(Layout(data=8, accumulate_steps=2), 4, 8), chunks_at(Layout(data=8), 4, 8)
+    ((2, 4), (4, 8))
+    """
+    steps = layout.accumulate_steps if layout.stage == 1 else 1
+    return max(1, moe_chunks // steps), max(1, loss_chunks // steps)
+
+
 def schedule_of(name: str, repeats: int = 1) -> schedules_lib.Schedule:
     """The schedule a layout names (`SCHEDULES`), with ``repeats`` virtual stages for the
     circular and interleaved ones.

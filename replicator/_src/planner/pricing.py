@@ -36,7 +36,7 @@ import dataclasses
 import functools
 
 from replicator._src.planner import remats, search
-from replicator._src.planner.layouts import VIRTUAL, Layout, schedule_of
+from replicator._src.planner.layouts import VIRTUAL, Layout, chunks_at, schedule_of
 from replicator._src.planner.model_shape import TILE, ModelShape
 from replicator._src.planner.wire import collectives, computed_ticks, device_params, device_tokens
 from replicator._src.report.cost_model import SKIPS_IDLE, CollectiveCost, CompiledStep, model_time
@@ -122,6 +122,7 @@ def price(layout: Layout, shape: ModelShape) -> Price:
     >>> sorted({(c.kind, c.axes) for c in p.collectives})
     [('all-gather', ('data',)), ('reduce-scatter', ('data',))]
     """
+    shape = _chunked(layout, shape)
     state, flops = _state_bytes(layout, shape), _flops(layout, shape)
     host = remats.host_memory(layout, shape, device_tokens(layout, shape))
     return Price(layout, state, flops, tuple(collectives(layout, shape)),
@@ -363,19 +364,29 @@ def front_runners(ladders, model, budget, profile, timing, scale=1.0, prices=Non
     return [(seconds, ladder, tries) for seconds, _, ladder, tries in order], dropped, prices
 
 
+def _chunked(layout: Layout, m: ModelShape) -> ModelShape:
+    """``m`` with its chunks as ``layout`` takes them (`layouts.chunks_at`)."""
+    moe, loss = chunks_at(layout, m.moe_chunks, m.loss_chunks)
+    if (moe, loss) == (m.moe_chunks, m.loss_chunks):
+        return m
+    return dataclasses.replace(m, moe_chunks=moe, loss_chunks=loss)
+
+
 def unbuildable(layout: Layout, m: ModelShape) -> str | None:
     """Why the model cannot be built on ``layout``, or None: the chunks its config asks for
     (``moe_chunks``, ``loss_chunks``) must divide what a device's micro-batch gives them, as
-    `GPTConfig` checks when the step is traced. Such layouts are not compiled.
+    `GPTConfig` checks when the step is traced (with accumulation, in as many fewer chunks:
+    `layouts.chunks_at`). Such layouts are not compiled.
 
     >>> shape = ModelShape(num_layers=2, d_model=64, num_heads=4, kv_heads=4, head_dim=16,
-    ...                    hidden=128, vocab=64, seq_len=32, global_batch=64, experts=4,
+    ...                    hidden=128, vocab=64, seq_len=32, global_batch=48, experts=4,
     ...                    top_k=2, moe_chunks=4)
-    >>> print(unbuildable(Layout(data=8, accumulate_steps=4), shape))
-    moe_chunks=4 does not divide the 2 sequences a device's mixture takes a micro-batch
-    >>> unbuildable(Layout(data=8), shape) is None
-    True
+    >>> print(unbuildable(Layout(data=8), shape))
+    moe_chunks=4 does not divide the 6 sequences a device's mixture takes a micro-batch
+    >>> unbuildable(Layout(data=4), shape), unbuildable(Layout(data=4, accumulate_steps=2), shape)
+    (None, None)
     """
+    m = _chunked(layout, m)
     micro = layout.accumulate_steps if layout.stage == 1 else layout.microbatches
     seqs = m.global_batch / (layout.replicas * micro)  # a device's (the mixture splits them)
     if m.experts and m.moe_chunks > 1 and seqs % (m.moe_chunks * layout.expert):
