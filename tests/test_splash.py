@@ -231,7 +231,7 @@ def test_the_kernel_compiles_for_a_tpu_on_model_expert_and_context_axes(
     """The TPU compiles a Pallas kernel only where every mesh axis is manual: the kernel's calls
     are mapped by hand over ``model``, ``expert`` and ``context``, and the program carries their
     FLOPs (`splash.KERNEL_FLOPS`). Read without those names, as another library's program
-    would be, the kernels' FLOPs from their shapes (`hlo.untagged_kernel_flops`) are the
+    would be, the kernels' FLOPs from their shapes (`pallas_kernels.untagged_flops`) are the
     same."""
     import pathlib
     import re

@@ -72,7 +72,18 @@ def renderable(r, top: int = 20, *, wide: bool = False):
             rejected.add_row(str(c.layout), "-" if size is None else format_bytes(size),
                              f"{o.status}: {o.reason}" if o.reason else o.status)  # fmt: skip
         parts.append(rejected)
-    hidden = len([c for c in r.rejected if c.outcome.status != search.SKIPPED]) - len(shown)
+    if notes := _notes(r, len(shown)):
+        parts.append(Text("; ".join(notes) + " (to_json() lists each with its reason)"))
+    if r.best is not None:
+        parts.append(Text(f"best: {r.best}"))
+    else:
+        parts.append(Text(f"no layout fits {budget} per device", style="bold"))
+    return Group(*parts)
+
+
+def _notes(r, shown: int) -> list[str]:
+    """What the table leaves out: the rejected beyond ``shown``, the layouts not compiled."""
+    hidden = len([c for c in r.rejected if c.outcome.status != search.SKIPPED]) - shown
     skipped = [c.outcome.reason or "" for c in r.rejected if c.outcome.status == search.SKIPPED]
     late = sum(TIME_LIMIT in why for why in skipped)
     notes = []
@@ -87,13 +98,7 @@ def renderable(r, top: int = 20, *, wide: bool = False):
     if late:
         notes.append(f"{late} not compiled for {TIME_LIMIT} (priced slower than those compiled; "
                      f"raise time_limit, or --time-limit)")  # fmt: skip
-    if notes:
-        parts.append(Text("; ".join(notes) + " (to_json() lists each with its reason)"))
-    if r.best is not None:
-        parts.append(Text(f"best: {r.best}"))
-    else:
-        parts.append(Text(f"no layout fits {budget} per device", style="bold"))
-    return Group(*parts)
+    return notes
 
 
 # The ranked table's columns: those to choose a layout by, and the wide table's.
