@@ -506,6 +506,21 @@ ENTRY %main (x: f32[8]) -> f32[8] {
     assert costs.flops == 300 and costs.kernel_flops == 300  # not both branches' 400
 
 
+def test_only_pallas_calls_in_a_kernels_scope_count_as_kernels():
+    """A sharding annotation in a kernel's named scope (shard_map's around megablox's tgmm)
+    carries no FLOPs; the Pallas call does, on a TPU or a GPU."""
+    text = """
+ENTRY %main (x: f32[8]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  %s = f32[8]{0} custom-call(%x), custom_call_target="Sharding", metadata={op_name="jit(f)/replicator_kernel_flops_100/tgmm"}
+  %k = f32[8]{0} custom-call(%s), custom_call_target="tpu_custom_call", metadata={op_name="jit(f)/replicator_kernel_flops_100/tgmm"}
+  ROOT %g = f32[8]{0} custom-call(%k), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(f)/replicator_kernel_flops_30/k"}
+}
+"""
+    costs = hlo.analyze(text, {"data": 1})
+    assert costs.flops == 130 and costs.kernel_flops == 130  # not the annotation's 100
+
+
 def test_a_ragged_all_to_all_is_read_as_the_rows_it_may_send():
     text = """
 ENTRY %main (x: f32[16,1,128], o: f32[64,1,128], a: s32[4], b: s32[4], c: s32[4], d: s32[4]) -> f32[64,1,128] {

@@ -30,6 +30,11 @@ from replicator._src.report.hlo_bytes import _ARRAY, _CALLS, _num_elements, shap
 _STARTS = re.compile(r"^\s+(ROOT )?%?[\w.\-]+ = ")
 _ENDS = re.compile(r"^\}(\s*$|, \w+=)")
 KERNEL_FLOPS = re.compile(r"replicator_kernel_flops_(\d+)")
+# A Pallas kernel's call (TPU; Triton and Mosaic on GPUs): the custom calls read as kernels. A
+# sharding annotation in a kernel's scope (shard_map's around megablox) is none.
+PALLAS_TARGETS = re.compile(
+    r'custom_call_target="(tpu_custom_call|__gpu\$xla\.gpu\.triton|mosaic_gpu\w*)"'
+)
 MEGASCALE = "_xla_megascale_transfer_type"  # a send across TPU slices (the DCN runtime's)
 COLLECTIVES = (
     "all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all",
@@ -313,8 +318,8 @@ class _Walker(hlo_bytes.KernelBytes):
             return cost
         if inst.op in ("call", "async-start") and "calls" in called:
             return self.visit(called["calls"], mult, cond, marks, out, kernels, fused)
-        if inst.op == "custom-call" and 'custom_call_target="tpu_custom_call"' in inst.attrs:
-            cost = self.kernel_cost(inst, mult, op_name)  # a Pallas kernel
+        if inst.op == "custom-call" and PALLAS_TARGETS.search(inst.attrs):
+            cost = self.kernel_cost(inst, mult, op_name)
         else:
             cost = self.leaf_cost(inst, mult)
         if not fused:
