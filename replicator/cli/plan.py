@@ -277,7 +277,7 @@ def _remats(cfg: TrainConfig, args: argparse.Namespace) -> tuple:
     own = _own_remat(cfg)
     if getattr(args, "target", None) is None:
         return (False, "dots", *own, True)
-    gated = jobs.gpt_config(cfg).mlp == "swiglu"
+    gated = jobs.gpt_config(cfg).gated
     offload = ("save_dot_offload_mlpwi_0",) if gated else ()
     return (False, "dots", *offload, "save_dot_except_mlpwi", *own, True)
 

@@ -6,10 +6,12 @@ Every family (GPT-2, Llama, Mixtral, Qwen2) is a `GPTConfig`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from replicator import moe
@@ -19,7 +21,10 @@ from replicator._src.sharded import attention as attention_lib
 
 NORMS = ("layer", "rms")
 POSITIONS = ("learned", "rope")
-MLPS = ("gelu", "swiglu")
+MLPS = {"gelu": ("gelu", False), "swiglu": ("silu", True), "geglu": ("gelu", True)}
+"""``mlp``'s shorthands: ``(activation, gated)``."""
+ACTIVATIONS = ("gelu", "gelu_exact", "silu", "relu")
+LAYER_KINDS = ("global", "local")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +87,10 @@ class GPTConfig:
     d_model: int = 64
     """The model width D."""
     num_heads: int = 4
-    """Query heads; ``d_model`` divides by them, ``head_dim = d_model // num_heads``."""
+    """Query heads; ``d_model`` divides by them unless ``head_width`` is set."""
+    head_width: int | None = None
+    """Each attention head's width; None for ``d_model // num_heads``. Set, the queries are
+    ``num_heads * head_width`` wide, whatever ``d_model`` (Gemma's 256, Qwen3's 128)."""
     num_layers: int = 4
     """Transformer blocks."""
     d_ff: int | None = None
@@ -141,9 +149,53 @@ class GPTConfig:
     """The rotary base frequency."""
     rope_scaling: RopeScaling | None = None
     """Llama 3's rescaled rotary frequencies (a `RopeScaling`), or None for plain ones."""
-    mlp: str = "gelu"
-    """``"gelu"`` (``down(gelu(up(x)))``) or ``"swiglu"`` (``down(silu(gate(x)) * up(x))``),
-    for the experts of a mixture too (Mixtral's experts are SwiGLU MLPs without biases)."""
+    activation: str = "gelu"
+    """The MLP's activation: ``"gelu"`` (tanh-approximated: GPT-2's ``gelu_new``, Gemma's
+    ``gelu_pytorch_tanh``, ``jax.nn.gelu``'s default), ``"gelu_exact"`` (the error function's),
+    ``"silu"`` or ``"relu"``; the experts' too."""
+    gated: bool = False
+    """A gated MLP, ``down(act(gate(x)) * up(x))`` (SwiGLU with SiLU, GeGLU with GELU), rather
+    than ``down(act(up(x)))``; the experts' too (Mixtral's are SwiGLU MLPs without biases)."""
+    mlp: str | None = None
+    """A shorthand for ``activation`` and ``gated``: ``"gelu"`` (GPT-2's), ``"swiglu"``
+    (``silu``, gated: Llama's) or ``"geglu"`` (``gelu``, gated: Gemma's). It sets them and
+    is then None; giving it with other values of them is refused."""
+    norm_offset: float = 0.0
+    """RMSNorm scales by ``norm_offset + scale``: Gemma's ``1 + w`` (1.0, its scales stored
+    around 0 and initialised to 0); 0.0 scales by ``scale``."""
+    scale_embeddings: bool = False
+    """The token embeddings are multiplied by ``sqrt(d_model)`` (Gemma's), in ``dtype``."""
+    post_norms: bool = False
+    """Norms on each residual branch's output too (``post_attn_norm`` after attention,
+    ``post_mlp_norm`` after the MLP, before their residual adds): Gemma 2's and 3's."""
+    qk_norm: bool = False
+    """RMSNorms over each head's queries and keys (``attn.q_norm``, ``attn.k_norm``, one
+    ``[head_dim]`` scale each), before the rotary positions: Qwen3's and Gemma 3's."""
+    query_scale: float | None = None
+    """The attention scores' scale; None for ``1 / sqrt(head_dim)`` (Gemma's
+    ``query_pre_attn_scalar ** -0.5``)."""
+    attn_softcap: float | None = None
+    """Attention scores become ``cap * tanh(scores / cap)`` before the mask and softmax
+    (Gemma 2's ``attn_logit_softcapping``); None leaves them."""
+    final_softcap: float | None = None
+    """The head's logits become ``cap * tanh(logits / cap)`` (Gemma 2's
+    ``final_logit_softcapping``); None leaves them."""
+    attention_pattern: tuple[str, ...] = ("global",)
+    """Each layer's attention, repeated over the layers in order: ``"global"`` (causal over
+    the whole sequence) or ``"local"`` (the last ``sliding_window`` tokens only). Gemma 2's is
+    ``("local", "global")``, Gemma 3's five ``"local"`` then ``"global"``, Mistral's
+    ``("local",)``. The blocks scan over groups of ``len(attention_pattern)`` layers, and the
+    layers a last group lacks run after them."""
+    sliding_window: int | None = None
+    """The local layers' window: a query sees the keys ``i - sliding_window < j <= i``
+    (transformers' ``sliding_window``). Needed with a ``"local"`` layer."""
+    local_rope_theta: float | None = None
+    """The local layers' rotary base (Gemma 3's ``rope_local_base_freq``); None for
+    ``rope_theta``."""
+    normalize_top_k: bool = True
+    """With ``top_k > 1``, each token's expert weights are its top-k router probabilities
+    renormalised to sum to 1 (Mixtral's; Qwen3-MoE's ``norm_topk_prob``); False keeps the
+    raw probabilities (Qwen2-MoE's)."""
     num_kv_heads: int | None = None
     """None keeps GPT-2's fused ``qkv`` matrix (as many key/value heads as query heads). A
     divisor of ``num_heads`` (or ``num_heads`` itself) gives separate ``q``, ``k`` and ``v``
@@ -183,6 +235,7 @@ class GPTConfig:
     without ``bias``: Qwen2's attention."""
 
     def __post_init__(self) -> None:
+        _apply_mlp_shorthand(self)
         for name in (
             "vocab_size",
             "seq_len",
@@ -219,10 +272,11 @@ class GPTConfig:
         if isinstance(self.remat, Mapping):  # hashable, as the config is
             object.__setattr__(self, "remat", as_remat(self.remat, "GPTConfig"))
         as_remat(self.remat, "GPTConfig")
-        if self.d_model % self.num_heads:
+        if self.head_width is None and self.d_model % self.num_heads:
             raise ValueError(
                 f"GPTConfig: d_model={self.d_model} must divide by num_heads={self.num_heads}; "
-                f"use e.g. d_model={self.num_heads * math.ceil(self.d_model / self.num_heads)}."
+                f"use e.g. d_model={self.num_heads * math.ceil(self.d_model / self.num_heads)}, or "
+                f"set head_width."
             )
         _check_architecture(self)
         if self.reduce_dtype is not None and not _is_reduce_dtype(self.reduce_dtype, self.dtype):
@@ -240,8 +294,27 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
-        """The width of one attention head: ``d_model // num_heads``."""
-        return self.d_model // self.num_heads
+        """The width of one attention head: ``head_width``, or ``d_model // num_heads``."""
+        return self.head_width or self.d_model // self.num_heads
+
+    @property
+    def activation_fn(self):
+        """The MLP's activation function (`activation`)."""
+        return _ACTIVATION_FNS[self.activation]
+
+    @property
+    def q_width(self) -> int:
+        """The queries' width, ``num_heads * head_dim`` (the output projection's input)."""
+        return self.num_heads * self.head_dim
+
+    def layer_kind(self, layer: int) -> str:
+        """Layer ``layer``'s attention: ``"global"`` or ``"local"`` (`attention_pattern`)."""
+        return self.attention_pattern[layer % len(self.attention_pattern)]
+
+    @property
+    def windowed(self) -> bool:
+        """Whether some layer attends over a sliding window."""
+        return "local" in self.attention_pattern
 
     def has_bias(self, linear: str) -> bool:
         """Whether the linear layer ``linear`` (``"q"``, ``"out"``, ``"up"``, ...) has a bias."""
@@ -256,13 +329,24 @@ class GPTConfig:
     def routing(self) -> moe.Routing:
         """The mixture-of-experts blocks' routing (``num_experts > 0``)."""
         return moe.Routing(
-            num_experts=self.num_experts, top_k=self.top_k, capacity_factor=self.capacity_factor
+            num_experts=self.num_experts,
+            top_k=self.top_k,
+            capacity_factor=self.capacity_factor,
+            normalize=self.normalize_top_k,
         )
 
     @property
     def num_moe_layers(self) -> int:
         """The mixture-of-experts blocks: ``num_layers // moe_every`` with experts, else 0."""
         return self.num_layers // self.moe_every if self.num_experts else 0
+
+
+_ACTIVATION_FNS = {
+    "gelu": jax.nn.gelu,
+    "gelu_exact": functools.partial(jax.nn.gelu, approximate=False),
+    "silu": jax.nn.silu,
+    "relu": jax.nn.relu,
+}
 
 
 def _is_reduce_dtype(x: Any, compute: Any) -> bool:
@@ -272,9 +356,35 @@ def _is_reduce_dtype(x: Any, compute: Any) -> bool:
         return False
 
 
+def _apply_mlp_shorthand(config: GPTConfig) -> None:
+    """Sets ``activation`` and ``gated`` from ``mlp`` (then None), refusing a contradiction."""
+    if config.mlp is None:
+        return
+    if config.mlp not in MLPS:
+        raise ValueError(
+            f"GPTConfig: mlp={config.mlp!r}; use one of {', '.join(map(repr, MLPS))}, or None "
+            f"with activation and gated."
+        )
+    activation, gated = MLPS[config.mlp]
+    default = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+    for name, value in (("activation", activation), ("gated", gated)):
+        given = getattr(config, name)
+        if given != value and given != default[name]:
+            raise ValueError(
+                f"GPTConfig: mlp={config.mlp!r} means {name}={value!r}, but {name}={given!r} "
+                f"was given; give one or the other."
+            )
+        object.__setattr__(config, name, value)
+    object.__setattr__(config, "mlp", None)
+
+
 def _check_architecture(config: GPTConfig) -> None:
     """`GPTConfig`'s checks of the architecture's options (norm, positions, MLP, heads)."""
-    for name, allowed in (("norm", NORMS), ("position", POSITIONS), ("mlp", MLPS)):
+    for name, allowed in (
+        ("norm", NORMS),
+        ("position", POSITIONS),
+        ("activation", ACTIVATIONS),
+    ):
         if getattr(config, name) not in allowed:
             raise ValueError(
                 f"GPTConfig: {name}={getattr(config, name)!r}; use one of "
@@ -301,6 +411,40 @@ def _check_architecture(config: GPTConfig) -> None:
         )
     if config.position != "rope" and config.rope_scaling is not None:
         raise ValueError("GPTConfig: rope_scaling applies to position='rope' only.")
+    _check_attention_options(config)
+
+
+def _check_attention_options(config: GPTConfig) -> None:
+    """The checks of the per-layer attention pattern, caps and scales."""
+    positive_int(config.head_width, api="GPTConfig", name="head_width", none=" or None")
+    pattern = config.attention_pattern
+    if isinstance(pattern, list):  # hashable, as the config is
+        object.__setattr__(config, "attention_pattern", pattern := tuple(pattern))
+    if not isinstance(pattern, tuple) or not pattern or set(pattern) - set(LAYER_KINDS):
+        raise ValueError(
+            f"GPTConfig: attention_pattern={pattern!r}; give a tuple of 'global' and 'local', "
+            f"e.g. ('local', 'global') for Gemma 2's alternating layers, or ('global',)."
+        )
+    if config.num_experts and len(set(pattern)) > 1:
+        raise ValueError(
+            f"GPTConfig: attention_pattern={pattern} mixes layer kinds, which the "
+            f"mixture-of-experts blocks do not follow yet; use one kind, e.g. ('global',)."
+        )
+    if config.windowed:
+        positive_int(config.sliding_window, api="GPTConfig", name="sliding_window")
+    elif config.sliding_window is not None:
+        raise ValueError(
+            f"GPTConfig: sliding_window={config.sliding_window} but no layer is 'local' in "
+            f"attention_pattern={pattern}; add 'local' layers, or sliding_window=None."
+        )
+    for name in ("query_scale", "attn_softcap", "final_softcap", "local_rope_theta"):
+        value = getattr(config, name)
+        if value is not None and not (isinstance(value, (int, float)) and 0 < value < math.inf):
+            raise ValueError(f"GPTConfig: {name}={value!r}; use a positive number, or None.")
+    if config.norm_offset and config.norm != "rms":
+        raise ValueError(
+            f"GPTConfig: norm_offset={config.norm_offset} scales RMSNorms; use norm='rms'."
+        )
 
 
 DEFAULT = GPTConfig()

@@ -18,19 +18,18 @@ import numpy as np
 
 import replicator as rp
 from replicator import moe, pipeline
-from replicator._src.core import placement, sharded_params
+from replicator._src.core import placement
 from replicator._src.core.mesh import MODEL_AXIS
 from replicator._src.pipeline import remat
 from replicator._src.pipeline.remat import as_remat, never_gathered
-from replicator._src.planner.enumeration import divisors
 from replicator._src.sharded import attention as attention_lib
 from replicator._src.sharded import embedding as embedding_lib
-from replicator.models.config import DEFAULT, GPTConfig
-from replicator.models.layers import chunked_loss
-from replicator.models.layers.common import is_stored, reduce_cast
+from replicator.models.config import GPTConfig
+from replicator.models.layers.common import POST_NORMS, is_stored, reduce_cast
+from replicator.models.layers.head import head_logits, head_loss, output_head
 from replicator.models.layers.mlp import mlp, mlp_params
 from replicator.models.layers.moe_mlp import mixture, moe_params
-from replicator.models.layers.norms import norm, norm_params
+from replicator.models.layers.norms import norm_params
 from replicator.models.layers.rotary import sequence_order
 from replicator.models.layers.self_attention import (
     attend,
@@ -50,6 +49,8 @@ def _block_params(config: GPTConfig, key, *, experts: bool = False) -> dict:
         "attn": attn_params(config, k[0], k[1], out_std),
         "ln2": norm_params(config),
     }
+    if config.post_norms:
+        params |= {name: norm_params(config) for name in POST_NORMS.values()}
     if experts:
         params["moe"] = moe_params(config, k[2], out_std)
         return params
@@ -116,7 +117,11 @@ def init(config: GPTConfig, key: jax.Array) -> dict:
 
 
 def embed(
-    embed_params: dict, tokens: jax.Array, order: np.ndarray | None = None, dtype: Any = None
+    embed_params: dict,
+    tokens: jax.Array,
+    order: np.ndarray | None = None,
+    dtype: Any = None,
+    scale: float | None = None,
 ) -> jax.Array:
     """Token plus position embeddings: ``[B, S]`` int tokens to ``[B, S, D]``.
 
@@ -134,6 +139,7 @@ def embed(
       order: a `sequence_order`: the tokens are taken, and their positions given, in that
         order; None for the natural one.
       dtype: the result's dtype; None for the table's.
+      scale: the embeddings are multiplied by it, in ``dtype`` (`embed_scale`); None: not.
 
     Returns:
       ``[B, S, D]`` embeddings, held split over the token axes.
@@ -148,13 +154,14 @@ def embed(
         rp.to_device(embed_params["tokens"]), tokens, None if positions is not None else dtype
     )
     x = x if positions is None else x + positions
-    return attention_lib.constrain_tokens(x if dtype is None else x.astype(dtype))
+    x = x if dtype is None else x.astype(dtype)
+    x = x if scale is None else x * jnp.asarray(scale, x.dtype)
+    return attention_lib.constrain_tokens(x)
 
 
-def _gathered(params: dict, config: GPTConfig) -> dict:
-    """`rp.gather_params` of ``params``, the stored parts cast to ``config.reduce_dtype`` first
-    (so their gradients are reduce-scattered in it) when it is set."""
-    return rp.gather_params(reduce_cast(rp.to_device(params), config))
+def embed_scale(config: GPTConfig) -> float | None:
+    """`embed`'s ``scale``: ``sqrt(d_model)`` with ``config.scale_embeddings``, else None."""
+    return math.sqrt(config.d_model) if config.scale_embeddings else None
 
 
 def _cast(layer_params: dict, config: GPTConfig) -> dict:
@@ -166,7 +173,9 @@ def _cast(layer_params: dict, config: GPTConfig) -> dict:
     return jax.tree.map(lambda a: a.astype(config.dtype), rp.gather_params(p))
 
 
-def block(layer_params: dict, x: jax.Array, *, config: GPTConfig) -> jax.Array:
+def block(
+    layer_params: dict, x: jax.Array, *, config: GPTConfig, kind: str = "global"
+) -> jax.Array:
     """One pre-norm decoder block: causal self-attention, then an MLP, each residual.
 
     Over a ``context`` axis the block holds each device's chunk of the sequence, and attention
@@ -177,12 +186,13 @@ def block(layer_params: dict, x: jax.Array, *, config: GPTConfig) -> jax.Array:
         inside the layer scan, one layer at a time.
       x: ``[B, S, D]`` activations.
       config: the model's `GPTConfig`.
+      kind: the layer's attention, ``"global"`` or ``"local"`` (`GPTConfig.layer_kind`).
 
     Returns:
       ``[B, S, D]`` in ``config.dtype``.
     """
     p = _cast(layer_params, config)
-    x = attend(p, _layer_input(x, config), config)
+    x = attend(p, _layer_input(x, config), config, kind)
     return attention_lib.constrain_tokens(mlp(p, x, config))
 
 
@@ -194,7 +204,9 @@ def _layer_input(x: jax.Array, config: GPTConfig) -> jax.Array:
     return remat.named(x, "decoder_layer_input")
 
 
-def moe_block(layer_params: dict, x: jax.Array, *, config: GPTConfig) -> tuple[jax.Array, Any]:
+def moe_block(
+    layer_params: dict, x: jax.Array, *, config: GPTConfig, kind: str = "global"
+) -> tuple[jax.Array, Any]:
     """A block whose MLP is a mixture of experts (`replicator.moe.apply`).
 
     Each sequence is one routing group.
@@ -203,21 +215,23 @@ def moe_block(layer_params: dict, x: jax.Array, *, config: GPTConfig) -> tuple[j
       layer_params: the ``"moe"`` block of one group of ``params["blocks"]``.
       x: ``[B, S, D]`` activations.
       config: the model's `GPTConfig`.
+      kind: the layer's attention (`GPTConfig.layer_kind`).
 
     Returns:
       ``(x, stats)``: ``stats`` a `replicator.moe.Stats` of per-sequence values.
     """
     p = _cast(layer_params, config)
-    x = attend(p, _layer_input(x, config), config)
+    x = attend(p, _layer_input(x, config), config, kind)
     x, stats = mixture(p, x, config)
     return attention_lib.constrain_tokens(x), stats
 
 
 def _group(params: dict, x: jax.Array, config: GPTConfig) -> tuple[jax.Array, Any]:
     """One group of `init`'s MoE layout: its dense blocks, then its mixture-of-experts block."""
+    kind = config.attention_pattern[0]  # one kind (`_check_pattern`)
     for i in range(config.moe_every - 1):
-        x = block(jax.tree.map(lambda a, i=i: a[i], params["dense"]), x, config=config)
-    return moe_block(params["moe"], x, config=config)
+        x = block(jax.tree.map(lambda a, i=i: a[i], params["dense"]), x, config=config, kind=kind)
+    return moe_block(params["moe"], x, config=config, kind=kind)
 
 
 def blocks_and_stats(
@@ -227,7 +241,9 @@ def blocks_and_stats(
 
     The blocks run as a ``lax.scan`` over the leading layer (group) axis. With ``config.remat``
     each block keeps what its policy says for the backward pass (``jax.checkpoint``), and
-    ZeRO-3 parameters are gathered again there (`rp.regather_policy`) rather than kept.
+    ZeRO-3 parameters are gathered again there (`rp.regather_policy`) rather than kept. With
+    an ``attention_pattern`` of several kinds, the scan is over groups of as many layers, and
+    the layers a last group lacks run after it.
 
     Args:
       stacked_params: ``params["blocks"]`` of `init`, stacked over the layers (or groups).
@@ -238,14 +254,6 @@ def blocks_and_stats(
       ``(x, stats)``: ``stats`` a `replicator.moe.Stats` summed over the MoE blocks, or None
       for a dense model.
     """
-    if config.num_experts:
-        step = lambda carry, p: _summed(carry, _group(p, carry[0], config))
-        b = x.shape[0]
-        zeros = moe.Stats(jnp.zeros((b,), jnp.float32), *(jnp.zeros((b,), jnp.int32),) * 2)
-        carry = (x, zeros)
-    else:
-        step = lambda h, p: (block(p, h, config=config), None)
-        carry = x
     # ZeRO-3 parts cast to reduce_dtype once, before the scan: the backward scan then stacks
     # their gradients in that dtype too (half the fp32 stack's bytes for bf16), the same values
     # (the cast's transpose converts each reduce-scattered part exactly)
@@ -254,13 +262,45 @@ def blocks_and_stats(
     if not any(map(placement.in_host_memory, jax.tree.leaves(stacked_params))):
         stacked_params = reduce_cast(stacked_params, config)
     policy = as_remat(config.remat, "GPTConfig")
-    if policy.recomputes or _stored_sharded(stacked_params):  # ZeRO-3: gathered again backward
-        # in a scan XLA cannot merge the recomputation with the forward; unrolled it could
-        step = jax.checkpoint(
-            step, policy=never_gathered(policy), prevent_cse=not config.scan_layers
-        )
-    out = jax.lax.scan(step, carry, stacked_params, unroll=not config.scan_layers)[0]
-    return out if config.num_experts else (out, None)
+
+    def checkpointed(step: Callable) -> Callable:
+        if policy.recomputes or _stored_sharded(stacked_params):  # ZeRO-3: gathered backward
+            # in a scan XLA cannot merge the recomputation with the forward; unrolled it could
+            return jax.checkpoint(
+                step, policy=never_gathered(policy), prevent_cse=not config.scan_layers
+            )
+        return step
+
+    unroll = not config.scan_layers
+    if config.num_experts:
+        step = checkpointed(lambda carry, p: _summed(carry, _group(p, carry[0], config)))
+        b = x.shape[0]
+        zeros = moe.Stats(jnp.zeros((b,), jnp.float32), *(jnp.zeros((b,), jnp.int32),) * 2)
+        return jax.lax.scan(step, (x, zeros), stacked_params, unroll=unroll)[0]
+    layer = {k: checkpointed(_layer_step(k, config)) for k in set(config.attention_pattern)}
+    pattern = config.attention_pattern
+    if len(pattern) == 1:
+        return jax.lax.scan(layer[pattern[0]], x, stacked_params, unroll=unroll)[0], None
+    # several kinds: a scan over groups of len(pattern) layers, then the layers left over
+    groups, left = divmod(config.num_layers, len(pattern))
+    split = lambda a: a[: groups * len(pattern)].reshape(groups, len(pattern), *a.shape[1:])
+    if groups:
+        group = functools.partial(_in_turn, [layer[k] for k in pattern])
+        x = jax.lax.scan(group, x, jax.tree.map(split, stacked_params), unroll=unroll)[0]
+    tail = jax.tree.map(lambda a: a[groups * len(pattern) :], stacked_params)
+    return _in_turn([layer[k] for k in pattern[:left]], x, tail)[0], None
+
+
+def _layer_step(kind: str, config: GPTConfig) -> Callable:
+    """The scan's step over one layer of the kind ``kind``."""
+    return lambda h, p: (block(p, h, config=config, kind=kind), None)
+
+
+def _in_turn(steps: list[Callable], h: jax.Array, stacked: PyTree) -> tuple[jax.Array, None]:
+    """``steps[i]`` on layer ``i`` of ``stacked`` (parameters stacked over ``len(steps)``)."""
+    for i, step in enumerate(steps):
+        h = step(h, jax.tree.map(lambda a, i=i: a[i], stacked))[0]
+    return h, None
 
 
 def _summed(carry, result):
@@ -300,131 +340,13 @@ def stage_fn(config: GPTConfig) -> Callable[[dict, jax.Array], jax.Array]:
     Returns:
       The stage function; its output has ``x``'s dtype.
     """
-    return pipeline.scan_layers(lambda p, x: block(p, x, config=config).astype(x.dtype))
-
-
-def output_head(params: dict, *, config: GPTConfig) -> dict:
-    """The head's parameters with its output matrix: what `head_logits` and `head_loss` take.
-
-    Args:
-      params: `init`'s parameters.
-      config: the model's `GPTConfig`.
-
-    Returns:
-      ``params["head"]``; with ``tie_embeddings``, with ``"w"`` too: the token table
-      transposed (gathered, for ZeRO-3).
-
-    >>> import jax
-    >>> config = GPTConfig(d_model=16, num_heads=2, num_layers=1, tie_embeddings=True)
-    >>> head = jax.eval_shape(lambda: output_head(init(config, jax.random.key(0)), config=config))
-    >>> head["w"].shape
-    (16, 256)
-    """
-    if not config.tie_embeddings:
-        return params["head"]
-    tokens = rp.gather_params(reduce_cast(rp.to_device(params["embed"]["tokens"]), config))
-    return {**params["head"], "w": tokens.T}
-
-
-def head_logits(head_params: dict, x: jax.Array, *, config: GPTConfig | None = None) -> jax.Array:
-    """Final norm and output matrix: ``[B, S, D]`` to fp32 logits ``[B, S, V]``.
-
-    Args:
-      head_params: `output_head`'s.
-      x: ``[B, S, D]`` activations.
-      config: gives the norm; None for `GPTConfig`'s defaults.
-
-    Returns:
-      fp32 logits ``[B, S, V]``.
-
-    Raises:
-      ValueError: if the head has no output matrix (pass `output_head`'s parameters).
-    """
-    config = DEFAULT if config is None else config
-    head_params = _gathered(head_params, config)
-    if "w" not in head_params:
+    if len(set(config.attention_pattern)) > 1:
         raise ValueError(
-            "gpt.head_logits: the head has no output matrix 'w' (a model with "
-            "tie_embeddings=True); pass gpt.output_head(params, config=config)."
+            f"gpt.stage_fn: attention_pattern={config.attention_pattern} mixes layer kinds, "
+            f"which a pipeline's stages do not follow yet; train it without a stage axis."
         )
-    x = norm(head_params["norm"], x.astype(jnp.float32), config)
-    return x @ head_params["w"]
-
-
-def head_loss(
-    head_params: dict, x: jax.Array, targets: jax.Array, *, config: GPTConfig | None = None
-) -> jax.Array:
-    """Mean token cross-entropy of the head on ``x``, in fp32: the pipeline's ``loss_fn``.
-
-    Each token's loss is ``logsumexp(logits) - logits[target]``, the target's logit picked by a
-    sum against its one-hot mask (exact: one non-zero term), so that the loss and its gradient
-    (``softmax - one_hot``) fuse into passes over the logits, with no ``[B, S, V]`` log-softmax
-    kept and no gather or scatter on it (forward-mode autodiff applies too). With
-    ``config.loss_chunks`` above 1 the tokens are taken that many at a time in a ``lax.scan``
-    (MaxText's ``num_vocab_tiling``), each chunk's gradient taken in the forward pass while its
-    logits are live: one chunk's fp32 logits and their gradient are live at once, not the
-    device's whole ``[B, S, V]``, and the head's matmul is not repeated.
-
-    Args:
-      head_params: `output_head`'s.
-      x: ``[B, S, D]`` activations.
-      targets: ``[B, S]`` int targets, indexed as JAX indexes (negative ones from the end,
-        others clamped).
-      config: gives the norm and ``loss_chunks``; None for `GPTConfig`'s defaults.
-
-    Returns:
-      The mean loss, an fp32 scalar.
-
-    Raises:
-      ValueError: if ``config.loss_chunks`` does not divide the tokens (``B * S``).
-
-    >>> import dataclasses, jax, jax.numpy as jnp
-    >>> config = GPTConfig(d_model=16, num_heads=2, num_layers=1, vocab_size=32)
-    >>> head = output_head(init(config, jax.random.key(0)), config=config)
-    >>> x = jax.random.normal(jax.random.key(1), (2, 8, 16))
-    >>> targets = jnp.arange(16).reshape(2, 8)
-    >>> whole = head_loss(head, x, targets, config=config)
-    >>> chunked = head_loss(head, x, targets, config=dataclasses.replace(config, loss_chunks=4))
-    >>> bool(jnp.allclose(whole, chunked, rtol=1e-6))
-    True
-    """
-    config = DEFAULT if config is None else config
-    chunks = config.loss_chunks
-    if chunks == 1:
-        return jnp.mean(_token_losses(head_params, x, targets, config))
-    tokens = math.prod(targets.shape)
-    if tokens % chunks:
-        raise ValueError(
-            f"gpt.head_loss: loss_chunks={chunks} must divide the {tokens} tokens the head "
-            f"takes on each device ({' x '.join(map(str, targets.shape))}); use a divisor of "
-            f"{tokens}, such as {_divisor_near(tokens, chunks)}, or loss_chunks=1."
-        )
-    xs = x.reshape(chunks, tokens // chunks, x.shape[-1])
-    ts = targets.reshape(chunks, tokens // chunks)
-    loss = functools.partial(_summed_losses, config=config)
-    gather = functools.partial(_gathered, config=config)
-    return chunked_loss.chunked_sum(loss, gather, head_params, xs, ts) / tokens
-
-
-def _summed_losses(head_params: dict, x: jax.Array, targets: jax.Array, *, config) -> jax.Array:
-    return jnp.sum(_token_losses(head_params, x, targets, config))
-
-
-def _token_losses(head_params: dict, x: jax.Array, targets: jax.Array, config) -> jax.Array:
-    """Each token's cross-entropy, ``logsumexp(logits) - logits[target]``, in fp32."""
-    logits = head_logits(head_params, x, config=config)
-    v = logits.shape[-1]
-    targets = sharded_params.in_range(targets, v)
-    one_hot = (
-        jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1) == targets[..., None]
-    )
-    picked = jnp.sum(jnp.where(one_hot, logits, 0.0), axis=-1)
-    return jax.nn.logsumexp(logits, axis=-1) - picked
-
-
-def _divisor_near(n: int, k: int) -> int:
-    """The divisor of ``n`` nearest ``k`` (the smaller on a tie)."""
-    return min(divisors(n), key=lambda d: (abs(d - k), d))
+    kind = config.attention_pattern[0]
+    return pipeline.scan_layers(lambda p, x: block(p, x, config=config, kind=kind).astype(x.dtype))
 
 
 def apply(params: dict, tokens: jax.Array, *, config: GPTConfig) -> jax.Array:
@@ -436,7 +358,7 @@ def apply(params: dict, tokens: jax.Array, *, config: GPTConfig) -> jax.Array:
       config: the model's `GPTConfig`.
     """
     order = sequence_order(config, tokens.shape[-1])
-    x = embed(params["embed"], tokens, order, config.dtype)
+    x = embed(params["embed"], tokens, order, config.dtype, embed_scale(config))
     x = blocks(params["blocks"], x, config=config)
     logits = head_logits(output_head(params, config=config), x, config=config)
     return logits if order is None else logits[:, np.argsort(order)]
@@ -462,7 +384,7 @@ def loss_and_stats(
     order = sequence_order(config, tokens.shape[-1])
     if order is not None:  # a mean over tokens: the same in any order (`embed` takes its own)
         targets = targets[..., order]
-    x = embed(params["embed"], tokens, order, config.dtype)
+    x = embed(params["embed"], tokens, order, config.dtype, embed_scale(config))
     x, stats = blocks_and_stats(params["blocks"], x, config=config)
     ce = head_loss(output_head(params, config=config), x, targets, config=config)
     if stats is None:

@@ -22,10 +22,11 @@ The parts live in modules of their own, which this one gathers:
 
 * ``config``: `GPTConfig` and `RopeScaling`, the decoder's options;
 * ``layers``: the decoder's layers, one module each: ``norms``, ``rotary`` (rotary positions,
-  `rope_frequencies`, and the sequence's layout, `sequence_order`), ``attention``, ``mlp`` and
-  ``experts``;
+  `rope_frequencies`, and the sequence's layout, `sequence_order`), ``self_attention`` (and
+  ``masked_attention``: sliding windows and soft caps), ``mlp``, ``moe_mlp`` and ``head``
+  (`output_head`, `head_logits`, `head_loss`);
 * ``decoder``: the layers assembled: `init`, `embed`, `block`, `moe_block`, `blocks`,
-  `stage_fn`, the head (`output_head`, `head_logits`, `head_loss`), `apply` and `loss`;
+  `stage_fn`, `apply` and `loss`;
 * ``placement``: the parameters on a mesh: `LOGICAL_AXES`, `MEGATRON_RULES`,
   `partition_specs`, `place`, `place_pipeline`, and ZeRO-3's `zero_stacked` and `zero_split`;
 * ``pipelined``: `pipeline_value_and_grad`;

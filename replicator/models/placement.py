@@ -16,7 +16,7 @@ import replicator as rp
 from replicator import moe, pipeline
 from replicator._src.core.mesh import EXPERT_AXIS, MODEL_AXIS
 from replicator.models.config import DEFAULT, GPTConfig
-from replicator.models.layers.common import with_biases
+from replicator.models.layers.common import POST_NORMS, with_biases
 from replicator.models.layers.norms import has_bias
 
 
@@ -34,14 +34,13 @@ def _block_axes(config: GPTConfig) -> dict:
     else:
         attn = {"q": ("embed", "heads"), "k": ("embed", "kv_heads"), "v": ("embed", "kv_heads")}
     attn["out"] = ("heads", "embed")  # rows: the heads' outputs, in the same order
-    mlp = {"gate": ("embed", "mlp")} if config.mlp == "swiglu" else {}
+    mlp = {"gate": ("embed", "mlp")} if config.gated else {}
     mlp |= {"up": ("embed", "mlp"), "down": ("mlp", "embed")}
-    return {
-        "ln1": norm,
-        "attn": _with_biases(config, attn),
-        "ln2": norm,
-        "mlp": _with_biases(config, mlp),
-    }
+    attn = _with_biases(config, attn)
+    if config.qk_norm:  # one scale over a head's width, every head's
+        attn |= {n: jax.tree.map(lambda _: ("head_dim",), norm) for n in ("q_norm", "k_norm")}
+    block = {"ln1": norm, "attn": attn, "ln2": norm, "mlp": _with_biases(config, mlp)}
+    return block | ({n: norm for n in POST_NORMS.values()} if config.post_norms else {})
 
 
 def _axes(config: GPTConfig) -> dict:
@@ -54,7 +53,7 @@ def _axes(config: GPTConfig) -> dict:
     if not config.num_experts:
         blocks = jax.tree.map(lambda a: ("layers", *a), block, is_leaf=is_axes)
         return {"embed": embed, "blocks": blocks, "head": head}
-    experts = moe.logical_axes_for(gated=config.mlp == "swiglu", bias=config.bias)
+    experts = moe.logical_axes_for(gated=config.gated, bias=config.bias)
     moe_block = {k: v for k, v in block.items() if k != "mlp"} | {"moe": experts}
     group = {"moe": moe_block}
     if config.moe_every > 1:
@@ -171,7 +170,7 @@ def partition_specs(
     (P(None, None, 'model'), P(None, 'model', None), P(None, None))
     """
     rules = {"experts": EXPERT_AXIS, **rules}
-    roles = ("heads", "kv_heads", "mlp", "vocab", "embed", "seq", "layers", "experts")
+    roles = ("heads", "kv_heads", "mlp", "vocab", "embed", "seq", "layers", "experts", "head_dim")
     for role, axis in rules.items():
         if role not in roles:
             raise ValueError(

@@ -42,7 +42,7 @@ def model_shape(config: GPTConfig, global_batch: int, opt_slots: int = 2):
         num_layers=config.num_layers, d_model=config.d_model, num_heads=config.num_heads,
         kv_heads=config.kv_heads, head_dim=config.head_dim, hidden=config.hidden,
         vocab=config.vocab_size, seq_len=config.seq_len, global_batch=global_batch,
-        gated=config.mlp == "swiglu", bias=config.bias, layer_norm=config.norm == "layer",
+        gated=config.gated, bias=config.bias, layer_norm=config.norm == "layer",
         learned_positions=config.position == "learned", tied=config.tie_embeddings,
         compute_bytes=jnp.dtype(config.dtype).itemsize, opt_slots=opt_slots,
         attention=kernel if (kernel := config.attention) in ("dot_product", "splash")
@@ -51,7 +51,15 @@ def model_shape(config: GPTConfig, global_batch: int, opt_slots: int = 2):
         qkv_bias=config.qkv_bias, loss_chunks=config.loss_chunks,
         moe_chunks=config.moe_chunks, residual_split=config.residual_split,
         reduce_bytes=4 if config.reduce_dtype is None else jnp.dtype(config.reduce_dtype).itemsize,
+        local_layers=local_fraction(config), window=config.sliding_window or 0,
+        post_norms=config.post_norms, qk_norm=config.qk_norm,
     )  # fmt: skip
+
+
+def local_fraction(config: GPTConfig) -> float:
+    """The fraction of the layers that attend over a sliding window."""
+    kinds = [config.layer_kind(i) for i in range(config.num_layers)]
+    return kinds.count("local") / config.num_layers
 
 
 def flops_per_token(config: GPTConfig) -> float:
@@ -72,8 +80,9 @@ def flops_per_token(config: GPTConfig) -> float:
     1376256.0
     """
     d, f, n_layers = config.d_model, config.hidden, config.num_layers
-    attn = 2 * d * d + 2 * d * config.kv_heads * config.head_dim
-    mlp = (3 if config.mlp == "swiglu" else 2) * d * f
+    attn = 2 * d * config.q_width + 2 * d * config.kv_heads * config.head_dim
+    mlp = (3 if config.gated else 2) * d * f
     moe = config.num_moe_layers * ((config.top_k - 1) * mlp + d * config.num_experts)
     n = n_layers * (attn + mlp) + moe + d * config.vocab_size
-    return float(6 * n + 6 * n_layers * config.seq_len * d)
+    keys = model_shape(config, 1).attended_keys  # a sliding window's layers: its keys
+    return float(6 * n + 6 * n_layers * keys * config.q_width)

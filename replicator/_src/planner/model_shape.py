@@ -39,6 +39,10 @@ class ModelShape:
         (`GPTConfig.moe_chunks`).
       residual_split: each block's input split over ``model`` by its width
         (`GPTConfig.residual_split`).
+      local_layers, window: the fraction of the layers that attend over a sliding window of
+        ``window`` keys (``GPTConfig.attention_pattern``); their scores cost
+        ``min(window, seq_len)`` keys a query, not ``seq_len`` (`attended_keys`).
+      post_norms, qk_norm: norms after each branch, and over each head's queries and keys.
       reduce_bytes: bytes an element of the gradients' sums over the replicas, and of ZeRO-3's
         gathers of the parameters (``model.reduce_dtype``: 2 for bf16; 4, the fp32
         parameters', by default).
@@ -70,6 +74,16 @@ class ModelShape:
     moe_chunks: int = 1
     residual_split: bool = False
     reduce_bytes: int = 4
+    local_layers: float = 0.0
+    window: int = 0
+    post_norms: bool = False
+    qk_norm: bool = False
+
+    @property
+    def attended_keys(self) -> float:
+        """The keys a query's scores are computed against, on average over the layers."""
+        local = min(self.window, self.seq_len) if self.window else self.seq_len
+        return (1 - self.local_layers) * self.seq_len + self.local_layers * local
 
     @property
     def qkv_columns(self) -> int:
@@ -122,7 +136,9 @@ class ModelShape:
     def block_params(self) -> tuple[int, int]:
         """One layer's parameters: ``(split over model, whole on each model device)``."""
         split = self.block_matmul_params
-        whole = 2 * self.d_model * (2 if self.layer_norm else 1)
+        norms = 4 if self.post_norms else 2
+        whole = norms * self.d_model * (2 if self.layer_norm else 1)
+        whole += 2 * self.head_dim if self.qk_norm else 0
         if self.bias:
             split += self.qkv_columns + self.hidden * (2 if self.gated else 1)
             whole += 2 * self.d_model

@@ -221,7 +221,7 @@ def _flops(layout: Layout, m: ModelShape) -> float:
     attention = m.block_matmul_params - m.mlp_params[0]
     router = m.d_model * m.experts * m.moe_layers / m.num_layers
     matmul = 2 * ((attention + rows * m.mlp_params[0]) / layout.model + router)
-    scores = 4 * m.seq_len * attention_width
+    scores = 4 * m.attended_keys * attention_width
     forward = layers * tokens * (matmul + scores)
     train = 3 * forward
     moe = m.moe_layers / m.num_layers
@@ -267,7 +267,7 @@ def _roofline(layout: Layout, m: ModelShape, flops: float) -> tuple[tuple[float,
     again = layout.remat is True or remats.is_named(layout.remat)  # attention's kernel again
     passes = 4 if again else 3  # forward, twice that backward, remat's again
     heads = m.num_heads / t
-    attention = passes * layers * tokens * 4 * m.seq_len * heads * m.head_dim
+    attention = passes * layers * tokens * 4 * m.attended_keys * heads * m.head_dim
     blocks = 0.0
     if m.attention == "blockwise" and (layout.context > 1 or m.seq_len > TILE):
         pairs = tokens / TILE * (m.seq_len / 2 / TILE) * heads  # causal: half the keys

@@ -39,6 +39,8 @@ class Routing:
         each device receives in the first all-to-all round, relative to its balanced share (the
         routed rows of a device); rows past that follow in smaller overflow rounds, exactly.
         At least 1.0: a larger buffer makes overflow rounds rarer and counts more FLOPs.
+      normalize: with ``top_k > 1``, the gates are the chosen probabilities renormalised to
+        sum to 1 (Mixtral's, Qwen3-MoE's ``norm_topk_prob``); False keeps the raw ones.
 
     >>> from replicator import moe
     >>> routing = moe.Routing(num_experts=8, top_k=2)
@@ -55,6 +57,7 @@ class Routing:
     top_k: int = 1
     capacity_factor: float | None = 1.25
     receive_factor: float = 1.05
+    normalize: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k"):
@@ -138,7 +141,7 @@ def route(router: jax.Array, x: jax.Array, routing: Routing) -> tuple[Choices, S
     logits = jnp.einsum("gsd,de->gse", x.astype(jnp.float32), router.astype(jnp.float32))
     probs = jax.nn.softmax(logits, axis=-1)
     top, expert = lax.top_k(probs, k)  # [G, S, k]; ties: the lowest index first
-    gate = top / jnp.sum(top, axis=-1, keepdims=True) if k > 1 else top
+    gate = top / jnp.sum(top, axis=-1, keepdims=True) if k > 1 and routing.normalize else top
     # Priority order: choice j of every token (in position order) before choice j + 1.
     expert = jnp.swapaxes(expert, 1, 2).reshape(g, k * s).astype(jnp.int32)
     gate = jnp.swapaxes(gate, 1, 2).reshape(g, k * s)

@@ -52,6 +52,24 @@ def residual(x: jax.Array, p: dict, name: str, h: jax.Array, label: str | None =
     return y + p[f"{name}_bias"] if f"{name}_bias" in p else y
 
 
+POST_NORMS = {"attn": "post_attn_norm", "mlp": "post_mlp_norm"}
+"""Each residual branch's norm on its output, with ``GPTConfig.post_norms``."""
+
+
+def residual_branch(
+    x: jax.Array, p: dict, group: str, name: str, h: jax.Array, label: str, config: GPTConfig
+) -> jax.Array:
+    """`residual` of the block's ``group`` (``"attn"``, ``"mlp"``), with the branch's output
+    normed first (``p[POST_NORMS[group]]``) under ``config.post_norms``."""
+    if not config.post_norms:
+        return residual(x, p[group], name, h, label)
+    from replicator.models.layers.norms import norm
+
+    y = _named(h @ p[group][name], label)
+    y = y + p[group][f"{name}_bias"] if f"{name}_bias" in p[group] else y
+    return x + norm(p[POST_NORMS[group]], y, config)
+
+
 def _named(y: jax.Array, label: str | None) -> jax.Array:
     return y if label is None else remat.named(y, label)
 

@@ -1,5 +1,5 @@
 """A mixture-of-experts block's MLP (Mixtral's): `replicator.moe`'s experts, with the decoder's
-MLP (``gelu`` or ``swiglu``) and biases, each sequence one routing group."""
+MLP (its activation, gated or not) and biases, each sequence one routing group."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from replicator.models.layers.norms import norm
 
 
 def _experts(config: GPTConfig) -> dict:
-    """`moe.init`'s options for ``config``'s experts: SwiGLU experts with ``mlp="swiglu"``
-    (Mixtral's), biases with ``bias``."""
-    return dict(num_experts=config.num_experts, gated=config.mlp == "swiglu", bias=config.bias)
+    """`moe.init`'s options for ``config``'s experts: gated with ``gated`` (Mixtral's SwiGLU),
+    biases with ``bias``."""
+    return dict(num_experts=config.num_experts, gated=config.gated, bias=config.bias)
 
 
 def moe_params(config: GPTConfig, key, out_std: float) -> dict:
@@ -37,13 +37,13 @@ def mixture(p: dict, x: jax.Array, config: GPTConfig) -> tuple[jax.Array, Any]:
     sequence is its own routing group, so the routing and the numbers are the same, and the
     experts' rows (``[tokens x top_k, hidden]``, several live in the backward) are a chunk's.
     """
-    act = jax.nn.silu if config.mlp == "swiglu" else jax.nn.gelu
+    act = config.activation_fn
 
     def one(x):
         y, stats = moe.apply(
             p["moe"], norm(p["ln2"], x, config), routing=config.routing, activation=act
         )
-        return x + y, stats
+        return x + (norm(p["post_mlp_norm"], y, config) if config.post_norms else y), stats
 
     chunks = config.moe_chunks
     if chunks == 1:

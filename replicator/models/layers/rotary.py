@@ -14,11 +14,13 @@ from replicator._src.sharded import attention as attention_lib
 from replicator.models.config import GPTConfig
 
 
-def rope_frequencies(config: GPTConfig) -> np.ndarray:
+def rope_frequencies(config: GPTConfig, kind: str = "global") -> np.ndarray:
     """The rotary inverse frequencies of one head.
 
     Args:
       config: the model's `GPTConfig`.
+      kind: the layer's attention (`GPTConfig.layer_kind`): a ``"local"`` layer rotates by
+        ``local_rope_theta``, unscaled, when it is set (Gemma 3's).
 
     Returns:
       ``[head_dim / 2]`` fp32: ``rope_theta ** (-2 i / head_dim)``, rescaled by
@@ -27,9 +29,10 @@ def rope_frequencies(config: GPTConfig) -> np.ndarray:
     >>> rope_frequencies(GPTConfig(d_model=8, num_heads=1, position="rope")).tolist()
     [1.0, 0.10000000149011612, 0.009999999776482582, 0.0010000000474974513]
     """
-    hd = config.head_dim
-    inv = 1.0 / config.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd)
-    scaling = config.rope_scaling
+    hd, theta, scaling = config.head_dim, config.rope_theta, config.rope_scaling
+    if kind == "local" and config.local_rope_theta is not None:
+        theta, scaling = config.local_rope_theta, None
+    inv = 1.0 / theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd)
     if scaling is not None:
         old = scaling.original_max_position_embeddings
         low_wavelen, high_wavelen = old / scaling.low_freq_factor, old / scaling.high_freq_factor
@@ -51,7 +54,12 @@ def positions(config: GPTConfig, seq_len: int) -> jax.Array:
 
 
 def rope(
-    q: jax.Array, k: jax.Array, pos: jax.Array, config: GPTConfig, heads_first: bool = False
+    q: jax.Array,
+    k: jax.Array,
+    pos: jax.Array,
+    config: GPTConfig,
+    heads_first: bool = False,
+    kind: str = "global",
 ) -> tuple[jax.Array, jax.Array]:
     """Rotary positions on ``[B, S, heads, head_dim]`` queries and keys (``[B, heads, S,
     head_dim]`` with ``heads_first``), as transformers' Llama applies them: ``x * cos +
@@ -59,8 +67,9 @@ def rope(
     x1]``, and ``cos`` and ``sin`` are of ``position * frequency`` (`rope_frequencies`, each
     twice), computed in fp32 and rounded to the activations' dtype, in which the rotation is
     computed (transformers' order of operations, so bf16 activations rotate in bf16). One table
-    rotates both (under remat's ``prevent_cse`` two would be computed, and fused apart)."""
-    freqs = pos.astype(jnp.float32)[:, None] * jnp.asarray(rope_frequencies(config))
+    rotates both (under remat's ``prevent_cse`` two would be computed, and fused apart).
+    ``kind`` is the layer's attention (`rope_frequencies`)."""
+    freqs = pos.astype(jnp.float32)[:, None] * jnp.asarray(rope_frequencies(config, kind))
     angles = jnp.concatenate([freqs, freqs], -1)  # [S, head_dim]
     angles = angles if heads_first else angles[:, None]  # [S, 1, head_dim]: over the heads
     cos, sin = jnp.cos(angles).astype(q.dtype), jnp.sin(angles).astype(q.dtype)

@@ -5,6 +5,7 @@ with separate weights), or `replicator.attention` (ring or all-to-all over ``con
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -16,8 +17,15 @@ from replicator._src.pipeline import remat
 from replicator._src.sharded import attention as attention_lib
 from replicator._src.sharded import splash
 from replicator.models.config import GPTConfig
-from replicator.models.layers.common import is_stored, linear, linears, normal, residual
-from replicator.models.layers.norms import norm
+from replicator.models.layers.common import (
+    is_stored,
+    linear,
+    linears,
+    normal,
+    residual_branch,
+)
+from replicator.models.layers.masked_attention import masked_attention
+from replicator.models.layers.norms import norm, norm_params
 from replicator.models.layers.rotary import layout, positions, rope
 
 
@@ -33,7 +41,10 @@ def attn_params(config: GPTConfig, key, out_key, out_std: float) -> dict:
             "k": normal(kk, (d, kv_width)),
             "v": normal(kv, (d, kv_width)),
         }
-    return linears(config, weights | {"out": normal(out_key, (d, d), out_std)})
+    out = linears(config, weights | {"out": normal(out_key, (config.q_width, d), out_std)})
+    if config.qk_norm:  # one scale over each head's width, shared by the heads
+        out |= {"q_norm": norm_params(config, hd), "k_norm": norm_params(config, hd)}
+    return out
 
 
 def _qkv(p: dict, x: jax.Array, config: GPTConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -52,24 +63,53 @@ def _qkv(p: dict, x: jax.Array, config: GPTConfig) -> tuple[jax.Array, jax.Array
 _LABELS = {"q": "query_proj", "k": "key_proj", "v": "value_proj"}
 
 
-def attend(p: dict, x: jax.Array, config: GPTConfig) -> jax.Array:
+def attend(p: dict, x: jax.Array, config: GPTConfig, kind: str = "global") -> jax.Array:
     """``x`` plus causal self-attention of its norm (``p``: one block, in ``x.dtype``); its
     activations named for the remat policies by name (``query_proj``, ``key_proj``,
-    ``value_proj`` or ``qkv_proj``, ``context``, ``out_proj``)."""
+    ``value_proj`` or ``qkv_proj``, ``context``, ``out_proj``). ``kind`` is the layer's
+    attention, ``"global"`` or ``"local"`` (`GPTConfig.layer_kind`)."""
     if heads_first(config):
-        return _attend_heads_first(p, x, config)
-    b, s, d = x.shape
+        return _attend_heads_first(p, x, config, kind)
+    b, s, _ = x.shape
     q, k, v = _qkv(p["attn"], norm(p["ln1"], x, config), config)
-    if config.position == "rope":  # by position in the sequence's layout (zigzag or not)
-        q, k = rope(q, k, positions(config, s), config)
-    if config.attention == "dot_product":
+    q, k = prepare_qk(p["attn"], q, k, positions(config, s), config, kind)
+    window, cap = masking(config, kind, s)
+    local = {"window": window, "soft_cap": cap} if window or cap else {}
+    if config.attention == "splash":
+        attn = splash.splash_attention(q, k, v, **local)
+    elif local:
+        pos = positions(config, s)
+        attn = masked_attention(q, k, v, q_pos=pos, k_pos=pos, **local)
+    elif config.attention == "dot_product":
         attn = _dot_product_attention(q, k, v)
-    elif config.attention == "splash":
-        attn = splash.splash_attention(q, k, v)
     else:  # grouped-query attention: K/V travel with their own heads (replicator.attention)
         order = layout(config, s)
         attn = attention_lib.attention(q, k, v, causal=True, impl=config.attention, layout=order)
-    return residual(x, p["attn"], "out", remat.named(attn.reshape(b, s, d), "context"), "out_proj")
+    context = remat.named(attn.reshape(b, s, config.q_width), "context")
+    return residual_branch(x, p, "attn", "out", context, "out_proj", config)
+
+
+def masking(config: GPTConfig, kind: str, seq_len: int) -> tuple[int | None, float | None]:
+    """A layer's ``(window, soft_cap)``: its sliding window where it is shorter than the
+    sequence (a longer one masks nothing), and the scores' soft cap; Nones where unused."""
+    window = config.sliding_window if kind == "local" else None
+    return (window if window and window < seq_len else None), config.attn_softcap
+
+
+def prepare_qk(
+    a: dict, q: jax.Array, k: jax.Array, pos: jax.Array, config: GPTConfig, kind: str,
+    heads_first: bool = False,
+) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    """Queries and keys as attention takes them: normed by head (``qk_norm``), rotated by
+    ``pos`` (rotary positions, the layer's base), and the queries scaled so that the kernels'
+    ``1 / sqrt(head_dim)`` gives ``query_scale``."""
+    if config.qk_norm:
+        q, k = norm(a["q_norm"], q, config), norm(a["k_norm"], k, config)
+    if config.position == "rope":  # by position in the sequence's layout (zigzag or not)
+        q, k = rope(q, k, pos, config, heads_first=heads_first, kind=kind)
+    if config.query_scale is not None:
+        q = q * jnp.asarray(config.query_scale * math.sqrt(config.head_dim), q.dtype)
+    return q, k
 
 
 def heads_first(config: GPTConfig) -> bool:
@@ -78,7 +118,7 @@ def heads_first(config: GPTConfig) -> bool:
     return config.attention == "splash" and config.num_kv_heads is not None
 
 
-def _attend_heads_first(p: dict, x: jax.Array, config: GPTConfig) -> jax.Array:
+def _attend_heads_first(p: dict, x: jax.Array, config: GPTConfig, kind: str) -> jax.Array:
     """`attend` in the splash kernel's layout: queries, keys and values projected straight to
     ``[B, heads, S, head_dim]``, and the output projected back from it, by weights
     `weights_heads_first` laid out ``[heads, head_dim, D]``. No activation changes layout on
@@ -91,10 +131,16 @@ def _attend_heads_first(p: dict, x: jax.Array, config: GPTConfig) -> jax.Array:
         return y if bias is None else y + bias.reshape(-1, 1, config.head_dim)
 
     q, k, v = project("q"), project("k"), project("v")
-    if config.position == "rope":
-        q, k = rope(q, k, positions(config, x.shape[1]), config, heads_first=True)
-    context = remat.named(splash.splash_attention_heads_first(q, k, v), "context")
-    y = x + remat.named(jnp.einsum("bhsk,hkd->bsd", context, a["out"]), "out_proj")
+    pos = positions(config, x.shape[1])
+    q, k = prepare_qk(a, q, k, pos, config, kind, heads_first=True)
+    window, cap = masking(config, kind, x.shape[1])
+    local = {"window": window, "soft_cap": cap} if window or cap else {}
+    context = remat.named(splash.splash_attention_heads_first(q, k, v, **local), "context")
+    y = remat.named(jnp.einsum("bhsk,hkd->bsd", context, a["out"]), "out_proj")
+    if config.post_norms:
+        y = y + a["out_bias"] if "out_bias" in a else y
+        return x + norm(p["post_attn_norm"], y, config)
+    y = x + y
     return y + a["out_bias"] if "out_bias" in a else y
 
 
