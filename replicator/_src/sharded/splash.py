@@ -18,6 +18,15 @@ reads key/value head ``j`` for query heads ``j G .. j G + G - 1``).
   mapped by hand over the mesh's axes left to XLA (`by_hand`): heads over ``model``, batches
   over ``expert``.
 
+Two options of Gemma 2/3 and Mistral, in `attend` and `splash_attention` (not the ring blocks):
+
+* ``window=W``, a sliding window: query ``i`` sees key ``j`` iff ``0 <= i - j < W``
+  (transformers' ``sliding_window``), as the kernel's own ``LocalMask`` with ``window_size=(W -
+  1, 0)``: computed in the kernel tile by tile (no ``[seq, seq]`` mask enters the program), and
+  the tiles wholly outside the window skipped (`live_pairs` counts the others).
+* ``soft_cap=c``: the scaled scores ``s = q.k / sqrt(head_dim)`` become ``c tanh(s / c)`` before
+  the mask and the softmax (the kernel's ``attn_logits_soft_cap``, on queries already scaled).
+
 Off a TPU the same kernel runs in Pallas's interpreter: the same arithmetic, slowly, which is
 what the tests compare against `attention.reference`. The step's platform is its binding's
 (`Binding.platform`), else JAX's default backend: a step compiled for a TPU target on a CPU host
@@ -66,14 +75,37 @@ def _block(seq: int) -> int:
     return min(BLOCK, seq)
 
 
-def mask_key(causal: bool, positions=None):
+def mask_key(causal: bool, positions=None, *, window: int | None = None):
     """The kernel's mask: ``"full"``, ``"causal"`` (natural order, or ``positions`` that
-    increase), or the tuple of ``positions`` (a token attends to those at or before its own)."""
+    increase), the tuple of ``positions`` (a token attends to those at or before its own), or
+    ``("local", window)``: causal within a sliding window of ``window`` tokens (natural order,
+    or ``positions`` that step by 1).
+
+    Raises:
+      ValueError: for a window that is not a positive int, or not causal, or over ``positions``
+        that do not step by 1.
+    """
+    if window is not None:
+        steps = None if positions is None else np.diff(np.asarray(positions))
+        if isinstance(window, bool) or not isinstance(window, int | np.integer) or window < 1:
+            raise ValueError(f"splash attention: window={window!r}; use a positive int or None.")
+        if not causal:
+            raise ValueError("splash attention: a sliding window is causal, got causal=False; "
+                             "use causal=True, or window=None.")  # fmt: skip
+        if steps is not None and np.any(steps != 1):
+            raise ValueError("splash attention: a sliding window needs tokens in natural order "
+                             "(positions that step by 1); use window=None.")  # fmt: skip
+        return ("local", int(window))
     if not causal:
         return "full"
     if positions is None or np.all(np.diff(np.asarray(positions)) > 0):
         return "causal"
     return tuple(int(p) for p in positions)
+
+
+def _window(key) -> int | None:
+    """The sliding window of a `mask_key`, else None."""
+    return key[1] if isinstance(key, tuple) and key[0] == "local" else None
 
 
 def _mask(key, q_len: int, kv_len: int):
@@ -83,6 +115,8 @@ def _mask(key, q_len: int, kv_len: int):
         return sm.FullMask((q_len, kv_len))
     if key == "causal":
         return sm.CausalMask((q_len, kv_len))
+    if (window := _window(key)) is not None:  # j visible iff i - (window - 1) <= j <= i
+        return sm.LocalMask((q_len, kv_len), window_size=(window - 1, 0), offset=0)
     positions, pos = key, np.asarray(key)
 
     class Positions(sm.Mask):  # query i sees key j where pos[i] >= pos[j]; partial tiles stored
@@ -96,7 +130,10 @@ def _mask(key, q_len: int, kv_len: int):
 
 
 @functools.cache
-def _kernel(heads: int, q_len: int, kv_len: int, key, interpret: bool, residuals: bool):
+def _kernel(
+    heads: int, q_len: int, kv_len: int, key, interpret: bool, residuals: bool, *,
+    soft_cap: float | None = None,
+):  # fmt: skip
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
@@ -106,22 +143,30 @@ def _kernel(heads: int, q_len: int, kv_len: int, key, interpret: bool, residuals
                           block_kv_dkv=bk, block_kv_dkv_compute=bk, block_q_dq=bq, block_kv_dq=bk)  # fmt: skip
     with jax.ensure_compile_time_eval():  # its mask tables: constants, not this trace's values
         return sk.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
-                                  interpret=interpret, save_residuals=residuals)  # fmt: skip
+                                  interpret=interpret, save_residuals=residuals,
+                                  attn_logits_soft_cap=soft_cap)  # fmt: skip
 
 
 def live_pairs(seq: int, kv_len: int | None = None, key="causal") -> int:
-    """(query, key) pairs the kernel computes: every tile the mask does not cover whole.
+    """(query, key) pairs the kernel computes: every tile the mask does not cover whole (a
+    `mask_key`; for a window, the tiles with a pair ``0 <= i - j < window``).
 
     >>> live_pairs(1024)  # 2 x 2 tiles of 512: 3 live
     786432
+    >>> live_pairs(2048, key=("local", 512))  # 4 x 4 tiles: the diagonal and the one below
+    1835008
     """
     kv_len = seq if kv_len is None else kv_len
     bq, bk = _block(seq), _block(kv_len)
     if key == "full":
         return seq * kv_len
-    pos = np.arange(seq) if key == "causal" else np.asarray(key)
+    window = _window(key)
+    pos = np.arange(seq) if key == "causal" or window is not None else np.asarray(key)
     tq, tk = pos.reshape(-1, bq), pos[:kv_len].reshape(-1, bk)
-    return int(np.sum(tq.max(1)[:, None] >= tk.min(1)[None, :])) * bq * bk
+    live = tq.max(1)[:, None] >= tk.min(1)[None, :]
+    if window is not None:
+        live &= tq.min(1)[:, None] - tk.max(1)[None, :] < window
+    return int(np.sum(live)) * bq * bk
 
 
 def _flops(q, kv_len: int, key) -> int:
@@ -129,17 +174,23 @@ def _flops(q, kv_len: int, key) -> int:
     return 4 * dim * live_pairs(seq, kv_len, key) * heads * batch  # QK^T and PV
 
 
-def attend(q, k, v, *, causal: bool = True, positions=None) -> jax.Array:
+def attend(
+    q, k, v, *, causal: bool = True, positions=None, window: int | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:  # fmt: skip
     """Attention of ``q`` ``[batch, heads, seq, head_dim]`` over ``k``, ``v`` ``[batch,
     kv_heads, seq, head_dim]`` (``kv_heads`` divides ``heads``), whole sequences on this device:
-    `attention.reference` (heads first), differentiable.
+    `attention.reference` (heads first), differentiable. ``window``: query ``i`` sees keys
+    ``i - window < j <= i``; ``soft_cap``: scores ``s = q.k / sqrt(head_dim)`` become ``soft_cap
+    tanh(s / soft_cap)`` before the mask and softmax (the kernel caps the queries scaled here).
 
     Raises:
-      ValueError: for a sequence the kernel's tiles do not divide (`fits`).
+      ValueError: for a sequence the kernel's tiles do not divide (`fits`), or a window
+        `mask_key` refuses.
     """
     _, heads, seq, dim = q.shape
-    key = mask_key(causal, positions)
-    kernel = _kernel(heads, seq, seq, key, platform() != "tpu", False)
+    key = mask_key(causal, positions, window=window)
+    kernel = _kernel(heads, seq, seq, key, platform() != "tpu", False, soft_cap=soft_cap)
     scaled = (q * (1 / math.sqrt(dim))).astype(q.dtype)
     with jax.named_scope(KERNEL_FLOPS.format(_flops(q, seq, key))):
         return jax.vmap(kernel)(scaled, k, v).astype(q.dtype)
@@ -191,36 +242,56 @@ def block_backward(q, k, v, out, lse, do, *, causal: bool) -> tuple:
     return (dq * scale).astype(q.dtype), dk, dv
 
 
-def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+def splash_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:  # fmt: skip
     """Causal attention of ``q`` ``[batch, seq, heads, head_dim]`` over ``k``, ``v`` ``[batch,
     seq, kv_heads, head_dim]`` (``kv_heads`` divides ``heads``): the result has ``q``'s shape
     and dtype, as `attention.reference` computes it. `splash_attention_heads_first` on the
-    kernel's own layout, with the heads moved before the sequence and back.
+    kernel's own layout, with the heads moved before the sequence and back; ``window`` and
+    ``soft_cap`` as there.
 
     Raises:
       ValueError: as `splash_attention_heads_first`.
     """
     heads_first = lambda a: a.transpose(0, 2, 1, 3)
-    return heads_first(splash_attention_heads_first(*map(heads_first, (q, k, v))))
+    out = splash_attention_heads_first(
+        *map(heads_first, (q, k, v)), window=window, soft_cap=soft_cap
+    )
+    return heads_first(out)
 
 
-def splash_attention_heads_first(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+def splash_attention_heads_first(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:  # fmt: skip
     """`splash_attention` of ``q`` ``[batch, heads, seq, head_dim]`` over ``k``, ``v``
     ``[batch, kv_heads, seq, head_dim]``, the kernel's layout: a model that projects its queries,
     keys and values straight into it (and its output projection out of it) moves no activation
     between layouts (`replicator.models.gpt` with ``attention='splash'``). On a mesh, the
     kernel runs on each device's heads (``model``) and sequences (``expert``): `by_hand`.
 
+    Args:
+      window: a sliding window (Gemma 2/3's local layers, Mistral): query ``i`` sees keys ``i -
+        window < j <= i``; None: every key up to ``i``.
+      soft_cap: Gemma 2's attention-logit cap: the scores ``s = q.k / sqrt(head_dim)`` become
+        ``soft_cap * tanh(s / soft_cap)`` before the mask and the softmax; None: uncapped.
+
     Raises:
-      ValueError: for a sequence the kernel's tiles do not divide; for a ``context`` axis (the
-        kernel needs whole sequences), or heads or a batch the ``model`` or ``expert`` axis
-        does not divide.
+      ValueError: for a sequence the kernel's tiles do not divide; for a window that is not a
+        positive int, or a soft cap that is not positive; for a ``context`` axis (the kernel
+        needs whole sequences), or heads or a batch the ``model`` or ``expert`` axis does not
+        divide.
     """
     _block(q.shape[2])
+    mask_key(True, window=window)
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"splash attention: soft_cap={soft_cap!r}; use a positive number or None.")
     if k.shape[1] % _axis_size("model"):  # K/V heads that cannot split: repeated for theirs
         k, v = (jnp.repeat(a, q.shape[1] // k.shape[1], axis=1) for a in (k, v))
-    mapped, why = by_hand(functools.partial(attend, causal=True), batch=q.shape[0],
-                          heads=q.shape[1], layout="bhsd")  # fmt: skip
+    attend_f = functools.partial(attend, causal=True, window=window, soft_cap=soft_cap)
+    mapped, why = by_hand(attend_f, batch=q.shape[0], heads=q.shape[1], layout="bhsd")
     if mapped is None:
         raise ValueError(
             f"attention='splash' runs the kernel on whole sequences, on each device's heads "
