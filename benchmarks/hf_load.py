@@ -30,6 +30,7 @@ figures are extrapolated from it (reads and bytes grow exactly linearly with the
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import math
@@ -138,12 +139,14 @@ def hf_module(rev: str | None) -> _Reads:
     """``replicator.models.hf``'s parts, or its file's as of git revision ``rev`` (one module,
     before it became a package)."""
     from replicator.models import hf
+    from replicator.models.families import FAMILIES
     from replicator.models.hf import files, leaves
 
-    if rev is None:
+    if rev is None:  # the benchmark's checkpoint is a Llama's (CONFIG)
+        describe = functools.partial(leaves.describe, family=FAMILIES[CONFIG["model_type"]])
         return _Reads(
             load=hf.load, owner=files, pread_name="pread_into", tensors=files.tensors,
-            describe=leaves.describe,
+            describe=describe,
         )  # fmt: skip
     show = lambda name: subprocess.run(
         ["git", "show", f"{rev}:replicator/models/{name}.py"],

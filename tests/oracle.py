@@ -58,6 +58,40 @@ def torch_loss_and_grads(model, tokens, targets) -> tuple[float, dict]:
     return loss.detach().item(), {name: p.grad for name, p in model.named_parameters()}
 
 
+def decoder_sgd_steps(params, config, zero_stage: int, data, mesh_shape=None):
+    """The decoder's parameters after SGD (lr 0.1) on each batch of ``data`` (``{"tokens",
+    "targets"}``): ``(on the mesh, on one device)``, the mesh's ``{data: 2, model: 2}`` by
+    default, its parameters placed as `gpt.place` places them (and ZeRO-3's split with
+    ``zero_stage=3``); both as host arrays."""
+    from replicator.models import gpt
+
+    data = list(data)
+    loss_fn = lambda p, b: gpt.loss(p, b["tokens"], b["targets"], config=config)
+    p, tx = params, optax.sgd(0.1)
+    opt, grad = tx.init(p), jax.jit(jax.value_and_grad(loss_fn))
+    for batch in data:
+        updates, opt = tx.update(grad(p, batch)[1], opt, p)
+        p = optax.apply_updates(p, updates)
+    mesh_shape = mesh_shape or {"data": 2, "model": 2}
+    n = int(np.prod(list(mesh_shape.values())))
+    repl = rp.Replicator(mesh_shape=mesh_shape, devices=jax.devices()[:n])
+    mesh_tx = repl.wrap_optimizer(optax.sgd(0.1), zero_stage=zero_stage)
+    placed = gpt.place(repl, params, config=config)
+    if zero_stage == 3:
+        placed = mesh_tx.shard_params(placed, stacked=gpt.zero_stacked(config))
+
+    def step(state, batch):
+        new, opt, _ = mesh_tx.step(loss_fn, state["params"], state["opt"], batch)
+        return {"params": new, "opt": opt}, {}
+
+    state = {"params": placed, "opt": mesh_tx.init(placed)}
+    for batch in data:
+        state, _ = repl.run(step, state, batch)
+    is_sharded = lambda x: isinstance(x, rp.ShardedParam)
+    host = lambda x: np.asarray(x.value if is_sharded(x) else x)
+    return jax.tree.map(host, state["params"], is_leaf=is_sharded), jax.tree.map(np.asarray, p)
+
+
 def mlp_params(seed=1, sizes=(16, 32, 4)):
     keys = jax.random.split(jax.random.key(seed), len(sizes) - 1)
     return [

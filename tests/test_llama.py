@@ -177,14 +177,20 @@ def test_hf_configs_the_gpt_cannot_compute_are_refused():
     c = hf.decoder_config(base | {"rope_parameters": scaling})
     assert c.rope_scaling == gpt.RopeScaling(8.0, 1.0, 4.0, 8192) and c.rope_theta == 5e5
     hash(c)
+    wide = hf.decoder_config(base | {"head_dim": 16, "hidden_act": "gelu"})  # heads apart from D
+    assert (wide.head_dim, wide.q_width, wide.activation, wide.gated) == (
+        16,
+        64,
+        "gelu_exact",
+        True,
+    )
     for change, match in [
-        ({"head_dim": 16}, r"head_dim=16 with 4 heads is not hidden_size=32 wide"),
-        ({"hidden_act": "gelu"}, r"hidden_act='gelu'; the SwiGLU MLP uses 'silu'"),
+        ({"hidden_act": "tanh"}, r"hidden_act='tanh' is not implemented"),
         ({"attention_bias": True}, r"attention_bias=True but mlp_bias=False"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"rope_type='yarn' is not"),
         (
-            {"model_type": "mistral"},
-            r"model_type='mistral'; this reads the configs of llama, mixtral, qwen2",
+            {"model_type": "phi3"},
+            r"model_type='phi3'; this reads the configs of llama, mixtral, qwen2, gemma2",
         ),
     ]:
         with pytest.raises(ValueError, match=r"^hf\.decoder_config: " + match):

@@ -62,8 +62,9 @@ def hf_batch(seed=3):
 def test_decoder_config_of_a_mixtral_is_a_dropless_top2_llama_of_experts():
     _, config, params = hf_model()
     assert (config.num_experts, config.top_k, config.capacity_factor) == (4, 2, None)
-    assert (config.mlp, config.norm, config.num_kv_heads, config.bias) == (
-        "swiglu",
+    assert (config.activation, config.gated, config.norm, config.num_kv_heads, config.bias) == (
+        "silu",
+        True,
         "rms",
         2,
         False,

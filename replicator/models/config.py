@@ -29,9 +29,12 @@ LAYER_KINDS = ("global", "local")
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3's rescaled rotary frequencies (transformers' ``rope_scaling``, ``"llama3"``).
+    """Rescaled rotary frequencies: transformers' ``rope_scaling``, Llama 3's or linear.
 
-    Wavelengths longer than ``original_max_position_embeddings / low_freq_factor`` are
+    ``"llama3"`` is Llama 3's; ``"linear"`` divides every frequency by ``factor`` (Gemma 3's
+    global layers).
+
+    For Llama 3's, wavelengths longer than ``original_max_position_embeddings / low_freq_factor`` are
     stretched by ``factor``, those shorter than ``original_max_position_embeddings /
     high_freq_factor`` kept, and those between interpolated smoothly. Frozen, so that
     `GPTConfig` stays hashable.
@@ -51,10 +54,10 @@ class RopeScaling:
     rope_type: str = "llama3"
 
     def __post_init__(self) -> None:
-        if self.rope_type != "llama3":
+        if self.rope_type not in ("llama3", "linear"):
             raise ValueError(
-                f"RopeScaling: rope_type={self.rope_type!r}; only 'llama3' is implemented (use "
-                f"rope_scaling=None for plain rotary positions)."
+                f"RopeScaling: rope_type={self.rope_type!r}; 'llama3' and 'linear' are "
+                f"implemented (use rope_scaling=None for plain rotary positions)."
             )
         if not self.high_freq_factor > self.low_freq_factor > 0 or self.factor <= 0:
             raise ValueError(

@@ -9,8 +9,9 @@ ZeRO-3 and the ``context`` axis.
 `config` builds such a `gpt.GPTConfig` (`replicator.models.hf.decoder_config` reads one from a
 Hugging Face ``config.json``); `params_from_state_dict` and
 `state_dict_from_params` convert between transformers' parameter names (``model.layers.0.
-self_attn.q_proj.weight``, ``[out, in]``) and `gpt.init`'s tree (``[in, out]``, the layers
-stacked).
+self_attn.q_proj.weight``, ``[out, in]``), as the model's family names them (its `Family`
+record, ``family=``; by default the first family with the config's experts and biases), and
+`gpt.init`'s tree (``[in, out]``, the layers stacked).
 
 >>> import jax, numpy as np
 >>> from replicator.models import gpt, llama
@@ -34,8 +35,8 @@ import jax
 import numpy as np
 
 from replicator._src.core.deprecation import moved_names as _moved_names
-from replicator.models import gpt
-from replicator.models.families import family, mixtral
+from replicator.models import families, gpt
+from replicator.models.families import family
 
 if TYPE_CHECKING:  # annotations only: not a name of this module
     from collections.abc import Mapping
@@ -74,8 +75,8 @@ def config(
 
     >>> from replicator.models import llama
     >>> c = llama.config(vocab_size=256, d_model=64, num_layers=2, num_heads=8, d_ff=128)
-    >>> c.norm, c.position, c.mlp, c.num_kv_heads, c.bias
-    ('rms', 'rope', 'swiglu', 8, False)
+    >>> c.norm, c.position, c.activation, c.gated, c.num_kv_heads, c.bias
+    ('rms', 'rope', 'silu', True, 8, False)
     """
     return gpt.GPTConfig(
         vocab_size=vocab_size,
@@ -88,15 +89,28 @@ def config(
     )
 
 
-def _check(config: gpt.GPTConfig, api: str) -> None:
-    llama = (config.norm, config.position, config.mlp) == ("rms", "rope", "swiglu")
-    biased_experts = config.num_experts and (config.bias or config.qkv_bias)
-    if not llama or config.num_kv_heads is None or config.moe_every != 1 or biased_experts:
+def _family(config: gpt.GPTConfig, family: families.Family | None) -> families.Family:
+    """``family``, or by default the first of `FAMILIES` with ``config``'s experts (or none)
+    and biases (a Llama, Mixtral or Qwen2), or else the first with its experts."""
+    if family is not None:
+        return family
+    experts, biases = bool(config.num_experts), _biases(config)
+    same = [f for f in families.FAMILIES.values() if f.experts == experts]
+    return next((f for f in same if f.bias_keys(biases) is not None), same[0])
+
+
+def _check(config: gpt.GPTConfig, family: families.Family, api: str) -> None:
+    llama = (config.norm, config.position, config.gated) == ("rms", "rope", True)
+    fits = bool(config.num_experts) == family.experts  # and the family's biases:
+    fits = fits and family.bias_keys(_biases(config)) is not None
+    if not llama or config.num_kv_heads is None or config.moe_every != 1 or not fits:
+        moe = "num_experts > 0 and moe_every=1" if family.experts else "num_experts=0"
+        rule = family.bias_rule or f"bias=False: a {family.name} has no biases, nor qkv_bias"
         raise ValueError(
-            f"{api}: config is not a Llama's, a Mixtral's or a Qwen2's (norm='rms', "
-            f"position='rope', mlp='swiglu', num_kv_heads set, and with experts moe_every=1 and "
-            f"bias=False: a Mixtral has no biases, nor qkv_bias); build it with llama.config or "
-            f"hf.decoder_config."
+            f"{api}: config is not a {family.name}'s (norm='rms', position='rope', "
+            f"mlp='swiglu', num_kv_heads set, {moe}, and {rule}); build it with llama.config "
+            f"or hf.decoder_config, or pass the family= of its model (FAMILIES: "
+            f"{', '.join(families.FAMILIES)})."
         )
 
 
@@ -112,14 +126,13 @@ class _Name(NamedTuple):
     transposed: bool
 
 
-def _names(config: gpt.GPTConfig) -> list[_Name]:
-    """Every transformers tensor of ``config``'s model and where it sits in `gpt.init`'s tree
-    (the names of the files: per-expert ``block_sparse_moe.experts.{j}`` for a Mixtral)."""
-    if config.num_experts:
-        layer, experts = mixtral.LAYER, mixtral.EXPERT_NAMES
-    else:
-        layer = family.LAYER_NAMES | family.biased_names(_biases(config))
-        experts = {}
+def _names(config: gpt.GPTConfig, family: families.Family) -> list[_Name]:
+    """Every transformers tensor of ``config``'s model and where it sits in `gpt.init`'s tree,
+    as ``family`` names them (the files' names: per-expert ``block_sparse_moe.experts.{j}``
+    for a Mixtral)."""
+    names = family.block_names(_biases(config))
+    layer = {keys: value for keys, value in names.items() if "{j}" not in value[0]}
+    experts = {keys: value for keys, value in names.items() if "{j}" in value[0]}
     out = [
         _Name(("blocks", *keys), (i,), f"model.layers.{i}.{name}", t)
         for i in range(config.num_layers)
@@ -134,7 +147,7 @@ def _names(config: gpt.GPTConfig) -> list[_Name]:
     tied = config.tie_embeddings
     out += [
         _Name(k, (), n, t)
-        for k, (n, t) in family.OUTER_NAMES.items()
+        for k, (n, t) in family.outer_names.items()
         if k != ("head", "w") or not tied
     ]
     return out
@@ -146,26 +159,34 @@ def _numpy(x: Any) -> np.ndarray:
     return np.asarray(x, np.float32)
 
 
-def _unfused(state_dict: Mapping[str, Any], config: gpt.GPTConfig) -> Mapping[str, Any]:
-    """transformers 5's in-memory Mixtral experts (``mlp.experts.gate_up_proj`` ``[E, 2F, D]``,
-    ``mlp.experts.down_proj`` ``[E, D, F]``, ``mlp.gate.weight``) as the files' per-expert
-    ``block_sparse_moe`` tensors; any other state dict as it is."""
-    if not config.num_experts or "model.layers.0.mlp.experts.gate_up_proj" not in state_dict:
+def files_state_dict(
+    state_dict: Mapping[str, Any], *, config: gpt.GPTConfig, family: families.Family | None = None
+) -> Mapping[str, Any]:
+    """``state_dict`` with the names a checkpoint's files give its tensors.
+
+    transformers 5 holds some tensors fused in memory (a Mixtral's experts: ``mlp.experts.
+    gate_up_proj``, ``down_proj``); the family's ``unfuse`` splits them into the files' ones
+    (``block_sparse_moe.experts.{j}.w1``, ...). Any other state dict comes back as it is.
+
+    Args:
+      state_dict: ``model.state_dict()`` (torch tensors), its gradients by name, or a
+        safetensors file's arrays.
+      config: the model's `gpt.GPTConfig`.
+      family: the model's family; None for the first with ``config``'s experts and biases,
+        as `params_from_state_dict` says.
+
+    Returns:
+      The state dict by the files' names (its tensors not copied nor converted).
+    """
+    family = _family(config, family)
+    if family.unfuse is None:
         return state_dict
-    out, f = dict(state_dict), config.hidden
-    for i in range(config.num_layers):
-        old, new = f"model.layers.{i}.mlp.", f"model.layers.{i}.block_sparse_moe."
-        gate_up, down = (
-            _numpy(out.pop(old + f"experts.{x}")) for x in ("gate_up_proj", "down_proj")
-        )
-        out[new + "gate.weight"] = out.pop(old + "gate.weight")
-        for j in range(config.num_experts):
-            w = {"w1": gate_up[j, :f], "w3": gate_up[j, f:], "w2": down[j]}
-            out |= {f"{new}experts.{j}.{k}.weight": v for k, v in w.items()}
-    return out
+    return family.unfuse(state_dict, config.num_layers, config.num_experts, config.hidden)
 
 
-def params_from_state_dict(state_dict: Mapping[str, Any], *, config: gpt.GPTConfig) -> dict:
+def params_from_state_dict(
+    state_dict: Mapping[str, Any], *, config: gpt.GPTConfig, family: families.Family | None = None
+) -> dict:
     """`gpt.init`'s tree (fp32 NumPy) from transformers' Llama-family parameters.
 
     Weights are transposed to ``[in, out]`` (``q``'s columns stay head-major), and the layers
@@ -177,36 +198,42 @@ def params_from_state_dict(state_dict: Mapping[str, Any], *, config: gpt.GPTConf
         experts.{j}.w1``, ``w2``, ``w3``) or as transformers 5 holds them in memory
         (``mlp.experts.gate_up_proj``, ``down_proj``).
       config: the model's `gpt.GPTConfig` (`hf.decoder_config`'s).
+      family: the model's family (`replicator.models.families.FAMILIES`), whose names the
+        state dict has; None for the first family with ``config``'s experts and biases (a
+        Mixtral with experts, a Qwen2 with ``qkv_bias``, else a Llama).
 
     Returns:
       `gpt.init`'s tree, fp32 NumPy.
 
     Raises:
-      ValueError: if ``config`` is not a Llama-family one, or a name is missing, or left over
+      ValueError: if ``config`` is not the family's, or a name is missing, or left over
         (except ``lm_head.weight`` for a tied head, which is the token table), or a tensor's
         shape is not the config's.
     """
-    _check(config, "llama.params_from_state_dict")
-    state_dict, names = _unfused(state_dict, config), _names(config)
+    api = "llama.params_from_state_dict"
+    family = _family(config, family)
+    _check(config, family, api)
+    state_dict = files_state_dict(state_dict, config=config, family=family)
+    names = _names(config, family)
     missing = sorted(n.name for n in names if n.name not in state_dict)
     extra = set(state_dict) - {n.name for n in names}
     extra -= {"lm_head.weight"} if config.tie_embeddings else set()
     if missing or extra:
         raise ValueError(
-            f"llama.params_from_state_dict: the state dict does not match config (a "
-            f"{config.num_layers}-layer {'Mixtral' if config.num_experts else 'Llama'}, bias="
-            f"{config.bias}, tie_embeddings={config.tie_embeddings}): missing {missing[:4]}, "
-            f"unexpected {sorted(extra)[:4]}."
+            f"{api}: the state dict does not match config (a {config.num_layers}-layer "
+            f"{family.name}, bias={config.bias}, tie_embeddings={config.tie_embeddings}): "
+            f"missing {missing[:4]}, unexpected {sorted(extra)[:4]}."
         )
     shapes = jax.eval_shape(lambda: gpt.init(config, jax.random.key(0)))
+    _check_leaves(shapes, names, family, api)
     params = jax.tree.map(lambda s: np.empty(s.shape, np.float32), shapes)
     for n in names:
         value, leaf = _numpy(state_dict[n.name]), _at(params, n.keys)
         want = leaf.shape[len(n.index) :][:: -1 if n.transposed else 1]
         if value.shape != want:
             raise ValueError(
-                f"llama.params_from_state_dict: {n.name} is {list(value.shape)}; config's sizes "
-                f"give {list(want)} (transformers' [out, in] layout)."
+                f"{api}: {n.name} is {list(value.shape)}; config's sizes give {list(want)} "
+                f"(transformers' [out, in] layout)."
             )
         leaf[n.index] = value.T if n.transposed else value
     filled = {n.keys: (len(n.index), 0) for n in names}
@@ -219,7 +246,9 @@ def params_from_state_dict(state_dict: Mapping[str, Any], *, config: gpt.GPTConf
     return params
 
 
-def state_dict_from_params(params: PyTree, *, config: gpt.GPTConfig) -> dict[str, np.ndarray]:
+def state_dict_from_params(
+    params: PyTree, *, config: gpt.GPTConfig, family: families.Family | None = None
+) -> dict[str, np.ndarray]:
     """transformers' names and ``[out, in]`` layout of `gpt.init`'s tree.
 
     The inverse of `params_from_state_dict`.
@@ -227,6 +256,8 @@ def state_dict_from_params(params: PyTree, *, config: gpt.GPTConfig) -> dict[str
     Args:
       params: `gpt.init`'s tree, or its gradients.
       config: the model's `gpt.GPTConfig`.
+      family: the model's family, whose names the state dict gets; None for the first
+        family with ``config``'s experts and biases, as `params_from_state_dict` says.
 
     Returns:
       ``{name: fp32 NumPy array}``, without ``lm_head.weight`` for a tied head, and a
@@ -234,14 +265,45 @@ def state_dict_from_params(params: PyTree, *, config: gpt.GPTConfig) -> dict[str
       ``MixtralForCausalLM.from_pretrained`` reads those).
 
     Raises:
-      ValueError: if ``config`` is not a Llama-family one.
+      ValueError: if ``config`` is not the family's, or ``params`` lack a leaf it names.
     """
-    _check(config, "llama.state_dict_from_params")
+    api = "llama.state_dict_from_params"
+    family = _family(config, family)
+    _check(config, family, api)
+    names = _names(config, family)
+    _check_leaves(params, names, family, api, extra=False)
     out = {}
-    for n in _names(config):
+    for n in names:
         value = _numpy(_at(params, n.keys))[n.index]
         out[n.name] = value.T if n.transposed else value
     return out
+
+
+def _check_leaves(
+    tree: PyTree, names: list[_Name], family: families.Family, api: str, *, extra: bool = True
+) -> None:
+    """Refuses a ``tree`` (``config``'s) that lacks a leaf ``family`` names in ``names``, or,
+    with ``extra``, that has a leaf it does not name."""
+    missing = sorted({n.keys for n in names if not _holds(tree, n.keys)})
+    unnamed = []
+    if extra:
+        paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+        unnamed = sorted({tuple(k.key for k in path) for path in paths} - {n.keys for n in names})
+    if missing or unnamed:
+        show = lambda keys: ", ".join(".".join(k) for k in keys[:4]) or "none"
+        raise ValueError(
+            f"{api}: config's tree and the {family.name} family's names differ: the tree lacks "
+            f"{show(missing)}, and the family does not name {show(unnamed)}; pass the family= "
+            f"of config's model (FAMILIES: {', '.join(families.FAMILIES)})."
+        )
+
+
+def _holds(tree: PyTree, keys: tuple) -> bool:
+    try:
+        _at(tree, keys)
+    except (KeyError, TypeError, IndexError):
+        return False
+    return True
 
 
 def _at(tree: PyTree, keys: tuple) -> Any:

@@ -271,7 +271,7 @@ CASES = {
         set_config(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
         ["block_sparse_moe.gate.weight", 'set "model_type": "llama"'],
     ),
-    "hidden_act gelu": Case(set_config(hidden_act="gelu"), ["hidden_act='gelu'", "'silu'"]),
+    "hidden_act tanh": Case(set_config(hidden_act="tanh"), ["hidden_act='tanh'", "'silu'"]),
     # 9. the hunt: the files and the weights against config.json
     "offsets past the end": Case(
         edit_header(lambda h: h["model.norm.weight"].update(data_offsets=[804864, 900000])),
@@ -447,7 +447,8 @@ def test_the_checks_accept_a_valid_checkpoint_and_what_transformers_leaves(sourc
         ({"hidden_size": "64"}, ["hidden_size='64' is a string"]),
         ({"vocab_size": None}, ["lacks vocab_size"]),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, ["no low_freq_factor"]),
-        ({"head_dim": 8}, ["head_dim=8 with 4 heads", "[32, 64]", "remove it from config.json"]),
+        ({"hidden_act": "tanh"}, ["hidden_act='tanh' is not implemented", "'silu'"]),
+        ({"model_type": "phi3"}, ["model_type='phi3'", "gemma2"]),
     ],
 )
 def test_decoder_config_refuses_in_one_line(change, words):

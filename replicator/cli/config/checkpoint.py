@@ -1,5 +1,5 @@
 """The ``model:`` section of a config with ``init_from``: the sizes and the family of the
-Hugging Face Llama, Mixtral or Qwen2 it starts from (`CHECKPOINT_SIZES`, read from its
+Hugging Face checkpoint (of a family of `replicator.models.families`) it starts from (`CHECKPOINT_SIZES`, read from its
 config.json; the family's own options, such as Qwen2's query/key/value biases, come with it),
 merged into the section as plain data before the config is built (`short_forms`)."""
 
@@ -17,6 +17,7 @@ CHECKPOINT_SIZES = {
     "layers": "num_hidden_layers",
     "heads": "num_attention_heads",
     "kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
     "d_ff": "intermediate_size",
     "rope_theta": "rope_theta",
     "norm_eps": "rms_norm_eps",
@@ -55,6 +56,7 @@ def checkpoint_model(model: dict, init_from: Any, where: str) -> dict:
       ValueError: naming ``init_from`` and the key, with the fix.
     """
     from replicator.models import hf
+    from replicator.models.families import FAMILIES
 
     where = f"{where}: init_from={init_from!r}"
     if not isinstance(init_from, str) or not init_from:
@@ -65,14 +67,16 @@ def checkpoint_model(model: dict, init_from: Any, where: str) -> dict:
         hf_config = hf.read_config(init_from)
     except (OSError, ValueError) as e:
         raise ValueError(f"{where}: {str(e).splitlines()[0]}") from None
-    sizes = {key: hf_config.get(name) for key, name in CHECKPOINT_SIZES.items()}
+    size_key = FAMILIES[hf_config["model_type"]].size_key  # Qwen3-MoE's num_experts, ...
+    sizes = {key: hf_config.get(size_key(name)) for key, name in CHECKPOINT_SIZES.items()}
     sizes = {key: value for key, value in sizes.items() if value is not None}
     for key, value in sizes.items():
         mine = model.get(key, DEFAULTS[key])
         if not _same(mine, DEFAULTS[key]) and not _same(mine, value):
             raise ValueError(
                 f"{where}: model.{key}={mine!r}, but the checkpoint's config.json has "
-                f"{CHECKPOINT_SIZES[key]}={value!r}; remove model.{key} (the checkpoint sets it)."
+                f"{size_key(CHECKPOINT_SIZES[key])}={value!r}; remove model.{key} (the checkpoint "
+                f"sets it)."
             )
     kind, family = model.get("kind", "gpt"), model.get("family", "gpt")
     if kind != "gpt":

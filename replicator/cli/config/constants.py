@@ -30,19 +30,24 @@ GPT_ONLY = {  # the gpt-only keys' defaults
     "top_k": 1,
     "capacity_factor": 1.25,
     "aux_weight": 0.01,
+    "normalize_top_k": None,
 }
 ATTENTIONS = ("ring", "all_to_all", "dot_product", "splash")
 # model.family: the GPT's own, or a family of replicator.models.families.FAMILIES (Llama's block
 # and what the family adds). Importing that module imports jax (through the replicator package),
 # so the config keeps its own list; tests/test_cli.py checks that it is FAMILIES'.
-MODEL_FAMILIES = ("gpt", "llama", "mixtral", "qwen2")
-EXPERT_FAMILIES = ("mixtral",)  # the families with a mixture of experts in every block
+MODEL_FAMILIES = (
+    "gpt", "llama", "mixtral", "qwen2", "gemma2", "gemma3_text", "qwen3", "qwen3_moe", "mistral",
+)  # fmt: skip
+EXPERT_FAMILIES = ("mixtral", "qwen3_moe")  # the families with a mixture of experts in every block
 # the keys of the families on Llama's block (every one of MODEL_FAMILIES but gpt), and defaults
 LLAMA_BLOCK_ONLY = {
     "kv_heads": None,
     "rope_theta": 10000.0,
     "norm_eps": 1e-5,
     "tie_embeddings": False,
+    "head_dim": None,
+    "sliding_window": None,
 }
 DATA_AXES = ("dcn_data", "data")  # the replicas: the batch is split over these
 RING_IN_ONE_COND = ("1f1b", "interleaved", "zerobubble")  # schedules that cannot run a ring

@@ -88,24 +88,34 @@ class ModelConfig:
     # unused), split over an `expert` axis; every moe_every-th block is one (layers a multiple
     # of it); each token goes to its top_k experts, each taking at most capacity_factor x its
     # share of a sequence's token-choices (the rest dropped: the token keeps its residual only;
-    # null: none dropped); aux_weight x the load-balancing loss is added to the loss.
+    # null: none dropped); aux_weight x the load-balancing loss is added to the loss;
+    # normalize_top_k: a token's top_k weights renormalised to sum to 1 (true), or its raw
+    # router probabilities (false); null: the family's (Mixtral's true, Qwen3-MoE's as its
+    # config.json's norm_topk_prob, false by default).
     experts: int = 0
     moe_every: int = 1
     top_k: int = 1
     capacity_factor: float | None = 1.25
     aux_weight: float = 0.01
+    normalize_top_k: bool | None = None
     # gpt: the model family: gpt (LayerNorm, learned positions, GELU MLP, biases), or one of
     # replicator.models.families: llama (RMSNorm, rotary positions, SwiGLU, no biases,
     # grouped-query attention), qwen2 (Llama's block with biases on the query, key and value
     # projections), mixtral (Llama's block with a mixture of `experts` in every block). In a
     # file, kind: llama is short for kind: gpt with family: llama. The keys of the families on
     # Llama's block: kv_heads (key/value heads; null: heads), rope_theta, norm_eps,
-    # tie_embeddings (the head is the token table).
+    # tie_embeddings (the head is the token table), head_dim (each head's width; null:
+    # d_model / heads; Gemma's 256, Qwen3's 128), sliding_window (the local layers' window;
+    # null: the family's own, such as Gemma 2's 4096 on every other layer). gemma2,
+    # gemma3_text, qwen3, qwen3_moe and mistral are the families of their names (their
+    # modules in replicator.models.families say what each adds).
     family: str = "gpt"
     kv_heads: int | None = None
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    head_dim: int | None = None
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind == "llama":
@@ -147,7 +157,10 @@ class ModelConfig:
         if not isinstance(self.remat, bool):
             remat_policy(self.remat, type(self).__name__)  # "ModelConfig: remat must be ..."
         self._check_attention_and_experts()
-        if self.kind == "gpt" and self.d_model % self.heads:
+        for name in ("head_dim", "sliding_window"):
+            if getattr(self, name) is not None:
+                at_least(self, name, 1)
+        if self.kind == "gpt" and self.d_model % self.heads and self.head_dim is None:
             raise ValueError(
                 f"{where_of(self)}heads={self.heads} does not divide d_model={self.d_model}; use a "
                 f"d_model that is a multiple of heads (e.g. "

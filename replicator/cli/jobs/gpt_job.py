@@ -79,12 +79,12 @@ def gpt_config(config: TrainConfig) -> gpt.GPTConfig:
         capacity_factor=m.capacity_factor,
         aux_weight=m.aux_weight,
     )
+    if m.normalize_top_k is not None:
+        options["normalize_top_k"] = bool(m.normalize_top_k)
     if config.init_from is not None:  # the checkpoint's sizes, rotary scaling and experts
         return hf.decoder_config(hf.read_config(config.init_from), **_own(m, options))
     if m.family != "gpt":  # Llama's block, and the family's options (its biases, its experts)
-        family = FAMILIES[m.family].options(
-            {"num_local_experts": m.experts, "num_experts_per_tok": m.top_k}, m.seq_len
-        )
+        family = _family_options(m)
         return llama.config(
             vocab_size=m.vocab,
             d_model=m.d_model,
@@ -95,10 +95,33 @@ def gpt_config(config: TrainConfig) -> gpt.GPTConfig:
             rope_theta=m.rope_theta,
             norm_eps=m.norm_eps,
             tie_embeddings=m.tie_embeddings,
+            head_width=None if m.head_dim in (None, m.d_model // m.heads) else m.head_dim,
             **(family | options),
         )
     sizes = dict(vocab_size=m.vocab, d_model=m.d_model, num_heads=m.heads, num_layers=m.layers)
     return gpt.GPTConfig(**sizes, d_ff=m.d_ff, **options)
+
+
+def _family_options(m) -> dict:
+    """The `gpt.GPTConfig` options ``m.family`` adds to Llama's block for a model of ``m``'s
+    sizes: its ``options`` of a ``config.json`` of those sizes with its defaults (its queries
+    scaled by ``1 / sqrt(head_dim)``, its sliding window and experts as the section sets)."""
+    found = FAMILIES[m.family]
+    hf_config = dict(found.defaults) | {
+        "num_hidden_layers": m.layers,
+        "hidden_size": m.d_model,
+        "intermediate_size": m.d_ff or 4 * m.d_model,
+        found.size_key("intermediate_size"): m.d_ff or 4 * m.d_model,
+        found.experts_key: m.experts,
+        "num_experts_per_tok": m.top_k,
+        "head_dim": m.head_dim or m.d_model // m.heads,
+        "query_pre_attn_scalar": m.head_dim or m.d_model // m.heads,
+    }
+    if m.sliding_window is not None:
+        hf_config |= {"sliding_window": m.sliding_window, "use_sliding_window": True}
+    options = found.options(hf_config, m.seq_len)
+    options.pop("d_ff", None)  # the section's (Qwen3-MoE's experts' width)
+    return options
 
 
 def _own(m, options: dict) -> dict:

@@ -57,5 +57,9 @@ LLAMA = Family(
     biases=_biases,
     bias_keys=_bias_keys,
     options=_options,
+    bias_rule=(
+        "Llama has biases in all of attention's linears (q, k, v, out) or none, and the same "
+        "for the MLP's (gate, up, down)"
+    ),
 )
 assert _bias_keys(NO_BIASES) == {"attention_bias": False, "mlp_bias": False}

@@ -13,6 +13,7 @@ from replicator.models.families.family import (
     Family,
     check_window,
     refuse,
+    unfuse_experts,
 )
 
 DEFAULTS = {  # transformers' MixtralConfig's, for keys a config.json omits
@@ -67,4 +68,5 @@ MIXTRAL = Family(
     options=_options,
     required=("num_local_experts", "num_experts_per_tok"),
     experts=True,
+    unfuse=unfuse_experts(LAYER | EXPERT_NAMES),
 )

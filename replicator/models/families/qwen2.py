@@ -44,4 +44,5 @@ QWEN2 = Family(
     biases=lambda hf: QKV,
     bias_keys=lambda biases: {} if biases == QKV else None,
     options=_options,
+    bias_rule="Qwen2 has biases on q, k and v (and none on out or the MLP)",
 )

@@ -71,7 +71,8 @@ into a `gpt.GPTConfig`) and load it into the layout training uses:
 True
 
 The modules: `configs` (``config.json`` read and checked, the tree it describes), `files` (the
-safetensors files read), `leaves` (our leaves against Hugging Face's names), `reading`
+safetensors files read), `leaves` (our leaves against one family's Hugging Face names: its
+`Family` record's ``outer_names`` and ``layer_names``, never another family's), `reading`
 (`load`), `entries` and `writing` (`save`), `checks` and `config_checks` (refusals, each in
 one line).
 """

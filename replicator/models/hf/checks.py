@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 
 from replicator.models import families
-from replicator.models.families import FAMILIES, family
+from replicator.models.families import FAMILIES, Family
 from replicator.models.hf import config_checks
 from replicator.models.hf.config_checks import json_kind
 
@@ -212,6 +212,10 @@ def check_finite(values: np.ndarray, name: str, path: pathlib.Path, box: tuple) 
 _WEIGHT_DIMS = {  # each Hugging Face weight's dimensions, in config.json's sizes
     "input_layernorm.weight": ("hidden_size",),
     "post_attention_layernorm.weight": ("hidden_size",),
+    "pre_feedforward_layernorm.weight": ("hidden_size",),  # Gemma's four norms a block
+    "post_feedforward_layernorm.weight": ("hidden_size",),
+    "q_norm.weight": ("head_dim",),  # each head's query and key norms
+    "k_norm.weight": ("head_dim",),
     "q_proj.weight": ("num_attention_heads*head_dim", "hidden_size"),
     "k_proj.weight": ("num_key_value_heads*head_dim", "hidden_size"),
     "v_proj.weight": ("num_key_value_heads*head_dim", "hidden_size"),
@@ -230,25 +234,27 @@ _WEIGHT_DIMS = {  # each Hugging Face weight's dimensions, in config.json's size
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")  # a buffer older transformers saved
 
 
-def _dims(name: str) -> tuple[str, ...]:
+def _dims(name: str, family: Any) -> tuple[str, ...]:
+    """``name``'s dimensions in ``family``'s ``config.json`` keys."""
     tail = ".".join(name.split(".")[-2:])
     if tail.endswith(".bias"):  # a linear's bias: its weight's output dimension
-        return _WEIGHT_DIMS[tail.removesuffix("bias") + "weight"][:1]
-    return _WEIGHT_DIMS[tail]
+        dims = _WEIGHT_DIMS[tail.removesuffix("bias") + "weight"][:1]
+    else:
+        dims = _WEIGHT_DIMS[tail]
+    return tuple("*".join(map(family.size_key, d.split("*"))) for d in dims)
 
 
 def expected(config: dict) -> list[str]:
-    """The Hugging Face tensors of the model ``config`` (a checked ``config.json``) describes."""
-    top = [name for name, _ in family.OUTER_NAMES.values()]
-    top = top[:2] if config["tie_word_embeddings"] else top
+    """The Hugging Face tensors of the model ``config`` (a checked ``config.json``) describes,
+    as its family (``model_type``) names them."""
     found = FAMILIES[config["model_type"]]
-    biases = {name for (_, leaf), (name, _) in family.BIAS_NAMES.items()}
-    biased = {n for (_, leaf), (n, _) in family.biased_names(found.biases(config)).items()}
-    experts = range(config.get("num_local_experts") or 1)
+    outer = found.outer_names.items()
+    tied = config["tie_word_embeddings"]  # then no head.w
+    top = [name for keys, (name, _) in outer if not tied or keys != ("head", "w")]
+    experts = range(found.experts_in(config) or 1)
     layer = [
         name.format(j=j)
-        for name, _ in found.layer_names.values()
-        if name not in biases or name in biased
+        for name, _ in found.block_names(found.biases(config)).values()
         for j in (experts if "{j}" in name else range(1))
     ]
     layers = range(config["num_hidden_layers"])
@@ -279,7 +285,7 @@ def check_weights(
         )
     for name in want:
         t = tensors[name]
-        dims = _dims(name)
+        dims = _dims(name, FAMILIES[config["model_type"]])
         sizes = [math.prod(config[k] for k in d.split("*")) for d in dims]
         if list(t.shape) != sizes:
             keys = dict.fromkeys(k for d in dims for k in d.split("*"))
@@ -328,13 +334,17 @@ def _numbers(pattern: str, names: list[str] | dict) -> set[int]:
 def _names_fix(config: dict, missing: list[str], extra: list[str], tensors: dict) -> str:
     """What to change in config.json for weights with ``missing`` and ``extra`` tensors."""
     again = f"use the config.json saved with these weights, or {AGAIN}"
-    mixtral = FAMILIES[config["model_type"]].experts
-    if not mixtral and any(".block_sparse_moe." in name for name in extra):
-        return 'they are a Mixtral\'s: set "model_type": "mixtral" in config.json'
-    if mixtral and any(".mlp." in name for name in extra):
-        return 'they are a Llama\'s (an MLP per layer, no experts): set "model_type": "llama"'
+    other = _other_kind(FAMILIES[config["model_type"]], extra)
+    if other is not None and other.experts:
+        return f'they are a {other.name}\'s: set "model_type": "{other.model_type}" in config.json'
+    if other is not None:
+        return (
+            f"they are a {other.name}'s (an MLP per layer, no experts): set "
+            f'"model_type": "{other.model_type}"'
+        )
+    experts_key = FAMILIES[config["model_type"]].experts_key
     for key, pattern in (("num_hidden_layers", r"^model\.layers\.(\d+)\."), (
-            "num_local_experts", r"\.experts\.(\d+)\.")):  # fmt: skip
+            experts_key, r"\.experts\.(\d+)\.")):  # fmt: skip
         held = _numbers(pattern, tensors)
         if held and key in config and max(held) + 1 != config[key]:
             what = key.split("_")[-1]
@@ -356,3 +366,22 @@ def _names_fix(config: dict, missing: list[str], extra: list[str], tensors: dict
             f"matrix to the token table; else {AGAIN}"
         )
     return again
+
+
+def _other_kind(family: Family, extra: list[str]) -> Family | None:
+    """The first family (in `FAMILIES`' order) with experts where ``family`` has none, or
+    none where it has, that names a tensor of ``extra`` (a layer's, in any layer, of any
+    expert) which ``family`` does not name; None if there is none."""
+    own = {name for name, _ in family.layer_names.values()}
+    for other in FAMILIES.values():
+        if other.experts == family.experts:
+            continue
+        patterns = [
+            re.escape(name).replace(re.escape("{j}"), r"\d+")
+            for name, _ in other.layer_names.values()
+            if name not in own
+        ]
+        layer = re.compile(rf"model\.layers\.\d+\.(?:{'|'.join(patterns)})")
+        if any(layer.fullmatch(name) for name in extra):
+            return other
+    return None

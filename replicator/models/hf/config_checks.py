@@ -19,12 +19,14 @@ _SIZES = {  # config.json's sizes: what each counts
     "head_dim": "each head's width",
     "max_position_embeddings": "the longest sequence",
     "num_local_experts": "the number of experts",
+    "num_experts": "the number of experts",
+    "moe_intermediate_size": "each expert's width",
     "num_experts_per_tok": "the experts of each token",
     "sliding_window": "the attention window",
 }
 _OPTIONAL = (
     "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window",
-    "num_local_experts", "num_experts_per_tok",
+    "num_local_experts", "num_experts_per_tok", "num_experts", "moe_intermediate_size",
 )  # fmt: skip
 _FLOATS = ("rms_norm_eps", "rope_theta")
 LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -140,7 +142,8 @@ def check_config(
             f"{kv} (each key/value head serves a whole group of query heads); write the "
             f"model's own num_key_value_heads in config.json, a divisor of {heads}."
         )
-    experts, top_k = config.get("num_local_experts"), config.get("num_experts_per_tok")
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    top_k = config.get("num_experts_per_tok")
     if experts is not None and top_k is not None and top_k > experts:
         raise ValueError(
             f"{where}: num_experts_per_tok={top_k} is more than num_local_experts={experts}; "

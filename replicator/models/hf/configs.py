@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from replicator._src.core import leaf_specs
 from replicator.models import families
-from replicator.models.families import FAMILIES
+from replicator.models.families import FAMILIES, architecture
 from replicator.models.hf import checks, files
 
 PyTree = Any
@@ -102,15 +102,13 @@ def checked(config: dict, where: str) -> dict:
     """``config`` checked to be of a family we can hold, with the family's defaults filled in."""
     kind = config.get("model_type")
     if not isinstance(kind, str) or kind not in FAMILIES:
-        extra = {
-            "mistral": " (Llama's layout with sliding-window attention, not supported yet)",
-        }.get(kind if isinstance(kind, str) else "", "")
         raise ValueError(
-            f"{where}: model_type={kind!r}{extra}; only {families.names()} checkpoints map onto "
+            f"{where}: model_type={kind!r}; only {families.names()} checkpoints map onto "
             f"replicator's parameters. Use one of those, or set model_type to 'llama' if the "
             f"model truly is one."
         )
     family = FAMILIES[kind]
+    config = family.canonical(config)
     required = REQUIRED + family.required
     missing = [k for k in required if config.get(k) is None]
     if missing:
@@ -119,17 +117,20 @@ def checked(config: dict, where: str) -> dict:
             f"{where}: {what or 'the config'} lacks {', '.join(missing)}; a {family.name} "
             f"config.json gives every size ({', '.join(required)})."
         )
-    if config.get("hidden_act", "silu") != "silu":
-        raise ValueError(
-            f"{where}: hidden_act={config['hidden_act']!r}; the Llama MLP here is SiLU-gated "
-            f"(hidden_act 'silu')."
-        )
+    for key in ("hidden_act", "hidden_activation"):  # the family's options read it
+        name = config.get(key)
+        if name is not None and name not in architecture.ACTIVATIONS:
+            raise ValueError(
+                f"{where}: {key}={name!r}; the MLP computes "
+                f"{', '.join(map(repr, architecture.ACTIVATIONS))}."
+            )
     checks.check_config(config, where, required)
     defaults = family.defaults
     out = {k: v for k, v in config.items() if v is not None or k == "rope_scaling"}
     kv_heads = config.get("num_key_value_heads", defaults.get("num_key_value_heads"))
     out["num_key_value_heads"] = kv_heads or config["num_attention_heads"]  # null: as many as q
-    out.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    width = config["hidden_size"] // config["num_attention_heads"]
+    out.setdefault("head_dim", defaults.get("head_dim") or width)  # Gemma's 256, Qwen3's 128
     rope = dict(config.get("rope_parameters") or {})
     if "rope_theta" in rope:
         out.setdefault("rope_theta", rope.pop("rope_theta"))
@@ -173,37 +174,61 @@ def shapes(config: dict, *, dtype: Any = jnp.float32) -> dict:
     ['k', 'k_bias', 'out', 'q', 'q_bias', 'v', 'v_bias']
     """
     c = checked(config, "hf.shapes: config")
-    biases = FAMILIES[c["model_type"]].biases(c)
-    v, d, f, n = c["vocab_size"], c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
-    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    family = FAMILIES[c["model_type"]]
+    v, d = c["vocab_size"], c["hidden_size"]
     s = lambda *shape: jax.ShapeDtypeStruct(shape, dtype)
+    outer = {("embed", "tokens"): (v, d), ("head", "norm", "scale"): (d,), ("head", "w"): (d, v)}
+    tree: dict = {}
+    for keys in family.outer_names:
+        if keys != ("head", "w") or not c["tie_word_embeddings"]:
+            _put(tree, keys, s(*outer[keys]))
+    shapes = _block_shapes(c, family.experts)
+    for keys in family.block_names(family.biases(c)):
+        group, leaf = keys[-2:]
+        weight = shapes.get((group, leaf.removesuffix("_bias")))
+        if weight is None:  # a family's new leaf: its shape is to be added to _block_shapes
+            raise NotImplementedError(
+                f"hf.shapes: the {family.name} family names blocks.{'.'.join(keys)}, whose "
+                f"shape _block_shapes does not give."
+            )
+        bias = leaf.endswith("_bias")  # a linear's bias: [layers, out]
+        _put(tree, ("blocks", *keys), s(*weight[:1], weight[-1]) if bias else s(*weight))
+    return tree
 
-    def linears(weights: dict) -> dict:  # "{name}_bias" after each with a bias
-        out = {}
-        for name, w in weights.items():
-            bias = name in biases
-            out |= {name: w} | ({f"{name}_bias": s(*w.shape[:1], w.shape[-1])} if bias else {})
-        return out
 
-    attn = {"q": s(n, d, q), "k": s(n, d, kv), "v": s(n, d, kv), "out": s(n, q, d)}
-    head = {"norm": {"scale": s(d)}} | ({} if c["tie_word_embeddings"] else {"w": s(d, v)})
-    if FAMILIES[c["model_type"]].experts:
-        e = c["num_local_experts"]
-        moe = {"router": s(n, d, e), "gate": s(n, e, d, f), "up": s(n, e, d, f)}
-        block = {"ln1": {"scale": s(n, d)}, "attn": attn, "ln2": {"scale": s(n, d)}}
-        block["moe"] = moe | {"down": s(n, e, f, d)}
-        return {"embed": {"tokens": s(v, d)}, "blocks": {"moe": block}, "head": head}
-    mlp = {"gate": s(n, d, f), "up": s(n, d, f), "down": s(n, f, d)}
-    return {
-        "embed": {"tokens": s(v, d)},
-        "blocks": {
-            "ln1": {"scale": s(n, d)},
-            "attn": linears(attn),
-            "ln2": {"scale": s(n, d)},
-            "mlp": linears(mlp),
-        },
-        "head": head,
+def _block_shapes(c: dict, experts: bool) -> dict[tuple[str, str], tuple[int, ...]]:
+    """The shape of each leaf of a block a family may name, by its last two keys (``("attn",
+    "q")``, ``("moe", "router")``, ``("ln1", "scale")``), stacked over ``c``'s layers."""
+    family = FAMILIES[c["model_type"]]
+    d, f, n = c["hidden_size"], c[family.size_key("intermediate_size")], c["num_hidden_layers"]
+    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    shapes = {
+        ("ln1", "scale"): (n, d),
+        ("attn", "q"): (n, d, q),
+        ("attn", "k"): (n, d, kv),
+        ("attn", "v"): (n, d, kv),
+        ("attn", "out"): (n, q, d),
+        ("ln2", "scale"): (n, d),
+        ("mlp", "gate"): (n, d, f),
+        ("mlp", "up"): (n, d, f),
+        ("mlp", "down"): (n, f, d),
+        ("q_norm", "scale"): (n, c["head_dim"]),  # GPTConfig.qk_norm's
+        ("k_norm", "scale"): (n, c["head_dim"]),
+        ("post_attn_norm", "scale"): (n, d),  # GPTConfig.post_norms'
+        ("post_mlp_norm", "scale"): (n, d),
     }
+    if experts:
+        e = c[family.experts_key]
+        shapes |= {("moe", "router"): (n, d, e), ("moe", "gate"): (n, e, d, f)}
+        shapes |= {("moe", "up"): (n, e, d, f), ("moe", "down"): (n, e, f, d)}
+    return shapes
+
+
+def _put(tree: dict, keys: tuple[str, ...], leaf: Any) -> None:
+    """Sets ``tree[keys[0]][keys[1]]...`` to ``leaf``, making the dicts on the way."""
+    for key in keys[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[keys[-1]] = leaf
 
 
 def abstract(

@@ -8,7 +8,7 @@ from typing import Any
 
 from replicator.models import families
 from replicator.models.config import GPTConfig, RopeScaling
-from replicator.models.families import FAMILIES, family
+from replicator.models.families import FAMILIES, architecture, family
 from replicator.models.hf import config_checks, configs
 
 
@@ -22,8 +22,12 @@ def _rope(hf: Mapping[str, Any], default: float) -> tuple[float, RopeScaling | N
         raise family.refuse("partial_rotary_factor != 1 (rotary positions on part of a head).")
     if kind == "default":
         return theta, None
+    if kind == "linear":
+        return theta, RopeScaling(factor=float(rope["factor"]), rope_type="linear")
     if kind != "llama3":
-        raise family.refuse(f"rope_type={kind!r} is not implemented; 'default' and 'llama3' are.")
+        raise family.refuse(
+            f"rope_type={kind!r} is not implemented; 'default', 'linear' and 'llama3' are."
+        )
     fields = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     missing = [f for f in fields if rope.get(f) is None]
     if missing:  # decoder_config checked them; a direct call may not have
@@ -41,7 +45,7 @@ def _family(hf: Mapping[str, Any]) -> family.Family:
     found = FAMILIES[kind]
     sizes = configs.REQUIRED + found.required
     where = "hf.decoder_config: config"
-    config_checks.check_config(dict(hf), where, sizes, families.defaults())
+    config_checks.check_config(found.canonical(hf), where, sizes, families.defaults())
     return found
 
 
@@ -100,32 +104,36 @@ def decoder_config(hf: Mapping[str, Any], **options: Any) -> GPTConfig:
     (True, False, True, 32768)
     """
     found = _family(hf)
-    if hf.get("hidden_act", "silu") != "silu":
-        raise family.refuse(f"hidden_act={hf['hidden_act']!r}; the SwiGLU MLP uses 'silu'.")
+    hf = found.canonical(hf)
     d, heads = hf["hidden_size"], hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or d // heads
-    if head_dim * heads != d:
-        raise family.refuse(
-            f"head_dim={head_dim} with {heads} heads is not hidden_size={d} wide (q_proj.weight "
-            f"would be [{head_dim * heads}, {d}]); the GPT's heads are hidden_size / "
-            f"num_attention_heads = {d / heads:g} wide. If the checkpoint's q_proj.weight is "
-            f"[{d}, {d}], head_dim is wrong: remove it from config.json; else the GPT cannot "
-            f"hold this model."
-        )
+    head_dim = hf.get("head_dim") or found.defaults.get("head_dim") or d // heads
     unset = found.defaults
     seq_len = hf.get("max_position_embeddings", unset["max_position_embeddings"])
-    defaults = {"seq_len": seq_len} | found.options(hf, options.get("seq_len", seq_len))
-    theta, scaling = _rope(hf, unset["rope_theta"])
-    return GPTConfig(
+    theta, scaling = _rope(_global_rope(hf), unset["rope_theta"])
+    config = dict(
         vocab_size=hf["vocab_size"],
         d_model=d,
         num_layers=hf["num_hidden_layers"],
         num_heads=heads,
+        head_width=None if head_dim * heads == d else head_dim,
         d_ff=hf["intermediate_size"],
         num_kv_heads=hf.get("num_key_value_heads", unset.get("num_key_value_heads")) or heads,
         rope_theta=theta,
         rope_scaling=scaling,
         norm_eps=float(hf.get("rms_norm_eps", unset["rms_norm_eps"])),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        **family.LLAMA_BLOCK | defaults | options,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", unset["tie_word_embeddings"])),
+        seq_len=seq_len,
     )
+    act = "hidden_activation" if hf.get("hidden_activation") else "hidden_act"  # Gemma's first
+    config |= family.LLAMA_BLOCK | {"activation": architecture.activation(hf, act)}
+    config |= found.options(hf, options.get("seq_len", seq_len))
+    return GPTConfig(**config | options)
+
+
+def _global_rope(hf: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``hf`` with the global layers' rotary settings where ``rope_parameters`` gives them by
+    layer kind (Gemma 3's ``full_attention`` and ``sliding_attention``)."""
+    rope = hf.get("rope_parameters") or {}
+    if "full_attention" in rope:
+        return {**hf, "rope_parameters": rope["full_attention"]}
+    return hf

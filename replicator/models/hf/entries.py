@@ -1,6 +1,7 @@
 """What `save` writes of a tree: every Hugging Face tensor its leaves hold (`Entry`: a layer,
 or a layer's expert, of a stacked leaf), in Hugging Face's order, its family (told by its
-leaves, or by the config's ``model_type``), and its ``config.json``."""
+leaves, and the config's ``model_type``), named as that family's record names them, and its
+``config.json``."""
 
 from __future__ import annotations
 
@@ -11,14 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from replicator.models.families import FAMILIES, Family, family, mixtral
+from replicator.models.families import FAMILIES, Family
 from replicator.models.hf import files
-from replicator.models.hf.leaves import describe, dict_keys
+from replicator.models.hf.leaves import STACKED, describe, dict_keys, outline
 
 PyTree = Any
 _DROPPED = {"rope_parameters", "dtype", "transformers_version", "_name_or_path"}
-_ROUTER = mixtral.ROUTER
-_MIXTRAL = mixtral.MIXTRAL.layer_names
 
 
 class Entry(NamedTuple):
@@ -35,16 +34,14 @@ class Entry(NamedTuple):
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def _found(params: PyTree, dtype: Any) -> tuple[dict[str, Entry], int, int, bool]:
-    """Every Hugging Face tensor of ``params`` by name, the number of layers and of experts
-    (0 without) their leaves hold, and whether they are a Mixtral's (a leaf in ``blocks.moe``)."""
+def _found(flat: list, dtype: Any, chosen: Family) -> tuple[dict[str, Entry], int, int]:
+    """Every Hugging Face tensor of the leaves ``flat`` (paths and values of a ``chosen``
+    family's tree) by name, and the number of layers and of experts (0 without) they hold."""
     found: dict[str, Entry] = {}
-    moe = False
     layer_counts, expert_counts = set(), {}  # experts: each number -> a leaf that holds it
-    for path, value in jax.tree_util.tree_flatten_with_path(params)[0]:
+    for path, value in flat:
         shape = tuple(np.shape(value))
-        leaf = describe(path, len(shape), "hf.save")
-        moe |= dict_keys(path)[1:] in _MIXTRAL
+        leaf = describe(path, len(shape), "hf.save", chosen)
         lead, own = shape[: leaf.lead], shape[leaf.lead :]
         out = jnp.dtype(dtype if dtype is not None else value.dtype)
         if out not in files.CODES:
@@ -55,7 +52,7 @@ def _found(params: PyTree, dtype: Any) -> tuple[dict[str, Entry], int, int, bool
         layers = math.prod(lead[:-1] if leaf.experts else lead)
         if lead:
             layer_counts.add(layers)
-        if leaf.experts or leaf.name.endswith(_ROUTER.removeprefix("model.layers.0")):
+        if leaf.experts or dict_keys(path)[-1] == "router":  # the router: [layers, d, E]
             expert_counts.setdefault(lead[-1] if leaf.experts else own[-1], leaf.where)
         for i, name in enumerate(leaf.names(layers, lead[-1] if leaf.experts else 1)):
             layer = tuple(int(j) for j in np.unravel_index(i, lead)) if lead else ()
@@ -69,66 +66,67 @@ def _found(params: PyTree, dtype: Any) -> tuple[dict[str, Entry], int, int, bool
     if len(expert_counts) > 1:
         held = ", ".join(f"{where} {n}" for n, where in expert_counts.items())
         raise ValueError(
-            f"hf.save: the Mixtral leaves hold different numbers of experts ({held}); the "
-            f"router [layers, d, E] and the experts' gate, up and down [layers, E, ...] hold "
-            f"the same E."
+            f"hf.save: the {chosen.name} leaves hold different numbers of experts ({held}); "
+            f"the router [layers, d, E] and the experts' gate, up and down [layers, E, ...] "
+            f"hold the same E."
         )
     layers = layer_counts.pop() if layer_counts else 0
-    return found, layers, next(iter(expert_counts), 0), moe
+    return found, layers, next(iter(expert_counts), 0)
 
 
-def _biased(names: dict | set) -> frozenset[str]:
-    """The linear leaves (``q``, ..., ``down``) whose layer-0 bias is among ``names``."""
+def _biased(chosen: Family, names: dict | set) -> frozenset[str]:
+    """The linear leaves (``q``, ..., ``down``) whose layer-0 bias, as ``chosen`` names it, is
+    among ``names``."""
     return frozenset(
-        leaf.removesuffix("_bias")
-        for (_, leaf), (name, _) in family.BIAS_NAMES.items()
-        if f"model.layers.0.{name}" in names
+        keys[-1].removesuffix("_bias")
+        for keys, (name, _) in chosen.layer_names.items()
+        if keys[-1].endswith("_bias") and f"model.layers.0.{name}" in names
     )
 
 
-def _family(found: dict[str, Entry], experts: bool, config: dict) -> Family:
-    """The family of a tree with the tensors ``found`` (``experts``: a Mixtral's leaves): the
-    config's ``model_type``, checked against the tree, or else the first family (in
-    `FAMILIES`' order) whose model has the tree's biases."""
-    biased = _biased(found)
+def _family(paths: list[tuple[str, ...]], config: dict) -> Family:
+    """The family of a tree whose leaves have the dict keys ``paths``: of the families that
+    name the most of its leaves (biases aside), the config's ``model_type``'s, or else the
+    first (in `FAMILIES`' order) whose model has the tree's biases; checked against both."""
+    plain = [keys for keys in paths if not keys[-1].endswith("_bias")]
+    named = {t: sum(_names(keys, f) for keys in plain) for t, f in FAMILIES.items()}
+    fits = [FAMILIES[t] for t, n in named.items() if n == max(named.values())]
+    biased = frozenset(
+        keys[-1].removesuffix("_bias")
+        for keys in paths
+        if keys[:1] and keys[0] in STACKED and keys[-1].endswith("_bias")
+    )
     kind = config.get("model_type")
-    if experts:
-        chosen = mixtral.MIXTRAL
-    elif isinstance(kind, str) and kind in FAMILIES and not FAMILIES[kind].experts:
+    if isinstance(kind, str) and kind in FAMILIES and FAMILIES[kind] in fits:
         chosen = FAMILIES[kind]
     else:
-        fits = [f for f in FAMILIES.values() if not f.experts and f.bias_keys(biased) is not None]
-        chosen = fits[0] if fits else FAMILIES["llama"]
+        chosen = next((f for f in fits if f.bias_keys(biased) is not None), fits[0])
     if kind not in (None, chosen.model_type):
         raise ValueError(
             f"hf.save: config has model_type={kind!r}, but params are a {chosen.name}'s tree "
-            f"({'blocks.moe' if experts else 'blocks.mlp'}). Pass the config of the model these "
-            f"parameters belong to."
+            f"({outline(chosen)}). Pass the config of the model these parameters belong to."
         )
-    if not experts and chosen.bias_keys(biased) is None:
+    if chosen.bias_keys(biased) is None:
         have = ", ".join(sorted(biased)) or "none"
         raise ValueError(
             f"hf.save: params have biases on {have} of the linear layers, which a "
-            f"{chosen.name} does not: {_BIASES.get(chosen.model_type, 'it has none')}."
+            f"{chosen.name} does not: {chosen.bias_rule or 'it has none'}."
         )
     return chosen
 
 
-_BIASES = {  # what each family's biases are, for messages
-    "llama": (
-        "Llama has biases in all of attention's linears (q, k, v, out) or none, and the same "
-        "for the MLP's (gate, up, down)"
-    ),
-    "qwen2": "Qwen2 has biases on q, k and v (and none on out or the MLP)",
-}
+def _names(keys: tuple[str, ...], family: Family) -> bool:
+    """Whether ``family`` names our leaf ``keys``."""
+    stacked = keys[:1] and keys[0] in STACKED and keys[1:] in family.layer_names
+    return keys in family.outer_names or bool(stacked)
 
 
 def entries(params: PyTree, dtype: Any, config: dict) -> tuple[Family, list[Entry]]:
-    """The family of ``params`` and every Hugging Face tensor they hold, in Hugging Face's
-    order: a Mixtral's if ``params`` have a Mixtral leaf (``blocks.moe``), else the family
-    `_family` tells."""
-    found, layers, experts, moe = _found(params, dtype)
-    chosen = _family(found, moe, config)
+    """The family of ``params`` (`_family`) and every Hugging Face tensor they hold, in
+    Hugging Face's order."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    chosen = _family([dict_keys(path) for path, _ in flat], config)
+    found, layers, experts = _found(flat, dtype, chosen)
     names = [name for name, _ in chosen.layer_names.values()]
     suffixes = [
         suffix.format(j=j)
@@ -136,34 +134,32 @@ def entries(params: PyTree, dtype: Any, config: dict) -> tuple[Family, list[Entr
         if not suffix.endswith(".bias") or f"model.layers.0.{suffix}" in found
         for j in range(experts if "{j}" in suffix else 1)
     ]
-    order = ["model.embed_tokens.weight"]
-    order += [f"model.layers.{i}.{suffix}" for i in range(layers) for suffix in suffixes]
-    order += ["model.norm.weight"] + ["lm_head.weight"] * ("lm_head.weight" in found)
+    top = [n for keys, (n, _) in chosen.outer_names.items() if keys != ("head", "w") or n in found]
+    order = top[:1] + [f"model.layers.{i}.{suffix}" for i in range(layers) for suffix in suffixes]
+    order += top[1:]
     missing = [name for name in order if name not in found]
-    extra = sorted(set(found) - set(order))
-    if extra and moe:
-        raise ValueError(
-            f"hf.save: params have {extra[0]}, which a Mixtral does not: its blocks are "
-            f"blocks.moe (ln1, attn q/k/v/out, ln2, moe router/gate/up/down), without biases "
-            f"or a Llama MLP."
-        )
-    assert not extra, extra  # a bias of the family's names, or a leaf describe refused
+    assert not set(found) - set(order), sorted(set(found) - set(order))  # all described
     if missing or not layers:
-        tree = "blocks.moe (ln1, attn q/k/v/out, ln2, moe router/gate/up/down)" * moe
         raise ValueError(
             f"hf.save: params lack the leaves for {', '.join(missing[:4]) or 'the blocks'}"
             f"{' and more' * (len(missing) > 4)}; a {chosen.name} tree has "
-            f"embed.tokens, {tree or 'blocks (ln1, attn q/k/v/out, ln2, mlp gate/up/down)'} "
-            f"and head.norm (module docstring)."
+            f"embed.tokens, {outline(chosen)} and head.norm (module docstring)."
         )
     return chosen, [found[name] for name in order]
 
 
-def _sizes(config: dict, by_name: dict[str, Entry], moe: bool) -> dict:
+def _first(chosen: Family, leaf: str) -> str:
+    """The tensor of layer 0 (and expert 0) of ``chosen``'s block leaf ``...leaf``."""
+    name = next(n for keys, (n, _) in chosen.layer_names.items() if keys[-1] == leaf)
+    return "model.layers.0." + name.format(j=0)
+
+
+def _sizes(config: dict, by_name: dict[str, Entry], chosen: Family) -> dict:
     """The sizes ``config.json`` gives, from the tensors ``by_name`` (and ``config``'s numbers
     of heads and of experts per token, which they cannot tell), checked against ``config``."""
-    v, d = by_name["model.embed_tokens.weight"].shape
-    q, k = (by_name[f"model.layers.0.self_attn.{x}_proj.weight"].shape[0] for x in "qk")
+    embed = chosen.outer_names[("embed", "tokens")][0]
+    v, d = by_name[embed].shape
+    q, k = (by_name[_first(chosen, x)].shape[0] for x in "qk")
     heads = config.get("num_attention_heads")
     if not heads:
         raise ValueError(
@@ -171,21 +167,21 @@ def _sizes(config: dict, by_name: dict[str, Entry], moe: bool) -> dict:
             "heads * head_dim); pass config={'num_attention_heads': ..., ...}."
         )
     head_dim = config.get("head_dim") or q // heads
-    mlp = "block_sparse_moe.experts.0.w1" if moe else "mlp.up_proj"
+    mlp = _first(chosen, "gate" if chosen.experts else "up")
     sizes = {
         "vocab_size": v,
         "hidden_size": d,
-        "intermediate_size": by_name[f"model.layers.0.{mlp}.weight"].shape[0],
-        "num_hidden_layers": sum(
-            e.name.endswith("input_layernorm.weight") for e in by_name.values()
+        chosen.size_key("intermediate_size"): by_name[mlp].shape[0],
+        "num_hidden_layers": len(
+            {name.split(".")[2] for name in by_name if name.startswith("model.layers.")}
         ),
         "num_attention_heads": heads,
         "num_key_value_heads": k // head_dim,
         "head_dim": head_dim,
-        "tie_word_embeddings": "lm_head.weight" not in by_name,
+        "tie_word_embeddings": chosen.outer_names[("head", "w")][0] not in by_name,
     }
-    if moe:
-        sizes |= _expert_sizes(config, by_name)
+    if chosen.experts:
+        sizes |= _expert_sizes(config, by_name, chosen)
     wrong = {key: (config[key], value) for key, value in sizes.items() if key in config}
     wrong = {key: pair for key, pair in wrong.items() if pair[0] is not None and pair[0] != pair[1]}
     if q != heads * head_dim or k % head_dim or wrong:
@@ -197,15 +193,17 @@ def _sizes(config: dict, by_name: dict[str, Entry], moe: bool) -> dict:
     return sizes
 
 
-def _expert_sizes(config: dict, by_name: dict[str, Entry]) -> dict:
-    """A Mixtral's ``num_local_experts`` (the params') and ``num_experts_per_tok`` (the
+def _expert_sizes(config: dict, by_name: dict[str, Entry], chosen: Family) -> dict:
+    """The experts' ``num_local_experts`` (the params') and ``num_experts_per_tok`` (the
     config's), checked against each other and the config."""
-    experts, given = by_name[_ROUTER].shape[0], config.get("num_local_experts")
+    router = by_name[_first(chosen, "router")]
+    key = chosen.experts_key
+    experts, given = router.shape[0], config.get(key)
     if given is not None and given != experts:
-        leaf = by_name["model.layers.0.block_sparse_moe.experts.0.w1.weight"].where
+        leaf = by_name[_first(chosen, "gate")].where
         raise ValueError(
-            f"hf.save: {leaf} holds {experts} experts (as does {by_name[_ROUTER].where}), but "
-            f"config has num_local_experts={given}. Pass the config of the model these "
+            f"hf.save: {leaf} holds {experts} experts (as does {router.where}), but "
+            f"config has {key}={given}. Pass the config of the model these "
             f"parameters belong to."
         )
     top_k = config.get("num_experts_per_tok")
@@ -215,20 +213,21 @@ def _expert_sizes(config: dict, by_name: dict[str, Entry]) -> dict:
             f"(each token's experts, at most the {experts} experts); pass "
             f"config={{'num_experts_per_tok': ..., ...}}, e.g. 2 as Mixtral 8x7B."
         )
-    return {"num_local_experts": experts, "num_experts_per_tok": top_k}
+    return {key: experts, "num_experts_per_tok": top_k}
 
 
 def config_json(config: dict, chosen: Family, entries: list[Entry]) -> dict:
     """The ``config.json`` of ``entries`` (a ``chosen`` family's tensors): the family and the
     sizes they give, and ``config``'s other settings."""
     by_name = {e.name: e for e in entries}
-    sizes = _sizes(config, by_name, chosen.experts)
+    sizes = _sizes(config, by_name, chosen)
     dtypes: dict[np.dtype, int] = {}
     for e in entries:  # the dtype of most of the bytes, for a mixed tree
         dtypes[e.dtype] = dtypes.get(e.dtype, 0) + e.nbytes
     kept = {key: value for key, value in config.items() if key not in _DROPPED}
-    biased = _biased(by_name)
+    biased = _biased(chosen, by_name)
     kind = {"architectures": [chosen.architecture], "model_type": chosen.model_type}
-    kind |= {"hidden_act": "silu"} | chosen.bias_keys(biased)
+    activation = {} if {"hidden_act", "hidden_activation"} & set(config) else {"hidden_act": "silu"}
+    kind |= activation | chosen.bias_keys(biased)
     torch_dtype = {"torch_dtype": str(max(dtypes, key=dtypes.__getitem__))}
     return dict(chosen.defaults) | kept | sizes | kind | torch_dtype

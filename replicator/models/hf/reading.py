@@ -16,7 +16,7 @@ import numpy as np
 from replicator.models.families import FAMILIES
 from replicator.models.hf import checks, configs, files
 from replicator.models.hf.files import Box, Reader
-from replicator.models.hf.leaves import Leaf, describe
+from replicator.models.hf.leaves import Leaf, describe, outline
 
 PyTree = Any
 
@@ -34,9 +34,10 @@ def _plan(
 ) -> _Plan:
     """The leaf at ``path``: its tensors, shape, dtype and sharding, checked against the files."""
     bare = isinstance(like, jax.sharding.Sharding)
-    leaf = describe(path, None if bare else len(like.shape), "hf.load")
+    ndim = None if bare else len(like.shape)
+    leaf = describe(path, ndim, "hf.load", FAMILIES[config["model_type"]], foreign=True)
     family = FAMILIES[config["model_type"]].name
-    layers, experts = config["num_hidden_layers"], config.get("num_local_experts")
+    layers, experts = config["num_hidden_layers"], FAMILIES[config["model_type"]].experts_in(config)
     if leaf.experts and not experts:
         raise ValueError(
             f"hf.load: {leaf.where} holds experts, but the checkpoint is a {family} (its config "
@@ -100,6 +101,21 @@ def _check_lead(leaf: Leaf, shape: tuple[int, ...], counts: tuple[int, ...]) -> 
             f"hf.load: {leaf.where} has shape {list(shape)}, whose leading layer axes "
             f"{list(layer_axes)} hold {math.prod(layer_axes)} layers; the checkpoint has "
             f"{counts[0]}. Make the tree from its config: "
+            f"hf.abstract(hf.read_config(directory), ...)."
+        )
+
+
+def _check_own(leaves: list[Leaf], config: dict) -> None:
+    """Refuses the leaves that are not of the checkpoint's family (those `_plan` let through,
+    named as another family names them, to say first what else does not match)."""
+    foreign = [leaf.where for leaf in leaves if not leaf.own]
+    if foreign:
+        family = FAMILIES[config["model_type"]]
+        more = f" (and {len(foreign) - 1} more)" * (len(foreign) > 1)
+        raise ValueError(
+            f"hf.load: {foreign[0]}{more} is not a leaf of a {family.name}'s tree, and the "
+            f"checkpoint is a {family.name} (model_type={family.model_type!r}); its blocks are "
+            f"{outline(family)}. Make the tree from its config: "
             f"hf.abstract(hf.read_config(directory), ...)."
         )
 
@@ -192,7 +208,7 @@ def _build(reader: Reader, plan: _Plan) -> jax.Array:
 
 
 def load(directory: str | os.PathLike, target: PyTree, *, dtype: Any = jnp.float32) -> PyTree:
-    """A Hugging Face checkpoint (a Llama, Mixtral or Qwen2) as parameters placed as ``target``.
+    """A Hugging Face checkpoint of a family (`replicator.models.families`), placed as ``target``.
 
     Each leaf is a global array of its device's blocks, read from the ``*.safetensors``
     files (one tensor per layer for the stacked blocks, per layer and expert for a Mixtral's
@@ -251,6 +267,7 @@ def load(directory: str | os.PathLike, target: PyTree, *, dtype: Any = jnp.float
     is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)
     flat, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=is_sharding)
     plans = [_plan(tensors, config, path, like, dtype) for path, like in flat]
+    _check_own([plan.leaf for plan in plans], config)
     reader = Reader(tensors)
     try:
         leaves = [_build(reader, plan) for plan in plans]

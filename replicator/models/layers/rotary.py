@@ -33,7 +33,9 @@ def rope_frequencies(config: GPTConfig, kind: str = "global") -> np.ndarray:
     if kind == "local" and config.local_rope_theta is not None:
         theta, scaling = config.local_rope_theta, None
     inv = 1.0 / theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd)
-    if scaling is not None:
+    if scaling is not None and scaling.rope_type == "linear":
+        inv = inv / scaling.factor
+    elif scaling is not None:
         old = scaling.original_max_position_embeddings
         low_wavelen, high_wavelen = old / scaling.low_freq_factor, old / scaling.high_freq_factor
         wavelen = 2 * math.pi / inv

@@ -32,7 +32,7 @@ from replicator.models.layers.rotary import layout, positions, rope
 def attn_params(config: GPTConfig, key, out_key, out_std: float) -> dict:
     d, hd = config.d_model, config.head_dim
     if config.num_kv_heads is None:  # GPT-2's fused [q | k | v] columns, grouped by head
-        weights = {"qkv": normal(key, (d, 3 * d))}
+        weights = {"qkv": normal(key, (d, 3 * config.q_width))}
     else:
         kq, kk, kv = jax.random.split(key, 3)
         kv_width = config.kv_heads * hd
