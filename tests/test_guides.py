@@ -175,6 +175,7 @@ SELF_CONTAINED = {
         0,
     ),
     "a qwen2 config": ("guides/llama_and_hf.md", "**Qwen2.**", 0),
+    "generate text": ("guides/llama_and_hf.md", "## Generate text", 0),
 }
 
 
@@ -203,6 +204,9 @@ def test_self_contained_block_runs(name):
     elif name == "local sgd":  # 10 outer steps of 4 inner steps each: towards w = (1, 2, 3)
         assert out.split()[-1] == "True", out
         assert all(x.shape[0] == 2 for x in jax.tree.leaves(ns["state"]["opt"].inner))
+    elif name == "generate text":
+        assert out.strip() == "(2, 20) (20,)", out
+        assert (np.asarray(ns["greedy"])[:, :4] == [[1, 2, 3, 4], [5, 6, 7, 8]]).all()
     elif name == "a qwen2 config":
         assert (ns["config"].num_kv_heads, ns["config"].rope_theta) == (2, 1e6)
     elif name == "optimizers from python":

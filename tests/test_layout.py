@@ -69,6 +69,7 @@ MODEL_LEVELS = {  # models/' packages and root modules, each above what it impor
     "pipelined": 3,  # the decoder as a pipeline's stages
     "sizes": 3,  # parameters, FLOPs, rp.planner.ModelShape
     "gpt": 4,  # the GPT's face: every name above, as `gpt.X`
+    "generation": 4,  # text from the decoder with a key/value cache: generate
     "llama": 5,  # the Llama family's face: configs from transformers', state dicts
 }
 COLLECTIVE = re.compile(r"lax\.(psum|pmean|all_gather|psum_scatter|ppermute|all_to_all)\b")

@@ -5,6 +5,8 @@ replicator explain CONFIG [key=value ...] [--target v5p-16 [--slices N]]
                                               what its step costs per device, without running it
 replicator plan CONFIG --devices N [--memory 16GiB] [--hardware tpu-v5e]
                                               the fastest layout that fits, written as a config
+replicator sample CONFIG [key=value ...] [--run RUN_DIR] --prompt TEXT --max-new-tokens N
+                                              text from a run's checkpoint (or init_from=DIR)
 replicator launch -n N [--devices-per-process D] [--watchdog S] -- CMD ...
 """
 
@@ -18,7 +20,7 @@ from collections.abc import Sequence
 
 # An application on the public API only: config (YAML configs validated into dataclasses), jobs
 # (a config becomes a model, an input_fn, a step_fn and a run), launch (the launcher's options).
-from replicator.cli import config, isolated, jobs, launch, plan, preflight, targets
+from replicator.cli import config, isolated, jobs, launch, plan, preflight, sample, targets
 
 # replicator train's exit codes (EXIT_CODES, in its --help; `replicator launch` handles a
 # worker's EXIT_NOTHING_TO_DO and EXIT_SIGINT/EXIT_SIGTERM as a clean stop, not a failure)
@@ -94,6 +96,7 @@ def _parser() -> argparse.ArgumentParser:
         "step with one and with two layers unrolled",
     )  # fmt: skip
     plan.add_parser(commands)
+    sample.add_parser(commands)
     commands.add_parser(  # parsed by the launcher itself: see main()
         "launch",
         help="run a command as N local processes of one JAX distributed job "
@@ -118,12 +121,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["launch"]:  # the launcher parses its own options (--watchdog, ...)
         return launch.main(argv[1:])
     args = _parser().parse_args(_normalised(argv))
-    if args.command not in ("train", "explain", "plan"):
+    if args.command not in ("train", "explain", "plan", "sample"):
         return 2
     where = f"replicator {args.command}"
-    if args.command == "plan":
+    if args.command in ("plan", "sample"):
         try:
-            return plan.run(args)
+            return (plan if args.command == "plan" else sample).run(args)
         except (*jobs.USER_ERRORS, OSError) as e:
             return _user_error(where, e)
     try:
@@ -189,7 +192,7 @@ def _normalised(argv: list[str]) -> list[str]:
             joined[-1] = f"{option}={arg}"
         else:
             joined.append(arg)
-    if joined[:1] not in (["train"], ["explain"], ["plan"]):
+    if joined[:1] not in (["train"], ["explain"], ["plan"], ["sample"]):
         return joined
     positional, options = [], []
     for i, arg in enumerate(joined[1:], 1):
