@@ -51,7 +51,10 @@ def perturbed(config, seed=0, scale=0.05):
     return jax.tree.unflatten(tree, moved)
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize(
+    "name", [n if n in ("gpt2", "llama") else pytest.param(n, marks=pytest.mark.slow)
+             for n in CONFIGS],  # the windowed and mixture configs: 6 s each
+)  # fmt: skip
 def test_cached_logits_equal_the_model(name):
     config = CONFIGS[name]
     params = perturbed(config)
@@ -110,6 +113,7 @@ def _repl(mesh_shape):
     return rp.Replicator(mesh_shape=mesh_shape, devices=jax.devices()[:n])
 
 
+@pytest.mark.slow  # 4 s each; the greedy tokens on a mesh are checked against transformers' too
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_generate_on_a_mesh_equals_one_device(name):
     config = CONFIGS[name]

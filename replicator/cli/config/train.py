@@ -76,8 +76,9 @@ class TrainConfig:
     # on fewer processes than launched (replicator launch --min-processes): "keep" the global
     # batch (more micro-batches per step), or "shrink" it with the data axes
     elastic_batch: str = "keep"
-    # a Hugging Face Llama, Mixtral or Qwen2 directory (config.json, *.safetensors) to start
-    # from: its sizes are the model's (model.family becomes its family; a Mixtral's experts and
+    # a Hugging Face checkpoint directory (config.json, *.safetensors) of a family of
+    # replicator.models.families (Llama, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Mistral, Gemma 2,
+    # Gemma 3) to start from: its sizes are the model's (model.family becomes its family; a Mixtral's experts and
     # top_k too, its routing dropless and its aux_weight 0 as in transformers, unless model:
     # sets them), its weights the initial parameters. Given on the command line, it replaces
     # the file's model sizes; a size given there too, or beside init_from in the file, must

@@ -1,6 +1,8 @@
 """Hugging Face checkpoints in and out, one device's slice at a time.
 
-The families are Llama, Mixtral and Qwen2 (`replicator.models.families`).
+The families are Llama, Mixtral, Qwen2, Gemma 2, Gemma 3 (text), Qwen3, Qwen3-MoE and Mistral
+(`replicator.models.families`); the tables below are Llama's and Mixtral's, and each family's
+module names what differs.
 
 `load` builds every parameter as a global ``jax.Array`` whose devices each get only the slice
 they hold, straight from the checkpoint's ``*.safetensors`` files (fp32, fp16 or bf16), in a

@@ -32,7 +32,8 @@ _REPLICATED = P()
 def read_config(directory: str | os.PathLike) -> dict:
     """The checkpoint's ``config.json``, checked, with its family's defaults filled in.
 
-    The family is a Llama, a Mixtral or a Qwen2 (`replicator.models.families`); its defaults
+    The family is one of `replicator.models.families` (Llama, Mixtral, Qwen2, Gemma 2, Gemma
+    3, Qwen3, Qwen3-MoE, Mistral); for the first three, its defaults
     are transformers' ``LlamaConfig``'s, ``MixtralConfig``'s or ``Qwen2Config``'s:
     ``num_key_value_heads``, ``head_dim``, ``tie_word_embeddings``, ``rms_norm_eps``,
     ``rope_theta``, ``rope_scaling`` and ``max_position_embeddings`` are always there
