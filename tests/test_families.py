@@ -185,3 +185,38 @@ def test_three_sgd_steps_on_data_and_model_axes_equal_one_device(model_type, zer
     got, want = decoder_sgd_steps(params, config, zero_stage, batches(config))
     assert rel_err(got, want) <= 1e-5, rel_err(got, want)
     assert rel_err(got, params) > 1e-3  # training moved them
+
+
+@pytest.mark.slow  # 10 s
+def test_a_gemma_block_in_a_pipeline_equals_one_device():
+    """Gemma's options through `gpt.pipeline_value_and_grad` on ``{data: 2, stage: 2}``
+    (1F1B): the scaled embeddings travel to the first stage as one device scales them; the
+    loss and every gradient equal one device's. (Pipelines take one kind of layer: here every
+    layer local, over a window shorter than the sequence.)"""
+    import replicator as rp
+    from replicator import pipeline
+
+    config = dataclasses.replace(
+        hf_model("gemma2")[1], attention_pattern=("local",), num_layers=4, qk_norm=True
+    )
+    params = gpt.init(config, jax.random.key(1))
+    params = jax.tree.map(
+        lambda a: a + 0.1 * np.random.default_rng(0).standard_normal(a.shape), params
+    )
+    params = jax.tree.map(lambda a: np.asarray(a, np.float32), params)
+    tokens, targets = hf_batch(seed=5, batch=8)
+    loss_fn = functools.partial(gpt.loss, config=config)
+    want_loss, want = jax.jit(jax.value_and_grad(loss_fn))(params, tokens, targets)
+    repl = rp.Replicator(mesh_shape={"data": 2, "stage": 2}, devices=jax.devices()[:4])
+    grad_fn = gpt.pipeline_value_and_grad(config, num_microbatches=2, schedule="1f1b")
+
+    def step(p, batch):
+        loss, grads = grad_fn(p, batch)
+        return p, {"loss": rp.all_reduce(loss, "mean"), "grads": rp.all_reduce(grads, "mean")}
+
+    placed = gpt.place_pipeline(repl, params, num_stages=2, config=config)
+    _, out = repl.run(step, placed, {"tokens": tokens, "targets": targets})
+    got = jax.tree.map(lambda a: np.asarray(a)[0], out["grads"])
+    got["blocks"] = pipeline.unstack_stages(got.pop("stages"))
+    assert rel_err(np.asarray(out["loss"])[0], want_loss) <= 1e-6
+    assert rel_err(got, want) <= 1e-5, rel_err(got, want)

@@ -14,7 +14,7 @@ import replicator as rp
 from replicator import pipeline
 from replicator._src.core.mesh import MODEL_AXIS
 from replicator.models.config import GPTConfig
-from replicator.models.decoder import embed, head_loss, output_head, stage_fn
+from replicator.models.decoder import embed, embed_scale, head_loss, output_head, stage_fn
 from replicator.models.layers.common import reduce_cast, xla_cpu_with
 from replicator.models.layers.rotary import sequence_order
 
@@ -93,13 +93,21 @@ def pipeline_value_and_grad(
             f"mesh {{data: 2, expert: 4}}), or set num_experts=0."
         )
 
+    def _embedded(e: dict, tokens: jax.Array, order, wire) -> jax.Array:
+        """The stages' input: `embed`'s, scaled as one device scales it (in ``config.dtype``,
+        `embed_scale`), sent in the ``wire`` dtype."""
+        scale = embed_scale(config)
+        if scale is None:
+            return embed(e, tokens, order, wire)
+        return embed(e, tokens, order, config.dtype, scale).astype(wire)
+
     def value_and_grad(params: dict, batch: dict) -> tuple[jax.Array, dict]:
         tokens, targets = batch["tokens"], batch["targets"]
         order = sequence_order(config, tokens.shape[-1])
         if order is not None:  # a mean over tokens: the same in any order (`embed` takes its own)
             targets = targets[..., order]
         wire = _stage_dtype(config)
-        x, embed_vjp = jax.vjp(lambda e: embed(e, tokens, order, wire), params["embed"])
+        x, embed_vjp = jax.vjp(lambda e: _embedded(e, tokens, order, wire), params["embed"])
         stages, cast_vjp = params["stages"], lambda g: (g,)
         if scatter_grads == "step":  # the pipeline gathers the parts: in reduce_dtype
             stages, cast_vjp = jax.vjp(lambda p: reduce_cast(p, config), stages)
