@@ -98,6 +98,17 @@ def test_each_family_is_one_module_and_its_config_what_the_family_adds():
         True,
     )
     assert hf_model("mistral")[1].attention_pattern == ("local",)
+    # what a mesh cannot build, `plan` leaves out before compiling it
+    from replicator._src.planner.layouts import Layout
+    from replicator._src.planner.pricing import unbuildable
+
+    shape = gpt.model_shape(g2, 8)
+    assert (shape.window, shape.local_layers, shape.head_dim) == (6, 2 / 3, 24)
+    assert "whole sequences" in unbuildable(Layout(data=2, context=2), shape)
+    assert "one kind" in unbuildable(
+        Layout(data=2, stage=2, schedule="1f1b", microbatches=4), shape
+    )
+    assert unbuildable(Layout(data=2, model=2), shape) is None
 
 
 @pytest.mark.parametrize("model_type", FAMILY_NAMES)

@@ -53,6 +53,9 @@ def model_shape(config: GPTConfig, global_batch: int, opt_slots: int = 2):
         reduce_bytes=4 if config.reduce_dtype is None else jnp.dtype(config.reduce_dtype).itemsize,
         local_layers=local_fraction(config), window=config.sliding_window or 0,
         post_norms=config.post_norms, qk_norm=config.qk_norm,
+        whole_sequences=config.attn_softcap is not None or (
+            config.windowed and config.sliding_window < config.seq_len),
+        mixed_layers=len(set(config.attention_pattern)) > 1,
     )  # fmt: skip
 
 

@@ -43,6 +43,10 @@ class ModelShape:
         ``window`` keys (``GPTConfig.attention_pattern``); their scores cost
         ``min(window, seq_len)`` keys a query, not ``seq_len`` (`attended_keys`).
       post_norms, qk_norm: norms after each branch, and over each head's queries and keys.
+      whole_sequences: attention that needs each sequence whole on a device (a sliding window
+        shorter than it, or soft-capped scores): no ``context`` axis.
+      mixed_layers: layers of more than one kind of attention, which a pipeline's stages do
+        not take.
       reduce_bytes: bytes an element of the gradients' sums over the replicas, and of ZeRO-3's
         gathers of the parameters (``model.reduce_dtype``: 2 for bf16; 4, the fp32
         parameters', by default).
@@ -78,6 +82,8 @@ class ModelShape:
     window: int = 0
     post_norms: bool = False
     qk_norm: bool = False
+    whole_sequences: bool = False
+    mixed_layers: bool = False
 
     @property
     def attended_keys(self) -> float:

@@ -386,6 +386,10 @@ def unbuildable(layout: Layout, m: ModelShape) -> str | None:
     >>> unbuildable(Layout(data=4), shape), unbuildable(Layout(data=4, accumulate_steps=2), shape)
     (None, None)
     """
+    if m.whole_sequences and layout.context > 1:
+        return "sliding-window or soft-capped attention takes whole sequences: no context axis"
+    if m.mixed_layers and layout.stage > 1:
+        return "a pipeline's stages take one kind of attention layer, and the model mixes two"
     m = _chunked(layout, m)
     micro = layout.accumulate_steps if layout.stage == 1 else layout.microbatches
     seqs = m.global_batch / (layout.replicas * micro)  # a device's (the mixture splits them)
