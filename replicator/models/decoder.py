@@ -164,7 +164,7 @@ def embed_scale(config: GPTConfig) -> float | None:
     return math.sqrt(config.d_model) if config.scale_embeddings else None
 
 
-def _cast(layer_params: dict, config: GPTConfig) -> dict:
+def layer_params_in_dtype(layer_params: dict, config: GPTConfig) -> dict:
     """One layer's parameters, gathered (`_gathered`), in ``config.dtype``; the attention's in
     `weights_heads_first`'s layout when the block attends heads first."""
     p = reduce_cast(rp.to_device(layer_params), config)  # kept on the host: its layer alone
@@ -191,7 +191,7 @@ def block(
     Returns:
       ``[B, S, D]`` in ``config.dtype``.
     """
-    p = _cast(layer_params, config)
+    p = layer_params_in_dtype(layer_params, config)
     x = attend(p, _layer_input(x, config), config, kind)
     return attention_lib.constrain_tokens(mlp(p, x, config))
 
@@ -220,7 +220,7 @@ def moe_block(
     Returns:
       ``(x, stats)``: ``stats`` a `replicator.moe.Stats` of per-sequence values.
     """
-    p = _cast(layer_params, config)
+    p = layer_params_in_dtype(layer_params, config)
     x = attend(p, _layer_input(x, config), config, kind)
     x, stats = mixture(p, x, config)
     return attention_lib.constrain_tokens(x), stats
@@ -257,8 +257,8 @@ def blocks_and_stats(
     # ZeRO-3 parts cast to reduce_dtype once, before the scan: the backward scan then stacks
     # their gradients in that dtype too (half the fp32 stack's bytes for bf16), the same values
     # (the cast's transpose converts each reduce-scattered part exactly)
-    # (parameters kept in host memory, `rp.to_host`, are cast a layer at a time, in `_cast`,
-    # each layer brought to the device alone)
+    # (parameters kept in host memory, `rp.to_host`, are cast a layer at a time, in
+    # `layer_params_in_dtype`, each layer brought to the device alone)
     if not any(map(placement.in_host_memory, jax.tree.leaves(stacked_params))):
         stacked_params = reduce_cast(stacked_params, config)
     policy = as_remat(config.remat, "GPTConfig")

@@ -6,8 +6,8 @@ goes through the layers alone, attending over the cache (`masked_attention`'s ca
 position hides the entries not written yet). The prefill and every step are one compiled
 program: a ``lax.scan`` over the new tokens, each a ``lax.scan`` over the layers (over groups of
 ``len(attention_pattern)`` layers, as `replicator.models.decoder.blocks` runs them). The layers
-are the decoder's own (`_qkv`, `prepare_qk`, `masking`, `masked_attention`, `residual_branch`,
-`mlp`, `mixture`, `head_logits`), so every architecture `GPTConfig` describes generates.
+are the decoder's own (`project_qkv`, `prepare_qk`, `masking`, `masked_attention`,
+`residual_branch`, `mlp`, `mixture`, `head_logits`), so every architecture `GPTConfig` describes generates.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from replicator.models.layers.masked_attention import masked_attention
 from replicator.models.layers.mlp import mlp
 from replicator.models.layers.moe_mlp import mixture
 from replicator.models.layers.norms import norm
-from replicator.models.layers.self_attention import _qkv, heads_first, masking, prepare_qk
+from replicator.models.layers.self_attention import heads_first, masking, prepare_qk, project_qkv
 
 PyTree = Any
 _AXES = ("data", "dcn_data", "model")  # the mesh axes generation runs over
@@ -118,7 +118,7 @@ def generate(
     ((2, 6), True)
     """
     prompt, flat = _checked(config, prompt_ids, max_new_tokens, temperature, top_p)
-    if heads_first(config):  # the layers here take `_qkv`'s layout, whatever attends in training
+    if heads_first(config):  # the layers here take `project_qkv`'s layout, whatever trains
         config = dataclasses.replace(config, attention="dot_product")
     if max_new_tokens == 0:
         out = jnp.asarray(prompt)
@@ -343,9 +343,9 @@ def _layer(
     """One block (`decoder.block`'s, or `decoder.moe_block`'s with ``experts``) on ``x``
     ``[B, S, D]`` at positions ``pos``, its keys and values written to layer ``layer`` of the
     cache: the prefill attends over its own, a step over the cache's ``total`` entries."""
-    p = decoder._cast(layer_params, config)
+    p = decoder.layer_params_in_dtype(layer_params, config)
     x = x.astype(config.dtype)
-    q, k, v = _qkv(p["attn"], norm(p["ln1"], x, config), config)
+    q, k, v = project_qkv(p["attn"], norm(p["ln1"], x, config), config)
     q, k = prepare_qk(p["attn"], q, k, pos, config, kind)
     at = (layer, 0, pos[0], 0, 0)
     cache = tuple(

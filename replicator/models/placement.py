@@ -30,7 +30,7 @@ def _block_axes(config: GPTConfig) -> dict:
     if has_bias(config):
         norm["bias"] = ("embed",)
     if config.num_kv_heads is None:
-        attn = {"qkv": ("embed", "heads")}  # columns grouped by head (see `_qkv`)
+        attn = {"qkv": ("embed", "heads")}  # columns grouped by head (see `project_qkv`)
     else:
         attn = {"q": ("embed", "heads"), "k": ("embed", "kv_heads"), "v": ("embed", "kv_heads")}
     attn["out"] = ("heads", "embed")  # rows: the heads' outputs, in the same order

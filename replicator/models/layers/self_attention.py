@@ -47,7 +47,7 @@ def attn_params(config: GPTConfig, key, out_key, out_std: float) -> dict:
     return out
 
 
-def _qkv(p: dict, x: jax.Array, config: GPTConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+def project_qkv(p: dict, x: jax.Array, config: GPTConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Queries ``[B, S, H, hd]``, keys and values ``[B, S, KV, hd]`` of the normalised ``x``."""
     b, s, _ = x.shape
     nh, hd = config.num_heads, config.head_dim
@@ -71,7 +71,7 @@ def attend(p: dict, x: jax.Array, config: GPTConfig, kind: str = "global") -> ja
     if heads_first(config):
         return _attend_heads_first(p, x, config, kind)
     b, s, _ = x.shape
-    q, k, v = _qkv(p["attn"], norm(p["ln1"], x, config), config)
+    q, k, v = project_qkv(p["attn"], norm(p["ln1"], x, config), config)
     q, k = prepare_qk(p["attn"], q, k, positions(config, s), config, kind)
     window, cap = masking(config, kind, s)
     local = {"window": window, "soft_cap": cap} if window or cap else {}
