@@ -249,7 +249,7 @@ def test_a_qwen2_from_scratch_has_query_key_value_biases_and_trains(tmp_path):
     path.write_text(QWEN2_TINY)
     cfg = config.load(path, [f"out_dir={tmp_path}", "plot=false"])
     model = jobs.gpt_config(cfg)  # Llama's block with the family's options
-    assert (model.qkv_bias, model.bias, model.norm, model.mlp) == (True, False, "rms", "swiglu")
+    assert (model.qkv_bias, model.bias, model.norm, model.gated) == (True, False, "rms", True)
     _, _, state, _, _ = jobs.build(cfg)
     attention = state["job"]["params"]["blocks"]["attn"]
     assert sorted(attention) == ["k", "k_bias", "out", "q", "q_bias", "v", "v_bias"]

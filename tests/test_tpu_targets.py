@@ -454,8 +454,11 @@ BIG = {
 # compiles at full size in `benchmarks/config_fits.py`): gpt_7b5 (a GPT over data, as lm_dp),
 # llama3_8b and llama_tiny (Llama under ZeRO-3, as llama2_7b and llama2_70b), mixtral_tiny
 # (dropless experts over expert and model axes, as mixtral_8x22b).
+# gemma2_9b and qwen3_30b_a3b compile at 2 layers of their full width in
+# tests/test_families_tpu.py (splash's local layers, the routed rows).
 SAME_KIND = {"gpt_7b5": "lm_dp", "llama3_8b": "llama2_7b", "llama_tiny": "llama2_70b",
-             "mixtral_tiny": "mixtral_8x22b"}  # fmt: skip
+             "mixtral_tiny": "mixtral_8x22b", "gemma2_9b": "test_families_tpu.py",
+             "qwen3_30b_a3b": "test_families_tpu.py"}  # fmt: skip
 CONFIGS = sorted(p.stem for p in (ROOT / "configs").glob("*.yaml") if p.stem not in SAME_KIND)
 
 
