@@ -156,6 +156,21 @@ def test_loss_and_every_gradient_equal_torch_autograd(model_type):
     assert max(errs.values()) <= 1e-4, errs
 
 
+@pytest.mark.parametrize("model_type", FAMILY_NAMES)
+def test_a_state_dict_without_its_family_is_refused_not_named_as_a_llamas(model_type):
+    """Without ``family=`` the conversion guesses from the config's experts and biases only: a
+    config beyond Llama's block (these families') is refused, where Llama's names would have
+    dropped its query/key and Gemma's extra norms from the state dict, and named its norms as
+    a Llama names them."""
+    _, config, params = hf_model(model_type)
+    with pytest.raises(ValueError, match=r"beyond Llama's block, .* pass family="):
+        llama.state_dict_from_params(params, config=config)
+    family = FAMILIES[model_type]
+    names = llama.state_dict_from_params(params, config=config, family=family)
+    leaves = len(jax.tree.leaves(params)) - 1  # the blocks' leaves are one tensor a layer
+    assert len(names) >= leaves
+
+
 def numpy_state(model) -> dict[str, np.ndarray]:
     return {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
 

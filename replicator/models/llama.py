@@ -89,11 +89,32 @@ def config(
     )
 
 
-def _family(config: gpt.GPTConfig, family: families.Family | None) -> families.Family:
+_LLAMA_BLOCK_ONLY = {  # the GPTConfig fields of Llama's block beyond family.LLAMA_BLOCK
+    "activation": "silu", "qk_norm": False, "post_norms": False, "norm_offset": 0.0,
+    "scale_embeddings": False, "query_scale": None, "attn_softcap": None, "final_softcap": None,
+    "attention_pattern": ("global",), "local_rope_theta": None, "normalize_top_k": True,
+}  # fmt: skip
+
+
+def _family(
+    config: gpt.GPTConfig, family: families.Family | None, api: str = "llama"
+) -> families.Family:
     """``family``, or by default the first of `FAMILIES` with ``config``'s experts (or none)
-    and biases (a Llama, Mixtral or Qwen2), or else the first with its experts."""
+    and biases (a Llama, Mixtral or Qwen2), or else the first with its experts. The default
+    is refused for a config beyond Llama's block (Gemma's norms, Qwen3's query/key norms, a
+    sliding window, ...), whose tensors another family names: that family must be given."""
     if family is not None:
         return family
+    beyond = {
+        k: getattr(config, k) for k, v in _LLAMA_BLOCK_ONLY.items() if getattr(config, k) != v
+    }
+    llama_like = (config.norm, config.position, config.gated) == ("rms", "rope", True)
+    if beyond and llama_like:  # else `_check` says what Llama's block is
+        raise ValueError(
+            f"{api}: config has {', '.join(f'{k}={v!r}' for k, v in beyond.items())}, beyond "
+            f"Llama's block, so its family cannot be told from it; pass family=, e.g. "
+            f"family=FAMILIES[hf_config['model_type']] (replicator.models.families)."
+        )
     experts, biases = bool(config.num_experts), _biases(config)
     same = [f for f in families.FAMILIES.values() if f.experts == experts]
     return next((f for f in same if f.bias_keys(biases) is not None), same[0])
@@ -178,7 +199,7 @@ def files_state_dict(
     Returns:
       The state dict by the files' names (its tensors not copied nor converted).
     """
-    family = _family(config, family)
+    family = _family(config, family, "llama.files_state_dict")
     if family.unfuse is None:
         return state_dict
     return family.unfuse(state_dict, config.num_layers, config.num_experts, config.hidden)
@@ -211,7 +232,7 @@ def params_from_state_dict(
         shape is not the config's.
     """
     api = "llama.params_from_state_dict"
-    family = _family(config, family)
+    family = _family(config, family, api)
     _check(config, family, api)
     state_dict = files_state_dict(state_dict, config=config, family=family)
     names = _names(config, family)
@@ -268,10 +289,10 @@ def state_dict_from_params(
       ValueError: if ``config`` is not the family's, or ``params`` lack a leaf it names.
     """
     api = "llama.state_dict_from_params"
-    family = _family(config, family)
+    family = _family(config, family, api)
     _check(config, family, api)
     names = _names(config, family)
-    _check_leaves(params, names, family, api, extra=False)
+    _check_leaves(params, names, family, api)  # no leaf left out of the state dict
     out = {}
     for n in names:
         value = _numpy(_at(params, n.keys))[n.index]
@@ -288,7 +309,8 @@ def _check_leaves(
     unnamed = []
     if extra:
         paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-        unnamed = sorted({tuple(k.key for k in path) for path in paths} - {n.keys for n in names})
+        keys = lambda path: tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+        unnamed = sorted({keys(path) for path in paths} - {n.keys for n in names})
     if missing or unnamed:
         show = lambda keys: ", ".join(".".join(k) for k in keys[:4]) or "none"
         raise ValueError(
