@@ -194,6 +194,13 @@ def test_hf_save_reads_back_in_from_pretrained_bit_for_bit(tmp_path, model_type)
     assert state.keys() == want.keys()
     for name, value in want.items():
         np.testing.assert_array_equal(state[name], value, err_msg=name)
+    # without model_type, the tree tells the family where its leaves do (a Mistral's are a
+    # Llama's; a Qwen3's are Gemma 3's less Gemma's norms)
+    sizes = {
+        k: read[k] for k in ("num_attention_heads", "head_dim", "num_experts_per_tok") if k in read
+    }
+    untyped = json.loads((hf.save(tmp_path / "untyped", params, sizes) / "config.json").read_text())
+    assert untyped["model_type"] == {"mistral": "llama"}.get(model_type, model_type)
 
 
 def batches(config, n=3, seed=7):

@@ -84,13 +84,23 @@ def _biased(chosen: Family, names: dict | set) -> frozenset[str]:
     )
 
 
+def _own_leaves(family: Family) -> set[tuple[str, ...]]:
+    """The block leaves ``family`` names, biases aside."""
+    return {keys for keys in family.layer_names if not keys[-1].endswith("_bias")}
+
+
 def _family(paths: list[tuple[str, ...]], config: dict) -> Family:
     """The family of a tree whose leaves have the dict keys ``paths``: of the families that
-    name the most of its leaves (biases aside), the config's ``model_type``'s, or else the
+    name the most of its leaves (biases aside), and of those the ones naming fewest leaves it
+    lacks, the config's ``model_type``'s, or else the
     first (in `FAMILIES`' order) whose model has the tree's biases; checked against both."""
     plain = [keys for keys in paths if not keys[-1].endswith("_bias")]
     named = {t: sum(_names(keys, f) for keys in plain) for t, f in FAMILIES.items()}
-    fits = [FAMILIES[t] for t, n in named.items() if n == max(named.values())]
+    most = [t for t, n in named.items() if n == max(named.values())]
+    # of those, the ones with no leaf the tree lacks (Qwen3's tree is Gemma 3's less its norms)
+    tree = {keys[1:] for keys in plain if keys[:1] and keys[0] in STACKED}
+    lacks = {t: len(_own_leaves(FAMILIES[t]) - tree) for t in most}
+    fits = [FAMILIES[t] for t in most if lacks[t] == min(lacks.values())]
     biased = frozenset(
         keys[-1].removesuffix("_bias")
         for keys in paths
@@ -227,7 +237,8 @@ def config_json(config: dict, chosen: Family, entries: list[Entry]) -> dict:
     kept = {key: value for key, value in config.items() if key not in _DROPPED}
     biased = _biased(chosen, by_name)
     kind = {"architectures": [chosen.architecture], "model_type": chosen.model_type}
-    activation = {} if {"hidden_act", "hidden_activation"} & set(config) else {"hidden_act": "silu"}
+    given = {"hidden_act", "hidden_activation"} & (set(config) | set(chosen.defaults))
+    activation = {} if given else {"hidden_act": "silu"}  # Llama's, which its defaults omit
     kind |= activation | chosen.bias_keys(biased)
     torch_dtype = {"torch_dtype": str(max(dtypes, key=dtypes.__getitem__))}
     return dict(chosen.defaults) | kept | sizes | kind | torch_dtype
